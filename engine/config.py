@@ -1,0 +1,208 @@
+"""Validated configuration: what the user sets (EngineConfig, vLLM's engine-argument
+names) and what the model directory says (ModelConfig, parsed from config.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+_KV_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+
+_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Llama-family config.json the engine needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, path: str) -> ModelConfig:
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model path {path!r} has no config.json (not a Hugging Face model directory)")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        archs = cfg.get("architectures") or []
+        if not archs and cfg.get("model_type") in _MODEL_TYPES:
+            archs = [_MODEL_TYPES[cfg["model_type"]]]
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"model at {path!r} has architectures {archs} (model_type "
+                f"{cfg.get('model_type')!r}); supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        kind = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers >= 5 writes rope settings under rope_parameters
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            if rtype not in ("default", "llama3", "linear"):
+                raise ValueError(f"rope scaling type {rtype!r} is not supported (llama3, linear)")
+            if rtype == "default":
+                scaling = None
+        if kind == "qwen2":
+            attention_bias = True
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        else:
+            attention_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window") if kind == "mistral" else None
+        eos = cfg.get("eos_token_id")
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            sliding_window=sliding,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments; names follow vLLM's where vLLM has one."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's (or bf16) on GPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # CPU default: 1 GiB
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
+    seed: int = 0
+    # resolved by resolve()
+    model_config: ModelConfig | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)} - {"model_config"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {bs}")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(_KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+    # ---- resolution against the model and the device ---------------------------------
+    def resolve(self, model_path: str) -> EngineConfig:
+        self.model = model_path
+        self.model_config = mc = ModelConfig.from_dir(model_path)
+        if self.max_model_len is None:
+            self.max_model_len = mc.max_position_embeddings
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})")
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        return self
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        ckpt = (self.model_config.torch_dtype if self.model_config else None) or "bfloat16"
+        dt = _DTYPES.get(ckpt, torch.bfloat16)
+        return torch.bfloat16 if dt == torch.float32 else dt
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
+
+    @property
+    def use_triton(self) -> bool:
+        if self.attention_backend == "torch":
+            return False
+        if self.attention_backend == "triton":
+            return True
+        return self.torch_device.type == "cuda"

@@ -1,0 +1,189 @@
+"""LLMEngine: requests in, outputs out, one step at a time.
+
+    step():  schedule -> run -> postprocess
+
+add_request() validates and queues; step() schedules a batch under the token
+budget, runs it, appends sampled tokens, detokenizes, applies stop conditions and
+frees the blocks of finished requests. Prefill and decode workers are roles of
+this engine (pdserve.prefill / pdserve.decode): they drive the same step with
+different request settings and a KV handoff around it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from .config import EngineConfig
+from .kv_cache_manager import KVCacheManager
+from .loader import resolve_model_path
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .tokenizer import IncrementalDetokenizer, load_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, load_format: str = "auto"):
+        config.resolve(resolve_model_path(config.model))
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.runner = ModelRunner(config, load_format)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Validates a prompt and its sampling parameters; raises ValueError naming the
+        problem. Nothing is queued."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text = prompt
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenize(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        max_len = self.config.max_model_len
+        n = len(token_ids)
+        if n >= max_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {max_len} "
+                             "(at least one token must be left to generate)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n
+        if n + max_tokens > max_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                             f"exceeds max_model_len ({max_len})")
+        if not self.kv.can_fit(n + max_tokens):
+            raise ValueError(f"prompt + max_tokens = {n + max_tokens} tokens cannot fit in the KV "
+                             f"cache ({self.kv.num_blocks} blocks of {self.config.block_size})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        return Request(rid, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
+                       max_tokens=max_tokens)
+
+    def add_request(self, prompt: str | list[int] | Request, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self._detok[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request wherever it is and frees its blocks. False if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        tokens = self.runner.execute(sched.scheduled)
+        self.scheduler.update_after_step(sched)
+        return self._postprocess(sched, tokens)
+
+    def _postprocess(self, sched: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            token = tokens.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.append_token(token)
+            delta = self._detok[req.request_id].push(token)
+            stopped = req.check_stop_token()
+            delta = self._apply_stop_strings(req, delta)
+            if delta:
+                req.output_text += delta
+            if req.status.finished or stopped:
+                self._finish(req, req.status)
+            outputs.append(self._output(req, delta, [token]))
+        return outputs
+
+    def _apply_stop_strings(self, req: Request, delta: str) -> str:
+        """Finishes `req` if a stop string appears; returns the delta cut before it."""
+        stops = req.sampling_params.stop_strs
+        if not stops or not delta:
+            return delta
+        text = req.output_text + delta
+        search_from = max(0, len(req.output_text) - max(len(s) for s in stops) + 1)
+        best = None
+        for stop in stops:
+            i = text.find(stop, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return delta
+        i, stop = best
+        end = i + len(stop) if req.sampling_params.include_stop_str_in_output else i
+        req.status = RequestStatus.FINISHED_STOPPED
+        req.stop_reason = stop
+        return text[len(req.output_text):end] if end > len(req.output_text) else ""
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        self.runner.sampler.forget(req.request_id)
+        req.finished_time = time.monotonic()
+
+    def _output(self, req: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
+        fin = req.status.finished
+        comp = CompletionOutput(0, req.output_text, list(req.output_token_ids),
+                                finish_reason=req.status.finish_reason if fin else None,
+                                stop_reason=req.stop_reason)
+        metrics = RequestMetrics(req.arrival_time, req.first_token_time,
+                                 req.finished_time, req.num_cached_tokens,
+                                 req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], fin,
+                             req.num_cached_tokens, metrics, delta, delta_ids)
+
+    # ---- counters for metrics ----------------------------------------------------------------
+    def stats(self) -> dict:
+        kv = self.kv
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,54 @@
+"""Chained block hashes, identical in every process and on every machine.
+
+A full block's hash is sha256(parent_hash || tokens || extra_keys) over a canonical
+byte encoding (little-endian int64 tokens, length-prefixed extra keys), so the
+router, prefill and decode workers and the registry compute the same ids with no
+coordination. Python's `hash()` is salted per process and must never be used here.
+Only full blocks are hashed: a partial block's content is still changing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+BlockHash = bytes  # 32-byte sha256 digest
+
+# the parent of a request's first block; a model namespace can be folded in via
+# `extra_keys` so that two models never share cache entries
+ROOT_HASH: BlockHash = b"\x00" * 32
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+    h = hashlib.sha256()
+    h.update(parent)
+    h.update(struct.pack("<I", len(tokens)))
+    h.update(np.asarray(tokens, dtype="<i8").tobytes())
+    for key in extra_keys:
+        data = repr(key).encode()
+        h.update(struct.pack("<I", len(data)))
+        h.update(data)
+    return h.digest()
+
+
+def hash_block_tokens(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple = (),
+    start_block: int = 0,
+    parent: BlockHash = ROOT_HASH,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids` from block `start_block` on.
+
+    `parent` must be the hash of block `start_block - 1` (ROOT_HASH for block 0), so a
+    caller can extend a chain as a sequence grows without rehashing its prefix.
+    """
+    hashes: list[BlockHash] = []
+    num_full = len(token_ids) // block_size
+    for i in range(start_block, num_full):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,77 @@
+"""The KV-cache tensor: block-major, so one block of all layers is contiguous.
+
+    kv [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+Why block-major: a request's KV handoff gathers its blocks with one index_select
+into a contiguous staging buffer and sends it as one message (DESIGN.md section 3);
+with layer-major storage the same gather would touch num_layers x 2 strided regions
+per block. The attention kernels read per-layer strided views kv[:, l, 0] / kv[:, l, 1]
+of shape [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import EngineConfig
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two workers must agree on to exchange KV blocks."""
+
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_layout(config: EngineConfig) -> KVLayout:
+    mc = config.model_config
+    return KVLayout(config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                    str(config.kv_dtype).removeprefix("torch."))
+
+
+def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
+    """How many blocks the budget buys: the override, a byte budget, or GPU memory."""
+    layout = kv_layout(config)
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif config.torch_device.type == "cuda":
+        dev = config.torch_device
+        free, total = torch.cuda.mem_get_info(dev)
+        used_by_others = total - free - torch.cuda.memory_allocated(dev)
+        budget = int(total * config.gpu_memory_utilization) - used_by_others \
+            - torch.cuda.memory_allocated(dev) - activation_bytes
+    else:
+        budget = 1 << 30  # CPU default: 1 GiB
+    n = budget // layout.block_bytes
+    if n < 1:
+        raise ValueError(f"KV-cache budget of {budget} bytes is smaller than one block "
+                         f"({layout.block_bytes} bytes); raise gpu_memory_utilization or "
+                         "kv_cache_memory_bytes")
+    return int(n)
+
+
+def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
+    mc = config.model_config
+    return torch.zeros(num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads,
+                       mc.head_dim, dtype=config.kv_dtype, device=config.torch_device)
+
+
+def layer_views(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""
+    return [(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(kv.shape[1])]

@@ -1,0 +1,139 @@
+"""Per-request KV block bookkeeping on top of the block pool.
+
+Lifecycle of a request's blocks:
+  get_computed_blocks()  longest run of full prompt blocks already cached (prefix hit)
+  allocate_slots()       pins the hits and adds fresh blocks so that the tokens about
+                         to be computed have slots; fails (None) if the pool is short
+  cache_blocks()         after the forward pass wrote them, publishes newly full blocks
+                         under their chained hash
+  free()                 releases every block of the request (tail first)
+Counters for metrics: prefix-cache queries/hits in tokens.
+"""
+
+from __future__ import annotations
+
+from .block_pool import Block, BlockPool
+from .hashing import ROOT_HASH, BlockHash, hash_block
+from .request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 extra_keys: tuple = ()):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.extra_keys = extra_keys
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[Block]] = {}
+        # chained hashes of each request's full blocks, extended as it grows
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    # ---- hashing -------------------------------------------------------------------
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], self.extra_keys))
+        return hashes
+
+    # ---- allocation ------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Cached blocks for the longest prefix of `request`, and the tokens they cover.
+
+        At least one token is always left to compute (its logits are needed), so a fully
+        cached, block-aligned prompt gives back its last block.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hits: list[Block] = []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        for block_hash in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted request's prefix-cache query (metrics, in tokens)."""
+        if self.enable_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
+
+    def can_fit(self, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[Block] | None = None) -> list[Block] | None:
+        """Makes room for `num_new_tokens` more tokens after the computed ones.
+
+        Returns the request's full block list, or None (nothing changed) if the pool
+        cannot supply the blocks; the scheduler then preempts or waits.
+        """
+        blocks = self.req_blocks.get(request.request_id, [])
+        new_computed_blocks = new_computed_blocks or []
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_fresh = needed - len(blocks) - len(new_computed_blocks)
+        # hits sitting in the free queue are taken out of it by touch(): they count
+        # against the free blocks too
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_fresh + evictable_hits > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks = blocks + new_computed_blocks
+        if num_fresh > 0:
+            blocks += self.pool.allocate(num_fresh)
+        self.req_blocks[request.request_id] = blocks
+        return blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publishes the request's blocks that are full and computed."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        hashes = self.block_hashes(request)
+        for i in range(min(num_full, len(hashes))):
+            if blocks[i].block_hash is None:
+                self.pool.cache_block(blocks[i], hashes[i])
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free(reversed(blocks))
+        self.req_hashes.pop(request.request_id, None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    # ---- metrics ---------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_all_free(self) -> None:
+        """Raises if any block is still referenced (used by tests and on shutdown)."""
+        self.pool.check_invariants()
+        if self.req_blocks or self.pool.num_used_blocks:
+            raise AssertionError(
+                f"{self.pool.num_used_blocks} KV blocks still held by {list(self.req_blocks)}")

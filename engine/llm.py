@@ -1,0 +1,72 @@
+"""`LLM`: the colocated, offline entry point (vLLM's `LLM.generate`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """LLM(model=None | "path/to/hf_dir", **engine_args).generate(prompts, params).
+
+    model=None loads the default model (SmolLM2-135M-Instruct). Engine arguments
+    take vLLM's names: dtype, block_size, max_model_len, gpu_memory_utilization,
+    num_gpu_blocks_override, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, enable_chunked_prefill, kv_cache_dtype, ...
+    """
+
+    def __init__(self, model: str | None = None, load_format: str = "auto", **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), load_format)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # validate all before queueing any, so a bad prompt leaves nothing behind
+        reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in reqs:
+            self.engine.add_request(r)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for r in reqs:
+                self.engine.abort_request(r.request_id)
+            raise
+        finally:
+            bar.close()
+        return [final[r.request_id] for r in reqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template, then generates."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)) for c in convs]
+        return self.generate(prompts, sampling_params)

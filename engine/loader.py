@@ -1,0 +1,86 @@
+"""Builds a model on its device and fills it from a Hugging Face directory's
+safetensors files (or with random values, `load_format="dummy"`, for benchmarks)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from tqdm import tqdm
+
+from .config import EngineConfig
+from .default_model import default_model_path
+from .models.llama import LlamaForCausalLM
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        raise ValueError(f"model path {model!r} does not exist or is not a directory "
+                         "(pdserve loads local Hugging Face directories only)")
+    return path
+
+
+def load_model(config: EngineConfig, load_format: str = "auto") -> LlamaForCausalLM:
+    mc = config.model_config
+    device, dtype = config.torch_device, config.torch_dtype
+    with torch.device("meta"):
+        model = LlamaForCausalLM(mc, config.max_model_len, config.use_triton)
+    model = model.to_empty(device=device)
+    if mc.tie_word_embeddings:  # to_empty from meta makes new Parameters: tie again
+        model.lm_head.weight = model.embed_tokens.weight
+    # rope tables are buffers computed at construction: rebuild them for real
+    rot = model.rotary
+    fresh = type(rot)(mc.head_dim, config.max_model_len, mc.rope_theta, mc.rope_scaling)
+    rot.cos, rot.sin = fresh.cos.to(device), fresh.sin.to(device)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    if load_format == "dummy":
+        gen = torch.Generator(device=device).manual_seed(config.seed)
+        for p in model.parameters():
+            p.data.uniform_(-0.02, 0.02, generator=gen)
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.data.fill_(1.0)
+        return model.eval()
+    if load_format != "auto":
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
+    _load_safetensors(model, config.model, params)
+    return model.eval()
+
+
+def _load_safetensors(model: LlamaForCausalLM, path: str, params: dict) -> None:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model path {path!r} has no *.safetensors files")
+    loaded: dict[str, int] = {}
+    with torch.no_grad():
+        for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
+            with safe_open(file, framework="pt") as f:
+                for hf_name in f.keys():
+                    target = model.fused_param(hf_name)
+                    if target is None:
+                        continue
+                    name, rows = target
+                    if name not in params:
+                        raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
+                    p = params[name]
+                    t = f.get_tensor(hf_name)
+                    dst = p.data if rows is None else p.data[rows]
+                    if dst.shape != t.shape:
+                        raise ValueError(f"tensor {hf_name!r} has shape {tuple(t.shape)}, "
+                                         f"expected {tuple(dst.shape)}")
+                    dst.copy_(t)
+                    loaded[name] = loaded.get(name, 0) + t.shape[0]
+    for name, p in params.items():
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        if loaded.get(name, 0) != p.shape[0]:
+            raise ValueError(f"checkpoint at {path!r} is missing weights for {name}")

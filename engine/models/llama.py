@@ -1,0 +1,164 @@
+"""The Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral, Qwen2, SmolLM2).
+
+They differ only in configuration: GQA ratio, q/k/v bias (Qwen2), sliding window
+(Mistral), tied embeddings (SmolLM2, small Qwen2). Projections are fused (qkv,
+gate_up) so that a layer runs 4 matmuls; checkpoints are loaded by slicing the
+Hugging Face tensors into the fused weights. Numerics follow HF's modeling code
+(fp32 RMSNorm statistics, rope tables built in fp32) so greedy outputs match it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionMetadata, PagedAttention
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    rtype = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if rtype == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q [T, H, D], k [T, KVH, D]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.head_dim ** -0.5, cfg.sliding_window, use_triton)
+
+    def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary, use_triton)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h, k_cache, v_cache, meta):
+        h = h + self.self_attn(positions, self.input_layernorm(h), k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, use_triton: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, use_triton) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = layer(positions, h, k_cache, v_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights -----------------------------------------------------------------------
+    def fused_param(self, hf_name: str) -> tuple[str, slice | None] | None:
+        """Maps a Hugging Face tensor name to (our parameter, rows within it)."""
+        c = self.cfg
+        name = hf_name.removeprefix("model.")
+        if name.startswith("rotary_emb") or ".rotary_emb." in name:
+            return None
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            return None
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for part, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
+                           ("v_proj", slice(q + kv, q + 2 * kv))):
+            if f".self_attn.{part}." in name:
+                return name.replace(part, "qkv_proj"), rows
+        ff = c.intermediate_size
+        for part, rows in (("gate_proj", slice(0, ff)), ("up_proj", slice(ff, 2 * ff))):
+            if f".mlp.{part}." in name:
+                return name.replace(part, "gate_up_proj"), rows
+        return name, None

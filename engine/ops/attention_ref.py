@@ -1,0 +1,60 @@
+"""Plain-torch paged attention and KV store: the CPU path and the reference the
+Triton kernels are tested against.
+
+Cache views, one layer: k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+(strided views into the block-major KV tensor, see engine/kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Writes k, v [num_tokens, num_kv_heads, head_dim] to their slots (-1 = skip)."""
+    bs = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, off] = k[keep].to(k_cache.dtype)
+    v_cache[blk, off] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's keys or values, [seq_len, num_kv_heads, head_dim]."""
+    bs = cache.shape[1]
+    nb = -(-seq_len // bs)
+    return cache[block_ids[:nb]].flatten(0, 1)[:seq_len]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: list[int],  # context length of each sequence after this step
+    query_lens: list[int],  # new tokens of each sequence (its queries are the last ones)
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    start = 0
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        qi = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        k = gather_kv(k_cache, block_tables[i], seq_len).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        v = gather_kv(v_cache, block_tables[i], seq_len).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        gqa = q.shape[1] != k.shape[1]
+        if q_len == seq_len and sliding_window is None:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= (q_pos - k_pos) < sliding_window
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
+        start += q_len
+    return out

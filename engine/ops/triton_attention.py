@@ -1,0 +1,174 @@
+"""Triton kernels for the paged KV cache: KV store and paged decode attention.
+
+Written for both the GPU machines' Triton (3.6) and the CPU interpreter
+(TRITON_INTERPRET=1, Triton 3.9) that CI uses. The launchers check shapes, dtypes
+and strides before launching; the kernels index the cache through its strides, so
+they work on the strided per-layer views of the block-major KV tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // PAGE
+    off = slot % PAGE
+    offs_h = tl.arange(0, H_PAD)[:, None]
+    offs_d = tl.arange(0, D_PAD)[None, :]
+    # the slot test is broadcast through a tensor: the interpreter rejects scalar masks
+    mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM) & ((offs_h * 0 + slot) >= 0)
+    k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    kc = kc_ptr + blk * stride_kcb + off * stride_kct + offs_h * stride_kch + offs_d
+    vc = vc_ptr + blk * stride_vcb + off * stride_vct + offs_h * stride_vch + offs_d
+    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr,
+    qk_scale, window,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+):
+    # one program = one sequence x one kv head; the GROUP query heads sharing that kv
+    # head are the rows of the tile, so each K/V element is read once per step
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    q = (q * qk_scale).to(COMPUTE_DTYPE)  # qk_scale folds in log2(e): softmax in base 2
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(seq_len - window, 0)
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    for n0 in range(lo_tile, seq_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_seq = offs_n < seq_len
+        valid = in_seq & (offs_n >= lo)
+        blk = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
+        tok = offs_n % PAGE
+        kv_mask = valid[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(COMPUTE_DTYPE), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             acc.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("cache head_dim must be contiguous (stride 1)")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k/v cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """k, v [num_tokens, num_kv_heads, head_dim] -> their slots; slot -1 is skipped."""
+    _check_cache(k_cache, v_cache)
+    T, H, D = k.shape
+    if v.shape != k.shape or k_cache.shape[2:] != (H, D):
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match cache {tuple(k_cache.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must have a contiguous last dimension")
+    if slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32/int64 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if T == 0:
+        return
+    _store_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=H, HEAD_DIM=D, PAGE=k_cache.shape[1],
+        H_PAD=triton.next_power_of_2(H), D_PAD=triton.next_power_of_2(D),
+    )
+
+
+_COMPUTE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence. q [num_seqs, num_heads, head_dim] -> same shape."""
+    _check_cache(k_cache, v_cache)
+    B, H, D = q.shape
+    _, page, KVH, Dc = k_cache.shape
+    if Dc != D or H % KVH:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)} (GQA needs H % KVH == 0)")
+    if q.stride(-1) != 1:
+        raise ValueError("q must have a contiguous last dimension")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [{B}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if seq_lens.shape != (B,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    out = torch.empty_like(q) if out is None else out
+    if B == 0:
+        return out
+    group = H // KVH
+    # compute in the model dtype (bf16/fp16 tensor cores); fp8 caches are upcast. The
+    # CPU interpreter's tl.dot mishandles bf16 operands (Triton 3.9), so CPU runs in fp32.
+    cdt = q.dtype if q.dtype in _COMPUTE and q.is_cuda else torch.float32
+    block_n = max(16, min(64, page * 4)) if page <= 64 else page
+    log2e = 1.4426950408889634
+    _paged_decode_kernel[(B, KVH)](
+        q, k_cache, v_cache, out, block_tables, seq_lens,
+        scale * log2e, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
+        D_PAD=max(16, triton.next_power_of_2(D)), PAGE=page, BLOCK_N=block_n,
+        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt],
+        num_warps=4,
+    )
+    return out

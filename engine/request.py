@@ -1,0 +1,104 @@
+"""The one `Request` that flows through router, scheduler, workers and transfer.
+
+Progress is `num_computed_tokens` against `num_tokens` (prompt + generated). The
+scheduler moves a request WAITING -> RUNNING -> FINISHED_*; preemption puts it back
+in WAITING (status PREEMPTED) with its blocks freed, to be recomputed. Blocks are
+integer ids owned by the KV-cache manager; a request never holds tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_KV = 1  # decode role: blocks reserved, KV in flight from a prefill worker
+    RUNNING = 2
+    PREEMPTED = 3
+    # everything at or after FINISHED_STOPPED is finished
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # effective cap on new tokens (sampling_params.max_tokens, or what max_model_len leaves)
+    max_tokens: int = 16
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # prompt tokens found in the prefix cache when last admitted
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # detokenizer state (owned by the engine's output processor)
+    output_text: str = ""
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self) -> bool:
+        """Sets a finished status if the last token or the length ends the request."""
+        sp = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in sp.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

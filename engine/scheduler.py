@@ -1,0 +1,141 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every step has a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`). There is no separate prefill or decode phase: each scheduled
+request simply advances `num_computed_tokens` towards `num_tokens`, by one token
+when decoding and by a chunk when prefilling. Order of a step:
+  1. running requests, oldest first; if the pool is out of blocks, the newest
+     running request is preempted (blocks freed, recomputed later) until it fits;
+  2. waiting requests, FIFO, after a prefix-cache lookup, while budget and blocks last.
+The scheduler holds integer block ids only, so it runs on CPU and in tests as is.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens (logits needed)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Removes a request wherever it is and frees its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+
+        # 1. running requests, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                blocks = self.kv.allocate_slots(req, num_new)
+                if blocks is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if blocks is None:  # req itself was preempted; everything after it too
+                break
+            out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in blocks]))
+            scheduled_running.append(req)
+            budget -= num_new
+            i += 1
+
+        # 2. waiting requests, FIFO (preempted ones were put at the front)
+        if out.preempted:
+            return out  # the pool is full: admitting new work would thrash
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            blocks = self.kv.allocate_slots(req, num_new, hits)
+            if blocks is None:
+                break  # wait for blocks to free up; FIFO keeps fairness
+            self.waiting.popleft()
+            self.kv.record_lookup(req.num_tokens, num_hit_tokens)
+            req.num_computed_tokens += num_hit_tokens
+            if req.status != RequestStatus.PREEMPTED:
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in blocks]))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advances progress and publishes newly full blocks to the prefix cache."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(s.request, s.request.num_computed_tokens)

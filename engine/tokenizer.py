@@ -1,0 +1,48 @@
+"""Tokenizer loading and incremental detokenization.
+
+The detokenizer emits text as tokens arrive, holding back a delta while it ends in
+an incomplete UTF-8 sequence (U+FFFD), and decodes each new token together with a
+few tokens of context so that tokenizers which drop a word's leading space when it
+is decoded alone still produce the right text. Streaming and non-streaming outputs
+are built from the same deltas, so they are identical.
+"""
+
+from __future__ import annotations
+
+import os
+
+# silence the tokenizers fork warning in worker processes
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - re-raised with the path named
+        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+
+
+class IncrementalDetokenizer:
+    CONTEXT = 6  # prompt tokens kept as left context
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-self.CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Adds one token and returns the new text it completes (maybe empty)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""

@@ -1,0 +1,1 @@
+"""pdserve.router (see DESIGN.md)."""

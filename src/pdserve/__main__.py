@@ -1,0 +1,5 @@
+import sys
+
+from pdserve.cluster.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""pdserve.transfer (see DESIGN.md)."""
