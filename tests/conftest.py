@@ -1,0 +1,32 @@
+"""Shared fixtures: the default model's directory and tiny random Llama-family models
+saved to temp dirs (so the real loading path is what tests exercise)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# On CPU the Triton kernels run under Triton's interpreter; it must be chosen before
+# triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from helpers import save_tiny
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from pdserve.engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model_dir) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {k: save_tiny(k, str(root / k), default_model_dir) for k in ("llama", "qwen2", "mistral")}
+
+

@@ -1,0 +1,72 @@
+"""Test helpers shared across test modules (importable: tests/ is on pythonpath)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "Write a short poem about the sea and the wind that moves the waves across the endless blue.",
+    "1, 2, 3, 4, 5,",
+    "In a distant future, humanity has spread across the stars. The first colony ships",
+    "def fibonacci(n):",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again"
+    " and again, until the dog finally wakes up and",
+    "Once upon a time",
+]
+
+
+def save_tiny(kind: str, out_dir: str, tokenizer_dir: str) -> str:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=512, initializer_range=0.15,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if kind == "llama":  # GQA 4:2 + llama3 rope scaling that changes low frequencies
+        cfg = LlamaConfig(**common, num_key_value_heads=2, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cls = LlamaForCausalLM
+    elif kind == "qwen2":  # qkv bias, tied embeddings, GQA 4:1
+        cfg = Qwen2Config(**common, num_key_value_heads=1, tie_word_embeddings=True)
+        cls = Qwen2ForCausalLM
+    elif kind == "mistral":  # a sliding window shorter than the sequences
+        cfg = MistralConfig(**common, num_key_value_heads=2, sliding_window=24)
+        cls = MistralForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(1234)
+    model = cls(cfg).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in os.listdir(tokenizer_dir):
+        if f.startswith("tokenizer") or f.endswith(".jinja") or f == "special_tokens_map.json":
+            shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
+    return out_dir
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Hugging Face transformers' own greedy generate, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
