@@ -24,10 +24,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
-_KV_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
-
-_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -149,7 +146,8 @@ class EngineConfig:
         if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {bs}")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
@@ -157,9 +155,11 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(_KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(_KV_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
     # ---- resolution against the model and the device ---------------------------------
     def resolve(self, model_path: str) -> EngineConfig:
@@ -170,7 +170,8 @@ class EngineConfig:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+            self.max_num_batched_tokens = (2048 if self.enable_chunked_prefill
+                                           else max(self.max_model_len, 2048))
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "

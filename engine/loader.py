@@ -37,7 +37,7 @@ def load_model(config: EngineConfig, load_format: str = "auto") -> LlamaForCausa
     fresh = type(rot)(mc.head_dim, config.max_model_len, mc.rope_theta, mc.rope_scaling)
     rot.cos, rot.sin = fresh.cos.to(device), fresh.sin.to(device)
     params = dict(model.named_parameters())
-    for name, p in params.items():
+    for p in params.values():
         if p.dtype != dtype:
             p.data = p.data.to(dtype)
     if load_format == "dummy":

@@ -118,7 +118,8 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must have a contiguous last dimension")
     if slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32/int64 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(f"slot_mapping must be int32/int64 [{T}], "
+                         f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if T == 0:
         return
     _store_kv_kernel[(T,)](
@@ -142,11 +143,13 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     B, H, D = q.shape
     _, page, KVH, Dc = k_cache.shape
     if Dc != D or H % KVH:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)} (GQA needs H % KVH == 0)")
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)} "
+                         "(GQA needs num_heads % num_kv_heads == 0)")
     if q.stride(-1) != 1:
         raise ValueError("q must have a contiguous last dimension")
     if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [{B}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+        raise ValueError(f"block_tables must be int32 [{B}, max_blocks], "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
     if seq_lens.shape != (B,) or seq_lens.dtype != torch.int32:
