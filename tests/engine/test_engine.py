@@ -1,0 +1,143 @@
+"""The engine's request handling on the default model: stop conditions, seeds,
+bad input, aborts, counters; every block free after each test."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=256)
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_free(request):
+    yield
+    if "llm" in request.fixturenames:
+        eng = request.getfixturevalue("llm").engine
+        assert not eng.has_unfinished_requests()
+        eng.kv.check_all_free()
+
+
+def test_vllm_shaped_output_from_text_and_ids(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The capital of France is")
+    a, b = llm.generate(["The capital of France is", ids], SamplingParams(temperature=0, max_tokens=8))
+    assert a.prompt == "The capital of France is" and a.prompt_token_ids == ids == b.prompt_token_ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) <= 8
+    assert a.outputs[0].text == b.outputs[0].text and "Paris" in a.outputs[0].text
+    assert a.finished and a.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_max_tokens_stop_strings_and_stop_ids(llm):
+    p = "Count: 1, 2, 3, 4,"
+    full = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert len(full.token_ids) == 20 and full.finish_reason == "length"
+    # stop string: text is cut before it, reason names it
+    stop = full.text.strip()[4:7]
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and full.text.startswith(out.text)
+    # stop token id: generation ends on that token
+    tid = full.token_ids[5]
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tid]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(tid) + 1]
+    assert out.stop_reason == tid
+
+
+def test_eos_and_ignore_eos(llm):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    out2 = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 3,
+                                         ignore_eos=True))[0].outputs[0]
+    assert out2.finish_reason == "length" and out2.token_ids[: len(out.token_ids)] == out.token_ids
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=42, max_tokens=12, ignore_eos=True)
+    a = llm.generate(["Once upon a time", "Tell me a story"], sp)
+    b = llm.generate(["Tell me a story", "Once upon a time"], sp)
+    assert a[0].outputs[0].token_ids == b[1].outputs[0].token_ids
+    unseeded = llm.generate(["Once upon a time"] * 4, SamplingParams(temperature=1.5, max_tokens=12))
+    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1
+
+
+def test_streaming_deltas_add_up(llm):
+    eng = llm.engine
+    req = eng.add_request("Write a haiku about autumn.", SamplingParams(temperature=0, max_tokens=24))
+    text, ids, final = "", [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            text += out.delta_text
+            ids += out.delta_token_ids
+            final = out
+    assert final.finished and final.request_id == req.request_id
+    assert text == final.outputs[0].text and ids == final.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, kwargs, match", [
+    ("", {}, "empty"),
+    ([], {}, "empty"),
+    ([10**9], {}, "out of range"),
+    ("hello " * 300, {"max_tokens": 4}, "max_model_len"),
+    ("hello", {"max_tokens": 256}, "max_model_len"),
+])
+def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt], SamplingParams(**kwargs))
+    # a batch with one bad prompt queues nothing; the engine still serves
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", prompt], SamplingParams(**kwargs))
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    reqs = [eng.add_request(f"Story number {i}:", SamplingParams(max_tokens=50)) for i in range(4)]
+    for _ in range(3):
+        eng.step()
+    assert eng.stats()["kv_blocks_used"] > 0 and eng.stats()["num_running"] == 4
+    for r in reqs:
+        assert eng.abort_request(r.request_id)
+    assert not eng.abort_request("no-such-request")
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_counters(llm):
+    before = llm.engine.stats()
+    llm.generate(["The same long system prompt. " * 8 + "A"], SamplingParams(max_tokens=2))
+    llm.generate(["The same long system prompt. " * 8 + "B"], SamplingParams(max_tokens=2))
+    after = llm.engine.stats()
+    assert after["prefix_cache_queries"] > before["prefix_cache_queries"]
+    assert after["prefix_cache_hits"] >= before["prefix_cache_hits"] + 16
+    assert after["kv_blocks_total"] > 0 and after["num_running"] == after["num_waiting"] == 0
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="supported"):
+        LLM(str(tmp_path))
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        LLM(str(tmp_path), max_num_sequences=3)
+
+
+def test_fp8_kv_cache(llm):
+    """KV quantization to fp8 (e4m3): a quarter of float32's bytes per block, outputs
+    close to the full-precision cache's on the real model."""
+    fp8 = LLM(max_model_len=256, kv_cache_dtype="fp8")
+    assert fp8.engine.runner.kv.element_size() == 1
+    assert fp8.engine.runner.layout.block_bytes * 4 == llm.engine.runner.layout.block_bytes
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["The capital of France is", "def add(a, b):\n    return"]
+    a = [o.outputs[0].token_ids for o in fp8.generate(prompts, sp)]
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert [x[:2] for x in a] == [y[:2] for y in b]  # later tokens may drift with fp8 rounding
+    fp8.engine.kv.check_all_free()

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_k": -2}, "top_k"),
+    ({"n": 2}, "n must be 1"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_invalid_params_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_top_k_top_p_and_seed():
+    s = Sampler(torch.device("cpu"))
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
+    assert s(logits, [SamplingParams(temperature=0)] * 2, ["a", "b"]) == [0, 0]
+    # top_k=2 never draws beyond the two most likely tokens
+    draws = {t for i in range(200)
+             for t in s(logits[:1], [SamplingParams(top_k=2, seed=i)], [f"k{i}"])}
+    assert draws == {0, 1}
+    # top_p=0.7: 0.5 + 0.3 reaches it, so tokens 2 and 3 never appear
+    draws = {t for i in range(200)
+             for t in s(logits[:1], [SamplingParams(top_p=0.7, seed=i)], [f"p{i}"])}
+    assert draws == {0, 1}
+    # a seeded request samples the same sequence whatever shares its batch
+    flat = torch.zeros(1, 1000)
+    seq_alone = [s(flat, [SamplingParams(seed=7)], ["x"])[0] for _ in range(5)]
+    s.forget("x")
+    seq_batched = [s(flat.repeat(3, 1), [SamplingParams(), SamplingParams(seed=7), SamplingParams()],
+                     ["y", "x", "z"])[1] for _ in range(5)]
+    assert seq_alone == seq_batched and len(set(seq_alone)) > 1
+
+
+def test_sampling_follows_distribution():
+    s = Sampler(torch.device("cpu"))
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(4000, 1)
+    torch.manual_seed(0)
+    toks = torch.tensor(s(logits, [SamplingParams()] * 4000, [str(i) for i in range(4000)]))
+    freq = torch.bincount(toks, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)

@@ -1,0 +1,20 @@
+"""One import namespace: a built wheel holds pdserve/* and no top-level engine/ etc."""
+
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_wheel_maps_folders_into_pdserve(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("pdserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for mod in ("pdserve/__init__.py", "pdserve/engine/engine.py", "pdserve/engine/ops/triton_attention.py",
+                "pdserve/engine/models/llama.py", "pdserve/cluster/cli.py"):
+        assert mod in names, mod
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"pdserve"}
