@@ -25,8 +25,11 @@ def default_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory, default_model_dir) -> dict[str, str]:
+def tiny_models(tmp_path_factory, request) -> dict[str, str]:
+    # PDSERVE_TEST_TOKENIZER: a directory with just tokenizer files, for machines that
+    # cannot convert the default model (no gguf package)
+    tok_dir = os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
     root = tmp_path_factory.mktemp("tiny")
-    return {k: save_tiny(k, str(root / k), default_model_dir) for k in ("llama", "qwen2", "mistral")}
+    return {k: save_tiny(k, str(root / k), tok_dir) for k in ("llama", "qwen2", "mistral")}
 
 

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 
