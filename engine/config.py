@@ -182,9 +182,11 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                           if self.device == "auto" else self.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
 
     @property
     def torch_dtype(self) -> torch.dtype:
