@@ -99,9 +99,12 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
             ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             sched.append(ScheduledRequest(r, 1, ids))
         t = timed(lambda s=sched: runner.execute(s), 10, warmup=3)
+        graphs, runner.graphs = runner.graphs, {}  # the same step without CUDA graphs
+        t_eager = timed(lambda s=sched: runner.execute(s), 5, warmup=2)
+        runner.graphs = graphs
         read = body_params * 2 + B * (ctx + 1) * kv_token_bytes + B * cfg["hidden_size"] * 2
         floor = read / (ceil["copy_GBps"] * 1e9)
-        decode_rows.append({"batch": B, "context": ctx, "step_ms": t * 1e3, "floor_ms": floor * 1e3,
+        decode_rows.append({"batch": B, "context": ctx, "step_ms": t * 1e3, "eager_ms": t_eager * 1e3, "floor_ms": floor * 1e3,
                             "ratio_to_floor": t / floor, "tokens_per_s": B / t,
                             "bytes_read_GB": read / 1e9})
     prefill_rows = []
@@ -181,15 +184,16 @@ def main() -> None:
              f"Ceilings measured in the same run: copy {ceil['copy_GBps']:.0f} GB/s (read + write), "
              f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.", "",
              f"## Decode (one step, context {args.ctx})", "",
-             "| batch | step ms | HBM floor ms | step / floor | tok/s | HF tok/s |", "|---|---|---|---|---|---|"]
+             "| batch | step ms (CUDA graph) | eager ms | HBM floor ms | step / floor | tok/s | HF tok/s |",
+             "|---|---|---|---|---|---|---|"]
     hf_dec = {r["batch"]: r for r in (hf or {}).get("decode", [])}
     for r in decode:
         hf_tps = f"{hf_dec[r['batch']]['tokens_per_s']:.0f}" if r["batch"] in hf_dec else "-"
-        lines.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['ratio_to_floor']:.2f} | "
+        lines.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['eager_ms']:.2f} | {r['floor_ms']:.2f} | {r['ratio_to_floor']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {hf_tps} |")
     for b, r in hf_dec.items():
         if b not in {x["batch"] for x in decode}:
-            lines.append(f"| {b} (HF only) | - | - | - | - | {r['tokens_per_s']:.0f} |")
+            lines.append(f"| {b} (HF only) | - | - | - | - | - | {r['tokens_per_s']:.0f} |")
     lines += ["", "## Prefill (one request)", "",
               "| tokens | ms | tok/s | TFLOP/s | of matmul ceiling | HF TFLOP/s |", "|---|---|---|---|---|---|"]
     hf_pre = {r["tokens"]: r for r in (hf or {}).get("prefill", [])}

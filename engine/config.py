@@ -129,6 +129,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     seed: int = 0
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)

@@ -4,6 +4,11 @@ The flat batch: every scheduled request contributes `num_new_tokens` consecutive
 tokens (a prefill chunk or one decode token). Single-token sequences are ordered
 first so attention can send them through the paged-decode kernel in one launch.
 Only sequences whose chunk reaches the end of their known tokens produce logits.
+
+On CUDA, all-decode steps replay CUDA graphs captured at start for padded batch
+sizes (1, 2, 4, 8, 16, 32, ...): a decode step of an 8B model launches ~800 kernels,
+and launching them from Python costs more than running them. Padding rows store
+nothing (slot -1) and attend to one token of block 0; their logits are dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class ModelRunner:
         self.kv_views = layer_views(self.kv)
         self.layout = kv_layout(config)
         self.sampler = Sampler(self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.device.type == "cuda" and config.use_triton and not config.enforce_eager:
+            self.capture_graphs()
 
     def _activation_bytes(self) -> int:
         """A bound on forward-pass scratch memory, kept out of the KV budget on GPU."""
@@ -83,16 +91,78 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=nb)
         return ids, pos_t, meta, rows
 
+    # ---- CUDA graphs for decode ---------------------------------------------------------
+    def graph_sizes(self) -> list[int]:
+        top = self.config.max_num_seqs
+        sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
+        return sorted(set(sizes + [top]))
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        sizes = self.graph_sizes()
+        max_bs = sizes[-1]
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        dev = self.device
+        self.g_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_pos = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.g_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
+        self.g_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(sizes):  # largest first: smaller graphs reuse its memory pool
+            meta = AttentionMetadata(self.g_slots[:b], self.g_tables[:b], [1] * b, self.g_lens[:b], [1] * b, b)
+
+            def run(b=b, meta=meta):
+                h = self.model(self.g_ids[:b], self.g_pos[:b], self.kv_views, meta)
+                return self.model.compute_logits(h)
+
+            run()  # compiles the Triton kernels and warms up cuBLAS outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = run()
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+
+    def _replay(self, batch: list[ScheduledRequest]) -> torch.Tensor | None:
+        """Logits of an all-decode batch through a captured graph (None: run eagerly)."""
+        n = len(batch)
+        if not self.graphs or n > max(self.graphs) or any(s.num_new_tokens != 1 for s in batch):
+            return None
+        b = min(k for k in self.graphs if k >= n)
+        bs = self.block_size
+        ids, pos, slots, lens = [], [], [], []
+        max_blocks = self.g_tables.shape[1]
+        tables = torch.zeros(b, max_blocks, dtype=torch.int32)
+        for i, s in enumerate(batch):
+            p = s.request.num_computed_tokens
+            ids.append(s.request.all_token_ids[p])
+            pos.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        pad = b - n
+        self.g_ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        self.g_pos[:b].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
+        self.g_slots[:b].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
+        self.g_lens[:b].copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        self.g_tables[:b].copy_(tables, non_blocking=True)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
         """Runs the batch; returns the sampled token of each request that samples."""
         batch = self.order(scheduled)
-        ids, positions, meta, rows = self.prepare(batch)
-        hidden = self.model(ids, positions, self.kv_views, meta)
+        logits = self._replay(batch)
         samplers = [s for s in batch if s.samples]
-        if not samplers:
-            return {}
-        logits = self.model.compute_logits(hidden[rows])
+        if logits is None:
+            ids, positions, meta, rows = self.prepare(batch)
+            hidden = self.model(ids, positions, self.kv_views, meta)
+            if not samplers:
+                return {}
+            logits = self.model.compute_logits(hidden[rows])
         req_ids = [s.request.request_id for s in samplers]
         tokens = self.sampler(logits, [s.request.sampling_params for s in samplers], req_ids)
         return dict(zip(req_ids, tokens))

@@ -5,6 +5,8 @@ models may part after a near-tie; the test reports the agreement and bounds it."
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -48,3 +50,23 @@ def test_engine_bf16_agrees_with_hf(name, tiny_models):
     print(f"\n{name}: tokens equal {same / total:.1%}, common prefix {prefix / total:.1%}, first {first:.0%}")
     assert first >= 0.75 and prefix / total >= 0.4
     llm.engine.kv.check_all_free()
+    del llm  # free this engine's KV cache before the next one sizes itself
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_cuda_graph_decode_equals_eager(tiny_models):
+    from pdserve import LLM, SamplingParams
+
+    prompts = [f"Request {i}: tell me about the number {i * 7}" for i in range(13)]  # pads to 16
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(tiny_models["llama"], dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=eager)
+        assert bool(llm.engine.runner.graphs) != eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        llm.engine.kv.check_all_free()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
