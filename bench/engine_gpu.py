@@ -104,7 +104,8 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
         runner.graphs = graphs
         read = body_params * 2 + B * (ctx + 1) * kv_token_bytes + B * cfg["hidden_size"] * 2
         floor = read / (ceil["copy_GBps"] * 1e9)
-        decode_rows.append({"batch": B, "context": ctx, "step_ms": t * 1e3, "eager_ms": t_eager * 1e3, "floor_ms": floor * 1e3,
+        decode_rows.append({"batch": B, "context": ctx, "step_ms": t * 1e3, "eager_ms": t_eager * 1e3,
+                            "floor_ms": floor * 1e3,
                             "ratio_to_floor": t / floor, "tokens_per_s": B / t,
                             "bytes_read_GB": read / 1e9})
     prefill_rows = []
@@ -189,7 +190,8 @@ def main() -> None:
     hf_dec = {r["batch"]: r for r in (hf or {}).get("decode", [])}
     for r in decode:
         hf_tps = f"{hf_dec[r['batch']]['tokens_per_s']:.0f}" if r["batch"] in hf_dec else "-"
-        lines.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['eager_ms']:.2f} | {r['floor_ms']:.2f} | {r['ratio_to_floor']:.2f} | "
+        lines.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['eager_ms']:.2f} | {r['floor_ms']:.2f} | "
+                     f"{r['ratio_to_floor']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {hf_tps} |")
     for b, r in hf_dec.items():
         if b not in {x["batch"] for x in decode}:
