@@ -1,0 +1,150 @@
+"""The transfer interface: a polled state machine per handoff, and the KV gather/scatter.
+
+A handoff moves the KV blocks of one request from a prefill worker (sender) to a
+decode worker (receiver):
+
+    WAITING       queued: pairing with the peer, or waiting for its turn on the pair
+    TRANSFERRING  the message is posted on the pair's process group
+    DONE          sender: the data left, its block references may be dropped;
+                  receiver: the blocks are written and usable
+    FAILED        timeout, abort, dead peer or layout mismatch; `error` says which
+
+Worker loops call `poll()` between engine steps; it never blocks. Both sides name
+a handoff by (peer, request_id) and order handoffs on a pair by `seq`, which the
+receiver assigns when it reserves blocks (`Channel`), so NCCL, which matches
+sends and receives in the order they are posted, sees the same order on both sides.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TransferState(enum.IntEnum):
+    WAITING = 0
+    TRANSFERRING = 1
+    DONE = 2
+    FAILED = 3
+
+    @property
+    def finished(self) -> bool:
+        return self >= TransferState.DONE
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class LayoutMismatch(TransferError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Where a handoff goes on its pair: the pair's generation (a new process group
+    after any failure) and the handoff's position in the pair's order."""
+
+    gen: int
+    seq: int
+
+
+@dataclass(eq=False)
+class Handoff:
+    request_id: str
+    peer: str
+    block_ids: list[int]
+    channel: Channel
+    is_sender: bool
+    timeout_s: float
+    state: TransferState = TransferState.WAITING
+    error: str | None = None
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    nbytes: int = 0
+    _event: threading.Event = field(default_factory=threading.Event, repr=False)
+    _ready: object = field(default=None, repr=False)  # CUDA event: the blocks are written
+
+    @property
+    def deadline(self) -> float:
+        return self.created + self.timeout_s
+
+    def _finish(self, state: TransferState, error: str | None = None) -> bool:
+        """First finisher wins (a worker thread racing an abort or a timeout)."""
+        if self.state.finished:
+            return False
+        self.error = error
+        self.finished_at = time.monotonic()
+        self.state = state
+        self._event.set()
+        return True
+
+    def wait(self, timeout: float | None = None) -> TransferState:
+        """Blocks until finished (tests and benchmarks; worker loops poll instead)."""
+        self._event.wait(timeout)
+        return self.state
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.created
+
+
+def layout_of(kv: torch.Tensor) -> dict:
+    """The block layout two peers must share: [num_blocks, layers, 2, block_size, kv_heads, head_dim]."""
+    if kv.dim() != 6 or kv.shape[2] != 2:
+        raise ValueError("KV cache must be [num_blocks, layers, 2, block_size, kv_heads, head_dim], "
+                         f"got {tuple(kv.shape)}")
+    _, layers, _, bs, heads, dim = kv.shape
+    return {"block_size": bs, "num_layers": layers, "num_kv_heads": heads, "head_dim": dim,
+            "dtype": str(kv.dtype).removeprefix("torch.")}
+
+
+def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
+    if mine != theirs:
+        diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
+        raise LayoutMismatch(f"KV layout mismatch with peer {peer!r} (ours, theirs): {diff}")
+
+
+def gather_blocks(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """One contiguous staging buffer [n, layers, 2, block_size, kv_heads, head_dim]:
+    block-major storage makes this a single index_select on the device."""
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=kv.device)
+    return kv.index_select(0, idx)
+
+
+def scatter_blocks(kv: torch.Tensor, block_ids: list[int], buf: torch.Tensor) -> None:
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=kv.device)
+    kv.index_copy_(0, idx, buf)
+
+
+class KVConnector:
+    """What a worker holds: start sends/receives, poll them, abort, forget a peer."""
+
+    name: str
+    address: str
+
+    def start_send(self, peer: str, peer_address: str, request_id: str, block_ids: list[int],
+                   channel: Channel, timeout_s: float = 30.0) -> Handoff:
+        raise NotImplementedError
+
+    def start_recv(self, peer: str, peer_address: str, request_id: str, block_ids: list[int],
+                   channel: Channel, timeout_s: float = 30.0) -> Handoff:
+        raise NotImplementedError
+
+    def poll(self) -> list[Handoff]:
+        """Handoffs that finished (DONE or FAILED) since the last poll; fails overdue ones."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> bool:
+        raise NotImplementedError
+
+    def new_channel(self, peer: str) -> Channel:
+        """Receiver side: the channel of the next handoff from `peer`."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass

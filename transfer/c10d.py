@@ -1,0 +1,296 @@
+"""KV handoff over pairwise torch.distributed process groups (NCCL on CUDA, gloo on CPU).
+
+Pools grow and shrink, so there is no fixed world: each (sender, receiver) pair gets
+its own 2-rank c10d group, built directly from a store (never init_process_group):
+
+  rendezvous  every connector serves a TCPStore; a pair meets in its receiver's store
+              under the prefix "pd/<sender>/<gen>" (sender = rank 0, receiver = rank 1)
+  layout      both ranks publish their KV layout there first and refuse a mismatch
+  group       ProcessGroupNCCL / ProcessGroupGloo over that PrefixStore
+  ops         one thread per pair runs the pair's handoffs strictly in `seq` order:
+              sender gathers the blocks into one staging buffer and sends one message,
+              receiver receives into a staging buffer and scatters it into its blocks
+  failure     any error, timeout or abort kills the pair: its group is aborted and set
+              aside (never destroyed from a worker thread; NCCL may hang there), its
+              queued handoffs fail, and the receiver moves the pair to a new `gen`, so
+              the next handoff builds a fresh group. A dead peer surfaces as an error
+              on the pending op (gloo) or as a timeout, and is handled the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from .base import Channel, Handoff, KVConnector, TransferState, check_layouts, gather_blocks, layout_of, scatter_blocks
+
+log = logging.getLogger(__name__)
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+class _Pair:
+    """One (sender, receiver) process group and the thread that runs its handoffs."""
+
+    def __init__(self, conn: C10dConnector, peer: str, peer_address: str, gen: int, is_sender: bool):
+        self.conn, self.peer, self.peer_address = conn, peer, peer_address
+        self.gen, self.is_sender = gen, is_sender
+        self.rank = 0 if is_sender else 1
+        self.ops: dict[int, Handoff] = {}
+        self.next_seq = 0
+        self.dead = False
+        self.error: str | None = None
+        self.pg = None
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name=f"kv-pair-{peer}-{gen}", daemon=True)
+        self.thread.start()
+
+    # ---- called from the worker's thread --------------------------------------------------
+    def submit(self, h: Handoff) -> None:
+        with self.cond:
+            if self.dead:
+                h._finish(TransferState.FAILED, f"pair with {self.peer} is closed: {self.error}")
+                return
+            self.ops[h.channel.seq] = h
+            self.cond.notify_all()
+
+    def kill(self, reason: str) -> None:
+        with self.cond:
+            if self.dead:
+                return
+            self.dead, self.error = True, reason
+            pending = list(self.ops.values())
+            self.ops.clear()
+            self.cond.notify_all()
+        for h in pending:
+            h._finish(TransferState.FAILED, reason)
+        if self.pg is not None:
+            try:
+                self.pg.abort()
+            except Exception:  # noqa: BLE001 - gloo has no abort on some versions
+                pass
+            self.conn._graveyard.append(self.pg)  # never destroyed here (see module doc)
+        self.conn._pair_died(self)
+
+    # ---- the pair's thread ------------------------------------------------------------------
+    def _next(self) -> Handoff | None:
+        with self.cond:
+            while not self.dead and self.next_seq not in self.ops:
+                self.cond.wait(0.05)
+            return None if self.dead else self.ops.pop(self.next_seq)
+
+    def _run(self) -> None:
+        if self.conn.device.type == "cuda":
+            torch.cuda.set_device(self.conn.device)
+        while True:
+            h = self._next()
+            if h is None:
+                return
+            if h.state.finished:  # aborted or overdue before its turn: the peer may have posted
+                self.kill(f"handoff {h.request_id} was {h.error or 'aborted'} before it ran")
+                return
+            try:
+                if self.pg is None:
+                    self.pg = self._connect(h.deadline)
+                self._transfer(h)
+            except Exception as e:  # noqa: BLE001 - every failure fails the handoff and the pair
+                h._finish(TransferState.FAILED, f"{type(e).__name__}: {e}")
+                self.kill(f"{type(e).__name__}: {e}")
+                return
+            self.next_seq += 1
+
+    def _connect(self, deadline: float):
+        conn = self.conn
+        store = conn.store if not self.is_sender else conn._client_store(self.peer_address, deadline)
+        sender = conn.name if self.is_sender else self.peer
+        ps = dist.PrefixStore(f"pd/{sender}/{self.gen}", store)
+        ps.set(f"layout{self.rank}", json.dumps(conn.layout))
+        other = f"layout{1 - self.rank}"
+        ps.wait([other], _td(deadline - time.monotonic()))
+        check_layouts(conn.layout, json.loads(ps.get(other)), self.peer)
+        timeout = _td(max(deadline - time.monotonic(), 1.0))
+        if conn.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(ps, self.rank, 2, opts)
+        return dist.ProcessGroupGloo(ps, self.rank, 2, timeout)
+
+    def _transfer(self, h: Handoff) -> None:
+        conn = self.conn
+        h.state = TransferState.TRANSFERRING
+        tag = h.channel.seq & 0x7FFFFFFF
+        stream = conn.stream
+        with torch.cuda.stream(stream) if stream is not None else _nullctx():
+            if self.is_sender:
+                if h._ready is not None:
+                    stream.wait_event(h._ready)  # the step that wrote these blocks
+                buf = gather_blocks(conn.kv, h.block_ids)
+                h.nbytes = buf.numel() * buf.element_size()
+                work = self.pg.send([buf], 1, tag)
+            else:
+                shape = (len(h.block_ids), *conn.kv.shape[1:])
+                buf = torch.empty(shape, dtype=conn.kv.dtype, device=conn.kv.device)
+                h.nbytes = buf.numel() * buf.element_size()
+                work = self.pg.recv([buf], 0, tag)
+            remaining = h.deadline - time.monotonic()
+            if remaining <= 0 or not work.wait(_td(remaining)):
+                raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
+            if not self.is_sender:
+                scatter_blocks(conn.kv, h.block_ids, buf)
+            if stream is not None:
+                stream.synchronize()  # DONE means the blocks are written / the buffer sent
+        if not h._finish(TransferState.DONE):
+            # aborted or overdue while in flight: the data moved, but the owner gave up
+            raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class C10dConnector(KVConnector):
+    """One per worker. `kv` is the worker's block-major KV tensor (engine/kv_cache.py)."""
+
+    def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0):
+        self.name = name
+        self.kv = kv
+        self.device = kv.device
+        self.layout = layout_of(kv)
+        self.default_timeout_s = default_timeout_s
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_td(default_timeout_s))
+        self.address = f"{host}:{self.store.port}"
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._lock = threading.Lock()
+        self._pairs: dict[tuple[str, bool], _Pair] = {}
+        self._recv_gen: dict[str, int] = {}
+        self._recv_seq: dict[str, int] = {}
+        self._handoffs: dict[str, Handoff] = {}
+        self._clients: dict[str, dist.TCPStore] = {}
+        self._graveyard: list = []
+
+    # ---- receiver side: channels ------------------------------------------------------------
+    def new_channel(self, peer: str) -> Channel:
+        with self._lock:
+            gen = self._recv_gen.get(peer, 0)
+            seq = self._recv_seq.get(peer, 0)
+            self._recv_seq[peer] = seq + 1
+            return Channel(gen, seq)
+
+    def _pair_died(self, pair: _Pair) -> None:
+        with self._lock:
+            if self._pairs.get((pair.peer, pair.is_sender)) is pair:
+                del self._pairs[(pair.peer, pair.is_sender)]
+            if not pair.is_sender and self._recv_gen.get(pair.peer, 0) == pair.gen:
+                self._recv_gen[pair.peer] = pair.gen + 1
+                self._recv_seq[pair.peer] = 0
+        log.warning("kv pair %s<->%s gen %d closed: %s", self.name, pair.peer, pair.gen, pair.error)
+
+    def _client_store(self, address: str, deadline: float) -> dist.TCPStore:
+        store = self._clients.get(address)
+        if store is None:
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=_td(max(deadline - time.monotonic(), 1.0)))
+            self._clients[address] = store
+        return store
+
+    def _pair(self, peer: str, peer_address: str, gen: int, is_sender: bool) -> _Pair | str:
+        with self._lock:
+            pair = self._pairs.get((peer, is_sender))
+            if pair is not None and pair.gen == gen and not pair.dead:
+                return pair
+            if pair is not None and pair.gen > gen:
+                return f"stale channel gen {gen} (pair with {peer} is at gen {pair.gen})"
+            old = pair
+            pair = _Pair(self, peer, peer_address, gen, is_sender)
+            self._pairs[(peer, is_sender)] = pair
+        if old is not None:
+            old.kill(f"replaced by gen {gen}")
+        return pair
+
+    # ---- the interface -------------------------------------------------------------------------
+    def _start(self, is_sender: bool, peer: str, peer_address: str, request_id: str, block_ids: list[int],
+               channel: Channel, timeout_s: float | None) -> Handoff:
+        h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s)
+        if is_sender and self.stream is not None:
+            h._ready = torch.cuda.Event()
+            h._ready.record()  # on the caller's stream, after the step that wrote the blocks
+        with self._lock:
+            if request_id in self._handoffs:
+                raise ValueError(f"a handoff for request {request_id!r} is already in flight")
+            self._handoffs[request_id] = h
+        if not block_ids:  # everything was already on the receiver (prefix hits)
+            h._finish(TransferState.DONE)
+            return h
+        pair = self._pair(peer, peer_address, channel.gen, is_sender)
+        if isinstance(pair, str):
+            h._finish(TransferState.FAILED, pair)
+        else:
+            pair.submit(h)
+        return h
+
+    def start_send(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None) -> Handoff:
+        return self._start(True, peer, peer_address, request_id, block_ids, channel, timeout_s)
+
+    def start_recv(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None) -> Handoff:
+        return self._start(False, peer, "", request_id, block_ids, channel, timeout_s)
+
+    def poll(self) -> list[Handoff]:
+        now = time.monotonic()
+        done = []
+        with self._lock:
+            items = list(self._handoffs.items())
+        for rid, h in items:
+            if not h.state.finished and now > h.deadline:
+                h._finish(TransferState.FAILED, f"timed out after {h.timeout_s:.1f} s ({h.state.name} on pair)")
+                self._kill_pair_of(h)
+            if h.state.finished:
+                done.append(h)
+                with self._lock:
+                    self._handoffs.pop(rid, None)
+        return done
+
+    def _kill_pair_of(self, h: Handoff) -> None:
+        with self._lock:
+            pair = self._pairs.get((h.peer, h.is_sender))
+        if pair is not None and pair.gen == h.channel.gen:
+            pair.kill(f"handoff {h.request_id}: {h.error}")
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            h = self._handoffs.get(request_id)
+        if h is None or not h._finish(TransferState.FAILED, "aborted"):
+            return False
+        if h.block_ids:
+            self._kill_pair_of(h)  # the peer's side of it may already be posted
+        return True
+
+    def forget_peer(self, peer: str) -> None:
+        """The peer left the cluster: close both directions of its pair."""
+        for key in [(peer, True), (peer, False)]:
+            with self._lock:
+                pair = self._pairs.get(key)
+            if pair is not None:
+                pair.kill(f"peer {peer} left")
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self._pairs)
+
+    def close(self) -> None:
+        for key in list(self._pairs):
+            pair = self._pairs.get(key)
+            if pair is not None:
+                pair.kill("connector closed")
