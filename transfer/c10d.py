@@ -73,10 +73,11 @@ class _Pair:
         for h in pending:
             h._finish(TransferState.FAILED, reason)
         if self.pg is not None:
-            try:
-                self.pg.abort()
-            except Exception:  # noqa: BLE001 - gloo has no abort on some versions
-                pass
+            if self.conn.device.type == "cuda":
+                try:
+                    self.pg.abort()  # unblocks NCCL kernels waiting on a dead peer
+                except Exception:  # noqa: BLE001
+                    pass
             self.conn._graveyard.append(self.pg)  # never destroyed here (see module doc)
         self.conn._pair_died(self)
 

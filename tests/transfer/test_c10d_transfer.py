@@ -1,0 +1,190 @@
+"""KV handoff between real processes over real gloo groups built at run time."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+from transfer_workers import SHAPE, make_kv, peer_main
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+CTX = mp.get_context("spawn")
+
+
+class Peer:
+    def __init__(self, name: str, seed: int, head_dim: int = SHAPE["head_dim"]):
+        self.name, self.seed = name, seed
+        self.cmd, self.res = CTX.Queue(), CTX.Queue()
+        self.proc = CTX.Process(target=peer_main, args=(name, seed, self.cmd, self.res, head_dim), daemon=True)
+        self.proc.start()
+        self.address = self.get("ready")
+
+    def call(self, cmd, args=None):
+        self.cmd.put((cmd, args))
+
+    def get(self, kind, timeout=60):
+        k, v = self.res.get(timeout=timeout)
+        assert k == kind, (k, v)
+        return v
+
+    def ask(self, cmd, args=None, kind=None, timeout=60):
+        self.call(cmd, args)
+        return self.get(kind, timeout)
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.call("stop")
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest.fixture
+def peers():
+    made = []
+
+    def make(name, seed, **kw):
+        p = Peer(name, seed, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.stop()
+
+
+def handoff(prefill: Peer, decode: Peer, rid: str, src_ids, dst_ids, timeout=20.0, die=False):
+    (ch,) = decode.ask("channel", (prefill.name, 1), "channels")
+    decode.call("recv", {"ops": [(prefill.name, "", rid, dst_ids, ch, timeout)]})
+    prefill.call("send", {"ops": [(decode.name, decode.address, rid, src_ids, ch, timeout)], "die": die})
+    return ch
+
+
+PATTERNS = {
+    "one block": ([5], [7]),
+    "non-contiguous": ([3, 90, 17, 250, 4], [300, 1, 77, 2, 150]),
+    "hundreds": (list(range(10, 310)), list(range(399, 99, -1))),
+}
+
+
+def test_round_trip_bit_exact_for_block_patterns(peers):
+    p, d = peers("prefill-0", 1), peers("decode-0", 2)
+    src = make_kv(1)
+    for i, (name, (src_ids, dst_ids)) in enumerate(PATTERNS.items()):
+        handoff(p, d, f"r{i}", src_ids, dst_ids)
+        sent = p.get("results")[f"r{i}"]
+        (recv, blocks) = d.get("results")
+        assert sent[0] == "DONE" and recv[f"r{i}"][0] == "DONE", (name, sent, recv)
+        assert torch.equal(blocks[f"r{i}"], src[src_ids]), name  # bit-exact
+        assert recv[f"r{i}"][2] == len(src_ids) * src[0].numel() * 4
+    assert d.ask("stats", kind="stats")["pairs"] == 1  # one cached group served every handoff
+
+
+def test_prompt_handoff_with_partial_block_and_decode_prefix_hits(peers):
+    p, d = peers("prefill-0", 11), peers("decode-0", 12)
+    shared = list(range(1000, 1048))  # 3 full blocks both sides will share
+    first = shared + list(range(7))  # 55 tokens: partial last block
+    second = shared + list(range(500, 530))  # 78 tokens
+    for rid, tokens in (("a", first), ("b", second)):
+        src_all = p.ask("prefill", (rid, tokens), "blocks")
+        fill, skip = d.ask("reserve", (rid, tokens), "reserved")
+        assert skip == (0 if rid == "a" else 3)  # b: the shared prefix is already on decode
+        src = src_all[skip: skip + len(fill)]
+        assert len(fill) == len(src) == -(-len(tokens) // 16) - skip
+        handoff(p, d, rid, src, fill)
+        assert p.get("results")[rid][0] == "DONE"
+        out, blocks = d.get("results")
+        assert out[rid][0] == "DONE"
+        assert torch.equal(blocks[rid], p.ask("blocks_of", src, "tensor"))
+        d.ask("cache", rid, "ok")
+        p.ask("release", rid, "ok")  # prefill drops its refs; blocks stay cached there
+    for rid in ("a", "b"):
+        d.ask("release", rid, "ok")
+    for peer in (p, d):
+        st = peer.ask("stats", kind="stats")
+        assert st["used"] == 0 and st["requests"] == []
+
+
+def test_two_by_two_concurrent_handoffs(peers):
+    ps = [peers(f"prefill-{i}", 20 + i) for i in range(2)]
+    ds = [peers(f"decode-{j}", 30 + j) for j in range(2)]
+    srcs = [make_kv(20 + i) for i in range(2)]
+    # every prefill sends 3 requests to every decode, all posted at once
+    send_ops = {i: [] for i in range(2)}
+    recv_ops = {j: [] for j in range(2)}
+    expect = {}
+    for j, d in enumerate(ds):
+        for i, p in enumerate(ps):
+            chans = d.ask("channel", (p.name, 3), "channels")
+            for k, ch in enumerate(chans):
+                rid = f"p{i}-d{j}-{k}"
+                src_ids = [(i * 97 + j * 31 + k * 7 + m * 13) % 400 for m in range(8 + k)]
+                dst_ids = [200 * i + 60 * k + m for m in range(8 + k)] if j == 0 else \
+                    [399 - (200 * i + 60 * k + m) for m in range(8 + k)]
+                send_ops[i].append((d.name, d.address, rid, src_ids, ch, 30.0))
+                recv_ops[j].append((p.name, "", rid, dst_ids, ch, 30.0))
+                expect[rid] = srcs[i][src_ids]
+    for j, d in enumerate(ds):
+        d.call("recv", {"ops": recv_ops[j]})
+    for i, p in enumerate(ps):
+        p.call("send", {"ops": list(reversed(send_ops[i]))})  # posted out of order: seq orders them
+    for p in ps:
+        assert all(r[0] == "DONE" for r in p.get("results").values())
+    for d in ds:
+        out, blocks = d.get("results")
+        assert all(r[0] == "DONE" for r in out.values()), out
+        for rid, t in blocks.items():
+            assert torch.equal(t, expect[rid]), rid
+
+
+def test_peer_that_never_sends_times_out_and_leaks_nothing(peers):
+    p, d = peers("prefill-0", 41), peers("decode-0", 42)
+    tokens = list(range(40))
+    fill, skip = d.ask("reserve", ("r", tokens), "reserved")
+    assert d.ask("stats", kind="stats")["used"] == 3
+    (ch,) = d.ask("channel", (p.name, 1), "channels")
+    t = time.monotonic()
+    d.call("recv", {"ops": [(p.name, "", "r", fill, ch, 2.0)]})
+    out, _ = d.get("results", timeout=30)
+    assert out["r"][0] == "FAILED" and "timed out" in out["r"][1]
+    assert time.monotonic() - t < 10
+    d.ask("release", "r", "ok")
+    assert d.ask("stats", kind="stats")["used"] == 0
+    # the pair moved to a new generation: a later handoff works
+    handoff(p, d, "r2", [1, 2], [3, 4], timeout=20)
+    assert p.get("results")["r2"][0] == "DONE"
+    assert d.get("results")[0]["r2"][0] == "DONE"
+
+
+def test_killed_peer_fails_cleanly_and_survivor_pairs_with_a_new_one(peers):
+    p, d = peers("prefill-0", 51), peers("decode-0", 52)
+    handoff(p, d, "warm", [1], [1])  # the pair exists
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    fill, _ = d.ask("reserve", ("r", list(range(300))), "reserved")
+    t = time.monotonic()
+    handoff(p, d, "r", list(range(19)), fill, timeout=60, die=True)  # prefill crashes mid-handoff
+    out, _ = d.get("results", timeout=90)
+    assert out["r"][0] == "FAILED", out
+    assert time.monotonic() - t < 30  # a dead peer is noticed well before the 60 s timeout
+    p.proc.join(10)
+    assert p.proc.exitcode == 17
+    d.ask("release", "r", "ok")
+    st = d.ask("stats", kind="stats")
+    assert st["used"] == 0 and st["pairs"] == 0  # every reserved block freed, the pair gone
+    p2 = peers("prefill-1", 53)
+    handoff(p2, d, "r3", [9, 8, 7], [10, 11, 12])
+    assert p2.get("results")["r3"][0] == "DONE"
+    out, blocks = d.get("results")
+    assert out["r3"][0] == "DONE" and torch.equal(blocks["r3"], make_kv(53)[[9, 8, 7]])
+
+
+def test_layout_mismatch_is_refused_on_both_sides(peers):
+    p, d = peers("prefill-0", 61, head_dim=16), peers("decode-0", 62)
+    handoff(p, d, "r", [1], [1], timeout=20)
+    sent = p.get("results")["r"]
+    out, _ = d.get("results")
+    for r in (sent, out["r"]):
+        assert r[0] == "FAILED" and "layout mismatch" in r[1] and "head_dim" in r[1]

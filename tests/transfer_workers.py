@@ -1,0 +1,96 @@
+"""Worker processes for the transfer tests: each owns a KV tensor, a KV-cache manager
+and a real C10dConnector (gloo on CPU), and runs commands from a queue."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+SHAPE = dict(num_blocks=400, layers=2, block_size=16, kv_heads=2, head_dim=8)
+
+
+def make_kv(seed: int, num_blocks: int = SHAPE["num_blocks"], head_dim: int = SHAPE["head_dim"]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_blocks, SHAPE["layers"], 2, SHAPE["block_size"], SHAPE["kv_heads"], head_dim,
+                       generator=g)
+
+
+def _wait_all(conn, handoffs):
+    pending = {h.request_id: h for h in handoffs}
+    results = {}
+    while pending:
+        for h in conn.poll():
+            if h.request_id in pending:
+                del pending[h.request_id]
+                results[h.request_id] = (h.state.name, h.error, h.nbytes, h.seconds)
+        time.sleep(0.005)
+    return results
+
+
+def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_dim"]) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.transfer import handoff
+    from pdserve.transfer.c10d import C10dConnector
+
+    kv = make_kv(seed, head_dim=head_dim)
+    kvm = KVCacheManager(kv.shape[0], SHAPE["block_size"])
+    conn = C10dConnector(name, kv)
+    reqs: dict[str, Request] = {}
+    res_q.put(("ready", conn.address))
+    while True:
+        cmd, args = cmd_q.get()
+        try:
+            if cmd == "stop":
+                conn.close()
+                res_q.put(("stopped", None))
+                return
+            if cmd == "channel":  # receiver: channels for the next handoffs from a peer
+                peer, n = args
+                res_q.put(("channels", [conn.new_channel(peer) for _ in range(n)]))
+            elif cmd == "send":  # [(peer, address, rid, block_ids, channel, timeout)]
+                if args.get("die"):  # crash with the receiver's side of the handoff in flight
+                    time.sleep(0.3)
+                    os._exit(17)
+                hs = [conn.start_send(*a) for a in args["ops"]]
+                res_q.put(("results", _wait_all(conn, hs)))
+            elif cmd == "recv":
+                hs = [conn.start_recv(*a) for a in args["ops"]]
+                out = _wait_all(conn, hs)
+                blocks = {a[2]: kv[a[3]].clone() for a in args["ops"]}
+                res_q.put(("results", (out, blocks)))
+            elif cmd == "prefill":  # allocate + fill blocks for a prompt as a prefill would
+                rid, tokens = args
+                r = Request(rid, tokens, SamplingParams(max_tokens=1), max_tokens=1)
+                hits, n = kvm.get_computed_blocks(r)
+                kvm.allocate_slots(r, len(tokens) - n, hits)
+                r.num_computed_tokens = len(tokens)
+                kvm.cache_blocks(r, len(tokens))
+                reqs[rid] = r
+                res_q.put(("blocks", kvm.block_ids(rid)))
+            elif cmd == "reserve":  # receiver: reserve blocks for a prompt, minus its prefix hits
+                rid, tokens = args
+                r = Request(rid, tokens, SamplingParams(max_tokens=4), max_tokens=4)
+                r.append_token(0)  # the first token, sampled by prefill
+                reqs[rid] = r
+                res_q.put(("reserved", handoff.reserve(kvm, r)))
+            elif cmd == "cache":  # receiver: publish a request's received blocks (it decoded them)
+                r = reqs[args]
+                r.num_computed_tokens = r.num_prompt_tokens
+                kvm.cache_blocks(r, r.num_prompt_tokens)
+                res_q.put(("ok", None))
+            elif cmd == "release":
+                handoff.release(kvm, reqs.pop(args))
+                res_q.put(("ok", None))
+            elif cmd == "blocks_of":
+                res_q.put(("tensor", kv[args].clone()))
+            elif cmd == "stats":
+                kvm.pool.check_invariants()
+                res_q.put(("stats", {"used": kvm.pool.num_used_blocks, "requests": list(kvm.req_blocks),
+                                     "pairs": conn.num_pairs}))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            res_q.put(("error", f"{type(e).__name__}: {e}"))
