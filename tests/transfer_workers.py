@@ -39,7 +39,7 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
 
     kv = make_kv(seed, head_dim=head_dim)
     kvm = KVCacheManager(kv.shape[0], SHAPE["block_size"])
-    conn = C10dConnector(name, kv)
+    conn = C10dConnector(name, kv, min_chunk_bytes=16 << 10)  # 4 KiB blocks: many chunks
     reqs: dict[str, Request] = {}
     res_q.put(("ready", conn.address))
     while True:

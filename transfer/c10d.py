@@ -125,32 +125,52 @@ class _Pair:
         return dist.ProcessGroupGloo(ps, self.rank, 2, timeout)
 
     def _transfer(self, h: Handoff) -> None:
+        """Chunked so that gather of chunk i+1 overlaps the send of chunk i, and the
+        scatter of chunk i overlaps the receive of chunk i+1 (a few large messages)."""
         conn = self.conn
         h.state = TransferState.TRANSFERRING
-        tag = h.channel.seq & 0x7FFFFFFF
+        chunks = plan_chunks(len(h.block_ids), conn.block_bytes, min_chunk_bytes=conn.min_chunk_bytes)
         stream = conn.stream
         with torch.cuda.stream(stream) if stream is not None else _nullctx():
-            if self.is_sender:
-                if h._ready is not None:
-                    stream.wait_event(h._ready)  # the step that wrote these blocks
-                buf = gather_blocks(conn.kv, h.block_ids)
-                h.nbytes = buf.numel() * buf.element_size()
-                work = self.pg.send([buf], 1, tag)
-            else:
-                shape = (len(h.block_ids), *conn.kv.shape[1:])
-                buf = torch.empty(shape, dtype=conn.kv.dtype, device=conn.kv.device)
-                h.nbytes = buf.numel() * buf.element_size()
-                work = self.pg.recv([buf], 0, tag)
-            remaining = h.deadline - time.monotonic()
-            if remaining <= 0 or not work.wait(_td(remaining)):
-                raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
-            if not self.is_sender:
-                scatter_blocks(conn.kv, h.block_ids, buf)
+            if h._ready is not None:
+                stream.wait_event(h._ready)  # the step that wrote these blocks
+            posted = []
+            for i, (lo, hi) in enumerate(chunks):
+                tag = ((h.channel.seq << 6) + i) & 0x7FFFFFFF
+                ids = h.block_ids[lo:hi]
+                if self.is_sender:
+                    buf = gather_blocks(conn.kv, ids)
+                    posted.append((self.pg.send([buf], 1, tag), buf, ids))
+                else:
+                    buf = torch.empty((len(ids), *conn.kv.shape[1:]), dtype=conn.kv.dtype, device=conn.kv.device)
+                    posted.append((self.pg.recv([buf], 0, tag), buf, ids))
+                h.nbytes += buf.numel() * buf.element_size()
+            for work, buf, ids in posted:
+                if stream is None:  # gloo: a host-blocking wait with the handoff's deadline
+                    if not work.wait(_td(h.deadline - time.monotonic())):
+                        raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
+                else:
+                    work.wait()  # NCCL: orders our stream after the op; the host does not block
+                if not self.is_sender:
+                    scatter_blocks(conn.kv, ids, buf)
             if stream is not None:
-                stream.synchronize()  # DONE means the blocks are written / the buffer sent
+                done = torch.cuda.Event()
+                done.record(stream)
+                while not done.query():  # poll, so a dead peer cannot hang us past the deadline
+                    if time.monotonic() > h.deadline:
+                        raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
+                    time.sleep(0.0001)
         if not h._finish(TransferState.DONE):
             # aborted or overdue while in flight: the data moved, but the owner gave up
             raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
+
+
+def plan_chunks(num_blocks: int, block_bytes: int, max_chunks: int = 8, min_chunk_bytes: int = 64 << 20):
+    """[lo, hi) block ranges: one message up to 64 MiB, at most 8 of >= 64 MiB above."""
+    total = num_blocks * block_bytes
+    k = max(1, min(max_chunks, total // min_chunk_bytes, num_blocks))
+    step = -(-num_blocks // k)
+    return [(lo, min(lo + step, num_blocks)) for lo in range(0, num_blocks, step)]
 
 
 class _nullctx:
@@ -164,11 +184,15 @@ class _nullctx:
 class C10dConnector(KVConnector):
     """One per worker. `kv` is the worker's block-major KV tensor (engine/kv_cache.py)."""
 
-    def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0):
+    def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0,
+                 min_chunk_bytes: int = 64 << 20):
         self.name = name
         self.kv = kv
         self.device = kv.device
         self.layout = layout_of(kv)
+        self.block_bytes = kv[0].numel() * kv.element_size()
+        self.min_chunk_bytes = min_chunk_bytes
+        self.layout["min_chunk_bytes"] = min_chunk_bytes  # both peers must chunk alike
         self.default_timeout_s = default_timeout_s
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_td(default_timeout_s))
         self.address = f"{host}:{self.store.port}"

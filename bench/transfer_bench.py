@@ -1,0 +1,154 @@
+"""KV handoff between two GPUs (two processes, NCCL pair group built at run time)
+against a raw NCCL send/recv of the same bytes, measured in the same run.
+
+Llama-3-8B-shaped KV in bf16: 32 layers x 2 x 8 kv heads x 128 dims x 2 bytes = 128 KiB
+per token, 16-token blocks (2 MiB). A handoff is timed from "prefill done" (the
+sender's start_send, after a device sync) to "blocks usable on decode" (the
+receiver's handoff DONE: received and scattered into its reserved blocks), with
+random non-contiguous block ids on both sides; gather and scatter included.
+
+    python bench/transfer_bench.py --out bench/results          # 2 GPUs
+    python bench/transfer_bench.py --device cpu --tokens 512    # gloo smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+
+
+def kv_cache(num_blocks: int, device: str, small: bool) -> torch.Tensor:
+    layers, heads, dim = (2, 2, 16) if small else (LAYERS, KV_HEADS, HEAD_DIM)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    return torch.randn(num_blocks, layers, 2, BLOCK, heads, dim, dtype=dtype, device=device)
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
+    from pdserve.transfer.c10d import C10dConnector
+    from tqdm import tqdm
+
+    device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+    max_tokens = max(args.tokens)
+    num_blocks = 2 * (max_tokens // BLOCK) + 16
+    kv = kv_cache(num_blocks, device, args.device == "cpu")
+    name = "prefill" if rank == 0 else "decode"
+    conn = C10dConnector(name, kv, default_timeout_s=120)
+    q_to_peer.put(conn.address)
+    peer_addr = q_from_peer.get()
+    g = torch.Generator().manual_seed(rank)
+    rows = []
+
+    # raw NCCL / gloo send/recv of the same bytes, on a separate pair group
+    host, port = peer_addr.rsplit(":", 1)
+    store = conn.store if rank == 1 else dist.TCPStore(host, int(port), is_master=False)
+    ps = dist.PrefixStore("raw", store)
+    if device.startswith("cuda"):
+        raw = dist.ProcessGroupNCCL(ps, rank, 2, dist.ProcessGroupNCCL.Options())
+    else:
+        raw = dist.ProcessGroupGloo(ps, rank, 2, datetime.timedelta(seconds=60))
+    for tokens in tqdm(args.tokens, desc=f"{name}", disable=rank == 1):
+        n = -(-tokens // BLOCK)
+        nbytes = n * kv[0].numel() * kv.element_size()
+        # raw: back-to-back send/recv of one contiguous buffer, timed on the receiver
+        buf = torch.empty(n * kv[0].numel(), dtype=kv.dtype, device=device)
+        raw_times = []
+        for it in range(args.iters + 2):
+            raw.allreduce([torch.zeros(1, device=device)]).wait()  # start together
+            sync(device)
+            t = time.perf_counter()
+            w = raw.send([buf], 1, it) if rank == 0 else raw.recv([buf], 0, it)
+            w.wait()
+            sync(device)
+            if it >= 2:
+                raw_times.append(time.perf_counter() - t)
+        raw_s = statistics.median(raw_times)
+        # handoffs: decode reserves random blocks and posts its receive, then prefill sends
+        hand = []
+        for it in range(args.iters + 2):
+            ids = torch.randperm(num_blocks, generator=g)[:n].tolist()
+            if rank == 1:
+                ch = conn.new_channel("prefill")
+                h = conn.start_recv("prefill", "", f"r{tokens}-{it}", ids, ch)
+                q_to_peer.put(ch)
+                h.wait(120)
+                t1 = time.monotonic()
+                assert h.state.name == "DONE", h.error
+                t0 = q_from_peer.get()
+                if it >= 2:
+                    hand.append(t1 - t0)
+            else:
+                ch = q_from_peer.get()
+                sync(device)  # "prefill done"
+                t0 = time.monotonic()
+                h = conn.start_send("decode", peer_addr, f"r{tokens}-{it}", ids, ch)
+                h.wait(120)
+                assert h.state.name == "DONE", h.error
+                q_to_peer.put(t0)
+            conn.poll()
+        if rank == 1:
+            hs = statistics.median(hand)
+            rows.append({"tokens": tokens, "bytes": nbytes, "handoff_ms": hs * 1e3,
+                         "effective_GBps": nbytes / hs / 1e9, "raw_nccl_GBps": nbytes / raw_s / 1e9,
+                         "raw_ms": raw_s * 1e3, "efficiency": raw_s / hs})
+    if rank == 1:
+        results.put(rows)
+    time.sleep(0.5)
+    os._exit(0)  # never rely on process-group teardown at exit (DESIGN.md)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tokens", default="512,2048,8192,32768")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    ctx = mp.get_context("spawn")
+    a, b, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(0, args, a, b, results)),
+             ctx.Process(target=worker, args=(1, args, b, a, results))]
+    for p in procs:
+        p.start()
+    rows = results.get(timeout=1200)
+    for p in procs:
+        p.join(30)
+    os.makedirs(args.out, exist_ok=True)
+    suffix = "" if args.device == "cuda" else "_cpu"
+    with open(os.path.join(args.out, f"transfer{suffix}.json"), "w") as f:
+        json.dump([{k: r[k] for k in ("tokens", "bytes", "handoff_ms", "effective_GBps", "raw_nccl_GBps")}
+                   for r in rows], f, indent=2)
+    dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
+    lines = [f"# KV handoff, 2 processes on {dev}", "",
+             "Llama-3-8B-shaped KV, bf16, 128 KiB/token, 16-token blocks, random block ids both sides; "
+             f"median of {args.iters}.", "",
+             "| tokens | MiB | handoff ms | effective GB/s | raw send/recv ms | raw GB/s | effective / raw |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['bytes'] / 2**20:.0f} | {r['handoff_ms']:.2f} | "
+                     f"{r['effective_GBps']:.0f} | {r['raw_ms']:.2f} | {r['raw_nccl_GBps']:.0f} | {r['efficiency']:.0%} |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, f"transfer{suffix}.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
