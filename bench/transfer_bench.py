@@ -143,7 +143,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['bytes'] / 2**20:.0f} | {r['handoff_ms']:.2f} | "
-                     f"{r['effective_GBps']:.0f} | {r['raw_ms']:.2f} | {r['raw_nccl_GBps']:.0f} | {r['efficiency']:.0%} |")
+                     f"{r['effective_GBps']:.0f} | {r['raw_ms']:.2f} | {r['raw_nccl_GBps']:.0f} | "
+                     f"{r['efficiency']:.0%} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"transfer{suffix}.md"), "w") as f:
         f.write(md)
