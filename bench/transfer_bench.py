@@ -90,7 +90,10 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                 h.wait(120)
                 t1 = time.monotonic()
                 assert h.state.name == "DONE", h.error
-                t0 = q_from_peer.get()
+                t0, checksum = q_from_peer.get()
+                if it == 0:  # the blocks arrived intact (a float64 checksum of the bf16 values)
+                    got = kv[ids].double().sum().item()
+                    assert abs(got - checksum) <= 1e-9 * max(1.0, abs(checksum)), (got, checksum)
                 if it >= 2:
                     hand.append(t1 - t0)
             else:
@@ -100,7 +103,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                 h = conn.start_send("decode", peer_addr, f"r{tokens}-{it}", ids, ch)
                 h.wait(120)
                 assert h.state.name == "DONE", h.error
-                q_to_peer.put(t0)
+                q_to_peer.put((t0, kv[ids].double().sum().item() if it == 0 else None))
             conn.poll()
         if rank == 1:
             hs = statistics.median(hand)
