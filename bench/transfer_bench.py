@@ -80,7 +80,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                 raw_times.append(time.perf_counter() - t)
         raw_s = statistics.median(raw_times)
         # handoffs: decode reserves random blocks and posts its receive, then prefill sends
-        hand = []
+        hand, parts = [], []
         for it in range(args.iters + 2):
             ids = torch.randperm(num_blocks, generator=g)[:n].tolist()
             if rank == 1:
@@ -90,12 +90,13 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                 h.wait(120)
                 t1 = time.monotonic()
                 assert h.state.name == "DONE", h.error
-                t0, checksum = q_from_peer.get()
+                t0, checksum, t_sent = q_from_peer.get()
                 if it == 0:  # the blocks arrived intact (a float64 checksum of the bf16 values)
                     got = kv[ids].double().sum().item()
                     assert abs(got - checksum) <= 1e-9 * max(1.0, abs(checksum)), (got, checksum)
                 if it >= 2:
                     hand.append(t1 - t0)
+                    parts.append((t_sent[0] - t0, t_sent[1] - t0, h.finished_at - t0))
             else:
                 ch = q_from_peer.get()
                 sync(device)  # "prefill done"
@@ -103,13 +104,15 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                 h = conn.start_send("decode", peer_addr, f"r{tokens}-{it}", ids, ch)
                 h.wait(120)
                 assert h.state.name == "DONE", h.error
-                q_to_peer.put((t0, kv[ids].double().sum().item() if it == 0 else None))
+                q_to_peer.put((t0, kv[ids].double().sum().item() if it == 0 else None, (h.t_started, h.t_posted)))
             conn.poll()
         if rank == 1:
             hs = statistics.median(hand)
             rows.append({"tokens": tokens, "bytes": nbytes, "handoff_ms": hs * 1e3,
                          "effective_GBps": nbytes / hs / 1e9, "raw_nccl_GBps": nbytes / raw_s / 1e9,
-                         "raw_ms": raw_s * 1e3, "efficiency": raw_s / hs})
+                         "raw_ms": raw_s * 1e3, "efficiency": raw_s / hs,
+                         # from "prefill done": sender thread started, sender posted, receiver done
+                         "breakdown_ms": [statistics.median(p[i] for p in parts) * 1e3 for i in range(3)]})
     if rank == 1:
         results.put(rows)
     time.sleep(0.5)
@@ -142,12 +145,13 @@ def main() -> None:
     lines = [f"# KV handoff, 2 processes on {dev}", "",
              "Llama-3-8B-shaped KV, bf16, 128 KiB/token, 16-token blocks, random block ids both sides; "
              f"median of {args.iters}.", "",
-             "| tokens | MiB | handoff ms | effective GB/s | raw send/recv ms | raw GB/s | effective / raw |",
-             "|---|---|---|---|---|---|---|"]
+             "| tokens | MiB | handoff ms | effective GB/s | raw send/recv ms | raw GB/s | effective / raw "
+             "| sender started / posted / receiver done (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['bytes'] / 2**20:.0f} | {r['handoff_ms']:.2f} | "
                      f"{r['effective_GBps']:.0f} | {r['raw_ms']:.2f} | {r['raw_nccl_GBps']:.0f} | "
-                     f"{r['efficiency']:.0%} |")
+                     f"{r['efficiency']:.0%} | {' / '.join(f'{x:.2f}' for x in r['breakdown_ms'])} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"transfer{suffix}.md"), "w") as f:
         f.write(md)

@@ -68,6 +68,9 @@ class Handoff:
     nbytes: int = 0
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
     _ready: object = field(default=None, repr=False)  # CUDA event: the blocks are written
+    # when the pair's thread took it up and when all its messages were posted (monotonic)
+    t_started: float | None = None
+    t_posted: float | None = None
 
     @property
     def deadline(self) -> float:
@@ -109,16 +112,21 @@ def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
         raise LayoutMismatch(f"KV layout mismatch with peer {peer!r} (ours, theirs): {diff}")
 
 
+def _index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    idx = torch.tensor(block_ids, dtype=torch.int64)
+    if device.type == "cuda":  # pinned + async: no host sync on the copy
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx
+
+
 def gather_blocks(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """One contiguous staging buffer [n, layers, 2, block_size, kv_heads, head_dim]:
     block-major storage makes this a single index_select on the device."""
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=kv.device)
-    return kv.index_select(0, idx)
+    return kv.index_select(0, _index(block_ids, kv.device))
 
 
 def scatter_blocks(kv: torch.Tensor, block_ids: list[int], buf: torch.Tensor) -> None:
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=kv.device)
-    kv.index_copy_(0, idx, buf)
+    kv.index_copy_(0, _index(block_ids, kv.device), buf)
 
 
 class KVConnector:
