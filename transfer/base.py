@@ -113,10 +113,7 @@ def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
 
 
 def _index(block_ids: list[int], device: torch.device) -> torch.Tensor:
-    idx = torch.tensor(block_ids, dtype=torch.int64)
-    if device.type == "cuda":  # pinned + async: no host sync on the copy
-        return idx.pin_memory().to(device, non_blocking=True)
-    return idx
+    return torch.tensor(block_ids, dtype=torch.int64, device=device)
 
 
 def gather_blocks(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
