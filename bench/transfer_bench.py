@@ -63,7 +63,8 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
         raw = dist.ProcessGroupNCCL(ps, rank, 2, dist.ProcessGroupNCCL.Options())
     else:
         raw = dist.ProcessGroupGloo(ps, rank, 2, datetime.timedelta(seconds=60))
-    for tokens in tqdm(args.tokens, desc=f"{name}", disable=rank == 1):
+    for tokens, contiguous in tqdm([(t, c) for t in args.tokens for c in (False, True)], desc=name,
+                                   disable=rank == 1):
         n = -(-tokens // BLOCK)
         nbytes = n * kv[0].numel() * kv.element_size()
         # raw: back-to-back send/recv of one contiguous buffer, timed on the receiver
@@ -82,7 +83,11 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
         # handoffs: decode reserves random blocks and posts its receive, then prefill sends
         hand, parts = [], []
         for it in range(args.iters + 2):
-            ids = torch.randperm(num_blocks, generator=g)[:n].tolist()
+            if contiguous:  # fresh allocations: a run of consecutive blocks, sent in place
+                start = int(torch.randint(0, num_blocks - n, (1,), generator=g))
+                ids = list(range(start, start + n))
+            else:
+                ids = torch.randperm(num_blocks, generator=g)[:n].tolist()
             if rank == 1:
                 ch = conn.new_channel("prefill")
                 h = conn.start_recv("prefill", "", f"r{tokens}-{it}", ids, ch)
@@ -108,7 +113,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
             conn.poll()
         if rank == 1:
             hs = statistics.median(hand)
-            rows.append({"tokens": tokens, "bytes": nbytes, "handoff_ms": hs * 1e3,
+            rows.append({"tokens": tokens, "contiguous": contiguous, "bytes": nbytes, "handoff_ms": hs * 1e3,
                          "effective_GBps": nbytes / hs / 1e9, "raw_nccl_GBps": nbytes / raw_s / 1e9,
                          "raw_ms": raw_s * 1e3, "efficiency": raw_s / hs,
                          # from "prefill done": sender thread started, sender posted, receiver done
@@ -139,17 +144,18 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.device == "cuda" else "_cpu"
     with open(os.path.join(args.out, f"transfer{suffix}.json"), "w") as f:
-        json.dump([{k: r[k] for k in ("tokens", "bytes", "handoff_ms", "effective_GBps", "raw_nccl_GBps")}
-                   for r in rows], f, indent=2)
+        json.dump([{k: r[k] for k in ("tokens", "bytes", "handoff_ms", "effective_GBps", "raw_nccl_GBps",
+                                      "contiguous", "breakdown_ms")} for r in rows], f, indent=2)
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
     lines = [f"# KV handoff, 2 processes on {dev}", "",
              "Llama-3-8B-shaped KV, bf16, 128 KiB/token, 16-token blocks, random block ids both sides; "
              f"median of {args.iters}.", "",
-             "| tokens | MiB | handoff ms | effective GB/s | raw send/recv ms | raw GB/s | effective / raw "
+             "| tokens | block ids | MiB | handoff ms | effective GB/s | raw send/recv ms | raw GB/s | effective / raw "
              "| sender started / posted / receiver done (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['tokens']} | {r['bytes'] / 2**20:.0f} | {r['handoff_ms']:.2f} | "
+        kind = "one run (in place)" if r["contiguous"] else "random (staged)"
+        lines.append(f"| {r['tokens']} | {kind} | {r['bytes'] / 2**20:.0f} | {r['handoff_ms']:.2f} | "
                      f"{r['effective_GBps']:.0f} | {r['raw_ms']:.2f} | {r['raw_nccl_GBps']:.0f} | "
                      f"{r['efficiency']:.0%} | {' / '.join(f'{x:.2f}' for x in r['breakdown_ms'])} |")
     md = "\n".join(lines) + "\n"

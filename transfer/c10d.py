@@ -28,7 +28,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import Channel, Handoff, KVConnector, TransferState, check_layouts, gather_blocks, layout_of, scatter_blocks
+from .base import (
+    Channel,
+    Handoff,
+    KVConnector,
+    TransferState,
+    check_layouts,
+    contiguous_run,
+    gather_blocks,
+    layout_of,
+    scatter_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +149,15 @@ class _Pair:
             for i, (lo, hi) in enumerate(chunks):
                 tag = ((h.channel.seq << 6) + i) & 0x7FFFFFFF
                 ids = h.block_ids[lo:hi]
-                if self.is_sender:
+                in_place = contiguous_run(ids)  # each side decides alone; the message is the same
+                if in_place:
+                    buf = conn.kv[ids[0]: ids[-1] + 1]
+                elif self.is_sender:
                     buf = gather_blocks(conn.kv, ids)
-                    posted.append((self.pg.send([buf], 1, tag), buf, ids))
                 else:
                     buf = torch.empty((len(ids), *conn.kv.shape[1:]), dtype=conn.kv.dtype, device=conn.kv.device)
-                    posted.append((self.pg.recv([buf], 0, tag), buf, ids))
+                work = self.pg.send([buf], 1, tag) if self.is_sender else self.pg.recv([buf], 0, tag)
+                posted.append((work, buf, None if in_place else ids))
                 h.nbytes += buf.numel() * buf.element_size()
             h.t_posted = time.monotonic()
             for work, buf, ids in posted:
@@ -153,7 +166,7 @@ class _Pair:
                         raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
                 else:
                     work.wait()  # NCCL: orders our stream after the op; the host does not block
-                if not self.is_sender:
+                if not self.is_sender and ids is not None:
                     scatter_blocks(conn.kv, ids, buf)
             if stream is not None:
                 done = torch.cuda.Event()
@@ -171,11 +184,10 @@ class _Pair:
             raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
 
 
-def plan_chunks(num_blocks: int, block_bytes: int, max_chunks: int = 16, min_chunk_bytes: int = 256 << 20):
-    """[lo, hi) block ranges: one message up to 2 x min_chunk_bytes, then up to 16 messages
-    of at least min_chunk_bytes. Measured on 2x H200: posting a chunk costs ~0.15 ms of
-    host time and NCCL p2p reaches 350+ GB/s only from ~256 MiB messages, so chunks pay
-    off only where gather/scatter time (2 x bytes / HBM copy rate) exceeds that."""
+def plan_chunks(num_blocks: int, block_bytes: int, max_chunks: int = 8, min_chunk_bytes: int = 64 << 20):
+    """[lo, hi) block ranges: one message up to 128 MiB, then up to 8 of >= 64 MiB, so the
+    gather/scatter of one chunk overlaps the transfer of the next. Measured on 2x H200
+    (bench/results/transfer.md): 64 MiB / 8 chunks beat 256 MiB / 16 at every size."""
     total = num_blocks * block_bytes
     k = max(1, min(max_chunks, total // min_chunk_bytes, num_blocks))
     step = -(-num_blocks // k)
@@ -194,7 +206,7 @@ class C10dConnector(KVConnector):
     """One per worker. `kv` is the worker's block-major KV tensor (engine/kv_cache.py)."""
 
     def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0,
-                 min_chunk_bytes: int = 256 << 20):
+                 min_chunk_bytes: int = 64 << 20):
         self.name = name
         self.kv = kv
         self.device = kv.device

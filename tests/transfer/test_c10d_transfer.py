@@ -66,7 +66,8 @@ def handoff(prefill: Peer, decode: Peer, rid: str, src_ids, dst_ids, timeout=20.
 PATTERNS = {
     "one block": ([5], [7]),
     "non-contiguous": ([3, 90, 17, 250, 4], [300, 1, 77, 2, 150]),
-    "hundreds": (list(range(10, 310)), list(range(399, 99, -1))),
+    "hundreds, sent in place to a staged receive": (list(range(10, 310)), list(range(399, 99, -1))),
+    "runs on both sides (no staging copy)": (list(range(50, 80)), list(range(100, 130))),
 }
 
 
