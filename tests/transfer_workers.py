@@ -59,6 +59,9 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                 hs = [conn.start_send(*a) for a in args["ops"]]
                 res_q.put(("results", _wait_all(conn, hs)))
             elif cmd == "recv":
+                if args.get("die"):
+                    time.sleep(0.3)
+                    os._exit(18)
                 hs = [conn.start_recv(*a) for a in args["ops"]]
                 out = _wait_all(conn, hs)
                 blocks = {a[2]: kv[a[3]].clone() for a in args["ops"]}

@@ -182,6 +182,26 @@ def test_killed_peer_fails_cleanly_and_survivor_pairs_with_a_new_one(peers):
     assert out["r3"][0] == "DONE" and torch.equal(blocks["r3"], make_kv(53)[[9, 8, 7]])
 
 
+def test_receiver_killed_mid_handoff_sender_releases_everything(peers):
+    p, d = peers("prefill-0", 71), peers("decode-0", 72)
+    handoff(p, d, "warm", [1], [1])
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    tokens = list(range(16 * 300))  # 300 blocks, ~1.2 MB: more than the sockets buffer
+    src = p.ask("prefill", ("r", tokens), "blocks")
+    assert p.ask("stats", kind="stats")["used"] == 300
+    (ch,) = d.ask("channel", (p.name, 1), "channels")
+    d.call("recv", {"ops": [(p.name, "", "r", list(range(300)), ch, 60.0)], "die": True})
+    p.call("send", {"ops": [(d.name, d.address, "r", src, ch, 60.0)]})
+    t = time.monotonic()
+    state, err, *_ = p.get("results", timeout=90)["r"]
+    assert state in ("FAILED", "DONE") and time.monotonic() - t < 30  # DONE only if it all left first
+    p.ask("release", "r", "ok")  # the prefill side drops its references either way
+    st = p.ask("stats", kind="stats")
+    assert st["used"] == 0 and st["requests"] == []
+    d.proc.join(10)
+    assert d.proc.exitcode == 18
+
+
 def test_layout_mismatch_is_refused_on_both_sides(peers):
     p, d = peers("prefill-0", 61, head_dim=16), peers("decode-0", 62)
     handoff(p, d, "r", [1], [1], timeout=20)
