@@ -39,8 +39,9 @@ def sync(device):
 
 
 def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
-    from pdserve.transfer.c10d import C10dConnector
     from tqdm import tqdm
+
+    from pdserve.transfer.c10d import C10dConnector
 
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
     if device.startswith("cuda"):

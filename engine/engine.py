@@ -37,6 +37,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
+        # prefill role: requests that finish normally keep their blocks until release()
+        self.hold_blocks_on_finish = False
+        self.held: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         eos = set(self.model_config.eos_token_ids)
@@ -103,6 +106,32 @@ class LLMEngine:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
+    def release(self, request_id: str) -> bool:
+        """Frees the blocks of a finished request held for a handoff (prefill role)."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        return True
+
+    def admit_prefilled(self, req: Request) -> RequestOutput:
+        """Decode role: `req` has its prompt's KV in its blocks and its first token
+        appended; it joins the running batch and decodes from there."""
+        self.requests[req.request_id] = req
+        det = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
+        self._detok[req.request_id] = det
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.first_token_time = req.first_token_time or time.monotonic()
+        delta = det.push(req.output_token_ids[-1])
+        stopped = req.check_stop_token()
+        delta = self._apply_stop_strings(req, delta)
+        req.output_text += delta
+        if stopped or req.status.finished:
+            self._finish(req, req.status)
+        else:
+            self.scheduler.add_running(req)
+        return self._output(req, delta, [req.output_token_ids[-1]])
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -157,7 +186,11 @@ class LLMEngine:
         return text[len(req.output_text):end] if end > len(req.output_text) else ""
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        self.scheduler.finish(req, status)
+        hold = self.hold_blocks_on_finish and status in (RequestStatus.FINISHED_STOPPED,
+                                                         RequestStatus.FINISHED_LENGTH)
+        self.scheduler.finish(req, status, free=not hold)
+        if hold:
+            self.held[req.request_id] = req
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)

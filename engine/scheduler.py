@@ -60,14 +60,21 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Removes a request wherever it is and frees its blocks."""
+    def add_running(self, request: Request) -> None:
+        """Admits a request whose first `num_computed_tokens` are already in its blocks
+        (decode role: the KV arrived from a prefill worker)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
+        """Removes a request wherever it is and (unless told not to) frees its blocks."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        if free:
+            self.kv.free(request)
 
     @property
     def num_unfinished(self) -> int:

@@ -5,9 +5,10 @@ also on a second, prefix-cached pass, with tiny prefill chunks, and under preemp
 from __future__ import annotations
 
 import pytest
-from helpers import PROMPTS, hf_greedy
 
 from pdserve import LLM, SamplingParams
+
+from helpers import PROMPTS, hf_greedy
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

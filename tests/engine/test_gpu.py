@@ -30,10 +30,11 @@ def _hf_bf16(model_dir, prompts, n):
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
 def test_engine_bf16_agrees_with_hf(name, tiny_models):
-    from helpers import PROMPTS
     from transformers import AutoTokenizer
 
     from pdserve import LLM, SamplingParams
+
+    from helpers import PROMPTS
 
     path = tiny_models[name]
     tok = AutoTokenizer.from_pretrained(path)

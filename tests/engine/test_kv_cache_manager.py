@@ -2,6 +2,7 @@
 prefix hits; every block free at the end."""
 
 import pytest
+
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 

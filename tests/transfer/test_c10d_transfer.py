@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from transfer_workers import SHAPE, make_kv, peer_main
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -3,6 +3,7 @@
 import time
 
 import torch
+
 from pdserve.transfer import TransferState
 from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
