@@ -40,3 +40,6 @@ class RequestOutput:
     # text added since the previous output of this request (streaming)
     delta_text: str = field(default="", repr=False)
     delta_token_ids: list[int] = field(default_factory=list, repr=False)
+    # cluster: the workers that served it (the router's x-pdserve-* headers)
+    prefill_worker: str | None = None
+    decode_worker: str | None = None

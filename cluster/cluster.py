@@ -1,0 +1,403 @@
+"""`Cluster`: prefill and decode pools of Ray actors, the block registry, and the
+per-request orchestration the router builds on.
+
+    c = Cluster.start(model=None, prefill=1, decode=1, address=None, **engine_args)
+    c.generate(prompts, params)      vLLM-shaped outputs, like LLM.generate
+    c.stream(prompt, params)         iterator of incremental RequestOutputs
+    c.scale(prefill=2, decode=3)     grow now; shrink after draining
+    c.status()                       per worker: role, blocks, running, prefix hits
+    c.shutdown()
+
+One request: tokenize, chain-hash its full blocks -> prefill worker (registry's
+longest cached prefix, else consistent hash with bounded load) runs the prompt and
+samples token #1 -> decode worker (most free KV, least load) reserves blocks and
+posts its receive -> prefill sends the KV -> decode streams tokens. If a worker
+dies before any token was streamed, the request is retried elsewhere; after that
+it ends with finish_reason "error". A monitor pings every worker each second,
+purges dead ones from the registry and refills the pools to their targets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.hashing import hash_block_tokens
+from pdserve.engine.loader import resolve_model_path
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
+
+from .registry import REGISTRY_NAME, BlockRegistry
+from .routing import Candidate, pick_decode, pick_prefill
+from .worker_actor import WorkerActor, handoff_failed
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str
+    actor: object
+    info: dict = field(default_factory=dict)
+    load: int = 0
+    draining: bool = False
+    stats: dict = field(default_factory=dict)
+
+
+class WorkerLost(RuntimeError):
+    pass
+
+
+class Cluster:
+    def __init__(self, model: str | None, prefill: int, decode: int, address: str | None,
+                 namespace: str, actor_options: dict | None, engine_args: dict):
+        EngineConfig.from_kwargs(**engine_args)  # validate names and values here, not in an actor
+        self.model_path = resolve_model_path(model)
+        self.engine_args = {**engine_args, "model": self.model_path}
+        self.block_size = engine_args.get("block_size", 16)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.namespace = namespace
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
+                                              "PDSERVE_TORCH_THREADS") if k in os.environ}
+            ray.init(address=address, namespace=namespace, include_dashboard=False,
+                     runtime_env={"env_vars": env}, log_to_driver=False)
+        self.actor_options = actor_options or self._default_actor_options()
+        self.registry = BlockRegistry.options(name=REGISTRY_NAME, namespace=namespace,
+                                              get_if_exists=True).remote()
+        self.workers: dict[str, Worker] = {}
+        self.targets = {"prefill": 0, "decode": 0}
+        self._ids = itertools.count()
+        self.counters = {"requests": 0, "retries": 0, "failed": 0, "routing": {}}
+        self._aloop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._aloop.run_forever, name="pdserve-cluster", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._scaling = asyncio.Lock()
+        self.scale(prefill=prefill, decode=decode)
+        self._monitor = self._submit(self._monitor_loop())
+
+    @classmethod
+    def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, address: str | None = None,
+              namespace: str = "pdserve", actor_options: dict | None = None, **engine_args) -> Cluster:
+        return cls(model, prefill, decode, address, namespace, actor_options, engine_args)
+
+    def _default_actor_options(self) -> dict:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        return {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 0}
+
+    # ---- sync facade over the cluster's event loop ---------------------------------------------
+    def _submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._aloop)
+
+    def _run(self, coro, timeout: float | None = None):
+        return self._submit(coro).result(timeout)
+
+    # ---- pools -----------------------------------------------------------------------------------
+    def scale(self, prefill: int | None = None, decode: int | None = None, timeout: float = 600) -> dict:
+        """Sets the pool sizes. Growth returns once the new workers serve; shrinking drains
+        the removed workers (no new requests; in-flight ones finish) before they stop."""
+        for n in (prefill, decode):
+            if n is not None and n < 1:
+                raise ValueError(f"each pool needs at least one worker, got {n}")
+        return self._run(self._scale({"prefill": prefill, "decode": decode}), timeout)
+
+    async def _scale(self, want: dict) -> dict:
+        async with self._scaling:
+            for role, n in want.items():
+                if n is not None:
+                    self.targets[role] = n
+            await self._reconcile()
+        return self.pool_sizes()
+
+    def pool_sizes(self) -> dict:
+        return {r: sum(1 for w in self.workers.values() if w.role == r and not w.draining) for r in ROLES}
+
+    async def _reconcile(self) -> None:
+        adds, drains = [], []
+        for role in ROLES:
+            live = [w for w in self.workers.values() if w.role == role and not w.draining]
+            for _ in range(self.targets[role] - len(live)):
+                adds.append(self._add_worker(role))
+            for w in sorted(live, key=lambda w: w.worker_id, reverse=True)[: max(0, len(live) - self.targets[role])]:
+                w.draining = True
+                drains.append(self._drain_and_remove(w))
+        if adds:
+            await asyncio.gather(*adds)
+        if drains:
+            await asyncio.gather(*drains)
+
+    async def _add_worker(self, role: str) -> Worker:
+        wid = f"{role}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
+        cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000,
+                                              **self.actor_options)
+        actor = cls.remote(wid, role, self.engine_args, self.namespace)
+        info = await actor.start.remote()
+        w = Worker(wid, role, actor, info)
+        self.workers[wid] = w
+        log.info("worker %s started", wid)
+        return w
+
+    async def _drain_and_remove(self, w: Worker, timeout: float = 300) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            try:
+                st = await asyncio.wait_for(w.actor.stats.remote(), 10)
+            except (RayError, asyncio.TimeoutError):
+                break  # gone already
+            if w.load == 0 and st["inflight"] == 0:
+                break
+            await asyncio.sleep(0.2)
+        await self._remove(w, graceful=True)
+
+    async def _remove(self, w: Worker, graceful: bool) -> None:
+        self.workers.pop(w.worker_id, None)
+        if graceful:
+            try:
+                await asyncio.wait_for(w.actor.stop.remote(), 15)
+            except (RayError, asyncio.TimeoutError):
+                pass
+        for other in self.workers.values():  # peers drop their pair groups with it
+            other.actor.forget_peer.remote(w.worker_id)
+        try:
+            ray.kill(w.actor)
+        except Exception:  # noqa: BLE001
+            pass
+        await self.registry.unregister.remote(w.worker_id)
+
+    async def _monitor_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(1.0)
+            for w in list(self.workers.values()):
+                try:
+                    w.stats = await asyncio.wait_for(w.actor.stats.remote(), 5)
+                except (RayError, asyncio.TimeoutError):
+                    if w.worker_id in self.workers and not self._closed:
+                        log.warning("worker %s is dead: purging and replacing it", w.worker_id)
+                        await self._remove(w, graceful=False)
+            if not self._closed and not self._scaling.locked():
+                async with self._scaling:
+                    try:
+                        await self._reconcile()
+                    except RayError as e:
+                        log.warning("refilling pools failed: %s", e)
+
+    # ---- placement ---------------------------------------------------------------------------
+    def _candidates(self, role: str) -> list[Candidate]:
+        out = []
+        for w in self.workers.values():
+            if w.role == role and not w.draining:
+                st = w.stats
+                total = st.get("kv_blocks_total", w.info.get("capacity_blocks", 1))
+                used = st.get("kv_blocks_used", 0)
+                out.append(Candidate(w.worker_id, w.load, total - used, total))
+        return out
+
+    async def _pick_prefill(self, hashes: list[str], prompt_ids: list[int]) -> Worker:
+        cached = await self.registry.longest_prefix.remote(hashes, "prefill") if hashes else (None, 0)
+        key = hashes[0] if hashes else str(prompt_ids[: self.block_size])
+        wid, reason = pick_prefill(self._candidates("prefill"), key, tuple(cached))
+        self.counters["routing"][reason] = self.counters["routing"].get(reason, 0) + 1
+        return self.workers[wid]
+
+    # ---- one request ---------------------------------------------------------------------------
+    def _prepare(self, prompt: str | list[int], params: SamplingParams | None) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt is empty (no tokens)")
+        return None, list(prompt)
+
+    async def _request(self, prompt: str | None, ids: list[int], params: SamplingParams, sink) -> None:
+        rid = uuid.uuid4().hex[:16]
+        hashes = [h.hex() for h in hash_block_tokens(ids, self.block_size)]
+        self.counters["requests"] += 1
+        last_error = None
+        for attempt in range(3):
+            streamed = False
+            try:
+                streamed = await self._attempt(f"{rid}-{attempt}", prompt, ids, hashes, params, sink)
+                return
+            except WorkerLost as e:
+                last_error = e
+                if streamed:
+                    break
+                self.counters["retries"] += 1
+            except ValueError:
+                raise
+        self.counters["failed"] += 1
+        sink(RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [], finish_reason="error",
+                                                               stop_reason=str(last_error))], True))
+
+    async def _attempt(self, rid, prompt, ids, hashes, params, sink) -> bool:
+        p = await self._pick_prefill(hashes, ids)
+        p.load += 1
+        d = None
+        streamed = False
+        try:
+            try:
+                pre = await p.actor.prefill.remote(rid, ids, params)
+            except RayActorError as e:
+                raise WorkerLost(f"prefill worker {p.worker_id} died: {e}") from e
+            except RayError as e:
+                if isinstance(e.cause, ValueError):
+                    raise e.cause from None
+                raise
+            if pre.finished:
+                pre.output.prompt = prompt
+                pre.output.request_id = rid
+                sink(self._tag(pre.output, p, None))
+                return True
+            d = self.workers[pick_decode(self._candidates("decode"))]
+            d.load += 1
+            try:
+                skip, channel = await d.actor.reserve.remote(p.worker_id, rid, ids, params, pre.first_token)
+            except RayActorError as e:
+                p.actor.abort.remote(rid)
+                raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
+            self.registry.begin_handoff.remote(rid, p.worker_id, d.worker_id, 60.0)
+            gen = d.actor.stream.options(num_returns="streaming").remote(rid)
+            send = p.actor.send.remote(rid, d.worker_id, d.info["address"], skip, channel)
+            try:
+                async for ref in gen:
+                    out: RequestOutput = await ref
+                    if out.outputs and out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids:
+                        raise WorkerLost(f"handoff {p.worker_id} -> {d.worker_id} failed: "
+                                         f"{out.outputs[0].stop_reason}")
+                    if not out.outputs:  # aborted
+                        return streamed
+                    out.prompt = prompt
+                    streamed = True
+                    sink(self._tag(out, p, d))
+                    if out.finished:
+                        break
+            except RayActorError as e:
+                p.actor.abort.remote(rid)
+                if streamed:
+                    sink(RequestOutput(rid, prompt, ids, [CompletionOutput(
+                        0, "", [], finish_reason="error",
+                        stop_reason=f"decode worker {d.worker_id} died mid-generation")], True))
+                    return True
+                raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
+            try:
+                res = await asyncio.wait_for(send, 30)
+                if handoff_failed(res):
+                    log.warning("handoff %s reported %s", rid, res)
+            except (RayError, asyncio.TimeoutError):
+                pass
+            return True
+        finally:
+            p.load -= 1
+            if d is not None:
+                d.load -= 1
+                self.registry.end_handoff.remote(rid)
+
+    @staticmethod
+    def _tag(out: RequestOutput, p: Worker, d: Worker | None) -> RequestOutput:
+        out.prefill_worker = p.worker_id  # -> x-pdserve-prefill / x-pdserve-decode headers
+        out.decode_worker = d.worker_id if d is not None else p.worker_id
+        return out
+
+    # ---- public API ---------------------------------------------------------------------------
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 timeout: float | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params or SamplingParams()] * len(prompts)
+        prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
+
+        async def one(text, ids, sp):
+            final = []
+            await self._request(text, ids, sp, final.append)
+            return final[-1]
+
+        async def all_():
+            return await asyncio.gather(*(one(t, i, sp) for (t, i), sp in zip(prepared, params)))
+
+        return self._run(all_(), timeout)
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+               timeout: float = 600) -> Iterator[RequestOutput]:
+        text, ids = self._prepare(prompt, sampling_params)
+        q: queue.Queue = queue.Queue()
+        fut = self._submit(self._request(text, ids, sampling_params or SamplingParams(), q.put))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                out = q.get(timeout=0.1)
+            except queue.Empty:
+                if fut.done():
+                    fut.result()  # raises the request's error, if any
+                    return
+                if time.monotonic() > deadline:
+                    fut.cancel()
+                    raise TimeoutError("stream timed out") from None
+                continue
+            yield out
+            if out.finished:
+                return
+
+    def status(self) -> list[dict]:
+        async def collect():
+            rows = []
+            for w in list(self.workers.values()):
+                try:
+                    st = await asyncio.wait_for(w.actor.stats.remote(), 10)
+                except (RayError, asyncio.TimeoutError):
+                    st = {"error": "unreachable"}
+                rows.append({"worker_id": w.worker_id, "role": w.role, "draining": w.draining,
+                             "load": w.load, **st})
+            return rows
+
+        return self._run(collect(), 60)
+
+    def registry_workers(self) -> list[dict]:
+        return ray.get(self.registry.list_workers.remote())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop_all():
+            await asyncio.gather(*(self._remove(w, graceful=True) for w in list(self.workers.values())),
+                                 return_exceptions=True)
+
+        try:
+            self._monitor.cancel()
+            self._run(stop_all(), 60)
+        finally:
+            try:
+                ray.kill(self.registry)
+            except Exception:  # noqa: BLE001
+                pass
+            self._aloop.call_soon_threadsafe(self._aloop.stop)
+            if self._owns_ray:
+                ray.shutdown()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
