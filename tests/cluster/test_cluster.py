@@ -1,0 +1,191 @@
+"""The disaggregated cluster on a real local Ray cluster with real gloo transfer:
+outputs equal the colocated engine's, prefix-affine routing, scaling while serving,
+a decode actor killed mid-generation, joining an existing Ray cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster
+from pdserve.engine.hashing import hash_block_tokens
+
+from helpers import PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+PROMPTS16 = PROMPTS[:8] + [p + " Explain." for p in PROMPTS[:8]]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(max_model_len=512)
+    return {p: o.outputs[0].token_ids for p, o in zip(PROMPTS16, llm.generate(PROMPTS16, GREEDY))}
+
+
+def no_request_blocks(cluster: Cluster) -> None:
+    for row in cluster.status():
+        assert row["request_blocks"] == 0 and row["inflight"] == 0, row
+
+
+@pytest.fixture(scope="class")
+def cluster22():
+    c = Cluster.start(prefill=2, decode=2, max_model_len=512)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="class")
+def cluster11():
+    c = Cluster.start(prefill=1, decode=1, max_model_len=512)
+    yield c
+    c.shutdown()
+
+
+class TestTwoByTwo:
+    @pytest.fixture
+    def cluster(self, cluster22):
+        return cluster22
+
+    def test_outputs_equal_colocated(self, cluster, reference):
+        outs = cluster.generate(PROMPTS16, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS16]
+        assert {o.prefill_worker for o in outs} <= {w for w in cluster.workers if w.startswith("prefill")}
+        # both decode workers took requests (a request that ends on its first token never leaves prefill)
+        assert len({o.decode_worker for o in outs if o.decode_worker.startswith("decode")}) == 2
+        no_request_blocks(cluster)
+
+    def test_stream_equals_non_stream(self, cluster):
+        p = "Write a sentence about the ocean."
+        final = cluster.generate(p, GREEDY)[0].outputs[0]
+        chunks = list(cluster.stream(p, GREEDY))
+        assert chunks[-1].finished and len(chunks) == len(final.token_ids)
+        assert "".join(c.delta_text for c in chunks) == final.text == chunks[-1].outputs[0].text
+        assert chunks[-1].outputs[0].token_ids == final.token_ids
+
+    def test_shared_prefix_goes_to_one_prefill_worker(self, cluster):
+        prefix = ("You are a meticulous assistant for a shipping company. Answer questions about "
+                  "parcels, customs and delivery times precisely, and say so when you do not know. ") * 3
+        tok = cluster.tokenizer
+        assert len(tok.encode(prefix)) >= 64
+        first = cluster.generate(prefix + "Question 0?", GREEDY)[0]
+        time.sleep(2.5)  # a heartbeat carries the new blocks to the registry
+        holder = first.prefill_worker
+        hashes = [h.hex() for h in hash_block_tokens(tok.encode(prefix), 16)]
+        assert holder in ray.get(cluster.registry.holders_of.remote(hashes[0]))
+        hits0 = {r["worker_id"]: r["prefix_cache_hits"] for r in cluster.status()}
+        outs = [cluster.generate(prefix + f"Question {i}?", GREEDY)[0] for i in range(1, 7)]
+        assert all(o.prefill_worker == holder for o in outs)
+        hits1 = {r["worker_id"]: r["prefix_cache_hits"] for r in cluster.status()}
+        assert hits1[holder] - hits0[holder] >= 6 * 64
+        no_request_blocks(cluster)
+
+    def test_bad_input_is_a_clear_error(self, cluster):
+        with pytest.raises(ValueError, match="empty"):
+            cluster.generate("", GREEDY)
+        with pytest.raises(ValueError, match="max_model_len"):
+            cluster.generate("hi " * 600, GREEDY)
+        assert cluster.generate("Hi", GREEDY)[0].finished
+        no_request_blocks(cluster)
+
+
+class TestScalingAndFailures:
+    @pytest.fixture
+    def cluster(self, cluster11):
+        return cluster11
+
+    def test_1p1d_equals_colocated(self, cluster, reference):
+        outs = cluster.generate(PROMPTS16, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS16]
+
+    def test_scale_up_and_down_while_serving(self, cluster, reference):
+        results, stop = [], threading.Event()
+
+        def traffic():
+            i = 0
+            while not stop.is_set():
+                p = PROMPTS16[i % 16]
+                out = cluster.generate(p, GREEDY)[0]
+                results.append((p, out))
+                i += 1
+
+        threads = [threading.Thread(target=traffic) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        assert cluster.scale(prefill=2, decode=3) == {"prefill": 2, "decode": 3}
+        time.sleep(4)
+        assert cluster.scale(prefill=1, decode=1) == {"prefill": 1, "decode": 1}
+        time.sleep(2)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        assert len(results) > 10
+        bad = [(p, o.outputs[0].finish_reason) for p, o in results if o.outputs[0].token_ids != reference[p]]
+        assert not bad  # zero failed requests, every output exact
+        served_by = {o.decode_worker for _, o in results}
+        assert len(served_by) >= 2  # the added workers took traffic
+        assert len(cluster.workers) == 2
+        registered = {w["worker_id"] for w in cluster.registry_workers()}
+        assert registered == set(cluster.workers)
+        no_request_blocks(cluster)
+
+    def test_killed_decode_actor(self, cluster):
+        cluster.scale(decode=2)
+        long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+        outs: list = []
+        ts = [threading.Thread(target=lambda i=i: outs.append(cluster.generate(f"Story {i}: once", long)[0]))
+              for i in range(6)]
+        for t in ts:
+            t.start()
+        victim = None
+        for _ in range(200):  # wait until both decode workers are generating
+            rows = {r["worker_id"]: r for r in cluster.status() if r["role"] == "decode"}
+            busy = [w for w, r in rows.items() if r.get("num_running", 0) > 0]
+            if len(busy) == 2:
+                victim = busy[0]
+                break
+            time.sleep(0.1)
+        assert victim is not None
+        t_kill = time.monotonic()
+        ray.kill(cluster.workers[victim].actor)
+        for t in ts:
+            t.join(300)
+        assert len(outs) == 6
+        reasons = sorted(o.outputs[0].finish_reason for o in outs)
+        errors = [o for o in outs if o.outputs[0].finish_reason == "error"]
+        assert all("died" in str(o.outputs[0].stop_reason) for o in errors)
+        assert reasons.count("length") >= 1 and all(r in ("length", "error") for r in reasons)
+        assert all(len(o.outputs[0].token_ids) == 120 for o in outs if o.outputs[0].finish_reason == "length")
+        while victim in {w["worker_id"] for w in cluster.registry_workers()}:
+            assert time.monotonic() - t_kill < 10
+            time.sleep(0.2)
+        for _ in range(150):  # the pool refills to its size
+            if cluster.pool_sizes() == {"prefill": 1, "decode": 2} and victim not in cluster.workers:
+                break
+            time.sleep(0.2)
+        assert cluster.pool_sizes() == {"prefill": 1, "decode": 2}
+        assert cluster.generate("After the crash,", GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
+        no_request_blocks(cluster)
+
+
+def test_join_existing_ray_cluster(tmp_path):
+    port = "6391"
+    env_cmd = [sys.executable, "-m", "ray.scripts.scripts"]
+    subprocess.run(env_cmd + ["start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                              "--disable-usage-stats"], check=True, capture_output=True, timeout=120)
+    try:
+        c = Cluster.start(prefill=1, decode=1, address=f"127.0.0.1:{port}", max_model_len=256)
+        try:
+            out = c.generate("The capital of France is", GREEDY)[0]
+            assert "Paris" in out.outputs[0].text
+            assert ray.get_runtime_context().gcs_address.endswith(port)
+        finally:
+            c.shutdown()
+    finally:
+        subprocess.run(env_cmd + ["stop", "--force"], capture_output=True, timeout=120)
