@@ -46,6 +46,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Prints the pools of a running cluster, as its block registry sees them."""
+    import os
+
+    import ray
+
+    from .registry import REGISTRY_NAME
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
+    try:
+        registry = ray.get_actor(REGISTRY_NAME, namespace=args.namespace)
+    except ValueError:
+        print(f"pdserve: error: no pdserve cluster in namespace {args.namespace!r} at {args.address}",
+              file=sys.stderr)
+        return 2
+    rows = sorted(ray.get(registry.list_workers.remote()), key=lambda w: (w["role"], w["worker_id"]))
+    head = ["worker", "role", "node", "blocks used/total", "running", "waiting", "prefix hits/queries",
+            "preemptions", "cached blocks"]
+    table = []
+    for w in rows:
+        st = w.get("stats", {})
+        table.append([w["worker_id"], w["role"], w.get("node", "?"),
+                      f"{st.get('kv_blocks_used', 0)}/{st.get('kv_blocks_total', w.get('capacity_blocks', 0))}",
+                      str(st.get("num_running", 0)), str(st.get("num_waiting", 0)),
+                      f"{st.get('prefix_cache_hits', 0)}/{st.get('prefix_cache_queries', 0)}",
+                      str(st.get("num_preemptions", 0)), str(w.get("num_cached_blocks", 0))])
+    widths = [max(len(r[i]) for r in [head, *table]) for i in range(len(head))]
+    for r in [head, *table]:
+        print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip())
+    counts = {role: sum(w["role"] == role for w in rows) for role in ("prefill", "decode")}
+    print(f"pools: prefill={counts['prefill']} decode={counts['decode']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the model's chat template (default: when it has one)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
     g.set_defaults(func=cmd_generate)
+    st = sub.add_parser("status", help="print the prefill and decode pools of a running cluster")
+    st.add_argument("--address", default="auto", help="Ray address of the cluster (default: auto)")
+    st.add_argument("--namespace", default="pdserve")
+    st.set_defaults(func=cmd_status)
     return parser
 
 
