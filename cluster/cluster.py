@@ -65,9 +65,19 @@ class WorkerLost(RuntimeError):
 
 class Cluster:
     def __init__(self, model: str | None, prefill: int, decode: int, address: str | None,
-                 namespace: str, actor_options: dict | None, engine_args: dict):
-        EngineConfig.from_kwargs(**engine_args)  # validate names and values here, not in an actor
+                 namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
+                 local_cached_fraction: float = 2.0):
         self.model_path = resolve_model_path(model)
+        # validate names and values here, not in an actor; keeps the limits the router checks
+        self.engine_config = EngineConfig.from_kwargs(**{**engine_args, "model": self.model_path})
+        self.engine_config.resolve(self.model_path)
+        self.max_model_len = self.engine_config.max_model_len
+        # conditional disaggregation: prompts up to this many tokens, or with at least this
+        # fraction of their blocks cached on a decode worker, are prefilled on that decode
+        # worker (defaults: off; values above 1 turn the cached rule off)
+        self.local_prefill_tokens = local_prefill_tokens
+        self.local_cached_fraction = local_cached_fraction
+        self.on_handoff = None  # callback(result dict) for metrics
         self.engine_args = {**engine_args, "model": self.model_path}
         self.block_size = engine_args.get("block_size", 16)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -95,8 +105,10 @@ class Cluster:
 
     @classmethod
     def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, address: str | None = None,
-              namespace: str = "pdserve", actor_options: dict | None = None, **engine_args) -> Cluster:
-        return cls(model, prefill, decode, address, namespace, actor_options, engine_args)
+              namespace: str = "pdserve", actor_options: dict | None = None, local_prefill_tokens: int = 0,
+              local_cached_fraction: float = 2.0, **engine_args) -> Cluster:
+        return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
+                   local_prefill_tokens, local_cached_fraction)
 
     def _default_actor_options(self) -> dict:
         gpus = ray.cluster_resources().get("GPU", 0)
@@ -213,7 +225,7 @@ class Cluster:
         cached = await self.registry.longest_prefix.remote(hashes, "prefill") if hashes else (None, 0)
         key = hashes[0] if hashes else str(prompt_ids[: self.block_size])
         wid, reason = pick_prefill(self._candidates("prefill"), key, tuple(cached))
-        self.counters["routing"][reason] = self.counters["routing"].get(reason, 0) + 1
+        self._count(reason)
         return self.workers[wid]
 
     # ---- one request ---------------------------------------------------------------------------
@@ -247,7 +259,57 @@ class Cluster:
         sink(RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [], finish_reason="error",
                                                                stop_reason=str(last_error))], True))
 
+    def _count(self, reason: str) -> None:
+        self.counters["routing"][reason] = self.counters["routing"].get(reason, 0) + 1
+
+    async def _local_decode(self, hashes: list[str], ids: list[int]) -> tuple[Worker | None, str]:
+        """Conditional disaggregation: the decode worker to prefill on, if any."""
+        if len(ids) <= self.local_prefill_tokens:
+            return self.workers[pick_decode(self._candidates("decode"))], "local_short"
+        if hashes and self.local_cached_fraction <= 1.0 and \
+                self.local_cached_fraction * len(ids) <= len(hashes) * self.block_size:
+            holder, depth = await self.registry.longest_prefix.remote(hashes, "decode")
+            if holder in self.workers and not self.workers[holder].draining and \
+                    depth * self.block_size >= self.local_cached_fraction * len(ids):
+                return self.workers[holder], "local_cached"
+        return None, ""
+
+    async def _attempt_local(self, rid, prompt, ids, params, sink, d: Worker) -> bool:
+        d.load += 1
+        streamed = False
+        try:
+            await d.actor.local.remote(rid, ids, params)
+            async for ref in d.actor.stream.options(num_returns="streaming").remote(rid):
+                out = await ref
+                if not out.outputs:
+                    return streamed
+                out.prompt = prompt
+                streamed = True
+                sink(self._tag(out, d, d))
+                if out.finished:
+                    break
+            return True
+        except RayActorError as e:
+            if streamed:
+                sink(RequestOutput(rid, prompt, ids, [CompletionOutput(
+                    0, "", [], finish_reason="error", stop_reason=f"decode worker {d.worker_id} died")], True))
+                return True
+            raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
+        except RayError as e:
+            if isinstance(e.cause, ValueError):
+                raise e.cause from None
+            raise
+        except asyncio.CancelledError:
+            d.actor.abort.remote(rid)
+            raise
+        finally:
+            d.load -= 1
+
     async def _attempt(self, rid, prompt, ids, hashes, params, sink) -> bool:
+        local, reason = await self._local_decode(hashes, ids)
+        if local is not None:
+            self._count(reason)
+            return await self._attempt_local(rid, prompt, ids, params, sink, local)
         p = await self._pick_prefill(hashes, ids)
         p.load += 1
         d = None
@@ -301,9 +363,16 @@ class Cluster:
                 res = await asyncio.wait_for(send, 30)
                 if handoff_failed(res):
                     log.warning("handoff %s reported %s", rid, res)
+                elif self.on_handoff is not None:
+                    self.on_handoff(res)
             except (RayError, asyncio.TimeoutError):
                 pass
             return True
+        except asyncio.CancelledError:  # the client went away: free the blocks everywhere
+            p.actor.abort.remote(rid)
+            if d is not None:
+                d.actor.abort.remote(rid)
+            raise
         finally:
             p.load -= 1
             if d is not None:
@@ -357,6 +426,12 @@ class Cluster:
             yield out
             if out.finished:
                 return
+
+    def submit(self, prompt: str | None, ids: list[int], params: SamplingParams, sink):
+        """Starts one request on the cluster's loop; `sink(out)` gets every output (from
+        that loop's thread). Returns a concurrent future; cancelling it aborts the request
+        on every worker and frees its blocks."""
+        return self._submit(self._request(prompt, ids, params, sink))
 
     def status(self) -> list[dict]:
         async def collect():

@@ -121,6 +121,13 @@ class WorkerActor:
         self._post(("reserve", prefill_id, request_id, prompt_token_ids, params, first_token, time.monotonic()))
         return await fut
 
+    async def local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Decode role: prefill here too (short or mostly cached prompts); stream() gives the tokens."""
+        self.streams[request_id] = asyncio.Queue()
+        fut = self._future("local", request_id)
+        self._post(("local", request_id, prompt_token_ids, params))
+        return await fut
+
     async def stream(self, request_id: str):
         q = self.streams.get(request_id)
         if q is None:
@@ -196,13 +203,16 @@ class WorkerActor:
             elif kind == "send":
                 _, rid, decode_id, address, skip, channel = cmd
                 self.role.send(rid, decode_id, address, skip, channel, self.handoff_timeout_s)
+            elif kind == "local":
+                self.engine.add_request(cmd[2], cmd[3], rid)
+                self._resolve("local", rid, None)
             elif kind == "reserve":
                 self.backlog.append(cmd)
                 self._try_reserve()
             elif kind == "abort":
                 self.role.abort(rid)
                 self.backlog = [c for c in self.backlog if c[2] != rid]
-                for k in ("prefill", "send", "reserve"):
+                for k in ("prefill", "send", "reserve", "local"):
                     self._resolve(k, rid, error=RuntimeError(f"request {rid} aborted"))
                 self._emit(RequestOutput(rid, None, [], [], True))
         except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
