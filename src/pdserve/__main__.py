@@ -1,5 +1,5 @@
 import sys
 
-from pdserve.cluster.cli import main
+from pdserve.cli import main
 
 sys.exit(main())

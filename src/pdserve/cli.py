@@ -1,9 +1,12 @@
-"""The `pdserve` command line.
+"""The `pdserve` command line (the top layer: it may import every package).
 
     pdserve generate "prompt" [--model DIR] [--max-tokens N] [--temperature T] ...
+    pdserve serve [--model M] [--prefill N] [--decode M] [--host 127.0.0.1] [--port 8000] ...
+    pdserve status [--address auto]
+    pdserve scale --prefill N --decode M [--url http://127.0.0.1:8000]
 
-Subcommands that need Ray import it lazily, so `pdserve generate` runs with the
-engine alone.
+Subcommands import Ray, FastAPI and uvicorn lazily, so `pdserve generate` runs with
+the engine alone.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     import ray
 
-    from .registry import REGISTRY_NAME
+    from pdserve.cluster.registry import REGISTRY_NAME
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
@@ -81,6 +84,46 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from pdserve.cluster import Cluster
+    from pdserve.router.app import build_app
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    kwargs = _engine_kwargs(args)
+    kwargs.pop("model", None)
+    cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
+                            local_prefill_tokens=args.local_prefill_tokens,
+                            local_cached_fraction=args.local_cached_fraction, **kwargs)
+    try:
+        app = build_app(cluster, api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                        served_model_name=args.served_model_name)
+        print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} "
+              f"(prefill={args.prefill}, decode={args.decode})", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        cluster.shutdown()
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import json
+    import urllib.request
+
+    body = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
+    req = urllib.request.Request(f"{args.url.rstrip('/')}/admin/scale", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})})
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        print(json.dumps(json.loads(resp.read()), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +140,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the model's chat template (default: when it has one)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
     g.set_defaults(func=cmd_generate)
+    sv = sub.add_parser("serve", help="start a cluster and its OpenAI-compatible HTTP router")
+    _add_engine_args(sv)
+    sv.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    sv.add_argument("--decode", type=int, default=1, help="decode workers")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--address", default=None, help="join this Ray cluster (auto | host:port); default: start one")
+    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or env PDSERVE_API_KEY)")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    sv.add_argument("--local-prefill-tokens", type=int, default=0,
+                    help="prompts up to this many tokens prefill on the decode worker (0: off)")
+    sv.add_argument("--local-cached-fraction", type=float, default=2.0,
+                    help="prefill on a decode worker that caches this fraction of the prompt (>1: off)")
+    sv.add_argument("--log-level", default="warning")
+    sv.set_defaults(func=cmd_serve)
+    sc = sub.add_parser("scale", help="resize the pools of a running server")
+    sc.add_argument("--prefill", type=int, default=None)
+    sc.add_argument("--decode", type=int, default=None)
+    sc.add_argument("--url", default="http://127.0.0.1:8000")
+    sc.add_argument("--api-key", default=None)
+    sc.set_defaults(func=cmd_scale)
     st = sub.add_parser("status", help="print the prefill and decode pools of a running cluster")
     st.add_argument("--address", default="auto", help="Ray address of the cluster (default: auto)")
     st.add_argument("--namespace", default="pdserve")

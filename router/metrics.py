@@ -1,0 +1,85 @@
+"""Prometheus metrics, vLLM's names where vLLM has one.
+
+Latencies are observed by the router as requests stream (TTFT, inter-token, end to
+end). Worker-side state (running/waiting, KV usage, prefix-cache queries and hits,
+preemptions) is read at scrape time from the stats the cluster's monitor collects
+every second, so a scrape never calls into the workers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class _WorkerCollector:
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def collect(self):
+        gauges = {
+            "vllm:num_requests_running": ("Requests in the running batch", "num_running"),
+            "vllm:num_requests_waiting": ("Requests waiting to be scheduled", "num_waiting"),
+            "vllm:kv_cache_usage_perc": ("KV-cache usage, 1 = full", "kv_cache_usage"),
+            "pdserve:kv_blocks_used": ("KV blocks referenced", "kv_blocks_used"),
+            "pdserve:kv_blocks_total": ("KV blocks in the pool", "kv_blocks_total"),
+        }
+        counters = {
+            "vllm:prefix_cache_queries": ("Prefix-cache queries, in tokens", "prefix_cache_queries"),
+            "vllm:prefix_cache_hits": ("Prefix-cache hits, in tokens", "prefix_cache_hits"),
+            "vllm:num_preemptions": ("Preemptions", "num_preemptions"),
+        }
+        workers = list(self.cluster.workers.values())
+        for name, (doc, key) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["worker", "role"])
+            for w in workers:
+                if key in w.stats:
+                    g.add_metric([w.worker_id, w.role], float(w.stats[key]))
+            yield g
+        for name, (doc, key) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["worker", "role"])
+            for w in workers:
+                if key in w.stats:
+                    c.add_metric([w.worker_id, w.role], float(w.stats[key]))
+            yield c
+        routing = CounterMetricFamily("pdserve:routing_decisions", "Placement decisions by reason", labels=["reason"])
+        for reason, n in sorted(self.cluster.counters["routing"].items()):
+            routing.add_metric([reason], float(n))
+        yield routing
+        pools = GaugeMetricFamily("pdserve:pool_size", "Workers per pool (not draining)", labels=["role"])
+        for role, n in self.cluster.pool_sizes().items():
+            pools.add_metric([role], float(n))
+        yield pools
+
+
+class RouterMetrics:
+    def __init__(self, cluster):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("vllm:request_success", "Finished requests by reason", ["finished_reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=r)
+        self.http_errors = Counter("pdserve:http_errors", "Requests refused by status code", ["code"], registry=r)
+        self.handoff_bytes = Counter("pdserve:kv_handoff_bytes", "KV bytes moved prefill -> decode", registry=r)
+        self.handoff_seconds = Histogram("pdserve:kv_handoff_seconds", "KV handoff latency",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_WorkerCollector(cluster))
+        cluster.on_handoff = self.observe_handoff
+
+    def observe_handoff(self, res: dict) -> None:
+        self.handoff_bytes.inc(res.get("bytes") or 0)
+        if res.get("seconds") is not None:
+            self.handoff_seconds.observe(res["seconds"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

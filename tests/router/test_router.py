@@ -1,0 +1,278 @@
+"""The HTTP router on real uvicorn (127.0.0.1), a real Ray cluster and the official
+`openai` client: OpenAI shapes, streaming, routing headers, errors, disconnects, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster
+from pdserve.router.app import build_app
+
+KEY = "sk-test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster.start(prefill=2, decode=1, max_model_len=512)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    s = Server(build_app(cluster, api_key=KEY, max_body_bytes=64 << 10))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512)
+
+
+def model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
+def wait_no_request_blocks(cluster, timeout=20):
+    t = time.monotonic()
+    while True:
+        rows = cluster.status()
+        if all(r["request_blocks"] == 0 and r["inflight"] == 0 for r in rows):
+            return
+        assert time.monotonic() - t < timeout, rows
+        time.sleep(0.2)
+
+
+def test_completion_equals_llm_and_usage(client, llm):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=12, temperature=0)
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model=model_id(client), prompt="Write about the sea:", max_tokens=20, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_chat_stream_equals_non_stream_and_stop(client, llm):
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    full = client.chat.completions.create(model=model_id(client), messages=msgs, max_tokens=24, temperature=0)
+    text = full.choices[0].message.content
+    ref = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    assert text == ref and full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=model_id(client), messages=msgs, max_tokens=24, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    stop = text.strip()[3:6]
+    cut = client.chat.completions.create(model=model_id(client), messages=msgs, max_tokens=24, temperature=0,
+                                         stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].message.content
+    short = client.chat.completions.create(model=model_id(client), messages=msgs, max_tokens=3, temperature=0)
+    assert short.usage.completion_tokens <= 3
+
+
+def test_prefix_affinity_and_bounded_spread(client, server, cluster):
+    prefix = " ".join(f"rule{i}" for i in range(40))  # well over 64 tokens
+    assert len(cluster.tokenizer.encode(prefix)) >= 64
+    hits0 = {r["worker_id"]: r["prefix_cache_hits"] for r in cluster.status()}
+    shared = []
+    for i in range(20):
+        raw = client.completions.with_raw_response.create(model=model_id(client), prompt=f"{prefix} q{i}",
+                                                          max_tokens=2, temperature=0)
+        shared.append(raw.headers["x-pdserve-prefill"])
+        assert raw.headers["x-pdserve-decode"].startswith("decode")
+        if i == 0:
+            time.sleep(2.5)  # the registry learns the prefix from the next heartbeat
+    top = max(set(shared), key=shared.count)
+    assert shared.count(top) >= 18
+    hits1 = {r["worker_id"]: r["prefix_cache_hits"] for r in cluster.status()}
+    assert hits1[top] - hits0.get(top, 0) >= 18 * 64
+
+    async def distinct():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as ac:
+            async def one(i):
+                raw = await ac.completions.with_raw_response.create(
+                    model=model_id(client), prompt=f"Topic {i * 7919}: " + "word " * (20 + i), max_tokens=8,
+                    temperature=0)
+                return raw.headers["x-pdserve-prefill"]
+            return await asyncio.gather(*(one(i) for i in range(20)))
+
+    spread = asyncio.run(distinct())
+    assert len(set(spread)) == 2 and max(spread.count(w) for w in set(spread)) <= 14
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "hi " * 600, "max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 600}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": "gpt-17", "prompt": "hi"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+
+
+def test_transport_level_errors(server, cluster):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x" * (70 << 10)}), headers=h)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    for path in ("/v1/models", "/metrics", "/admin/status"):
+        r = httpx.get(server.url + path)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(server.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200
+    # a bounded queue: a second app on the same cluster that admits one request at a time
+    busy = Server(build_app(cluster, max_queue=1))
+    try:
+        async def two():
+            async with httpx.AsyncClient(timeout=120) as hc:
+                body = {"prompt": "Tell me a long story", "max_tokens": 60, "ignore_eos": True}
+                return await asyncio.gather(hc.post(busy.url + "/v1/completions", json=body),
+                                            hc.post(busy.url + "/v1/completions", json=body))
+        codes = sorted(r.status_code for r in asyncio.run(two()))
+        assert codes == [200, 429]
+        r429 = [r for r in asyncio.run(two()) if r.status_code == 429][0]
+        assert r429.headers["retry-after"] == "1" and r429.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        busy.stop()
+
+
+def test_disconnect_mid_stream_frees_blocks(server, cluster):
+    body = {"prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data:")
+            if lines >= 5:
+                break  # closing the stream mid-generation
+    wait_no_request_blocks(cluster)
+
+
+def test_many_requests_with_random_cancels_leave_no_blocks(server, cluster):
+    rng = random.Random(0)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as hc:
+            sem = asyncio.Semaphore(16)
+
+            async def one(i):
+                async with sem:
+                    chat = i % 2 == 0
+                    body = {"max_tokens": rng.randint(1, 24), "temperature": rng.choice([0, 0.8]),
+                            "stream": rng.random() < 0.5}
+                    if chat:
+                        body["messages"] = [{"role": "user", "content": f"Say something about {i}"}]
+                    else:
+                        body["prompt"] = f"Item {i}:"
+                    url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
+                    task = asyncio.ensure_future(hc.post(url, json=body))
+                    if rng.random() < 0.3:
+                        await asyncio.sleep(rng.uniform(0.0, 0.5))
+                        task.cancel()
+                        return "cancelled"
+                    r = await task
+                    return r.status_code
+
+            return await asyncio.gather(*(one(i) for i in range(200)), return_exceptions=True)
+
+    results = asyncio.run(run())
+    done = [r for r in results if r != "cancelled"]
+    assert all(r == 200 for r in done), [r for r in done if r != 200][:5]
+    assert len(done) > 100
+    wait_no_request_blocks(cluster, timeout=60)
+
+
+def test_metrics_parse_and_move(client, server):
+    h = {"Authorization": f"Bearer {KEY}"}
+
+    def scrape():
+        text = httpx.get(server.url + "/metrics", headers=h).text
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    before = scrape()
+    client.completions.create(model=model_id(client), prompt="Metrics test", max_tokens=5, temperature=0)
+    time.sleep(1.5)  # worker stats refresh every second
+    after = scrape()
+
+    def total(d, name):
+        return sum(v for k, v in d.items() if k.startswith(name + "{"))
+
+    assert total(after, "vllm:time_to_first_token_seconds_count") > total(before, "vllm:time_to_first_token_seconds_count")
+    assert total(after, "vllm:e2e_request_latency_seconds_count") > total(before, "vllm:e2e_request_latency_seconds_count")
+    assert total(after, "vllm:generation_tokens_total") > total(before, "vllm:generation_tokens_total")
+    assert total(after, "vllm:prefix_cache_queries_total") > total(before, "vllm:prefix_cache_queries_total")
+    assert total(after, "pdserve:kv_handoff_bytes_total") > total(before, "pdserve:kv_handoff_bytes_total")
+    assert total(after, "pdserve:routing_decisions_total") > total(before, "pdserve:routing_decisions_total")
+    assert any(k.startswith("vllm:kv_cache_usage_perc{") for k in after)
+    assert total(after, "vllm:inter_token_latency_seconds_count") > 0
+
+
+def test_admin_scale_and_status(server, cluster):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/admin/scale", json={"decode": 0}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "decode"
+    r = httpx.post(server.url + "/admin/scale", json={"decode": 2}, headers=h, timeout=300)
+    assert r.status_code == 200 and r.json()["pools"] == {"prefill": 2, "decode": 2}
+    st = httpx.get(server.url + "/admin/status", headers=h, timeout=60).json()
+    assert sum(w["role"] == "decode" for w in st["workers"]) == 2
+    r = httpx.post(server.url + "/admin/scale", json={"decode": 1}, headers=h, timeout=300)
+    assert r.json()["pools"] == {"prefill": 2, "decode": 1}
