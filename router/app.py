@@ -131,16 +131,17 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
             raise HTTPError(400, str(e), param=param) from None
 
     def admit() -> None:
+        """Takes a slot of the bounded queue; outputs() gives it back when the request ends."""
         if state["inflight"] >= max_queue:
             raise HTTPError(429, f"server busy: {state['inflight']} requests in flight (limit {max_queue})",
                             "rate_limit_error", headers={"Retry-After": "1"})
+        state["inflight"] += 1
 
     async def outputs(text, ids, params, request: Request):
         """Yields RequestOutputs as the cluster produces them; cancels the request if the
         consumer stops early (client disconnect)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        state["inflight"] += 1
         t0 = time.monotonic()
         last = None
         fut = cluster.submit(text, ids, params, lambda out: loop.call_soon_threadsafe(q.put_nowait, out))

@@ -185,9 +185,9 @@ def test_transport_level_errors(server, cluster):
                 body = {"prompt": "Tell me a long story", "max_tokens": 60, "ignore_eos": True}
                 return await asyncio.gather(hc.post(busy.url + "/v1/completions", json=body),
                                             hc.post(busy.url + "/v1/completions", json=body))
-        codes = sorted(r.status_code for r in asyncio.run(two()))
-        assert codes == [200, 429]
-        r429 = [r for r in asyncio.run(two()) if r.status_code == 429][0]
+        results = asyncio.run(two())
+        assert sorted(r.status_code for r in results) == [200, 429]
+        r429 = next(r for r in results if r.status_code == 429)
         assert r429.headers["retry-after"] == "1" and r429.json()["error"]["type"] == "rate_limit_error"
     finally:
         busy.stop()
@@ -249,15 +249,16 @@ def test_metrics_parse_and_move(client, server):
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 
     before = scrape()
-    client.completions.create(model=model_id(client), prompt="Metrics test", max_tokens=5, temperature=0)
+    client.completions.create(model=model_id(client), prompt="Metrics test: write a line about bees.", max_tokens=5,
+                              temperature=0, extra_body={"ignore_eos": True})
     time.sleep(1.5)  # worker stats refresh every second
     after = scrape()
 
     def total(d, name):
         return sum(v for k, v in d.items() if k.startswith(name + "{"))
 
-    assert total(after, "vllm:time_to_first_token_seconds_count") > total(before, "vllm:time_to_first_token_seconds_count")
-    assert total(after, "vllm:e2e_request_latency_seconds_count") > total(before, "vllm:e2e_request_latency_seconds_count")
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert total(after, name) > total(before, name)
     assert total(after, "vllm:generation_tokens_total") > total(before, "vllm:generation_tokens_total")
     assert total(after, "vllm:prefix_cache_queries_total") > total(before, "vllm:prefix_cache_queries_total")
     assert total(after, "pdserve:kv_handoff_bytes_total") > total(before, "pdserve:kv_handoff_bytes_total")
@@ -276,3 +277,30 @@ def test_admin_scale_and_status(server, cluster):
     assert sum(w["role"] == "decode" for w in st["workers"]) == 2
     r = httpx.post(server.url + "/admin/scale", json={"decode": 1}, headers=h, timeout=300)
     assert r.json()["pools"] == {"prefill": 2, "decode": 1}
+
+
+def test_conditional_disaggregation(client, cluster):
+    """Short prompts, and prompts mostly cached on a decode worker, prefill on that decode worker."""
+    cluster.local_prefill_tokens = 8
+    try:
+        raw = client.completions.with_raw_response.create(model=model_id(client), prompt="Hi", max_tokens=4,
+                                                          temperature=0)
+        assert raw.headers["x-pdserve-prefill"] == raw.headers["x-pdserve-decode"]
+        assert raw.headers["x-pdserve-decode"].startswith("decode")
+    finally:
+        cluster.local_prefill_tokens = 0
+    doc = "The history of the lighthouse keepers of the northern coast, told in order. " * 4
+    first = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 1.",
+                                                        max_tokens=2, temperature=0)
+    assert first.headers["x-pdserve-prefill"].startswith("prefill")
+    time.sleep(2.5)  # the decode worker's received blocks reach the registry
+    cluster.local_cached_fraction = 0.7
+    try:
+        again = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 2.",
+                                                            max_tokens=2, temperature=0)
+        assert again.headers["x-pdserve-prefill"] == again.headers["x-pdserve-decode"] == \
+            first.headers["x-pdserve-decode"]
+    finally:
+        cluster.local_cached_fraction = 2.0
+    assert cluster.counters["routing"].get("local_short", 0) >= 1
+    assert cluster.counters["routing"].get("local_cached", 0) >= 1
