@@ -214,11 +214,13 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
             raise HTTPError(503 if c is not None else 499, f"request failed: {c.stop_reason if c else 'aborted'}",
                             "server_error")
 
-    async def first_then_rest(gen):
+    async def first_output(gen):
         """Awaits the first output before the response starts (its workers go in the headers,
         and errors before it are still plain HTTP errors)."""
-        first = await gen.__anext__()
-        return first
+        try:
+            return await gen.__anext__()
+        except StopAsyncIteration:
+            raise HTTPError(500, "request ended without output", "server_error") from None
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -252,7 +254,7 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
                                               "finish_reason": c.finish_reason}],
                                  "usage": usage(len(ids), len(c.token_ids))}, headers=headers_of(out))
         gen = outputs(text, ids, params, request)
-        first = await first_then_rest(gen)
+        first = await first_output(gen)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def body():
@@ -305,7 +307,7 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
                                               "logprobs": None, "finish_reason": c.finish_reason}],
                                  "usage": usage(len(ids), len(c.token_ids))}, headers=headers_of(out))
         gen = outputs(None, ids, params, request)
-        first = await first_then_rest(gen)
+        first = await first_output(gen)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(delta: dict, finish: str | None) -> str:
