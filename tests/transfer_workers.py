@@ -58,6 +58,11 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                     os._exit(17)
                 hs = [conn.start_send(*a) for a in args["ops"]]
                 res_q.put(("results", _wait_all(conn, hs)))
+            elif cmd == "send_abort":  # start a handoff, then give up on it (a client went away)
+                h = conn.start_send(*args)
+                time.sleep(0.3)
+                conn.abort(args[2])
+                res_q.put(("results", _wait_all(conn, [h])))
             elif cmd == "recv":
                 if args.get("die"):
                     time.sleep(0.3)

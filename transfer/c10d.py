@@ -82,6 +82,10 @@ class _Pair:
             self.cond.notify_all()
         for h in pending:
             h._finish(TransferState.FAILED, reason)
+        if self.is_sender:
+            # tell the receiver, through its store, that this gen is dead: its next channel
+            # for us moves to a new gen instead of meeting a group we no longer run
+            self.conn._mark_dead(self.peer_address, self.gen)
         if self.pg is not None:
             if self.conn.device.type == "cuda":
                 try:
@@ -222,20 +226,41 @@ class C10dConnector(KVConnector):
         self._pairs: dict[tuple[str, bool], _Pair] = {}
         self._recv_gen: dict[str, int] = {}
         self._recv_seq: dict[str, int] = {}
+        self._dead_send_gen: dict[str, int] = {}
         self._handoffs: dict[str, Handoff] = {}
         self._clients: dict[str, dist.TCPStore] = {}
         self._graveyard: list = []
 
     # ---- receiver side: channels ------------------------------------------------------------
     def new_channel(self, peer: str) -> Channel:
+        gen = self._recv_gen.get(peer, 0)
+        if self.store.check([f"pd/{peer}/{gen}/dead"]):  # the sender retired this pair's group
+            with self._lock:
+                pair = self._pairs.get((peer, False))
+            if pair is not None and pair.gen == gen:
+                pair.kill(f"sender {peer} closed gen {gen}")
+            with self._lock:
+                if self._recv_gen.get(peer, 0) == gen:
+                    self._recv_gen[peer], self._recv_seq[peer] = gen + 1, 0
         with self._lock:
             gen = self._recv_gen.get(peer, 0)
             seq = self._recv_seq.get(peer, 0)
             self._recv_seq[peer] = seq + 1
             return Channel(gen, seq)
 
+    def _mark_dead(self, peer_address: str, gen: int) -> None:
+        store = self._clients.get(peer_address)
+        if store is None:
+            return
+        try:
+            store.set(f"pd/{self.name}/{gen}/dead", "1")
+        except Exception:  # noqa: BLE001 - the receiver may be gone too
+            pass
+
     def _pair_died(self, pair: _Pair) -> None:
         with self._lock:
+            if pair.is_sender:
+                self._dead_send_gen[pair.peer] = max(self._dead_send_gen.get(pair.peer, -1), pair.gen)
             if self._pairs.get((pair.peer, pair.is_sender)) is pair:
                 del self._pairs[(pair.peer, pair.is_sender)]
             if not pair.is_sender and self._recv_gen.get(pair.peer, 0) == pair.gen:
@@ -259,6 +284,8 @@ class C10dConnector(KVConnector):
                 return pair
             if pair is not None and pair.gen > gen:
                 return f"stale channel gen {gen} (pair with {peer} is at gen {pair.gen})"
+            if is_sender and gen <= self._dead_send_gen.get(peer, -1):
+                return f"stale channel gen {gen}: that pair with {peer} failed; the receiver moves to a new gen"
             old = pair
             pair = _Pair(self, peer, peer_address, gen, is_sender)
             self._pairs[(peer, is_sender)] = pair

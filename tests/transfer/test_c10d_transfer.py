@@ -203,6 +203,23 @@ def test_receiver_killed_mid_handoff_sender_releases_everything(peers):
     assert d.proc.exitcode == 18
 
 
+def test_sender_side_abort_moves_the_pair_to_a_new_generation(peers):
+    p, d = peers("prefill-0", 81), peers("decode-0", 82)
+    handoff(p, d, "warm", [1], [1])
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    (ch,) = d.ask("channel", (p.name, 1), "channels")
+    # the receiver never posts this one; the sender aborts it mid-send (1.2 MB: it blocks)
+    out = p.ask("send_abort", (d.name, d.address, "gone", list(range(300)), ch, 30.0), "results")
+    assert out["gone"][0] == "FAILED" and out["gone"][1] == "aborted"
+    t = time.monotonic()
+    ch2 = handoff(p, d, "next", [5, 6], [7, 8])
+    assert ch2.gen == ch.gen + 1 and ch2.seq == 0  # the receiver saw the sender retire the gen
+    assert p.get("results")["next"][0] == "DONE"
+    out, blocks = d.get("results")
+    assert out["next"][0] == "DONE" and time.monotonic() - t < 10
+    assert torch.equal(blocks["next"], make_kv(81)[[5, 6]])
+
+
 def test_layout_mismatch_is_refused_on_both_sides(peers):
     p, d = peers("prefill-0", 61, head_dim=16), peers("decode-0", 62)
     handoff(p, d, "r", [1], [1], timeout=20)
