@@ -77,7 +77,7 @@ class Cluster:
         # worker (defaults: off; values above 1 turn the cached rule off)
         self.local_prefill_tokens = local_prefill_tokens
         self.local_cached_fraction = local_cached_fraction
-        self.on_handoff = None  # callback(result dict) for metrics
+        self.handoff_observers: list = []  # callbacks(result dict), e.g. each router's metrics
         self.engine_args = {**engine_args, "model": self.model_path}
         self.block_size = engine_args.get("block_size", 16)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -363,8 +363,9 @@ class Cluster:
                 res = await asyncio.wait_for(send, 30)
                 if handoff_failed(res):
                     log.warning("handoff %s reported %s", rid, res)
-                elif self.on_handoff is not None:
-                    self.on_handoff(res)
+                else:
+                    for observe in self.handoff_observers:
+                        observe(res)
             except (RayError, asyncio.TimeoutError):
                 pass
             return True

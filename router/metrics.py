@@ -74,7 +74,7 @@ class RouterMetrics:
         self.handoff_seconds = Histogram("pdserve:kv_handoff_seconds", "KV handoff latency",
                                          buckets=LATENCY_BUCKETS, registry=r)
         r.register(_WorkerCollector(cluster))
-        cluster.on_handoff = self.observe_handoff
+        cluster.handoff_observers.append(self.observe_handoff)
 
     def observe_handoff(self, res: dict) -> None:
         self.handoff_bytes.inc(res.get("bytes") or 0)
