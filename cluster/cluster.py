@@ -243,18 +243,13 @@ class Cluster:
         hashes = [h.hex() for h in hash_block_tokens(ids, self.block_size)]
         self.counters["requests"] += 1
         last_error = None
-        for attempt in range(3):
-            streamed = False
+        for attempt in range(3):  # WorkerLost means no token reached the client yet: retry elsewhere
             try:
-                streamed = await self._attempt(f"{rid}-{attempt}", prompt, ids, hashes, params, sink)
+                await self._attempt(f"{rid}-{attempt}", prompt, ids, hashes, params, sink)
                 return
             except WorkerLost as e:
                 last_error = e
-                if streamed:
-                    break
                 self.counters["retries"] += 1
-            except ValueError:
-                raise
         self.counters["failed"] += 1
         sink(RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [], finish_reason="error",
                                                                stop_reason=str(last_error))], True))
@@ -274,23 +269,31 @@ class Cluster:
                 return self.workers[holder], "local_cached"
         return None, ""
 
+    async def _relay(self, d: Worker, rid: str, prompt, sink, p: Worker, progress: dict) -> None:
+        """Passes the decode worker's stream to `sink`; progress["streamed"] tells the caller
+        whether the client has seen a token (then a failure cannot be retried elsewhere)."""
+        async for ref in d.actor.stream.options(num_returns="streaming").remote(rid):
+            out: RequestOutput = await ref
+            c = out.outputs[0] if out.outputs else None
+            if c is None:  # aborted
+                return
+            if c.finish_reason == "error" and not c.token_ids:
+                raise WorkerLost(f"request {rid} failed on {p.worker_id} -> {d.worker_id}: {c.stop_reason}")
+            out.prompt = prompt
+            progress["streamed"] = True
+            sink(self._tag(out, p, d))
+            if out.finished:
+                return
+
     async def _attempt_local(self, rid, prompt, ids, params, sink, d: Worker) -> bool:
         d.load += 1
-        streamed = False
+        progress = {"streamed": False}
         try:
             await d.actor.local.remote(rid, ids, params)
-            async for ref in d.actor.stream.options(num_returns="streaming").remote(rid):
-                out = await ref
-                if not out.outputs:
-                    return streamed
-                out.prompt = prompt
-                streamed = True
-                sink(self._tag(out, d, d))
-                if out.finished:
-                    break
+            await self._relay(d, rid, prompt, sink, d, progress)
             return True
         except RayActorError as e:
-            if streamed:
+            if progress["streamed"]:
                 sink(RequestOutput(rid, prompt, ids, [CompletionOutput(
                     0, "", [], finish_reason="error", stop_reason=f"decode worker {d.worker_id} died")], True))
                 return True
@@ -313,7 +316,7 @@ class Cluster:
         p = await self._pick_prefill(hashes, ids)
         p.load += 1
         d = None
-        streamed = False
+        progress = {"streamed": False}
         try:
             try:
                 pre = await p.actor.prefill.remote(rid, ids, params)
@@ -336,24 +339,13 @@ class Cluster:
                 p.actor.abort.remote(rid)
                 raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
             self.registry.begin_handoff.remote(rid, p.worker_id, d.worker_id, 60.0)
-            gen = d.actor.stream.options(num_returns="streaming").remote(rid)
+            relay = asyncio.ensure_future(self._relay(d, rid, prompt, sink, p, progress))
             send = p.actor.send.remote(rid, d.worker_id, d.info["address"], skip, channel)
             try:
-                async for ref in gen:
-                    out: RequestOutput = await ref
-                    if out.outputs and out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids:
-                        raise WorkerLost(f"handoff {p.worker_id} -> {d.worker_id} failed: "
-                                         f"{out.outputs[0].stop_reason}")
-                    if not out.outputs:  # aborted
-                        return streamed
-                    out.prompt = prompt
-                    streamed = True
-                    sink(self._tag(out, p, d))
-                    if out.finished:
-                        break
+                await relay
             except RayActorError as e:
                 p.actor.abort.remote(rid)
-                if streamed:
+                if progress["streamed"]:
                     sink(RequestOutput(rid, prompt, ids, [CompletionOutput(
                         0, "", [], finish_reason="error",
                         stop_reason=f"decode worker {d.worker_id} died mid-generation")], True))

@@ -225,6 +225,40 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    def stream_response(gen, first: RequestOutput, rid: str, created: int, obj: str, n_prompt: int, req, render,
+                        opening: dict | None = None) -> StreamingResponse:
+        """SSE for both endpoints: `render(out, completion)` gives each output's choices."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def event(choices: list, **extra) -> str:
+            return sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                        **extra})
+
+        async def body():
+            out = first
+            try:
+                if opening is not None:
+                    yield event([opening])
+                while True:
+                    c = out.outputs[0] if out.outputs else None
+                    if c is None:  # aborted
+                        break
+                    if c.finish_reason == "error":
+                        yield sse(error_body(f"request failed: {c.stop_reason}", "server_error", None, 503))
+                        break
+                    for choice in render(out, c):
+                        yield event([choice])
+                    if out.finished:
+                        if include_usage:
+                            yield event([], usage=usage(n_prompt, len(c.token_ids)))
+                        break
+                    out = await gen.__anext__()
+                yield "data: [DONE]\n\n"
+            finally:
+                await gen.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers_of(first))
+
     # ---- /v1/completions ---------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -255,32 +289,14 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
                                  "usage": usage(len(ids), len(c.token_ids))}, headers=headers_of(out))
         gen = outputs(text, ids, params, request)
         first = await first_output(gen)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def body():
-            out = first
-            try:
-                while True:
-                    c = out.outputs[0] if out.outputs else None
-                    if c is not None and c.finish_reason == "error":
-                        yield sse(error_body(f"request failed: {c.stop_reason}", "server_error", None, 503))
-                        break
-                    if c is not None and (out.delta_text or out.finished):
-                        yield sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                                   "choices": [{"index": 0, "text": out.delta_text, "logprobs": None,
-                                                "finish_reason": c.finish_reason if out.finished else None}]})
-                    if out.finished:
-                        if include_usage:
-                            yield sse({"id": rid, "object": "text_completion", "created": created,
-                                       "model": model_name, "choices": [],
-                                       "usage": usage(len(ids), len(c.token_ids) if c else 0)})
-                        break
-                    out = await gen.__anext__()
-                yield "data: [DONE]\n\n"
-            finally:
-                await gen.aclose()
+        def render(out: RequestOutput, c) -> list[dict]:
+            if not (out.delta_text or out.finished):
+                return []
+            return [{"index": 0, "text": out.delta_text, "logprobs": None,
+                     "finish_reason": c.finish_reason if out.finished else None}]
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers_of(first))
+        return stream_response(gen, first, rid, created, "text_completion", len(ids), req, render)
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -308,36 +324,16 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
                                  "usage": usage(len(ids), len(c.token_ids))}, headers=headers_of(out))
         gen = outputs(None, ids, params, request)
         first = await first_output(gen)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: dict, finish: str | None) -> str:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+        def render(out: RequestOutput, c) -> list[dict]:
+            choices = [{"index": 0, "delta": {"content": out.delta_text}, "logprobs": None, "finish_reason": None}
+                       ] if out.delta_text else []
+            if out.finished:
+                choices.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason})
+            return choices
 
-        async def body():
-            out = first
-            try:
-                yield chunk({"role": "assistant", "content": ""}, None)
-                while True:
-                    c = out.outputs[0] if out.outputs else None
-                    if c is not None and c.finish_reason == "error":
-                        yield sse(error_body(f"request failed: {c.stop_reason}", "server_error", None, 503))
-                        break
-                    if c is not None and out.delta_text:
-                        yield chunk({"content": out.delta_text}, None)
-                    if out.finished:
-                        yield chunk({}, c.finish_reason if c else "abort")
-                        if include_usage:
-                            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                       "model": model_name, "choices": [],
-                                       "usage": usage(len(ids), len(c.token_ids) if c else 0)})
-                        break
-                    out = await gen.__anext__()
-                yield "data: [DONE]\n\n"
-            finally:
-                await gen.aclose()
-
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers_of(first))
+        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return stream_response(gen, first, rid, created, "chat.completion.chunk", len(ids), req, render, opening)
 
     # ---- the rest --------------------------------------------------------------------------------
     @app.get("/v1/models")
