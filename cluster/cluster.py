@@ -251,8 +251,13 @@ class Cluster:
                 last_error = e
                 self.counters["retries"] += 1
         self.counters["failed"] += 1
-        sink(RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [], finish_reason="error",
-                                                               stop_reason=str(last_error))], True))
+        sink(self._error_output(rid, prompt, ids, str(last_error)))
+
+    @staticmethod
+    def _error_output(rid: str, prompt: str | None, ids: list[int], reason: str) -> RequestOutput:
+        """The final output of a request that failed: finish_reason "error", the cause as stop_reason."""
+        return RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [], finish_reason="error",
+                                                                 stop_reason=reason)], True)
 
     def _count(self, reason: str) -> None:
         self.counters["routing"][reason] = self.counters["routing"].get(reason, 0) + 1
@@ -294,8 +299,7 @@ class Cluster:
             return True
         except RayActorError as e:
             if progress["streamed"]:
-                sink(RequestOutput(rid, prompt, ids, [CompletionOutput(
-                    0, "", [], finish_reason="error", stop_reason=f"decode worker {d.worker_id} died")], True))
+                sink(self._error_output(rid, prompt, ids, f"decode worker {d.worker_id} died"))
                 return True
             raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
         except RayError as e:
@@ -346,9 +350,7 @@ class Cluster:
             except RayActorError as e:
                 p.actor.abort.remote(rid)
                 if progress["streamed"]:
-                    sink(RequestOutput(rid, prompt, ids, [CompletionOutput(
-                        0, "", [], finish_reason="error",
-                        stop_reason=f"decode worker {d.worker_id} died mid-generation")], True))
+                    sink(self._error_output(rid, prompt, ids, f"decode worker {d.worker_id} died mid-generation"))
                     return True
                 raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
             try:
