@@ -17,7 +17,7 @@ pdserve serve --host 127.0.0.1 --port "$PORT" &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 for _ in $(seq 1 300); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null && break
   kill -0 $SERVER 2>/dev/null || { echo "pdserve serve exited" >&2; exit 1; }
   sleep 1
 done
