@@ -8,6 +8,11 @@ per-request orchestration the router builds on.
     c.status()                       per worker: role, blocks, running, prefix hits
     c.shutdown()
 
+Pools are described by a `ServingConfig` (cluster/autoscale.py; a YAML file or
+dataclass): sizes and min/max per pool, the Ray resources each pool's actors request
+(`pdserve_prefill` / `pdserve_decode` when the cluster's nodes offer them, so Ray's
+autoscaler brings up the right node type), and the autoscaling policy's targets.
+
 One request: tokenize, chain-hash its full blocks -> prefill worker (registry's
 longest cached prefix, else consistent hash with bounded load) runs the prompt and
 samples token #1 -> decode worker (most free KV, least load) reserves blocks and
@@ -40,6 +45,7 @@ from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 
+from .autoscale import LatencyWindow, PoolSignals, PoolState, ServingConfig, decide
 from .registry import REGISTRY_NAME, BlockRegistry
 from .routing import Candidate, pick_decode, pick_prefill
 from .worker_actor import WorkerActor, handoff_failed
@@ -64,9 +70,21 @@ class WorkerLost(RuntimeError):
 
 
 class Cluster:
-    def __init__(self, model: str | None, prefill: int, decode: int, address: str | None,
+    def __init__(self, model: str | None, prefill: int | None, decode: int | None, address: str | None,
                  namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
-                 local_cached_fraction: float = 2.0):
+                 local_cached_fraction: float = 2.0, serving_config: ServingConfig | str | None = None,
+                 start_timeout: float = 900.0):
+        if isinstance(serving_config, str):
+            serving_config = ServingConfig.from_yaml(serving_config)
+        self.serving = serving_config or ServingConfig()
+        for role, n in (("prefill", prefill), ("decode", decode)):
+            if n is not None:  # explicit sizes win over the config's replicas; bounds widen to fit
+                pool = self.serving.pool(role)
+                pool.replicas = n
+                if not self.serving.autoscale.enabled:
+                    pool.min, pool.max = min(pool.min, n), max(pool.max, n)
+        self.serving.validate()
+        self.start_timeout = start_timeout
         self.model_path = resolve_model_path(model)
         # validate names and values here, not in an actor; keeps the limits the router checks
         self.engine_config = EngineConfig.from_kwargs(**{**engine_args, "model": self.model_path})
@@ -88,31 +106,56 @@ class Cluster:
                                               "PDSERVE_TORCH_THREADS") if k in os.environ}
             ray.init(address=address, namespace=namespace, include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=False)
-        self.actor_options = actor_options or self._default_actor_options()
+        self.actor_options = {role: dict(actor_options) if actor_options else self._role_options(role)
+                              for role in ROLES}
         self.registry = BlockRegistry.options(name=REGISTRY_NAME, namespace=namespace,
                                               get_if_exists=True).remote()
         self.workers: dict[str, Worker] = {}
         self.targets = {"prefill": 0, "decode": 0}
         self._ids = itertools.count()
-        self.counters = {"requests": 0, "retries": 0, "failed": 0, "routing": {}}
+        self.counters = {"requests": 0, "retries": 0, "failed": 0, "routing": {}, "autoscale": []}
+        window = self.serving.autoscale.window_s
+        self.ttft, self.itl = LatencyWindow(window), LatencyWindow(window)
+        self._pool_state = {role: PoolState() for role in ROLES}
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever, name="pdserve-cluster", daemon=True)
         self._thread.start()
         self._closed = False
         self._scaling = asyncio.Lock()
-        self.scale(prefill=prefill, decode=decode)
+        self._monitor = None
+        try:
+            self.scale(prefill=self.serving.prefill.replicas, decode=self.serving.decode.replicas)
+        except BaseException:
+            self.shutdown()
+            raise
         self._monitor = self._submit(self._monitor_loop())
 
     @classmethod
-    def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, address: str | None = None,
-              namespace: str = "pdserve", actor_options: dict | None = None, local_prefill_tokens: int = 0,
-              local_cached_fraction: float = 2.0, **engine_args) -> Cluster:
+    def start(cls, model: str | None = None, prefill: int | None = None, decode: int | None = None,
+              address: str | None = None, namespace: str = "pdserve", actor_options: dict | None = None,
+              local_prefill_tokens: int = 0, local_cached_fraction: float = 2.0,
+              serving_config: ServingConfig | str | None = None, start_timeout: float = 900.0,
+              **engine_args) -> Cluster:
+        """`prefill` / `decode` default to the serving config's replicas (1 each without one)."""
         return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
-                   local_prefill_tokens, local_cached_fraction)
+                   local_prefill_tokens, local_cached_fraction, serving_config, start_timeout)
 
-    def _default_actor_options(self) -> dict:
-        gpus = ray.cluster_resources().get("GPU", 0)
-        return {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 0}
+    def _role_options(self, role: str) -> dict:
+        """Ray options for one pool's actors: a GPU each when the cluster has GPUs, and the
+        pool's custom resource (pdserve_prefill / pdserve_decode) when some node offers it,
+        so that only that pool's node type can host it and the autoscaler grows that type."""
+        pool = self.serving.pool(role)
+        have = ray.cluster_resources()
+        gpus = pool.num_gpus if pool.num_gpus is not None else (1 if have.get("GPU", 0) else 0)
+        opts = {"num_cpus": pool.num_cpus if pool.num_cpus is not None else (1 if gpus else 0)}
+        if gpus:
+            opts["num_gpus"] = gpus
+        resources = pool.resources
+        if resources is None:
+            resources = {f"pdserve_{role}": 1} if have.get(f"pdserve_{role}", 0) else {}
+        if resources:
+            opts["resources"] = dict(resources)
+        return opts
 
     # ---- sync facade over the cluster's event loop ---------------------------------------------
     def _submit(self, coro):
@@ -125,9 +168,12 @@ class Cluster:
     def scale(self, prefill: int | None = None, decode: int | None = None, timeout: float = 600) -> dict:
         """Sets the pool sizes. Growth returns once the new workers serve; shrinking drains
         the removed workers (no new requests; in-flight ones finish) before they stop."""
-        for n in (prefill, decode):
+        for role, n in (("prefill", prefill), ("decode", decode)):
             if n is not None and n < 1:
-                raise ValueError(f"each pool needs at least one worker, got {n}")
+                raise ValueError(f"each pool needs at least one worker, got {role}={n}")
+            pool = self.serving.pool(role)
+            if n is not None and self.serving.autoscale.enabled and not (pool.min <= n <= pool.max):
+                raise ValueError(f"{role}={n} is outside the autoscaler's bounds [{pool.min}, {pool.max}]")
         return self._run(self._scale({"prefill": prefill, "decode": decode}), timeout)
 
     async def _scale(self, want: dict) -> dict:
@@ -158,9 +204,14 @@ class Cluster:
     async def _add_worker(self, role: str) -> Worker:
         wid = f"{role}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
         cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000,
-                                              **self.actor_options)
+                                              **self.actor_options[role])
         actor = cls.remote(wid, role, self.engine_args, self.namespace)
-        info = await actor.start.remote()
+        try:
+            info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
+        except asyncio.TimeoutError:
+            ray.kill(actor)
+            raise RuntimeError(f"{role} worker did not start within {self.start_timeout:.0f} s: no node offers "
+                               f"{self.actor_options[role]} (is the autoscaler at its node type's max?)") from None
         w = Worker(wid, role, actor, info)
         self.workers[wid] = w
         log.info("worker %s started", wid)
@@ -209,6 +260,43 @@ class Cluster:
                         await self._reconcile()
                     except RayError as e:
                         log.warning("refilling pools failed: %s", e)
+            if self.serving.autoscale.enabled and not self._closed and not self._scaling.locked():
+                self._autoscale_step(time.monotonic())
+
+    def pool_signals(self, now: float | None = None) -> dict[str, PoolSignals]:
+        """The autoscaler's inputs, from the stats the monitor gathered and the latency windows."""
+        now = time.monotonic() if now is None else now
+        out = {}
+        for role in ROLES:
+            live = [w for w in self.workers.values() if w.role == role and not w.draining]
+            n = max(1, len(live))
+            if role == "prefill":
+                waiting = sum(w.stats.get("num_waiting", 0) for w in live)
+                out[role] = PoolSignals(len(live), queue=waiting / n, latency=self.ttft.quantile(0.9, now))
+            else:
+                used = sum(w.stats.get("kv_blocks_used", 0) for w in live)
+                total = sum(w.stats.get("kv_blocks_total", w.info.get("capacity_blocks", 0)) for w in live)
+                out[role] = PoolSignals(len(live), usage=used / total if total else 0.0,
+                                        latency=self.itl.quantile(0.9, now))
+        return out
+
+    def _autoscale_step(self, now: float) -> None:
+        cfg, want = self.serving.autoscale, {}
+        for role, sig in self.pool_signals(now).items():
+            if sig.size != self.targets[role]:
+                continue  # a change is still being applied
+            size, why = decide(role, sig, cfg, self.serving.pool(role), self._pool_state[role], now)
+            if size != sig.size:
+                want[role] = size
+                self._pool_state[role].last_change = now
+                self._pool_state[role].calm_since = None
+                event = {"time": time.time(), "role": role, "from": sig.size, "to": size, "reason": why}
+                self.counters["autoscale"].append(event)
+                log.warning("autoscale %s: %d -> %d (%s)", role, sig.size, size, why)
+        if want:
+            task = asyncio.ensure_future(self._scale(want))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or
+                                   log.warning("autoscale failed: %s", t.exception()))
 
     # ---- placement ---------------------------------------------------------------------------
     def _candidates(self, role: str) -> list[Candidate]:
@@ -242,6 +330,7 @@ class Cluster:
         rid = uuid.uuid4().hex[:16]
         hashes = [h.hex() for h in hash_block_tokens(ids, self.block_size)]
         self.counters["requests"] += 1
+        sink = self._observed(sink)
         last_error = None
         for attempt in range(3):  # WorkerLost means no token reached the client yet: retry elsewhere
             try:
@@ -252,6 +341,24 @@ class Cluster:
                 self.counters["retries"] += 1
         self.counters["failed"] += 1
         sink(self._error_output(rid, prompt, ids, str(last_error)))
+
+    def _observed(self, sink):
+        """Wraps a request's sink to record TTFT and inter-token latency for the autoscaler."""
+        t0 = time.monotonic()
+        last = None
+
+        def observe(out: RequestOutput) -> None:
+            nonlocal last
+            if out.outputs and out.outputs[0].token_ids:
+                now = time.monotonic()
+                if last is None:
+                    self.ttft.add(now - t0, now)
+                else:
+                    self.itl.add(now - last, now)
+                last = now
+            sink(out)
+
+        return observe
 
     @staticmethod
     def _error_output(rid: str, prompt: str | None, ids: list[int], reason: str) -> RequestOutput:
@@ -455,7 +562,8 @@ class Cluster:
                                  return_exceptions=True)
 
         try:
-            self._monitor.cancel()
+            if self._monitor is not None:
+                self._monitor.cancel()
             self._run(stop_all(), 60)
         finally:
             try:

@@ -70,7 +70,8 @@ class WorkerActor:
 
     def info(self) -> dict:
         return {"role": self.role_name, "address": self.connector.address, "epoch": self.epoch,
-                "node": ray.util.get_node_ip_address(), "capacity_blocks": self.engine.kv.num_blocks,
+                "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "capacity_blocks": self.engine.kv.num_blocks,
                 "layout": self.connector.layout}
 
     async def stop(self) -> None:

@@ -363,13 +363,18 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
         for k, v in data.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HTTPError(400, f"{k} must be an integer >= 1, got {v!r}", param=k)
-        sizes = await asyncio.get_running_loop().run_in_executor(None, lambda: cluster.scale(**data))
+        try:
+            sizes = await asyncio.get_running_loop().run_in_executor(None, lambda: cluster.scale(**data))
+        except ValueError as e:  # e.g. outside the autoscaler's bounds
+            raise HTTPError(400, str(e)) from None
         return {"pools": sizes}
 
     @app.get("/admin/status")
     async def status():
         rows = await asyncio.get_running_loop().run_in_executor(None, cluster.status)
-        return {"pools": cluster.pool_sizes(), "workers": rows, "routing": cluster.counters["routing"]}
+        return {"pools": cluster.pool_sizes(), "workers": rows, "routing": cluster.counters["routing"],
+                "autoscale": {"enabled": cluster.serving.autoscale.enabled,
+                              "events": cluster.counters["autoscale"][-20:]}}
 
     app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     return app

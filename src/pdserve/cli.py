@@ -2,6 +2,7 @@
 
     pdserve generate "prompt" [--model DIR] [--max-tokens N] [--temperature T] ...
     pdserve serve [--model M] [--prefill N] [--decode M] [--host 127.0.0.1] [--port 8000] ...
+                  [--config serving.yaml] [--autoscale] [--min-decode 1 --max-decode 8] ...
     pdserve status [--address auto]
     pdserve scale --prefill N --decode M [--url http://127.0.0.1:8000]
 
@@ -84,6 +85,35 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+AUTOSCALE_FLAGS = {"target_prefill_queue": "prefill_queue", "target_ttft_p90": "ttft_p90_s",
+                   "target_kv_usage": "kv_usage", "target_itl_p90": "itl_p90_s", "autoscale_cooldown": "cooldown_s",
+                   "autoscale_idle": "idle_s"}
+
+
+def serving_config(args: argparse.Namespace):
+    """The serving config: the YAML file (--config) if given, then flags on top."""
+    from pdserve.cluster.autoscale import ServingConfig
+
+    cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
+    if args.autoscale:
+        cfg.autoscale.enabled = True
+    for flag, name in AUTOSCALE_FLAGS.items():
+        if getattr(args, flag) is not None:
+            setattr(cfg.autoscale, name, getattr(args, flag))
+    for role in ("prefill", "decode"):
+        pool = cfg.pool(role)
+        for bound in ("min", "max"):
+            if getattr(args, f"{bound}_{role}") is not None:
+                setattr(pool, bound, getattr(args, f"{bound}_{role}"))
+        if args.gpus_per_worker is not None:
+            pool.num_gpus = args.gpus_per_worker
+        if args.pool_resources == "on":
+            pool.resources = {f"pdserve_{role}": 1}
+        elif args.pool_resources == "off":
+            pool.resources = {}
+    return cfg
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -99,12 +129,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs.pop("model", None)
     cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
                             local_prefill_tokens=args.local_prefill_tokens,
-                            local_cached_fraction=args.local_cached_fraction, **kwargs)
+                            local_cached_fraction=args.local_cached_fraction, serving_config=serving_config(args),
+                            **kwargs)
     try:
         app = build_app(cluster, api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                         served_model_name=args.served_model_name)
+        pools = cluster.pool_sizes()
         print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} "
-              f"(prefill={args.prefill}, decode={args.decode})", flush=True)
+              f"(prefill={pools['prefill']}, decode={pools['decode']}, "
+              f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         cluster.shutdown()
@@ -142,8 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     sv = sub.add_parser("serve", help="start a cluster and its OpenAI-compatible HTTP router")
     _add_engine_args(sv)
-    sv.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    sv.add_argument("--decode", type=int, default=1, help="decode workers")
+    sv.add_argument("--prefill", type=int, default=None, help="prefill workers (default: config's, else 1)")
+    sv.add_argument("--decode", type=int, default=None, help="decode workers (default: config's, else 1)")
+    sv.add_argument("--config", default=None, help="serving config YAML: pools, resources, autoscaling targets")
+    sv.add_argument("--autoscale", action="store_true", help="turn on the autoscaling policy")
+    for role in ("prefill", "decode"):
+        sv.add_argument(f"--min-{role}", type=int, default=None, help=f"autoscaler's lower bound for {role}")
+        sv.add_argument(f"--max-{role}", type=int, default=None, help=f"autoscaler's upper bound for {role}")
+    sv.add_argument("--target-prefill-queue", type=float, default=None, help="waiting prompts per prefill worker")
+    sv.add_argument("--target-ttft-p90", type=float, default=None, help="seconds")
+    sv.add_argument("--target-kv-usage", type=float, default=None, help="fraction of decode KV blocks in use")
+    sv.add_argument("--target-itl-p90", type=float, default=None, help="seconds")
+    sv.add_argument("--autoscale-cooldown", type=float, default=None, help="seconds between changes of a pool")
+    sv.add_argument("--autoscale-idle", type=float, default=None, help="seconds calm before a pool shrinks")
+    sv.add_argument("--pool-resources", choices=("auto", "on", "off"), default="auto",
+                    help="request pdserve_prefill / pdserve_decode per actor (auto: when a node offers them)")
+    sv.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 when the cluster has GPUs")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--address", default=None, help="join this Ray cluster (auto | host:port); default: start one")
