@@ -181,13 +181,16 @@ class Cluster:
             for role, n in want.items():
                 if n is not None:
                     self.targets[role] = n
-            await self._reconcile()
+            drains = await self._reconcile()
+        await asyncio.gather(*drains)  # outside the lock: a long drain blocks no other scaling
         return self.pool_sizes()
 
     def pool_sizes(self) -> dict:
         return {r: sum(1 for w in self.workers.values() if w.role == r and not w.draining) for r in ROLES}
 
-    async def _reconcile(self) -> None:
+    async def _reconcile(self) -> list:
+        """Starts workers up to the targets (awaited) and marks the surplus draining; returns
+        the drain tasks."""
         adds, drains = [], []
         for role in ROLES:
             live = [w for w in self.workers.values() if w.role == role and not w.draining]
@@ -195,11 +198,10 @@ class Cluster:
                 adds.append(self._add_worker(role))
             for w in sorted(live, key=lambda w: w.worker_id, reverse=True)[: max(0, len(live) - self.targets[role])]:
                 w.draining = True
-                drains.append(self._drain_and_remove(w))
+                drains.append(asyncio.ensure_future(self._drain_and_remove(w)))
         if adds:
             await asyncio.gather(*adds)
-        if drains:
-            await asyncio.gather(*drains)
+        return drains
 
     async def _add_worker(self, role: str) -> Worker:
         wid = f"{role}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
@@ -257,7 +259,7 @@ class Cluster:
             if not self._closed and not self._scaling.locked():
                 async with self._scaling:
                     try:
-                        await self._reconcile()
+                        await self._reconcile()  # drains it starts run on their own
                     except RayError as e:
                         log.warning("refilling pools failed: %s", e)
             if self.serving.autoscale.enabled and not self._closed and not self._scaling.locked():
@@ -427,7 +429,7 @@ class Cluster:
         p = await self._pick_prefill(hashes, ids)
         p.load += 1
         d = None
-        progress = {"streamed": False}
+        progress = {"streamed": False, "prefill_released": False}
         try:
             try:
                 pre = await p.actor.prefill.remote(rid, ids, params)
@@ -451,7 +453,8 @@ class Cluster:
                 raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
             self.registry.begin_handoff.remote(rid, p.worker_id, d.worker_id, 60.0)
             relay = asyncio.ensure_future(self._relay(d, rid, prompt, sink, p, progress))
-            send = p.actor.send.remote(rid, d.worker_id, d.info["address"], skip, channel)
+            send = asyncio.ensure_future(
+                self._sent(p, p.actor.send.remote(rid, d.worker_id, d.info["address"], skip, channel), rid, progress))
             try:
                 await relay
             except RayActorError as e:
@@ -460,15 +463,7 @@ class Cluster:
                     sink(self._error_output(rid, prompt, ids, f"decode worker {d.worker_id} died mid-generation"))
                     return True
                 raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
-            try:
-                res = await asyncio.wait_for(send, 30)
-                if handoff_failed(res):
-                    log.warning("handoff %s reported %s", rid, res)
-                else:
-                    for observe in self.handoff_observers:
-                        observe(res)
-            except (RayError, asyncio.TimeoutError):
-                pass
+            await send
             return True
         except asyncio.CancelledError:  # the client went away: free the blocks everywhere
             p.actor.abort.remote(rid)
@@ -476,10 +471,29 @@ class Cluster:
                 d.actor.abort.remote(rid)
             raise
         finally:
-            p.load -= 1
+            if not progress["prefill_released"]:
+                progress["prefill_released"] = True
+                p.load -= 1
             if d is not None:
                 d.load -= 1
                 self.registry.end_handoff.remote(rid)
+
+    async def _sent(self, p: Worker, send, rid: str, progress: dict) -> None:
+        """Waits for the prefill side of a handoff; from then on the request no longer loads
+        the prefill worker (its routing load, and what a drain of it waits for)."""
+        try:
+            res = await asyncio.wait_for(send, 120)
+            if handoff_failed(res):
+                log.warning("handoff %s reported %s", rid, res)
+            else:
+                for observe in self.handoff_observers:
+                    observe(res)
+        except (RayError, asyncio.TimeoutError):
+            pass
+        finally:
+            if not progress["prefill_released"]:
+                progress["prefill_released"] = True
+                p.load -= 1
 
     @staticmethod
     def _tag(out: RequestOutput, p: Worker, d: Worker | None) -> RequestOutput:
