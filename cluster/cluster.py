@@ -73,7 +73,12 @@ class Cluster:
     def __init__(self, model: str | None, prefill: int | None, decode: int | None, address: str | None,
                  namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
                  local_cached_fraction: float = 2.0, serving_config: ServingConfig | str | None = None,
-                 start_timeout: float = 900.0):
+                 start_timeout: float = 900.0, mode: str = "disaggregated"):
+        if mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
+        if mode == "colocated" and prefill:
+            raise ValueError("colocated mode has no prefill pool: size it with decode=N (N colocated engines)")
+        self.mode = mode
         if isinstance(serving_config, str):
             serving_config = ServingConfig.from_yaml(serving_config)
         self.serving = serving_config or ServingConfig()
@@ -124,7 +129,8 @@ class Cluster:
         self._scaling = asyncio.Lock()
         self._monitor = None
         try:
-            self.scale(prefill=self.serving.prefill.replicas, decode=self.serving.decode.replicas)
+            self.scale(prefill=None if mode == "colocated" else self.serving.prefill.replicas,
+                       decode=self.serving.decode.replicas)
         except BaseException:
             self.shutdown()
             raise
@@ -135,10 +141,12 @@ class Cluster:
               address: str | None = None, namespace: str = "pdserve", actor_options: dict | None = None,
               local_prefill_tokens: int = 0, local_cached_fraction: float = 2.0,
               serving_config: ServingConfig | str | None = None, start_timeout: float = 900.0,
-              **engine_args) -> Cluster:
-        """`prefill` / `decode` default to the serving config's replicas (1 each without one)."""
+              mode: str = "disaggregated", **engine_args) -> Cluster:
+        """`prefill` / `decode` default to the serving config's replicas (1 each without one).
+        mode="colocated" is the baseline: `decode` engines that each prefill (chunked) and
+        decode their own requests, placed by cached prefix then consistent hash; no handoff."""
         return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
-                   local_prefill_tokens, local_cached_fraction, serving_config, start_timeout)
+                   local_prefill_tokens, local_cached_fraction, serving_config, start_timeout, mode)
 
     def _role_options(self, role: str) -> dict:
         """Ray options for one pool's actors: a GPU each when the cluster has GPUs, and the
@@ -168,6 +176,8 @@ class Cluster:
     def scale(self, prefill: int | None = None, decode: int | None = None, timeout: float = 600) -> dict:
         """Sets the pool sizes. Growth returns once the new workers serve; shrinking drains
         the removed workers (no new requests; in-flight ones finish) before they stop."""
+        if self.mode == "colocated" and prefill is not None:
+            raise ValueError("colocated mode has no prefill pool: scale decode (the colocated engines)")
         for role, n in (("prefill", prefill), ("decode", decode)):
             if n is not None and n < 1:
                 raise ValueError(f"each pool needs at least one worker, got {role}={n}")
@@ -204,7 +214,8 @@ class Cluster:
         return drains
 
     async def _add_worker(self, role: str) -> Worker:
-        wid = f"{role}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
+        label = "colocated" if self.mode == "colocated" else role
+        wid = f"{label}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
         cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000,
                                               **self.actor_options[role])
         actor = cls.remote(wid, role, self.engine_args, self.namespace)
@@ -285,7 +296,7 @@ class Cluster:
     def _autoscale_step(self, now: float) -> None:
         cfg, want = self.serving.autoscale, {}
         for role, sig in self.pool_signals(now).items():
-            if sig.size != self.targets[role]:
+            if sig.size != self.targets[role] or (role == "prefill" and self.mode == "colocated"):
                 continue  # a change is still being applied
             size, why = decide(role, sig, cfg, self.serving.pool(role), self._pool_state[role], now)
             if size != sig.size:
@@ -311,10 +322,12 @@ class Cluster:
                 out.append(Candidate(w.worker_id, w.load, total - used, total))
         return out
 
-    async def _pick_prefill(self, hashes: list[str], prompt_ids: list[int]) -> Worker:
-        cached = await self.registry.longest_prefix.remote(hashes, "prefill") if hashes else (None, 0)
+    async def _pick_prefill(self, hashes: list[str], prompt_ids: list[int], role: str = "prefill") -> Worker:
+        """The worker to run this prompt's prefill: of the prefill pool, or (colocated mode)
+        of the decode pool."""
+        cached = await self.registry.longest_prefix.remote(hashes, role) if hashes else (None, 0)
         key = hashes[0] if hashes else str(prompt_ids[: self.block_size])
-        wid, reason = pick_prefill(self._candidates("prefill"), key, tuple(cached))
+        wid, reason = pick_prefill(self._candidates(role), key, tuple(cached))
         self._count(reason)
         return self.workers[wid]
 
@@ -422,6 +435,9 @@ class Cluster:
             d.load -= 1
 
     async def _attempt(self, rid, prompt, ids, hashes, params, sink) -> bool:
+        if self.mode == "colocated":
+            w = await self._pick_prefill(hashes, ids, role="decode")
+            return await self._attempt_local(rid, prompt, ids, params, sink, w)
         local, reason = await self._local_decode(hashes, ids)
         if local is not None:
             self._count(reason)

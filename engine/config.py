@@ -130,6 +130,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random values (benchmarks)
     seed: int = 0
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)
@@ -143,6 +144,8 @@ class EngineConfig:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {bs}")

@@ -26,7 +26,8 @@ from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, load_format: str = "auto"):
+    def __init__(self, config: EngineConfig, load_format: str | None = None):
+        load_format = load_format or config.load_format
         config.resolve(resolve_model_path(config.model))
         self.config = config
         self.model_config = config.model_config

@@ -24,7 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, load_format: str = "auto", **engine_args):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), load_format)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, load_format=load_format, **engine_args))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -344,7 +344,7 @@ def build_app(cluster, api_key: str | None = None, max_body_bytes: int = 1 << 20
     @app.get("/health")
     async def health():
         pools = cluster.pool_sizes()
-        ok = pools["prefill"] > 0 and pools["decode"] > 0
+        ok = pools["decode"] > 0 and (pools["prefill"] > 0 or cluster.mode == "colocated")
         return JSONResponse({"status": "ok" if ok else "degraded", "pools": pools}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -16,3 +16,25 @@ def test_generate_reports_bad_input():
     out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--max-tokens" in out.stdout
+
+
+def test_serve_flags_layer_over_the_serving_config(tmp_path):
+    from pdserve.cli import build_parser, serving_config
+
+    cfg_file = tmp_path / "serving.yaml"
+    cfg_file.write_text("decode: {min: 2, max: 6}\nautoscale: {itl_p90_s: 0.2, cooldown_s: 5}\n")
+    args = build_parser().parse_args(["serve", "--config", str(cfg_file), "--autoscale", "--max-decode", "4",
+                                      "--target-kv-usage", "0.7", "--pool-resources", "on"])
+    cfg = serving_config(args).validate()
+    assert cfg.autoscale.enabled and cfg.autoscale.kv_usage == 0.7 and cfg.autoscale.itl_p90_s == 0.2
+    assert (cfg.decode.min, cfg.decode.max, cfg.decode.replicas) == (2, 4, 2)
+    assert cfg.prefill.resources == {"pdserve_prefill": 1} and cfg.decode.resources == {"pdserve_decode": 1}
+    assert not serving_config(build_parser().parse_args(["serve"])).autoscale.enabled
+
+
+def test_serve_refuses_a_bad_serving_config(tmp_path):
+    cfg_file = tmp_path / "serving.yaml"
+    cfg_file.write_text("autoscale: {kv_usage: 3}\n")
+    out = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--config", str(cfg_file)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "kv_usage" in out.stderr

@@ -5,6 +5,7 @@
                   [--config serving.yaml] [--autoscale] [--min-decode 1 --max-decode 8] ...
     pdserve status [--address auto]
     pdserve scale --prefill N --decode M [--url http://127.0.0.1:8000]
+    pdserve bench [--url ...] [--workload trace|synthetic|shared-prefix] [--rates 1,2,4] ...
 
 Subcommands import Ray, FastAPI and uvicorn lazily, so `pdserve generate` runs with
 the engine alone.
@@ -24,11 +25,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights of the config's shape)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
-            "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype}
+    out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
+           "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
+           "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
+    for name in ("max_num_seqs", "max_num_batched_tokens"):  # None: the engine's default
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -130,13 +141,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
                             local_prefill_tokens=args.local_prefill_tokens,
                             local_cached_fraction=args.local_cached_fraction, serving_config=serving_config(args),
-                            **kwargs)
+                            mode=args.mode, **kwargs)
     try:
         app = build_app(cluster, api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                         served_model_name=args.served_model_name)
         pools = cluster.pool_sizes()
-        print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} "
-              f"(prefill={pools['prefill']}, decode={pools['decode']}, "
+        sizes = f"colocated={pools['decode']}" if args.mode == "colocated" else \
+            f"prefill={pools['prefill']}, decode={pools['decode']}"
+        print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
               f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -177,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(sv)
     sv.add_argument("--prefill", type=int, default=None, help="prefill workers (default: config's, else 1)")
     sv.add_argument("--decode", type=int, default=None, help="decode workers (default: config's, else 1)")
+    sv.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
+                    help="colocated: the baseline, --decode N engines that prefill (chunked) and decode")
     sv.add_argument("--config", default=None, help="serving config YAML: pools, resources, autoscaling targets")
     sv.add_argument("--autoscale", action="store_true", help="turn on the autoscaling policy")
     for role in ("prefill", "decode"):
@@ -214,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", default="auto", help="Ray address of the cluster (default: auto)")
     st.add_argument("--namespace", default="pdserve")
     st.set_defaults(func=cmd_status)
+    from pdserve.bench import add_parser as add_bench  # argparse only; the client loads on use
+
+    add_bench(sub)
     return parser
 
 

@@ -1,0 +1,142 @@
+"""Serving benchmark on one host's GPUs: pdserve disaggregated (1 prefill + 1 decode),
+pdserve colocated (2 engines, chunked prefill) and Hugging Face `generate` (batched, one
+replica per GPU), each behind an OpenAI endpoint, all measured by `pdserve bench`.
+
+    python bench/serving_gpu.py --tokenizer DIR --systems disagg,colocated,hf \\
+        --workloads long,trace --out bench/results/serving
+
+Model: Llama-3-8B's shape (32 layers, 4096 hidden, GQA 32:8, 14336 MLP) with random bf16
+weights; the vocabulary is the given tokenizer's (SmolLM2's 49,152 tokens, so outputs
+detokenize), not Llama 3's 128,256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+
+# workload -> pdserve bench arguments (SLOs: see bench/results/serving/README in the note)
+WORKLOADS = {
+    "long": ["--workload", "synthetic", "--input-len", "4096", "--output-len", "256", "--num-requests", "40",
+             "--slo-ttft", "1.0", "--slo-tpot", "0.04"],
+    "trace": ["--workload", "trace", "--trace", TRACE, "--length-scale", "0.25", "--output-scale", "0.5",
+              "--max-input-len", "8000", "--max-output-len", "512", "--num-requests", "60", "--trace-start", "0",
+              "--slo-ttft", "2.0", "--slo-tpot", "0.04"],
+}
+RATES = {"long": "1.5,3,4.5,6,9", "trace": "2,4,6,9,13"}
+
+
+def build_model(out_dir: str, tokenizer_dir: str) -> str:
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 8192,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 49152, "tie_word_embeddings": False,
+           "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "initializer_range": 0.02}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    return out_dir
+
+
+def server_cmd(system: str, model: str, port: int) -> list[str]:
+    common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "8704",
+              "--port", str(port), "--gpu-memory-utilization", "0.85", "--max-queue", "4096"]
+    if system == "disagg":
+        return [sys.executable, "-m", "pdserve", "serve", "--prefill", "1", "--decode", "1", *common]
+    if system == "colocated":
+        return [sys.executable, "-m", "pdserve", "serve", "--mode", "colocated", "--decode", "2", *common]
+    if system == "hf":
+        return [sys.executable, os.path.join(HERE, "hf_server.py"), "--model", model, "--dummy", "--gpus", "2",
+                "--max-batch", "32", "--port", str(port)]
+    raise ValueError(system)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError("server did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--systems", default="disagg,colocated,hf")
+    ap.add_argument("--workloads", default="long,trace")
+    ap.add_argument("--out", default="bench/results/serving")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--rates", default=None, help="override the sweep for every workload")
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
+    url = f"http://127.0.0.1:{args.port}"
+    summary = []
+    for system in args.systems.split(","):
+        log = open(os.path.join(tempfile.gettempdir(), f"server-{system}.log"), "w")
+        proc = subprocess.Popen(server_cmd(system, model, args.port), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            up = wait_healthy(url, proc)
+            print(f"== {system}: healthy after {up:.0f} s", flush=True)
+            # warm-up: compile, CUDA graphs, NCCL pair setup
+            subprocess.run([sys.executable, "-m", "pdserve", "bench", "--url", url, "--workload", "synthetic",
+                            "--input-len", "2048", "--output-len", "16", "--num-requests", "8", "--rate", "inf"],
+                           capture_output=True, timeout=300)
+            for wl in args.workloads.split(","):
+                cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, *WORKLOADS[wl],
+                       "--rates", args.rates or RATES[wl], "--label", system, "--out", args.out,
+                       "--name", f"{wl}_{system}"]
+                t = time.time()
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                print(res.stdout[-3000:], flush=True)
+                if res.returncode != 0:
+                    print(res.stderr[-3000:], flush=True)
+                with open(os.path.join(args.out, f"{wl}_{system}.json")) as f:
+                    g = json.load(f)["goodput"]
+                summary.append((wl, system, g["rps"], g["lower_bound"], time.time() - t))
+        except Exception as e:  # noqa: BLE001 - keep the other systems' results
+            print(f"== {system} failed: {e}", flush=True)
+            log.flush()
+            with open(log.name) as f:
+                print(f.read()[-4000:], flush=True)
+        finally:
+            stop(proc)
+            log.close()
+    print("\n| workload | system | goodput (req/s) | wall (s) |\n| --- | --- | --- | --- |")
+    for wl, system, rps, lb, wall in summary:
+        print(f"| {wl} | {system} | {'>= ' if lb else ''}{rps:.2f} | {wall:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Benchmark statistics, goodput, markdown tables and plots.
+
+SLO attainment at a rate: the fraction of all sent requests (failures count as misses)
+with TTFT <= ttft_slo and TPOT <= tpot_slo. Goodput (DistServe): the highest request
+rate at which attainment stays >= 90%, interpolated linearly between the swept rates
+around the first rate that falls below; when every rate attains, the highest swept
+rate (a lower bound, flagged).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from .client import Record
+
+ATTAINMENT = 0.9
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    k = (len(vals) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+
+def _dist(values: list[float]) -> dict:
+    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)} | {
+        "mean": (sum(values) / len(values)) if values else None}
+
+
+def summarize(records: list[Record], duration: float, rate: float, ttft_slo: float, tpot_slo: float,
+              metrics_before: dict | None = None, metrics_after: dict | None = None) -> dict:
+    ok = [r for r in records if r.ok]
+    met = sum(1 for r in ok if r.ttft <= ttft_slo and (r.tpot is None or r.tpot <= tpot_slo))
+    itls = [g for r in ok for g in r.itls]
+    out_tokens = sum(r.output_tokens for r in ok)
+    hit_rate = None
+    if metrics_before is not None and metrics_after:
+        q = metrics_after.get("vllm:prefix_cache_queries_total", 0) - metrics_before.get(
+            "vllm:prefix_cache_queries_total", 0)
+        h = metrics_after.get("vllm:prefix_cache_hits_total", 0) - metrics_before.get("vllm:prefix_cache_hits_total", 0)
+        hit_rate = h / q if q > 0 else None
+    errors = sorted({r.error for r in records if r.error})[:5]
+    return {
+        "rate": rate, "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": errors, "duration_s": duration,
+        "ttft_s": _dist([r.ttft for r in ok]), "tpot_s": _dist([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": _dist(itls), "e2e_s": _dist([r.e2e for r in ok]),
+        "throughput_rps": len(ok) / duration if duration > 0 else 0.0,
+        "output_tok_s": out_tokens / duration if duration > 0 else 0.0,
+        "input_tok_s": sum(r.prompt_tokens for r in ok) / duration if duration > 0 else 0.0,
+        "slo_attainment": met / len(records) if records else 0.0,
+        "slo_goodput_rps": met / duration if duration > 0 else 0.0,
+        "prefix_hit_rate": hit_rate,
+    }
+
+
+def goodput(runs: list[dict], level: float = ATTAINMENT) -> dict:
+    """{"rps": ..., "lower_bound": bool} from runs at increasing rates."""
+    pts = sorted((r["rate"], r["slo_attainment"]) for r in runs if math.isfinite(r["rate"]))
+    if not pts:
+        return {"rps": None, "lower_bound": False}
+    if pts[0][1] < level:  # misses at the lowest swept rate: below what the sweep can tell
+        return {"rps": 0.0, "lower_bound": False}
+    for (r0, a0), (r1, a1) in zip(pts, pts[1:]):
+        if a1 < level:
+            return {"rps": r0 + (a0 - level) / (a0 - a1) * (r1 - r0), "lower_bound": False}
+    return {"rps": pts[-1][0], "lower_bound": True}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def markdown(result: dict) -> str:
+    cfg = result["config"]
+    lines = [f"### {result['label']}: {cfg['workload_desc']}", "",
+             f"SLOs: TTFT <= {cfg['ttft_slo']} s, TPOT <= {cfg['tpot_slo'] * 1000:.0f} ms; goodput "
+             f"(>= {ATTAINMENT:.0%} attainment): **{_fmt_goodput(result['goodput'])} req/s**", "",
+             "| rate (req/s) | done/sent | TTFT p50/p90/p99 (ms) | TPOT p50/p90/p99 (ms) | ITL p90 (ms) "
+             "| out tok/s | SLO attainment | prefix hit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["runs"]:
+        t, p = r["ttft_s"], r["tpot_s"]
+        hit = "-" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.0%}"
+        lines.append(f"| {r['rate']:g} | {r['completed']}/{r['requests']} | {_ms(t['p50'])}/{_ms(t['p90'])}/"
+                     f"{_ms(t['p99'])} | {_ms(p['p50'])}/{_ms(p['p90'])}/{_ms(p['p99'])} | {_ms(r['itl_s']['p90'])} "
+                     f"| {r['output_tok_s']:.0f} | {r['slo_attainment']:.0%} | {hit} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_goodput(g: dict) -> str:
+    if g["rps"] is None:
+        return "-"
+    return f"{'>= ' if g['lower_bound'] else ''}{g['rps']:.2f}"
+
+
+def write(result: dict, out_dir: str, stem: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md")]
+    with open(paths[0], "w") as f:
+        json.dump(result, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write(markdown(result))
+    paths += plot([result], out_dir, stem)
+    return paths
+
+
+def plot(results: list[dict], out_dir: str, stem: str) -> list[str]:
+    """latency vs rate and SLO attainment vs rate, one line per result; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("pdserve bench: matplotlib is not installed; skipping plots (pip install 'pdserve[bench]')")
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = results[0]["config"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for res in results:
+        runs = sorted(res["runs"], key=lambda r: r["rate"])
+        rates = [r["rate"] for r in runs]
+        axes[0].plot(rates, [r["ttft_s"]["p90"] for r in runs], "o-", label=res["label"])
+        axes[1].plot(rates, [(r["tpot_s"]["p90"] or 0) * 1000 for r in runs], "o-", label=res["label"])
+        axes[2].plot(rates, [100 * r["slo_attainment"] for r in runs], "o-", label=res["label"])
+    axes[0].axhline(cfg["ttft_slo"], color="gray", ls="--", lw=1, label="SLO")
+    axes[1].axhline(cfg["tpot_slo"] * 1000, color="gray", ls="--", lw=1, label="SLO")
+    axes[2].axhline(100 * ATTAINMENT, color="gray", ls="--", lw=1, label="90%")
+    for ax, title, ylabel in zip(axes, ("TTFT p90", "TPOT p90", "SLO attainment"), ("s", "ms", "%")):
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    fig.suptitle(cfg["workload_desc"], fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{stem}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,108 @@
+"""Benchmark workloads: each is a list of `BenchRequest` (token-id prompt, output length,
+optional arrival time). Prompts are token ids, so any OpenAI-compatible endpoint sees
+exactly the lengths and the prefix sharing asked for.
+
+- trace: the Mooncake conversation trace. Every `hash_ids` entry stands for one block
+  of 512 tokens; the same id always becomes the same tokens (seeded by the id and a
+  salt), so shared prefixes in the trace are real shared prefixes. `length_scale`
+  shrinks blocks and outputs (sharing structure kept); arrivals are the trace's
+  timestamps divided by `time_scale`.
+- synthetic: fixed input and output lengths, random distinct prompts.
+- shared-prefix: `num_prefixes` system prompts of `system_len` tokens, each request one
+  of them plus a distinct `question_len`-token question.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+TRACE_BLOCK = 512  # tokens per hash id in the Mooncake trace
+
+
+@dataclass
+class BenchRequest:
+    prompt: list[int]
+    max_tokens: int
+    arrival: float | None = None  # seconds from start (trace replay); None: set by the arrival process
+
+
+def _tokens(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def trace_workload(path: str, num_requests: int | None = None, length_scale: float = 1.0,
+                   output_scale: float | None = None, time_scale: float = 1.0, max_input_len: int | None = None,
+                   max_output_len: int | None = None, token_range: tuple[int, int] = (100, 30000), salt: int = 0,
+                   start: int = 0) -> list[BenchRequest]:
+    """The trace's requests [start, start + num_requests), scaled. Inputs are cut at
+    `max_input_len` (keeping the prefix, so sharing survives); outputs at least 1 token."""
+    if length_scale <= 0 or time_scale <= 0:
+        raise ValueError("length_scale and time_scale must be > 0")
+    output_scale = length_scale if output_scale is None else output_scale
+    block = max(1, round(TRACE_BLOCK * length_scale))
+    lo, hi = token_range
+    cache: dict[int, list[int]] = {}
+    out: list[BenchRequest] = []
+    t0 = None
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i < start:
+                continue
+            if num_requests is not None and len(out) >= num_requests:
+                break
+            rec = json.loads(line)
+            n_in = max(1, round(rec["input_length"] * length_scale))
+            if max_input_len:
+                n_in = min(n_in, max_input_len)
+            ids: list[int] = []
+            for h in rec["hash_ids"]:
+                if len(ids) >= n_in:
+                    break
+                if h not in cache:
+                    cache[h] = _tokens(random.Random(f"{salt}:{h}"), block, lo, hi)
+                ids.extend(cache[h])
+            if len(ids) < n_in:  # the trace's last block may be longer than its hash ids cover
+                ids.extend(_tokens(random.Random(f"{salt}:tail:{i}"), n_in - len(ids), lo, hi))
+            n_out = max(1, round(rec["output_length"] * output_scale))
+            if max_output_len:
+                n_out = min(n_out, max_output_len)
+            t0 = rec["timestamp"] if t0 is None else t0
+            out.append(BenchRequest(ids[:n_in], n_out, (rec["timestamp"] - t0) / 1000.0 / time_scale))
+    if not out:
+        raise ValueError(f"{path}: no requests read (start={start}, num_requests={num_requests})")
+    return out
+
+
+def synthetic_workload(num_requests: int, input_len: int, output_len: int,
+                       token_range: tuple[int, int] = (100, 30000), salt: int = 0) -> list[BenchRequest]:
+    if num_requests < 1 or input_len < 1 or output_len < 1:
+        raise ValueError("num_requests, input_len and output_len must be >= 1")
+    rng = random.Random(f"synthetic:{salt}")
+    return [BenchRequest(_tokens(rng, input_len, *token_range), output_len) for _ in range(num_requests)]
+
+
+def shared_prefix_workload(num_requests: int, system_len: int, question_len: int, output_len: int,
+                           num_prefixes: int = 4, token_range: tuple[int, int] = (100, 30000),
+                           salt: int = 0) -> list[BenchRequest]:
+    if min(num_requests, system_len, question_len, output_len, num_prefixes) < 1:
+        raise ValueError("num_requests, system_len, question_len, output_len, num_prefixes must be >= 1")
+    rng = random.Random(f"shared:{salt}")
+    systems = [_tokens(rng, system_len, *token_range) for _ in range(num_prefixes)]
+    return [BenchRequest(systems[i % num_prefixes] + _tokens(rng, question_len, *token_range), output_len)
+            for i in range(num_requests)]
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Open-loop arrival times (seconds) with exponential gaps; rate=inf: all at once."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(f"poisson:{seed}:{rate}")
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out

@@ -1,0 +1,170 @@
+"""`pdserve bench`: workloads (trace sharing becomes real token sharing), statistics and
+goodput, then the command itself against a real router over a colocated cluster (the
+baseline mode), which must also give the colocated engine's exact outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.bench.client import Record
+from pdserve.bench.report import goodput, percentile, summarize
+from pdserve.bench.workloads import poisson_arrivals, shared_prefix_workload, synthetic_workload, trace_workload
+from pdserve.cluster import Cluster
+from pdserve.router.app import build_app
+
+from helpers import PROMPTS, Server
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+TRACE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 1100, "output_length": 40, "hash_ids": [0, 1, 2]},
+            {"timestamp": 500, "input_length": 1500, "output_length": 10, "hash_ids": [0, 1, 3]},
+            {"timestamp": 2000, "input_length": 300, "output_length": 2, "hash_ids": [4]}]
+    p = tmp_path / "trace.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(p)
+
+
+def test_trace_hash_ids_become_shared_tokens(small_trace):
+    reqs = trace_workload(small_trace, length_scale=0.125, time_scale=2.0)
+    assert [len(r.prompt) for r in reqs] == [138, 188, 38]  # 1100/8, 1500/8, 300/8 rounded
+    assert [r.max_tokens for r in reqs] == [5, 1, 1]
+    assert [r.arrival for r in reqs] == [0.0, 0.25, 1.0]
+    block = 64  # 512 * 0.125
+    assert reqs[0].prompt[: 2 * block] == reqs[1].prompt[: 2 * block]  # hash ids 0, 1 shared
+    assert reqs[0].prompt[2 * block:2 * block + 10] != reqs[1].prompt[2 * block:2 * block + 10]
+    assert reqs[2].prompt[:block] != reqs[0].prompt[:block]
+    other = trace_workload(small_trace, length_scale=0.125, salt=1)
+    assert other[0].prompt[:block] != reqs[0].prompt[:block]  # a new salt: fresh prefixes, same structure
+    assert other[0].prompt[:2 * block] == other[1].prompt[:2 * block]
+    capped = trace_workload(small_trace, 2, max_input_len=100, max_output_len=3)
+    assert [len(r.prompt) for r in capped] == [100, 100] and [r.max_tokens for r in capped] == [3, 3]
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not beside the checkout")
+def test_real_trace_replays_with_sharing():
+    reqs = trace_workload(str(TRACE), 50, length_scale=1 / 32)
+    assert len(reqs) == 50 and all(r.arrival >= 0 for r in reqs)
+    firsts = [tuple(r.prompt[:16]) for r in reqs]
+    assert len(set(firsts)) < len(firsts)  # the trace's shared first blocks are shared tokens
+
+
+def test_synthetic_and_shared_prefix_workloads():
+    reqs = synthetic_workload(5, 40, 7, (100, 200))
+    assert all(len(r.prompt) == 40 and r.max_tokens == 7 and 100 <= min(r.prompt) <= max(r.prompt) < 200
+               for r in reqs)
+    assert len({tuple(r.prompt) for r in reqs}) == 5
+    sp = shared_prefix_workload(6, 32, 8, 4, num_prefixes=2)
+    assert sp[0].prompt[:32] == sp[2].prompt[:32] == sp[4].prompt[:32] != sp[1].prompt[:32]
+    assert len({tuple(r.prompt) for r in sp}) == 6
+    with pytest.raises(ValueError, match="must be >= 1"):
+        synthetic_workload(0, 10, 10)
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    t = poisson_arrivals(4000, 20.0, seed=1)
+    assert t == sorted(t) and t[0] == 0.0
+    assert abs((len(t) - 1) / t[-1] - 20.0) < 1.5
+    assert poisson_arrivals(3, math.inf) == [0.0, 0.0, 0.0]
+
+
+def test_statistics_and_goodput():
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 90) is None
+    recs = []
+    for i in range(10):  # ttft 0.1 .. 1.0 s, 11 tokens over 1 s -> tpot 0.1 s
+        r = Record(100, 11, ttft=0.1 * (i + 1), output_tokens=11, chunk_times=[0.1 * (i + 1) + 0.1 * k
+                                                                                 for k in range(11)])
+        r.e2e = r.ttft + 1.0
+        recs.append(r)
+    recs.append(Record(100, 11, error="HTTP 500"))
+    s = summarize(recs, duration=10.0, rate=1.0, ttft_slo=0.5, tpot_slo=0.1)
+    assert s["completed"] == 10 and s["failed"] == 1 and s["errors"] == ["HTTP 500"]
+    assert s["slo_attainment"] == pytest.approx(5 / 11)  # ttft <= 0.5 for 5 of 11 sent
+    assert s["tpot_s"]["p50"] == pytest.approx(0.1) and s["itl_s"]["p90"] == pytest.approx(0.1)
+    assert s["output_tok_s"] == pytest.approx(11.0)
+    runs = [{"rate": 1, "slo_attainment": 1.0}, {"rate": 2, "slo_attainment": 0.95},
+            {"rate": 4, "slo_attainment": 0.75}, {"rate": 8, "slo_attainment": 0.2}]
+    assert goodput(runs) == {"rps": pytest.approx(2.5), "lower_bound": False}  # 0.9 between 2 and 4
+    assert goodput(runs[:2]) == {"rps": 2, "lower_bound": True}
+    assert goodput(runs[2:])["rps"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    c = Cluster.start(mode="colocated", decode=2, max_model_len=512)
+    s = Server(build_app(c))
+    yield c, s
+    s.stop()
+    c.shutdown()
+
+
+def test_colocated_mode_equals_the_engine(colocated):
+    c, _ = colocated
+    assert c.pool_sizes() == {"prefill": 0, "decode": 2}
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = [o.outputs[0].token_ids for o in LLM(max_model_len=512).generate(PROMPTS, params)]
+    outs = c.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.prefill_worker == o.decode_worker and o.decode_worker.startswith("colocated") for o in outs)
+    assert len({o.decode_worker for o in outs}) == 2
+    with pytest.raises(ValueError, match="no prefill pool"):
+        c.scale(prefill=1)
+
+
+def run_bench(url, out, *args):
+    cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, "--out", str(out), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res
+
+
+def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
+    c, server = colocated
+    res = run_bench(server.url, tmp_path, "--workload", "shared-prefix", "--num-requests", "8", "--system-len", "96",
+                    "--question-len", "8", "--output-len", "6", "--num-prefixes", "2", "--rates", "4,inf",
+                    "--slo-ttft", "30", "--slo-tpot", "5", "--label", "colocated", "--token-range", "100:40000")
+    data = json.loads((tmp_path / "colocated_shared-prefix.json").read_text())
+    assert [r["rate"] for r in data["runs"]] == [4.0, math.inf]
+    for r in data["runs"]:
+        assert r["completed"] == 8 and r["failed"] == 0
+        assert r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p50"] > 0 and r["output_tok_s"] > 0
+        assert r["slo_attainment"] == 1.0
+        assert r["prefix_hit_rate"] > 0.3  # 96 of 104 tokens shared by 4 requests each
+    assert data["goodput"] == {"rps": 4.0, "lower_bound": True}
+    assert (tmp_path / "colocated_shared-prefix.png").stat().st_size > 10_000
+    assert "| 4 | 8/8 |" in (tmp_path / "colocated_shared-prefix.md").read_text()
+    assert "colocated @ 4.00 req/s" in res.stderr  # the progress bar
+
+
+def test_bench_command_trace_replay_and_plot(colocated, small_trace, tmp_path):
+    _, server = colocated
+    run_bench(server.url, tmp_path, "--workload", "trace", "--trace", small_trace, "--length-scale", "0.0625",
+              "--time-scale", "4", "--label", "trace-run", "--token-range", "100:40000")
+    data = json.loads((tmp_path / "trace-run_trace.json").read_text())
+    (run,) = data["runs"]
+    assert run["completed"] == 3 and run["rate"] == pytest.approx(2 / 0.5)  # 2 gaps over 2 s / 4
+    assert "lengths x0.0625" in data["config"]["workload_desc"]
+    res = subprocess.run([sys.executable, "-m", "pdserve", "bench", "plot", str(tmp_path / "trace-run_trace.json"),
+                          str(tmp_path / "trace-run_trace.json"), "--out", str(tmp_path), "--name", "both"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "both.png").exists()
+
+
+def test_bench_reports_an_unreachable_endpoint():
+    res = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--url", "http://127.0.0.1:9", "--num-requests",
+                          "1"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "cannot reach http://127.0.0.1:9" in res.stderr
