@@ -89,13 +89,13 @@ def build(args) -> FastAPI:
     config = AutoConfig.from_pretrained(args.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     queues = []
-    for g in range(args.gpus):
-        device = f"cuda:{g}"
+    dtype = torch.bfloat16 if args.gpus else torch.float32
+    for device in [f"cuda:{g}" for g in range(args.gpus)] or ["cpu"]:  # --gpus 0: a CPU smoke test
         if args.dummy:
             with torch.device(device):  # initialized on the GPU (normal, std = initializer_range)
-                model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+                model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16).to(device)
+            model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype).to(device)
         model.eval()
         model.generation_config.eos_token_id = None
         q: queue.Queue = queue.Queue()

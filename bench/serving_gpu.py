@@ -26,15 +26,15 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 
-# workload -> pdserve bench arguments (SLOs: see bench/results/serving/README in the note)
+# workload -> pdserve bench arguments (SLOs and why: bench/results/serving.md)
 WORKLOADS = {
-    "long": ["--workload", "synthetic", "--input-len", "4096", "--output-len", "256", "--num-requests", "40",
+    "long": ["--workload", "synthetic", "--input-len", "4096", "--output-len", "256", "--num-requests", "36",
              "--slo-ttft", "1.0", "--slo-tpot", "0.04"],
     "trace": ["--workload", "trace", "--trace", TRACE, "--length-scale", "0.25", "--output-scale", "0.5",
-              "--max-input-len", "8000", "--max-output-len", "512", "--num-requests", "60", "--trace-start", "0",
+              "--max-input-len", "8000", "--max-output-len", "512", "--num-requests", "48", "--trace-start", "0",
               "--slo-ttft", "2.0", "--slo-tpot", "0.04"],
 }
-RATES = {"long": "1.5,3,4.5,6,9", "trace": "2,4,6,9,13"}
+RATES = {"long": "2,4,6,9", "trace": "3,6,9,13"}
 
 
 def build_model(out_dir: str, tokenizer_dir: str) -> str:
