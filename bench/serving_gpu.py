@@ -28,13 +28,13 @@ TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversatio
 
 # workload -> pdserve bench arguments (SLOs and why: bench/results/serving.md)
 WORKLOADS = {
-    "long": ["--workload", "synthetic", "--input-len", "4096", "--output-len", "256", "--num-requests", "36",
+    "long": ["--workload", "synthetic", "--input-len", "4096", "--output-len", "256",
              "--slo-ttft", "1.0", "--slo-tpot", "0.04"],
-    "trace": ["--workload", "trace", "--trace", TRACE, "--length-scale", "0.25", "--output-scale", "0.5",
-              "--max-input-len", "8000", "--max-output-len", "512", "--num-requests", "48", "--trace-start", "0",
+    "trace": ["--workload", "trace", "--length-scale", "0.25", "--output-scale", "0.5",
+              "--max-input-len", "8000", "--max-output-len", "512", "--trace-start", "0",
               "--slo-ttft", "2.0", "--slo-tpot", "0.04"],
 }
-RATES = {"long": "2,4,6,9", "trace": "3,6,9,13"}
+RATES = {"long": "4,6,8,10,12", "trace": "4,6,8,11,15"}
 
 
 def build_model(out_dir: str, tokenizer_dir: str) -> str:
@@ -97,7 +97,10 @@ def main() -> None:
     ap.add_argument("--workloads", default="long,trace")
     ap.add_argument("--out", default="bench/results/serving")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--rates", default=None, help="override the sweep for every workload")
+    ap.add_argument("--long-rates", default=RATES["long"])
+    ap.add_argument("--trace-rates", default=RATES["trace"])
+    ap.add_argument("--num-requests", type=int, default=96, help="per rate")
+    ap.add_argument("--trace", default=TRACE)
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
@@ -115,8 +118,10 @@ def main() -> None:
                            capture_output=True, timeout=300)
             for wl in args.workloads.split(","):
                 cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, *WORKLOADS[wl],
-                       "--rates", args.rates or RATES[wl], "--label", system, "--out", args.out,
-                       "--name", f"{wl}_{system}"]
+                       "--rates", getattr(args, f"{wl}_rates"), "--num-requests", str(args.num_requests),
+                       "--label", system, "--out", args.out, "--name", f"{wl}_{system}"]
+                if wl == "trace":
+                    cmd += ["--trace", args.trace]
                 t = time.time()
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
                 print(res.stdout[-3000:], flush=True)
