@@ -57,7 +57,14 @@ def summarize(records: list[Record], duration: float, rate: float, ttft_slo: flo
         "slo_attainment": met / len(records) if records else 0.0,
         "slo_goodput_rps": met / duration if duration > 0 else 0.0,
         "prefix_hit_rate": hit_rate,
+        # per request, in send order: [sent s, prompt tokens, output tokens, ttft s, tpot s, e2e s]
+        "requests_detail": [[round(r.sent, 4), r.prompt_tokens, r.output_tokens, _r(r.ttft), _r(r.tpot), _r(r.e2e)]
+                            for r in sorted(records, key=lambda r: r.sent)],
     }
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 5)
 
 
 def goodput(runs: list[dict], level: float = ATTAINMENT) -> dict:
