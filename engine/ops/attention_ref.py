@@ -54,7 +54,12 @@ def paged_attention_ref(
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= (q_pos - k_pos) < sliding_window
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            if gqa:  # an explicit mask with enable_gqa falls back to the math kernel on CUDA
+                # ([H, q, k] scores in memory: seconds for an 8K prompt's later chunks);
+                # repeated K/V heads keep it on the memory-efficient kernel
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
         out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
         start += q_len
     return out
