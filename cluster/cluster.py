@@ -101,6 +101,10 @@ class Cluster:
         self.local_prefill_tokens = local_prefill_tokens
         self.local_cached_fraction = local_cached_fraction
         self.handoff_observers: list = []  # callbacks(result dict), e.g. each router's metrics
+        # callbacks(phase, seconds) for the phases of a request before its first token:
+        # prefill (queue + compute on the prefill worker), decode_reserve, kv_to_first_token
+        # (handoff + admission on the decode worker), local_first_token (colocated / local)
+        self.phase_observers: list = []
         self.engine_args = {**engine_args, "model": self.model_path}
         self.block_size = engine_args.get("block_size", 16)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -381,6 +385,10 @@ class Cluster:
         return RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [], finish_reason="error",
                                                                  stop_reason=reason)], True)
 
+    def _phase(self, name: str, seconds: float) -> None:
+        for observe in self.phase_observers:
+            observe(name, seconds)
+
     def _count(self, reason: str) -> None:
         self.counters["routing"][reason] = self.counters["routing"].get(reason, 0) + 1
 
@@ -407,6 +415,8 @@ class Cluster:
             if c.finish_reason == "error" and not c.token_ids:
                 raise WorkerLost(f"request {rid} failed on {p.worker_id} -> {d.worker_id}: {c.stop_reason}")
             out.prompt = prompt
+            if not progress["streamed"]:
+                progress["first_at"] = time.monotonic()
             progress["streamed"] = True
             sink(self._tag(out, p, d))
             if out.finished:
@@ -415,9 +425,12 @@ class Cluster:
     async def _attempt_local(self, rid, prompt, ids, params, sink, d: Worker) -> bool:
         d.load += 1
         progress = {"streamed": False}
+        t0 = time.monotonic()
         try:
             await d.actor.local.remote(rid, ids, params)
             await self._relay(d, rid, prompt, sink, d, progress)
+            if "first_at" in progress:
+                self._phase("local_first_token", progress["first_at"] - t0)
             return True
         except RayActorError as e:
             if progress["streamed"]:
@@ -446,9 +459,11 @@ class Cluster:
         p.load += 1
         d = None
         progress = {"streamed": False, "prefill_released": False}
+        t0 = time.monotonic()
         try:
             try:
                 pre = await p.actor.prefill.remote(rid, ids, params)
+                self._phase("prefill", time.monotonic() - t0)
             except RayActorError as e:
                 raise WorkerLost(f"prefill worker {p.worker_id} died: {e}") from e
             except RayError as e:
@@ -462,8 +477,11 @@ class Cluster:
                 return True
             d = self.workers[pick_decode(self._candidates("decode"))]
             d.load += 1
+            t1 = time.monotonic()
             try:
                 skip, channel = await d.actor.reserve.remote(p.worker_id, rid, ids, params, pre.first_token)
+                t2 = time.monotonic()
+                self._phase("decode_reserve", t2 - t1)
             except RayActorError as e:
                 p.actor.abort.remote(rid)
                 raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
@@ -479,6 +497,8 @@ class Cluster:
                     sink(self._error_output(rid, prompt, ids, f"decode worker {d.worker_id} died mid-generation"))
                     return True
                 raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
+            if "first_at" in progress:
+                self._phase("kv_to_first_token", progress["first_at"] - t2)
             await send
             return True
         except asyncio.CancelledError:  # the client went away: free the blocks everywhere

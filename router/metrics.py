@@ -73,8 +73,12 @@ class RouterMetrics:
         self.handoff_bytes = Counter("pdserve:kv_handoff_bytes", "KV bytes moved prefill -> decode", registry=r)
         self.handoff_seconds = Histogram("pdserve:kv_handoff_seconds", "KV handoff latency",
                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.phase_seconds = Histogram("pdserve:request_phase_seconds", "Phases of a request before its first "
+                                       "token (prefill, decode_reserve, kv_to_first_token, local_first_token)",
+                                       ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         r.register(_WorkerCollector(cluster))
         cluster.handoff_observers.append(self.observe_handoff)
+        cluster.phase_observers.append(lambda phase, sec: self.phase_seconds.labels(phase).observe(sec))
 
     def observe_handoff(self, res: dict) -> None:
         self.handoff_bytes.inc(res.get("bytes") or 0)

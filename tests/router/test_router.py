@@ -243,6 +243,9 @@ def test_metrics_parse_and_move(client, server):
     assert total(after, "pdserve:routing_decisions_total") > total(before, "pdserve:routing_decisions_total")
     assert any(k.startswith("vllm:kv_cache_usage_perc{") for k in after)
     assert total(after, "vllm:inter_token_latency_seconds_count") > 0
+    for phase in ("prefill", "decode_reserve", "kv_to_first_token"):
+        key = "pdserve:request_phase_seconds_count" + json.dumps({"phase": phase})
+        assert after.get(key, 0) > before.get(key, 0), phase
 
 
 def test_admin_scale_and_status(server, cluster):

@@ -83,7 +83,8 @@ class Endpoint:
         return [m["id"] for m in json.loads(body)["data"]]
 
     def metrics(self) -> dict[str, float]:
-        """Counters from a Prometheus /metrics page (summed over labels); {} if there is none."""
+        """Samples of a Prometheus /metrics page, by name summed over labels and by full
+        name with labels; {} if there is none."""
         try:
             status, body = self.get("/metrics")
         except OSError:
@@ -94,12 +95,15 @@ class Endpoint:
         for line in body.decode(errors="replace").splitlines():
             if line.startswith("#") or not line.strip():
                 continue
-            name, _, value = line.rpartition(" ")
-            name = name.split("{", 1)[0]
+            full, _, value = line.rpartition(" ")
+            name = full.split("{", 1)[0]
             try:
-                out[name] = out.get(name, 0.0) + float(value)
+                v = float(value)
             except ValueError:
                 continue
+            out[name] = out.get(name, 0.0) + v
+            if full != name:
+                out[full] = v
         return out
 
     def complete(self, req: BenchRequest, rec: Record, t_start: float) -> None:

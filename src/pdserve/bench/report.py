@@ -45,6 +45,7 @@ def summarize(records: list[Record], duration: float, rate: float, ttft_slo: flo
             "vllm:prefix_cache_queries_total", 0)
         h = metrics_after.get("vllm:prefix_cache_hits_total", 0) - metrics_before.get("vllm:prefix_cache_hits_total", 0)
         hit_rate = h / q if q > 0 else None
+    phases = _phase_means(metrics_before or {}, metrics_after or {})
     errors = sorted({r.error for r in records if r.error})[:5]
     return {
         "rate": rate, "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
@@ -57,10 +58,25 @@ def summarize(records: list[Record], duration: float, rate: float, ttft_slo: flo
         "slo_attainment": met / len(records) if records else 0.0,
         "slo_goodput_rps": met / duration if duration > 0 else 0.0,
         "prefix_hit_rate": hit_rate,
+        "phase_mean_s": phases,  # pdserve only: where the time before the first token went
         # per request, in send order: [sent s, prompt tokens, output tokens, ttft s, tpot s, e2e s]
         "requests_detail": [[round(r.sent, 4), r.prompt_tokens, r.output_tokens, _r(r.ttft), _r(r.tpot), _r(r.e2e)]
                             for r in sorted(records, key=lambda r: r.sent)],
     }
+
+
+def _phase_means(before: dict, after: dict) -> dict:
+    """Mean seconds per request phase over the run, from pdserve:request_phase_seconds."""
+    prefix = 'pdserve:request_phase_seconds_sum{phase="'
+    out = {}
+    for key, total in after.items():
+        if key.startswith(prefix):
+            phase = key[len(prefix):].split('"', 1)[0]
+            ckey = key.replace("_sum{", "_count{")
+            n = after.get(ckey, 0) - before.get(ckey, 0)
+            if n > 0:
+                out[phase] = (total - before.get(key, 0.0)) / n
+    return out
 
 
 def _r(v: float | None) -> float | None:
@@ -92,12 +108,19 @@ def markdown(result: dict) -> str:
              "| rate (req/s) | done/sent | TTFT p50/p90/p99 (ms) | TPOT p50/p90/p99 (ms) | ITL p90 (ms) "
              "| out tok/s | SLO attainment | prefix hit |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    phases = [(r["rate"], r.get("phase_mean_s")) for r in result["runs"] if r.get("phase_mean_s")]
     for r in result["runs"]:
         t, p = r["ttft_s"], r["tpot_s"]
         hit = "-" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.0%}"
         lines.append(f"| {r['rate']:g} | {r['completed']}/{r['requests']} | {_ms(t['p50'])}/{_ms(t['p90'])}/"
                      f"{_ms(t['p99'])} | {_ms(p['p50'])}/{_ms(p['p90'])}/{_ms(p['p99'])} | {_ms(r['itl_s']['p90'])} "
                      f"| {r['output_tok_s']:.0f} | {r['slo_attainment']:.0%} | {hit} |")
+    if phases:
+        lines += ["", "Mean time per phase before the first token (ms, from the server's metrics):", "",
+                  "| rate | " + " | ".join(sorted(phases[0][1])) + " |",
+                  "| --- |" + " --- |" * len(phases[0][1])]
+        for rate, ph in phases:
+            lines.append(f"| {rate:g} | " + " | ".join(_ms(ph.get(k)) for k in sorted(phases[0][1])) + " |")
     return "\n".join(lines) + "\n"
 
 
