@@ -109,6 +109,9 @@ class _Pair:
             h = self._next()
             if h is None:
                 return
+            if not h.block_ids:  # an empty handoff (both sides skip it alike): keep the order
+                self.next_seq += 1
+                continue
             if h.state.finished:  # aborted or overdue before its turn: the peer may have posted
                 self.kill(f"handoff {h.request_id} was {h.error or 'aborted'} before it ran")
                 return
@@ -304,10 +307,12 @@ class C10dConnector(KVConnector):
             if request_id in self._handoffs:
                 raise ValueError(f"a handoff for request {request_id!r} is already in flight")
             self._handoffs[request_id] = h
-        if not block_ids:  # everything was already on the receiver (prefix hits)
-            h._finish(TransferState.DONE)
-            return h
         pair = self._pair(peer, peer_address, channel.gen, is_sender)
+        if not block_ids:  # everything was already on the receiver (prefix hits): nothing moves,
+            h._finish(TransferState.DONE)  # but the pair's thread must still step over this seq,
+            if not isinstance(pair, str):  # or every later handoff of the pair waits for it
+                pair.submit(h)
+            return h
         if isinstance(pair, str):
             h._finish(TransferState.FAILED, pair)
         else:

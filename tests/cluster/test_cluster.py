@@ -113,6 +113,20 @@ class TestScalingAndFailures:
         outs = cluster.generate(PROMPTS16, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS16]
 
+    def test_handoff_with_nothing_to_send_keeps_the_pair_in_order(self, cluster):
+        # a block-aligned prompt the decode worker already holds entirely: its handoff moves
+        # no block; the handoff after it on the same pair must not wait for it
+        aligned = list(range(1000, 1032))
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        first = cluster.generate([aligned], params)[0]
+        retries = cluster.counters["retries"]
+        t0 = time.monotonic()
+        again = cluster.generate([aligned], params)[0]
+        other = cluster.generate([list(range(2000, 2040))], params)[0]
+        assert time.monotonic() - t0 < 10, "the next handoff waited for the empty one"
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert other.outputs[0].finish_reason == "length" and cluster.counters["retries"] == retries
+
     def test_scale_up_and_down_while_serving(self, cluster, reference):
         results, stop = [], threading.Event()
 
