@@ -120,8 +120,11 @@ class _Pair:
                     self.pg = self._connect(h.deadline)
                 self._transfer(h)
             except Exception as e:  # noqa: BLE001 - every failure fails the handoff and the pair
-                h._finish(TransferState.FAILED, f"{type(e).__name__}: {e}")
-                self.kill(f"{type(e).__name__}: {e}")
+                why = f"{type(e).__name__}: {e}"
+                if time.monotonic() >= h.deadline - 0.1:  # e.g. the store wait ran into the deadline
+                    why = f"timed out after {h.timeout_s:.1f} s ({why})"
+                h._finish(TransferState.FAILED, why)
+                self.kill(why)
                 return
             self.next_seq += 1
 
