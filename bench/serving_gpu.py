@@ -52,16 +52,20 @@ def build_model(out_dir: str, tokenizer_dir: str) -> str:
 
 
 def server_cmd(system: str, model: str, port: int) -> list[str]:
+    """system: disagg[:P:D] (default 1:1), colocated[:N] (default 2), hf[:GPUS] (default 2)."""
+    kind, *sizes = system.split(":")
     common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "8704",
               "--port", str(port), "--gpu-memory-utilization", "0.85", "--max-queue", "4096"]
-    if system == "disagg":
-        return [sys.executable, "-m", "pdserve", "serve", "--prefill", "1", "--decode", "1", *common]
-    if system == "colocated":
-        return [sys.executable, "-m", "pdserve", "serve", "--mode", "colocated", "--decode", "2", *common]
-    if system == "hf":
-        return [sys.executable, os.path.join(HERE, "hf_server.py"), "--model", model, "--dummy", "--gpus", "2",
-                "--max-batch", "32", "--port", str(port)]
-    raise ValueError(system)
+    if kind == "disagg":
+        p, d = (sizes + ["1", "1"])[:2] if sizes else ("1", "1")
+        return [sys.executable, "-m", "pdserve", "serve", "--prefill", p, "--decode", d, *common]
+    if kind == "colocated":
+        return [sys.executable, "-m", "pdserve", "serve", "--mode", "colocated", "--decode",
+                sizes[0] if sizes else "2", *common]
+    if kind == "hf":
+        return [sys.executable, os.path.join(HERE, "hf_server.py"), "--model", model, "--dummy", "--gpus",
+                sizes[0] if sizes else "2", "--max-batch", "32", "--port", str(port)]
+    raise ValueError(f"unknown system {system!r}: disagg[:P:D] | colocated[:N] | hf[:GPUS]")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
@@ -93,7 +97,8 @@ def stop(proc: subprocess.Popen) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--systems", default="disagg,colocated,hf")
+    ap.add_argument("--systems", default="disagg,colocated,hf",
+                    help="comma-separated: disagg[:P:D], colocated[:N], hf[:GPUS] (e.g. disagg:2:1 on 3 GPUs)")
     ap.add_argument("--workloads", default="long,trace")
     ap.add_argument("--out", default="bench/results/serving")
     ap.add_argument("--port", type=int, default=8000)
@@ -107,7 +112,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     summary = []
     for system in args.systems.split(","):
-        log = open(os.path.join(tempfile.gettempdir(), f"server-{system}.log"), "w")
+        log = open(os.path.join(tempfile.gettempdir(), f"server-{system.replace(':', '-')}.log"), "w")
         proc = subprocess.Popen(server_cmd(system, model, args.port), stdout=log, stderr=subprocess.STDOUT)
         try:
             up = wait_healthy(url, proc)
@@ -119,7 +124,7 @@ def main() -> None:
             for wl in args.workloads.split(","):
                 cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, *WORKLOADS[wl],
                        "--rates", getattr(args, f"{wl}_rates"), "--num-requests", str(args.num_requests),
-                       "--label", system, "--out", args.out, "--name", f"{wl}_{system}"]
+                       "--label", system, "--out", args.out, "--name", f"{wl}_{system.replace(':', '-')}"]
                 if wl == "trace":
                     cmd += ["--trace", args.trace]
                 t = time.time()
@@ -127,7 +132,7 @@ def main() -> None:
                 print(res.stdout[-3000:], flush=True)
                 if res.returncode != 0:
                     print(res.stderr[-3000:], flush=True)
-                with open(os.path.join(args.out, f"{wl}_{system}.json")) as f:
+                with open(os.path.join(args.out, f"{wl}_{system.replace(':', '-')}.json")) as f:
                     g = json.load(f)["goodput"]
                 summary.append((wl, system, g["rps"], g["lower_bound"], time.time() - t))
         except Exception as e:  # noqa: BLE001 - keep the other systems' results
