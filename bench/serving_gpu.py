@@ -34,7 +34,9 @@ WORKLOADS = {
               "--max-input-len", "8000", "--max-output-len", "512", "--trace-start", "0",
               "--slo-ttft", "2.0", "--slo-tpot", "0.04"],
 }
-RATES = {"long": "4,6,8,10,12", "trace": "4,6,8,11,15"}
+# the trace's requests of one 3 s tick all at one instant (the replay of earlier rounds)
+WORKLOADS["trace-bursts"] = WORKLOADS["trace"] + ["--trace-bursts"]
+RATES = {"long": "4,6,8,10,12", "trace": "4,6,8,11,15", "trace-bursts": "4,8"}
 
 
 def build_model(out_dir: str, tokenizer_dir: str) -> str:
@@ -52,16 +54,21 @@ def build_model(out_dir: str, tokenizer_dir: str) -> str:
 
 
 def server_cmd(system: str, model: str, port: int) -> list[str]:
-    """system: disagg[:P:D] (default 1:1), colocated[:N] (default 2), hf[:GPUS] (default 2)."""
+    """system: disagg[:P:D] (default 1:1), colocated[:N] (default 2), hf[:GPUS] (default 2);
+    a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg)."""
     kind, *sizes = system.split(":")
+    budget = [x[1:] for x in sizes if x.startswith("c")]
+    sizes = [x for x in sizes if not x.startswith("c")]
     common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "8704",
               "--port", str(port), "--gpu-memory-utilization", "0.85", "--max-queue", "4096"]
     if kind == "disagg":
         p, d = (sizes + ["1", "1"])[:2] if sizes else ("1", "1")
-        return [sys.executable, "-m", "pdserve", "serve", "--prefill", p, "--decode", d, *common]
+        extra = ["--prefill-max-num-batched-tokens", budget[0]] if budget else []
+        return [sys.executable, "-m", "pdserve", "serve", "--prefill", p, "--decode", d, *common, *extra]
     if kind == "colocated":
+        extra = ["--max-num-batched-tokens", budget[0]] if budget else []
         return [sys.executable, "-m", "pdserve", "serve", "--mode", "colocated", "--decode",
-                sizes[0] if sizes else "2", *common]
+                sizes[0] if sizes else "2", *common, *extra]
     if kind == "hf":
         return [sys.executable, os.path.join(HERE, "hf_server.py"), "--model", model, "--dummy", "--gpus",
                 sizes[0] if sizes else "2", "--max-batch", "32", "--port", str(port)]
@@ -104,6 +111,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--long-rates", default=RATES["long"])
     ap.add_argument("--trace-rates", default=RATES["trace"])
+    ap.add_argument("--trace-bursts-rates", default=RATES["trace-bursts"])
     ap.add_argument("--num-requests", type=int, default=96, help="per rate")
     ap.add_argument("--trace", default=TRACE)
     args = ap.parse_args()
@@ -123,9 +131,10 @@ def main() -> None:
                            capture_output=True, timeout=300)
             for wl in args.workloads.split(","):
                 cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, *WORKLOADS[wl],
-                       "--rates", getattr(args, f"{wl}_rates"), "--num-requests", str(args.num_requests),
+                       "--rates", getattr(args, f"{wl.replace('-', '_')}_rates"),
+                       "--num-requests", str(args.num_requests),
                        "--label", system, "--out", args.out, "--name", f"{wl}_{system.replace(':', '-')}"]
-                if wl == "trace":
+                if wl.startswith("trace"):
                     cmd += ["--trace", args.trace]
                 t = time.time()
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -73,7 +73,8 @@ class Cluster:
     def __init__(self, model: str | None, prefill: int | None, decode: int | None, address: str | None,
                  namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
                  local_cached_fraction: float = 2.0, serving_config: ServingConfig | str | None = None,
-                 start_timeout: float = 900.0, mode: str = "disaggregated"):
+                 start_timeout: float = 900.0, mode: str = "disaggregated",
+                 prefill_engine_args: dict | None = None):
         if mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
         if mode == "colocated" and prefill:
@@ -106,6 +107,12 @@ class Cluster:
         # (handoff + admission on the decode worker), local_first_token (colocated / local)
         self.phase_observers: list = []
         self.engine_args = {**engine_args, "model": self.model_path}
+        # the prefill pool's own engine settings (e.g. a larger chunk budget: a prefill
+        # worker runs no decodes whose inter-token latency a long chunk would hurt)
+        self.role_engine_args = {"decode": self.engine_args,
+                                 "prefill": {**self.engine_args, **(prefill_engine_args or {})}}
+        if prefill_engine_args:
+            EngineConfig.from_kwargs(**self.role_engine_args["prefill"]).resolve(self.model_path)
         self.block_size = engine_args.get("block_size", 16)
         self.tokenizer = load_tokenizer(self.model_path)
         self.namespace = namespace
@@ -145,12 +152,13 @@ class Cluster:
               address: str | None = None, namespace: str = "pdserve", actor_options: dict | None = None,
               local_prefill_tokens: int = 0, local_cached_fraction: float = 2.0,
               serving_config: ServingConfig | str | None = None, start_timeout: float = 900.0,
-              mode: str = "disaggregated", **engine_args) -> Cluster:
+              mode: str = "disaggregated", prefill_engine_args: dict | None = None, **engine_args) -> Cluster:
         """`prefill` / `decode` default to the serving config's replicas (1 each without one).
         mode="colocated" is the baseline: `decode` engines that each prefill (chunked) and
         decode their own requests, placed by cached prefix then consistent hash; no handoff."""
         return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
-                   local_prefill_tokens, local_cached_fraction, serving_config, start_timeout, mode)
+                   local_prefill_tokens, local_cached_fraction, serving_config, start_timeout, mode,
+                   prefill_engine_args)
 
     def _role_options(self, role: str) -> dict:
         """Ray options for one pool's actors: a GPU each when the cluster has GPUs, and the
@@ -222,7 +230,7 @@ class Cluster:
         wid = f"{label}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
         cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000,
                                               **self.actor_options[role])
-        actor = cls.remote(wid, role, self.engine_args, self.namespace)
+        actor = cls.remote(wid, role, self.role_engine_args[role], self.namespace)
         try:
             info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
         except asyncio.TimeoutError:

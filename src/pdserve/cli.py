@@ -42,6 +42,12 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return out
 
 
+def _prefill_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The prefill pool's overrides of the engine flags."""
+    n = args.prefill_max_num_batched_tokens
+    return {} if n is None else {"max_num_batched_tokens": n}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
 
@@ -141,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
                             local_prefill_tokens=args.local_prefill_tokens,
                             local_cached_fraction=args.local_cached_fraction, serving_config=serving_config(args),
-                            mode=args.mode, **kwargs)
+                            mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), **kwargs)
     try:
         app = build_app(cluster, api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                         served_model_name=args.served_model_name)
@@ -212,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    sv.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
+                    help="the prefill pool's chunk budget (default: --max-num-batched-tokens)")
     sv.add_argument("--local-prefill-tokens", type=int, default=0,
                     help="prompts up to this many tokens prefill on the decode worker (0: off)")
     sv.add_argument("--local-cached-fraction", type=float, default=2.0,

@@ -7,9 +7,10 @@ throughput, prefix hit rate, SLO attainment and goodput (JSON, markdown, PNG).
     pdserve bench plot a.json b.json --out DIR --name compare      # several systems in one plot
 
 Each rate runs the workload afresh (a new salt, so no rate reuses another's prefixes)
-with open-loop Poisson arrivals; for the trace, its own timestamps (bursts kept) are
-stretched to each rate's mean, and `--rates trace` replays them as they are
-(`--time-scale` speeds them up).
+with open-loop Poisson arrivals; for the trace, its own timestamps are stretched to
+each rate's mean, and `--rates trace` replays them as they are (`--time-scale` speeds
+them up). The trace records time in 3 s ticks; the requests of one tick are spread
+over it unless `--trace-bursts` asks for them all at the tick's instant.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--length-scale", type=float, default=1.0, help="trace: scale input lengths (and blocks)")
     b.add_argument("--output-scale", type=float, default=None, help="trace: scale outputs (default: length scale)")
     b.add_argument("--time-scale", type=float, default=1.0, help="trace: speed-up of the trace's own timestamps")
+    b.add_argument("--trace-bursts", action="store_true", help="trace: send the requests that share a "
+                   "recorded timestamp at once (default: spread over the trace's time resolution)")
     b.add_argument("--max-input-len", type=int, default=None)
     b.add_argument("--max-output-len", type=int, default=None)
     b.add_argument("--input-len", type=int, default=1024)
@@ -83,7 +86,8 @@ def _workload(args, salt: int):
         if not args.trace:
             raise ValueError("--workload trace needs --trace FILE.jsonl")
         reqs = trace_workload(args.trace, args.num_requests, args.length_scale, args.output_scale, args.time_scale,
-                              args.max_input_len, args.max_output_len, (lo, hi), salt, args.trace_start)
+                              args.max_input_len, args.max_output_len, (lo, hi), salt, args.trace_start,
+                              spread=not args.trace_bursts)
         desc = (f"Mooncake trace x{len(reqs)} (lines {args.trace_start}+), lengths x{args.length_scale}, "
                 f"mean in {sum(len(r.prompt) for r in reqs) / len(reqs):.0f} / out "
                 f"{sum(r.max_tokens for r in reqs) / len(reqs):.0f} tokens")
@@ -110,7 +114,7 @@ def run(args) -> dict:
     for i, rate in enumerate(_rates(args)):
         reqs, desc = _workload(args, salt=args.seed * 1000 + i)
         if args.workload == "trace" and math.isfinite(rate) or math.isnan(rate):
-            # the trace's own arrival times (bursts kept), stretched to the asked mean rate
+            # the trace's own arrival times, stretched to the asked mean rate
             arrivals = [r.arrival for r in reqs]
             span = max(arrivals)
             natural = (len(reqs) - 1) / span if len(reqs) > 1 and span > 0 else float("inf")

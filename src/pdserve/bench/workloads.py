@@ -6,7 +6,10 @@ exactly the lengths and the prefix sharing asked for.
   of 512 tokens; the same id always becomes the same tokens (seeded by the id and a
   salt), so shared prefixes in the trace are real shared prefixes. `length_scale`
   shrinks blocks and outputs (sharing structure kept); arrivals are the trace's
-  timestamps divided by `time_scale`.
+  timestamps divided by `time_scale`. The published trace records time in 3-second
+  ticks (1,180 distinct timestamps for 12,031 requests, up to 28 per tick), so by
+  default the requests of one tick are spread uniformly over it (`spread_ties`);
+  `spread=False` replays each tick's requests at the same instant.
 - synthetic: fixed input and output lengths, random distinct prompts.
 - shared-prefix: `num_prefixes` system prompts of `system_len` tokens, each request one
   of them plus a distinct `question_len`-token question.
@@ -35,7 +38,7 @@ def _tokens(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
 def trace_workload(path: str, num_requests: int | None = None, length_scale: float = 1.0,
                    output_scale: float | None = None, time_scale: float = 1.0, max_input_len: int | None = None,
                    max_output_len: int | None = None, token_range: tuple[int, int] = (100, 30000), salt: int = 0,
-                   start: int = 0) -> list[BenchRequest]:
+                   start: int = 0, spread: bool = True) -> list[BenchRequest]:
     """The trace's requests [start, start + num_requests), scaled. Inputs are cut at
     `max_input_len` (keeping the prefix, so sharing survives); outputs at least 1 token."""
     if length_scale <= 0 or time_scale <= 0:
@@ -72,7 +75,25 @@ def trace_workload(path: str, num_requests: int | None = None, length_scale: flo
             out.append(BenchRequest(ids[:n_in], n_out, (rec["timestamp"] - t0) / 1000.0 / time_scale))
     if not out:
         raise ValueError(f"{path}: no requests read (start={start}, num_requests={num_requests})")
+    if spread:
+        for r, t in zip(out, spread_ties([r.arrival for r in out], random.Random(f"spread:{salt}"))):
+            r.arrival = t
     return out
+
+
+def spread_ties(times: list[float], rng: random.Random) -> list[float]:
+    """Timestamps recorded at a coarse resolution: the k requests that share a timestamp
+    t arrived somewhere in [t, next recorded timestamp); each gets a uniform random time
+    there (the last group spreads over the median gap). Input order is kept per request;
+    distinct timestamps are unchanged."""
+    distinct = sorted(set(times))
+    gaps = sorted(b - a for a, b in zip(distinct, distinct[1:]))
+    median_gap = gaps[len(gaps) // 2] if gaps else 0.0
+    nxt = {a: b for a, b in zip(distinct, distinct[1:])}
+    count: dict[float, int] = {}
+    for t in times:
+        count[t] = count.get(t, 0) + 1
+    return [t + rng.uniform(0.0, nxt.get(t, t + median_gap) - t) if count[t] > 1 else t for t in times]
 
 
 def synthetic_workload(num_requests: int, input_len: int, output_len: int,
