@@ -69,6 +69,11 @@ class WorkerLost(RuntimeError):
     pass
 
 
+# the prefill pool's default chunk budget (the decode / colocated engines keep the
+# engine's 2048, which bounds how long a prefill chunk stalls the running decodes)
+PREFILL_CHUNK_TOKENS = 8192
+
+
 class Cluster:
     def __init__(self, model: str | None, prefill: int | None, decode: int | None, address: str | None,
                  namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
@@ -109,10 +114,13 @@ class Cluster:
         self.engine_args = {**engine_args, "model": self.model_path}
         # the prefill pool's own engine settings (e.g. a larger chunk budget: a prefill
         # worker runs no decodes whose inter-token latency a long chunk would hurt)
-        self.role_engine_args = {"decode": self.engine_args,
-                                 "prefill": {**self.engine_args, **(prefill_engine_args or {})}}
-        if prefill_engine_args:
-            EngineConfig.from_kwargs(**self.role_engine_args["prefill"]).resolve(self.model_path)
+        prefill_args = {**self.engine_args, **(prefill_engine_args or {})}
+        if prefill_args.get("max_num_batched_tokens") is None:
+            # one chunk for most prompts: fewer chunks that re-read their prefix's KV
+            # (measured on the trace: 2048 -> 8192 cut prefill time 17.1 -> 11.6 s)
+            prefill_args["max_num_batched_tokens"] = PREFILL_CHUNK_TOKENS
+        self.role_engine_args = {"decode": self.engine_args, "prefill": prefill_args}
+        EngineConfig.from_kwargs(**prefill_args).resolve(self.model_path)
         self.block_size = engine_args.get("block_size", 16)
         self.tokenizer = load_tokenizer(self.model_path)
         self.namespace = namespace

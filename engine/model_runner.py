@@ -30,6 +30,10 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # SDPA's cuDNN backend builds an execution plan for every new sequence length
+            # (measured on H200, torch 2.11: 74 ms on an unseen length vs 1 ms for flash;
+            # bench/results/prefill_shapes.md); served prompts rarely repeat a length
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.model = load_model(config, load_format)
         self.num_blocks = num_kv_blocks(config, self._activation_bytes())
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout

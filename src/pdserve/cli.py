@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
     sv.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
-                    help="the prefill pool's chunk budget (default: --max-num-batched-tokens)")
+                    help="the prefill pool's chunk budget (default: --max-num-batched-tokens if given, else 8192)")
     sv.add_argument("--local-prefill-tokens", type=int, default=0,
                     help="prompts up to this many tokens prefill on the decode worker (0: off)")
     sv.add_argument("--local-cached-fraction", type=float, default=2.0,
