@@ -110,8 +110,16 @@ class WorkerActor:
         return await fut
 
     async def send(self, request_id: str, decode_id: str, decode_address: str, num_skip: int, channel) -> dict:
+        """Starts the handoff here, not on the engine thread: that one may be inside a
+        prefill step of hundreds of ms, which the transfer need not wait for (the KV was
+        written by an earlier step, whose CUDA event the transfer stream waits on)."""
         fut = self._future("send", request_id)
-        self._post(("send", request_id, decode_id, decode_address, num_skip, channel))
+        try:
+            self.role.send(request_id, decode_id, decode_address, num_skip, channel, self.handoff_timeout_s)
+        except Exception:
+            self.futures.pop(("send", request_id), None)
+            raise
+        self.wake.set()  # the engine loop polls the handoff and resolves `fut`
         return await fut
 
     # ---- decode role ---------------------------------------------------------------------------
@@ -201,9 +209,6 @@ class WorkerActor:
                 self.connector.forget_peer(rid)
             elif kind == "add":
                 self.role.add(cmd[2], cmd[3], rid)
-            elif kind == "send":
-                _, rid, decode_id, address, skip, channel = cmd
-                self.role.send(rid, decode_id, address, skip, channel, self.handoff_timeout_s)
             elif kind == "local":
                 self.engine.add_request(cmd[2], cmd[3], rid)
                 self._resolve("local", rid, None)
@@ -254,12 +259,12 @@ class WorkerActor:
                 self._resolve("send", h.request_id, {"state": h.state.name, "error": h.error, "bytes": h.nbytes,
                                                      "seconds": h.seconds})
         else:
-            outs = self.role.poll()
+            for out in self.role.poll():  # first tokens of arrived handoffs: out before the step
+                self._emit(out)
             if self.engine.has_unfinished_requests():
                 busy = True
-                outs += self.role.step()
-            for out in outs:
-                self._emit(out)
+                for out in self.role.step():
+                    self._emit(out)
         return busy
 
 

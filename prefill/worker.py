@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
@@ -40,6 +42,9 @@ class PrefillWorker:
         self.connector = connector
         engine.hold_blocks_on_finish = True
         self.params: dict[str, SamplingParams] = {}
+        # request -> CUDA event after the step that wrote its KV, so that send() can run
+        # on any thread while the engine's next step is already queued
+        self.ready: dict[str, object] = {}
 
     def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> Request:
         one = dataclasses.replace(params, max_tokens=1, min_tokens=0)
@@ -51,6 +56,7 @@ class PrefillWorker:
 
     def step(self) -> list[Prefilled]:
         done = []
+        event = None
         for out in self.engine.step():
             if not out.finished:
                 continue
@@ -60,6 +66,11 @@ class PrefillWorker:
                      or (params is not None and params.max_tokens == 1))
             if ended:
                 self.engine.release(out.request_id)
+            elif self.engine.runner.device.type == "cuda":
+                if event is None:
+                    event = torch.cuda.Event()
+                    event.record()
+                self.ready[out.request_id] = event
             done.append(Prefilled(out.request_id, out.prompt_token_ids, first, ended, out,
                                   out.num_cached_tokens))
         return done
@@ -70,16 +81,19 @@ class PrefillWorker:
         if req is None:
             raise KeyError(f"no prefilled request {request_id!r} is waiting for a handoff")
         blocks = handoff.blocks_to_send(self.engine.kv, req, num_skip)
-        return self.connector.start_send(peer, peer_address, request_id, blocks, channel, timeout_s)
+        return self.connector.start_send(peer, peer_address, request_id, blocks, channel, timeout_s,
+                                         ready=self.ready.pop(request_id, None))
 
     def poll(self) -> list[Handoff]:
         finished = self.connector.poll()
         for h in finished:
+            self.ready.pop(h.request_id, None)
             self.engine.release(h.request_id)  # blocks stay in the prefix cache at ref 0
         return finished
 
     def abort(self, request_id: str) -> None:
         self.params.pop(request_id, None)
+        self.ready.pop(request_id, None)
         self.connector.abort(request_id)
         self.engine.abort_request(request_id)
         self.engine.release(request_id)

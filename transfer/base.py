@@ -143,7 +143,9 @@ class KVConnector:
     address: str
 
     def start_send(self, peer: str, peer_address: str, request_id: str, block_ids: list[int],
-                   channel: Channel, timeout_s: float = 30.0) -> Handoff:
+                   channel: Channel, timeout_s: float = 30.0, ready=None) -> Handoff:
+        """`ready`: a CUDA event recorded after the step that wrote the blocks (default: one
+        recorded now on the caller's stream, so call it from the engine's thread)."""
         raise NotImplementedError
 
     def start_recv(self, peer: str, peer_address: str, request_id: str, block_ids: list[int],

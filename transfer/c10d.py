@@ -301,11 +301,13 @@ class C10dConnector(KVConnector):
 
     # ---- the interface -------------------------------------------------------------------------
     def _start(self, is_sender: bool, peer: str, peer_address: str, request_id: str, block_ids: list[int],
-               channel: Channel, timeout_s: float | None) -> Handoff:
+               channel: Channel, timeout_s: float | None, ready=None) -> Handoff:
         h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s)
         if is_sender and self.stream is not None:
-            h._ready = torch.cuda.Event()
-            h._ready.record()  # on the caller's stream, after the step that wrote the blocks
+            h._ready = ready
+            if ready is None:
+                h._ready = torch.cuda.Event()
+                h._ready.record()  # on the caller's stream, after the step that wrote the blocks
         with self._lock:
             if request_id in self._handoffs:
                 raise ValueError(f"a handoff for request {request_id!r} is already in flight")
@@ -322,8 +324,8 @@ class C10dConnector(KVConnector):
             pair.submit(h)
         return h
 
-    def start_send(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None) -> Handoff:
-        return self._start(True, peer, peer_address, request_id, block_ids, channel, timeout_s)
+    def start_send(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None, ready=None) -> Handoff:
+        return self._start(True, peer, peer_address, request_id, block_ids, channel, timeout_s, ready)
 
     def start_recv(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None) -> Handoff:
         return self._start(False, peer, "", request_id, block_ids, channel, timeout_s)

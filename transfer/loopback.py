@@ -75,7 +75,7 @@ class LoopbackConnector(KVConnector):
         recv._finish(TransferState.DONE)
         return h
 
-    def start_send(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None) -> Handoff:
+    def start_send(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None, ready=None) -> Handoff:
         return self._start(True, peer, request_id, block_ids, channel, timeout_s)
 
     def start_recv(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None) -> Handoff:
