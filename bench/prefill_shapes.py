@@ -127,18 +127,33 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "prefill_shapes.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{result['gpu']}, torch {result['torch']}, {len(lengths)} trace prompts, "
-          f"{sum(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f})")
-    print("\n| SDPA backend | unseen length ms | repeat ms |\n| --- | --- | --- |")
-    for r in sdpa:
-        print(f"| {r['backend']} | {r.get('cold_ms', float('nan')):.2f} | {r.get('warm_ms', float('nan')):.2f} |"
-              + (f" {r['error']}" if "error" in r else ""))
-    print("\n| chunk budget | 4K prompt ms | trace cold s | trace warm s | ideal at 4K rate s |")
-    print("| --- | --- | --- | --- | --- |")
-    for e in result["engine"]:
-        print(f"| {e['budget']} | {e['ms_4k']:.1f} | {e['cold_s']:.2f} | {e['warm_s']:.2f} | {e['ideal_s']:.2f} |")
-        print("  worst cold (s, tokens):", [(round(a, 3), b) for a, b in e["worst"]])
+    text = table(result)
+    with open(os.path.join(args.out, "prefill_shapes.md"), "w") as f:
+        f.write(text)
+    print(text)
 
+
+def table(result: dict) -> str:
+    lengths = result["lengths"]
+    lines = [f"# Prefill on the trace's prompt lengths ({result['gpu']}, torch {result['torch']})", "",
+             f"{len(lengths)} trace prompts (lengths x0.25, <= 8000), {sum(lengths)} tokens "
+             f"(mean {sum(lengths) / len(lengths):.0f}); `python3 bench/prefill_shapes.py`", "",
+             "| SDPA backend (causal, GQA 32:8, d 128) | unseen length ms | repeat ms |", "| --- | --- | --- |"]
+    for r in result["sdpa"]:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | - | - ({r['error']}) |")
+        else:
+            lines.append(f"| {r['backend']} | {r['cold_ms']:.2f} | {r['warm_ms']:.2f} |")
+    lines += ["", "Engine, one prompt at a time (cold: each length seen for the first time):", "",
+              "| chunk budget | 4K prompt ms | trace cold s | trace warm s | ideal at the 4K rate s |",
+              "| --- | --- | --- | --- | --- |"]
+    for e in result["engine"]:
+        lines.append(f"| {e['budget']} | {e['ms_4k']:.1f} | {e['cold_s']:.2f} | {e['warm_s']:.2f} "
+                     f"| {e['ideal_s']:.2f} |")
+    for e in result["engine"]:
+        worst = ", ".join(f"{a * 1e3:.0f} ms ({b} tok)" for a, b in e["worst"])
+        lines.append(f"\nslowest cold prompts at budget {e['budget']}: {worst}")
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,10 @@ import json
 import os
 
 RES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SERVE = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --trace TRACE --systems disagg,colocated "
-         "--long-rates 4,6,8,10 --trace-rates 4,8,11 --out bench/results/serving  # nvidia-h200-x2")
+SERVE = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --trace TRACE --systems disagg --workloads trace,long "
+         "--trace-rates 4,6,8 --long-rates 6,8,10 --out bench/results/serving; the same with --systems colocated "
+         "--workloads long --long-rates 2,3 and 4,5,6 (one JSON), and --workloads trace --trace-rates 2,3,4  "
+         "# nvidia-h200-x2")
 ENGINE = "python3 bench/engine_gpu.py --batches 1,64 --prefill 4096 --hf-batches 1,64 --out bench/results  # one H200"
 TRANSFER = "python3 bench/transfer_bench.py --out bench/results  # nvidia-h200-x2"
 

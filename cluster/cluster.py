@@ -74,6 +74,17 @@ class WorkerLost(RuntimeError):
 PREFILL_CHUNK_TOKENS = 8192
 
 
+def prefill_pool_args(engine_args: dict, overrides: dict | None = None) -> dict:
+    """The prefill pool's engine arguments: the cluster's, then its own overrides; the
+    chunk budget defaults to PREFILL_CHUNK_TOKENS, so most prompts run as one chunk
+    (fewer chunks that re-read their prefix's KV; on the trace's lengths, one H200:
+    2048 -> 8192 cut prefill time 17.1 -> 11.6 s, bench/results/prefill_shapes.md)."""
+    out = {**engine_args, **(overrides or {})}
+    if out.get("max_num_batched_tokens") is None:
+        out["max_num_batched_tokens"] = PREFILL_CHUNK_TOKENS
+    return out
+
+
 class Cluster:
     def __init__(self, model: str | None, prefill: int | None, decode: int | None, address: str | None,
                  namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
@@ -114,11 +125,7 @@ class Cluster:
         self.engine_args = {**engine_args, "model": self.model_path}
         # the prefill pool's own engine settings (e.g. a larger chunk budget: a prefill
         # worker runs no decodes whose inter-token latency a long chunk would hurt)
-        prefill_args = {**self.engine_args, **(prefill_engine_args or {})}
-        if prefill_args.get("max_num_batched_tokens") is None:
-            # one chunk for most prompts: fewer chunks that re-read their prefix's KV
-            # (measured on the trace: 2048 -> 8192 cut prefill time 17.1 -> 11.6 s)
-            prefill_args["max_num_batched_tokens"] = PREFILL_CHUNK_TOKENS
+        prefill_args = prefill_pool_args(self.engine_args, prefill_engine_args)
         self.role_engine_args = {"decode": self.engine_args, "prefill": prefill_args}
         EngineConfig.from_kwargs(**prefill_args).resolve(self.model_path)
         self.block_size = engine_args.get("block_size", 16)

@@ -38,3 +38,18 @@ def test_serve_refuses_a_bad_serving_config(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--config", str(cfg_file)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "kv_usage" in out.stderr
+
+
+def test_prefill_pool_chunk_budget():
+    from pdserve.cli import _engine_kwargs, _prefill_engine_kwargs, build_parser
+    from pdserve.cluster.cluster import PREFILL_CHUNK_TOKENS, prefill_pool_args
+
+    args = build_parser().parse_args(["serve"])
+    assert prefill_pool_args(_engine_kwargs(args), _prefill_engine_kwargs(args))["max_num_batched_tokens"] == \
+        PREFILL_CHUNK_TOKENS == 8192
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024"])  # both pools
+    assert prefill_pool_args(_engine_kwargs(args), _prefill_engine_kwargs(args))["max_num_batched_tokens"] == 1024
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024",
+                                      "--prefill-max-num-batched-tokens", "4096"])
+    assert _engine_kwargs(args)["max_num_batched_tokens"] == 1024  # the decode pool keeps its own
+    assert prefill_pool_args(_engine_kwargs(args), _prefill_engine_kwargs(args))["max_num_batched_tokens"] == 4096

@@ -54,12 +54,32 @@ def test_trace_hash_ids_become_shared_tokens(small_trace):
     assert [len(r.prompt) for r in capped] == [100, 100] and [r.max_tokens for r in capped] == [3, 3]
 
 
+def test_trace_ticks_are_spread_over_the_recorded_resolution(tmp_path):
+    # 4 requests at 0 s, 3 at 3 s, 1 at 6 s, 2 at 9 s (the real trace records 3 s ticks)
+    stamps = [0] * 4 + [3000] * 3 + [6000] + [9000] * 2
+    p = tmp_path / "ticks.jsonl"
+    p.write_text("\n".join(json.dumps({"timestamp": t, "input_length": 64, "output_length": 4, "hash_ids": [i]})
+                           for i, t in enumerate(stamps)))
+    arr = [r.arrival for r in trace_workload(str(p), length_scale=0.5)]
+    assert all(0 <= a < 3 for a in arr[:4]) and len(set(arr[:4])) == 4
+    assert all(3 <= a < 6 for a in arr[4:7]) and len(set(arr[4:7])) == 3
+    assert arr[7] == 6.0  # alone at its timestamp: unchanged
+    assert all(9 <= a < 12 for a in arr[8:])  # the last tick spreads over the median gap
+    assert [r.arrival for r in trace_workload(str(p), length_scale=0.5)] == arr  # the same salt: the same times
+    assert [r.arrival for r in trace_workload(str(p), length_scale=0.5, salt=3)] != arr
+    bursts = trace_workload(str(p), length_scale=0.5, spread=False)
+    assert [r.arrival for r in bursts] == [t / 1000 for t in stamps]
+
+
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not beside the checkout")
 def test_real_trace_replays_with_sharing():
     reqs = trace_workload(str(TRACE), 50, length_scale=1 / 32)
     assert len(reqs) == 50 and all(r.arrival >= 0 for r in reqs)
     firsts = [tuple(r.prompt[:16]) for r in reqs]
     assert len(set(firsts)) < len(firsts)  # the trace's shared first blocks are shared tokens
+    assert len({r.arrival for r in reqs}) == 50  # its 3 s ticks spread: no two requests at one instant
+    ticks = trace_workload(str(TRACE), 50, length_scale=1 / 32, spread=False)
+    assert len({r.arrival for r in ticks}) < 10
 
 
 def test_synthetic_and_shared_prefix_workloads():
@@ -154,7 +174,7 @@ def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
 def test_bench_command_trace_replay_and_plot(colocated, small_trace, tmp_path):
     _, server = colocated
     run_bench(server.url, tmp_path, "--workload", "trace", "--trace", small_trace, "--length-scale", "0.0625",
-              "--time-scale", "4", "--label", "trace-run", "--token-range", "100:40000")
+              "--time-scale", "4", "--label", "trace-run", "--token-range", "100:40000", "--trace-bursts")
     data = json.loads((tmp_path / "trace-run_trace.json").read_text())
     (run,) = data["runs"]
     assert run["completed"] == 3 and run["rate"] == pytest.approx(2 / 0.5)  # 2 gaps over 2 s / 4
