@@ -227,7 +227,9 @@ class C10dConnector(KVConnector):
         self.default_timeout_s = default_timeout_s
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_td(default_timeout_s))
         self.address = f"{host}:{self.store.port}"
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # high priority: the handoff's gather / NCCL / scatter kernels get SMs as soon as
+        # blocks free up, instead of queueing behind the next prefill step's GEMM waves
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._lock = threading.Lock()
         self._pairs: dict[tuple[str, bool], _Pair] = {}
         self._recv_gen: dict[str, int] = {}
