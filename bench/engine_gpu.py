@@ -68,7 +68,7 @@ def model_bytes(cfg: dict) -> tuple[int, int]:
 
 
 def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefill_lens: list[int],
-                 ceil: dict) -> tuple[list, list]:
+                 ceil: dict, fused_ops: bool = False) -> tuple[list, list]:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.request import Request
@@ -80,7 +80,7 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
     num_blocks = max(max(batches) * blocks_per_seq, max(prefill_lens) // bs + 1) + 8
     ec = EngineConfig(model=model_dir, dtype="bfloat16", num_gpu_blocks_override=num_blocks,
                       max_model_len=max(max(prefill_lens), ctx) + 64, max_num_batched_tokens=max(prefill_lens),
-                      max_num_seqs=max(batches))
+                      max_num_seqs=max(batches), fused_ops=fused_ops)
     ec.resolve(model_dir)
     runner = ModelRunner(ec, load_format="dummy")
     runner.kv.normal_()  # never time on zeros
@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--hf-batches", default="1,64")
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--fused-ops", action="store_true", help="the engine's fused Triton elementwise kernels")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     prefill_lens = [int(n) for n in args.prefill.split(",")]
@@ -173,11 +174,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(LLAMA3_8B, f)
-        decode, prefill = bench_engine(d, LLAMA3_8B, batches, args.ctx, prefill_lens, ceil)
+        decode, prefill = bench_engine(d, LLAMA3_8B, batches, args.ctx, prefill_lens, ceil, args.fused_ops)
     torch.cuda.empty_cache()
     hf = None if args.no_hf else bench_hf(LLAMA3_8B, args.ctx, [int(b) for b in args.hf_batches.split(",")],
                                            args.hf_new_tokens, prefill_lens)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fused_ops": args.fused_ops,
               "ceilings": ceil, "decode": decode, "prefill": prefill, "hf": hf}
     with open(os.path.join(args.out, "engine_gpu.json"), "w") as f:
         json.dump(result, f, indent=2)

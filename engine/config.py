@@ -130,6 +130,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # Triton kernels for RMSNorm + residual, rope and SiLU * gate (engine/ops/triton_fused.py);
+    # off by default until measured on GPU; needs the triton attention backend
+    fused_ops: bool = False
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random values (benchmarks)
     seed: int = 0
     # resolved by resolve()
@@ -167,6 +170,9 @@ class EngineConfig:
 
     # ---- resolution against the model and the device ---------------------------------
     def resolve(self, model_path: str) -> EngineConfig:
+        if self.fused_ops and not self.use_triton:
+            raise ValueError("fused_ops needs Triton: the triton attention backend (auto on CUDA, or "
+                             "attention_backend='triton' with TRITON_INTERPRET=1 on CPU)")
         self.model = model_path
         self.model_config = mc = ModelConfig.from_dir(model_path)
         if self.max_model_len is None:

@@ -28,7 +28,7 @@ def load_model(config: EngineConfig, load_format: str = "auto") -> LlamaForCausa
     mc = config.model_config
     device, dtype = config.torch_device, config.torch_dtype
     with torch.device("meta"):
-        model = LlamaForCausalLM(mc, config.max_model_len, config.use_triton)
+        model = LlamaForCausalLM(mc, config.max_model_len, config.use_triton, fused=config.fused_ops)
     model = model.to_empty(device=device)
     if mc.tie_word_embeddings:  # to_empty from meta makes new Parameters: tie again
         model.lm_head.weight = model.embed_tokens.weight

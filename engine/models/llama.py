@@ -5,6 +5,9 @@ They differ only in configuration: GQA ratio, q/k/v bias (Qwen2), sliding window
 gate_up) so that a layer runs 4 matmuls; checkpoints are loaded by slicing the
 Hugging Face tensors into the fused weights. Numerics follow HF's modeling code
 (fp32 RMSNorm statistics, rope tables built in fp32) so greedy outputs match it.
+
+`fused=True` runs the elementwise parts through Triton kernels (engine/ops/triton_fused.py):
+the residual travels beside the hidden states, and each RMSNorm adds it first.
 """
 
 from __future__ import annotations
@@ -17,6 +20,24 @@ from torch import nn
 
 from ..attention import AttentionMetadata, PagedAttention
 from ..config import ModelConfig
+
+
+def add_rmsnorm(*args):
+    from ..ops.triton_fused import add_rmsnorm as fn  # imports Triton only when fused
+
+    return fn(*args)
+
+
+def rope_(*args):
+    from ..ops.triton_fused import rope_ as fn
+
+    return fn(*args)
+
+
+def silu_mul(x):
+    from ..ops.triton_fused import silu_mul as fn
+
+    return fn(x)
 
 
 class RMSNorm(nn.Module):
@@ -74,8 +95,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False):
         super().__init__()
+        self.fused = fused
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -90,43 +112,59 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.fused:
+            rope_(q, k, positions, self.rotary.cos, self.rotary.sin)
+        else:
+            q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fused: bool = False):
         super().__init__()
+        self.fused = fused
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.fused:
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, use_triton)
-        self.mlp = MLP(cfg)
+        self.fused = fused
+        self.self_attn = Attention(cfg, rotary, use_triton, fused)
+        self.mlp = MLP(cfg, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, h, k_cache, v_cache, meta):
-        h = h + self.self_attn(positions, self.input_layernorm(h), k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions, h, k_cache, v_cache, meta, residual=None):
+        """-> (h, residual); unfused, residual stays None and h is the layer's output;
+        fused, the layer's output is h + residual (added by the next RMSNorm)."""
+        if not self.fused:
+            h = h + self.self_attn(positions, self.input_layernorm(h), k_cache, v_cache, meta)
+            return h + self.mlp(self.post_attention_layernorm(h)), None
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x, residual = add_rmsnorm(h, residual, ln1.weight, ln1.eps)
+        h = self.self_attn(positions, x, k_cache, v_cache, meta)
+        x, residual = add_rmsnorm(h, residual, ln2.weight, ln2.eps)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, use_triton: bool):
+    def __init__(self, cfg: ModelConfig, max_positions: int, use_triton: bool, fused: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.fused = fused
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, use_triton) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, use_triton, fused) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -136,8 +174,11 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(positions, h, k_cache, v_cache, meta)
+            h, residual = layer(positions, h, k_cache, v_cache, meta, residual)
+        if self.fused:
+            return add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)[0]
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,12 +30,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--fused-ops", action="store_true",
+                   help="Triton kernels for RMSNorm + residual, rope and SiLU * gate (needs Triton)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
            "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
-           "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
+           "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
+           "fused_ops": args.fused_ops}
     for name in ("max_num_seqs", "max_num_batched_tokens"):  # None: the engine's default
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)

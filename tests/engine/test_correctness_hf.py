@@ -101,3 +101,20 @@ def test_triton_backend_matches_hf_under_interpreter(model_dirs, references):
     llm = LLM(model_dirs["llama"], attention_backend="triton")
     assert _run(llm, prompts[:4]) == ref[:4]
     _check_all_free(llm)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_fused_ops_match_hf_under_interpreter(model_dirs, references, name):
+    """Fused RMSNorm + residual, rope and SiLU * gate kernels in the real engine: greedy
+    tokens equal Hugging Face's (qwen2: q/k/v biases; both GQA)."""
+    pytest.importorskip("triton")
+    prompts, ref, _, _ = references[name]
+    llm = LLM(model_dirs[name], attention_backend="triton", fused_ops=True)
+    assert llm.engine.runner.model.fused
+    assert _run(llm, prompts[:4]) == ref[:4]
+    _check_all_free(llm)
+
+
+def test_fused_ops_need_triton(model_dirs):
+    with pytest.raises(ValueError, match="fused_ops needs Triton"):
+        LLM(model_dirs["llama"], attention_backend="torch", fused_ops=True)

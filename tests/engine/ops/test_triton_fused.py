@@ -1,0 +1,87 @@
+"""Fused RMSNorm + residual, rope and SiLU * gate kernels against the model's torch
+modules: on CUDA when present, else under Triton's interpreter (set in conftest).
+fp32 matches to 1e-6 (the residual add and rope exactly: the kernels repeat torch's
+operations and roundings); bf16 within a couple of bf16 steps, because the interpreter
+truncates where the GPU rounds to nearest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from pdserve.engine.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
+from pdserve.engine.ops.triton_fused import add_rmsnorm, rope_, silu_mul  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    else:  # a couple of bf16 steps (8 bits of mantissa) of the operands' scale
+        scale = b.float().abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=scale * 2 ** -6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,N", [(1, 64), (7, 96), (3, 4096)])
+def test_add_rmsnorm_matches_residual_add_and_rmsnorm(T, N, dtype):
+    g = torch.Generator().manual_seed(T * N)
+    norm = RMSNorm(N, 1e-5)
+    norm.weight.data = torch.randn(N, generator=g)
+    norm = norm.to(DEV, dtype)
+    x = torch.randn(T, N, generator=g).to(DEV, dtype)
+    r = torch.randn(T, N, generator=g).to(DEV, dtype)
+    out, res = add_rmsnorm(x, r, norm.weight, norm.eps)
+    close(res, x + r, dtype)
+    close(out, norm(res), dtype)  # normalizes the stream it stored
+    if dtype == torch.float32:
+        assert torch.equal(res, x + r)  # an add rounds alike everywhere; the norm's sum order may not
+    out0, res0 = add_rmsnorm(x, None, norm.weight, norm.eps)  # the first layer: no residual yet
+    assert res0 is x
+    close(out0, norm(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,KVH,D", [(4, 2, 32), (6, 2, 64), (32, 8, 128)])
+def test_rope_in_place_on_qkv_views_matches_rotary(H, KVH, D, dtype):
+    rot = RotaryEmbedding(D, 256, 500000.0, None).to(DEV)
+    T = 5
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=torch.Generator().manual_seed(H + D)).to(DEV, dtype)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    q, k = q.view(T, H, D), k.view(T, KVH, D)  # strided views, as in the model
+    pos = torch.tensor([0, 1, 17, 100, 255], device=DEV)
+    v_before = v.clone()
+    want_q, want_k = rot(pos, q.clone(), k.clone())
+    got_q, got_k = rope_(q, k, pos, rot.cos, rot.sin)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    close(q, want_q, dtype)
+    close(k, want_k, dtype)
+    assert torch.equal(v, v_before)  # the view's neighbours untouched
+    if dtype == torch.float32:
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,N", [(1, 80), (4, 1536), (2, 3000)])
+def test_silu_mul_matches_torch(T, N, dtype):
+    gu = torch.randn(T, 2 * N, generator=torch.Generator().manual_seed(N)).to(DEV, dtype) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    close(silu_mul(gu), F.silu(gate) * up, dtype)
+
+
+def test_bad_shapes_are_refused():
+    x = torch.randn(3, 8, device=DEV)
+    with pytest.raises(ValueError, match="weight"):
+        add_rmsnorm(x, None, torch.ones(4, device=DEV), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        add_rmsnorm(x, torch.randn(2, 8, device=DEV), torch.ones(8, device=DEV), 1e-5)
+    with pytest.raises(ValueError, match="2 \\* N"):
+        silu_mul(torch.randn(3, 7, device=DEV))
+    cos = torch.randn(16, 8, device=DEV)
+    with pytest.raises(ValueError, match="does not fit"):
+        rope_(torch.randn(3, 2, 8, device=DEV), torch.randn(3, 1, 6, device=DEV), torch.arange(3, device=DEV),
+              cos, cos)
