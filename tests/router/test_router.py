@@ -11,10 +11,12 @@ import time
 import httpx
 import openai
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.engine.hashing import hash_block_tokens
 from pdserve.router.app import build_app
 
 from helpers import Server
@@ -274,7 +276,18 @@ def test_conditional_disaggregation(client, cluster):
     first = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 1.",
                                                         max_tokens=2, temperature=0)
     assert first.headers["x-pdserve-prefill"].startswith("prefill")
-    time.sleep(2.5)  # the decode worker's received blocks reach the registry
+    # the decode worker's received blocks reach the registry with its next heartbeat
+    ids = cluster.tokenizer.encode(doc + "Part 2.")
+    hashes = [h.hex() for h in hash_block_tokens(ids, cluster.block_size)]
+    deadline, seen = time.time() + 20, None
+    while time.time() < deadline:
+        seen = ray.get(cluster.registry.longest_prefix.remote(hashes, "decode"))
+        if seen[0] == first.headers["x-pdserve-decode"] and seen[1] * cluster.block_size >= 0.7 * len(ids):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the registry never showed {first.headers['x-pdserve-decode']} holding >= 70% of "
+                    f"{len(ids)} tokens; last (holder, blocks) = {seen}")
     cluster.local_cached_fraction = 0.7
     try:
         again = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 2.",
