@@ -162,9 +162,12 @@ def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
         assert r["completed"] == 8 and r["failed"] == 0
         assert r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p50"] > 0 and r["output_tok_s"] > 0
         assert r["slo_attainment"] == 1.0
-        assert r["prefix_hit_rate"] > 0.3  # 96 of 104 tokens shared by 4 requests each
+        assert 0 <= r["prefix_hit_rate"] <= 1
         assert 0 < r["phase_mean_s"]["local_first_token"] <= r["ttft_s"]["p99"]
         assert len(r["requests_detail"]) == 8
+    # 96 of 104 tokens shared by 4 requests each: spaced arrivals hit the first one's blocks
+    # (all at once, the requests of one prefix may be admitted in one step and share nothing)
+    assert data["runs"][0]["prefix_hit_rate"] > 0.3
     assert data["goodput"] == {"rps": 4.0, "lower_bound": True}
     assert (tmp_path / "colocated_shared-prefix.png").stat().st_size > 10_000
     assert "| 4 | 8/8 |" in (tmp_path / "colocated_shared-prefix.md").read_text()

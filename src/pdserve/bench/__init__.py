@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import time
 
 __all__ = ["add_parser", "main"]
 
@@ -127,7 +128,8 @@ def run(args) -> dict:
         before = ep.metrics()
         with tqdm(total=len(reqs), desc=f"{args.label or 'bench'} @ {rate_value:.2f} req/s", unit="req") as bar:
             records, duration = run_load(ep, reqs, arrivals, bar)
-        summary = summarize(records, duration, rate_value, args.slo_ttft, args.slo_tpot, before, ep.metrics())
+        summary = summarize(records, duration, rate_value, args.slo_ttft, args.slo_tpot, before,
+                            settled_metrics(ep))
         runs.append(summary)
         t, p = summary["ttft_s"], summary["tpot_s"]
         print(f"  rate {rate_value:.2f}: {summary['completed']}/{summary['requests']} done, TTFT p90 "
@@ -138,6 +140,24 @@ def run(args) -> dict:
             "config": {"workload": args.workload, "workload_desc": desc, "ttft_slo": args.slo_ttft,
                        "tpot_slo": args.slo_tpot, "num_requests": args.num_requests, "seed": args.seed},
             "runs": runs, "goodput": goodput(runs)}
+
+
+def settled_metrics(ep, key: str = "vllm:prefix_cache_queries", quiet_s: float = 1.2,
+                    timeout_s: float = 6.0) -> dict:
+    """The server's counters after a run. Worker-side ones (pdserve's prefix-cache counts)
+    reach /metrics with the router's next stats poll (~1 s), so read until `key` has not
+    moved for `quiet_s`; servers without it are read once."""
+    last = ep.metrics()
+    if key not in last:
+        return last
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        cur = ep.metrics()
+        if cur.get(key) == last.get(key):
+            return cur
+        last = cur
+    return last
 
 
 def main(args) -> int:
