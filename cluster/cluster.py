@@ -427,14 +427,19 @@ class Cluster:
                 return self.workers[holder], "local_cached"
         return None, ""
 
-    async def _relay(self, d: Worker, rid: str, prompt, sink, p: Worker, progress: dict) -> None:
+    async def _relay(self, d: Worker, rid: str, prompt, ids: list[int], sink, p: Worker, progress: dict) -> None:
         """Passes the decode worker's stream to `sink`; progress["streamed"] tells the caller
-        whether the client has seen a token (then a failure cannot be retried elsewhere)."""
+        whether the client has seen a token (then a failure cannot be retried elsewhere).
+        The worker sends deltas only (`slim_output`); the cumulative fields are rebuilt here."""
+        text, token_ids = "", []
         async for ref in d.actor.stream.options(num_returns="streaming").remote(rid):
             out: RequestOutput = await ref
             c = out.outputs[0] if out.outputs else None
             if c is None:  # aborted
                 return
+            text += out.delta_text
+            token_ids += out.delta_token_ids
+            c.text, c.token_ids, out.prompt_token_ids = text, list(token_ids), ids
             if c.finish_reason == "error" and not c.token_ids:
                 raise WorkerLost(f"request {rid} failed on {p.worker_id} -> {d.worker_id}: {c.stop_reason}")
             out.prompt = prompt
@@ -451,7 +456,7 @@ class Cluster:
         t0 = time.monotonic()
         try:
             await d.actor.local.remote(rid, ids, params)
-            await self._relay(d, rid, prompt, sink, d, progress)
+            await self._relay(d, rid, prompt, ids, sink, d, progress)
             if "first_at" in progress:
                 self._phase("local_first_token", progress["first_at"] - t0)
             return True
@@ -509,7 +514,7 @@ class Cluster:
                 p.actor.abort.remote(rid)
                 raise WorkerLost(f"decode worker {d.worker_id} died: {e}") from e
             self.registry.begin_handoff.remote(rid, p.worker_id, d.worker_id, 60.0)
-            relay = asyncio.ensure_future(self._relay(d, rid, prompt, sink, p, progress))
+            relay = asyncio.ensure_future(self._relay(d, rid, prompt, ids, sink, p, progress))
             send = asyncio.ensure_future(
                 self._sent(p, p.actor.send.remote(rid, d.worker_id, d.info["address"], skip, channel), rid, progress))
             try:

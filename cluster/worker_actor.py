@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -57,6 +58,7 @@ class WorkerActor:
         self.futures: dict[tuple[str, str], asyncio.Future] = {}
         self.streams: dict[str, asyncio.Queue] = {}
         self.backlog: list[tuple] = []  # decode reservations waiting for blocks
+        self._beat = None  # the last heartbeat's reply: False means the registry dropped us
         self.thread: threading.Thread | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -144,7 +146,9 @@ class WorkerActor:
         try:
             while True:
                 out: RequestOutput = await q.get()
-                yield out
+                while not out.finished and not q.empty():  # the consumer fell behind: one item
+                    out = merge_outputs(out, q.get_nowait())
+                yield slim_output(out)
                 if out.finished:
                     return
         finally:
@@ -196,11 +200,17 @@ class WorkerActor:
                 self.wake.wait(0.005 if (self.connector._handoffs or self.backlog) else 0.2)
 
     def _heartbeat(self) -> None:
-        events = [(k, h.hex()) for k, h in self.engine.kv.pool.drain_events()]
+        pool = self.engine.kv.pool
+        events = [(k, h.hex()) for k, h in pool.drain_events()]
         try:
-            self.registry.heartbeat.remote(self.worker_id, self._stats(), events)
+            if self._beat is not None and ray.wait([self._beat], timeout=0)[0] and ray.get(self._beat) is False:
+                # the registry purged us (no heartbeat within its stale_s, e.g. a long stall):
+                # join again and announce every cached block, not just the news
+                self.registry.register.remote(self.worker_id, self.info())
+                events = [("stored", h.hex()) for h in pool.cached]
+            self._beat = self.registry.heartbeat.remote(self.worker_id, self._stats(), events)
         except Exception:  # noqa: BLE001 - the registry restarting must not stop the engine
-            pass
+            self._beat = None
 
     def _handle(self, cmd: tuple) -> None:
         kind, rid = cmd[0], cmd[1]
@@ -266,6 +276,23 @@ class WorkerActor:
                 for out in self.role.step():
                     self._emit(out)
         return busy
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """b, a later output of the same request, carrying a's deltas too."""
+    b.delta_text = a.delta_text + b.delta_text
+    b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
+    return b
+
+
+def slim_output(out: RequestOutput) -> RequestOutput:
+    """What a streamed output carries across Ray: its deltas, not the prompt's token ids
+    and the cumulative text and ids, which the cluster rebuilds (`Cluster._relay`); a
+    4K-token prompt would otherwise be pickled twice per generated token."""
+    if not out.outputs:
+        return out
+    c = out.outputs[0]
+    return dataclasses.replace(out, prompt_token_ids=[], outputs=[dataclasses.replace(c, text="", token_ids=[])])
 
 
 def handoff_failed(result: dict) -> bool:

@@ -127,6 +127,22 @@ class TestScalingAndFailures:
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         assert other.outputs[0].finish_reason == "length" and cluster.counters["retries"] == retries
 
+    def test_worker_purged_from_the_registry_comes_back_with_its_blocks(self, cluster):
+        # a worker whose heartbeats stalled past the registry's stale_s is purged; once it
+        # beats again it must re-register and re-announce its cached blocks, or prefix
+        # routing never sees it again
+        cluster.generate("A prompt long enough to fill a few blocks of the prefix cache. " * 3, GREEDY)
+        d = next(w for w in cluster.workers.values() if w.role == "decode")
+        held = {w["worker_id"]: w["num_cached_blocks"] for w in cluster.registry_workers()}
+        assert held[d.worker_id] >= 3
+        assert ray.get(cluster.registry.unregister.remote(d.worker_id))
+        for _ in range(100):
+            back = {w["worker_id"]: w["num_cached_blocks"] for w in cluster.registry_workers()}
+            if back.get(d.worker_id, 0) >= held[d.worker_id]:
+                break
+            time.sleep(0.1)
+        assert back.get(d.worker_id, 0) >= held[d.worker_id], back
+
     def test_scale_up_and_down_while_serving(self, cluster, reference):
         results, stop = [], threading.Event()
 
@@ -213,3 +229,22 @@ def test_join_existing_ray_cluster(tmp_path):
             c.shutdown()
     finally:
         subprocess.run(env_cmd + ["stop", "--force"], capture_output=True, timeout=120)
+
+
+def test_streamed_outputs_carry_deltas_only():
+    from pdserve.cluster.worker_actor import merge_outputs, slim_output
+    from pdserve.engine.outputs import CompletionOutput, RequestOutput
+
+    prompt = list(range(4096))
+    a = RequestOutput("r", None, prompt, [CompletionOutput(0, "Hello", [7])], False, delta_text="Hello",
+                      delta_token_ids=[7])
+    b = RequestOutput("r", None, prompt, [CompletionOutput(0, "Hello world", [7, 8])], False,
+                      delta_text=" world", delta_token_ids=[8])
+    m = merge_outputs(a, b)  # the consumer fell behind: one item with both deltas
+    assert (m.delta_text, m.delta_token_ids) == ("Hello world", [7, 8])
+    s = slim_output(m)
+    assert s.prompt_token_ids == [] and s.outputs[0].token_ids == [] and s.outputs[0].text == ""
+    assert (s.delta_text, s.delta_token_ids) == ("Hello world", [7, 8])
+    assert m.prompt_token_ids == prompt  # the worker's own object is untouched
+    aborted = RequestOutput("r", None, [], [], True)
+    assert slim_output(aborted) is aborted
