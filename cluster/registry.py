@@ -4,7 +4,9 @@ It knows the workers (id, role, node, address, capacity, epoch, last heartbeat, 
 stats they report) and which prefix-block hashes each one holds, kept current by
 batched (stored, removed) events that ride on heartbeats. The router asks it for
 the worker holding the longest cached prefix of a prompt. Workers whose heartbeat
-is older than `stale_s` (or that re-register with a new epoch) are purged.
+is older than `stale_s` (or that re-register with a new epoch) are purged; a purged
+worker that is still alive sees its next heartbeat refused (False) and registers
+again with all its cached blocks.
 Hashes travel as hex strings (sha256 chain, engine/hashing.py).
 """
 
