@@ -22,22 +22,10 @@ from ..attention import AttentionMetadata, PagedAttention
 from ..config import ModelConfig
 
 
-def add_rmsnorm(*args):
-    from ..ops.triton_fused import add_rmsnorm as fn  # imports Triton only when fused
+def _fused_ops():
+    from ..ops import triton_fused  # imports Triton only when a model is built fused
 
-    return fn(*args)
-
-
-def rope_(*args):
-    from ..ops.triton_fused import rope_ as fn
-
-    return fn(*args)
-
-
-def silu_mul(x):
-    from ..ops.triton_fused import silu_mul as fn
-
-    return fn(x)
+    return triton_fused
 
 
 class RMSNorm(nn.Module):
@@ -98,6 +86,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False):
         super().__init__()
         self.fused = fused
+        self.rope_ = _fused_ops().rope_ if fused else None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -113,7 +102,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.fused:
-            rope_(q, k, positions, self.rotary.cos, self.rotary.sin)
+            self.rope_(q, k, positions, self.rotary.cos, self.rotary.sin)
         else:
             q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
@@ -124,12 +113,13 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, fused: bool = False):
         super().__init__()
         self.fused = fused
+        self.silu_mul = _fused_ops().silu_mul if fused else None
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         if self.fused:
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+            return self.down_proj(self.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -138,6 +128,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False):
         super().__init__()
         self.fused = fused
+        self.add_rmsnorm = _fused_ops().add_rmsnorm if fused else None
         self.self_attn = Attention(cfg, rotary, use_triton, fused)
         self.mlp = MLP(cfg, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -150,9 +141,9 @@ class DecoderLayer(nn.Module):
             h = h + self.self_attn(positions, self.input_layernorm(h), k_cache, v_cache, meta)
             return h + self.mlp(self.post_attention_layernorm(h)), None
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x, residual = add_rmsnorm(h, residual, ln1.weight, ln1.eps)
+        x, residual = self.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
         h = self.self_attn(positions, x, k_cache, v_cache, meta)
-        x, residual = add_rmsnorm(h, residual, ln2.weight, ln2.eps)
+        x, residual = self.add_rmsnorm(h, residual, ln2.weight, ln2.eps)
         return self.mlp(x), residual
 
 
@@ -178,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h, residual = layer(positions, h, k_cache, v_cache, meta, residual)
         if self.fused:
-            return add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)[0]
+            return _fused_ops().add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)[0]
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
