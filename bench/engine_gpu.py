@@ -45,6 +45,57 @@ def timed(fn, iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+KERNEL_KINDS = (("attention", ("paged_decode",)), ("kv store", ("store_kv",)),
+                ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "matmul", "splitk")),
+                ("fused elementwise", ("add_rmsnorm", "rope", "silu_mul")), ("memcpy / memset", ("memcpy", "memset")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other elementwise / reduce"
+
+
+def profile_step(fn, steps: int = 5) -> dict:
+    """GPU kernel time of one fn() call, by kernel kind (torch profiler, CUPTI; graph replays
+    included), against the wall time of the same calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    kinds: dict[str, dict] = {}
+    top: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        k = kinds.setdefault(kernel_kind(e.name), {"us": 0.0, "launches": 0})
+        k["us"] += us / steps
+        k["launches"] += 1 / steps
+        top[e.name] = top.get(e.name, 0.0) + us / steps
+    busy = sum(k["us"] for k in kinds.values())
+    return {"wall_us": wall * 1e6, "gpu_busy_us": busy, "kinds": kinds,
+            "top": sorted(([n[:90], us] for n, us in top.items()), key=lambda x: -x[1])[:12]}
+
+
+def profile_lines(title: str, p: dict, ref: str) -> list[str]:
+    lines = ["", f"### {title}: GPU kernel time by kind (torch profiler)", "",
+             f"Wall {p['wall_us']:.0f} us per call, GPU busy {p['gpu_busy_us']:.0f} us; {ref}.", "",
+             "| kind | us per call | launches per call |", "|---|---|---|"]
+    for kind, k in sorted(p["kinds"].items(), key=lambda kv: -kv[1]["us"]):
+        lines.append(f"| {kind} | {k['us']:.0f} | {k['launches']:.0f} |")
+    lines += ["", "| kernel (top by time) | us per call |", "|---|---|"]
+    return lines + [f"| `{n}` | {us:.1f} |" for n, us in p["top"]]
+
+
 def ceilings() -> dict:
     n = 1 << 30  # 2 GiB of bf16
     a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -68,7 +119,7 @@ def model_bytes(cfg: dict) -> tuple[int, int]:
 
 
 def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefill_lens: list[int],
-                 ceil: dict, fused_ops: bool = False) -> tuple[list, list]:
+                 ceil: dict, fused_ops: bool = False, profile: bool = False) -> tuple[list, list]:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.request import Request
@@ -102,12 +153,13 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
         graphs, runner.graphs = runner.graphs, {}  # the same step without CUDA graphs
         t_eager = timed(lambda s=sched: runner.execute(s), 5, warmup=2)
         runner.graphs = graphs
+        prof = profile_step(lambda s=sched: runner.execute(s)) if profile else None
         read = body_params * 2 + B * (ctx + 1) * kv_token_bytes + B * cfg["hidden_size"] * 2
         floor = read / (ceil["copy_GBps"] * 1e9)
         decode_rows.append({"batch": B, "context": ctx, "step_ms": t * 1e3, "eager_ms": t_eager * 1e3,
                             "floor_ms": floor * 1e3,
                             "ratio_to_floor": t / floor, "tokens_per_s": B / t,
-                            "bytes_read_GB": read / 1e9})
+                            "bytes_read_GB": read / 1e9, **({"profile": prof} if prof else {})})
     prefill_rows = []
     h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     for n in tqdm(prefill_lens, desc="prefill"):
@@ -115,9 +167,11 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
         r = Request(f"p{n}", toks, greedy, max_tokens=16)
         s = [ScheduledRequest(r, n, list(range(-(-n // bs))))]
         t = timed(lambda s=s: runner.execute(s), 5, warmup=2)
+        prof = profile_step(lambda s=s: runner.execute(s), steps=2) if profile else None
         flops = 2 * n * (body_params - cfg["vocab_size"] * h) + 2 * h * vocab + 2 * n * n * h * L
         prefill_rows.append({"tokens": n, "ms": t * 1e3, "tokens_per_s": n / t, "TFLOPs": flops / t / 1e12,
-                             "frac_of_matmul": flops / t / 1e12 / ceil["matmul_TFLOPs"]})
+                             "frac_of_matmul": flops / t / 1e12 / ceil["matmul_TFLOPs"],
+                             **({"profile": prof} if prof else {})})
     return decode_rows, prefill_rows  # the runner and its KV cache are freed on return
 
 
@@ -166,6 +220,7 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--fused-ops", action="store_true", help="the engine's fused Triton elementwise kernels")
+    ap.add_argument("--profile", action="store_true", help="kernel time by kind of each decode step (torch profiler)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     prefill_lens = [int(n) for n in args.prefill.split(",")]
@@ -174,7 +229,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(LLAMA3_8B, f)
-        decode, prefill = bench_engine(d, LLAMA3_8B, batches, args.ctx, prefill_lens, ceil, args.fused_ops)
+        decode, prefill = bench_engine(d, LLAMA3_8B, batches, args.ctx, prefill_lens, ceil, args.fused_ops,
+                                       args.profile)
     torch.cuda.empty_cache()
     hf = None if args.no_hf else bench_hf(LLAMA3_8B, args.ctx, [int(b) for b in args.hf_batches.split(",")],
                                            args.hf_new_tokens, prefill_lens)
@@ -197,6 +253,10 @@ def main() -> None:
     for b, r in hf_dec.items():
         if b not in {x["batch"] for x in decode}:
             lines.append(f"| {b} (HF only) | - | - | - | - | - | {r['tokens_per_s']:.0f} |")
+    for r in decode:
+        if r.get("profile"):
+            lines += profile_lines(f"Decode step at batch {r['batch']}", r["profile"],
+                                   f"HBM floor {r['floor_ms'] * 1e3:.0f} us")
     lines += ["", "## Prefill (one request)", "",
               "| tokens | ms | tok/s | TFLOP/s | of matmul ceiling | HF TFLOP/s |", "|---|---|---|---|---|---|"]
     hf_pre = {r["tokens"]: r for r in (hf or {}).get("prefill", [])}
@@ -204,6 +264,10 @@ def main() -> None:
         hf_t = f"{hf_pre[r['tokens']]['TFLOPs']:.0f}" if r["tokens"] in hf_pre else "-"
         lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {r['TFLOPs']:.0f} | "
                      f"{r['frac_of_matmul']:.0%} | {hf_t} |")
+    for r in prefill:
+        if r.get("profile"):
+            lines += profile_lines(f"Prefill of {r['tokens']} tokens", r["profile"],
+                                   f"{r['TFLOPs']:.0f} TFLOP/s overall")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "engine_gpu.md"), "w") as f:
         f.write(md)
