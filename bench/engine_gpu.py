@@ -45,7 +45,7 @@ def timed(fn, iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-KERNEL_KINDS = (("attention", ("paged_decode",)), ("kv store", ("store_kv",)),
+KERNEL_KINDS = (("attention", ("paged_decode", "flash", "fmha", "attn")), ("kv store", ("store_kv",)),
                 ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "matmul", "splitk")),
                 ("fused elementwise", ("add_rmsnorm", "rope", "silu_mul")), ("memcpy / memset", ("memcpy", "memset")))
 
@@ -119,7 +119,7 @@ def model_bytes(cfg: dict) -> tuple[int, int]:
 
 
 def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefill_lens: list[int],
-                 ceil: dict, fused_ops: bool = False, profile: bool = False) -> tuple[list, list]:
+                 ceil: dict, fused_ops: bool | None = None, profile: bool = False) -> tuple[list, list, bool]:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.request import Request
@@ -172,7 +172,7 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
         prefill_rows.append({"tokens": n, "ms": t * 1e3, "tokens_per_s": n / t, "TFLOPs": flops / t / 1e12,
                              "frac_of_matmul": flops / t / 1e12 / ceil["matmul_TFLOPs"],
                              **({"profile": prof} if prof else {})})
-    return decode_rows, prefill_rows  # the runner and its KV cache are freed on return
+    return decode_rows, prefill_rows, ec.fused_ops  # the runner and its KV cache are freed on return
 
 
 def bench_hf(cfg: dict, ctx: int, hf_batches: list[int], new_tokens: int, prefill_lens: list[int]) -> dict:
@@ -219,7 +219,8 @@ def main() -> None:
     ap.add_argument("--hf-batches", default="1,64")
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--fused-ops", action="store_true", help="the engine's fused Triton elementwise kernels")
+    ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's fused Triton elementwise kernels (default: the engine's, on for CUDA)")
     ap.add_argument("--profile", action="store_true", help="kernel time by kind of each decode step (torch profiler)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -229,16 +230,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(LLAMA3_8B, f)
-        decode, prefill = bench_engine(d, LLAMA3_8B, batches, args.ctx, prefill_lens, ceil, args.fused_ops,
+        decode, prefill, fused = bench_engine(d, LLAMA3_8B, batches, args.ctx, prefill_lens, ceil, args.fused_ops,
                                        args.profile)
     torch.cuda.empty_cache()
     hf = None if args.no_hf else bench_hf(LLAMA3_8B, args.ctx, [int(b) for b in args.hf_batches.split(",")],
                                            args.hf_new_tokens, prefill_lens)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fused_ops": args.fused_ops,
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fused_ops": fused,
               "ceilings": ceil, "decode": decode, "prefill": prefill, "hf": hf}
     with open(os.path.join(args.out, "engine_gpu.json"), "w") as f:
         json.dump(result, f, indent=2)
-    lines = [f"# Engine on {result['device']} (Llama-3-8B config, random bf16 weights)", "",
+    lines = [f"# Engine on {result['device']} (Llama-3-8B config, random bf16 weights, "
+             f"fused elementwise kernels {'on' if fused else 'off'})", "",
              f"Ceilings measured in the same run: copy {ceil['copy_GBps']:.0f} GB/s (read + write), "
              f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.", "",
              f"## Decode (one step, context {args.ctx})", "",

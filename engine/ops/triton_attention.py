@@ -8,6 +8,8 @@ they work on the strided per-layer views of the block-major KV tensor.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,17 +41,21 @@ def _store_kv_kernel(
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
-    # one program = one sequence x one kv head; the GROUP query heads sharing that kv
-    # head are the rows of the tile, so each K/V element is read once per step
+    # one program = one sequence x one kv head x one split of the context; the GROUP query
+    # heads sharing that kv head are the rows of the tile, so each K/V element is read once
+    # per step. SPLITS > 1 (few sequences: too few programs to fill the GPU) writes the
+    # split's unnormalized partial (acc, max, sum) for _combine_splits_kernel.
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -67,7 +73,13 @@ def _paged_decode_kernel(
     if window > 0:
         lo = tl.maximum(seq_len - window, 0)
     lo_tile = (lo // BLOCK_N) * BLOCK_N
-    for n0 in range(lo_tile, seq_len, BLOCK_N):
+    start = lo_tile
+    end = seq_len
+    if SPLITS > 1:
+        per_split = tl.cdiv(tl.cdiv(seq_len - lo_tile, BLOCK_N), SPLITS) * BLOCK_N
+        start = lo_tile + split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+    for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_seq = offs_n < seq_len
         valid = in_seq & (offs_n >= lo)
@@ -93,9 +105,50 @@ def _paged_decode_kernel(
             pv = tl.dot(p.to(COMPUTE_DTYPE), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    acc = acc / l_i[:, None]
-    tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             acc.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    if SPLITS == 1:
+        acc = acc / l_i[:, None]
+        tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        # partials laid out [seq, head, split, D_PAD] and [seq, head, split, 2] (max, sum)
+        row = (seq * NUM_HEADS + heads) * SPLITS + split
+        tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=mask_g[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=mask_g)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mask_g)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr, part_ml_ptr, o_ptr, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # one program = one sequence x one query head: rescale each split to the common max
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask_s = offs_s < SPLITS
+    row = (seq * NUM_HEADS + head) * SPLITS + offs_s
+    m = tl.load(part_ml_ptr + row * 2, mask=mask_s, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_s, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)  # empty splits weigh nothing
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
+    """How many pieces to cut each sequence's context into so that a decode launch on `sms`
+    SMs has about two programs per SM: 1 when the batch alone fills the GPU. Depends on shapes
+    only (the padded batch and the block table's width), so a CUDA graph captures a fixed grid."""
+    programs = num_seqs * num_kv_heads
+    if programs >= sms:
+        return 1
+    # at least 256 tokens per split: below that the combine costs more than it saves
+    return max(1, min(-(-2 * sms // programs), max_context // 256, 32))
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -132,13 +185,22 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     )
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _COMPUTE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                        sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence. q [num_seqs, num_heads, head_dim] -> same shape."""
+                        sliding_window: int | None = None, out: torch.Tensor | None = None,
+                        splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence. q [num_seqs, num_heads, head_dim] -> same shape.
+
+    splits: pieces each context is cut into (flash-decoding), combined by a second launch;
+    None picks by shape (num_splits), 1 on CPU."""
     _check_cache(k_cache, v_cache)
     B, H, D = q.shape
     _, page, KVH, Dc = k_cache.shape
@@ -163,15 +225,31 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     cdt = q.dtype if q.dtype in _COMPUTE and q.is_cuda else torch.float32
     block_n = max(16, min(64, page * 4)) if page <= 64 else page
     log2e = 1.4426950408889634
-    _paged_decode_kernel[(B, KVH)](
-        q, k_cache, v_cache, out, block_tables, seq_lens,
+    if splits is None:
+        splits = (num_splits(B, KVH, block_tables.shape[1] * page, _sm_count(q.device))
+                  if q.is_cuda else 1)
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    d_pad = max(16, triton.next_power_of_2(D))
+    if splits > 1:
+        part_acc = torch.empty(B, H, splits, d_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(B, H, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_decode_kernel[(B, KVH, splits)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, part_acc, part_ml,
         scale * log2e, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
-        D_PAD=max(16, triton.next_power_of_2(D)), PAGE=page, BLOCK_N=block_n,
-        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt],
+        D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
+        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, NUM_HEADS=H,
         num_warps=4,
     )
+    if splits > 1:
+        _combine_splits_kernel[(B, H)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            NUM_HEADS=H, SPLITS=splits, S_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=D, D_PAD=d_pad,
+        )
     return out

@@ -30,8 +30,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--fused-ops", action="store_true",
-                   help="Triton kernels for RMSNorm + residual, rope and SiLU * gate (needs Triton)")
+    p.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
+                   help="Triton kernels for RMSNorm + residual, rope and SiLU * gate "
+                        "(default: on where Triton runs on CUDA)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:

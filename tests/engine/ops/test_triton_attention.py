@@ -86,3 +86,44 @@ def test_launchers_check_shapes():
         paged_decode_triton(q, kc, vc, tables.long(), lens, 1.0)
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kv_triton(q[:, :2], q[:, :2], kc, vc, torch.zeros(3, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [2, 5, 8])
+def test_split_context_decode_matches_reference(splits, dtype):
+    """Flash-decoding: each context cut into `splits` pieces, combined by a second kernel;
+    pieces that hold no tokens (short sequences, sliding window) must weigh nothing."""
+    H, KVH, D, page = 8, 2, 64, 16
+    seq_lens = [1, 20, 100, 257]
+    max_blocks = -(-max(seq_lens) // page)
+    num_blocks = len(seq_lens) * max_blocks + 2
+    _, kc, vc = make_cache(num_blocks, 2, page, KVH, D, dtype)
+    g = torch.Generator(device="cpu").manual_seed(splits)
+    perm = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * max_blocks]
+    tables = perm.view(len(seq_lens), max_blocks).to(torch.int32).to(DEV)
+    q = torch.randn(len(seq_lens), H, D, dtype=dtype, device=DEV)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    for window in (None, 40):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_triton(q, kc, vc, tables, lens_t, D ** -0.5, window, out=out, splits=splits)
+        ref = paged_attention_ref(q.double(), kc.double(), vc.double(), tables, seq_lens,
+                                  [1] * len(seq_lens), D ** -0.5, window)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2)
+        one = paged_decode_triton(q, kc, vc, tables, lens_t, D ** -0.5, window, splits=1)
+        assert rel_err(out, one) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_num_splits_fills_the_gpu_from_shapes_only():
+    from pdserve.engine.ops.triton_attention import num_splits
+
+    assert num_splits(64, 8, 8192, sms=132) == 1  # 512 programs already fill 132 SMs
+    assert num_splits(1, 8, 8192, sms=132) == 32  # 8 programs -> 2 per SM, capped at 32
+    assert num_splits(4, 8, 8192, sms=132) == 9
+    assert num_splits(1, 8, 1024, sms=132) == 4  # at least 256 tokens per split
+    assert num_splits(1, 8, 100, sms=132) == 1
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        q = torch.randn(1, 4, 32, device=DEV)
+        _, kc, vc = make_cache(2, 2, 16, 2, 32, torch.float32)
+        paged_decode_triton(q, kc, vc, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+                            torch.ones(1, dtype=torch.int32, device=DEV), 1.0, splits=0)
