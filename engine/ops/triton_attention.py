@@ -131,11 +131,11 @@ def _combine_splits_kernel(
     mask_s = offs_s < SPLITS
     row = (seq * NUM_HEADS + head) * SPLITS + offs_s
     m = tl.load(part_ml_ptr + row * 2, mask=mask_s, other=float("-inf"))
-    l = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_s, other=0.0)
+    lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_s, other=0.0)
     acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=mask_s[:, None], other=0.0)
     m_all = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)  # empty splits weigh nothing
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
