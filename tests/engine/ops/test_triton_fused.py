@@ -61,7 +61,7 @@ def test_rope_in_place_on_qkv_views_matches_rotary(H, KVH, D, dtype):
     close(q, want_q, dtype)
     close(k, want_k, dtype)
     assert torch.equal(v, v_before)  # the view's neighbours untouched
-    if dtype == torch.float32:
+    if dtype == torch.float32 and DEV == "cpu":  # the GPU contracts x*cos + y*sin into an FMA
         assert torch.equal(q, want_q) and torch.equal(k, want_k)
 
 
