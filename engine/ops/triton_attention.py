@@ -39,7 +39,7 @@ def _store_kv_kernel(
     tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale, window,
@@ -47,12 +47,14 @@ def _paged_decode_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    SPLITS, SPLIT: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
     # one program = one sequence x one kv head x one split of the context; the GROUP query
     # heads sharing that kv head are the rows of the tile, so each K/V element is read once
-    # per step. SPLITS > 1 (few sequences: too few programs to fill the GPU) writes the
-    # split's unnormalized partial (acc, max, sum) for _combine_splits_kernel.
+    # per step. SPLIT (SPLITS > 1: too few sequences to fill the GPU) writes the split's
+    # unnormalized partial (acc, max, sum) for _combine_splits_kernel. SPLITS is a runtime
+    # value, never specialized: eager mixed batches vary it from step to step, and a new
+    # constant would compile a new kernel in the middle of serving.
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,7 +77,7 @@ def _paged_decode_kernel(
     lo_tile = (lo // BLOCK_N) * BLOCK_N
     start = lo_tile
     end = seq_len
-    if SPLITS > 1:
+    if SPLIT:
         per_split = tl.cdiv(tl.cdiv(seq_len - lo_tile, BLOCK_N), SPLITS) * BLOCK_N
         start = lo_tile + split * per_split
         end = tl.minimum(start + per_split, seq_len)
@@ -105,7 +107,7 @@ def _paged_decode_kernel(
             pv = tl.dot(p.to(COMPUTE_DTYPE), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if SPLITS == 1:
+    if not SPLIT:
         acc = acc / l_i[:, None]
         tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
@@ -117,10 +119,10 @@ def _paged_decode_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mask_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _combine_splits_kernel(
-    part_acc_ptr, part_ml_ptr, o_ptr, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, o_ptr, stride_ob, stride_oh, SPLITS,
+    NUM_HEADS: tl.constexpr, S_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
     # one program = one sequence x one query head: rescale each split to the common max
@@ -148,7 +150,10 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> 
     if programs >= sms:
         return 1
     # at least 256 tokens per split: below that the combine costs more than it saves
-    return max(1, min(-(-2 * sms // programs), max_context // 256, 32))
+    return max(1, min(-(-2 * sms // programs), max_context // 256, MAX_SPLITS))
+
+
+MAX_SPLITS = 32
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -228,8 +233,8 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if splits is None:
         splits = (num_splits(B, KVH, block_tables.shape[1] * page, _sm_count(q.device))
                   if q.is_cuda else 1)
-    if splits < 1:
-        raise ValueError(f"splits must be >= 1, got {splits}")
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     d_pad = max(16, triton.next_power_of_2(D))
     if splits > 1:
         part_acc = torch.empty(B, H, splits, d_pad, dtype=torch.float32, device=q.device)
@@ -244,12 +249,12 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, NUM_HEADS=H,
+        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, SPLIT=splits > 1, NUM_HEADS=H,
         num_warps=4,
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            NUM_HEADS=H, SPLITS=splits, S_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=D, D_PAD=d_pad,
+            part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
+            NUM_HEADS=H, S_PAD=MAX_SPLITS, HEAD_DIM=D, D_PAD=d_pad,
         )
     return out

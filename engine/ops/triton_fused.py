@@ -36,7 +36,7 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, strid
         tl.store(r_out_ptr + row * stride_ro + cols, x, mask=m)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
-    xn = (xf * (1.0 / tl.sqrt(var + eps))).to(dt)
+    xn = (xf * tl.rsqrt(var + eps)).to(dt)  # torch.rsqrt, as the torch path
     w = tl.load(w_ptr + cols, mask=m, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * xn.to(tl.float32)).to(dt), mask=m)
 
