@@ -53,3 +53,16 @@ def test_prefill_pool_chunk_budget():
                                       "--prefill-max-num-batched-tokens", "4096"])
     assert _engine_kwargs(args)["max_num_batched_tokens"] == 1024  # the decode pool keeps its own
     assert prefill_pool_args(_engine_kwargs(args), _prefill_engine_kwargs(args))["max_num_batched_tokens"] == 4096
+
+
+def test_fused_ops_flag_defaults_to_the_engine(default_model_dir):
+    from pdserve.cli import _engine_kwargs, build_parser
+    from pdserve.engine.config import EngineConfig
+
+    parse = build_parser().parse_args
+    assert _engine_kwargs(parse(["serve"]))["fused_ops"] is None  # auto: the engine decides
+    assert _engine_kwargs(parse(["serve", "--fused-ops"]))["fused_ops"] is True
+    assert _engine_kwargs(parse(["serve", "--no-fused-ops"]))["fused_ops"] is False
+    # auto is on only where Triton runs on CUDA: off on CPU, even with the interpreter's Triton backend
+    assert EngineConfig(device="cpu").resolve(default_model_dir).fused_ops is False
+    assert EngineConfig(device="cpu", attention_backend="triton").resolve(default_model_dir).fused_ops is False
