@@ -132,7 +132,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # Triton kernels for RMSNorm + residual, rope and SiLU * gate (engine/ops/triton_fused.py).
     # None (auto): on where Triton runs on CUDA (H200, Llama-3-8B shape: decode step 7.64 -> 5.76 ms
-    # at batch 1, 4K prefill 136 -> 108 ms; bench/results/engine_gpu.md); True needs Triton
+    # at batch 1, 4K prefill 136 -> 108 ms; bench/results/engine_gpu_b64_*.md); True needs Triton
     fused_ops: bool | None = None
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random values (benchmarks)
     seed: int = 0
