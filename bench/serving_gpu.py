@@ -23,8 +23,9 @@ import tempfile
 import time
 import urllib.request
 
+from pdserve.bench.workloads import DEFAULT_TRACE
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 
 # workload -> pdserve bench arguments (SLOs and why: bench/results/serving.md)
 WORKLOADS = {
@@ -113,7 +114,7 @@ def main() -> None:
     ap.add_argument("--trace-rates", default=RATES["trace"])
     ap.add_argument("--trace-bursts-rates", default=RATES["trace-bursts"])
     ap.add_argument("--num-requests", type=int, default=96, help="per rate")
-    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)

@@ -11,9 +11,9 @@ import json
 import os
 
 RES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SERVE = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --trace TRACE --workloads long --num-requests 200 "
+SERVE = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --workloads long --num-requests 200 "
          "--systems disagg --long-rates 6,7,8 --out bench/results/serving; the same with --systems colocated "
-         "--long-rates 6,7,8  # nvidia-h200-x2")
+         "--long-rates 6,7,8  # 2x H200, one host")
 ENGINE = ("python3 bench/engine_gpu.py --batches 1,8,64 --prefill 4096 --hf-batches 1,64 --profile "
           "--out bench/results  # one H200 (files renamed engine_gpu_b64.*)")
 COLOCATED_NOTE = (
@@ -22,7 +22,7 @@ COLOCATED_NOTE = (
     "is a runtime argument since). In the 96-request sweep of the same build colocated met 100% at 6 req/s and "
     "89% / 93% at 7 / 8 (serving/long_colocated_96req.md): read disaggregated vs colocated as about 1x on 2 GPUs. "
     "Before the fused kernels: 5.13 (serving/long_colocated_fused_off.md)")
-TRANSFER = "python3 bench/transfer_bench.py --out bench/results  # nvidia-h200-x2"
+TRANSFER = "python3 bench/transfer_bench.py --out bench/results  # 2x H200, one host"
 
 
 def load(*parts):

@@ -14,7 +14,8 @@ def test_wheel_maps_folders_into_pdserve(tmp_path):
     (wheel,) = tmp_path.glob("pdserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for mod in ("pdserve/__init__.py", "pdserve/engine/engine.py", "pdserve/engine/ops/triton_attention.py",
-                "pdserve/engine/models/llama.py", "pdserve/cli.py", "pdserve/router/app.py"):
+                "pdserve/engine/models/llama.py", "pdserve/cli.py", "pdserve/router/app.py",
+                "pdserve/bench/data/mooncake_conversation_trace.jsonl", "pdserve/bench/data/NOTICE.md"):
         assert mod in names, mod
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"pdserve"}

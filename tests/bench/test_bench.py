@@ -16,7 +16,13 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.bench.client import Record
 from pdserve.bench.report import goodput, percentile, summarize
-from pdserve.bench.workloads import poisson_arrivals, shared_prefix_workload, synthetic_workload, trace_workload
+from pdserve.bench.workloads import (
+    DEFAULT_TRACE,
+    poisson_arrivals,
+    shared_prefix_workload,
+    synthetic_workload,
+    trace_workload,
+)
 from pdserve.cluster import Cluster
 from pdserve.router.app import build_app
 
@@ -25,7 +31,7 @@ from helpers import PROMPTS, Server
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-TRACE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = pathlib.Path(DEFAULT_TRACE)
 
 
 @pytest.fixture
@@ -71,7 +77,6 @@ def test_trace_ticks_are_spread_over_the_recorded_resolution(tmp_path):
     assert [r.arrival for r in bursts] == [t / 1000 for t in stamps]
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not beside the checkout")
 def test_real_trace_replays_with_sharing():
     reqs = trace_workload(str(TRACE), 50, length_scale=1 / 32)
     assert len(reqs) == 50 and all(r.arrival >= 0 for r in reqs)

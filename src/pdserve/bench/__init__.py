@@ -3,7 +3,7 @@ throughput, prefix hit rate, SLO attainment and goodput (JSON, markdown, PNG).
 
     pdserve bench --url http://127.0.0.1:8000 --workload synthetic --input-len 4096 --output-len 256 \\
         --num-requests 100 --rates 1,2,4,8 --slo-ttft 1.0 --slo-tpot 0.04 --out bench/results --label pdserve
-    pdserve bench --workload trace --trace traces/mooncake_conversation_trace.jsonl --length-scale 0.25 ...
+    pdserve bench --workload trace --length-scale 0.25 ...   # the shipped Mooncake trace (--trace FILE: another)
     pdserve bench plot a.json b.json --out DIR --name compare      # several systems in one plot
 
 Each rate runs the workload afresh (a new salt, so no rate reuses another's prefixes)
@@ -33,7 +33,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--api-key", default=None)
     b.add_argument("--workload", choices=("trace", "synthetic", "shared-prefix"), default="synthetic")
     b.add_argument("--num-requests", type=int, default=100)
-    b.add_argument("--trace", default=None, help="Mooncake-format JSONL (timestamp, input/output_length, hash_ids)")
+    b.add_argument("--trace", default=None,
+                   help="Mooncake-format JSONL (timestamp, input/output_length, hash_ids); default: the Mooncake "
+                        "conversation trace shipped in pdserve/bench/data")
     b.add_argument("--trace-start", type=int, default=0, help="first trace line to replay")
     b.add_argument("--length-scale", type=float, default=1.0, help="trace: scale input lengths (and blocks)")
     b.add_argument("--output-scale", type=float, default=None, help="trace: scale outputs (default: length scale)")
@@ -75,7 +77,7 @@ def _rates(args) -> list[float]:
 
 
 def _workload(args, salt: int):
-    from .workloads import shared_prefix_workload, synthetic_workload, trace_workload
+    from .workloads import DEFAULT_TRACE, shared_prefix_workload, synthetic_workload, trace_workload
 
     try:
         lo, hi = (int(x) for x in args.token_range.split(":"))
@@ -84,11 +86,9 @@ def _workload(args, salt: int):
     if not 0 <= lo < hi:
         raise ValueError(f"--token-range needs 0 <= LO < HI, got {args.token_range!r}")
     if args.workload == "trace":
-        if not args.trace:
-            raise ValueError("--workload trace needs --trace FILE.jsonl")
-        reqs = trace_workload(args.trace, args.num_requests, args.length_scale, args.output_scale, args.time_scale,
-                              args.max_input_len, args.max_output_len, (lo, hi), salt, args.trace_start,
-                              spread=not args.trace_bursts)
+        reqs = trace_workload(args.trace or DEFAULT_TRACE, args.num_requests, args.length_scale, args.output_scale,
+                              args.time_scale, args.max_input_len, args.max_output_len, (lo, hi), salt,
+                              args.trace_start, spread=not args.trace_bursts)
         desc = (f"Mooncake trace x{len(reqs)} (lines {args.trace_start}+), lengths x{args.length_scale}, "
                 f"mean in {sum(len(r.prompt) for r in reqs) / len(reqs):.0f} / out "
                 f"{sum(r.max_tokens for r in reqs) / len(reqs):.0f} tokens")

@@ -18,10 +18,13 @@ exactly the lengths and the prefix sharing asked for.
 from __future__ import annotations
 
 import json
+import pathlib
 import random
 from dataclasses import dataclass
 
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake trace
+# the Mooncake conversation trace, shipped with the package (origin and licence: data/NOTICE.md)
+DEFAULT_TRACE = str(pathlib.Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl")
 
 
 @dataclass
