@@ -1,32 +1,65 @@
-"""A Ray actor that hosts one engine in the prefill or the decode role.
+"""`WorkerActor`: a Ray actor that hosts one engine in one role (prefill or decode),
+role-agnostic: it feeds the role commands and forwards the role's events.
 
-The engine is owned by one thread (the engine loop); the actor's async methods only
-queue commands for it and await futures or queues that the loop resolves through
-the actor's event loop, so an engine step never blocks a Ray call and no lock is
-needed around the engine. The loop also heartbeats to the registry with the
-worker's stats and the prefix-cache events (block hashes stored / evicted).
+Threads: the engine is owned by one thread (the engine loop); the actor's async methods
+only post commands to it (small dataclasses on `inbox`) and await futures or queues
+that the loop resolves through the actor's event loop, so an engine step never blocks
+a Ray call and no lock is needed around the engine. The loop also heartbeats to the
+registry with the worker's stats and the prefix-cache events.
+
+A disaggregated request touches two actors, each once, at the same time (the cluster
+calls both; nothing goes back through the cluster before the first token):
+
+    prefill actor  prefill(rid, ids, params, decode_id)   -> the handoff's result when done
+    decode actor   generate(rid, ids, params, prefill_id) -> stream of delta outputs
+                   its role reserves blocks (Reserved) -> prefill actor.target(rid, target),
+                   actor to actor; the prefill role sends the KV + first token when ready
+A request served by one worker: generate(rid, ids, params) on a decode (or colocated)
+actor, or prefill(rid, ids, params, None) when max_tokens == 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
+import logging
 import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import ray
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.role import Emitted, Failed, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.transfer.base import TransferState
+from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector
 
 from .registry import REGISTRY_NAME
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    peer: str | None
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class ForgetPeer:
+    peer: str
 
 
 class WorkerActor:
@@ -40,24 +73,25 @@ class WorkerActor:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
-        self.worker_id, self.role_name = worker_id, role
+        self.worker_id, self.role_name, self.namespace = worker_id, role, namespace
         self.epoch = uuid.uuid4().hex[:8]
-        self.heartbeat_s, self.handoff_timeout_s = heartbeat_s, handoff_timeout_s
+        self.heartbeat_s = heartbeat_s
         self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+        self.engine.stream_deltas = True
         self.engine.kv.pool.record_events = True
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         self.connector = C10dConnector(worker_id, self.engine.runner.kv, host=host,
                                        default_timeout_s=handoff_timeout_s)
         role_cls = PrefillWorker if role == "prefill" else DecodeWorker
-        self.role = role_cls(self.engine, self.connector)
+        self.role = role_cls(self.engine, self.connector, handoff_timeout_s)
         self.registry = ray.get_actor(REGISTRY_NAME, namespace=namespace)
         self.inbox: collections.deque = collections.deque()
         self.wake = threading.Event()
         self.stopped = False
         self.aloop: asyncio.AbstractEventLoop | None = None
-        self.futures: dict[tuple[str, str], asyncio.Future] = {}
-        self.streams: dict[str, asyncio.Queue] = {}
-        self.backlog: list[tuple] = []  # decode reservations waiting for blocks
+        self.done: dict[str, asyncio.Future] = {}  # prefill(): resolved by Sent / Emitted / Failed
+        self.streams: dict[str, asyncio.Queue] = {}  # generate(): delta outputs
+        self.peers: dict[str, object] = {}  # prefill actors this decode worker sends targets to
         self._beat = None  # the last heartbeat's reply: False means the registry dropped us
         self.thread: threading.Thread | None = None
 
@@ -73,8 +107,7 @@ class WorkerActor:
     def info(self) -> dict:
         return {"role": self.role_name, "address": self.connector.address, "epoch": self.epoch,
                 "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "capacity_blocks": self.engine.kv.num_blocks,
-                "layout": self.connector.layout}
+                "capacity_blocks": self.engine.kv.num_blocks, "layout": self.connector.layout}
 
     async def stop(self) -> None:
         self.stopped = True
@@ -92,97 +125,78 @@ class WorkerActor:
     def _stats(self) -> dict:
         s = self.engine.stats()
         s.update(role=self.role_name, worker_id=self.worker_id, inflight=self.inflight,
-                 held_for_handoff=len(self.engine.held), waiting_for_kv=len(getattr(self.role, "pending", {})),
-                 request_blocks=self._request_blocks())
+                 held_for_handoff=len(self.engine.held),
+                 waiting_for_kv=len(getattr(self.role, "receiving", ())) + len(getattr(self.role, "backlog", ())),
+                 request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks)
         return s
 
     @property
     def inflight(self) -> int:
-        n = len(self.engine.requests) + len(self.engine.held) + len(self.backlog)
-        return n + len(getattr(self.role, "pending", {}))
+        return self.role.num_inflight + len(self.inbox)
 
-    def _request_blocks(self) -> int:
-        """Blocks referenced by requests (prefix-cache blocks at ref 0 not counted)."""
-        return self.engine.kv.num_blocks - self.engine.kv.num_free_blocks
-
-    # ---- prefill role -------------------------------------------------------------------------
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        fut = self._future("prefill", request_id)
-        self._post(("add", request_id, prompt_token_ids, params))
+    # ---- requests ---------------------------------------------------------------------------
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      decode_id: str | None):
+        """Prefill role. With a decode peer: the handoff's result dict once the KV is sent
+        (or the final output if the request ended here otherwise); without: the output."""
+        fut = asyncio.get_running_loop().create_future()
+        self.done[request_id] = fut
+        self._post(Add(request_id, prompt_token_ids, params, decode_id))
         return await fut
 
-    async def send(self, request_id: str, decode_id: str, decode_address: str, num_skip: int, channel) -> dict:
-        """Starts the handoff here, not on the engine thread: that one may be inside a
-        prefill step of hundreds of ms, which the transfer need not wait for (the KV was
-        written by an earlier step, whose CUDA event the transfer stream waits on)."""
-        fut = self._future("send", request_id)
-        try:
-            self.role.send(request_id, decode_id, decode_address, num_skip, channel, self.handoff_timeout_s)
-        except Exception:
-            self.futures.pop(("send", request_id), None)
-            raise
-        self.wake.set()  # the engine loop polls the handoff and resolves `fut`
-        return await fut
+    async def target(self, request_id: str, target: HandoffTarget) -> None:
+        """Prefill role: the decode worker's reservation for a request. Applied here, not on
+        the engine thread, which may be inside a long prefill step the send need not wait for."""
+        self.role.target(request_id, target)
+        self.wake.set()
 
-    # ---- decode role ---------------------------------------------------------------------------
-    async def reserve(self, prefill_id: str, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, first_token: int):
-        self.streams[request_id] = asyncio.Queue()
-        fut = self._future("reserve", request_id)
-        self._post(("reserve", prefill_id, request_id, prompt_token_ids, params, first_token, time.monotonic()))
-        return await fut
-
-    async def local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Decode role: prefill here too (short or mostly cached prompts); stream() gives the tokens."""
-        self.streams[request_id] = asyncio.Queue()
-        fut = self._future("local", request_id)
-        self._post(("local", request_id, prompt_token_ids, params))
-        return await fut
-
-    async def stream(self, request_id: str):
-        q = self.streams.get(request_id)
-        if q is None:
-            raise ValueError(f"no request {request_id!r} on {self.worker_id}")
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prefill_id: str | None = None):
+        """Decode role: a stream of delta outputs. With `prefill_id` the KV and the first
+        token come from that prefill worker; without, the prompt is prefilled here."""
+        q = self.streams[request_id] = asyncio.Queue()
+        self._post(Add(request_id, prompt_token_ids, params, prefill_id))
         try:
             while True:
-                out: RequestOutput = await q.get()
+                out = await q.get()
+                if isinstance(out, Exception):
+                    raise out
                 while not out.finished and not q.empty():  # the consumer fell behind: one item
-                    out = merge_outputs(out, q.get_nowait())
-                yield slim_output(out)
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, Exception):
+                        raise nxt
+                    out = merge_outputs(out, nxt)
+                yield out
                 if out.finished:
                     return
         finally:
             self.streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        self._post(Abort(request_id))
 
     async def forget_peer(self, worker_id: str) -> None:
-        self._post(("forget", worker_id))
+        self.peers.pop(worker_id, None)
+        self._post(ForgetPeer(worker_id))
 
-    # ---- plumbing between the actor's event loop and the engine thread ------------------------
-    def _future(self, kind: str, request_id: str) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self.futures[(kind, request_id)] = fut
-        return fut
-
-    def _post(self, cmd: tuple) -> None:
+    # ---- the engine thread -> the actor's event loop ---------------------------------------------
+    def _post(self, cmd) -> None:
         self.inbox.append(cmd)
         self.wake.set()
 
-    def _resolve(self, kind: str, request_id: str, value=None, error: Exception | None = None) -> None:
-        def done():
-            fut = self.futures.pop((kind, request_id), None)
+    def _deliver(self, request_id: str, result=None, output: RequestOutput | None = None,
+                 error: Exception | None = None) -> None:
+        """Resolves the request's prefill() future and/or feeds its generate() stream."""
+        def deliver():
+            fut = self.done.pop(request_id, None) if (result is not None or error is not None or
+                                                     (output is not None and output.finished)) else None
             if fut is not None and not fut.done():
-                fut.set_exception(error) if error is not None else fut.set_result(value)
-        self.aloop.call_soon_threadsafe(done)
-
-    def _emit(self, out: RequestOutput) -> None:
-        def put():
-            q = self.streams.get(out.request_id)
+                fut.set_exception(error) if error is not None else fut.set_result(
+                    result if result is not None else output)
+            q = self.streams.get(request_id)
             if q is not None:
-                q.put_nowait(out)
-        self.aloop.call_soon_threadsafe(put)
+                q.put_nowait(error if error is not None else output)
+        self.aloop.call_soon_threadsafe(deliver)
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -191,13 +205,48 @@ class WorkerActor:
             self.wake.clear()
             while self.inbox:
                 self._handle(self.inbox.popleft())
-            busy = self._work()
+            for ev in self.role.step():
+                self._forward(ev)
             now = time.monotonic()
             if now - last_beat >= self.heartbeat_s:
                 last_beat = now
                 self._heartbeat()
-            if not busy and not self.inbox:
-                self.wake.wait(0.005 if (self.connector._handoffs or self.backlog) else 0.2)
+            if not self.role.has_work() and not self.inbox:
+                self.wake.wait(0.005 if self.role.num_inflight else 0.2)
+
+    def _handle(self, cmd) -> None:
+        try:
+            if isinstance(cmd, Add):
+                self.role.add(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.peer)
+            elif isinstance(cmd, Abort):
+                self.role.abort(cmd.request_id)
+                self._deliver(cmd.request_id, error=RuntimeError(f"request {cmd.request_id} aborted"))
+            elif isinstance(cmd, ForgetPeer):
+                self.connector.forget_peer(cmd.peer)
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
+            self._deliver(getattr(cmd, "request_id", ""), error=e)
+
+    def _forward(self, ev) -> None:
+        if isinstance(ev, Emitted):
+            self._deliver(ev.output.request_id, output=ev.output)
+        elif isinstance(ev, Sent):
+            self._deliver(ev.request_id, result=ev.result)
+        elif isinstance(ev, Failed):
+            self._deliver(ev.request_id, error=RuntimeError(ev.error))
+        elif isinstance(ev, Reserved):
+            self._tell_prefill(ev)
+
+    def _tell_prefill(self, ev: Reserved) -> None:
+        """Actor to actor: the prefill worker learns where to send (not via the cluster)."""
+        try:
+            actor = self.peers.get(ev.peer)
+            if actor is None:
+                actor = self.peers[ev.peer] = ray.get_actor(ev.peer, namespace=self.namespace)
+            actor.target.remote(ev.request_id, ev.target)
+        except Exception as e:  # noqa: BLE001 - the prefill worker is gone: fail the request here
+            self.role.abort(ev.request_id)
+            self._deliver(ev.request_id, output=RequestOutput.error(
+                ev.request_id, f"prefill worker {ev.peer} unreachable: {e}"))
 
     def _heartbeat(self) -> None:
         pool = self.engine.kv.pool
@@ -212,88 +261,14 @@ class WorkerActor:
         except Exception:  # noqa: BLE001 - the registry restarting must not stop the engine
             self._beat = None
 
-    def _handle(self, cmd: tuple) -> None:
-        kind, rid = cmd[0], cmd[1]
-        try:
-            if kind == "forget":
-                self.connector.forget_peer(rid)
-            elif kind == "add":
-                self.role.add(cmd[2], cmd[3], rid)
-            elif kind == "local":
-                self.engine.add_request(cmd[2], cmd[3], rid)
-                self._resolve("local", rid, None)
-            elif kind == "reserve":
-                self.backlog.append(cmd)
-                self._try_reserve()
-            elif kind == "abort":
-                self.role.abort(rid)
-                self.backlog = [c for c in self.backlog if c[2] != rid]
-                for k in ("prefill", "send", "reserve", "local"):
-                    self._resolve(k, rid, error=RuntimeError(f"request {rid} aborted"))
-                self._emit(RequestOutput(rid, None, [], [], True))
-        except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
-            self._resolve({"add": "prefill"}.get(kind, kind), rid, error=e)
-
-    def _try_reserve(self) -> None:
-        still = []
-        for cmd in self.backlog:
-            _, prefill_id, rid, prompt, params, first, t0 = cmd
-            try:
-                res = self.role.reserve(prompt, params, rid, first)
-            except Exception as e:  # noqa: BLE001
-                self._resolve("reserve", rid, error=e)
-                continue
-            if res is None:
-                if time.monotonic() - t0 > self.handoff_timeout_s:
-                    self._resolve("reserve", rid, error=RuntimeError(
-                        f"{self.worker_id} had no free KV blocks for {rid} within {self.handoff_timeout_s} s"))
-                else:
-                    still.append(cmd)
-                continue
-            fill, skip = res
-            channel = self.role.new_channel(prefill_id)
-            self.role.recv(rid, prefill_id, fill, channel, self.handoff_timeout_s)
-            self._resolve("reserve", rid, (skip, channel))
-        self.backlog = still
-
-    def _work(self) -> bool:
-        busy = False
-        if self.backlog:
-            self._try_reserve()
-        if self.role_name == "prefill":
-            if self.engine.has_unfinished_requests():
-                busy = True
-                for p in self.role.step():
-                    self._resolve("prefill", p.request_id, p)
-            for h in self.role.poll():
-                self._resolve("send", h.request_id, {"state": h.state.name, "error": h.error, "bytes": h.nbytes,
-                                                     "seconds": h.seconds})
-        else:
-            for out in self.role.poll():  # first tokens of arrived handoffs: out before the step
-                self._emit(out)
-            if self.engine.has_unfinished_requests():
-                busy = True
-                for out in self.role.step():
-                    self._emit(out)
-        return busy
-
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """b, a later output of the same request, carrying a's deltas too."""
+    """b, a later delta output of the same request, carrying a's deltas too."""
     b.delta_text = a.delta_text + b.delta_text
     b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
+    if a.outputs and b.outputs:
+        b.outputs[0].text = a.outputs[0].text + b.outputs[0].text
+        b.outputs[0].token_ids = a.outputs[0].token_ids + b.outputs[0].token_ids
+    if b.metrics is not None and a.metrics is not None and a.metrics.spans and not b.metrics.spans:
+        b.metrics.spans = a.metrics.spans
     return b
-
-
-def slim_output(out: RequestOutput) -> RequestOutput:
-    """What a streamed output carries across Ray: its deltas, not the prompt's token ids
-    and the cumulative text and ids, which the cluster rebuilds (`Cluster._relay`); a
-    4K-token prompt would otherwise be pickled twice per generated token."""
-    if not out.outputs:
-        return out
-    c = out.outputs[0]
-    return dataclasses.replace(out, prompt_token_ids=[], outputs=[dataclasses.replace(c, text="", token_ids=[])])
-
-
-def handoff_failed(result: dict) -> bool:
-    return result.get("state") != TransferState.DONE.name

@@ -1,77 +1,126 @@
-"""The decode role: reserve blocks, receive KV, decode in the continuous batch.
+"""The decode role: reserve blocks, receive KV and the first token, decode in the
+continuous batch. It also prefills requests itself when the cluster sends them with
+no prefill peer (short or mostly cached prompts; colocated mode).
 
-    reserve()  blocks for a prefilled prompt, minus the prefix it already holds
-    recv()     start receiving the rest from the prefill worker
-    poll()     finished handoffs: DONE joins the running batch (first output
-               returned), FAILED frees the reservation
-    step()     one engine step (continuous batching; preemption recomputes here)
+One handed-off request's way through this role (queues named as in `step()`):
+
+    add(rid, ids, params, peer=prefill_id)  validated; joins `backlog` (WAITING_FOR_KV)
+    step(): backlog -> `receiving`   blocks reserved (its own prefix hits pinned, never
+            sent), the receive posted on a new channel of the pair -> Reserved(rid, peer,
+            target): the driver tells the prefill worker where to send. This runs while
+            the prompt is still being prefilled elsewhere: it is off the critical path.
+            A request that waits for blocks longer than the handoff timeout fails.
+    step(): receiving -> running     the KV landed; the first token (sampled by prefill,
+            carried in the handoff's meta) is appended and the request joins the batch
+            -> Emitted(first output). A failed handoff frees the blocks -> Emitted(error).
+    step(): the engine step          -> Emitted(delta outputs); preemption recomputes here
 """
 
 from __future__ import annotations
 
+import collections
+import time
+from dataclasses import dataclass, field
+
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.transfer import handoff
-from pdserve.transfer.base import Channel, Handoff, KVConnector, TransferState
+from pdserve.transfer.base import HandoffTarget, KVConnector, TransferState
 
 
-class DecodeWorker:
-    def __init__(self, engine: LLMEngine, connector: KVConnector):
+@dataclass
+class _Incoming:
+    request: Request
+    peer: str  # the prefill worker sending its KV
+    queued: float = field(default_factory=time.monotonic)
+    spans: dict = field(default_factory=lambda: {"decode_queued": time.time()})
+
+
+class DecodeWorker(Role):
+    def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0):
         self.engine = engine
         self.connector = connector
-        self.pending: dict[str, Request] = {}  # WAITING_FOR_KV
+        self.handoff_timeout_s = handoff_timeout_s
+        self.backlog: collections.deque[_Incoming] = collections.deque()  # waiting for free blocks
+        self.receiving: dict[str, _Incoming] = {}  # reserved, KV on its way
 
-    def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                first_token: int) -> tuple[list[int], int] | None:
-        """(block ids to fill, leading blocks already held), or None when out of blocks."""
-        if request_id in self.pending or request_id in self.engine.requests:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            peer: str | None = None) -> None:
+        if request_id in self.receiving or any(i.request.request_id == request_id for i in self.backlog):
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.engine.make_request(prompt_token_ids, params, request_id)
-        req.append_token(first_token)
+        if peer is None:
+            self.engine.add_request(req)
+            return
         req.status = RequestStatus.WAITING_FOR_KV
-        res = handoff.reserve(self.engine.kv, req)
-        if res is None:
-            return None
-        req.num_cached_tokens = res[1] * self.engine.config.block_size
-        self.pending[request_id] = req
-        return res
+        self.backlog.append(_Incoming(req, peer))
 
-    def recv(self, request_id: str, peer: str, block_ids: list[int], channel: Channel,
-             timeout_s: float = 30.0) -> Handoff:
-        return self.connector.start_recv(peer, "", request_id, block_ids, channel, timeout_s)
+    def step(self) -> list[Event]:
+        """Reservations and landed handoffs first; when there were any, their events go out
+        before the next engine step (a first token should not wait for a decode step)."""
+        events = self._reserve() + self._landed()
+        if not events and self.engine.has_unfinished_requests():
+            events = [Emitted(out) for out in self.engine.step()]
+        return events
 
-    def new_channel(self, peer: str) -> Channel:
-        return self.connector.new_channel(peer)
-
-    def poll(self) -> list[RequestOutput]:
-        outs = []
-        for h in self.connector.poll():
-            req = self.pending.pop(h.request_id, None)
-            if req is None:
+    def _reserve(self) -> list[Event]:
+        events: list[Event] = []
+        waiting = collections.deque()
+        while self.backlog:
+            inc = self.backlog.popleft()
+            req = inc.request
+            res = self.engine.kv.reserve_prompt(req)
+            if res is None:
+                if time.monotonic() - inc.queued > self.handoff_timeout_s:
+                    events.append(Emitted(RequestOutput.error(
+                        req.request_id, f"{self.connector.name} had no free KV blocks within "
+                                        f"{self.handoff_timeout_s:g} s")))
+                else:
+                    waiting.append(inc)
                 continue
-            if h.state == TransferState.DONE:
-                self.engine.kv.cache_blocks(req, req.num_prompt_tokens)
-                outs.append(self.engine.admit_prefilled(req))
-            else:
-                handoff.release(self.engine.kv, req)
-                req.status = RequestStatus.FINISHED_ERROR
-                outs.append(RequestOutput(req.request_id, None, req.prompt_token_ids,
-                                          [CompletionOutput(0, "", [], finish_reason="error",
-                                                            stop_reason=f"KV handoff failed: {h.error}")],
-                                          True))
-        return outs
+            fill, skip = res
+            req.num_cached_tokens = skip * self.engine.config.block_size
+            channel = self.connector.new_channel(inc.peer)
+            self.connector.start_recv(inc.peer, req.request_id, fill, channel, self.handoff_timeout_s)
+            inc.spans["reserved"] = time.time()
+            self.receiving[req.request_id] = inc
+            target = HandoffTarget(self.connector.name, self.connector.address, channel, skip)
+            events.append(Reserved(req.request_id, inc.peer, target))
+        self.backlog = waiting
+        return events
 
-    def step(self) -> list[RequestOutput]:
-        return self.engine.step()
+    def _landed(self) -> list[Event]:
+        events: list[Event] = []
+        for h in self.connector.poll():
+            inc = self.receiving.pop(h.request_id, None)
+            if inc is None:
+                continue
+            req = inc.request
+            if h.state != TransferState.DONE:
+                self.engine.kv.free(req)
+                req.status = RequestStatus.FINISHED_ERROR
+                events.append(Emitted(RequestOutput.error(req.request_id, f"KV handoff failed: {h.error}")))
+                continue
+            req.append_token(h.meta["first_token"])
+            self.engine.kv.cache_blocks(req, req.num_prompt_tokens)
+            out = self.engine.admit_prefilled(req)
+            out.metrics.spans = {**h.meta.get("spans", {}), **inc.spans, "kv_landed": time.time()}
+            events.append(Emitted(out))
+        return events
 
     def abort(self, request_id: str) -> None:
-        self.connector.abort(request_id)
-        req = self.pending.pop(request_id, None)
-        if req is not None:
-            handoff.release(self.engine.kv, req)
+        self.backlog = collections.deque(i for i in self.backlog if i.request.request_id != request_id)
+        inc = self.receiving.pop(request_id, None)
+        if inc is not None:
+            self.connector.abort(request_id)
+            self.engine.kv.free(inc.request)
         self.engine.abort_request(request_id)
 
-    def is_idle(self) -> bool:
-        return not self.pending and not self.engine.has_unfinished_requests()
+    @property
+    def num_inflight(self) -> int:
+        return len(self.backlog) + len(self.receiving) + len(self.engine.requests)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()

@@ -23,6 +23,7 @@ from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
+from .validation import check_request
 
 
 class LLMEngine:
@@ -41,6 +42,9 @@ class LLMEngine:
         # prefill role: requests that finish normally keep their blocks until release()
         self.hold_blocks_on_finish = False
         self.held: dict[str, Request] = {}
+        # outputs carry only what is new since the previous one (outputs.py; the cluster's
+        # workers stream these: no per-token copy of the whole text and token list)
+        self.stream_deltas = False
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         eos = set(self.model_config.eos_token_ids)
@@ -64,24 +68,8 @@ class LLMEngine:
             token_ids = self.tokenize(prompt)
         else:
             text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty (no tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        max_len = self.config.max_model_len
-        n = len(token_ids)
-        if n >= max_len:
-            raise ValueError(f"prompt has {n} tokens; max_model_len is {max_len} "
-                             "(at least one token must be left to generate)")
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n
-        if n + max_tokens > max_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
-                             f"exceeds max_model_len ({max_len})")
-        if not self.kv.can_fit(n + max_tokens):
-            raise ValueError(f"prompt + max_tokens = {n + max_tokens} tokens cannot fit in the KV "
-                             f"cache ({self.kv.num_blocks} blocks of {self.config.block_size})")
+        max_tokens = check_request(token_ids, params, self.config.max_model_len, self.model_config.vocab_size,
+                                   self.kv.num_blocks * self.config.block_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -199,13 +187,14 @@ class LLMEngine:
 
     def _output(self, req: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
         fin = req.status.finished
-        comp = CompletionOutput(0, req.output_text, list(req.output_token_ids),
-                                finish_reason=req.status.finish_reason if fin else None,
+        text, ids, prompt_ids = (delta, delta_ids, []) if self.stream_deltas else \
+            (req.output_text, list(req.output_token_ids), req.prompt_token_ids)
+        comp = CompletionOutput(0, text, ids, finish_reason=req.status.finish_reason if fin else None,
                                 stop_reason=req.stop_reason)
         metrics = RequestMetrics(req.arrival_time, req.first_token_time,
                                  req.finished_time, req.num_cached_tokens,
                                  req.num_preemptions)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], fin,
+        return RequestOutput(req.request_id, req.prompt, prompt_ids, [comp], fin,
                              req.num_cached_tokens, metrics, delta, delta_ids)
 
     # ---- counters for metrics ----------------------------------------------------------------

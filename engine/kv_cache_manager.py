@@ -7,6 +7,9 @@ Lifecycle of a request's blocks:
   cache_blocks()         after the forward pass wrote them, publishes newly full blocks
                          under their chained hash
   free()                 releases every block of the request (tail first)
+A KV handoff: the receiver reserve_prompt()s (its own hits pinned, fresh blocks for
+the rest, the number of hits tells the sender what to skip); the sender sends
+prompt_blocks_after(skip); both free() when the handoff is over.
 Counters for metrics: prefix-cache queries/hits in tokens.
 """
 
@@ -116,6 +119,25 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
     # ---- metrics ---------------------------------------------------------------------
+    # ---- a KV handoff's accounting (decode: receiver, prefill: sender) -------------------------
+    def reserve_prompt(self, request: Request) -> tuple[list[int], int] | None:
+        """Receiver: (block ids to fill, number of leading blocks already held), or None if
+        the pool cannot hold the request's prompt now. The held blocks (chained-hash hits)
+        are pinned and never sent; fresh blocks are allocated for the rest. kv.free()
+        undoes it."""
+        n = request.num_prompt_tokens
+        hits, _ = self.get_computed_blocks(request)
+        hits = hits[: n // self.block_size]
+        blocks = self.allocate_slots(request, n - len(hits) * self.block_size, hits)
+        if blocks is None:
+            return None
+        self.record_lookup(n, len(hits) * self.block_size)
+        return [b.block_id for b in blocks[len(hits): cdiv(n, self.block_size)]], len(hits)
+
+    def prompt_blocks_after(self, request: Request, num_skip: int) -> list[int]:
+        """Sender: the request's prompt blocks after the receiver's `num_skip` leading hits."""
+        return self.block_ids(request.request_id)[num_skip: cdiv(request.num_prompt_tokens, self.block_size)]
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks

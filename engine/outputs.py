@@ -1,4 +1,9 @@
-"""vLLM-shaped results: `RequestOutput.outputs[0].text / .token_ids`."""
+"""vLLM-shaped results: `RequestOutput.outputs[0].text / .token_ids`.
+
+An engine produces cumulative outputs (vLLM's default) or, with `stream_deltas` (the
+cluster's workers), delta outputs: each carries only the text and token ids added since
+the previous one, so a long generation costs O(1) per token to move; `Accumulator`
+rebuilds the cumulative view where one is needed."""
 
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # cluster: when the request passed each point before its first token (time.time(),
+    # by the workers' clocks: prefill_queued, prefill_done, target_known, send_start,
+    # decode_queued, reserved, kv_landed, ...), for the per-request timeline
+    spans: dict | None = None
 
 
 @dataclass
@@ -43,3 +52,29 @@ class RequestOutput:
     # cluster: the workers that served it (the router's x-pdserve-* headers)
     prefill_worker: str | None = None
     decode_worker: str | None = None
+
+    @classmethod
+    def error(cls, request_id: str, reason: str, prompt: str | None = None,
+              prompt_token_ids: list[int] | None = None) -> RequestOutput:
+        """The final output of a request that failed: finish_reason "error", the cause as stop_reason."""
+        return cls(request_id, prompt, prompt_token_ids or [],
+                   [CompletionOutput(0, "", [], finish_reason="error", stop_reason=reason)], True)
+
+
+class Accumulator:
+    """Turns a request's delta outputs (what workers stream: `delta_text`,
+    `delta_token_ids`, no prompt ids) into cumulative vLLM-shaped outputs, once, at the
+    edge that needs them (`Cluster.generate`, the router's non-streaming replies)."""
+
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int]):
+        self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
+        self.text, self.token_ids = "", []
+
+    def add(self, out: RequestOutput) -> RequestOutput:
+        self.text += out.delta_text
+        self.token_ids += out.delta_token_ids
+        out.prompt, out.prompt_token_ids = self.prompt, self.prompt_token_ids
+        if out.outputs:
+            c = out.outputs[0]
+            c.text, c.token_ids = self.text, list(self.token_ids)
+        return out

@@ -1,102 +1,170 @@
 """The prefill role: run prompts (chunked prefill, prefix caching), sample token #1,
-hand the KV off, keep the blocks in the prefix cache.
+send the KV with that token to the decode worker the request names, keep the blocks
+in the prefix cache.
 
-A prefill is the engine's ordinary request with max_tokens=1; the only difference
-is that its blocks outlive the request until the handoff that reads them is done.
+A prefill is the engine's ordinary request with max_tokens=1 whose blocks outlive it
+until the handoff that reads them is over. One request's way through this role:
 
-    add()   queue a prompt
-    step()  one engine step; returns requests whose prompt is done
-    send()  start the handoff of a done request to a decode worker
-    poll()  finished handoffs; their block references are dropped here
+    add(rid, ids, params, peer=decode_id)   queued; the engine runs it (max_tokens=1)
+    target(rid, HandoffTarget)   the decode worker reserved blocks (it runs concurrently
+                                 with the prefill: the cluster asks both at once)
+    step()   when the prompt is done AND its target is known (whichever comes last; the
+             other side may call target() from another thread), the send starts, with the
+             first token and the spans in the handoff's meta
+    step()   the finished send -> Sent(rid, result); the request's references are dropped
+             (full blocks stay cached at ref 0)
+
+A request with no decode peer (max_tokens == 1: nothing to decode) ends here: step()
+returns its output as Emitted.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import threading
+import time
 
 import torch
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import Request
+from pdserve.engine.role import Emitted, Event, Failed, Role, Sent
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.transfer import handoff
-from pdserve.transfer.base import Channel, Handoff, KVConnector
+from pdserve.transfer.base import HandoffTarget, KVConnector
 
 
-@dataclass
-class Prefilled:
-    request_id: str
-    prompt_token_ids: list[int]
-    first_token: int
-    # the request ended on its first token (EOS, stop, max_tokens=1): nothing to hand off
-    finished: bool
-    output: RequestOutput
-    num_cached_tokens: int
+@dataclasses.dataclass
+class _Pending:
+    """A request between add() and the end of its handoff."""
+
+    peer: str | None
+    spans: dict  # wall-clock seconds (time.time(): comparable across the host's processes)
+    target: HandoffTarget | None = None
+    output: RequestOutput | None = None  # set when the prompt is done (first token sampled)
+    ready: object = None  # CUDA event after the step that wrote its KV
+    sending: bool = False
 
 
-class PrefillWorker:
-    def __init__(self, engine: LLMEngine, connector: KVConnector):
+class PrefillWorker(Role):
+    def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0):
         self.engine = engine
         self.connector = connector
+        self.handoff_timeout_s = handoff_timeout_s
         engine.hold_blocks_on_finish = True
-        self.params: dict[str, SamplingParams] = {}
-        # request -> CUDA event after the step that wrote its KV, so that send() can run
-        # on any thread while the engine's next step is already queued
-        self.ready: dict[str, object] = {}
+        self.pending: dict[str, _Pending] = {}
+        self._failed: list[Event] = []  # sends that could not start (appended from either thread)
+        # targets that arrived before their request's add() (the decode side was faster):
+        # request id -> (target, arrival), picked up by add(), dropped after the handoff timeout
+        self.early: dict[str, tuple[HandoffTarget, float]] = {}
+        # target() runs on the actor's thread, step() on the engine's: the later of the two
+        # starts the send, decided under this lock
+        self._lock = threading.Lock()
 
-    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> Request:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            peer: str | None = None) -> None:
+        if request_id in self.pending:
+            raise ValueError(f"request id {request_id!r} is already in use")
         one = dataclasses.replace(params, max_tokens=1, min_tokens=0)
-        req = self.engine.make_request(prompt, one, request_id)
-        # validate against the real max_tokens too, so decode never gets an impossible request
-        self.engine.make_request(req.prompt_token_ids, params, request_id + "#check")
-        self.params[request_id] = params
-        return self.engine.add_request(req)
+        try:
+            self.engine.add_request(self.engine.make_request(prompt_token_ids, one, request_id))
+        except ValueError:
+            with self._lock:
+                self.early.pop(request_id, None)
+            raise
+        p = _Pending(peer, {"prefill_queued": time.time()})
+        with self._lock:
+            self.pending[request_id] = p
+            early = self.early.pop(request_id, None)
+        if early is not None:
+            p.target = early[0]
+            p.spans["target_known"] = early[1]
 
-    def step(self) -> list[Prefilled]:
-        done = []
-        event = None
-        for out in self.engine.step():
-            if not out.finished:
+    def target(self, request_id: str, target: HandoffTarget) -> None:
+        """The decode worker's reservation: where to send and how many blocks to skip."""
+        with self._lock:
+            p = self.pending.get(request_id)
+            if p is None:  # not added yet (or aborted: then dropped after the timeout)
+                self.early[request_id] = (target, time.time())
+                return
+            if p.target is not None:
+                return  # a duplicate
+            p.target = target
+            p.spans["target_known"] = time.time()
+            go = p.output is not None
+        if go:
+            self._send(request_id, p)
+
+    def step(self) -> list[Event]:
+        events, self._failed = self._failed, []
+        if self.early:
+            too_old = time.time() - self.handoff_timeout_s
+            with self._lock:
+                for rid in [r for r, (_, t) in self.early.items() if t < too_old]:
+                    del self.early[rid]
+        if self.engine.has_unfinished_requests():
+            event = None
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                p = self.pending.get(out.request_id)
+                if p is None:
+                    continue
+                p.spans["prefill_done"] = time.time()
+                if p.peer is None or out.outputs[0].finish_reason not in ("stop", "length"):
+                    self.pending.pop(out.request_id)
+                    self.engine.release(out.request_id)
+                    events.append(Emitted(out))
+                    continue
+                if self.engine.runner.device.type == "cuda":
+                    if event is None:
+                        event = torch.cuda.Event()
+                        event.record()
+                    p.ready = event
+                with self._lock:
+                    p.output = out
+                    go = p.target is not None
+                if go:
+                    self._send(out.request_id, p)
+        for h in self.connector.poll():
+            p = self.pending.pop(h.request_id, None)
+            self.engine.release(h.request_id)  # full blocks stay in the prefix cache at ref 0
+            if p is None:
                 continue
-            params = self.params.pop(out.request_id, None)
-            first = out.outputs[0].token_ids[0]
-            ended = (out.outputs[0].finish_reason == "stop"
-                     or (params is not None and params.max_tokens == 1))
-            if ended:
-                self.engine.release(out.request_id)
-            elif self.engine.runner.device.type == "cuda":
-                if event is None:
-                    event = torch.cuda.Event()
-                    event.record()
-                self.ready[out.request_id] = event
-            done.append(Prefilled(out.request_id, out.prompt_token_ids, first, ended, out,
-                                  out.num_cached_tokens))
-        return done
+            p.spans["send_done"] = time.time()
+            events.append(Sent(h.request_id, {"state": h.state.name, "error": h.error, "bytes": h.nbytes,
+                                              "seconds": h.seconds, "spans": p.spans}))
+        return events
 
-    def send(self, request_id: str, peer: str, peer_address: str, num_skip: int, channel: Channel,
-             timeout_s: float = 30.0) -> Handoff:
+    def _send(self, request_id: str, p: _Pending) -> None:
+        with self._lock:
+            if p.sending:
+                return
+            p.sending = True
         req = self.engine.held.get(request_id)
         if req is None:
-            raise KeyError(f"no prefilled request {request_id!r} is waiting for a handoff")
-        blocks = handoff.blocks_to_send(self.engine.kv, req, num_skip)
-        return self.connector.start_send(peer, peer_address, request_id, blocks, channel, timeout_s,
-                                         ready=self.ready.pop(request_id, None))
-
-    def poll(self) -> list[Handoff]:
-        finished = self.connector.poll()
-        for h in finished:
-            self.ready.pop(h.request_id, None)
-            self.engine.release(h.request_id)  # blocks stay in the prefix cache at ref 0
-        return finished
+            return  # aborted between the two
+        c = p.output.outputs[0]
+        p.spans["send_start"] = time.time()
+        meta = {"first_token": c.token_ids[0], "spans": p.spans}
+        blocks = self.engine.kv.prompt_blocks_after(req, p.target.num_skip)
+        try:
+            self.connector.start_send(p.target, request_id, blocks, self.handoff_timeout_s, p.ready, meta)
+        except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: reported like a failed handoff
+            self.pending.pop(request_id, None)
+            self.engine.release(request_id)
+            self._failed.append(Failed(request_id, f"{type(e).__name__}: {e}"))
 
     def abort(self, request_id: str) -> None:
-        self.params.pop(request_id, None)
-        self.ready.pop(request_id, None)
+        with self._lock:
+            self.pending.pop(request_id, None)
+            self.early.pop(request_id, None)
         self.connector.abort(request_id)
         self.engine.abort_request(request_id)
         self.engine.release(request_id)
 
-    def is_idle(self) -> bool:
-        return not self.engine.has_unfinished_requests() and not self.engine.held
+    @property
+    def num_inflight(self) -> int:
+        return len(self.pending)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()

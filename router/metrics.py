@@ -1,15 +1,19 @@
 """Prometheus metrics, vLLM's names where vLLM has one.
 
-Latencies are observed by the router as requests stream (TTFT, inter-token, end to
-end). Worker-side state (running/waiting, KV usage, prefix-cache queries and hits,
-preemptions) is read at scrape time from the stats the cluster's monitor collects
-every second, so a scrape never calls into the workers.
+Request-side ones (TTFT, inter-token and end-to-end latency, phases before the first
+token, handoffs, finished requests and tokens) come from the cluster's dispatcher, the
+one place that measures them (`RouterMetrics` is a RequestObserver). Worker-side state
+(running/waiting, KV usage, prefix-cache queries and hits, preemptions) is read at
+scrape time from the cluster's snapshot of what its monitor collected, so a scrape
+never calls into the workers.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.cluster.dispatch import RequestObserver
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -32,30 +36,25 @@ class _WorkerCollector:
             "vllm:prefix_cache_hits": ("Prefix-cache hits, in tokens", "prefix_cache_hits"),
             "vllm:num_preemptions": ("Preemptions", "num_preemptions"),
         }
-        workers = list(self.cluster.workers.values())
-        for name, (doc, key) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["worker", "role"])
-            for w in workers:
-                if key in w.stats:
-                    g.add_metric([w.worker_id, w.role], float(w.stats[key]))
-            yield g
-        for name, (doc, key) in counters.items():
-            c = CounterMetricFamily(name, doc, labels=["worker", "role"])
-            for w in workers:
-                if key in w.stats:
-                    c.add_metric([w.worker_id, w.role], float(w.stats[key]))
-            yield c
+        snap = self.cluster.snapshot()
+        for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, (doc, key) in table.items():
+                m = family(name, doc, labels=["worker", "role"])
+                for w in snap.workers:
+                    if key in w:
+                        m.add_metric([w["worker_id"], w["role"]], float(w[key]))
+                yield m
         routing = CounterMetricFamily("pdserve:routing_decisions", "Placement decisions by reason", labels=["reason"])
-        for reason, n in sorted(self.cluster.counters["routing"].items()):
+        for reason, n in sorted(snap.routing.items()):
             routing.add_metric([reason], float(n))
         yield routing
         pools = GaugeMetricFamily("pdserve:pool_size", "Workers per pool (not draining)", labels=["role"])
-        for role, n in self.cluster.pool_sizes().items():
+        for role, n in snap.pool_sizes.items():
             pools.add_metric([role], float(n))
         yield pools
 
 
-class RouterMetrics:
+class RouterMetrics(RequestObserver):
     def __init__(self, cluster):
         self.registry = CollectorRegistry()
         r = self.registry
@@ -77,13 +76,24 @@ class RouterMetrics:
                                        "token (prefill, decode_reserve, kv_to_first_token, local_first_token)",
                                        ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         r.register(_WorkerCollector(cluster))
-        cluster.handoff_observers.append(self.observe_handoff)
-        cluster.phase_observers.append(lambda phase, sec: self.phase_seconds.labels(phase).observe(sec))
+        self._latency = {"ttft": self.ttft, "itl": self.itl, "e2e": self.e2e}
+        cluster.add_observer(self)
 
-    def observe_handoff(self, res: dict) -> None:
-        self.handoff_bytes.inc(res.get("bytes") or 0)
-        if res.get("seconds") is not None:
-            self.handoff_seconds.observe(res["seconds"])
+    def on_latency(self, kind: str, seconds: float) -> None:
+        self._latency[kind].observe(seconds)
+
+    def on_phase(self, name: str, seconds: float) -> None:
+        self.phase_seconds.labels(name).observe(seconds)
+
+    def on_handoff(self, result: dict) -> None:
+        self.handoff_bytes.inc(result.get("bytes") or 0)
+        if result.get("seconds") is not None:
+            self.handoff_seconds.observe(result["seconds"])
+
+    def on_finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

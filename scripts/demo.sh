@@ -15,7 +15,7 @@ export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" GLOO_SOCKET_IFNAME="${GLOO_SOC
 PORT="${PDSERVE_PORT:-8000}"
 pdserve serve --host 127.0.0.1 --port "$PORT" &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do
   python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null && break
   kill -0 $SERVER 2>/dev/null || { echo "pdserve serve exited" >&2; exit 1; }

@@ -24,7 +24,7 @@ def _wait_all(conn, handoffs):
         for h in conn.poll():
             if h.request_id in pending:
                 del pending[h.request_id]
-                results[h.request_id] = (h.state.name, h.error, h.nbytes, h.seconds)
+                results[h.request_id] = (h.state.name, h.error, h.nbytes, h.seconds, h.meta)
         time.sleep(0.005)
     return results
 
@@ -34,8 +34,15 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
     from pdserve.engine.kv_cache_manager import KVCacheManager
     from pdserve.engine.request import Request
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.transfer import handoff
+    from pdserve.transfer import HandoffTarget
     from pdserve.transfer.c10d import C10dConnector
+
+    def send(peer, address, rid, block_ids, channel, timeout=None):  # meta: names the request it rides with
+        return conn.start_send(HandoffTarget(peer, address, channel, 0), rid, block_ids, timeout,
+                               meta={"first_token": len(block_ids), "rid": rid})
+
+    def recv(peer, _address, rid, block_ids, channel, timeout=None):
+        return conn.start_recv(peer, rid, block_ids, channel, timeout)
 
     kv = make_kv(seed, head_dim=head_dim)
     kvm = KVCacheManager(kv.shape[0], SHAPE["block_size"])
@@ -56,10 +63,10 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                 if args.get("die"):  # crash with the receiver's side of the handoff in flight
                     time.sleep(0.3)
                     os._exit(17)
-                hs = [conn.start_send(*a) for a in args["ops"]]
+                hs = [send(*a) for a in args["ops"]]
                 res_q.put(("results", _wait_all(conn, hs)))
             elif cmd == "send_abort":  # start a handoff, then give up on it (a client went away)
-                h = conn.start_send(*args)
+                h = send(*args)
                 time.sleep(0.3)
                 conn.abort(args[2])
                 res_q.put(("results", _wait_all(conn, [h])))
@@ -67,7 +74,11 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                 if args.get("die"):
                     time.sleep(0.3)
                     os._exit(18)
-                hs = [conn.start_recv(*a) for a in args["ops"]]
+                hs = [recv(*a) for a in args["ops"]]
+                if args.get("forget"):  # the peer left the cluster (what the cluster's monitor says)
+                    peer, after = args["forget"]
+                    time.sleep(after)
+                    conn.forget_peer(peer)
                 out = _wait_all(conn, hs)
                 blocks = {a[2]: kv[a[3]].clone() for a in args["ops"]}
                 res_q.put(("results", (out, blocks)))
@@ -83,16 +94,15 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
             elif cmd == "reserve":  # receiver: reserve blocks for a prompt, minus its prefix hits
                 rid, tokens = args
                 r = Request(rid, tokens, SamplingParams(max_tokens=4), max_tokens=4)
-                r.append_token(0)  # the first token, sampled by prefill
                 reqs[rid] = r
-                res_q.put(("reserved", handoff.reserve(kvm, r)))
+                res_q.put(("reserved", kvm.reserve_prompt(r)))
             elif cmd == "cache":  # receiver: publish a request's received blocks (it decoded them)
                 r = reqs[args]
                 r.num_computed_tokens = r.num_prompt_tokens
                 kvm.cache_blocks(r, r.num_prompt_tokens)
                 res_q.put(("ok", None))
             elif cmd == "release":
-                handoff.release(kvm, reqs.pop(args))
+                kvm.free(reqs.pop(args))
                 res_q.put(("ok", None))
             elif cmd == "blocks_of":
                 res_q.put(("tensor", kv[args].clone()))

@@ -10,9 +10,13 @@ decode worker (receiver):
     FAILED        timeout, abort, dead peer or layout mismatch; `error` says which
 
 Worker loops call `poll()` between engine steps; it never blocks. Both sides name
-a handoff by (peer, request_id) and order handoffs on a pair by `seq`, which the
-receiver assigns when it reserves blocks (`Channel`), so NCCL, which matches
-sends and receives in the order they are posted, sees the same order on both sides.
+a handoff by (peer, request_id). The receiver reserves blocks and posts its receive
+first, then hands the sender a `HandoffTarget`: itself, its address, the `Channel` (the
+pair's group generation) and how many leading blocks it already holds. The sender's
+sends go in the order they start, which the backend makes the receiver follow (NCCL
+matches sends and receives in the order they are posted). The sender's small JSON
+`meta` (the first sampled token, its spans) travels with the KV and is the receiver's
+`meta` once DONE.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -46,11 +51,22 @@ class LayoutMismatch(TransferError, ValueError):
 
 @dataclass(frozen=True)
 class Channel:
-    """Where a handoff goes on its pair: the pair's generation (a new process group
-    after any failure) and the handoff's position in the pair's order."""
+    """Where a handoff goes: the generation of its pair's process group (a new one after
+    any failure), assigned by the receiver when it reserves blocks."""
 
     gen: int
-    seq: int
+
+
+@dataclass(frozen=True)
+class HandoffTarget:
+    """Where a sender's handoff goes: the receiver's name and transfer address, the
+    channel it assigned, and how many leading blocks it already holds (prefix hits,
+    never sent). The receiver makes it when it reserves blocks."""
+
+    peer: str
+    address: str
+    channel: Channel
+    num_skip: int
 
 
 @dataclass(eq=False)
@@ -66,6 +82,8 @@ class Handoff:
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     nbytes: int = 0
+    # sender: the payload to deliver with the KV; receiver: what arrived (set when DONE)
+    meta: dict | None = None
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
     _ready: object = field(default=None, repr=False)  # CUDA event: the blocks are written
     # when the pair's thread took it up and when all its messages were posted (monotonic)
@@ -136,32 +154,47 @@ def scatter_blocks(kv: torch.Tensor, block_ids: list[int], buf: torch.Tensor) ->
     kv.index_copy_(0, _index(block_ids, kv.device), buf)
 
 
-class KVConnector:
-    """What a worker holds: start sends/receives, poll them, abort, forget a peer."""
+class KVConnector(ABC):
+    """What a worker holds: start sends and receives, poll them, abort one, forget a peer.
+    Implementations: `c10d.C10dConnector` (NCCL / gloo), `loopback.LoopbackConnector` (tests)."""
 
     name: str
-    address: str
+    address: str  # where peers reach this connector (a TCPStore host:port for c10d)
+    layout: dict  # the KV layout peers must share (layout_of), checked before the first handoff
 
-    def start_send(self, peer: str, peer_address: str, request_id: str, block_ids: list[int],
-                   channel: Channel, timeout_s: float = 30.0, ready=None) -> Handoff:
-        """`ready`: a CUDA event recorded after the step that wrote the blocks (default: one
-        recorded now on the caller's stream, so call it from the engine's thread)."""
-        raise NotImplementedError
+    @abstractmethod
+    def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
+                   timeout_s: float | None = None, ready=None, meta: dict | None = None) -> Handoff:
+        """Sends `block_ids` (the request's blocks after target.num_skip) and `meta` to the
+        target. `ready`: a CUDA event recorded after the step that wrote the blocks
+        (default: one recorded now on the caller's stream)."""
 
-    def start_recv(self, peer: str, peer_address: str, request_id: str, block_ids: list[int],
-                   channel: Channel, timeout_s: float = 30.0) -> Handoff:
-        raise NotImplementedError
+    @abstractmethod
+    def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
+                   timeout_s: float | None = None) -> Handoff:
+        """Receives into `block_ids` on `channel` (from new_channel); `meta` arrives with it."""
 
+    @abstractmethod
     def poll(self) -> list[Handoff]:
         """Handoffs that finished (DONE or FAILED) since the last poll; fails overdue ones."""
-        raise NotImplementedError
 
+    @abstractmethod
     def abort(self, request_id: str) -> bool:
-        raise NotImplementedError
+        """Fails the request's handoff if it is in flight; False if there is none."""
 
+    @abstractmethod
     def new_channel(self, peer: str) -> Channel:
         """Receiver side: the channel of the next handoff from `peer`."""
-        raise NotImplementedError
 
+    @property
+    @abstractmethod
+    def num_pending(self) -> int:
+        """Handoffs started and not yet returned by poll()."""
+
+    @abstractmethod
+    def forget_peer(self, peer: str) -> None:
+        """The peer left the cluster: drop what is kept for it (its process groups)."""
+
+    @abstractmethod
     def close(self) -> None:
-        pass
+        """Fails what is in flight and releases the connector's resources."""

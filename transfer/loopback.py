@@ -12,6 +12,7 @@ import torch
 from .base import (
     Channel,
     Handoff,
+    HandoffTarget,
     KVConnector,
     LayoutMismatch,
     TransferState,
@@ -36,23 +37,18 @@ class LoopbackConnector(KVConnector):
         self.layout = layout_of(kv)
         self.default_timeout_s = default_timeout_s
         self._handoffs: dict[str, Handoff] = {}
-        self._seq: dict[str, int] = {}
         hub.connectors[name] = self
 
     def new_channel(self, peer: str) -> Channel:
-        seq = self._seq.get(peer, 0)
-        self._seq[peer] = seq + 1
-        return Channel(0, seq)
+        return Channel(0)
 
     def _start(self, is_sender: bool, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-               timeout_s: float | None) -> Handoff:
-        h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s)
+               timeout_s: float | None, meta: dict | None = None) -> Handoff:
+        h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s,
+                    meta=meta)
         self._handoffs[request_id] = h
-        if not block_ids:
-            h._finish(TransferState.DONE)
-            return h
         sender, receiver = (self.name, peer) if is_sender else (peer, self.name)
-        key = (sender, receiver, channel)
+        key = (sender, receiver, request_id)
         with self.hub.lock:
             other = self.hub.posted.pop(key, None)
             if other is None or other.state.finished:
@@ -68,17 +64,21 @@ class LoopbackConnector(KVConnector):
             for x in (send, recv):
                 x._finish(TransferState.FAILED, str(e))
             return h
-        buf = gather_blocks(src.kv, send.block_ids)
-        scatter_blocks(dst.kv, recv.block_ids, buf)
-        send.nbytes = recv.nbytes = buf.numel() * buf.element_size()
+        if send.block_ids:
+            buf = gather_blocks(src.kv, send.block_ids)
+            scatter_blocks(dst.kv, recv.block_ids, buf)
+            send.nbytes = recv.nbytes = buf.numel() * buf.element_size()
+        recv.meta = send.meta
         send._finish(TransferState.DONE)
         recv._finish(TransferState.DONE)
         return h
 
-    def start_send(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None, ready=None) -> Handoff:
-        return self._start(True, peer, request_id, block_ids, channel, timeout_s)
+    def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
+                   timeout_s: float | None = None, ready=None, meta: dict | None = None) -> Handoff:
+        return self._start(True, target.peer, request_id, block_ids, target.channel, timeout_s, meta)
 
-    def start_recv(self, peer, peer_address, request_id, block_ids, channel, timeout_s=None) -> Handoff:
+    def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
+                   timeout_s: float | None = None) -> Handoff:
         return self._start(False, peer, request_id, block_ids, channel, timeout_s)
 
     def poll(self) -> list[Handoff]:
@@ -94,3 +94,16 @@ class LoopbackConnector(KVConnector):
     def abort(self, request_id: str) -> bool:
         h = self._handoffs.get(request_id)
         return h is not None and h._finish(TransferState.FAILED, "aborted")
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._handoffs)
+
+    def forget_peer(self, peer: str) -> None:
+        for h in list(self._handoffs.values()):
+            if h.peer == peer:
+                h._finish(TransferState.FAILED, f"peer {peer} left")
+
+    def close(self) -> None:
+        for h in list(self._handoffs.values()):
+            h._finish(TransferState.FAILED, "connector closed")

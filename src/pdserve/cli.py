@@ -113,7 +113,7 @@ AUTOSCALE_FLAGS = {"target_prefill_queue": "prefill_queue", "target_ttft_p90": "
 
 def serving_config(args: argparse.Namespace):
     """The serving config: the YAML file (--config) if given, then flags on top."""
-    from pdserve.cluster.autoscale import ServingConfig
+    from pdserve.cluster.serving_config import ServingConfig
 
     cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
     if args.autoscale:

@@ -229,22 +229,3 @@ def test_join_existing_ray_cluster(tmp_path):
             c.shutdown()
     finally:
         subprocess.run(env_cmd + ["stop", "--force"], capture_output=True, timeout=120)
-
-
-def test_streamed_outputs_carry_deltas_only():
-    from pdserve.cluster.worker_actor import merge_outputs, slim_output
-    from pdserve.engine.outputs import CompletionOutput, RequestOutput
-
-    prompt = list(range(4096))
-    a = RequestOutput("r", None, prompt, [CompletionOutput(0, "Hello", [7])], False, delta_text="Hello",
-                      delta_token_ids=[7])
-    b = RequestOutput("r", None, prompt, [CompletionOutput(0, "Hello world", [7, 8])], False,
-                      delta_text=" world", delta_token_ids=[8])
-    m = merge_outputs(a, b)  # the consumer fell behind: one item with both deltas
-    assert (m.delta_text, m.delta_token_ids) == ("Hello world", [7, 8])
-    s = slim_output(m)
-    assert s.prompt_token_ids == [] and s.outputs[0].token_ids == [] and s.outputs[0].text == ""
-    assert (s.delta_text, s.delta_token_ids) == ("Hello world", [7, 8])
-    assert m.prompt_token_ids == prompt  # the worker's own object is untouched
-    aborted = RequestOutput("r", None, [], [], True)
-    assert slim_output(aborted) is aborted

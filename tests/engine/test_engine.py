@@ -141,3 +141,33 @@ def test_fp8_kv_cache(llm):
     b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert [x[:2] for x in a] == [y[:2] for y in b]  # later tokens may drift with fp8 rounding
     fp8.engine.kv.check_all_free()
+
+
+def test_delta_outputs_accumulate_to_the_cumulative_ones(llm):
+    """Workers stream delta outputs (no prompt ids, no whole text per token); merged when a
+    consumer falls behind and accumulated once at the edge, they equal the engine's own
+    cumulative outputs."""
+    from pdserve.cluster.worker_actor import merge_outputs
+    from pdserve.engine.outputs import Accumulator
+
+    eng, p = llm.engine, "Tell me about the sea."
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zzz"])
+    eng.add_request(p, sp, "cumulative")
+    cumulative = []
+    while eng.has_unfinished_requests():
+        cumulative += eng.step()
+    eng.stream_deltas = True
+    try:
+        req = eng.add_request(p, sp, "delta")
+        deltas = []
+        while eng.has_unfinished_requests():
+            deltas += eng.step()
+    finally:
+        eng.stream_deltas = False
+    assert len(deltas) == 12 and all(o.prompt_token_ids == [] and len(o.outputs[0].token_ids) == 1 for o in deltas)
+    acc = Accumulator(p, req.prompt_token_ids)
+    rebuilt = [acc.add(o) for o in [deltas[0], merge_outputs(deltas[1], deltas[2]), *deltas[3:]]]
+    last, ref = rebuilt[-1], cumulative[-1]
+    assert last.outputs[0].token_ids == ref.outputs[0].token_ids and last.outputs[0].text == ref.outputs[0].text
+    assert last.prompt_token_ids == ref.prompt_token_ids and last.finished
+    assert rebuilt[1].outputs[0].token_ids == ref.outputs[0].token_ids[:3]  # the merged item carries both deltas

@@ -9,6 +9,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.role import Emitted, Reserved, Sent
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
@@ -27,32 +28,26 @@ def pair():
 
 
 def run_disagg(pw: PrefillWorker, dw: DecodeWorker, prompts, params):
-    finals, sent = {}, {}
+    """Drives both roles as their actors would: every request goes to both at once; the
+    decode role's Reserved events become the prefill role's targets."""
+    finals, sent, skips = {}, {}, {}
     for i, p in enumerate(prompts):
-        pw.add(p, params, f"r{i}")
-    while pw.engine.has_unfinished_requests():
-        for done in pw.step():
-            if done.finished:
-                finals[done.request_id] = done.output
-                continue
-            while (res := dw.reserve(done.prompt_token_ids, params, done.request_id, done.first_token)) is None:
-                for out in dw.step():  # decode frees blocks as requests finish
-                    if out.finished:
-                        finals[out.request_id] = out
-            fill, skip = res
-            ch = dw.new_channel("prefill-0")
-            dw.recv(done.request_id, "prefill-0", fill, ch)
-            h = pw.send(done.request_id, "decode-0", "", skip, ch)
-            sent[done.request_id] = (h.nbytes, skip)
-            for h in pw.poll():
-                assert h.state.name == "DONE", h.error
-            for out in dw.poll():
-                if out.finished:
-                    finals[out.request_id] = out
-    while dw.engine.has_unfinished_requests():
-        for out in dw.step():
-            if out.finished:
-                finals[out.request_id] = out
+        ids = pw.engine.tokenize(p)
+        to_decode = params.max_tokens != 1
+        pw.add(f"r{i}", ids, params, "decode-0" if to_decode else None)
+        if to_decode:
+            dw.add(f"r{i}", ids, params, "prefill-0")
+    while pw.num_inflight or dw.num_inflight:
+        for ev in pw.step() + dw.step():
+            if isinstance(ev, Reserved):
+                assert ev.peer == "prefill-0"
+                skips[ev.request_id] = ev.target.num_skip
+                pw.target(ev.request_id, ev.target)
+            elif isinstance(ev, Sent):
+                assert ev.result["state"] == "DONE", ev.result
+                sent[ev.request_id] = (ev.result["bytes"], skips[ev.request_id])
+            elif isinstance(ev, Emitted) and ev.output.finished:
+                finals[ev.output.request_id] = ev.output
     return [finals[f"r{i}"] for i in range(len(prompts))], sent
 
 
@@ -65,7 +60,7 @@ def test_disaggregated_equals_colocated(pair):
     assert dw.engine.stats()["num_preemptions"] > 0  # the small decode pool recomputed on itself
     for w in pair:
         w.engine.kv.check_all_free()
-        assert w.is_idle()
+        assert w.num_inflight == 0 and not w.has_work()
 
 
 def test_decode_prefix_hits_are_not_sent(pair):

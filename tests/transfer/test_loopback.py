@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from pdserve.transfer import TransferState
+from pdserve.transfer import HandoffTarget, TransferState
 from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
 
@@ -16,24 +16,24 @@ def test_loopback_moves_blocks_and_checks_layout():
     hub = LoopbackHub()
     p, d = LoopbackConnector("p", kv(1), hub), LoopbackConnector("d", kv(2), hub)
     ch = d.new_channel("p")
-    r = d.start_recv("p", "", "a", [5, 9], ch)
+    r = d.start_recv("p", "a", [5, 9], ch)
     assert r.state == TransferState.WAITING and d.poll() == []
-    s = p.start_send("d", d.address, "a", [3, 4], ch)
-    assert s.state == r.state == TransferState.DONE
+    s = p.start_send(HandoffTarget("d", d.address, ch, 0), "a", [3, 4], meta={"first_token": 7})
+    assert s.state == r.state == TransferState.DONE and r.meta == {"first_token": 7}
     assert torch.equal(d.kv[[5, 9]], p.kv[[3, 4]])
     assert d.poll() == [r] and p.poll() == [s]
     odd = LoopbackConnector("q", kv(3, head_dim=4), hub)
     ch = d.new_channel("q")
-    r = d.start_recv("q", "", "b", [1], ch)
-    s = odd.start_send("d", d.address, "b", [1], ch)
+    r = d.start_recv("q", "b", [1], ch)
+    s = odd.start_send(HandoffTarget("d", d.address, ch, 0), "b", [1])
     assert r.state == s.state == TransferState.FAILED and "head_dim" in r.error
 
 
 def test_loopback_timeout_and_abort():
     hub = LoopbackHub()
     d = LoopbackConnector("d", kv(2), hub)
-    r = d.start_recv("p", "", "a", [1], d.new_channel("p"), timeout_s=0.05)
+    r = d.start_recv("p", "a", [1], d.new_channel("p"), timeout_s=0.05)
     time.sleep(0.1)
     assert d.poll() == [r] and r.state == TransferState.FAILED and "timed out" in r.error
-    r = d.start_recv("p", "", "b", [1], d.new_channel("p"))
+    r = d.start_recv("p", "b", [1], d.new_channel("p"))
     assert d.abort("b") and r.error == "aborted" and not d.abort("b")

@@ -1,0 +1,200 @@
+"""The prefill and decode pools: worker records, sizes, scaling, health, autoscaling.
+Runs on the cluster's event loop thread.
+
+    scale(want)   set pool targets; growth is awaited, the surplus drains (no new
+                  requests, in-flight ones finish) and then stops
+    monitor()     every second: each worker's stats (or, if it does not answer, purge it
+                  from the registry, tell its peers to drop their process groups with it,
+                  and refill the pool); then one autoscaling decision when it is on
+    candidates()  snapshots of the live, non-draining workers of a pool for placement
+
+A worker's record (`WorkerRecord`) is the cluster's view of one `WorkerActor`: its
+id, role, the actor handle, what it reported at start, the requests this cluster has
+in flight on it (`load`), whether it drains, and its last stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import RayError
+
+from .autoscale import LatencyWindow, PoolSignals, PoolState, decide
+from .routing import Candidate
+from .serving_config import ROLES, ServingConfig
+from .worker_actor import WorkerActor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    role: str  # the pool: "prefill" or "decode" (colocated engines are the decode pool)
+    actor: object
+    info: dict = field(default_factory=dict)
+    load: int = 0
+    draining: bool = False
+    stats: dict = field(default_factory=dict)
+
+
+class Pools:
+    def __init__(self, serving: ServingConfig, mode: str, role_engine_args: dict, actor_options: dict,
+                 namespace: str, registry, start_timeout: float):
+        self.serving, self.mode = serving, mode
+        self.role_engine_args, self.actor_options = role_engine_args, actor_options
+        self.namespace, self.registry, self.start_timeout = namespace, registry, start_timeout
+        self.workers: dict[str, WorkerRecord] = {}
+        self.targets = {"prefill": 0, "decode": 0}
+        self._ids = itertools.count()
+        window = serving.autoscale.window_s
+        self.ttft, self.itl = LatencyWindow(window), LatencyWindow(window)  # fed by the dispatcher
+        self.autoscale_events: list[dict] = []
+        self._pool_state = {role: PoolState() for role in ROLES}
+        self._scaling = asyncio.Lock()
+        self.closed = False
+
+    # ---- views ------------------------------------------------------------------------------
+    def worker(self, worker_id: str) -> WorkerRecord:
+        return self.workers[worker_id]
+
+    def pool_sizes(self) -> dict:
+        return {r: sum(1 for w in self.workers.values() if w.role == r and not w.draining) for r in ROLES}
+
+    def candidates(self, role: str) -> list[Candidate]:
+        out = []
+        for w in self.workers.values():
+            if w.role == role and not w.draining:
+                total = w.stats.get("kv_blocks_total", w.info.get("capacity_blocks", 1))
+                out.append(Candidate(w.worker_id, w.load, total - w.stats.get("kv_blocks_used", 0), total))
+        return out
+
+    # ---- sizes --------------------------------------------------------------------------------
+    async def scale(self, want: dict) -> dict:
+        async with self._scaling:
+            for role, n in want.items():
+                if n is not None:
+                    self.targets[role] = n
+            drains = await self._reconcile()
+        await asyncio.gather(*drains)  # outside the lock: a long drain blocks no other scaling
+        return self.pool_sizes()
+
+    async def _reconcile(self) -> list:
+        """Starts workers up to the targets (awaited) and marks the surplus draining; returns
+        the drain tasks."""
+        adds, drains = [], []
+        for role in ROLES:
+            live = [w for w in self.workers.values() if w.role == role and not w.draining]
+            for _ in range(self.targets[role] - len(live)):
+                adds.append(self._add_worker(role))
+            for w in sorted(live, key=lambda w: w.worker_id, reverse=True)[: max(0, len(live) - self.targets[role])]:
+                w.draining = True
+                drains.append(asyncio.ensure_future(self._drain_and_remove(w)))
+        if adds:
+            await asyncio.gather(*adds)
+        return drains
+
+    async def _add_worker(self, role: str) -> WorkerRecord:
+        label = "colocated" if self.mode == "colocated" else role
+        wid = f"{label}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
+        cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000,
+                                              **self.actor_options[role])
+        actor = cls.remote(wid, role, self.role_engine_args[role], self.namespace)
+        try:
+            info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
+        except asyncio.TimeoutError:
+            ray.kill(actor)
+            raise RuntimeError(f"{role} worker did not start within {self.start_timeout:.0f} s: no node offers "
+                               f"{self.actor_options[role]} (is the autoscaler at its node type's max?)") from None
+        w = WorkerRecord(wid, role, actor, info)
+        self.workers[wid] = w
+        log.info("worker %s started", wid)
+        return w
+
+    async def _drain_and_remove(self, w: WorkerRecord, timeout: float = 300) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            try:
+                st = await asyncio.wait_for(w.actor.stats.remote(), 10)
+            except (RayError, asyncio.TimeoutError):
+                break  # gone already
+            if w.load == 0 and st["inflight"] == 0:
+                break
+            await asyncio.sleep(0.2)
+        await self.remove(w, graceful=True)
+
+    async def remove(self, w: WorkerRecord, graceful: bool) -> None:
+        self.workers.pop(w.worker_id, None)
+        if graceful:
+            try:
+                await asyncio.wait_for(w.actor.stop.remote(), 15)
+            except (RayError, asyncio.TimeoutError):
+                pass
+        for other in self.workers.values():  # peers drop their pair groups with it
+            other.actor.forget_peer.remote(w.worker_id)
+        try:
+            ray.kill(w.actor)
+        except Exception:  # noqa: BLE001
+            pass
+        await self.registry.unregister.remote(w.worker_id)
+
+    # ---- health and autoscaling ---------------------------------------------------------------
+    async def monitor(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(1.0)
+            for w in list(self.workers.values()):
+                try:
+                    w.stats = await asyncio.wait_for(w.actor.stats.remote(), 5)
+                except (RayError, asyncio.TimeoutError):
+                    if w.worker_id in self.workers and not self.closed:
+                        log.warning("worker %s is dead: purging and replacing it", w.worker_id)
+                        await self.remove(w, graceful=False)
+            if not self.closed and not self._scaling.locked():
+                async with self._scaling:
+                    try:
+                        await self._reconcile()  # drains it starts run on their own
+                    except RayError as e:
+                        log.warning("refilling pools failed: %s", e)
+            if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():
+                self._autoscale_step(time.monotonic())
+
+    def pool_signals(self, now: float | None = None) -> dict[str, PoolSignals]:
+        """The autoscaler's inputs, from the stats the monitor gathered and the latency windows."""
+        now = time.monotonic() if now is None else now
+        out = {}
+        for role in ROLES:
+            live = [w for w in self.workers.values() if w.role == role and not w.draining]
+            n = max(1, len(live))
+            if role == "prefill":
+                waiting = sum(w.stats.get("num_waiting", 0) for w in live)
+                out[role] = PoolSignals(len(live), queue=waiting / n, latency=self.ttft.quantile(0.9, now))
+            else:
+                used = sum(w.stats.get("kv_blocks_used", 0) for w in live)
+                total = sum(w.stats.get("kv_blocks_total", w.info.get("capacity_blocks", 0)) for w in live)
+                out[role] = PoolSignals(len(live), usage=used / total if total else 0.0,
+                                        latency=self.itl.quantile(0.9, now))
+        return out
+
+    def _autoscale_step(self, now: float) -> None:
+        cfg, want = self.serving.autoscale, {}
+        for role, sig in self.pool_signals(now).items():
+            if sig.size != self.targets[role] or (role == "prefill" and self.mode == "colocated"):
+                continue  # a change is still being applied
+            size, why = decide(role, sig, cfg, self.serving.pool(role), self._pool_state[role], now)
+            if size != sig.size:
+                want[role] = size
+                self._pool_state[role].last_change = now
+                self._pool_state[role].calm_since = None
+                event = {"time": time.time(), "role": role, "from": sig.size, "to": size, "reason": why}
+                self.autoscale_events.append(event)
+                log.warning("autoscale %s: %d -> %d (%s)", role, sig.size, size, why)
+        if want:
+            task = asyncio.ensure_future(self.scale(want))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or
+                                   log.warning("autoscale failed: %s", t.exception()))

@@ -1,0 +1,128 @@
+"""The serving config: a validated dataclass, loadable from YAML (`--config`).
+
+    prefill: {replicas: 1, min: 1, max: 4, num_gpus: 1, resources: {pdserve_prefill: 1}}
+    decode:  {replicas: 1, min: 1, max: 8, num_gpus: 1, resources: {pdserve_decode: 1}}
+    autoscale:
+      enabled: true
+      prefill_queue: 4          # waiting prompts per prefill worker
+      ttft_p90_s: 2.0
+      kv_usage: 0.8             # fraction of decode KV blocks in use
+      itl_p90_s: 0.1
+      cooldown_s: 30
+      idle_s: 60
+
+Pools: sizes and bounds, and the Ray resources each pool's actors request. The
+autoscaling targets are what the policy (autoscale.py) compares its signals with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class PoolConfig:
+    replicas: int | None = None  # None: min
+    min: int = 1
+    max: int = 8
+    num_gpus: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
+    num_cpus: float | None = None
+    resources: dict[str, float] | None = None  # None: pdserve_<role> when a node offers it
+
+    def validate(self, role: str) -> None:
+        for name in ("replicas", "min", "max"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"{role}: {name} must be an integer, got {v!r}")
+        if not (1 <= self.min <= self.max):
+            raise ValueError(f"{role}: need 1 <= min <= max, got min={self.min} max={self.max}")
+        if self.replicas is None:
+            self.replicas = self.min
+        if not (self.min <= self.replicas <= self.max):
+            raise ValueError(f"{role}: replicas={self.replicas} is outside [min={self.min}, max={self.max}]")
+        for name in ("num_gpus", "num_cpus"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{role}: {name} must be >= 0, got {v}")
+        if self.resources is not None:
+            if not isinstance(self.resources, dict):
+                raise ValueError(f"{role}: resources must be a mapping of name -> amount")
+            for k, v in self.resources.items():
+                if not isinstance(v, (int, float)) or v <= 0:
+                    raise ValueError(f"{role}: resource {k!r} needs a positive amount, got {v!r}")
+
+
+@dataclass
+class AutoscaleConfig:
+    enabled: bool = False
+    prefill_queue: float = 4.0
+    ttft_p90_s: float = 2.0
+    kv_usage: float = 0.8
+    itl_p90_s: float = 0.1
+    cooldown_s: float = 30.0
+    idle_s: float = 60.0
+    down_fraction: float = 0.5
+    window_s: float = 30.0  # latency samples older than this are forgotten
+
+    def validate(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "enabled" and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"autoscale.{f.name} must be a number >= 0, got {v!r}")
+        for name in ("prefill_queue", "ttft_p90_s", "kv_usage", "itl_p90_s", "window_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"autoscale.{name} must be > 0")
+        if not (0 < self.kv_usage <= 1):
+            raise ValueError(f"autoscale.kv_usage is a fraction in (0, 1], got {self.kv_usage}")
+        if not (0 < self.down_fraction < 1):
+            raise ValueError(f"autoscale.down_fraction must be in (0, 1), got {self.down_fraction}")
+
+
+@dataclass
+class ServingConfig:
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+
+    def validate(self) -> ServingConfig:
+        self.prefill.validate("prefill")
+        self.decode.validate("decode")
+        self.autoscale.validate()
+        return self
+
+    def pool(self, role: str) -> PoolConfig:
+        return getattr(self, role)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> ServingConfig:
+        d = dict(d or {})
+        unknown = set(d) - {"prefill", "decode", "autoscale"}
+        if unknown:
+            raise ValueError(f"unknown serving config keys: {sorted(unknown)} (expected prefill, decode, autoscale)")
+        return cls(prefill=_build(PoolConfig, d.get("prefill"), "prefill"),
+                   decode=_build(PoolConfig, d.get("decode"), "decode"),
+                   autoscale=_build(AutoscaleConfig, d.get("autoscale"), "autoscale")).validate()
+
+    @classmethod
+    def from_yaml(cls, path: str) -> ServingConfig:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"{path}: a serving config is a mapping, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def _build(kind, d: dict | None, where: str):
+    d = dict(d or {})
+    names = {f.name for f in fields(kind)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"unknown {where} keys: {sorted(unknown)} (expected {sorted(names)})")
+    return kind(**d)

@@ -1,0 +1,81 @@
+"""The interface every role of the engine offers to the loop that drives it (the Ray
+worker actor, or a test): requests in, events out, one non-blocking step at a time.
+
+    add(request_id, prompt_token_ids, params, peer)   queue a request (validated first)
+    step()        one engine step plus the handoffs' progress -> list of events
+    abort(rid)    stop the request wherever it is; its blocks are freed
+    num_inflight  requests this role still holds (a drain waits for 0)
+    has_work()    an engine step to run now (else the driver sleeps: ~5 ms while requests
+                  are in flight, polling their handoffs; longer when idle)
+
+Events (what the driver forwards; nothing else leaves a role):
+    Emitted(output)             a delta output for the request's stream
+    Reserved(rid, peer, target) decode: blocks are reserved and the receive posted; the
+                                prefill worker `peer` must learn the target
+    Sent(rid, result)           prefill: the request's handoff is over (result: state,
+                                error, bytes, seconds, spans); its blocks are released
+    Failed(rid, error)          the request could not go on here (error names why)
+
+Roles: pdserve.prefill.worker.PrefillWorker, pdserve.decode.worker.DecodeWorker.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class Emitted:
+    output: RequestOutput
+
+
+@dataclass
+class Reserved:
+    request_id: str
+    peer: str
+    target: object  # pdserve.transfer.HandoffTarget (engine/ does not import transfer/)
+
+
+@dataclass
+class Sent:
+    request_id: str
+    result: dict
+
+
+@dataclass
+class Failed:
+    request_id: str
+    error: str
+
+
+Event = Emitted | Reserved | Sent | Failed
+
+
+class Role(ABC):
+    @abstractmethod
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            peer: str | None = None) -> None:
+        """Queues a request. `peer`: the worker on the other side of its handoff (prefill:
+        the decode worker to send to; decode: the prefill worker to receive from); None
+        for a request that stays on this worker. Raises ValueError on bad input."""
+
+    @abstractmethod
+    def step(self) -> list[Event]:
+        """One engine step (if there is work) and the handoffs' progress; never blocks."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stops the request here and frees its blocks; unknown ids are ignored."""
+
+    @property
+    @abstractmethod
+    def num_inflight(self) -> int:
+        """Requests still held here: queued, running, waiting for KV or for a handoff."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """True when step() has an engine step to run now."""

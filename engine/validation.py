@@ -1,0 +1,39 @@
+"""The one validation of a request against the model's limits, used by the engine
+(`LLMEngine.make_request`), the cluster before it places a request, and the HTTP router
+before it queues one (so a refusal is a 400 naming the field, before any worker or
+stream is involved)."""
+
+from __future__ import annotations
+
+from .sampling_params import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A request the model cannot serve; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def check_request(token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                  kv_capacity_tokens: int | None = None) -> int:
+    """Raises InvalidRequest naming the problem; returns the request's max_tokens (the
+    rest of max_model_len when params.max_tokens is None)."""
+    if not token_ids:
+        raise InvalidRequest("prompt is empty (no tokens)", "prompt")
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
+    n = len(token_ids)
+    if n >= max_model_len:
+        raise InvalidRequest(f"prompt has {n} tokens; max_model_len is {max_model_len} "
+                             "(at least one token must be left to generate)", "prompt")
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
+    if n + max_tokens > max_model_len:
+        raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                             f"exceeds max_model_len ({max_model_len})", "max_tokens")
+    if kv_capacity_tokens is not None and n + max_tokens > kv_capacity_tokens:
+        raise InvalidRequest(f"prompt + max_tokens = {n + max_tokens} tokens cannot fit in the KV cache "
+                             f"({kv_capacity_tokens} tokens)", "max_tokens")
+    return max_tokens

@@ -1,0 +1,133 @@
+"""One HTTP request's way to the cluster and back, shared by both OpenAI endpoints:
+
+    parse()       body size, JSON, the pydantic model          -> 400 / 413 naming the field
+    params()      sampling values + the one validation of the request against the model
+                  (cluster.validate -> engine/validation.py)    -> 400 naming the field
+    admit()       a slot of the bounded queue                   -> 429 + Retry-After
+    outputs()     the cluster's delta outputs as an async generator; stopping early
+                  (a client that went away) cancels the request on every worker
+    run_to_end()  non-streaming: the final output, accumulated once here
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from pdserve.engine.outputs import Accumulator, RequestOutput
+from pdserve.engine.validation import InvalidRequest
+
+from .errors import HTTPError
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed")
+
+
+class _Done:
+    def __init__(self, fut):
+        self.fut = fut
+
+
+class RequestRunner:
+    def __init__(self, cluster, max_body_bytes: int, max_queue: int):
+        self.cluster, self.max_body_bytes, self.max_queue = cluster, max_body_bytes, max_queue
+        self.inflight = 0
+
+    async def parse(self, request: Request, model_cls):
+        body = await request.body()
+        if len(body) > self.max_body_bytes:
+            raise HTTPError(413, f"request body of {len(body)} bytes exceeds the limit of {self.max_body_bytes}")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "the JSON body must be an object")
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(x) for x in err.get("loc", ()))
+            raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}", param=param or None) from None
+
+    def params(self, req, ids: list[int], default_max: int | None):
+        try:
+            params = req.sampling_params(default_max)
+        except ValueError as e:
+            msg = str(e)
+            param = "n" if msg.startswith("n=") else next((f for f in SAMPLING_FIELDS if msg.startswith(f)), None)
+            raise HTTPError(400, msg, param=param) from None
+        try:
+            max_tokens = self.cluster.validate(ids, params)
+        except InvalidRequest as e:
+            raise HTTPError(400, str(e), param=e.param) from None
+        return dataclasses.replace(params, max_tokens=max_tokens)
+
+    def admit(self) -> None:
+        """Takes a slot of the bounded queue; outputs() gives it back when the request ends."""
+        if self.inflight >= self.max_queue:
+            raise HTTPError(429, f"server busy: {self.inflight} requests in flight (limit {self.max_queue})",
+                            "rate_limit_error", headers={"Retry-After": "1"})
+        self.inflight += 1
+
+    async def outputs(self, text, ids, params):
+        """Yields the request's delta outputs as the cluster produces them; cancels the
+        request if the consumer stops early (client disconnect)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        fut = self.cluster.submit(text, ids, params, lambda out: loop.call_soon_threadsafe(q.put_nowait, out))
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(q.put_nowait, _Done(f)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, _Done):
+                    exc = item.fut.exception() if not item.fut.cancelled() else None
+                    if isinstance(exc, ValueError):
+                        raise HTTPError(400, str(exc), param=getattr(exc, "param", None))
+                    if exc is not None:
+                        raise HTTPError(500, f"request failed: {exc}", "server_error")
+                    return
+                finished = finished or item.finished
+                yield item
+        finally:
+            self.inflight -= 1
+            if not finished:
+                fut.cancel()  # aborts on every worker, frees the blocks
+
+    async def run_to_end(self, text, ids, params, request: Request) -> RequestOutput:
+        """Non-streaming: the final (cumulative) output; cancels if the client disconnects first."""
+        acc, final = Accumulator(text, ids), []
+
+        async def consume():
+            async for out in self.outputs(text, ids, params):
+                out = acc.add(out)
+                if out.finished:
+                    final.append(out)
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                raise HTTPError(499, "client closed the request")
+        task.result()
+        if not final:
+            raise HTTPError(500, "request ended without output", "server_error")
+        return final[0]
+
+    @staticmethod
+    async def first_output(gen) -> RequestOutput:
+        """Awaits the first output before the response starts (its workers go in the headers,
+        and errors before it are still plain HTTP errors)."""
+        try:
+            return await gen.__anext__()
+        except StopAsyncIteration:
+            raise HTTPError(500, "request ended without output", "server_error") from None
