@@ -169,6 +169,8 @@ def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
         assert r["slo_attainment"] == 1.0
         assert 0 <= r["prefix_hit_rate"] <= 1
         assert 0 < r["phase_mean_s"]["local_first_token"] <= r["ttft_s"]["p99"]
+        # the server's own timeline of each request (GET /admin/timeline)
+        assert len(r["timeline"]) == 8 and 0 < r["phase_ms"]["local_first_token"]["p50"] <= 1000 * r["ttft_s"]["p99"]
         assert len(r["requests_detail"]) == 8
     # 96 of 104 tokens shared by 4 requests each: spaced arrivals hit the first one's blocks
     # (all at once, the requests of one prefix may be admitted in one step and share nothing)
@@ -176,6 +178,7 @@ def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
     assert data["goodput"] == {"rps": 4.0, "lower_bound": True}
     assert (tmp_path / "colocated_shared-prefix.png").stat().st_size > 10_000
     assert "| 4 | 8/8 |" in (tmp_path / "colocated_shared-prefix.md").read_text()
+    assert "per-request timeline" in (tmp_path / "colocated_shared-prefix.md").read_text()
     assert "colocated @ 4.00 req/s" in res.stderr  # the progress bar
 
 

@@ -60,6 +60,23 @@ class TestTwoByTwo:
         assert len({o.decode_worker for o in outs if o.decode_worker.startswith("decode")}) == 2
         no_request_blocks(cluster)
 
+    def test_one_round_trip_timeline(self, cluster):
+        """Prefill and decode are asked at once: the decode reservation is made while the
+        prompt is prefilled, the prefill worker sends as soon as both are ready, and the
+        first token arrives with the KV (the server's own spans say so)."""
+        outs = cluster.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        ids = {o.request_id for o in outs}
+        rows = [t for t in cluster.timeline(100) if t["request_id"] in ids]
+        assert len(rows) == 4
+        for t in rows:
+            s = t["spans"]
+            assert s["arrival"] <= s["prefill_queued"] <= s["prefill_done"] <= s["send_start"] <= s["kv_landed"] \
+                <= s["first_token_at_edge"]
+            assert s["decode_queued"] <= s["reserved"] <= s["send_start"]  # reserved before the send, never after
+            assert s["target_known"] <= s["send_start"]
+            assert set(t["phases"]) == {"prefill", "decode_reserve", "kv_to_first_token"}
+            assert t["prefill_worker"].startswith("prefill") and t["decode_worker"].startswith("decode")
+
     def test_stream_equals_non_stream(self, cluster):
         p = "Write a sentence about the ocean."
         final = cluster.generate(p, GREEDY)[0].outputs[0]

@@ -108,6 +108,7 @@ def run(args) -> dict:
 
     from .client import Endpoint, run_load
     from .report import goodput, summarize
+    from .timeline import phase_stats
     from .workloads import poisson_arrivals
 
     ep = Endpoint(args.url, args.model, args.api_key)
@@ -130,6 +131,9 @@ def run(args) -> dict:
             records, duration = run_load(ep, reqs, arrivals, bar)
         summary = summarize(records, duration, rate_value, args.slo_ttft, args.slo_tpot, before,
                             settled_metrics(ep))
+        tl = ep.timeline(len(reqs))  # pdserve: the server's own per-request spans
+        if tl:
+            summary["timeline"], summary["phase_ms"] = tl, phase_stats(tl)
         runs.append(summary)
         t, p = summary["ttft_s"], summary["tpot_s"]
         print(f"  rate {rate_value:.2f}: {summary['completed']}/{summary['requests']} done, TTFT p90 "

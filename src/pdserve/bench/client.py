@@ -106,6 +106,14 @@ class Endpoint:
                 out[full] = v
         return out
 
+    def timeline(self, n: int) -> list[dict] | None:
+        """A pdserve server's last `n` request timelines (GET /admin/timeline); None elsewhere."""
+        try:
+            status, body = self.get(f"/admin/timeline?n={n}")
+        except OSError:
+            return None
+        return json.loads(body)["requests"] if status == 200 else None
+
     def complete(self, req: BenchRequest, rec: Record, t_start: float) -> None:
         """Streams one completion, filling `rec` (never raises)."""
         body = json.dumps({"model": self.model, "prompt": req.prompt, "max_tokens": req.max_tokens,

@@ -115,7 +115,16 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['rate']:g} | {r['completed']}/{r['requests']} | {_ms(t['p50'])}/{_ms(t['p90'])}/"
                      f"{_ms(t['p99'])} | {_ms(p['p50'])}/{_ms(p['p90'])}/{_ms(p['p99'])} | {_ms(r['itl_s']['p90'])} "
                      f"| {r['output_tok_s']:.0f} | {r['slo_attainment']:.0%} | {hit} |")
-    if phases:
+    timed = [(r["rate"], r["phase_ms"]) for r in result["runs"] if r.get("phase_ms")]
+    if timed:
+        names = [n for n in ("prefill", "decode_reserve", "kv_to_first_token", "local_first_token")
+                 if any(n in ph for _, ph in timed)]
+        lines += ["", "Phases before the first token, p50 / p90 (ms, from the server's per-request timeline):",
+                  "", "| rate | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        for rate, ph in timed:
+            cells = [f"{ph[n]['p50']:.1f} / {ph[n]['p90']:.1f}" if n in ph else "-" for n in names]
+            lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    elif phases:
         lines += ["", "Mean time per phase before the first token (ms, from the server's metrics):", "",
                   "| rate | " + " | ".join(sorted(phases[0][1])) + " |",
                   "| --- |" + " --- |" * len(phases[0][1])]
@@ -138,6 +147,13 @@ def write(result: dict, out_dir: str, stem: str) -> list[str]:
     with open(paths[1], "w") as f:
         f.write(markdown(result))
     paths += plot([result], out_dir, stem)
+    from .timeline import plot as plot_timeline
+
+    for r in result["runs"]:
+        if r.get("timeline"):
+            title = f"{result['label']} @ {r['rate']:g} req/s: {result['config']['workload_desc']}"
+            p = plot_timeline(r["timeline"], os.path.join(out_dir, f"{stem}_timeline_{r['rate']:g}.png"), title)
+            paths += [p] if p else []
     return paths
 
 

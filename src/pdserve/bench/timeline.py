@@ -1,0 +1,73 @@
+"""Per-request timelines from a pdserve server's own spans (`GET /admin/timeline`): where
+each request's time went before its first token, and a plot of them.
+
+Spans (wall-clock seconds, by the workers' clocks on one host): arrival (at the
+cluster), prefill_queued, target_known (the decode reservation reached the prefill
+worker), prefill_done (first token sampled), send_start, decode_queued, reserved,
+kv_landed, first_token_at_edge (back at the cluster). Phases: prefill (queue + compute),
+decode_reserve (the finished prefill waiting for the reservation: 0 when it came
+first), kv_to_first_token (send start -> first token at the cluster: wire + admission +
+relay), local_first_token (a request served by one worker).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .report import percentile
+
+PHASES = ("prefill", "decode_reserve", "kv_to_first_token", "local_first_token")
+# bars of the plot: (label, start span, end span)
+BARS = (("to prefill worker", "arrival", "prefill_queued"), ("prefill (queue + compute)", "prefill_queued",
+                                                              "prefill_done"),
+        ("waiting for the reservation", "prefill_done", "send_start"),
+        ("KV + first token to the client", "send_start", "first_token_at_edge"))
+COLORS = ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868")
+
+
+def phase_stats(timeline: list[dict]) -> dict:
+    """phase -> {p50, p90, mean} in ms, plus the share of requests with a reservation wait."""
+    out = {}
+    for ph in PHASES:
+        vals = [t["phases"][ph] for t in timeline if ph in t.get("phases", {})]
+        if vals:
+            out[ph] = {"p50": 1000 * percentile(vals, 50), "p90": 1000 * percentile(vals, 90),
+                       "mean": 1000 * sum(vals) / len(vals), "n": len(vals)}
+    waits = [t["phases"]["decode_reserve"] for t in timeline if "decode_reserve" in t.get("phases", {})]
+    if waits:
+        out["reserve_on_critical_path_share"] = sum(1 for w in waits if w > 0.001) / len(waits)
+    return out
+
+
+def plot(timeline: list[dict], path: str, title: str, max_requests: int = 60) -> str | None:
+    """A Gantt chart of consecutive requests (by arrival), one row each; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = sorted((t for t in timeline if "send_start" in t["spans"]), key=lambda t: t["spans"]["arrival"])
+    rows = rows[len(rows) // 2 - max_requests // 2:][:max_requests] if len(rows) > max_requests else rows
+    if not rows:
+        return None
+    t0 = rows[0]["spans"]["arrival"]
+    fig, ax = plt.subplots(figsize=(11, 0.16 * len(rows) + 1.6))
+    for y, t in enumerate(rows):
+        s = t["spans"]
+        for (label, a, b), color in zip(BARS, COLORS):
+            if a in s and b in s:
+                ax.barh(y, 1000 * max(0.0, s[b] - s[a]), left=1000 * (s[a] - t0), color=color, height=0.8,
+                        label=label if y == 0 else None)
+    ax.set_xlabel("ms since the first request shown arrived")
+    ax.set_ylabel("request (by arrival)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
