@@ -41,6 +41,7 @@ def sync(device):
 def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
     from tqdm import tqdm
 
+    from pdserve.transfer.base import HandoffTarget
     from pdserve.transfer.c10d import C10dConnector
 
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
@@ -91,7 +92,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                 ids = torch.randperm(num_blocks, generator=g)[:n].tolist()
             if rank == 1:
                 ch = conn.new_channel("prefill")
-                h = conn.start_recv("prefill", "", f"r{tokens}-{it}", ids, ch)
+                h = conn.start_recv("prefill", f"r{tokens}-{it}", ids, ch)
                 q_to_peer.put(ch)
                 h.wait(120)
                 t1 = time.monotonic()
@@ -107,7 +108,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                 ch = q_from_peer.get()
                 sync(device)  # "prefill done"
                 t0 = time.monotonic()
-                h = conn.start_send("decode", peer_addr, f"r{tokens}-{it}", ids, ch)
+                h = conn.start_send(HandoffTarget("decode", peer_addr, ch, 0), f"r{tokens}-{it}", ids)
                 h.wait(120)
                 assert h.state.name == "DONE", h.error
                 q_to_peer.put((t0, kv[ids].double().sum().item() if it == 0 else None, (h.t_started, h.t_posted)))
