@@ -95,7 +95,7 @@ class Cluster:
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
-                                              "PDSERVE_TORCH_THREADS") if k in os.environ}
+                                              "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL") if k in os.environ}
             ray.init(address=address, namespace=namespace, include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=False)
         self.registry = BlockRegistry.options(name=REGISTRY_NAME, namespace=namespace,

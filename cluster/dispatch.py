@@ -94,6 +94,7 @@ class Dispatcher:
         self.observers: list[RequestObserver] = []
         self.counters = {"requests": 0, "retries": 0, "failed": 0, "routing": {}}
         self.timeline: collections.deque = collections.deque(maxlen=timeline_len)
+        self._early_spans: dict[str, dict] = {}
 
     # ---- one request ---------------------------------------------------------------------------
     async def request(self, ids: list[int], params: SamplingParams, sink) -> None:
@@ -134,7 +135,7 @@ class Dispatcher:
         p.load += 1
         d.load += 1
         prefill = asyncio.ensure_future(self._await_prefill(p, p.actor.prefill.remote(wire_id, ids, params,
-                                                                                        d.worker_id)))
+                                                                                        d.worker_id), rid))
         relay = asyncio.ensure_future(self._relay(d, wire_id, rid, ids, params, sink, progress, p))
         try:
             done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
@@ -166,7 +167,7 @@ class Dispatcher:
     def _release(w: WorkerRecord) -> None:
         w.load -= 1
 
-    async def _await_prefill(self, p: WorkerRecord, ref):
+    async def _await_prefill(self, p: WorkerRecord, ref, rid: str | None = None):
         """The prefill side of a handoff: its result (observed), or the output of a request
         that ended there; a dead worker or bad input raises."""
         try:
@@ -178,6 +179,7 @@ class Dispatcher:
                 raise e.cause from None
             raise WorkerLost(f"prefill on {p.worker_id} failed: {e}") from e
         if isinstance(res, dict):
+            self._late_spans(rid, res.get("spans") or {})
             if res.get("state") == "DONE":
                 for o in self.observers:
                     o.on_handoff(res)
@@ -274,10 +276,22 @@ class Dispatcher:
         for o in self.observers:
             o.on_latency(kind, seconds)
 
+    def _late_spans(self, rid: str | None, spans: dict) -> None:
+        """The sender's spans of a handoff (they arrive with its result, often after the first
+        token): into the request's timeline entry, or kept until it is made."""
+        for t in reversed(self.timeline):
+            if t["request_id"] == rid:
+                t["spans"] = {**spans, **t["spans"]}
+                return
+        self._early_spans[rid] = spans
+        while len(self._early_spans) > 4096:
+            self._early_spans.pop(next(iter(self._early_spans)))
+
     def _record(self, out: RequestOutput, progress: _Progress, now: float) -> None:
         """The request's timeline (wall clock, the workers' spans + the edge's) and phases."""
         wall = time.time()
-        spans = dict((out.metrics.spans if out.metrics is not None else None) or {})
+        spans = {**self._early_spans.pop(out.request_id, {}),
+                 **((out.metrics.spans if out.metrics is not None else None) or {})}
         spans["arrival"] = wall - (now - progress.t0)
         spans["first_token_at_edge"] = wall
         phases = timeline_phases(spans)

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -73,6 +74,8 @@ class WorkerActor:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
+        if os.environ.get("PDSERVE_SWITCH_INTERVAL"):  # seconds a thread holds the GIL before others may run
+            sys.setswitchinterval(float(os.environ["PDSERVE_SWITCH_INTERVAL"]))
         self.worker_id, self.role_name, self.namespace = worker_id, role, namespace
         self.epoch = uuid.uuid4().hex[:8]
         self.heartbeat_s = heartbeat_s

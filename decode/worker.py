@@ -106,7 +106,8 @@ class DecodeWorker(Role):
             req.append_token(h.meta["first_token"])
             self.engine.kv.cache_blocks(req, req.num_prompt_tokens)
             out = self.engine.admit_prefilled(req)
-            out.metrics.spans = {**h.meta.get("spans", {}), **inc.spans, "kv_landed": time.time()}
+            out.metrics.spans = {**h.meta.get("spans", {}), **inc.spans, **h.wall_spans("recv"),
+                                 "kv_landed": time.time()}
             events.append(Emitted(out))
         return events
 

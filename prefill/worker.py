@@ -130,7 +130,7 @@ class PrefillWorker(Role):
             self.engine.release(h.request_id)  # full blocks stay in the prefix cache at ref 0
             if p is None:
                 continue
-            p.spans["send_done"] = time.time()
+            p.spans.update(h.wall_spans("send"))
             events.append(Sent(h.request_id, {"state": h.state.name, "error": h.error, "bytes": h.nbytes,
                                               "seconds": h.seconds, "spans": p.spans}))
         return events

@@ -109,6 +109,13 @@ class Handoff:
         self._event.wait(timeout)
         return self.state
 
+    def wall_spans(self, prefix: str) -> dict:
+        """When the pair's thread took it up, posted it and finished it, as wall-clock
+        seconds (time.time(), comparable across the host's processes)."""
+        shift = time.time() - time.monotonic()
+        marks = {"taken": self.t_started, "posted": self.t_posted, "done": self.finished_at}
+        return {f"{prefix}_{k}": v + shift for k, v in marks.items() if v is not None}
+
     @property
     def seconds(self) -> float | None:
         return None if self.finished_at is None else self.finished_at - self.created
