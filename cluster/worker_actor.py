@@ -74,8 +74,11 @@ class WorkerActor:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
-        if os.environ.get("PDSERVE_SWITCH_INTERVAL"):  # seconds a thread holds the GIL before others may run
-            sys.setswitchinterval(float(os.environ["PDSERVE_SWITCH_INTERVAL"]))
+        # how long the engine thread may hold the GIL while the transfer threads wait: Python's
+        # 5 ms made each handoff's receive take 20-40 ms under load on 2x H200 (the pair's
+        # thread needs the GIL a dozen times); 0.5 ms cut kv_to_first_token p50 at 7 req/s
+        # from 1.5 s to 0.13 s (bench/results/serving.md)
+        sys.setswitchinterval(float(os.environ.get("PDSERVE_SWITCH_INTERVAL", "0.0005")))
         self.worker_id, self.role_name, self.namespace = worker_id, role, namespace
         self.epoch = uuid.uuid4().hex[:8]
         self.heartbeat_s = heartbeat_s

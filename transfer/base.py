@@ -151,14 +151,53 @@ def contiguous_run(block_ids: list[int]) -> bool:
         b - a == 1 for a, b in zip(block_ids, block_ids[1:]))
 
 
-def gather_blocks(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """One contiguous staging buffer [n, layers, 2, block_size, kv_heads, head_dim]:
-    block-major storage makes this a single index_select on the device."""
-    return kv.index_select(0, _index(block_ids, kv.device))
+def gather_blocks(kv: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """One contiguous staging buffer [n, layers, 2, block_size, kv_heads, head_dim] (`out`
+    if given): block-major storage makes this a single index_select on the device."""
+    idx = _index(block_ids, kv.device)
+    return kv.index_select(0, idx) if out is None else torch.index_select(kv, 0, idx, out=out)
 
 
 def scatter_blocks(kv: torch.Tensor, block_ids: list[int], buf: torch.Tensor) -> None:
     kv.index_copy_(0, _index(block_ids, kv.device), buf)
+
+
+class StagingRing:
+    """Two slots of up to `slot_blocks` blocks each, for the chunks of one handoff that are
+    not a run of consecutive blocks."""
+
+    def __init__(self, kv: torch.Tensor, slot_blocks: int, persistent: bool):
+        self.kv, self.persistent = kv, persistent
+        self.slots = [torch.empty((slot_blocks, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+                      for _ in range(2)] if persistent else []
+
+    def slot(self, i: int, num_blocks: int) -> torch.Tensor:
+        if self.persistent:
+            return self.slots[i][:num_blocks]
+        return torch.empty((num_blocks, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.kv.device)
+
+
+class StagingPool:
+    """Staging rings shared by a connector's pairs: one per handoff in flight at a time,
+    made on first need and kept (on CUDA; on CPU each handoff allocates its own)."""
+
+    def __init__(self, kv: torch.Tensor, chunk_bytes: int):
+        self.kv = kv
+        self.slot_blocks = max(1, min(kv.shape[0], 2 * chunk_bytes // max(1, kv[0].numel() * kv.element_size())))
+        self.keep = kv.device.type == "cuda"
+        self.free: list[StagingRing] = []
+        self.lock = threading.Lock()
+
+    def acquire(self) -> StagingRing:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        return StagingRing(self.kv, self.slot_blocks, self.keep)
+
+    def release(self, ring: StagingRing) -> None:
+        if self.keep:
+            with self.lock:
+                self.free.append(ring)
 
 
 class KVConnector(ABC):

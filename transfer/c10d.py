@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import Channel, Handoff, HandoffTarget, KVConnector, TransferState, layout_of
+from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, TransferState, layout_of
 from .pair import Pair, td
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class C10dConnector(KVConnector):
         self.block_bytes = kv[0].numel() * kv.element_size()
         self.min_chunk_bytes = min_chunk_bytes
         self.layout["min_chunk_bytes"] = min_chunk_bytes  # both peers must chunk alike
+        self.staging = StagingPool(kv, min_chunk_bytes)
         self.default_timeout_s = default_timeout_s
         self.host = host
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=td(default_timeout_s))

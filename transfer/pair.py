@@ -37,15 +37,15 @@ def td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
-def plan_chunks(num_blocks: int, block_bytes: int, max_chunks: int = 8, min_chunk_bytes: int = 64 << 20):
-    """[lo, hi) block ranges: one message up to 128 MiB, then up to 8 of >= 64 MiB, so the
-    gather/scatter of one chunk overlaps the transfer of the next. Measured on 2x H200
-    (bench/results/transfer.md): 64 MiB / 8 chunks beat 256 MiB / 16 at every size."""
-    total = num_blocks * block_bytes
-    if total <= 2 * min_chunk_bytes:
+def plan_chunks(num_blocks: int, block_bytes: int, chunk_bytes: int = 64 << 20):
+    """[lo, hi) block ranges: one message up to 2 x chunk_bytes, else chunks of chunk_bytes,
+    so that the gather/scatter of one chunk overlaps the transfer of the next and a staged
+    chunk fits a slot of the connector's staging ring (2 x chunk_bytes each)."""
+    if num_blocks == 0:
+        return []
+    if num_blocks * block_bytes <= 2 * chunk_bytes:
         return [(0, num_blocks)]
-    n = max(1, min(max_chunks, total // min_chunk_bytes, num_blocks))
-    step = -(-num_blocks // n)
+    step = max(1, chunk_bytes // block_bytes)
     return [(lo, min(num_blocks, lo + step)) for lo in range(0, num_blocks, step)]
 
 
@@ -233,48 +233,67 @@ class Pair:
         self._move(h, k, h.block_ids)
 
     def _move(self, h: Handoff, k: int, block_ids: list[int] | None, scratch: int = 0) -> None:
-        """Posts the k-th message's chunks and waits for them. Chunked so that gather of
-        chunk i+1 overlaps the send of chunk i, and the scatter of chunk i overlaps the
-        receive of chunk i+1 (a few large messages)."""
+        """Posts the k-th message's chunks and waits for them. A run of consecutive block ids
+        goes from / into the KV tensor in place; other chunks are staged through a ring of
+        two slots (on CUDA, preallocated: allocating under a full KV cache can force the
+        caching allocator to free and synchronize the device, which cost the receiver
+        ~20 ms a handoff on 2x H200). Stream order makes the ring safe: a slot is refilled
+        only after the op that used it two chunks earlier."""
         conn = self.conn
         n = scratch or len(block_ids)
         if n and self.pg is None:
             self.pg = self._connect(h.deadline)
-        chunks = plan_chunks(n, conn.block_bytes, min_chunk_bytes=conn.min_chunk_bytes) if n else []
         stream = conn.stream
-        with torch.cuda.stream(stream) if stream is not None else _nullctx():
-            if h._ready is not None:
-                stream.wait_event(h._ready)  # the step that wrote these blocks
-            posted = []
-            for i, (lo, hi) in enumerate(chunks):
-                tag = ((k << 6) + i) & 0x7FFFFFFF
-                ids = block_ids[lo:hi] if block_ids is not None else None
-                in_place = ids is not None and contiguous_run(ids)  # each side decides alone
-                if in_place:
-                    buf = conn.kv[ids[0]: ids[-1] + 1]
-                elif self.is_sender:
-                    buf = gather_blocks(conn.kv, ids)
-                else:
-                    buf = torch.empty((hi - lo, *conn.kv.shape[1:]), dtype=conn.kv.dtype, device=conn.kv.device)
-                work = self.pg.send([buf], 1, tag) if self.is_sender else self.pg.recv([buf], 0, tag)
-                posted.append((work, buf, None if in_place else ids))
-                h.nbytes += buf.numel() * buf.element_size()
-            h.t_posted = time.monotonic()
-            for work, buf, ids in posted:
-                if stream is None:  # gloo: a host-blocking wait with the handoff's deadline
-                    if not work.wait(td(h.deadline - time.monotonic())):
-                        raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
-                else:
-                    work.wait()  # NCCL: orders our stream after the op; the host does not block
-                if not self.is_sender and ids is not None:
-                    scatter_blocks(conn.kv, ids, buf)
-            if stream is not None:
-                self._wait_stream(stream, h)
+        ring = conn.staging.acquire() if n else None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else _nullctx():
+                if h._ready is not None:
+                    stream.wait_event(h._ready)  # the step that wrote these blocks
+                posted: list = []
+                for i, (lo, hi) in enumerate(plan_chunks(n, conn.block_bytes, conn.min_chunk_bytes)):
+                    ids = block_ids[lo:hi] if block_ids is not None else None
+                    if ids is not None and contiguous_run(ids):  # each side decides alone
+                        buf, staged = conn.kv[ids[0]: ids[-1] + 1], False
+                    else:
+                        if i >= 2 and posted[i - 2][1]:  # the slot's previous user must be done
+                            self._wait(posted[i - 2], h, stream)
+                        buf, staged = ring.slot(i % 2, hi - lo), True
+                        if self.is_sender:
+                            gather_blocks(conn.kv, ids, out=buf)
+                    tag = ((k << 6) + i) & 0x7FFFFFFF
+                    work = self.pg.send([buf], 1, tag) if self.is_sender else self.pg.recv([buf], 0, tag)
+                    posted.append([work, staged])
+                    if not self.is_sender and staged:
+                        self._wait(posted[-1], h, stream)
+                        if ids is not None:
+                            scatter_blocks(conn.kv, ids, buf)
+                    h.nbytes += buf.numel() * buf.element_size()
+                h.t_posted = time.monotonic()
+                for op in posted:
+                    self._wait(op, h, stream)
+                if stream is not None:
+                    self._wait_stream(stream, h)
+        finally:
+            if ring is not None:
+                conn.staging.release(ring)
         if scratch:
             return
         if not h._finish(TransferState.DONE):
             # aborted or overdue while in flight: the data moved, but the owner gave up
             raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
+
+    @staticmethod
+    def _wait(op: list, h: Handoff, stream) -> None:
+        """op: [work, staged]; waits once (a gloo work waited twice blocks)."""
+        work = op[0]
+        if work is None:
+            return
+        if stream is None:  # gloo: a host-blocking wait with the handoff's deadline
+            if not work.wait(td(h.deadline - time.monotonic())):
+                raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
+        else:
+            work.wait()  # NCCL: orders our stream after the op; the host does not block
+        op[0] = None
 
     @staticmethod
     def _wait_stream(stream, h: Handoff) -> None:
