@@ -88,6 +88,7 @@ class Handoff:
     _ready: object = field(default=None, repr=False)  # CUDA event: the blocks are written
     # when the pair's thread took it up and when all its messages were posted (monotonic)
     t_started: float | None = None
+    t_first_post: float | None = None
     t_posted: float | None = None
 
     @property
@@ -113,7 +114,8 @@ class Handoff:
         """When the pair's thread took it up, posted it and finished it, as wall-clock
         seconds (time.time(), comparable across the host's processes)."""
         shift = time.time() - time.monotonic()
-        marks = {"taken": self.t_started, "posted": self.t_posted, "done": self.finished_at}
+        marks = {"taken": self.t_started, "first_post": self.t_first_post, "posted": self.t_posted,
+                 "done": self.finished_at}
         return {f"{prefix}_{k}": v + shift for k, v in marks.items() if v is not None}
 
     @property

@@ -263,6 +263,8 @@ class Pair:
                     tag = ((k << 6) + i) & 0x7FFFFFFF
                     work = self.pg.send([buf], 1, tag) if self.is_sender else self.pg.recv([buf], 0, tag)
                     posted.append([work, staged])
+                    if i == 0:
+                        h.t_first_post = time.monotonic()
                     if not self.is_sender and staged:
                         self._wait(posted[-1], h, stream)
                         if ids is not None:
