@@ -139,7 +139,7 @@ def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
         raise LayoutMismatch(f"KV layout mismatch with peer {peer!r} (ours, theirs): {diff}")
 
 
-def _index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
     idx = torch.tensor(block_ids, dtype=torch.int64)
     if device.type == "cuda":  # pinned + async: no host sync on the copy (measured: -0.1 ms/chunk)
         return idx.pin_memory().to(device, non_blocking=True)
@@ -153,15 +153,18 @@ def contiguous_run(block_ids: list[int]) -> bool:
         b - a == 1 for a, b in zip(block_ids, block_ids[1:]))
 
 
-def gather_blocks(kv: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks(kv: torch.Tensor, block_ids: list[int] | torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """One contiguous staging buffer [n, layers, 2, block_size, kv_heads, head_dim] (`out`
-    if given): block-major storage makes this a single index_select on the device."""
-    idx = _index(block_ids, kv.device)
+    if given): block-major storage makes this a single index_select on the device.
+    `block_ids`: a list, or an index tensor on kv's device (block_index)."""
+    idx = block_ids if isinstance(block_ids, torch.Tensor) else block_index(block_ids, kv.device)
     return kv.index_select(0, idx) if out is None else torch.index_select(kv, 0, idx, out=out)
 
 
-def scatter_blocks(kv: torch.Tensor, block_ids: list[int], buf: torch.Tensor) -> None:
-    kv.index_copy_(0, _index(block_ids, kv.device), buf)
+def scatter_blocks(kv: torch.Tensor, block_ids: list[int] | torch.Tensor, buf: torch.Tensor) -> None:
+    idx = block_ids if isinstance(block_ids, torch.Tensor) else block_index(block_ids, kv.device)
+    kv.index_copy_(0, idx, buf)
 
 
 class StagingRing:

@@ -30,7 +30,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import Handoff, TransferState, check_layouts, contiguous_run, gather_blocks, scatter_blocks
+from .base import (
+    Handoff,
+    TransferState,
+    block_index,
+    check_layouts,
+    contiguous_run,
+    gather_blocks,
+    scatter_blocks,
+)
 
 
 def td(seconds: float) -> datetime.timedelta:
@@ -250,6 +258,10 @@ class Pair:
                 if h._ready is not None:
                     stream.wait_event(h._ready)  # the step that wrote these blocks
                 posted: list = []
+                # one index tensor for the whole message (one pinned copy; the chunks slice it):
+                # the fewer calls this thread makes, the fewer times it waits for the GIL
+                index = block_index(block_ids, conn.kv.device) if block_ids and not contiguous_run(block_ids) \
+                    else None
                 for i, (lo, hi) in enumerate(plan_chunks(n, conn.block_bytes, conn.min_chunk_bytes)):
                     ids = block_ids[lo:hi] if block_ids is not None else None
                     if ids is not None and contiguous_run(ids):  # each side decides alone
@@ -259,7 +271,7 @@ class Pair:
                             self._wait(posted[i - 2], h, stream)
                         buf, staged = ring.slot(i % 2, hi - lo), True
                         if self.is_sender:
-                            gather_blocks(conn.kv, ids, out=buf)
+                            gather_blocks(conn.kv, index[lo:hi], out=buf)
                     tag = ((k << 6) + i) & 0x7FFFFFFF
                     work = self.pg.send([buf], 1, tag) if self.is_sender else self.pg.recv([buf], 0, tag)
                     posted.append([work, staged])
@@ -268,7 +280,7 @@ class Pair:
                     if not self.is_sender and staged:
                         self._wait(posted[-1], h, stream)
                         if ids is not None:
-                            scatter_blocks(conn.kv, ids, buf)
+                            scatter_blocks(conn.kv, index[lo:hi], buf)
                     h.nbytes += buf.numel() * buf.element_size()
                 h.t_posted = time.monotonic()
                 for op in posted:
