@@ -63,7 +63,7 @@ def plot(timeline: list[dict], path: str, title: str, max_requests: int = 60) ->
     ax.set_xlabel("ms since the first request shown arrived")
     ax.set_ylabel("request (by arrival)")
     ax.invert_yaxis()
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper right")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
