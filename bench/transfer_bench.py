@@ -123,7 +123,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
     if rank == 1:
         results.put(rows)
     time.sleep(0.5)
-    os._exit(0)  # never rely on process-group teardown at exit (DESIGN.md)
+    os._exit(0)  # never rely on process-group teardown at exit (NCCL may hang there)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """`ServingCluster`: what a front end (the HTTP router, a benchmark, a test) may use
-of a cluster, and nothing else. `Cluster` (cluster.py) implements it; a front end never
-reads the cluster's other attributes."""
+of a cluster, and nothing else; `RequestObserver`: what the cluster reports as requests
+run. `Cluster` (cluster.py) implements the first; a front end never reads the cluster's
+other attributes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,26 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestObserver:
+    """What the dispatcher reports as requests run (the router's metrics, the autoscaler's
+    latency windows). Override what you need."""
+
+    def on_latency(self, kind: str, seconds: float) -> None:
+        """kind: "ttft" (to the first token), "itl" (between tokens), "e2e" (to the end)."""
+
+    def on_phase(self, name: str, seconds: float) -> None:
+        """Phases before the first token: prefill (queue + compute on the prefill worker),
+        decode_reserve (the prefill's KV waiting for the decode reservation: 0 when the
+        reservation was first), kv_to_first_token (send start -> first token here),
+        local_first_token (a request served by one worker)."""
+
+    def on_handoff(self, result: dict) -> None:
+        """A finished send: state, error, bytes, seconds."""
+
+    def on_finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A request ended (reason: stop, length, abort, error)."""
 
 
 @dataclass
@@ -46,8 +67,8 @@ class ServingCluster(Protocol):
 
     def snapshot(self) -> ClusterSnapshot: ...
 
-    def add_observer(self, observer) -> None:
-        """A dispatch.RequestObserver: latencies, phases, handoffs, finished requests."""
+    def add_observer(self, observer: RequestObserver) -> None:
+        """Latencies, phases, handoffs and finished requests, as requests run."""
 
     def timeline(self, n: int = 1000) -> list[dict]:
         """The latest requests' timelines (spans and phases before the first token)."""

@@ -33,8 +33,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.engine.validation import check_request
 
-from .api import ClusterSnapshot
-from .dispatch import Dispatcher, RequestObserver
+from .api import ClusterSnapshot, RequestObserver
+from .dispatch import Dispatcher
 from .pools import Pools
 from .registry import REGISTRY_NAME, BlockRegistry
 from .serving_config import ROLES, ServingConfig

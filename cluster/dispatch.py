@@ -34,6 +34,7 @@ from pdserve.engine.hashing import hash_block_tokens
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
+from .api import RequestObserver
 from .pools import Pools, WorkerRecord
 from .routing import pick_decode, pick_prefill
 
@@ -47,26 +48,6 @@ class WorkerLost(RuntimeError):
     def __init__(self, message: str, dead: bool = False):
         super().__init__(message)
         self.dead = dead
-
-
-class RequestObserver:
-    """What the dispatcher reports as requests run (the router's metrics, the autoscaler's
-    latency windows). Override what you need."""
-
-    def on_latency(self, kind: str, seconds: float) -> None:
-        """kind: "ttft" (to the first token), "itl" (between tokens), "e2e" (to the end)."""
-
-    def on_phase(self, name: str, seconds: float) -> None:
-        """Phases before the first token: prefill (queue + compute on the prefill worker),
-        decode_reserve (the prefill's KV waiting for the decode reservation: 0 when the
-        reservation was first), kv_to_first_token (send start -> first token here),
-        local_first_token (a request served by one worker)."""
-
-    def on_handoff(self, result: dict) -> None:
-        """A finished send: state, error, bytes, seconds."""
-
-    def on_finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
-        """A request ended (reason: stop, length, abort, error)."""
 
 
 class _Progress:

@@ -7,7 +7,9 @@ the worker holding the longest cached prefix of a prompt. Workers whose heartbea
 is older than `stale_s` (or that re-register with a new epoch) are purged; a purged
 worker that is still alive sees its next heartbeat refused (False) and registers
 again with all its cached blocks.
-Hashes travel as hex strings (sha256 chain, engine/hashing.py).
+Hashes travel as hex strings (sha256 chain, engine/hashing.py). In-flight handoffs are
+not tracked here: each has its own deadline on both workers (transfer/pair.py), which
+is what reaps a stuck one.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ class BlockRegistry:
         self.workers: dict[str, dict] = {}
         self.blocks: dict[str, set[str]] = {}  # worker -> hashes it holds
         self.holders: dict[str, set[str]] = {}  # hash -> workers
-        self.handoffs: dict[str, dict] = {}  # request id -> lease
 
     # ---- membership ----------------------------------------------------------------------
     def register(self, worker_id: str, info: dict) -> None:
@@ -37,8 +38,6 @@ class BlockRegistry:
 
     def unregister(self, worker_id: str) -> bool:
         self._forget_blocks(worker_id)
-        for rid in [r for r, h in self.handoffs.items() if worker_id in (h["prefill"], h["decode"])]:
-            del self.handoffs[rid]
         return self.workers.pop(worker_id, None) is not None
 
     def heartbeat(self, worker_id: str, stats: dict, events: list[tuple[str, str]]) -> bool:
@@ -96,16 +95,3 @@ class BlockRegistry:
 
     def holders_of(self, block_hash: str) -> list[str]:
         return sorted(self.holders.get(block_hash, ()))
-
-    # ---- handoff leases -----------------------------------------------------------------------
-    def begin_handoff(self, request_id: str, prefill: str, decode: str, lease_s: float) -> None:
-        self.handoffs[request_id] = {"prefill": prefill, "decode": decode, "expires": time.monotonic() + lease_s}
-
-    def end_handoff(self, request_id: str) -> None:
-        self.handoffs.pop(request_id, None)
-
-    def open_handoffs(self) -> dict:
-        now = time.monotonic()
-        for rid in [r for r, h in self.handoffs.items() if h["expires"] < now]:
-            del self.handoffs[rid]
-        return dict(self.handoffs)

@@ -68,8 +68,8 @@ class WorkerActor:
                  heartbeat_s: float = 1.0, handoff_timeout_s: float = 30.0):
         import torch
 
-        from pdserve.decode.worker import DecodeWorker
-        from pdserve.prefill.worker import PrefillWorker
+        from pdserve.decode.role import DecodeRole
+        from pdserve.prefill.role import PrefillRole
 
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -88,7 +88,7 @@ class WorkerActor:
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         self.connector = C10dConnector(worker_id, self.engine.runner.kv, host=host,
                                        default_timeout_s=handoff_timeout_s)
-        role_cls = PrefillWorker if role == "prefill" else DecodeWorker
+        role_cls = PrefillRole if role == "prefill" else DecodeRole
         self.role = role_cls(self.engine, self.connector, handoff_timeout_s)
         self.registry = ray.get_actor(REGISTRY_NAME, namespace=namespace)
         self.inbox: collections.deque = collections.deque()

@@ -1,1 +1,1 @@
-"""pdserve.decode (see DESIGN.md)."""
+"""pdserve.decode: the decode role of the engine (role.py; docs/architecture.md)."""

@@ -3,7 +3,7 @@
     kv [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
 Why block-major: a request's KV handoff gathers its blocks with one index_select
-into a contiguous staging buffer and sends it as one message (DESIGN.md section 3);
+into a contiguous staging buffer and sends it as one message (docs/architecture.md, section 4);
 with layer-major storage the same gather would touch num_layers x 2 strided regions
 per block. The attention kernels read per-layer strided views kv[:, l, 0] / kv[:, l, 1]
 of shape [num_blocks, block_size, num_kv_heads, head_dim].

@@ -16,7 +16,7 @@ Events (what the driver forwards; nothing else leaves a role):
                                 error, bytes, seconds, spans); its blocks are released
     Failed(rid, error)          the request could not go on here (error names why)
 
-Roles: pdserve.prefill.worker.PrefillWorker, pdserve.decode.worker.DecodeWorker.
+Roles: pdserve.prefill.role.PrefillRole, pdserve.decode.role.DecodeRole.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""pdserve.prefill (see DESIGN.md)."""
+"""pdserve.prefill: the prefill role of the engine (role.py; docs/architecture.md)."""

@@ -1,1 +1,1 @@
-"""pdserve.router (see DESIGN.md)."""
+"""pdserve.router: the OpenAI-compatible HTTP front (app.py; docs/architecture.md)."""

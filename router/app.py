@@ -46,6 +46,16 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
         metrics.http_errors.labels(str(exc.status)).inc()
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
+    add_openai_routes(app, cluster, runner, model_name)
+    add_operations_routes(app, cluster, metrics)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+                       on_refuse=lambda status: metrics.http_errors.labels(str(status)).inc())
+    return app
+
+
+def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunner, model_name: str) -> None:
+    """/v1/completions, /v1/chat/completions (one request path, two renderings), /v1/models."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await runner.parse(request, CompletionRequest)
@@ -98,41 +108,48 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
         return StreamingResponse(stream_body(gen, first, render, len(ids), include_usage),
                                  media_type="text/event-stream", headers=headers_of(first))
 
-    def check_final(out) -> None:
-        c = out.outputs[0] if out.outputs else None
-        if c is None or c.finish_reason == "error":
-            raise HTTPError(503 if c is not None else 499, f"request failed: {c.stop_reason if c else 'aborted'}",
-                            "server_error")
-
-    async def stream_body(gen, first, render: Renderer, n_prompt: int, include_usage: bool):
-        out, n_out = first, 0
-        try:
-            opening = render.opening()
-            if opening is not None:
-                yield render.chunk([opening])
-            while True:
-                c = out.outputs[0] if out.outputs else None
-                if c is None:  # aborted
-                    break
-                if c.finish_reason == "error":
-                    yield sse(error_body(f"request failed: {c.stop_reason}", "server_error", None, 503))
-                    break
-                n_out += len(out.delta_token_ids)
-                for choice in render.choices(out):
-                    yield render.chunk([choice])
-                if out.finished:
-                    if include_usage:
-                        yield render.chunk([], usage=usage(n_prompt, n_out))
-                    break
-                out = await gen.__anext__()
-            yield "data: [DONE]\n\n"
-        finally:
-            await gen.aclose()
-
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
                                             "max_model_len": cluster.max_model_len}]}
+
+
+def check_final(out) -> None:
+    """A final output that failed is an HTTP error (nothing has been sent yet)."""
+    c = out.outputs[0] if out.outputs else None
+    if c is None or c.finish_reason == "error":
+        raise HTTPError(503 if c is not None else 499, f"request failed: {c.stop_reason if c else 'aborted'}",
+                        "server_error")
+
+async def stream_body(gen, first, render: Renderer, n_prompt: int, include_usage: bool):
+    """The SSE events of a streamed request, from its first (already awaited) output."""
+    out, n_out = first, 0
+    try:
+        opening = render.opening()
+        if opening is not None:
+            yield render.chunk([opening])
+        while True:
+            c = out.outputs[0] if out.outputs else None
+            if c is None:  # aborted
+                break
+            if c.finish_reason == "error":
+                yield sse(error_body(f"request failed: {c.stop_reason}", "server_error", None, 503))
+                break
+            n_out += len(out.delta_token_ids)
+            for choice in render.choices(out):
+                yield render.chunk([choice])
+            if out.finished:
+                if include_usage:
+                    yield render.chunk([], usage=usage(n_prompt, n_out))
+                break
+            out = await gen.__anext__()
+        yield "data: [DONE]\n\n"
+    finally:
+        await gen.aclose()
+
+
+def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: RouterMetrics) -> None:
+    """/health, /metrics, /admin/scale, /admin/status, /admin/timeline."""
 
     @app.get("/health")
     async def health():
@@ -173,7 +190,3 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
     async def timeline(n: int = 1000):
         """The latest requests' spans (wall-clock seconds) and phases before the first token."""
         return {"requests": cluster.timeline(max(0, min(n, 100000)))}
-
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
-                       on_refuse=lambda status: metrics.http_errors.labels(str(status)).inc())
-    return app

@@ -1,4 +1,4 @@
-"""Imports go one way (DESIGN.md): engine <- transfer <- prefill/decode <- cluster <- router."""
+"""Imports go one way (docs/architecture.md): engine <- transfer <- prefill/decode <- cluster <- router."""
 
 import ast
 import pathlib
@@ -35,3 +35,60 @@ def test_imports_go_one_way(pkg):
             if parts[0] == "pdserve" and len(parts) > 1 and parts[1] in ALLOWED:
                 assert parts[1] == pkg or parts[1] in ALLOWED[pkg], f"{f}: imports {mod}"
             assert parts[0] not in FORBIDDEN_THIRD_PARTY.get(pkg, set()), f"{f}: imports {mod}"
+
+
+# Inside a package, modules also import one way (a module imports only those listed for it).
+INTRA = {
+    "cluster": {
+        "serving_config": set(), "routing": set(), "registry": set(), "api": set(),
+        "autoscale": {"serving_config"}, "worker_actor": {"registry"},
+        "pools": {"autoscale", "routing", "serving_config", "worker_actor"},
+        "dispatch": {"api", "pools", "routing"},
+        "cluster": {"api", "dispatch", "pools", "registry", "serving_config"},
+        "__init__": {"cluster"},
+    },
+    "router": {
+        "schemas": set(), "errors": {"schemas"}, "render": set(), "runner": {"errors"}, "metrics": set(),
+        "app": {"errors", "metrics", "render", "runner", "schemas"}, "__init__": {"app"},
+    },
+    "transfer": {"base": set(), "pair": {"base"}, "c10d": {"base", "pair"}, "loopback": {"base"},
+                 "__init__": {"base"}},
+}
+
+
+def local_imports(path: pathlib.Path, pkg: str):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                yield node.module or ""
+            elif node.level == 0 and node.module and node.module.startswith(f"pdserve.{pkg}."):
+                yield node.module.split(".")[2]
+
+
+@pytest.mark.parametrize("pkg", sorted(INTRA))
+def test_modules_inside_a_package_import_one_way(pkg):
+    allowed = INTRA[pkg]
+    for f in (ROOT / pkg).glob("*.py"):
+        assert f.stem in allowed, f"{f}: a new module: give it its place in INTRA"
+        for mod in local_imports(f, pkg):
+            assert mod in allowed[f.stem], f"{f}: imports .{mod}"
+
+
+def test_the_router_uses_the_cluster_through_its_declared_interface():
+    """router/ reads a cluster only through cluster/api.py (ServingCluster, RequestObserver)."""
+    for f in (ROOT / "router").glob("*.py"):
+        for mod in imports(f):
+            if mod.startswith("pdserve.cluster"):
+                assert mod == "pdserve.cluster.api", f"{f}: imports {mod}"
+
+
+@pytest.mark.parametrize("pkg", ORDER)
+def test_files_and_functions_stay_small(pkg):
+    """One concept per file: no module over 400 lines, no function over 80."""
+    for f in (ROOT / pkg).rglob("*.py"):
+        text = f.read_text()
+        assert text.count("\n") <= 400, f"{f}: {text.count(chr(10))} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                assert n <= 80, f"{f}:{node.lineno} {node.name} is {n} lines"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.decode.worker import DecodeWorker
+from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.role import Emitted, Reserved, Sent
-from pdserve.prefill.worker import PrefillWorker
+from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
 from helpers import PROMPTS
@@ -23,11 +23,11 @@ def pair():
     hub = LoopbackHub()
     pe = LLMEngine(EngineConfig(max_model_len=512))
     de = LLMEngine(EngineConfig(max_model_len=512, num_gpu_blocks_override=16))  # small: forces preemption
-    return (PrefillWorker(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub)),
-            DecodeWorker(de, LoopbackConnector("decode-0", de.runner.kv, hub)))
+    return (PrefillRole(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub)),
+            DecodeRole(de, LoopbackConnector("decode-0", de.runner.kv, hub)))
 
 
-def run_disagg(pw: PrefillWorker, dw: DecodeWorker, prompts, params):
+def run_disagg(pw: PrefillRole, dw: DecodeRole, prompts, params):
     """Drives both roles as their actors would: every request goes to both at once; the
     decode role's Reserved events become the prefill role's targets."""
     finals, sent, skips = {}, {}, {}

@@ -38,7 +38,7 @@ class _Incoming:
     spans: dict = field(default_factory=lambda: {"decode_queued": time.time()})
 
 
-class DecodeWorker(Role):
+class DecodeRole(Role):
     def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0):
         self.engine = engine
         self.connector = connector

@@ -45,7 +45,7 @@ class _Pending:
     sending: bool = False
 
 
-class PrefillWorker(Role):
+class PrefillRole(Role):
     def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0):
         self.engine = engine
         self.connector = connector
