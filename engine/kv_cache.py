@@ -36,6 +36,15 @@ class KVLayout:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def of(cls, kv: torch.Tensor) -> KVLayout:
+        """The layout of a block-major KV tensor [num_blocks, layers, 2, block_size, kv_heads, head_dim]."""
+        if kv.dim() != 6 or kv.shape[2] != 2:
+            raise ValueError("KV cache must be [num_blocks, layers, 2, block_size, kv_heads, head_dim], "
+                             f"got {tuple(kv.shape)}")
+        _, layers, _, bs, heads, dim = kv.shape
+        return cls(bs, layers, heads, dim, str(kv.dtype).removeprefix("torch."))
+
 
 def kv_layout(config: EngineConfig) -> KVLayout:
     mc = config.model_config

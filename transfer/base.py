@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.kv_cache import KVLayout
+
 
 class TransferState(enum.IntEnum):
     WAITING = 0
@@ -123,14 +125,10 @@ class Handoff:
         return None if self.finished_at is None else self.finished_at - self.created
 
 
-def layout_of(kv: torch.Tensor) -> dict:
-    """The block layout two peers must share: [num_blocks, layers, 2, block_size, kv_heads, head_dim]."""
-    if kv.dim() != 6 or kv.shape[2] != 2:
-        raise ValueError("KV cache must be [num_blocks, layers, 2, block_size, kv_heads, head_dim], "
-                         f"got {tuple(kv.shape)}")
-    _, layers, _, bs, heads, dim = kv.shape
-    return {"block_size": bs, "num_layers": layers, "num_kv_heads": heads, "head_dim": dim,
-            "dtype": str(kv.dtype).removeprefix("torch.")}
+def wire_layout(kv: torch.Tensor, chunk_bytes: int) -> dict:
+    """What two peers must share to exchange blocks: the KV layout (engine/kv_cache.KVLayout)
+    and the chunking of a message."""
+    return {**KVLayout.of(kv).as_dict(), "min_chunk_bytes": chunk_bytes}
 
 
 def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
@@ -211,7 +209,7 @@ class KVConnector(ABC):
 
     name: str
     address: str  # where peers reach this connector (a TCPStore host:port for c10d)
-    layout: dict  # the KV layout peers must share (layout_of), checked before the first handoff
+    layout: dict  # what peers must share (wire_layout), checked before the first handoff
 
     @abstractmethod
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, TransferState, layout_of
+from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, TransferState, wire_layout
 from .pair import Pair, td
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,9 @@ class C10dConnector(KVConnector):
         self.name = name
         self.kv = kv
         self.device = kv.device
-        self.layout = layout_of(kv)
+        self.layout = wire_layout(kv, min_chunk_bytes)  # both peers must also chunk alike
         self.block_bytes = kv[0].numel() * kv.element_size()
         self.min_chunk_bytes = min_chunk_bytes
-        self.layout["min_chunk_bytes"] = min_chunk_bytes  # both peers must chunk alike
         self.staging = StagingPool(kv, min_chunk_bytes)
         self.default_timeout_s = default_timeout_s
         self.host = host

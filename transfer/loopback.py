@@ -18,8 +18,8 @@ from .base import (
     TransferState,
     check_layouts,
     gather_blocks,
-    layout_of,
     scatter_blocks,
+    wire_layout,
 )
 
 
@@ -34,7 +34,7 @@ class LoopbackConnector(KVConnector):
     def __init__(self, name: str, kv: torch.Tensor, hub: LoopbackHub, default_timeout_s: float = 30.0):
         self.name, self.kv, self.hub = name, kv, hub
         self.address = f"loopback:{name}"
-        self.layout = layout_of(kv)
+        self.layout = wire_layout(kv, 0)
         self.default_timeout_s = default_timeout_s
         self._handoffs: dict[str, Handoff] = {}
         hub.connectors[name] = self
