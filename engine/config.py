@@ -44,10 +44,13 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    sliding_window: int | None
+    attention_bias: bool  # q/k/v projections carry a bias
+    # per layer: the attention window in tokens, None for full attention (HF's layer_types)
+    layer_windows: tuple[int | None, ...]
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
+    o_bias: bool = False  # the output projection carries a bias (Llama's attention_bias)
+    mlp_bias: bool = False  # gate/up/down carry biases (Llama's mlp_bias)
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
@@ -77,12 +80,8 @@ class ModelConfig:
                 raise ValueError(f"rope scaling type {rtype!r} is not supported (llama3, linear)")
             if rtype == "default":
                 scaling = None
-        if kind == "qwen2":
-            attention_bias = True
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        else:
-            attention_bias = bool(cfg.get("attention_bias", False))
-            sliding = cfg.get("sliding_window") if kind == "mistral" else None
+        biases = _biases(kind, cfg)
+        windows = _layer_windows(kind, cfg)
         eos = cfg.get("eos_token_id")
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
@@ -103,11 +102,42 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            sliding_window=sliding,
+            attention_bias=biases[0],
+            layer_windows=windows,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=eos_ids,
+            o_bias=biases[1],
+            mlp_bias=biases[2],
         )
+
+
+def _biases(kind: str, cfg: dict) -> tuple[bool, bool, bool]:
+    """(q/k/v, o, mlp) biases as Hugging Face builds them: Qwen2 biases q/k/v only; Llama's
+    `attention_bias` covers q/k/v and o, `mlp_bias` gate/up/down; Mistral has none."""
+    if kind == "qwen2":
+        return True, False, False
+    if kind == "mistral":
+        return False, False, False
+    attn = bool(cfg.get("attention_bias", False))
+    return attn, attn, bool(cfg.get("mlp_bias", False))
+
+
+def _layer_windows(kind: str, cfg: dict) -> tuple[int | None, ...]:
+    """Each layer's attention window, as Hugging Face applies it. Qwen2: a window only with
+    `use_sliding_window`, and only on the layers `layer_types` marks "sliding_attention"
+    (by default those from `max_window_layers` on). Mistral: the window on every layer
+    (HF's MistralModel ignores `layer_types`). Llama: none."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    if kind == "mistral":
+        return (window,) * n
+    if kind != "qwen2" or not cfg.get("use_sliding_window") or window is None:
+        return (None,) * n
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else
+                                       "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 @dataclass

@@ -158,7 +158,8 @@ class ModelRunner:
                 return {}
             logits = self.model.compute_logits(hidden[rows])
         req_ids = [s.request.request_id for s in samplers]
-        tokens = self.sampler(logits, [s.request.sampling_params for s in samplers], req_ids)
+        tokens = self.sampler(logits, [s.request.sampling_params for s in samplers], req_ids,
+                              [s.request.banned_token_ids() for s in samplers])
         return dict(zip(req_ids, tokens))
 
 

@@ -86,6 +86,15 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens the next sample may not be: before `min_tokens` outputs, the EOS ids (unless
+        ignore_eos) and the stop token ids, masked out of the logits as vLLM does, so the
+        output cannot contain them (not merely go on past them)."""
+        sp = self.sampling_params
+        if self.num_output_tokens >= sp.min_tokens:
+            return ()
+        return (() if sp.ignore_eos else tuple(self.eos_token_ids)) + tuple(sp.stop_token_ids)
+
     def check_stop_token(self) -> bool:
         """Sets a finished status if the last token or the length ends the request."""
         sp = self.sampling_params

@@ -29,8 +29,14 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 request_ids: list[str]) -> list[int]:
-        """logits [num_seqs, vocab] (float32) -> one token id per sequence."""
+                 request_ids: list[str], banned: list[tuple[int, ...]] | None = None) -> list[int]:
+        """logits [num_seqs, vocab] (float32) -> one token id per sequence. `banned[i]`: token
+        ids row i may not sample (EOS and stop ids before min_tokens), masked to -inf."""
+        if banned and any(banned):
+            rows = [i for i, ids in enumerate(banned) for _ in ids]
+            cols = [t for ids in banned for t in ids]
+            idx = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
+            logits[idx[0], idx[1]] = float("-inf")
         greedy = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             return greedy.tolist()

@@ -64,7 +64,8 @@ class PrefillRole(Role):
             peer: str | None = None) -> None:
         if request_id in self.pending:
             raise ValueError(f"request id {request_id!r} is already in use")
-        one = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+        # the first token only; min_tokens >= 1 still keeps EOS / stop ids out of it
+        one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         try:
             self.engine.add_request(self.engine.make_request(prompt_token_ids, one, request_id))
         except ValueError:

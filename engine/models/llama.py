@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral, Qwen2, SmolLM2).
 
-They differ only in configuration: GQA ratio, q/k/v bias (Qwen2), sliding window
-(Mistral), tied embeddings (SmolLM2, small Qwen2). Projections are fused (qkv,
+They differ only in configuration: GQA ratio, biases (q/k/v: Qwen2; q/k/v/o and the
+MLP's where a Llama config says so), attention windows per layer (Mistral: every layer;
+Qwen2: the layers its `layer_types` marks sliding), tied embeddings (SmolLM2, small Qwen2). Projections are fused (qkv,
 gate_up) so that a layer runs 4 matmuls; checkpoints are loaded by slicing the
 Hugging Face tensors into the fused weights. Numerics follow HF's modeling code
 (fp32 RMSNorm statistics, rope tables built in fp32) so greedy outputs match it.
@@ -83,7 +84,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False,
+                 layer: int = 0):
         super().__init__()
         self.fused = fused
         self.rope_ = _fused_ops().rope_ if fused else None
@@ -91,10 +93,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5, cfg.sliding_window, use_triton)
+                                   self.head_dim ** -0.5, cfg.layer_windows[layer], use_triton)
 
     def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -114,8 +116,8 @@ class MLP(nn.Module):
         super().__init__()
         self.fused = fused
         self.silu_mul = _fused_ops().silu_mul if fused else None
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         if self.fused:
@@ -125,11 +127,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False,
+                 layer: int = 0):
         super().__init__()
         self.fused = fused
         self.add_rmsnorm = _fused_ops().add_rmsnorm if fused else None
-        self.self_attn = Attention(cfg, rotary, use_triton, fused)
+        self.self_attn = Attention(cfg, rotary, use_triton, fused, layer)
         self.mlp = MLP(cfg, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -155,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, use_triton, fused) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, use_triton, fused, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
