@@ -24,38 +24,46 @@ PROMPTS = [
 ]
 
 
-def save_tiny(kind: str, out_dir: str, tokenizer_dir: str) -> str:
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "mistral": ("MistralConfig", "MistralForCausalLM")}
 
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=512, initializer_range=0.15,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    if kind == "llama":  # GQA 4:2 + llama3 rope scaling that changes low frequencies
-        cfg = LlamaConfig(**common, num_key_value_heads=2, rope_theta=500000.0,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-        cls = LlamaForCausalLM
-    elif kind == "qwen2":  # qkv bias, tied embeddings, GQA 4:1
-        cfg = Qwen2Config(**common, num_key_value_heads=1, tie_word_embeddings=True)
-        cls = Qwen2ForCausalLM
-    elif kind == "mistral":  # a sliding window shorter than the sequences
-        cfg = MistralConfig(**common, num_key_value_heads=2, sliding_window=24)
-        cls = MistralForCausalLM
-    else:
-        raise ValueError(kind)
-    torch.manual_seed(1234)
-    model = cls(cfg).eval()
+
+def save_hf(kind: str, cfg_kwargs: dict, out_dir: str, tokenizer_dir: str, seed: int = 1234,
+            bias_std: float = 0.0):
+    """A random Hugging Face model of `kind` saved as a model directory with the given
+    tokenizer's files; biases (zero at init) drawn with `bias_std` when set. Returns the model."""
+    import transformers
+
+    cfg_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[kind])
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**cfg_kwargs)).eval()
+    if bias_std:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, bias_std)
     model.save_pretrained(out_dir, safe_serialization=True)
     for f in os.listdir(tokenizer_dir):
         if f.startswith("tokenizer") or f.endswith(".jinja") or f == "special_tokens_map.json":
             shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
+    return model
+
+
+def save_tiny(kind: str, out_dir: str, tokenizer_dir: str) -> str:
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=512, initializer_range=0.15,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if kind == "llama":  # GQA 4:2 + llama3 rope scaling that changes low frequencies
+        cfg = dict(common, num_key_value_heads=2, rope_theta=500000.0,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif kind == "qwen2":  # qkv bias, tied embeddings, GQA 4:1
+        cfg = dict(common, num_key_value_heads=1, tie_word_embeddings=True)
+    elif kind == "mistral":  # a sliding window shorter than the sequences
+        cfg = dict(common, num_key_value_heads=2, sliding_window=24)
+    else:
+        raise ValueError(kind)
+    save_hf(kind, cfg, out_dir, tokenizer_dir)
     return out_dir
 
 

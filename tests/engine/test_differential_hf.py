@@ -9,41 +9,21 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
 
+from helpers import save_hf
+
 NEW = 4
 
 
 def save(kind: str, cfg_kwargs: dict, out_dir: str, tok_dir: str, seed: int = 0):
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
     base = dict(vocab_size=512, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
-                eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**{**base, **cfg_kwargs}, attn_implementation="eager")).eval()
-    with torch.no_grad():  # biases are zero at init: make them count
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.2)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for f in os.listdir(tok_dir):
-        if f.startswith("tokenizer") or f.endswith(".jinja") or f == "special_tokens_map.json":
-            shutil.copy(os.path.join(tok_dir, f), out_dir)
-    return model
+                eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+    return save_hf(kind, {**base, **cfg_kwargs}, out_dir, tok_dir, seed, bias_std=0.2)
 
 
 def hf_argmax(model, prompt: list[int], n: int) -> list[int]:
