@@ -43,8 +43,8 @@ def engine_tokens(path: str, prompts: list[list[int]], n: int = NEW, **engine_ar
 
 
 @pytest.fixture(scope="module")
-def tok_dir(default_model_dir):
-    return os.environ.get("PDSERVE_TEST_TOKENIZER") or default_model_dir
+def tok_dir(request):
+    return os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
 
 
 PROMPT = [(37 * i + 11) % 500 + 3 for i in range(40)]  # 40 tokens: 3 blocks, past every window below
