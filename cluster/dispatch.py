@@ -56,7 +56,6 @@ class _Progress:
     def __init__(self, t0: float):
         self.t0, self.last, self.first_at = t0, None, None
         self.tokens = 0
-        self.spans: dict | None = None
 
     @property
     def streamed(self) -> bool:
