@@ -1,9 +1,10 @@
 """Serving benchmark on one host's GPUs: pdserve disaggregated (1 prefill + 1 decode),
-pdserve colocated (2 engines, chunked prefill) and Hugging Face `generate` (batched, one
-replica per GPU), each behind an OpenAI endpoint, all measured by `pdserve bench`.
+pdserve hybrid (the same pools, SLO-aware placement), pdserve colocated (2 engines,
+chunked prefill) and Hugging Face `generate` (batched, one replica per GPU), each behind
+an OpenAI endpoint, all measured by `pdserve bench`.
 
-    python bench/serving_gpu.py --tokenizer DIR --systems disagg,colocated,hf \\
-        --workloads long,trace --out bench/results/serving
+    python bench/serving_gpu.py --tokenizer DIR --systems disagg,hybrid,colocated,hf \\
+        --workloads long,trace --tpot-slos 20,40 --out bench/results/serving
 
 Model: Llama-3-8B's shape (32 layers, 4096 hidden, GQA 32:8, 14336 MLP) with random bf16
 weights; the vocabulary is the given tokenizer's (SmolLM2's 49,152 tokens, so outputs
@@ -55,17 +56,18 @@ def build_model(out_dir: str, tokenizer_dir: str) -> str:
 
 
 def server_cmd(system: str, model: str, port: int) -> list[str]:
-    """system: disagg[:P:D] (default 1:1), colocated[:N] (default 2), hf[:GPUS] (default 2);
-    a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg)."""
+    """system: disagg[:P:D] (default 1:1), hybrid[:P:D] (default 1:1), colocated[:N] (default 2),
+    hf[:GPUS] (default 2); a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg)."""
     kind, *sizes = system.split(":")
     budget = [x[1:] for x in sizes if x.startswith("c")]
     sizes = [x for x in sizes if not x.startswith("c")]
     common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "8704",
               "--port", str(port), "--gpu-memory-utilization", "0.85", "--max-queue", "4096"]
-    if kind == "disagg":
+    if kind in ("disagg", "hybrid"):
         p, d = (sizes + ["1", "1"])[:2] if sizes else ("1", "1")
         extra = ["--prefill-max-num-batched-tokens", budget[0]] if budget else []
-        return [sys.executable, "-m", "pdserve", "serve", "--prefill", p, "--decode", d, *common, *extra]
+        return [sys.executable, "-m", "pdserve", "serve", "--mode", kind, "--prefill", p, "--decode", d,
+                *common, *extra]
     if kind == "colocated":
         extra = ["--max-num-batched-tokens", budget[0]] if budget else []
         return [sys.executable, "-m", "pdserve", "serve", "--mode", "colocated", "--decode",
@@ -102,6 +104,33 @@ def stop(proc: subprocess.Popen) -> None:
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
 
 
+def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None) -> tuple:
+    """One rate sweep of one workload; a hybrid server first learns the SLO it serves."""
+    wargs = list(WORKLOADS[wl])
+    name = f"{wl}_{system.replace(':', '-')}"
+    if tpot_ms is not None:
+        ttft = wargs[wargs.index("--slo-ttft") + 1]
+        wargs[wargs.index("--slo-tpot") + 1] = str(float(tpot_ms) / 1000)
+        body = json.dumps({"ttft_s": float(ttft), "tpot_s": float(tpot_ms) / 1000}).encode()
+        urllib.request.urlopen(urllib.request.Request(url + "/admin/slo", data=body,
+                                                      headers={"Content-Type": "application/json"}), timeout=60)
+        name += f"-t{tpot_ms}"
+    rates = getattr(args, f"{wl.replace('-', '_')}_rates")
+    cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, *wargs, "--rates", rates,
+           "--num-requests", str(args.num_requests), "--label", name.split("_", 1)[1], "--out", args.out,
+           "--name", name]
+    if wl.startswith("trace"):
+        cmd += ["--trace", args.trace]
+    t = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    print(res.stdout[-3000:], flush=True)
+    if res.returncode != 0:
+        print(res.stderr[-3000:], flush=True)
+    with open(os.path.join(args.out, f"{name}.json")) as f:
+        g = json.load(f)["goodput"]
+    return wl, name, g["rps"], g["lower_bound"], time.time() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
@@ -115,6 +144,7 @@ def main() -> None:
     ap.add_argument("--trace-bursts-rates", default=RATES["trace-bursts"])
     ap.add_argument("--num-requests", type=int, default=96, help="per rate")
     ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--tpot-slos", default="40", help="TPOT SLOs in ms a hybrid server is run at, in turn")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
@@ -131,20 +161,11 @@ def main() -> None:
                             "--input-len", "2048", "--output-len", "16", "--num-requests", "8", "--rate", "inf"],
                            capture_output=True, timeout=300)
             for wl in args.workloads.split(","):
-                cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, *WORKLOADS[wl],
-                       "--rates", getattr(args, f"{wl.replace('-', '_')}_rates"),
-                       "--num-requests", str(args.num_requests),
-                       "--label", system, "--out", args.out, "--name", f"{wl}_{system.replace(':', '-')}"]
-                if wl.startswith("trace"):
-                    cmd += ["--trace", args.trace]
-                t = time.time()
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-                print(res.stdout[-3000:], flush=True)
-                if res.returncode != 0:
-                    print(res.stderr[-3000:], flush=True)
-                with open(os.path.join(args.out, f"{wl}_{system.replace(':', '-')}.json")) as f:
-                    g = json.load(f)["goodput"]
-                summary.append((wl, system, g["rps"], g["lower_bound"], time.time() - t))
+                # a hybrid server is told each TPOT SLO in turn (POST /admin/slo); the others
+                # do not depend on it (their goodput at any TPOT SLO comes from one sweep)
+                slos = args.tpot_slos.split(",") if system.startswith("hybrid") else [None]
+                for tpot in slos:
+                    summary.append(run_workload(args, url, system, wl, tpot))
         except Exception as e:  # noqa: BLE001 - keep the other systems' results
             print(f"== {system} failed: {e}", flush=True)
             log.flush()

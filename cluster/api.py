@@ -23,7 +23,8 @@ class RequestObserver:
         """Phases before the first token: prefill (queue + compute on the prefill worker),
         decode_reserve (the prefill's KV waiting for the decode reservation: 0 when the
         reservation was first), kv_to_first_token (send start -> first token here),
-        local_first_token (a request served by one worker)."""
+        local_prefill (queue + chunked prefill on a decode worker: hybrid placement) and
+        local_to_first_token, local_first_token (a request served by one worker, no spans)."""
 
     def on_handoff(self, result: dict) -> None:
         """A finished send: state, error, bytes, seconds."""
@@ -49,7 +50,7 @@ class ServingCluster(Protocol):
     tokenizer: Any  # a Hugging Face tokenizer (encode, apply_chat_template)
     max_model_len: int
     vocab_size: int
-    mode: str  # "disaggregated" | "colocated"
+    mode: str  # "disaggregated" | "hybrid" | "colocated"
 
     def validate(self, ids: list[int], params: SamplingParams) -> int:
         """Raises InvalidRequest (a ValueError with .param) or returns max_tokens."""
@@ -57,8 +58,12 @@ class ServingCluster(Protocol):
     def submit(self, prompt: str | None, ids: list[int], params: SamplingParams, sink) -> Future:
         """Runs a request; sink(out) gets its delta outputs. Cancel the future to abort it."""
 
-    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict:
-        """Sets pool sizes (raises ValueError when refused); returns the sizes."""
+    def scale(self, prefill: int | None = None, decode: int | None = None, switch_roles: bool = False) -> dict:
+        """Sets pool sizes (raises ValueError when refused); returns the sizes. switch_roles:
+        by moving workers between the pools (same total)."""
+
+    def set_slo(self, ttft_s: float | None = None, tpot_s: float | None = None) -> dict:
+        """Changes the SLO placement serves (raises ValueError on a bad value); returns it."""
 
     def pool_sizes(self) -> dict: ...
 

@@ -18,6 +18,7 @@ the workers) and the registry actor (registry.py). Pools are described by a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import threading
@@ -38,6 +39,9 @@ from .dispatch import Dispatcher
 from .pools import Pools
 from .registry import REGISTRY_NAME, BlockRegistry
 from .serving_config import ROLES, ServingConfig
+
+MODES = ("disaggregated", "hybrid", "colocated")
+MODE_ALIASES = {"disagg": "disaggregated"}
 
 # the prefill pool's default chunk budget (the decode / colocated engines keep the
 # engine's 2048, which bounds how long a prefill chunk stalls the running decodes)
@@ -73,8 +77,9 @@ class Cluster:
                  local_cached_fraction: float = 2.0, serving_config: ServingConfig | str | None = None,
                  start_timeout: float = 900.0, mode: str = "disaggregated",
                  prefill_engine_args: dict | None = None):
-        if mode not in ("disaggregated", "colocated"):
-            raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
+        mode = MODE_ALIASES.get(mode, mode)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)} (or 'disagg'), got {mode!r}")
         if mode == "colocated" and prefill:
             raise ValueError("colocated mode has no prefill pool: size it with decode=N (N colocated engines)")
         self.mode = mode
@@ -90,6 +95,8 @@ class Cluster:
         # the prefill pool's own engine settings (e.g. a larger chunk budget: a prefill
         # worker runs no decodes whose inter-token latency a long chunk would hurt)
         role_engine_args = {"decode": engine_args, "prefill": prefill_pool_args(engine_args, prefill_engine_args)}
+        if mode == "hybrid":  # decode workers prefill too, in chunks their TPOT target allows
+            role_engine_args["decode"] = {**role_engine_args["prefill"], "slo_tpot_s": self.serving.slo.tpot_s}
         EngineConfig.from_kwargs(**role_engine_args["prefill"]).resolve(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self._owns_ray = not ray.is_initialized()
@@ -125,6 +132,9 @@ class Cluster:
               serving_config: ServingConfig | str | None = None, start_timeout: float = 900.0,
               mode: str = "disaggregated", prefill_engine_args: dict | None = None, **engine_args) -> Cluster:
         """`prefill` / `decode` default to the serving config's replicas (1 each without one).
+        mode="disaggregated": every prompt on the prefill pool (bar the explicit local rules).
+        mode="hybrid": per prompt, the prefill pool or a decode worker, whichever is predicted
+        to serve the serving config's SLO (`slo`) better; decode steps keep the TPOT target.
         mode="colocated" is the baseline: `decode` engines that each prefill (chunked) and
         decode their own requests, placed by cached prefix then consistent hash; no handoff."""
         return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
@@ -235,10 +245,13 @@ class Cluster:
         return list(self.dispatcher.timeline)[-n:]
 
     # ---- pools -----------------------------------------------------------------------------------
-    def scale(self, prefill: int | None = None, decode: int | None = None, timeout: float = 600) -> dict:
+    def scale(self, prefill: int | None = None, decode: int | None = None, switch_roles: bool = False,
+              timeout: float = 600) -> dict:
         """Sets the pool sizes. Growth returns once the new workers serve; shrinking drains
-        the removed workers (no new requests; in-flight ones finish) before they stop."""
-        if self.mode == "colocated" and prefill is not None:
+        the removed workers (no new requests; in-flight ones finish) before they stop.
+        switch_roles=True reaches the sizes by moving workers between the pools instead
+        (drain, switch role, re-register), keeping the total: e.g. 1P3D -> 2P2D on 4 GPUs."""
+        if self.mode == "colocated" and (prefill is not None or switch_roles):
             raise ValueError("colocated mode has no prefill pool: scale decode (the colocated engines)")
         for role, n in (("prefill", prefill), ("decode", decode)):
             if n is not None and n < 1:
@@ -246,7 +259,19 @@ class Cluster:
             pool = self.serving.pool(role)
             if n is not None and self.serving.autoscale.enabled and not (pool.min <= n <= pool.max):
                 raise ValueError(f"{role}={n} is outside the autoscaler's bounds [{pool.min}, {pool.max}]")
-        return self._run(self.pools.scale({"prefill": prefill, "decode": decode}), timeout)
+        return self._run(self.pools.scale({"prefill": prefill, "decode": decode}, switch_roles), timeout)
+
+    def set_slo(self, ttft_s: float | None = None, tpot_s: float | None = None) -> dict:
+        """Changes the SLO live: hybrid placement reads it per request; the decode workers'
+        step budget (hybrid mode) follows the TPOT target from their next step."""
+        slo = dataclasses.replace(self.serving.slo, **{k: v for k, v in (("ttft_s", ttft_s), ("tpot_s", tpot_s))
+                                                       if v is not None})
+        slo.validate()
+        self.serving.slo = self.dispatcher.slo = slo
+        if self.mode == "hybrid":
+            self.pools.role_engine_args["decode"]["slo_tpot_s"] = slo.tpot_s
+            self._run(self.pools.retune("decode", slo.tpot_s), 60)
+        return dataclasses.asdict(slo)
 
     def pool_sizes(self) -> dict:
         return self.pools.pool_sizes()
@@ -258,8 +283,9 @@ class Cluster:
 
     @property
     def counters(self) -> dict:
-        """requests, retries, failed, routing decisions by reason, autoscale events."""
-        return {**self.dispatcher.counters, "autoscale": self.pools.autoscale_events}
+        """requests, retries, failed, routing decisions by reason, autoscale events, role switches."""
+        return {**self.dispatcher.counters, "autoscale": self.pools.autoscale_events,
+                "switches": self.pools.switch_events}
 
     def snapshot(self) -> ClusterSnapshot:
         """What the monitor last saw (no call into the workers): for metrics scrapes."""
@@ -276,7 +302,7 @@ class Cluster:
                 except (ray.exceptions.RayError, asyncio.TimeoutError):
                     st = {"error": "unreachable"}
                 rows.append({"worker_id": w.worker_id, "role": w.role, "draining": w.draining,
-                             "load": w.load, **st})
+                             "switching_to": w.switching_to, "load": w.load, **st})
             return rows
 
         return self._run(collect(), 60)

@@ -36,7 +36,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 from .api import RequestObserver
 from .pools import Pools, WorkerRecord
-from .routing import pick_decode, pick_prefill
+from .routing import pick_decode, pick_prefill, place_prompt
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +51,35 @@ class WorkerLost(RuntimeError):
 
 
 class _Progress:
-    """What the client has seen of an attempt."""
+    """What the client has seen of an attempt, and the prompt tokens it queued on workers
+    (their `queued_tokens`, what placement predicts TTFT from) until its first token."""
 
     def __init__(self, t0: float):
         self.t0, self.last, self.first_at = t0, None, None
         self.tokens = 0
+        self.placement: dict | None = None
+        self._charged: list[tuple[WorkerRecord, int]] = []
 
     @property
     def streamed(self) -> bool:
         return self.first_at is not None
+
+    def charge(self, w: WorkerRecord, tokens: int) -> None:
+        w.queued_tokens += tokens
+        self._charged.append((w, tokens))
+
+    def settle(self) -> None:
+        for w, n in self._charged:
+            w.queued_tokens -= n
+        self._charged = []
 
 
 class Dispatcher:
     def __init__(self, pools: Pools, registry, block_size: int, local_prefill_tokens: int = 0,
                  local_cached_fraction: float = 2.0, timeline_len: int = 4096):
         self.pools, self.registry, self.block_size = pools, registry, block_size
+        self.slo = pools.serving.slo
+        self.handoff_s = 0.02  # EWMA of the kv_to_first_token phase: hybrid placement's handoff cost
         # conditional disaggregation: prompts up to this many tokens, or with at least this
         # fraction of their blocks cached on a decode worker, prefill on that decode worker
         # (defaults: off; values above 1 turn the cached rule off)
@@ -93,22 +107,60 @@ class Dispatcher:
             except WorkerLost as e:
                 last_error = e
                 self.counters["retries"] += 1
+            finally:
+                progress.settle()
         self.counters["failed"] += 1
         self._finish(RequestOutput.error(rid, str(last_error)), ids, _Progress(time.monotonic()), sink, None, None)
 
     async def _attempt(self, wire_id: str, rid: str, ids, hashes, params, sink, progress: _Progress):
         if self.pools.mode == "colocated":
             w = await self._pick_prefill(hashes, ids, "decode")
+            progress.charge(w, len(ids))
             return await self._single(wire_id, rid, ids, params, sink, progress, w)
         local, reason = await self._local_decode(hashes, ids)
         if local is not None:
             self._count(reason)
+            progress.charge(local, len(ids))
             return await self._single(wire_id, rid, ids, params, sink, progress, local)
-        p = await self._pick_prefill(hashes, ids, "prefill")
+        if self.pools.mode == "hybrid":
+            p, d, local = await self._place_hybrid(hashes, ids, progress)
+            if local:
+                return await self._single(wire_id, rid, ids, params, sink, progress, d)
+        else:
+            p = await self._pick_prefill(hashes, ids, "prefill")
+            d = self.pools.worker(pick_decode(self.pools.candidates("decode")))
+            progress.charge(p, len(ids))
         if params.max_tokens == 1:
             return await self._prefill_only(wire_id, rid, ids, params, sink, progress, p)
-        d = self.pools.worker(pick_decode(self.pools.candidates("decode")))
         return await self._disaggregated(wire_id, rid, ids, params, sink, progress, p, d)
+
+    async def _place_hybrid(self, hashes: list[str], ids: list[int], progress: _Progress):
+        """Hybrid mode: the prefill worker p, the decode worker d, and whether d prefills the
+        prompt itself (routing.place_prompt, from live queues, rates and cached prefixes)."""
+        if hashes:
+            (ph, pd), (dh, dd) = await asyncio.gather(self.registry.longest_prefix.remote(hashes, "prefill"),
+                                                      self.registry.longest_prefix.remote(hashes, "decode"))
+        else:
+            ph, pd, dh, dd = None, 0, None, 0
+        prefills = self.pools.candidates("prefill")
+        key = hashes[0] if hashes else str(ids[: self.block_size])
+        pid, why = pick_prefill(prefills, key, (ph, pd))
+        p = next(c for c in prefills if c.worker_id == pid)
+        p.cached_tokens = pd * self.block_size if pid == ph else 0
+        decodes = self.pools.candidates("decode")
+        for c in decodes:
+            c.cached_tokens = dd * self.block_size if c.worker_id == dh else 0
+        pl = place_prompt(len(ids), p, decodes, self.slo.ttft_s, self.slo.tpot_s, self.slo.spill_at,
+                          self.handoff_s)
+        self._count(pl.reason)
+        progress.placement = {**pl.explain(), "prefill": pid}
+        d = self.pools.worker(pl.decode)
+        if pl.local:
+            progress.charge(d, len(ids) - next(c.cached_tokens for c in decodes if c.worker_id == pl.decode))
+            return None, d, True
+        self._count(why)
+        progress.charge(self.pools.worker(pid), len(ids) - p.cached_tokens)
+        return self.pools.worker(pid), d, False
 
     async def _disaggregated(self, wire_id, rid, ids, params, sink, progress, p: WorkerRecord,
                              d: WorkerRecord) -> None:
@@ -239,6 +291,7 @@ class Dispatcher:
         if n:
             if progress.first_at is None:
                 progress.first_at = now
+                progress.settle()
                 self._observe("ttft", now - progress.t0)
                 self._record(out, progress, now)
             elif progress.last is not None:
@@ -278,8 +331,13 @@ class Dispatcher:
         for name, sec in phases.items():
             for o in self.observers:
                 o.on_phase(name, sec)
-        self.timeline.append({"request_id": out.request_id, "prefill_worker": out.prefill_worker,
-                              "decode_worker": out.decode_worker, "spans": spans, "phases": phases})
+        if "kv_to_first_token" in phases:
+            self.handoff_s = 0.9 * self.handoff_s + 0.1 * phases["kv_to_first_token"]
+        entry = {"request_id": out.request_id, "prefill_worker": out.prefill_worker,
+                 "decode_worker": out.decode_worker, "spans": spans, "phases": phases}
+        if progress.placement is not None:
+            entry["placement"] = progress.placement
+        self.timeline.append(entry)
 
     # ---- placement ------------------------------------------------------------------------------
     async def _pick_prefill(self, hashes: list[str], ids: list[int], role: str) -> WorkerRecord:
@@ -321,6 +379,9 @@ def timeline_phases(spans: dict) -> dict:
         if "prefill_done" in s:
             out["decode_reserve"] = max(0.0, s["send_start"] - s["prefill_done"])
         out["kv_to_first_token"] = s["first_token_at_edge"] - s["send_start"]
+    elif "local_queued" in s and "local_prefill_done" in s:  # prefilled on the decode worker
+        out["local_prefill"] = s["local_prefill_done"] - s["local_queued"]
+        out["local_to_first_token"] = s["first_token_at_edge"] - s["local_prefill_done"]
     elif "prefill_queued" not in s:
         out["local_first_token"] = s["first_token_at_edge"] - s["arrival"]
     return out

@@ -40,7 +40,9 @@ class WorkerRecord:
     actor: object
     info: dict = field(default_factory=dict)
     load: int = 0
+    queued_tokens: int = 0  # prompt tokens placed on it that have no first token yet
     draining: bool = False
+    switching_to: str | None = None  # draining to change role: counted in that pool, placed in none
     stats: dict = field(default_factory=dict)
 
 
@@ -56,6 +58,7 @@ class Pools:
         window = serving.autoscale.window_s
         self.ttft, self.itl = LatencyWindow(window), LatencyWindow(window)  # fed by the dispatcher
         self.autoscale_events: list[dict] = []
+        self.switch_events: list[dict] = []
         self._pool_state = {role: PoolState() for role in ROLES}
         self._scaling = asyncio.Lock()
         self.closed = False
@@ -64,36 +67,89 @@ class Pools:
     def worker(self, worker_id: str) -> WorkerRecord:
         return self.workers[worker_id]
 
+    def members(self, role: str) -> list[WorkerRecord]:
+        """The pool's workers that stay in it (not draining to leave), a switching one included."""
+        return [w for w in self.workers.values() if (w.switching_to or w.role) == role and not w.draining]
+
     def pool_sizes(self) -> dict:
-        return {r: sum(1 for w in self.workers.values() if w.role == r and not w.draining) for r in ROLES}
+        return {r: len(self.members(r)) for r in ROLES}
 
     def candidates(self, role: str) -> list[Candidate]:
         out = []
         for w in self.workers.values():
-            if w.role == role and not w.draining:
-                total = w.stats.get("kv_blocks_total", w.info.get("capacity_blocks", 1))
-                out.append(Candidate(w.worker_id, w.load, total - w.stats.get("kv_blocks_used", 0), total))
+            if w.role == role and not w.draining and w.switching_to is None:
+                st = w.stats
+                total = st.get("kv_blocks_total", w.info.get("capacity_blocks", 1))
+                out.append(Candidate(w.worker_id, w.load, total - st.get("kv_blocks_used", 0), total,
+                                     w.queued_tokens, st.get("prefill_tok_s"), st.get("prefill_chunk", 0),
+                                     st.get("step_s", 0.0)))
         return out
 
     # ---- sizes --------------------------------------------------------------------------------
-    async def scale(self, want: dict) -> dict:
+    async def scale(self, want: dict, switch_roles: bool = False) -> dict:
+        """Sets the pools' targets. switch_roles: reach them by moving workers between the
+        pools (drain, switch, re-register; no worker starts or stops), which needs the same
+        total."""
         async with self._scaling:
+            moves = self._plan_switches(want) if switch_roles else []
             for role, n in want.items():
                 if n is not None:
                     self.targets[role] = n
+            for w, role in moves:
+                w.switching_to = role
             drains = await self._reconcile()
-        await asyncio.gather(*drains)  # outside the lock: a long drain blocks no other scaling
+        # outside the lock: a long drain blocks no other scaling
+        await asyncio.gather(*drains, *(self._switch(w, role) for w, role in moves))
         return self.pool_sizes()
+
+    def _plan_switches(self, want: dict) -> list[tuple[WorkerRecord, str]]:
+        if self.mode == "colocated":
+            raise ValueError("colocated engines have no role to switch")
+        sizes = self.pool_sizes()
+        new = {r: sizes[r] if want.get(r) is None else want[r] for r in ROLES}
+        if sum(new.values()) != sum(sizes.values()):
+            raise ValueError(f"switching roles keeps the number of workers ({sum(sizes.values())}): "
+                             f"asked for prefill={new['prefill']} decode={new['decode']}")
+        moves = []
+        for donor in ROLES:
+            to = ROLES[1 - ROLES.index(donor)]
+            extra = sizes[donor] - new[donor]
+            idle_first = sorted((w for w in self.members(donor) if w.switching_to is None),
+                                key=lambda w: (w.load, w.worker_id))
+            moves += [(w, to) for w in idle_first[:max(0, extra)]]
+        return moves
+
+    async def retune(self, role: str, slo_tpot_s: float | None) -> None:
+        """The pool's workers take a new TPOT target (their step budget follows it)."""
+        await asyncio.gather(*(w.actor.retune.remote(slo_tpot_s) for w in list(self.workers.values())
+                               if w.role == role), return_exceptions=True)
+
+    async def _switch(self, w: WorkerRecord, role: str) -> None:
+        """Drains `w` (placement already skips it), then switches its role; on failure it
+        goes back to its old pool."""
+        try:
+            await self._wait_drained(w)
+            w.info = await w.actor.switch_role.remote(role, self.role_engine_args[role])
+            self.switch_events.append({"time": time.time(), "worker": w.worker_id, "from": w.role, "to": role})
+            log.warning("worker %s switched %s -> %s", w.worker_id, w.role, role)
+            w.role = role
+        except BaseException:
+            self.targets[role] -= 1  # it stays where it was
+            self.targets[w.role] += 1
+            raise
+        finally:
+            w.switching_to = None
 
     async def _reconcile(self) -> list:
         """Starts workers up to the targets (awaited) and marks the surplus draining; returns
         the drain tasks."""
         adds, drains = [], []
         for role in ROLES:
-            live = [w for w in self.workers.values() if w.role == role and not w.draining]
+            live = self.members(role)
             for _ in range(self.targets[role] - len(live)):
                 adds.append(self._add_worker(role))
-            for w in sorted(live, key=lambda w: w.worker_id, reverse=True)[: max(0, len(live) - self.targets[role])]:
+            stay = sorted(live, key=lambda w: (w.switching_to is None, w.worker_id), reverse=True)
+            for w in stay[: max(0, len(live) - self.targets[role])]:
                 w.draining = True
                 drains.append(asyncio.ensure_future(self._drain_and_remove(w)))
         if adds:
@@ -117,17 +173,22 @@ class Pools:
         log.info("worker %s started", wid)
         return w
 
-    async def _drain_and_remove(self, w: WorkerRecord, timeout: float = 300) -> None:
+    async def _drain_and_remove(self, w: WorkerRecord) -> None:
+        await self._wait_drained(w)
+        await self.remove(w, graceful=True)
+
+    @staticmethod
+    async def _wait_drained(w: WorkerRecord, timeout: float = 300) -> None:
+        """Until the worker holds no request (or is gone, or `timeout` passed)."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             try:
                 st = await asyncio.wait_for(w.actor.stats.remote(), 10)
             except (RayError, asyncio.TimeoutError):
-                break  # gone already
-            if w.load == 0 and st["inflight"] == 0:
-                break
+                return  # gone already
+            if w.load == 0 and st["inflight"] == 0 and st.get("held_for_handoff", 0) == 0:
+                return
             await asyncio.sleep(0.2)
-        await self.remove(w, graceful=True)
 
     async def remove(self, w: WorkerRecord, graceful: bool) -> None:
         self.workers.pop(w.worker_id, None)
@@ -164,12 +225,38 @@ class Pools:
             if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():
                 self._autoscale_step(time.monotonic())
 
+    def _switch_instead(self, want: dict) -> dict | None:
+        """The policy wants a pool to grow and no worker can be added: move one worker from
+        the other pool if that one is not growing and stays within its bounds (the
+        prefill:decode ratio is what was wrong). None: scale as asked."""
+        sizes = self.pool_sizes()
+        grow = [r for r in ROLES if want.get(r, sizes[r]) > sizes[r]]
+        if not self.serving.autoscale.switch_roles or len(grow) != 1 or self.can_add(grow[0]):
+            return None
+        donor = ROLES[1 - ROLES.index(grow[0])]
+        if sizes[donor] - 1 < self.serving.pool(donor).min or len(self.candidates(donor)) < 2:
+            return None
+        self.autoscale_events.append({"time": time.time(), "role": donor, "from": sizes[donor],
+                                      "to": sizes[donor] - 1, "reason": f"switch to {grow[0]}: no worker can be added"})
+        return {grow[0]: sizes[grow[0]] + 1, donor: sizes[donor] - 1}
+
+    def can_add(self, role: str) -> bool:
+        """Whether one more worker of `role` can start now: under autoscale.max_workers, and
+        Ray has the resources its actor asks for free (a Ray autoscaler that could add a
+        node is not asked: set switch_roles false to wait for it instead)."""
+        cap = self.serving.autoscale.max_workers
+        if cap is not None and len(self.workers) >= cap:
+            return False
+        opts, free = self.actor_options[role], ray.available_resources()
+        need = {"GPU": opts.get("num_gpus", 0), "CPU": opts.get("num_cpus", 0), **(opts.get("resources") or {})}
+        return all(free.get(k, 0.0) >= v for k, v in need.items() if v)
+
     def pool_signals(self, now: float | None = None) -> dict[str, PoolSignals]:
         """The autoscaler's inputs, from the stats the monitor gathered and the latency windows."""
         now = time.monotonic() if now is None else now
         out = {}
         for role in ROLES:
-            live = [w for w in self.workers.values() if w.role == role and not w.draining]
+            live = [w for w in self.workers.values() if w.role == role and not w.draining and not w.switching_to]
             n = max(1, len(live))
             if role == "prefill":
                 waiting = sum(w.stats.get("num_waiting", 0) for w in live)
@@ -194,7 +281,10 @@ class Pools:
                 event = {"time": time.time(), "role": role, "from": sig.size, "to": size, "reason": why}
                 self.autoscale_events.append(event)
                 log.warning("autoscale %s: %d -> %d (%s)", role, sig.size, size, why)
+        switch = self._switch_instead(want)
+        if switch:
+            want = switch
         if want:
-            task = asyncio.ensure_future(self.scale(want))
+            task = asyncio.ensure_future(self.scale(want, switch_roles=bool(switch)))
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or
                                    log.warning("autoscale failed: %s", t.exception()))

@@ -1,6 +1,10 @@
-"""Placement: prefill by cached prefix, then consistent hash with bounded load;
-decode by free KV capacity and load. Pure functions over worker snapshots, shared
-by the Cluster API and the HTTP router."""
+"""Placement, pure functions over worker snapshots (`Candidate`):
+
+    pick_prefill   the prefill worker: cached prefix, then consistent hash, bounded load
+    pick_decode    the decode worker: free KV capacity and load
+    place_prompt   hybrid mode: prefill this prompt on the prefill pool or on a decode
+                   worker, from predicted TTFTs (see its docstring)
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,29 @@ class Candidate:
     load: int  # requests in flight, as the placing process counts them
     free_blocks: int = 0
     total_blocks: int = 1
+    queued_tokens: int = 0  # prompt tokens placed here and not yet prefilled (the placer's count)
+    prefill_tok_s: float | None = None  # the worker's prefill rate now (engine step model); None: unmeasured
+    prefill_chunk: int = 0  # prefill tokens one of its steps may carry now (TPOT-bounded on decode workers)
+    step_s: float = 0.0  # its mean step time
+    cached_tokens: int = 0  # of the prompt being placed, tokens cached there
+
+
+@dataclass
+class Placement:
+    """Where a prompt is prefilled, and why (counted by reason, kept in the timeline)."""
+
+    local: bool  # True: on the decode worker `decode`; False: on the prefill pool, sent to `decode`
+    reason: str
+    decode: str
+    ttft_pool_s: float | None = None  # predicted TTFT through the prefill pool (its chosen worker)
+    ttft_local_s: float | None = None  # predicted TTFT prefilled on `decode`
+
+    def explain(self) -> dict:
+        r = {k: v for k, v in self.__dict__.items() if v is not None}
+        for k in ("ttft_pool_s", "ttft_local_s"):
+            if k in r:
+                r[k] = round(r[k], 4)
+        return r
 
 
 def _point(key: str) -> int:
@@ -66,3 +93,51 @@ def pick_decode(cands: list[Candidate]) -> str:
     if not cands:
         raise RuntimeError("no healthy decode worker")
     return max(cands, key=lambda c: (c.free_blocks / max(c.total_blocks, 1) - 0.02 * c.load, -c.load)).worker_id
+
+
+def predicted_ttft(c: Candidate, prompt_tokens: int, rate: float | None, extra_s: float = 0.0) -> float | None:
+    """Seconds until this worker has prefilled the prompt: its queue plus the prompt's
+    uncached tokens, at `rate` tokens/s."""
+    if not rate or rate <= 0:
+        return None
+    return (c.queued_tokens + max(0, prompt_tokens - c.cached_tokens)) / rate + extra_s
+
+
+def local_rate(c: Candidate, slo_tpot_s: float) -> float:
+    """A decode worker's prefill rate: measured, else one chunk per TPOT target (what its
+    step model allows before it has fitted)."""
+    if c.prefill_tok_s:
+        return c.prefill_tok_s
+    return max(c.prefill_chunk, 1) / max(slo_tpot_s, c.step_s, 1e-3)
+
+
+def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo_ttft_s: float,
+                 slo_tpot_s: float, spill_at: float, handoff_s: float) -> Placement:
+    """Hybrid placement of one prompt. The prefill pool's worker `p` predicts
+    TTFT = (its queued tokens + the uncached prompt) / its prefill rate + the handoff; each
+    decode worker predicts the same at the rate its TPOT-bounded chunks allow, with no
+    handoff. The prompt is prefilled on the best decode worker when
+
+      fits_decode_step  its uncached tokens fit one TPOT-bounded step there and that is no
+                        slower than the pool (short prompts, mostly cached prompts: the old
+                        length and cached-fraction rules, measured in live tokens), or
+      decode_spare      the pool's prediction passes spill_at x the TTFT SLO (its queue is
+                        deep) and the decode worker's is lower;
+
+    else on the prefill pool (`prefill_pool`), its KV sent to the decode worker with the
+    most free blocks. An unmeasured prefill pool keeps the prompt (`prefill_pool`)."""
+    recv = pick_decode(decodes)
+    ttft_pool = predicted_ttft(p, prompt_tokens, p.prefill_tok_s, handoff_s)
+    best, best_t = None, None
+    for d in decodes:
+        t = predicted_ttft(d, prompt_tokens, local_rate(d, slo_tpot_s))
+        if t is not None and (best_t is None or t < best_t):
+            best, best_t = d, t
+    if best is None or ttft_pool is None:
+        return Placement(False, "prefill_pool", recv, ttft_pool, best_t)
+    uncached = prompt_tokens - best.cached_tokens
+    if best_t <= ttft_pool and best.queued_tokens + uncached <= best.prefill_chunk:
+        return Placement(True, "fits_decode_step", best.worker_id, ttft_pool, best_t)
+    if ttft_pool > spill_at * slo_ttft_s and best_t < ttft_pool:
+        return Placement(True, "decode_spare", best.worker_id, ttft_pool, best_t)
+    return Placement(False, "prefill_pool", recv, ttft_pool, best_t)

@@ -10,9 +10,17 @@
       itl_p90_s: 0.1
       cooldown_s: 30
       idle_s: 60
+      switch_roles: true        # no node to add: move a calm worker from the other pool
+      max_workers: null         # both pools together (e.g. the GPUs there are); null: no cap
+    slo:                        # what hybrid placement serves (--slo-ttft, --slo-tpot)
+      ttft_s: 2.0
+      tpot_s: 0.05
+      spill_at: 0.5             # prompts spill to decode workers past this x ttft_s predicted
 
 Pools: sizes and bounds, and the Ray resources each pool's actors request. The
-autoscaling targets are what the policy (autoscale.py) compares its signals with.
+autoscaling targets are what the policy (autoscale.py) compares its signals with. The
+SLO is what hybrid placement (routing.place_prompt) and the decode workers' step budget
+(engine/step_model.py) hold to.
 """
 
 from __future__ import annotations
@@ -65,11 +73,19 @@ class AutoscaleConfig:
     idle_s: float = 60.0
     down_fraction: float = 0.5
     window_s: float = 30.0  # latency samples older than this are forgotten
+    switch_roles: bool = True  # a pool that must grow when no worker can be added takes one from the other
+    max_workers: int | None = None  # prefill + decode workers at most (None: as many as Ray places)
 
     def validate(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name != "enabled" and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
+            if f.name in ("enabled", "switch_roles"):
+                if not isinstance(v, bool):
+                    raise ValueError(f"autoscale.{f.name} must be true or false, got {v!r}")
+            elif f.name == "max_workers":
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
+                    raise ValueError(f"autoscale.max_workers must be an integer >= 2 or null, got {v!r}")
+            elif not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"autoscale.{f.name} must be a number >= 0, got {v!r}")
         for name in ("prefill_queue", "ttft_p90_s", "kv_usage", "itl_p90_s", "window_s"):
             if getattr(self, name) <= 0:
@@ -81,15 +97,32 @@ class AutoscaleConfig:
 
 
 @dataclass
+class SloConfig:
+    ttft_s: float = 2.0
+    tpot_s: float = 0.05
+    spill_at: float = 0.5  # fraction of ttft_s
+
+    def validate(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"slo.{f.name} must be a number > 0, got {v!r}")
+        if self.spill_at > 1:
+            raise ValueError(f"slo.spill_at is a fraction of slo.ttft_s in (0, 1], got {self.spill_at}")
+
+
+@dataclass
 class ServingConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
 
     def validate(self) -> ServingConfig:
         self.prefill.validate("prefill")
         self.decode.validate("decode")
         self.autoscale.validate()
+        self.slo.validate()
         return self
 
     def pool(self, role: str) -> PoolConfig:
@@ -98,12 +131,14 @@ class ServingConfig:
     @classmethod
     def from_dict(cls, d: dict | None) -> ServingConfig:
         d = dict(d or {})
-        unknown = set(d) - {"prefill", "decode", "autoscale"}
+        unknown = set(d) - {"prefill", "decode", "autoscale", "slo"}
         if unknown:
-            raise ValueError(f"unknown serving config keys: {sorted(unknown)} (expected prefill, decode, autoscale)")
+            raise ValueError(f"unknown serving config keys: {sorted(unknown)} "
+                             "(expected prefill, decode, autoscale, slo)")
         return cls(prefill=_build(PoolConfig, d.get("prefill"), "prefill"),
                    decode=_build(PoolConfig, d.get("decode"), "decode"),
-                   autoscale=_build(AutoscaleConfig, d.get("autoscale"), "autoscale")).validate()
+                   autoscale=_build(AutoscaleConfig, d.get("autoscale"), "autoscale"),
+                   slo=_build(SloConfig, d.get("slo"), "slo")).validate()
 
     @classmethod
     def from_yaml(cls, path: str) -> ServingConfig:

@@ -32,15 +32,19 @@ from dataclasses import dataclass
 
 import ray
 
+from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Failed, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector
 
 from .registry import REGISTRY_NAME
+
+ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +67,19 @@ class ForgetPeer:
     peer: str
 
 
+@dataclass
+class SwitchRole:
+    role: str
+    engine_kwargs: dict  # the new pool's slo_tpot_s and max_num_batched_tokens
+    done: object  # a future on the actor's loop: the new info, or the error
+
+
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_kwargs: dict, namespace: str,
                  heartbeat_s: float = 1.0, handoff_timeout_s: float = 30.0):
         import torch
 
-        from pdserve.decode.role import DecodeRole
-        from pdserve.prefill.role import PrefillRole
-
-        if role not in ("prefill", "decode"):
+        if role not in ROLE_CLASSES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
         # how long the engine thread may hold the GIL while the transfer threads wait: Python's
@@ -88,8 +96,8 @@ class WorkerActor:
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         self.connector = C10dConnector(worker_id, self.engine.runner.kv, host=host,
                                        default_timeout_s=handoff_timeout_s)
-        role_cls = PrefillRole if role == "prefill" else DecodeRole
-        self.role = role_cls(self.engine, self.connector, handoff_timeout_s)
+        self.handoff_timeout_s = handoff_timeout_s
+        self.role = self._make_role(role)
         self.registry = ray.get_actor(REGISTRY_NAME, namespace=namespace)
         self.inbox: collections.deque = collections.deque()
         self.wake = threading.Event()
@@ -100,6 +108,10 @@ class WorkerActor:
         self.peers: dict[str, object] = {}  # prefill actors this decode worker sends targets to
         self._beat = None  # the last heartbeat's reply: False means the registry dropped us
         self.thread: threading.Thread | None = None
+
+    def _make_role(self, role: str):
+        self.engine.hold_blocks_on_finish = False  # the prefill role sets it
+        return ROLE_CLASSES[role](self.engine, self.connector, self.handoff_timeout_s)
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -181,6 +193,20 @@ class WorkerActor:
     async def abort(self, request_id: str) -> None:
         self._post(Abort(request_id))
 
+    async def switch_role(self, role: str, engine_kwargs: dict) -> dict:
+        """Becomes a `role` worker on the same engine (weights, KV pool and prefix cache
+        stay: cached blocks are as valid for the other role), and registers again under it.
+        The cluster drains the worker first; a worker still holding requests refuses."""
+        done = asyncio.get_running_loop().create_future()
+        self._post(SwitchRole(role, engine_kwargs, done))
+        info = await done
+        await self.registry.register.remote(self.worker_id, info)
+        return info
+
+    async def retune(self, slo_tpot_s: float | None) -> None:
+        """A new TPOT target for this engine's step budget (read at its next step)."""
+        self.engine.step_model.slo_tpot_s = slo_tpot_s
+
     async def forget_peer(self, worker_id: str) -> None:
         self.peers.pop(worker_id, None)
         self._post(ForgetPeer(worker_id))
@@ -229,8 +255,26 @@ class WorkerActor:
                 self._deliver(cmd.request_id, error=RuntimeError(f"request {cmd.request_id} aborted"))
             elif isinstance(cmd, ForgetPeer):
                 self.connector.forget_peer(cmd.peer)
+            elif isinstance(cmd, SwitchRole):
+                self._switch(cmd)
         except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
             self._deliver(getattr(cmd, "request_id", ""), error=e)
+
+    def _switch(self, cmd: SwitchRole) -> None:
+        """On the engine thread, between steps: the old role holds nothing, so nothing is lost."""
+        try:
+            if cmd.role not in ROLE_CLASSES:
+                raise ValueError(f"role must be prefill or decode, got {cmd.role!r}")
+            busy = self.role.num_inflight + len(self.engine.held) + self.engine.scheduler.num_unfinished
+            if busy:
+                raise RuntimeError(f"{self.worker_id} still holds {busy} request(s): drain it first")
+            self.role = self._make_role(cmd.role)
+            self.role_name = cmd.role
+            self.engine.retune(cmd.engine_kwargs.get("slo_tpot_s"), cmd.engine_kwargs.get("max_num_batched_tokens"))
+            info = self.info()
+            self.aloop.call_soon_threadsafe(lambda: cmd.done.done() or cmd.done.set_result(info))
+        except Exception as e:  # noqa: BLE001 - the caller learns why; the worker keeps its role
+            self.aloop.call_soon_threadsafe(lambda: cmd.done.done() or cmd.done.set_exception(e))
 
     def _forward(self, ev) -> None:
         if isinstance(ev, Emitted):

@@ -1,6 +1,8 @@
 """The decode role: reserve blocks, receive KV and the first token, decode in the
 continuous batch. It also prefills requests itself when the cluster sends them with
-no prefill peer (short or mostly cached prompts; colocated mode).
+no prefill peer (hybrid placement, the explicit local rules, colocated mode); with a TPOT
+target the engine sizes those prompts' chunks to keep its decodes inside it
+(engine/step_model.py).
 
 One handed-off request's way through this role (queues named as in `step()`):
 
@@ -45,6 +47,7 @@ class DecodeRole(Role):
         self.handoff_timeout_s = handoff_timeout_s
         self.backlog: collections.deque[_Incoming] = collections.deque()  # waiting for free blocks
         self.receiving: dict[str, _Incoming] = {}  # reserved, KV on its way
+        self.local: dict[str, dict] = {}  # prefilled here, no first token yet: their spans
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             peer: str | None = None) -> None:
@@ -53,6 +56,7 @@ class DecodeRole(Role):
         req = self.engine.make_request(prompt_token_ids, params, request_id)
         if peer is None:
             self.engine.add_request(req)
+            self.local[request_id] = {"local_queued": time.time()}
             return
         req.status = RequestStatus.WAITING_FOR_KV
         self.backlog.append(_Incoming(req, peer))
@@ -63,6 +67,10 @@ class DecodeRole(Role):
         events = self._reserve() + self._landed()
         if not events and self.engine.has_unfinished_requests():
             events = [Emitted(out) for out in self.engine.step()]
+            for ev in events if self.local else ():  # a local prompt's first token: its spans
+                spans = self.local.pop(ev.output.request_id, None)
+                if spans is not None and ev.output.metrics is not None:
+                    ev.output.metrics.spans = {**spans, "local_prefill_done": time.time()}
         return events
 
     def _reserve(self) -> list[Event]:
@@ -112,6 +120,7 @@ class DecodeRole(Role):
         return events
 
     def abort(self, request_id: str) -> None:
+        self.local.pop(request_id, None)
         self.backlog = collections.deque(i for i in self.backlog if i.request.request_id != request_id)
         inc = self.receiving.pop(request_id, None)
         if inc is not None:

@@ -166,6 +166,9 @@ class EngineConfig:
     fused_ops: bool | None = None
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random values (benchmarks)
     seed: int = 0
+    # a time-per-output-token target in seconds: while requests decode, a step carries only the
+    # prefill chunk that keeps it inside this (engine/step_model.py); None: the step budget only
+    slo_tpot_s: float | None = None
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)
 
@@ -190,6 +193,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.slo_tpot_s is not None and not (isinstance(self.slo_tpot_s, (int, float)) and self.slo_tpot_s > 0):
+            raise ValueError(f"slo_tpot_s must be a number of seconds > 0, got {self.slo_tpot_s!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:

@@ -22,6 +22,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .step_model import StepModel
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from .validation import check_request
 
@@ -38,6 +39,7 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
+        self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s)
         self.requests: dict[str, Request] = {}
         # prefill role: requests that finish normally keep their blocks until release()
         self.hold_blocks_on_finish = False
@@ -126,12 +128,21 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
         if not sched:
             return []
-        tokens = self.runner.execute(sched.scheduled)
+        with self.step_model.timed(sched.scheduled):
+            tokens = self.runner.execute(sched.scheduled)
         self.scheduler.update_after_step(sched)
         return self._postprocess(sched, tokens)
+
+    def retune(self, slo_tpot_s: float | None, max_num_batched_tokens: int | None = None) -> None:
+        """Changes the TPOT target and the step budget at run time (a worker switching role).
+        The budget never grows past the configured one (activation memory is sized for it);
+        what the step model learned is kept."""
+        self.step_model.slo_tpot_s = slo_tpot_s
+        budget = min(max_num_batched_tokens or self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
+        self.scheduler.max_num_batched_tokens = self.step_model.max_tokens = budget
 
     def _postprocess(self, sched: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
         outputs = []
@@ -209,4 +220,10 @@ class LLMEngine:
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            # the step-time model (step_model.py): what placement reads
+            "step_s": self.step_model.step_s,
+            "slo_tpot_s": self.step_model.slo_tpot_s,
+            "prefill_tok_s": self.step_model.prefill_rate(self.scheduler.running),
+            "prefill_chunk": self.step_model.chunk_now(self.scheduler.running),
+            "num_decoding": sum(1 for r in self.scheduler.running if r.is_decoding),
         }

@@ -82,6 +82,12 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def is_decoding(self) -> bool:
+        """One token left to compute and some output already: a decode (else a prefill, or
+        a preempted request's recompute)."""
+        return self.num_tokens - self.num_computed_tokens == 1 and self.num_output_tokens > 0
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -81,9 +81,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- the step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prefill_cap: int | None = None) -> SchedulerOutput:
+        """`prefill_cap`: at most this many prefill tokens in the step (decodes are not
+        counted); None: only the step budget. The engine sets it from a TPOT target
+        (step_model.py)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill_left = budget if prefill_cap is None else prefill_cap
         scheduled_running: list[Request] = []
 
         # 1. running requests, oldest first
@@ -91,6 +95,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not req.is_decoding:
+                num_new = min(num_new, prefill_left)
+                if num_new <= 0:  # a chunk for a later step; the decodes behind it still run
+                    i += 1
+                    continue
+                prefill_left -= num_new
             while True:
                 blocks = self.kv.allocate_slots(req, num_new)
                 if blocks is not None:
@@ -114,10 +124,10 @@ class Scheduler:
             req = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - req.num_computed_tokens - num_hit_tokens
-            if num_new > budget:
-                if not self.enable_chunked_prefill:
+            if num_new > min(budget, prefill_left):
+                if not self.enable_chunked_prefill or prefill_left <= 0:
                     break
-                num_new = budget
+                num_new = min(budget, prefill_left)
             blocks = self.kv.allocate_slots(req, num_new, hits)
             if blocks is None:
                 break  # wait for blocks to free up; FIFO keeps fairness
@@ -130,6 +140,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in blocks]))
             budget -= num_new
+            prefill_left -= num_new
         return out
 
     def _preempt(self, req: Request) -> None:

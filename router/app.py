@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front of a pdserve cluster (FastAPI, served by uvicorn).
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE, `data: [DONE]`)
-    GET  /v1/models, /health, /metrics, /admin/status, /admin/timeline;  POST /admin/scale
+    GET  /v1/models, /health, /metrics, /admin/status, /admin/timeline;  POST /admin/scale, /admin/slo
 
 A request is validated (body size, JSON, fields, n, sampling values, prompt +
 max_tokens against max_model_len) before anything is queued, so every refusal is an
@@ -149,7 +149,7 @@ async def stream_body(gen, first, render: Renderer, n_prompt: int, include_usage
 
 
 def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: RouterMetrics) -> None:
-    """/health, /metrics, /admin/scale, /admin/status, /admin/timeline."""
+    """/health, /metrics, /admin/scale, /admin/slo, /admin/status, /admin/timeline."""
 
     @app.get("/health")
     async def health():
@@ -168,10 +168,15 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
             data = json.loads(body)
         except json.JSONDecodeError as e:
             raise HTTPError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(data, dict) or not set(data) <= {"prefill", "decode"} or not data:
-            raise HTTPError(400, 'body must be {"prefill": n, "decode": m} (either or both)')
+        if not isinstance(data, dict) or not set(data) <= {"prefill", "decode", "switch_roles"} or \
+                not set(data) & {"prefill", "decode"}:
+            raise HTTPError(400, 'body must be {"prefill": n, "decode": m} (either or both; '
+                                 '"switch_roles": true moves workers between the pools)')
+        if not isinstance(data.get("switch_roles", False), bool):
+            raise HTTPError(400, f"switch_roles must be true or false, got {data['switch_roles']!r}",
+                            param="switch_roles")
         for k, v in data.items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if k != "switch_roles" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise HTTPError(400, f"{k} must be an integer >= 1, got {v!r}", param=k)
         try:
             sizes = await asyncio.get_running_loop().run_in_executor(None, lambda: cluster.scale(**data))
@@ -185,6 +190,20 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
         snap = cluster.snapshot()
         return {"pools": snap.pool_sizes, "workers": rows, "routing": snap.routing,
                 "autoscale": {"enabled": snap.autoscale_enabled, "events": snap.autoscale_events}}
+
+    @app.post("/admin/slo")
+    async def slo(request: Request):
+        """{"ttft_s": x, "tpot_s": y} (either or both): the SLO hybrid placement serves, live."""
+        try:
+            data = json.loads(await request.body())
+        except json.JSONDecodeError as e:
+            raise HTTPError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(data, dict) or not data or not set(data) <= {"ttft_s", "tpot_s"}:
+            raise HTTPError(400, 'body must be {"ttft_s": seconds, "tpot_s": seconds} (either or both)')
+        try:
+            return {"slo": await asyncio.get_running_loop().run_in_executor(None, lambda: cluster.set_slo(**data))}
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
 
     @app.get("/admin/timeline")
     async def timeline(n: int = 1000):

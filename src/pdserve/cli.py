@@ -121,6 +121,9 @@ def serving_config(args: argparse.Namespace):
     for flag, name in AUTOSCALE_FLAGS.items():
         if getattr(args, flag) is not None:
             setattr(cfg.autoscale, name, getattr(args, flag))
+    for flag, name in (("slo_ttft", "ttft_s"), ("slo_tpot", "tpot_s")):
+        if getattr(args, flag) is not None:
+            setattr(cfg.slo, name, getattr(args, flag))
     for role in ("prefill", "decode"):
         pool = cfg.pool(role)
         for bound in ("min", "max"):
@@ -156,9 +159,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(cluster, api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                         served_model_name=args.served_model_name)
         pools = cluster.pool_sizes()
-        sizes = f"colocated={pools['decode']}" if args.mode == "colocated" else \
-            f"prefill={pools['prefill']}, decode={pools['decode']}"
+        sizes = f"colocated={pools['decode']}" if cluster.mode == "colocated" else \
+            f"{cluster.mode}, prefill={pools['prefill']}, decode={pools['decode']}"
+        slo = cluster.serving.slo
         print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
+              f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
               f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -171,6 +176,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
     import urllib.request
 
     body = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
+    if args.switch_roles:
+        body["switch_roles"] = True
     req = urllib.request.Request(f"{args.url.rstrip('/')}/admin/scale", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
                                           **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})})
@@ -199,8 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(sv)
     sv.add_argument("--prefill", type=int, default=None, help="prefill workers (default: config's, else 1)")
     sv.add_argument("--decode", type=int, default=None, help="decode workers (default: config's, else 1)")
-    sv.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
-                    help="colocated: the baseline, --decode N engines that prefill (chunked) and decode")
+    sv.add_argument("--mode", choices=("hybrid", "disagg", "disaggregated", "colocated"), default="hybrid",
+                    help="hybrid: each prompt on the prefill pool or a decode worker, by predicted TTFT under "
+                         "the SLO; disagg: always the prefill pool; colocated: the baseline, --decode N engines "
+                         "that prefill (chunked) and decode")
+    sv.add_argument("--slo-ttft", type=float, default=None, help="TTFT target in seconds (default: config's, else 2)")
+    sv.add_argument("--slo-tpot", type=float, default=None,
+                    help="time per output token target in seconds (default: config's, else 0.05)")
     sv.add_argument("--config", default=None, help="serving config YAML: pools, resources, autoscaling targets")
     sv.add_argument("--autoscale", action="store_true", help="turn on the autoscaling policy")
     for role in ("prefill", "decode"):
@@ -233,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scale", help="resize the pools of a running server")
     sc.add_argument("--prefill", type=int, default=None)
     sc.add_argument("--decode", type=int, default=None)
+    sc.add_argument("--switch-roles", action="store_true",
+                    help="reach the sizes by moving workers between the pools (same total; no worker starts)")
     sc.add_argument("--url", default="http://127.0.0.1:8000")
     sc.add_argument("--api-key", default=None)
     sc.set_defaults(func=cmd_scale)
