@@ -7,7 +7,9 @@ worker), prefill_done (first token sampled), send_start, decode_queued, reserved
 kv_landed, first_token_at_edge (back at the cluster). Phases: prefill (queue + compute),
 decode_reserve (the finished prefill waiting for the reservation: 0 when it came
 first), kv_to_first_token (send start -> first token at the cluster: wire + admission +
-relay), local_first_token (a request served by one worker).
+relay); for a prompt prefilled on its decode worker (hybrid placement): local_queued,
+local_prefill_done, and the phases local_prefill (queue + chunked prefill there) and
+local_to_first_token; local_first_token (a request served by one worker, no spans).
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import os
 
 from .report import percentile
 
-PHASES = ("prefill", "decode_reserve", "kv_to_first_token", "local_first_token")
+PHASES = ("prefill", "decode_reserve", "kv_to_first_token", "local_prefill", "local_to_first_token",
+          "local_first_token")
 # bars of the plot: (label, start span, end span)
 BARS = (("to prefill worker", "arrival", "prefill_queued"), ("prefill (queue + compute)", "prefill_queued",
                                                               "prefill_done"),
         ("waiting for the reservation", "prefill_done", "send_start"),
-        ("KV + first token to the client", "send_start", "first_token_at_edge"))
-COLORS = ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868")
+        ("KV + first token to the client", "send_start", "first_token_at_edge"),
+        ("to the decode worker", "arrival", "local_queued"),
+        ("prefill on the decode worker (queue + chunks)", "local_queued", "local_prefill_done"),
+        ("first token to the client", "local_prefill_done", "first_token_at_edge"))
+COLORS = ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#bbbbbb", "#8172b3", "#55a868")
 
 
 def phase_stats(timeline: list[dict]) -> dict:
@@ -48,18 +54,21 @@ def plot(timeline: list[dict], path: str, title: str, max_requests: int = 60) ->
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = sorted((t for t in timeline if "send_start" in t["spans"]), key=lambda t: t["spans"]["arrival"])
+    rows = sorted((t for t in timeline if "send_start" in t["spans"] or "local_queued" in t["spans"]),
+                  key=lambda t: t["spans"]["arrival"])
     rows = rows[len(rows) // 2 - max_requests // 2:][:max_requests] if len(rows) > max_requests else rows
     if not rows:
         return None
     t0 = rows[0]["spans"]["arrival"]
     fig, ax = plt.subplots(figsize=(11, 0.16 * len(rows) + 1.6))
+    labelled = set()
     for y, t in enumerate(rows):
         s = t["spans"]
         for (label, a, b), color in zip(BARS, COLORS):
-            if a in s and b in s:
+            if a in s and b in s and not (b == "first_token_at_edge" and "send_start" in s and a != "send_start"):
                 ax.barh(y, 1000 * max(0.0, s[b] - s[a]), left=1000 * (s[a] - t0), color=color, height=0.8,
-                        label=label if y == 0 else None)
+                        label=None if label in labelled else label)
+                labelled.add(label)
     ax.set_xlabel("ms since the first request shown arrived")
     ax.set_ylabel("request (by arrival)")
     ax.invert_yaxis()
