@@ -274,7 +274,7 @@ class WorkerActor:
             info = self.info()
             self.aloop.call_soon_threadsafe(lambda: cmd.done.done() or cmd.done.set_result(info))
         except Exception as e:  # noqa: BLE001 - the caller learns why; the worker keeps its role
-            self.aloop.call_soon_threadsafe(lambda: cmd.done.done() or cmd.done.set_exception(e))
+            self.aloop.call_soon_threadsafe(lambda err=e: cmd.done.done() or cmd.done.set_exception(err))
 
     def _forward(self, ev) -> None:
         if isinstance(ev, Emitted):

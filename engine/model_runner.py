@@ -42,6 +42,7 @@ class ModelRunner:
         self.layout = kv_layout(config)
         self.sampler = Sampler(self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.split_mixed = False  # see execute()
         if self.device.type == "cuda" and config.use_triton and not config.enforce_eager:
             self.capture_graphs()
 
@@ -147,7 +148,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
-        """Runs the batch; returns the sampled token of each request that samples."""
+        """Runs the batch; returns the sampled token of each request that samples. With
+        `split_mixed` and CUDA graphs, a batch of decodes and prefill chunks runs as two
+        passes: the decodes through their graph, then the chunks eagerly."""
+        if self.split_mixed and self.graphs:
+            decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.request.is_decoding]
+            if decodes and len(decodes) < len(scheduled) and len(decodes) <= max(self.graphs):
+                rest = [s for s in scheduled if not (s.num_new_tokens == 1 and s.request.is_decoding)]
+                return {**self._execute(decodes), **self._execute(rest)}
+        return self._execute(scheduled)
+
+    def _execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
         batch = self.order(scheduled)
         logits = self._replay(batch)
         samplers = [s for s in batch if s.samples]

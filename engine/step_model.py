@@ -104,15 +104,12 @@ class StepModel:
             return
         x = np.stack([self._x(*shape) for shape, _ in rows])
         y = np.array([s for _, s in rows])
-        active = list(range(x.shape[1]))
-        for _ in range(x.shape[1]):  # least squares, dropping negative coefficients
-            lhs = x[:, active].T @ x[:, active] + 1e-9 * np.eye(len(active))
-            sol = np.linalg.solve(lhs, x[:, active].T @ y)
-            if (sol >= 0).all():
-                break
-            active.pop(int(np.argmin(sol)))
-        coef = np.zeros(x.shape[1])
-        coef[active] = np.maximum(sol, 0.0)
+        coef = _nnls(x, y)
+        # once more without the outliers (a step that compiled a kernel, a GC pause)
+        res = np.abs(x @ coef - y)
+        keep = res <= max(4.0 * float(np.median(res)), 1e-4)
+        if keep.sum() >= 12 and not keep.all():
+            coef = _nnls(x[keep], y[keep])
         if coef[3] <= 0 and coef[5] <= 0:
             return  # no cost per prefill token seen yet: keep probing
         self.coef = coef
@@ -166,3 +163,18 @@ class StepModel:
         if decodes and self.slo_tpot_s is not None:
             return n / (self.margin * self.slo_tpot_s)
         return self.prefill_tok_s or None
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (drops the most negative and refits)."""
+    active = list(range(x.shape[1]))
+    sol = np.zeros(0)
+    for _ in range(x.shape[1]):
+        lhs = x[:, active].T @ x[:, active] + 1e-9 * np.eye(len(active))
+        sol = np.linalg.solve(lhs, x[:, active].T @ y)
+        if (sol >= 0).all():
+            break
+        active.pop(int(np.argmin(sol)))
+    coef = np.zeros(x.shape[1])
+    coef[active] = np.maximum(sol, 0.0)
+    return coef

@@ -1,0 +1,133 @@
+"""What a decode worker's step costs when it also carries a prefill chunk (hybrid placement),
+on one GPU: decode-only steps (CUDA graph) vs the same decodes plus a prefill chunk of c
+tokens, run either as one eager mixed pass or split (the decodes through their graph,
+then the chunk eagerly). From these the step-time model (engine/step_model.py) is fitted
+and its chunk for a TPOT target checked against what was measured.
+
+    python bench/mixed_step_gpu.py --tokenizer DIR --out bench/results/hybrid
+
+Model: Llama-3-8B's shape with random bf16 weights (as bench/serving_gpu.py), decodes at
+a context of ~4K tokens (the long workload's), the chunk from an 8K-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from serving_gpu import build_model  # noqa: E402
+
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.step_model import StepModel  # noqa: E402
+
+CHUNKS = (0, 64, 256, 512, 1024, 2048)
+
+
+def ids(n: int) -> list[int]:
+    return [random.randrange(100, 40000) for _ in range(n)]
+
+
+def run_step(engine: LLMEngine, cap: int) -> tuple[list, float]:
+    sched = engine.scheduler.schedule(prefill_cap=cap)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    tokens = engine.runner.execute(sched.scheduled)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    scheduled = list(sched.scheduled)
+    engine.scheduler.update_after_step(sched)
+    engine._postprocess(sched, tokens)
+    return scheduled, dt
+
+
+def measure(engine: LLMEngine, batch: int, reps: int, samples: dict) -> list[dict]:
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    long = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0)
+    for _ in range(batch):
+        engine.add_request(ids(4000), long)
+    while not all(r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    rows = []
+    for c in CHUNKS:
+        row = {"decodes": batch, "chunk": c}
+        for mode in ("mixed", "split"):
+            engine.runner.split_mixed = mode == "split"
+            times = []
+            for i in range(reps + 1):
+                if c and not any(not r.is_decoding for r in engine.scheduler.running) and not engine.scheduler.waiting:
+                    engine.add_request(ids(8000), SamplingParams(max_tokens=1, temperature=0))
+                scheduled, dt = run_step(engine, c)
+                if i:  # the first may compile
+                    times.append(dt)
+                    samples[mode].append((scheduled, dt))
+            row[f"{mode}_ms"] = 1000 * statistics.median(times)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
+    out = {}
+    for slo in (0.015, 0.02, 0.03, 0.04, 0.05):
+        m = StepModel(8192, slo)
+        for scheduled, dt in samples:
+            m.observe(scheduled, dt)
+        m._fit()
+        out[f"{slo * 1000:g}"] = {str(b): m.chunk_for(b, b * 4000, 2000) for b in sorted({r["decodes"] for r in rows})}
+    m = StepModel(8192, 0.04)
+    for scheduled, dt in samples:
+        m.observe(scheduled, dt)
+    m._fit()
+    names = ("base", "mixed", "per_seq", "per_token", "per_kv_token", "per_attn")
+    coef = {} if m.coef is None else dict(zip(names, (m.coef / __import__("numpy").array(
+        [1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20])).tolist()))
+    return {"mode": mode, "coef_s": coef, "chunk_for_tpot_ms": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--out", default="bench/results/hybrid")
+    ap.add_argument("--batches", default="16,48")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    random.seed(0)
+    model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
+    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", max_model_len=8704,
+                                    max_num_batched_tokens=8192, gpu_memory_utilization=0.85))
+    samples = {"mixed": [], "split": []}
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        rows += measure(engine, b, args.reps, samples)
+    fits = [fit_report(samples[m], rows, m) for m in ("mixed", "split")]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "mixed_step.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "fits": fits}, f, indent=1)
+    lines = ["| decodes | chunk | decode+chunk mixed (ms) | split: graph + chunk (ms) |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['decodes']} | {r['chunk']} | {r['mixed_ms']:.1f} | {r['split_ms']:.1f} |" for r in rows]
+    for fit in fits:
+        coef = {k: float(f"{v:.3g}") for k, v in fit["coef_s"].items()}
+        lines.append(f"\n{fit['mode']}: coefficients (s) {json.dumps(coef)}; "
+                     f"chunk for TPOT (ms) -> {{decodes: tokens}} {json.dumps(fit['chunk_for_tpot_ms'])}")
+    text = "\n".join(lines)
+    with open(os.path.join(args.out, "mixed_step.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
