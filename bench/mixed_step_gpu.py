@@ -56,7 +56,7 @@ def run_step(engine: LLMEngine, cap: int) -> tuple[list, float]:
 def measure(engine: LLMEngine, batch: int, reps: int, samples: dict) -> list[dict]:
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    long = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0)
+    long = SamplingParams(max_tokens=4500, ignore_eos=True, temperature=0)
     for _ in range(batch):
         engine.add_request(ids(4000), long)
     while not all(r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
