@@ -87,7 +87,8 @@ def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
         for scheduled, dt in samples:
             m.observe(scheduled, dt)
         m._fit()
-        out[f"{slo * 1000:g}"] = {str(b): m.chunk_for(b, b * 4000, 2000) for b in sorted({r["decodes"] for r in rows})}
+        out[f"{slo * 1000:g}"] = {str(b): [m.chunk_at(b, b * 4000), round(m.rate_at(b, b * 4000) or 0)]
+                                  for b in sorted({r["decodes"] for r in rows})}
     m = StepModel(8192, 0.04)
     for scheduled, dt in samples:
         m.observe(scheduled, dt)
@@ -122,7 +123,8 @@ def main() -> None:
     for fit in fits:
         coef = {k: float(f"{v:.3g}") for k, v in fit["coef_s"].items()}
         lines.append(f"\n{fit['mode']}: coefficients (s) {json.dumps(coef)}; "
-                     f"chunk for TPOT (ms) -> {{decodes: tokens}} {json.dumps(fit['chunk_for_tpot_ms'])}")
+                     f"TPOT target (ms) -> {{decodes: [chunk tokens, prefill tok/s]}} "
+                     f"{json.dumps(fit['chunk_for_tpot_ms'])}")
     text = "\n".join(lines)
     with open(os.path.join(args.out, "mixed_step.md"), "w") as f:
         f.write(text + "\n")

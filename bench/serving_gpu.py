@@ -128,6 +128,12 @@ def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None) -> t
         print(res.stderr[-3000:], flush=True)
     with open(os.path.join(args.out, f"{name}.json")) as f:
         g = json.load(f)["goodput"]
+    try:  # the workers' own view at the end (step-time model, placement counts)
+        with urllib.request.urlopen(url + "/admin/status", timeout=60) as r, \
+                open(os.path.join(args.out, f"{name}_status.json"), "w") as f:
+            f.write(r.read().decode())
+    except OSError as e:
+        print(f"status: {e}")
     return wl, name, g["rps"], g["lower_bound"], time.time() - t
 
 

@@ -12,17 +12,21 @@ decode-only step replays a CUDA graph; a mixed step runs eagerly). The coefficie
 a least-squares fit (non-negative) over the last 256 decode-only and the last 256 steps
 with prefill tokens, refitted every 16 steps.
 
-With a target (`slo_tpot_s`), a step that runs decodes may carry at most
-
-    prefill_cap = the largest chunk whose predicted step time <= margin x target
-
-tokens of prefill (chunked prefill does the rest in later steps), so the decodes of that
-step keep their TPOT while the worker also prefills: this is what lets a decode worker
-take prompts from a deep prefill queue (hybrid placement, cluster/dispatch.py). Until the
-fit has seen 8 steps with prefill tokens the cap is a probe of PROBE_TOKENS; when the
-decodes alone already take the target it is MIN_TOKENS (progress, and the cluster's
-placement sees the small rate and sends no more prompts there). With no decodes running
-there is nothing to protect: the step budget (`max_num_batched_tokens`) applies.
+With a target (`slo_tpot_s`), the decodes must average at most margin x target per
+output token (TPOT is a mean: DistServe's and vLLM's definition). Measured on H200
+(Llama-3-8B shape, bench/results/hybrid/mixed_step.md) a step that carries any prefill
+runs eagerly and costs ~20 ms more than the decode-only graph step it replaces, whatever
+its chunk: a small chunk in every step would break a 20-40 ms target for little prefill.
+So decode-only steps bank the time they leave under the target (`slack`, at most
+BANK_STEPS targets) and a step carries a prefill chunk only when the banked slack pays
+for one of at least MIN_CHUNK tokens: the largest that fits target + slack. The mean
+stays inside the target; one gap may reach (1 + BANK_STEPS) x target. This is what lets
+a decode worker take prompts from a deep prefill queue (hybrid placement,
+cluster/routing.py). Until the fit has seen 8 steps with prefill tokens the chunk is a
+probe of PROBE_TOKENS; a decode-only step banks at least MIN_ROOM of the target, so a
+prompt placed on a worker whose decodes alone take the target still progresses (and
+placement sees the small rate and sends no more there). With no decodes running there
+is nothing to protect: the step budget (`max_num_batched_tokens`) applies.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import numpy as np
 from .request import Request
 
 PROBE_TOKENS = 256
-MIN_TOKENS = 16
+MIN_CHUNK = 256  # smaller chunks pay a mixed step's fixed cost for little prefill: bank slack instead
+MIN_ROOM = 0.05  # the least slack a decode-only step banks (progress when the decodes take the target)
+BANK_STEPS = 3.0  # slack banked at most, in targets: a step takes at most (1 + BANK_STEPS) x target
 _SCALE = np.array([1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20])  # features to ~unit size
 
 
@@ -53,6 +59,7 @@ class StepModel:
         self.prefill_tok_s = 0.0  # EWMA of prefill tokens / second over steps with >= 64 of them
         self.last: dict = {}  # the last step: decodes, prefill_tokens, cap, seconds (tests, stats)
         self._cap: int | None = None
+        self.slack = 0.0  # seconds the decodes ran under the target, banked for a prefill chunk
 
     # ---- features ------------------------------------------------------------------------
     @staticmethod
@@ -92,7 +99,16 @@ class StepModel:
         if shape[1] >= 64 and seconds > 0:  # prefill throughput as measured (before the fit)
             rate = shape[1] / seconds
             self.prefill_tok_s = rate if not self.prefill_tok_s else 0.8 * self.prefill_tok_s + 0.2 * rate
-        self.last = {"decodes": shape[0], "prefill_tokens": shape[1], "cap": self._cap, "seconds": seconds}
+        if shape[0] and self.slo_tpot_s is not None:  # decodes ran: bank (or spend) slack
+            target = self.margin * self.slo_tpot_s
+            earned = target - seconds
+            if not shape[1]:
+                earned = max(earned, MIN_ROOM * target)
+            self.slack = min(self.slack + earned, self._bank_cap(target))
+        elif not shape[0]:
+            self.slack = 0.0  # nothing decoding: nothing to protect, nothing banked
+        self.last = {"decodes": shape[0], "prefill_tokens": shape[1], "cap": self._cap, "seconds": seconds,
+                     "slack": self.slack}
         self._since_fit += 1
         if self._since_fit >= 16 or (self.coef is None and len(self.mixed_steps) >= 8):
             self._fit()
@@ -126,43 +142,71 @@ class StepModel:
         kv = sum(r.num_tokens for r in decodes)
         ctx = next((r.num_computed_tokens for r in running if not r.is_decoding),
                    waiting[0].num_computed_tokens if waiting else 0)
-        self._cap = self.chunk_for(len(decodes), kv, ctx)
+        self._cap = self.chunk_for(len(decodes), kv, ctx, self.slack)
         return self._cap
 
-    def chunk_for(self, decodes: int, kv: int, ctx: int) -> int:
-        """The largest prefill chunk (at context `ctx`) that keeps a step with these decodes
-        inside margin x the TPOT target."""
-        if self.coef is None:
-            return min(PROBE_TOKENS, self.max_tokens)
-        avail = self.margin * self.slo_tpot_s - self.predict(decodes, 1, kv, 0)
+    def _room(self, decodes: int, kv: int) -> tuple[float, float]:
+        """(the step's target, the slack one decode-only step leaves under it)."""
+        target = self.margin * self.slo_tpot_s
+        return target, max(target - self.predict(decodes, 0, kv, 0), MIN_ROOM * target)
+
+    def _largest(self, decodes: int, kv: int, ctx: int, limit: float) -> int:
+        """The largest chunk at context `ctx` whose step with these decodes takes <= limit."""
         c = self.coef / _SCALE
-        per_token = c[3]  # seconds per prefill token, before attention
+        avail = limit - self.predict(decodes, 1, kv, 0)
         if avail <= 0:
-            return MIN_TOKENS
-        n = avail / max(per_token + c[5] * ctx, 1e-12)
-        n = avail / max(per_token + c[5] * (ctx + n / 2), 1e-12)  # the chunk's own attention
-        return int(max(MIN_TOKENS, min(self.max_tokens, n)))
+            return 0
+        n = avail / max(c[3] + c[5] * ctx, 1e-12)
+        n = avail / max(c[3] + c[5] * (ctx + n / 2), 1e-12)  # the chunk's own attention
+        return int(min(self.max_tokens, n))
+
+    def chunk_for(self, decodes: int, kv: int, ctx: int, slack: float) -> int:
+        """The prefill chunk for the next step: the largest whose step fits the target plus
+        the banked slack, or 0 (bank more) when that is below MIN_CHUNK."""
+        if self.coef is None:
+            return min(PROBE_TOKENS, self.max_tokens) if slack >= 0 else 0
+        target, _ = self._room(decodes, kv)
+        n = self._largest(decodes, kv, ctx, target + min(slack, self._bank_cap(target)))
+        return n if n >= min(MIN_CHUNK, self.max_tokens) else 0
+
+    def _bank_cap(self, target: float) -> float:
+        return BANK_STEPS * target
 
     def chunk_now(self, running: list[Request]) -> int:
-        """The prefill chunk a step may carry with the decodes running now."""
+        """The largest chunk one step may carry with the decodes running now (at full slack)."""
         decodes = [r for r in running if r.is_decoding]
-        if not decodes or self.slo_tpot_s is None:
-            return self.max_tokens
-        return self.chunk_for(len(decodes), sum(r.num_tokens for r in decodes), 0)
+        return self.chunk_at(len(decodes), sum(r.num_tokens for r in decodes))
 
     def prefill_rate(self, running: list[Request]) -> float | None:
-        """Prefill tokens per second this engine offers now: at the cap while it decodes
-        (one capped chunk per step of ~margin x target), else at full chunks. None until
-        it has been measured."""
         decodes = [r for r in running if r.is_decoding]
-        n = self.chunk_now(running)
-        if self.coef is not None:
-            t = self.predict(len(decodes), n, sum(r.num_tokens for r in decodes), n * n / 2)
-            if t and t > 0:
-                return n / t
-        if decodes and self.slo_tpot_s is not None:
-            return n / (self.margin * self.slo_tpot_s)
-        return self.prefill_tok_s or None
+        return self.rate_at(len(decodes), sum(r.num_tokens for r in decodes))
+
+    def chunk_at(self, decodes: int, kv: int) -> int:
+        """chunk_now() for `decodes` decoding requests holding `kv` tokens."""
+        if not decodes or self.slo_tpot_s is None:
+            return self.max_tokens
+        if self.coef is None:
+            return PROBE_TOKENS
+        target, _ = self._room(decodes, kv)
+        return self._largest(decodes, kv, 0, target + self._bank_cap(target))
+
+    def rate_at(self, decodes: int, kv: int) -> float | None:
+        """Prefill tokens per second this engine offers. While it decodes: one chunk of
+        chunk_at() each time the decode steps have banked the slack it needs; else full
+        chunks. None until measured."""
+        n = self.chunk_at(decodes, kv)
+        if self.coef is None:
+            if decodes and self.slo_tpot_s is not None:
+                return n / (self.margin * self.slo_tpot_s)
+            return self.prefill_tok_s or None
+        t_mixed = self.predict(decodes, n, kv, n * n / 2)
+        if not decodes or self.slo_tpot_s is None:
+            return n / t_mixed if t_mixed > 0 else None
+        if n <= 0:
+            return 0.0
+        target, room = self._room(decodes, kv)
+        steps = max(0.0, t_mixed - target) / room  # decode-only steps that bank one chunk's slack
+        return n / (steps * self.predict(decodes, 0, kv, 0) + t_mixed)
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
