@@ -82,7 +82,8 @@ class Pools:
                 total = st.get("kv_blocks_total", w.info.get("capacity_blocks", 1))
                 out.append(Candidate(w.worker_id, w.load, total - st.get("kv_blocks_used", 0), total,
                                      w.queued_tokens, st.get("prefill_tok_s"), st.get("prefill_chunk", 0),
-                                     st.get("step_s", 0.0)))
+                                     st.get("step_s", 0.0), 0,
+                                     st.get("max_num_seqs", 1 << 30) - st.get("num_running", 0) - 4))
         return out
 
     # ---- sizes --------------------------------------------------------------------------------

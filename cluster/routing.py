@@ -24,6 +24,7 @@ class Candidate:
     prefill_chunk: int = 0  # prefill tokens one of its steps may carry now (TPOT-bounded on decode workers)
     step_s: float = 0.0  # its mean step time
     cached_tokens: int = 0  # of the prompt being placed, tokens cached there
+    seats: int = 1 << 30  # more requests its engine admits (max_num_seqs - running): 0 queues a prompt
 
 
 @dataclass
@@ -130,6 +131,8 @@ def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo
     ttft_pool = predicted_ttft(p, prompt_tokens, p.prefill_tok_s, handoff_s)
     best, best_t = None, None
     for d in decodes:
+        if d.seats <= 0:  # its engine admits no new prompt until a request ends
+            continue
         t = predicted_ttft(d, prompt_tokens, local_rate(d, slo_tpot_s))
         if t is not None and (best_t is None or t < best_t):
             best, best_t = d, t

@@ -226,4 +226,5 @@ class LLMEngine:
             "prefill_tok_s": self.step_model.prefill_rate(self.scheduler.running),
             "prefill_chunk": self.step_model.chunk_now(self.scheduler.running),
             "num_decoding": sum(1 for r in self.scheduler.running if r.is_decoding),
+            "max_num_seqs": self.scheduler.max_num_seqs,
         }

@@ -42,6 +42,7 @@ from .request import Request
 PROBE_TOKENS = 256
 MIN_CHUNK = 256  # smaller chunks pay a mixed step's fixed cost for little prefill: bank slack instead
 MIN_ROOM = 0.05  # the least slack a decode-only step banks (progress when the decodes take the target)
+IDLE_GAP_S = 0.05
 BANK_STEPS = 3.0  # slack banked at most, in targets: a step takes at most (1 + BANK_STEPS) x target
 _SCALE = np.array([1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20])  # features to ~unit size
 
@@ -60,6 +61,7 @@ class StepModel:
         self.last: dict = {}  # the last step: decodes, prefill_tokens, cap, seconds (tests, stats)
         self._cap: int | None = None
         self.slack = 0.0  # seconds the decodes ran under the target, banked for a prefill chunk
+        self._last_end: float | None = None
 
     # ---- features ------------------------------------------------------------------------
     @staticmethod
@@ -87,10 +89,16 @@ class StepModel:
     # ---- observing steps ----------------------------------------------------------------------
     @contextmanager
     def timed(self, scheduled):
-        """Times the model's part of one step and learns from it."""
+        """Times one step and learns from it. The time is the step's wall time from the end
+        of the previous one (what a decode waits between its tokens: scheduling, the
+        model, outputs, the role's work around it), unless the engine was idle between
+        them (a gap over IDLE_GAP_S more than the model's call)."""
         t0 = time.perf_counter()
         yield
-        self.observe(scheduled, time.perf_counter() - t0)
+        end = time.perf_counter()
+        wall = end - self._last_end if self._last_end is not None else end - t0
+        self._last_end = end
+        self.observe(scheduled, wall if wall - (end - t0) < IDLE_GAP_S else end - t0)
 
     def observe(self, scheduled, seconds: float) -> None:
         shape = self._shape(scheduled)
@@ -140,9 +148,11 @@ class StepModel:
         if not decodes:
             return None
         kv = sum(r.num_tokens for r in decodes)
-        ctx = next((r.num_computed_tokens for r in running if not r.is_decoding),
-                   waiting[0].num_computed_tokens if waiting else 0)
-        self._cap = self.chunk_for(len(decodes), kv, ctx, self.slack)
+        nxt = next((r for r in running if not r.is_decoding), waiting[0] if waiting else None)
+        if nxt is None:
+            return None  # nothing to prefill
+        self._cap = self.chunk_for(len(decodes), kv, nxt.num_computed_tokens, self.slack,
+                                   nxt.num_tokens - nxt.num_computed_tokens)
         return self._cap
 
     def _room(self, decodes: int, kv: int) -> tuple[float, float]:
@@ -160,14 +170,17 @@ class StepModel:
         n = avail / max(c[3] + c[5] * (ctx + n / 2), 1e-12)  # the chunk's own attention
         return int(min(self.max_tokens, n))
 
-    def chunk_for(self, decodes: int, kv: int, ctx: int, slack: float) -> int:
-        """The prefill chunk for the next step: the largest whose step fits the target plus
-        the banked slack, or 0 (bank more) when that is below MIN_CHUNK."""
+    def chunk_for(self, decodes: int, kv: int, ctx: int, slack: float, remaining: int) -> int:
+        """The prefill chunk for the next step: the full-bank chunk (or the `remaining`
+        prompt, if less) once the banked slack pays for it, else 0 (bank more). Waiting for
+        the big chunk pays the mixed step's fixed cost once per chunk_at() tokens."""
         if self.coef is None:
             return min(PROBE_TOKENS, self.max_tokens) if slack >= 0 else 0
         target, _ = self._room(decodes, kv)
-        n = self._largest(decodes, kv, ctx, target + min(slack, self._bank_cap(target)))
-        return n if n >= min(MIN_CHUNK, self.max_tokens) else 0
+        full = self._largest(decodes, kv, ctx, target + self._bank_cap(target))
+        want = max(min(full, remaining), min(MIN_CHUNK, self.max_tokens))
+        now = self._largest(decodes, kv, ctx, target + min(slack, self._bank_cap(target)))
+        return min(now, remaining) if now >= want else 0
 
     def _bank_cap(self, target: float) -> float:
         return BANK_STEPS * target
