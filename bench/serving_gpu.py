@@ -169,8 +169,9 @@ def main() -> None:
             for wl in args.workloads.split(","):
                 # a hybrid server is told each TPOT SLO in turn (POST /admin/slo); the others
                 # do not depend on it (their goodput at any TPOT SLO comes from one sweep)
-                slos = [x.split(":")[-1] for x in args.tpot_slos.split(",") if ":" not in x or x.startswith(wl + ":")] \
-                    if system.startswith("hybrid") else [None]
+                slos = [None]
+                if system.startswith("hybrid"):
+                    slos = [x.split(":")[-1] for x in args.tpot_slos.split(",") if ":" not in x or x.startswith(wl + ":")]
                 for tpot in slos:
                     summary.append(run_workload(args, url, system, wl, tpot))
         except Exception as e:  # noqa: BLE001 - keep the other systems' results
