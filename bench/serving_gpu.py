@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--trace-bursts-rates", default=RATES["trace-bursts"])
     ap.add_argument("--num-requests", type=int, default=96, help="per rate")
     ap.add_argument("--trace", default=DEFAULT_TRACE)
-    ap.add_argument("--tpot-slos", default="40", help="TPOT SLOs in ms a hybrid server is run at, in turn (MS for every workload, WL:MS for one)")
+    ap.add_argument("--tpot-slos", default="40", help="TPOT SLOs (ms) a hybrid server runs at in turn: MS (every workload) or WL:MS")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
@@ -171,7 +171,8 @@ def main() -> None:
                 # do not depend on it (their goodput at any TPOT SLO comes from one sweep)
                 slos = [None]
                 if system.startswith("hybrid"):
-                    slos = [x.split(":")[-1] for x in args.tpot_slos.split(",") if ":" not in x or x.startswith(wl + ":")]
+                    slos = [x.split(":")[-1] for x in args.tpot_slos.split(",")
+                            if ":" not in x or x.startswith(wl + ":")]
                 for tpot in slos:
                     summary.append(run_workload(args, url, system, wl, tpot))
         except Exception as e:  # noqa: BLE001 - keep the other systems' results
