@@ -150,7 +150,8 @@ def main() -> None:
     ap.add_argument("--trace-bursts-rates", default=RATES["trace-bursts"])
     ap.add_argument("--num-requests", type=int, default=96, help="per rate")
     ap.add_argument("--trace", default=DEFAULT_TRACE)
-    ap.add_argument("--tpot-slos", default="40", help="TPOT SLOs (ms) a hybrid server runs at in turn: MS (every workload) or WL:MS")
+    ap.add_argument("--tpot-slos", default="40",
+                    help="TPOT SLOs (ms) a hybrid server runs at in turn: MS (every workload) or WL:MS")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
