@@ -73,6 +73,40 @@ def one_round_trip() -> dict:
     }
 
 
+HYBRID = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --systems hybrid --workloads long,trace "
+          "--tpot-slos long:40,trace:40,long:20 --num-requests 200 --long-rates 7,9,11 --trace-rates 6,9,12 "
+          "--out bench/results/hybrid/runs; the same with --systems disagg,colocated --long-rates 6,8 "
+          "--trace-rates 8,11; then python3 bench/hybrid_report.py  # 2x H200, one host")
+
+
+def hybrid() -> dict:
+    """Hybrid's goodput over the better pure mode at a TPOT SLO (bench/results/hybrid/)."""
+    g = load("hybrid", "goodput_vs_tpot.json")
+
+    def entry(wl: str, ms: int, against: tuple[str, ...], ttft: str) -> dict:
+        h = g[wl]["hybrid"][str(ms)]
+        pure = {s: g[wl][s][str(ms)] for s in against}
+        best = max(pure, key=lambda s: pure[s]["rps"] or 0.0)
+        desc = {"long": "synthetic 4096 in / 256 out", "trace": "Mooncake conversation trace x0.25 lengths"}[wl]
+        wl_text = f"{desc}, 200 requests per rate, 1P1D vs colocated-2 on 2x H200; SLO TTFT <= {ttft}, TPOT <= {ms} ms"
+        def rps(p: dict) -> str:
+            if not p["rps"]:
+                return f"< {min(p['rates']):g} req/s"
+            return f"{'>= ' if p['lower_bound'] else ''}{p['rps']:.2f} req/s"
+
+        note = "; ".join(f"{s} {rps(p)} (attainment by rate {p['attainment']})" for s, p in {"hybrid": h, **pure}.items())
+        if not h["rps"] or not pure[best]["rps"]:
+            return {"value": None, "workload": wl_text, "command": HYBRID,
+                    "note": "no ratio: a system misses 90% at its lowest swept rate; " + note}
+        bound = " (hybrid / a lower bound: an upper bound)" if pure[best]["lower_bound"] else ""
+        return {"value": round(h["rps"] / pure[best]["rps"], 3), "workload": wl_text, "command": HYBRID,
+                "note": f"against {best}{bound}; " + note}
+
+    return {"hybrid_vs_best_pure_long": entry("long", 40, ("disagg", "colocated"), "1 s"),
+            "hybrid_vs_best_pure_trace": entry("trace", 40, ("disagg", "colocated"), "2 s"),
+            "hybrid_vs_colocated_tpot20_long": entry("long", 20, ("colocated",), "1 s")}
+
+
 def main() -> None:
     eng = load("engine_gpu_b64.json")
     dec = {r["batch"]: r for r in eng["decode"]}
@@ -100,6 +134,7 @@ def main() -> None:
                                            "send/recv of the same bytes, 2x H200", "command": TRANSFER},
     }
     summary.update(one_round_trip())
+    summary.update(hybrid())
     with open(os.path.join(RES, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():
