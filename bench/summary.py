@@ -94,7 +94,8 @@ def hybrid() -> dict:
                 return f"< {min(p['rates']):g} req/s"
             return f"{'>= ' if p['lower_bound'] else ''}{p['rps']:.2f} req/s"
 
-        note = "; ".join(f"{s} {rps(p)} (attainment by rate {p['attainment']})" for s, p in {"hybrid": h, **pure}.items())
+        note = "; ".join(f"{s} {rps(p)} (attainment by rate {p['attainment']})"
+                         for s, p in {"hybrid": h, **pure}.items())
         if not h["rps"] or not pure[best]["rps"]:
             return {"value": None, "workload": wl_text, "command": HYBRID,
                     "note": "no ratio: a system misses 90% at its lowest swept rate; " + note}
