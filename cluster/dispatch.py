@@ -150,8 +150,7 @@ class Dispatcher:
         decodes = self.pools.candidates("decode")
         for c in decodes:
             c.cached_tokens = dd * self.block_size if c.worker_id == dh else 0
-        pl = place_prompt(len(ids), p, decodes, self.slo.ttft_s, self.slo.tpot_s, self.slo.spill_at,
-                          self.handoff_s)
+        pl = place_prompt(len(ids), p, decodes, self.slo.ttft_s, self.slo.spill_at, self.handoff_s)
         self._count(pl.reason)
         progress.placement = {**pl.explain(), "prefill": pid}
         d = self.pools.worker(pl.decode)

@@ -104,20 +104,19 @@ def predicted_ttft(c: Candidate, prompt_tokens: int, rate: float | None, extra_s
     return (c.queued_tokens + max(0, prompt_tokens - c.cached_tokens)) / rate + extra_s
 
 
-def local_rate(c: Candidate, slo_tpot_s: float) -> float:
-    """A decode worker's prefill rate: measured, else one chunk per TPOT target (what its
-    step model allows before it has fitted)."""
-    if c.prefill_tok_s:
-        return c.prefill_tok_s
-    return max(c.prefill_chunk, 1) / max(slo_tpot_s, c.step_s, 1e-3)
+def local_rate(c: Candidate, pool_rate: float | None) -> float | None:
+    """A decode worker's prefill rate: its own measure; before it has one, the prefill
+    pool's (the same engine and model)."""
+    return c.prefill_tok_s or pool_rate
 
 
 def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo_ttft_s: float,
-                 slo_tpot_s: float, spill_at: float, handoff_s: float) -> Placement:
+                 spill_at: float, handoff_s: float) -> Placement:
     """Hybrid placement of one prompt. The prefill pool's worker `p` predicts
     TTFT = (its queued tokens + the uncached prompt) / its prefill rate + the handoff; each
-    decode worker predicts the same at the rate its TPOT-bounded chunks allow, with no
-    handoff. The prompt is prefilled on the best decode worker when
+    decode worker predicts the same at the rate its TPOT-bounded chunks allow (its step
+    model's, engine/step_model.py), with no handoff; decode workers whose engine admits no
+    more requests (max_num_seqs) are skipped. The prompt is prefilled on the best decode worker when
 
       fits_decode_step  its uncached tokens fit one TPOT-bounded step there and that is no
                         slower than the pool (short prompts, mostly cached prompts: the old
@@ -133,7 +132,7 @@ def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo
     for d in decodes:
         if d.seats <= 0:  # its engine admits no new prompt until a request ends
             continue
-        t = predicted_ttft(d, prompt_tokens, local_rate(d, slo_tpot_s))
+        t = predicted_ttft(d, prompt_tokens, local_rate(d, p.prefill_tok_s))
         if t is not None and (best_t is None or t < best_t):
             best, best_t = d, t
     if best is None or ttft_pool is None:

@@ -1,0 +1,179 @@
+"""Hybrid placement and role switching.
+
+Pure parts first (routing.place_prompt's decisions, the autoscaler's switch instead of
+an add), then a real local Ray cluster with the default model and gloo transfer: a deep
+prefill queue spills prompts to the decode worker with outputs token-identical to `LLM`,
+mixed load with cancels leaves no block held, and workers switch roles under load
+without losing a request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import threading
+import time
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster
+from pdserve.cluster.pools import Pools, WorkerRecord
+from pdserve.cluster.routing import Candidate, place_prompt
+from pdserve.cluster.serving_config import ServingConfig
+
+from helpers import PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+# ---- placement, pure ---------------------------------------------------------------------------
+def pool(queued=0, rate=10000.0, cached=0):
+    return Candidate("prefill-0", 0, 100, 100, queued_tokens=queued, prefill_tok_s=rate, cached_tokens=cached)
+
+
+def dec(wid="decode-1", queued=0, rate=5000.0, chunk=512, cached=0, seats=100, free=100):
+    return Candidate(wid, 0, free, 100, queued_tokens=queued, prefill_tok_s=rate, prefill_chunk=chunk,
+                     cached_tokens=cached, seats=seats)
+
+
+def test_idle_pool_keeps_long_prompts():
+    pl = place_prompt(4000, pool(), [dec()], slo_ttft_s=1.0, spill_at=0.5, handoff_s=0.02)
+    assert (pl.local, pl.reason, pl.decode) == (False, "prefill_pool", "decode-1")
+    assert pl.ttft_pool_s == pytest.approx(0.42) and pl.ttft_local_s == pytest.approx(0.8)
+
+
+def test_short_or_cached_prompt_fits_one_decode_step():
+    assert place_prompt(300, pool(), [dec(rate=10000)], 1.0, 0.5, 0.02).reason == "fits_decode_step"  # 0.03 vs 0.05 s
+    assert place_prompt(300, pool(), [dec()], 1.0, 0.5, 0.02).reason == "prefill_pool"  # 0.06 s: the pool is faster
+    pl = place_prompt(4000, pool(), [dec(cached=3600)], 1.0, 0.5, 0.02)  # 400 uncached tokens there
+    assert (pl.local, pl.reason) == (True, "fits_decode_step")
+    assert place_prompt(4000, pool(), [dec(cached=3600, chunk=256)], 1.0, 0.5, 0.02).reason == "prefill_pool"
+
+
+def test_deep_queue_spills_to_the_faster_decode_worker():
+    decodes = [dec("decode-1", queued=6000, rate=10000), dec("decode-2", queued=1000, rate=10000)]
+    pl = place_prompt(4000, pool(queued=4000), decodes, 1.0, 0.5, 0.02)  # pool 0.82 s > 0.5 s
+    assert (pl.local, pl.reason, pl.decode) == (True, "decode_spare", "decode-2")
+    assert pl.ttft_local_s == pytest.approx(0.5)
+    # a decode worker slower than the deep pool does not get it
+    assert place_prompt(4000, pool(queued=4000), [dec(queued=1000)], 1.0, 0.5, 0.02).reason == "prefill_pool"
+    # below the spill point the pool keeps it even when a decode worker would be as fast
+    assert place_prompt(4000, pool(queued=500), [dec(rate=20000)], 1.0, 0.5, 0.02).reason == "prefill_pool"
+
+
+def test_full_or_unmeasured_decode_workers():
+    assert place_prompt(4000, pool(queued=20000), [dec(seats=0)], 1.0, 0.5, 0.02).reason == "prefill_pool"
+    # unmeasured pool: keep it; an unmeasured decode worker borrows the pool's rate
+    assert place_prompt(4000, pool(rate=None), [dec()], 1.0, 0.5, 0.02).reason == "prefill_pool"
+    pl = place_prompt(4000, pool(queued=20000), [dec(rate=None)], 1.0, 0.5, 0.02)
+    assert pl.local and pl.ttft_local_s == pytest.approx(0.4)
+
+
+# ---- the autoscaler switches roles when no worker can be added ----------------------------------
+def test_autoscaler_switches_instead_of_adding():
+    cfg = ServingConfig.from_dict({"autoscale": {"enabled": True, "max_workers": 3},
+                                   "decode": {"min": 1, "max": 4}, "prefill": {"min": 1, "max": 4}})
+    pools = Pools(cfg, "hybrid", {}, {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+    for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode"), ("decode-2", "decode")):
+        pools.workers[wid] = WorkerRecord(wid, role, None)
+    assert not pools.can_add("prefill")
+    assert pools._switch_instead({"prefill": 2}) == {"prefill": 2, "decode": 1}
+    assert "switch to prefill" in pools.autoscale_events[-1]["reason"]
+    assert pools._switch_instead({"decode": 3}) is None  # the prefill pool is at its min
+    cfg.autoscale.switch_roles = False
+    assert pools._switch_instead({"prefill": 2}) is None
+    with pytest.raises(ValueError, match="keeps the number of workers"):
+        pools._plan_switches({"prefill": 3})
+
+
+# ---- a real cluster -----------------------------------------------------------------------------
+def no_request_blocks(cluster: Cluster) -> None:
+    for row in cluster.status():
+        assert row["request_blocks"] == 0 and row["inflight"] == 0 and row["held_for_handoff"] == 0, row
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [p + " " + " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(rng.randrange(20, 120)))
+            for p in PROMPTS * 2]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    return [o.outputs[0].token_ids for o in LLM(max_model_len=512).generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    cfg = ServingConfig.from_dict({"slo": {"ttft_s": 0.4, "tpot_s": 0.5}, "decode": {"replicas": 2}})
+    c = Cluster.start(mode="hybrid", prefill=1, serving_config=cfg, max_model_len=512)
+    yield c
+    c.shutdown()
+
+
+def test_deep_prefill_queue_spills_and_outputs_match(hybrid, prompts, reference):
+    hybrid.generate(prompts[:2], GREEDY)  # the workers measure their prefill rate
+    time.sleep(2.5)  # ... and report it
+    outs = hybrid.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    local = [o for o in outs if o.prefill_worker == o.decode_worker]
+    pooled = [o for o in outs if o.prefill_worker != o.decode_worker]
+    assert local and pooled, hybrid.counters["routing"]
+    routing = hybrid.counters["routing"]
+    assert routing.get("decode_spare", 0) + routing.get("fits_decode_step", 0) >= len(local)
+    rows = {t["request_id"]: t for t in hybrid.timeline(200)}
+    for o in local:  # the timeline says where a local prompt's time went, and why it went there
+        t = rows[o.request_id]
+        assert t["placement"]["local"] and t["placement"]["reason"] in ("decode_spare", "fits_decode_step")
+        assert set(t["phases"]) == {"local_prefill", "local_to_first_token"}
+    no_request_blocks(hybrid)
+
+
+def test_mixed_load_with_cancels_holds_no_block(hybrid, prompts):
+    futures, got = [], []
+    for i, p in enumerate(prompts * 2):
+        ids = hybrid.tokenizer.encode(p)
+        sp = SamplingParams(temperature=0, max_tokens=1 if i % 5 == 0 else 24, ignore_eos=True)
+        futures.append(hybrid.submit(p, ids, sp, got.append))
+    time.sleep(1.0)
+    for f in futures[1::3]:
+        f.cancel()
+    concurrent.futures.wait(futures, timeout=300)
+    assert all(f.done() for f in futures)
+    time.sleep(1.0)  # aborts reach the workers
+    no_request_blocks(hybrid)
+
+
+def test_switch_roles_under_load(hybrid, prompts, reference):
+    before = set(hybrid.workers)
+    decode_ids = sorted(w for w, r in hybrid.workers.items() if r.role == "decode")
+    results, errors = {}, []
+
+    def load():
+        try:
+            for i in range(3):
+                for k, o in enumerate(hybrid.generate(prompts, GREEDY)):
+                    results[(i, k)] = o.outputs[0].token_ids
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    t = threading.Thread(target=load)
+    t.start()
+    time.sleep(1.0)
+    assert hybrid.scale(prefill=2, decode=1, switch_roles=True) == {"prefill": 2, "decode": 1}
+    t.join(600)
+    assert not errors and len(results) == 3 * len(prompts)
+    assert all(results[(i, k)] == reference[k] for i, k in results)  # nothing lost, nothing changed
+    assert set(hybrid.workers) == before  # no worker started or stopped
+    moved = [e["worker"] for e in hybrid.counters["switches"]]
+    assert len(moved) == 1 and moved[0] in decode_ids and hybrid.workers[moved[0]].role == "prefill"
+    roles = {w["worker_id"]: w["role"] for w in hybrid.registry_workers()}
+    assert roles[moved[0]] == "prefill"  # registered again under its new role
+    outs = hybrid.generate(prompts, GREEDY)  # the switched worker serves as a prefill worker
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    no_request_blocks(hybrid)
+    with pytest.raises(ValueError, match="keeps the number of workers"):
+        hybrid.scale(prefill=3, decode=1, switch_roles=True)
+    hybrid.scale(prefill=1, decode=2, switch_roles=True)  # and back
+    assert hybrid.pool_sizes() == {"prefill": 1, "decode": 2} and set(hybrid.workers) == before

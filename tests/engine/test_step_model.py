@@ -1,0 +1,101 @@
+"""The step-time model (engine/step_model.py) on its own: the fit recovers a known cost,
+chunks wait for the banked slack, the TPOT target bounds what a step carries; then a real
+engine under a TPOT target keeps its decodes' mean step inside it while it prefills."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.scheduler import ScheduledRequest
+from pdserve.engine.step_model import MIN_CHUNK, StepModel
+
+
+class R:  # the three fields the model reads of a request
+    def __init__(self, num_tokens: int, computed: int, outputs: int):
+        self.num_tokens, self.num_computed_tokens, self.num_output_tokens = num_tokens, computed, outputs
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens == 1 and self.num_output_tokens > 0
+
+
+def step(decodes: int, chunk: int) -> list[ScheduledRequest]:
+    out = [ScheduledRequest(R(1001, 1000, 5), 1, []) for _ in range(decodes)]
+    if chunk:
+        out.append(ScheduledRequest(R(9000, 0, 0), chunk, []))
+    return out
+
+
+def cost(decodes: int, chunk: int) -> float:
+    """A GPU-like step: 8 ms + 0.05 ms per decode, +20 ms for any prefill, 30 us per prefill token."""
+    return 0.008 + 0.00005 * decodes + (0.020 + 30e-6 * chunk if chunk else 0.0)
+
+
+def fitted(slo: float) -> StepModel:
+    m = StepModel(8192, slo)
+    rng = random.Random(0)
+    for _ in range(300):
+        d, c = rng.randrange(1, 64), rng.choice((0, 0, 256, 512, 1024, 2048))
+        m.observe(step(d, c), cost(d, c))
+    m._fit()
+    return m
+
+
+def test_fit_recovers_the_cost():
+    m = fitted(0.04)
+    for d, c in ((1, 0), (32, 0), (32, 512), (60, 2048)):
+        assert m.predict(d, c, 1001 * d, c * c / 2) == pytest.approx(cost(d, c), rel=0.02)
+
+
+def test_chunk_fits_target_plus_full_bank():
+    m = fitted(0.04)
+    target = m.margin * 0.04
+    n = m.chunk_at(32, 32 * 1001)
+    assert cost(32, n) == pytest.approx(4 * target, rel=0.02)  # the step may take (1 + BANK_STEPS) x target
+    assert fitted(0.02).chunk_at(32, 32 * 1001) < n  # a tighter target, a smaller chunk
+    assert m.chunk_at(0, 0) == 8192  # nothing decoding: the step budget
+
+
+def test_chunks_wait_for_the_bank():
+    m = fitted(0.04)
+    want = m.chunk_at(32, 32 * 1001)
+    assert m.chunk_for(32, 32 * 1001, 0, slack=0.0, remaining=8000) == 0  # not yet affordable
+    assert m.chunk_for(32, 32 * 1001, 0, slack=1.0, remaining=8000) == want  # capped at the full bank
+    short = m.chunk_for(32, 32 * 1001, 0, slack=0.05, remaining=300)  # the prompt's rest fits now
+    assert short == 300 >= MIN_CHUNK
+
+
+def test_no_target_no_cap():
+    m = StepModel(2048, None)
+    assert m.prefill_cap([R(11, 10, 1)], [R(500, 0, 0)]) is None
+
+
+def test_engine_keeps_mean_step_inside_target():
+    """A real engine: decodes running while long prompts arrive. Every step that ran decodes
+    carried at most the chunk the model allowed, and their mean wall time (as the engine
+    measured it) stays inside the target while the prompts still got prefilled."""
+    llm = LLM(max_model_len=2048, max_num_batched_tokens=2048)
+    e = llm.engine
+    rng = random.Random(0)
+    decode = SamplingParams(max_tokens=80, ignore_eos=True, temperature=0)
+    for _ in range(6):
+        e.add_request([rng.randrange(100, 20000) for _ in range(24)], decode)
+    for _ in range(12):  # the decode-only step time on this machine
+        e.step()
+    t_dec = e.step_model.step_s
+    e.retune(3 * t_dec / e.step_model.margin)  # room for prefill beside the decodes
+    for _ in range(2):
+        e.add_request([rng.randrange(100, 20000) for _ in range(700)], SamplingParams(max_tokens=2, temperature=0))
+    rows = []
+    while e.has_unfinished_requests():
+        e.step()
+        rows.append(dict(e.step_model.last))
+    with_decodes = [r for r in rows if r["decodes"]]
+    assert any(r["prefill_tokens"] for r in with_decodes)  # prompts were prefilled beside the decodes
+    for r in with_decodes:
+        assert r["cap"] is None or r["prefill_tokens"] <= r["cap"]
+    mean = sum(r["seconds"] for r in with_decodes) / len(with_decodes)
+    assert mean <= e.step_model.margin * e.step_model.slo_tpot_s * 1.15, (mean, e.step_model.slo_tpot_s)
