@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front of a pdserve cluster (FastAPI, served by uvicorn).
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE, `data: [DONE]`)
-    GET  /v1/models, /health, /metrics, /admin/status, /admin/timeline;  POST /admin/scale, /admin/slo
+    GET  /v1/models, /v1/models/{id}, /health, /metrics, /admin/status, /admin/timeline;  POST /admin/scale, /admin/slo
 
 A request is validated (body size, JSON, fields, n, sampling values, prompt +
 max_tokens against max_model_len) before anything is queued, so every refusal is an
@@ -23,6 +23,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.cluster.api import ServingCluster
 
@@ -36,20 +37,27 @@ from .schemas import ChatCompletionRequest, CompletionRequest, error_body
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               max_queue: int = 256, served_model_name: str | None = None) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
-    metrics = RouterMetrics(cluster)
-    runner = RequestRunner(cluster, max_body_bytes, max_queue)
     model_name = served_model_name or os.path.basename(os.path.normpath(cluster.model_path))
+    metrics = RouterMetrics(cluster, model_name)
+    runner = RequestRunner(cluster, max_body_bytes, max_queue)
     app.state.cluster, app.state.metrics = cluster, metrics
 
     @app.exception_handler(HTTPError)
     async def _http_error(_request, exc: HTTPError):
-        metrics.http_errors.labels(str(exc.status)).inc()
+        metrics.refused(exc.status)
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _route_error(request, exc: StarletteHTTPException):
+        """Unknown routes and methods: OpenAI error objects too, not FastAPI's {"detail": ...}."""
+        metrics.refused(exc.status_code)
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+                   else str(exc.detail))
+        return error_response(exc.status_code, message, "invalid_request_error", None, exc.headers)
 
     add_openai_routes(app, cluster, runner, model_name)
     add_operations_routes(app, cluster, metrics)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
-                       on_refuse=lambda status: metrics.http_errors.labels(str(status)).inc())
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, on_refuse=metrics.refused)
     return app
 
 
@@ -108,10 +116,20 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         return StreamingResponse(stream_body(gen, first, render, len(ids), include_usage),
                                  media_type="text/event-stream", headers=headers_of(first))
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": cluster.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                                            "max_model_len": cluster.max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """The openai client's models.retrieve(id)."""
+        if model_id not in (model_name, cluster.model_path):
+            raise HTTPError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}",
+                            param="model")
+        return card
 
 
 def check_final(out) -> None:

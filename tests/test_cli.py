@@ -66,3 +66,27 @@ def test_fused_ops_flag_defaults_to_the_engine(default_model_dir):
     # auto is on only where Triton runs on CUDA: off on CPU, even with the interpreter's Triton backend
     assert EngineConfig(device="cpu").resolve(default_model_dir).fused_ops is False
     assert EngineConfig(device="cpu", attention_backend="triton").resolve(default_model_dir).fused_ops is False
+
+
+def pdserve(*args, env=None):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cli_errors_are_one_line_and_exit_2():
+    for args, expect in ((("scale",), "give --prefill N and/or --decode M"),
+                         (("scale", "--decode", "2", "--url", "http://127.0.0.1:9"), "no pdserve server at"),
+                         (("status", "--address", "127.0.0.1:9"), "no Ray cluster at --address 127.0.0.1:9")):
+        out = pdserve(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "Traceback" not in out.stderr and expect in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_help_shows_defaults():
+    text = pdserve("serve", "--help").stdout
+    assert "--host HOST           default: 127.0.0.1" in text and "default: 8000" in text
+    assert "(default: hybrid)" in " ".join(text.split())
+    assert "(default: 256)" in text  # an option with help keeps it and gains the default

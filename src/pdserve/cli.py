@@ -80,13 +80,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pdserve.cluster.registry import REGISTRY_NAME
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
+    no_cluster = (f"no Ray cluster at --address {args.address}: start one with `pdserve serve` "
+                  "(or `ray start --head`), or pass the address of a running one")
+    if ":" in args.address:  # host:port: Ray would retry a dead address for minutes
+        import socket
+
+        host, _, port = args.address.rpartition(":")
+        try:
+            socket.create_connection((host.removeprefix("ray://"), int(port)), timeout=3).close()
+        except (OSError, ValueError):
+            raise CliError(no_cluster) from None
+    try:
+        ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
+    except ConnectionError:
+        raise CliError(no_cluster) from None
     try:
         registry = ray.get_actor(REGISTRY_NAME, namespace=args.namespace)
     except ValueError:
-        print(f"pdserve: error: no pdserve cluster in namespace {args.namespace!r} at {args.address}",
-              file=sys.stderr)
-        return 2
+        raise CliError(f"no pdserve cluster in namespace {args.namespace!r} at {args.address}: "
+                       "start one with `pdserve serve`") from None
     rows = sorted(ray.get(registry.list_workers.remote()), key=lambda w: (w["role"], w["worker_id"]))
     head = ["worker", "role", "node", "blocks used/total", "running", "waiting", "prefix hits/queries",
             "preemptions", "cached blocks"]
@@ -173,22 +185,63 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     import json
+    import os
+    import urllib.error
     import urllib.request
 
     body = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
+    if not body:
+        raise CliError("give --prefill N and/or --decode M (the pool sizes to reach)")
     if args.switch_roles:
         body["switch_roles"] = True
-    req = urllib.request.Request(f"{args.url.rstrip('/')}/admin/scale", data=json.dumps(body).encode(),
+    key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    url = f"{args.url.rstrip('/')}/admin/scale"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})})
-    with urllib.request.urlopen(req, timeout=900) as resp:
-        print(json.dumps(json.loads(resp.read()), indent=2))
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=900) as resp:
+            print(json.dumps(json.loads(resp.read()), indent=2))
+    except urllib.error.HTTPError as e:  # the server's own message, not a traceback
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        hint = " (set --api-key or PDSERVE_API_KEY)" if e.code == 401 else ""
+        raise CliError(f"the server refused the scaling (HTTP {e.code}): {message}{hint}") from None
+    except urllib.error.URLError as e:
+        raise CliError(f"no pdserve server at {args.url} ({e.reason}): start one with `pdserve serve`, "
+                       "or pass --url") from None
     return 0
 
 
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default (options without help get one too);
+    descriptions keep their line breaks."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                _show_defaults(p)
+        elif action.help is None and action.option_strings and action.default not in (None, False):
+            action.help = "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for prompts with a local engine")
     g.add_argument("prompts", nargs="+", help="one or more prompts")
     _add_engine_args(g)
@@ -257,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench import add_parser as add_bench  # argparse only; the client loads on use
 
     add_bench(sub)
+    _show_defaults(parser)
     return parser
 
 
@@ -264,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, CliError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
 

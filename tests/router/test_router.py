@@ -245,9 +245,29 @@ def test_metrics_parse_and_move(client, server):
     assert total(after, "pdserve:routing_decisions_total") > total(before, "pdserve:routing_decisions_total")
     assert any(k.startswith("vllm:kv_cache_usage_perc{") for k in after)
     assert total(after, "vllm:inter_token_latency_seconds_count") > 0
+    name = model_id(client)
     for phase in ("prefill", "decode_reserve", "kv_to_first_token"):
-        key = "pdserve:request_phase_seconds_count" + json.dumps({"phase": phase})
+        key = "pdserve:request_phase_seconds_count" + json.dumps({"model_name": name, "phase": phase}, sort_keys=True)
         assert after.get(key, 0) > before.get(key, 0), phase
+    # every series names the served model, as vLLM's do (dashboards filter on it)
+    text = httpx.get(server.url + "/metrics", headers=h).text
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert samples and all(s.labels.get("model_name") == name for s in samples)
+
+
+def test_unknown_routes_and_model_retrieve_are_openai_shaped(client, server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    for method, path in (("GET", "/ping"), ("GET", "/v1/nothing"), ("DELETE", "/v1/completions")):
+        r = httpx.request(method, server.url + path, headers=h)
+        assert r.status_code in (404, 405), (path, r.status_code)
+        err = r.json()["error"]
+        assert path in err["message"] and err["type"] == "invalid_request_error" and err["code"] == r.status_code
+    name = model_id(client)
+    card = client.models.retrieve(name)  # GET /v1/models/{id}, the official client
+    assert card.id == name and card.owned_by == "pdserve"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.status_code == 404 and "no-such-model" in str(e.value)
 
 
 def test_admin_scale_and_status(server, cluster):
@@ -260,6 +280,48 @@ def test_admin_scale_and_status(server, cluster):
     assert sum(w["role"] == "decode" for w in st["workers"]) == 2
     r = httpx.post(server.url + "/admin/scale", json={"decode": 1}, headers=h, timeout=300)
     assert r.json()["pools"] == {"prefill": 2, "decode": 1}
+
+
+def test_admin_switch_roles_and_slo(server, cluster):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/admin/scale", json={"decode": 2, "switch_roles": "yes"}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "switch_roles"
+    r = httpx.post(server.url + "/admin/scale", json={"decode": 3, "switch_roles": True}, headers=h)
+    assert r.status_code == 400 and "keeps the number of workers" in r.json()["error"]["message"]
+    workers = set(cluster.workers)
+    r = httpx.post(server.url + "/admin/scale", json={"prefill": 1, "decode": 2, "switch_roles": True},
+                   headers=h, timeout=300)
+    assert r.status_code == 200 and r.json()["pools"] == {"prefill": 1, "decode": 2}
+    assert set(cluster.workers) == workers  # moved, not started
+    r = httpx.post(server.url + "/admin/scale", json={"prefill": 2, "decode": 1, "switch_roles": True},
+                   headers=h, timeout=300)
+    assert r.json()["pools"] == {"prefill": 2, "decode": 1}
+    r = httpx.post(server.url + "/admin/slo", json={"tpot_s": -1}, headers=h)
+    assert r.status_code == 400 and "slo.tpot_s" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/admin/slo", json={"ttft_s": 1.5, "tpot_s": 0.03}, headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["slo"]["tpot_s"] == 0.03 and r.json()["slo"]["ttft_s"] == 1.5
+
+
+def test_pdserve_scale_shows_the_servers_message_and_reads_the_env_key(server, cluster):
+    import os
+    import subprocess
+    import sys
+
+    def scale(*args, key=None):
+        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+        if key:
+            env["PDSERVE_API_KEY"] = key
+        return subprocess.run([sys.executable, "-m", "pdserve", "scale", *args, "--url", server.url],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    out = scale("--decode", "0", key=KEY)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "HTTP 400" in out.stderr and "decode must be an integer >= 1, got 0" in out.stderr
+    out = scale("--decode", "1")
+    assert out.returncode == 2 and "HTTP 401" in out.stderr and "PDSERVE_API_KEY" in out.stderr
+    out = scale("--decode", "1", key=KEY)  # the key from the environment, as the server reads it
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["pools"] == cluster.pool_sizes()
 
 
 def test_conditional_disaggregation(client, cluster):
