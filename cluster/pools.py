@@ -115,8 +115,9 @@ class Pools:
         for donor in ROLES:
             to = ROLES[1 - ROLES.index(donor)]
             extra = sizes[donor] - new[donor]
+            # a worker started for the target pool first (back to its first role), then the least loaded
             idle_first = sorted((w for w in self.members(donor) if w.switching_to is None),
-                                key=lambda w: (w.load, w.worker_id))
+                                key=lambda w: (not w.worker_id.startswith(to), w.load, w.worker_id))
             moves += [(w, to) for w in idle_first[:max(0, extra)]]
         return moves
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 from .client import Record
 
@@ -67,11 +68,12 @@ def summarize(records: list[Record], duration: float, rate: float, ttft_slo: flo
 
 def _phase_means(before: dict, after: dict) -> dict:
     """Mean seconds per request phase over the run, from pdserve:request_phase_seconds."""
-    prefix = 'pdserve:request_phase_seconds_sum{phase="'
+    prefix = "pdserve:request_phase_seconds_sum{"
     out = {}
     for key, total in after.items():
-        if key.startswith(prefix):
-            phase = key[len(prefix):].split('"', 1)[0]
+        m = re.search(r'[{,]phase="([^"]*)"', key) if key.startswith(prefix) else None
+        if m:
+            phase = m.group(1)
             ckey = key.replace("_sum{", "_count{")
             n = after.get(ckey, 0) - before.get(ckey, 0)
             if n > 0:
