@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .tp import check_tp
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -169,6 +171,8 @@ class EngineConfig:
     # a time-per-output-token target in seconds: while requests decode, a step carries only the
     # prefill chunk that keeps it inside this (engine/step_model.py); None: the step budget only
     slo_tpot_s: float | None = None
+    # ranks (GPUs) one engine spans, Megatron-style (engine/tp.py); rank 0 schedules and samples
+    tensor_parallel_size: int = 1
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)
 
@@ -195,6 +199,9 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.slo_tpot_s is not None and not (isinstance(self.slo_tpot_s, (int, float)) and self.slo_tpot_s > 0):
             raise ValueError(f"slo_tpot_s must be a number of seconds > 0, got {self.slo_tpot_s!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:
@@ -213,6 +220,7 @@ class EngineConfig:
                              "attention_backend='triton' with TRITON_INTERPRET=1 on CPU)")
         self.model = model_path
         self.model_config = mc = ModelConfig.from_dir(model_path)
+        check_tp(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, self.tensor_parallel_size)
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:

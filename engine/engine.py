@@ -22,19 +22,28 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .shard import ProcessShards
 from .step_model import StepModel
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
+from .tp import TPGroup
 from .validation import check_request
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, load_format: str | None = None):
+    def __init__(self, config: EngineConfig, load_format: str | None = None, launch_shards=None):
+        """`launch_shards(config, load_format, address) -> Shards` starts ranks 1..N-1 of a
+        tensor-parallel engine (default: local processes, shard.ProcessShards)."""
         load_format = load_format or config.load_format
         config.resolve(resolve_model_path(config.model))
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.runner = ModelRunner(config, load_format)
+        self.tp, self.shards = TPGroup(), None
+        if config.tensor_parallel_size > 1:
+            self.tp = TPGroup.serve(config.tensor_parallel_size)
+            self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
+            self.tp.connect(config.torch_device)
+        self.runner = ModelRunner(config, load_format, self.tp)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -122,6 +131,17 @@ class LLMEngine:
         else:
             self.scheduler.add_running(req)
         return self._output(req, delta, [req.output_token_ids[-1]])
+
+    def close(self) -> None:
+        """Stops the shards of a tensor-parallel engine (nothing to do alone)."""
+        shards, self.shards = self.shards, None
+        if shards is None:
+            return
+        try:
+            self.tp.send(None)
+        except Exception:  # noqa: BLE001 - a rank already gone: kill the rest
+            pass
+        shards.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -227,4 +247,5 @@ class LLMEngine:
             "prefill_chunk": self.step_model.chunk_now(self.scheduler.running),
             "num_decoding": sum(1 for r in self.scheduler.running if r.is_decoding),
             "max_num_seqs": self.scheduler.max_num_seqs,
+            "tensor_parallel_size": self.tp.size,
         }

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .config import EngineConfig
+from .tp import kv_head_range
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,15 @@ class KVLayout:
         return cls(bs, layers, heads, dim, str(kv.dtype).removeprefix("torch."))
 
 
+def local_kv_heads(config: EngineConfig) -> int:
+    """KV heads one rank holds (the same count on every rank of a tensor-parallel group)."""
+    lo, hi = kv_head_range(config.model_config.num_kv_heads, config.tensor_parallel_size, 0)
+    return hi - lo
+
+
 def kv_layout(config: EngineConfig) -> KVLayout:
     mc = config.model_config
-    return KVLayout(config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+    return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), mc.head_dim,
                     str(config.kv_dtype).removeprefix("torch."))
 
 
@@ -77,7 +84,7 @@ def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
 
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
     mc = config.model_config
-    return torch.zeros(num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads,
+    return torch.zeros(num_blocks, mc.num_layers, 2, config.block_size, local_kv_heads(config),
                        mc.head_dim, dtype=config.kv_dtype, device=config.torch_device)
 
 

@@ -20,11 +20,28 @@ class LLM:
     model=None loads the default model (SmolLM2-135M-Instruct). Engine arguments
     take vLLM's names: dtype, block_size, max_model_len, gpu_memory_utilization,
     num_gpu_blocks_override, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, enable_chunked_prefill, kv_cache_dtype, ...
+    enable_prefix_caching, enable_chunked_prefill, kv_cache_dtype, tensor_parallel_size, ...
+
+    tensor_parallel_size=N runs ranks 1..N-1 in spawned processes on this host (one GPU
+    each on CUDA, cuda:0..N-1); `close()` (or `with LLM(...) as llm:`) stops them.
     """
 
     def __init__(self, model: str | None = None, load_format: str = "auto", **engine_args):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, load_format=load_format, **engine_args))
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from .config import EngineConfig
 from .default_model import default_model_path
 from .models.llama import LlamaForCausalLM
+from .tp import TPGroup
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -24,13 +25,15 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def load_model(config: EngineConfig, load_format: str = "auto") -> LlamaForCausalLM:
+def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """This rank's shard of the model (the whole model without a group)."""
     mc = config.model_config
+    tp = tp or TPGroup()
     device, dtype = config.torch_device, config.torch_dtype
     with torch.device("meta"):
-        model = LlamaForCausalLM(mc, config.max_model_len, config.use_triton, fused=config.fused_ops)
+        model = LlamaForCausalLM(mc, config.max_model_len, config.use_triton, fused=config.fused_ops, tp=tp)
     model = model.to_empty(device=device)
-    if mc.tie_word_embeddings:  # to_empty from meta makes new Parameters: tie again
+    if mc.tie_word_embeddings and tp.size == 1:  # to_empty from meta makes new Parameters: tie again
         model.lm_head.weight = model.embed_tokens.weight
     # rope tables are buffers computed at construction: rebuild them for real
     rot = model.rotary
@@ -40,8 +43,10 @@ def load_model(config: EngineConfig, load_format: str = "auto") -> LlamaForCausa
     for p in params.values():
         if p.dtype != dtype:
             p.data = p.data.to(dtype)
+    if tp.size > 1:
+        model.lm_head.weight.data.zero_()  # the last rank's padding rows: logits cut after the gather
     if load_format == "dummy":
-        gen = torch.Generator(device=device).manual_seed(config.seed)
+        gen = torch.Generator(device=device).manual_seed(config.seed + 7919 * tp.rank)
         for p in model.parameters():
             p.data.uniform_(-0.02, 0.02, generator=gen)
         for name, p in model.named_parameters():
@@ -55,6 +60,7 @@ def load_model(config: EngineConfig, load_format: str = "auto") -> LlamaForCausa
 
 
 def _load_safetensors(model: LlamaForCausalLM, path: str, params: dict) -> None:
+    """Reads only this rank's slices of each tensor (safetensors' lazy slices)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -65,22 +71,21 @@ def _load_safetensors(model: LlamaForCausalLM, path: str, params: dict) -> None:
         for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
             with safe_open(file, framework="pt") as f:
                 for hf_name in f.keys():
-                    target = model.fused_param(hf_name)
-                    if target is None:
-                        continue
-                    name, rows = target
-                    if name not in params:
-                        raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
-                    p = params[name]
-                    t = f.get_tensor(hf_name)
-                    dst = p.data if rows is None else p.data[rows]
-                    if dst.shape != t.shape:
-                        raise ValueError(f"tensor {hf_name!r} has shape {tuple(t.shape)}, "
-                                         f"expected {tuple(dst.shape)}")
-                    dst.copy_(t)
-                    loaded[name] = loaded.get(name, 0) + t.shape[0]
+                    for name, rows, dim, src in model.shard_targets(hf_name):
+                        if name not in params:
+                            raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
+                        p = params[name]
+                        part = f.get_slice(hf_name)
+                        t = part[:] if src is None else (part[src] if dim == 0 else part[:, src])
+                        dst = p.data if rows is None else p.data[rows]
+                        if dst.shape != t.shape:
+                            raise ValueError(f"tensor {hf_name!r} gives {tuple(t.shape)} to {name} here, "
+                                             f"expected {tuple(dst.shape)} (checkpoint shape "
+                                             f"{tuple(part.get_shape())})")
+                        dst.copy_(t)
+                        loaded[name] = loaded.get(name, 0) + t.numel()
     for name, p in params.items():
-        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings and model.tp.size == 1:
             continue
-        if loaded.get(name, 0) != p.shape[0]:
+        if loaded.get(name, 0) != model.expected_elements(name, p):
             raise ValueError(f"checkpoint at {path!r} is missing weights for {name}")

@@ -9,9 +9,15 @@ On CUDA, all-decode steps replay CUDA graphs captured at start for padded batch
 sizes (1, 2, 4, 8, 16, 32, ...): a decode step of an 8B model launches ~800 kernels,
 and launching them from Python costs more than running them. Padding rows store
 nothing (slot -1) and attend to one token of block 0; their logits are dropped.
+
+Tensor parallel (engine/tp.py): rank 0's runner builds a step's host inputs (`StepInputs`:
+numpy arrays, cheap to pickle), sends them to the shards and runs `forward` on them; each
+shard's runner receives them and runs the same `forward` (shard.py). Only rank 0 samples.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,11 +28,31 @@ from .kv_cache import allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
 from .sampler import Sampler
 from .scheduler import ScheduledRequest
+from .tp import TPGroup
+
+
+@dataclass
+class StepInputs:
+    """A step's host-side inputs, the same on every rank. `graph`: an all-decode batch padded
+    to a captured size (cols = decode_inputs' rows); else the eager flat batch."""
+
+    graph: bool
+    num_rows: int  # real rows (graph) / sequences (eager)
+    tables: np.ndarray  # int32 [rows, max_blocks]
+    cols: np.ndarray | None = None  # graph: int64 [4, padded] ids, positions, slots, context lengths
+    ids: np.ndarray | None = None  # eager: int64 [T] each
+    positions: np.ndarray | None = None
+    slots: np.ndarray | None = None
+    seq_lens: list | None = None
+    query_lens: list | None = None
+    num_decodes: int = 0
+    sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, load_format: str = "auto"):
+    def __init__(self, config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None):
         self.config = config
+        self.tp = tp or TPGroup()
         self.device = config.torch_device
         self.block_size = config.block_size
         if self.device.type == "cuda":
@@ -35,8 +61,9 @@ class ModelRunner:
             # (measured on H200, torch 2.11: 74 ms on an unseen length vs 1 ms for flash;
             # bench/results/prefill_shapes.md); served prompts rarely repeat a length
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.model = load_model(config, load_format)
-        self.num_blocks = num_kv_blocks(config, self._activation_bytes())
+        self.model = load_model(config, load_format, self.tp)
+        # every rank holds the same block ids: the count the fullest GPU allows
+        self.num_blocks = self.tp.min_int(num_kv_blocks(config, self._activation_bytes()))
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
         self.kv_views = layer_views(self.kv)
         self.layout = kv_layout(config)
@@ -60,42 +87,51 @@ class ModelRunner:
     def order(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         return sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
 
-    def prepare(self, batch: list[ScheduledRequest]):
+    def host_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
+        """Rank 0: the step's inputs as numpy arrays (graph replay or the eager batch)."""
+        n = len(batch)
+        if self.graphs and n <= max(self.graphs) and all(s.num_new_tokens == 1 for s in batch):
+            b = min(k for k in self.graphs if k >= n)
+            cols, tables = decode_inputs(batch, b, self.block_size, self.g_tables.shape[1])
+            return StepInputs(True, n, tables, cols=cols)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens, query_lens, sample_rows = [], [], []
-        max_blocks = max(len(s.block_ids) for s in batch)
-        tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
+        tables = np.zeros((n, max(len(s.block_ids) for s in batch)), dtype=np.int32)
         num_decodes = 0
         for i, s in enumerate(batch):
-            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            input_ids += req.all_token_ids[start : start + n]
-            pos = range(start, start + n)
+            req, start, k = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            input_ids += req.all_token_ids[start : start + k]
+            pos = range(start, start + k)
             positions += pos
             slots += [s.block_ids[p // bs] * bs + p % bs for p in pos]
-            seq_lens.append(start + n)
-            query_lens.append(n)
+            seq_lens.append(start + k)
+            query_lens.append(k)
             tables[i, : len(s.block_ids)] = s.block_ids
-            if n == 1 and num_decodes == i:
+            if k == 1 and num_decodes == i:
                 num_decodes += 1
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
+        i64 = np.int64
+        return StepInputs(False, n, tables, ids=np.array(input_ids, i64), positions=np.array(positions, i64),
+                          slots=np.array(slots, i64), seq_lens=seq_lens, query_lens=query_lens,
+                          num_decodes=num_decodes, sample_rows=np.array(sample_rows, i64))
+
+    def prepare(self, inp: StepInputs):
+        """The eager batch's device tensors and attention metadata."""
         dev = self.device
         nb = dev.type == "cuda"
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=nb)
+
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=nb),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=nb),
-            seq_lens=seq_lens,
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=nb),
-            query_lens=query_lens,
-            num_decodes=num_decodes,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=nb)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=nb)
-        rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=nb)
-        return ids, pos_t, meta, rows
+            slot_mapping=put(inp.slots), block_tables=put(inp.tables), seq_lens=inp.seq_lens,
+            seq_lens_t=torch.tensor(inp.seq_lens, dtype=torch.int32).to(dev, non_blocking=nb),
+            query_lens=inp.query_lens, num_decodes=inp.num_decodes)
+        return put(inp.ids), put(inp.positions), meta, put(inp.sample_rows)
 
     # ---- CUDA graphs for decode ---------------------------------------------------------
     def graph_sizes(self) -> list[int]:
@@ -130,21 +166,28 @@ class ModelRunner:
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize()
 
-    def _replay(self, batch: list[ScheduledRequest]) -> torch.Tensor | None:
-        """Logits of an all-decode batch through a captured graph (None: run eagerly)."""
-        n = len(batch)
-        if not self.graphs or n > max(self.graphs) or any(s.num_new_tokens != 1 for s in batch):
-            return None
-        b = min(k for k in self.graphs if k >= n)
-        cols, tables = decode_inputs(batch, b, self.block_size, self.g_tables.shape[1])
-        self.g_ids[:b].copy_(torch.from_numpy(cols[0]), non_blocking=True)
-        self.g_pos[:b].copy_(torch.from_numpy(cols[1]), non_blocking=True)
-        self.g_slots[:b].copy_(torch.from_numpy(cols[2]), non_blocking=True)
-        self.g_lens[:b].copy_(torch.from_numpy(cols[3].astype(np.int32)), non_blocking=True)
-        self.g_tables[:b].copy_(torch.from_numpy(tables), non_blocking=True)
+    def _replay(self, inp: StepInputs) -> torch.Tensor:
+        """Logits of an all-decode batch through its captured graph."""
+        b = inp.cols.shape[1]
+        self.g_ids[:b].copy_(torch.from_numpy(inp.cols[0]), non_blocking=True)
+        self.g_pos[:b].copy_(torch.from_numpy(inp.cols[1]), non_blocking=True)
+        self.g_slots[:b].copy_(torch.from_numpy(inp.cols[2]), non_blocking=True)
+        self.g_lens[:b].copy_(torch.from_numpy(inp.cols[3].astype(np.int32)), non_blocking=True)
+        self.g_tables[:b].copy_(torch.from_numpy(inp.tables), non_blocking=True)
         graph, out = self.graphs[b]
         graph.replay()
-        return out[:n]
+        return out[: inp.num_rows]
+
+    @torch.inference_mode()
+    def forward(self, inp: StepInputs) -> torch.Tensor | None:
+        """Every rank: runs the step; the logits of its sampling rows (None if none)."""
+        if inp.graph:
+            return self._replay(inp)
+        ids, positions, meta, rows = self.prepare(inp)
+        hidden = self.model(ids, positions, self.kv_views, meta)
+        if not len(inp.sample_rows):
+            return None
+        return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
@@ -160,14 +203,12 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
         batch = self.order(scheduled)
-        logits = self._replay(batch)
+        inp = self.host_inputs(batch)
+        self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
+        logits = self.forward(inp)
         samplers = [s for s in batch if s.samples]
         if logits is None:
-            ids, positions, meta, rows = self.prepare(batch)
-            hidden = self.model(ids, positions, self.kv_views, meta)
-            if not samplers:
-                return {}
-            logits = self.model.compute_logits(hidden[rows])
+            return {}
         req_ids = [s.request.request_id for s in samplers]
         tokens = self.sampler(logits, [s.request.sampling_params for s in samplers], req_ids,
                               [s.request.banned_token_ids() for s in samplers])

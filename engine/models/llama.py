@@ -9,6 +9,10 @@ Hugging Face tensors into the fused weights. Numerics follow HF's modeling code
 
 `fused=True` runs the elementwise parts through Triton kernels (engine/ops/triton_fused.py):
 the residual travels beside the hidden states, and each RMSNorm adds it first.
+
+With a tensor-parallel group of N (engine/tp.py) each rank builds its shard: its q and KV
+heads, its ff/N of gate/up, o and down reading only those, an all-reduce after each of
+o and down (their biases added once, after it), its ceil(V/N) rows of the LM head.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, PagedAttention
 from ..config import ModelConfig
+from ..tp import TPGroup, kv_head_range, vocab_range
 
 
 def _fused_ops():
@@ -83,17 +88,35 @@ class RotaryEmbedding(nn.Module):
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
 
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard @ W_shard^T) + b: the input dim is split across the ranks;
+    the bias is whole on every rank and added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False,
-                 layer: int = 0):
+                 layer: int = 0, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup()
         self.fused = fused
         self.rope_ = _fused_ops().rope_ if fused else None
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = cfg.num_heads // tp.size
+        lo, hi = kv_head_range(cfg.num_kv_heads, tp.size, tp.rank)
+        self.num_kv_heads, self.head_dim = hi - lo, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, cfg.layer_windows[layer], use_triton)
@@ -112,12 +135,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, fused: bool = False, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup()
         self.fused = fused
         self.silu_mul = _fused_ops().silu_mul if fused else None
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        ff = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * ff, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(ff, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x):
         if self.fused:
@@ -128,12 +153,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, use_triton: bool, fused: bool = False,
-                 layer: int = 0):
+                 layer: int = 0, tp: TPGroup | None = None):
         super().__init__()
         self.fused = fused
         self.add_rmsnorm = _fused_ops().add_rmsnorm if fused else None
-        self.self_attn = Attention(cfg, rotary, use_triton, fused, layer)
-        self.mlp = MLP(cfg, fused)
+        self.self_attn = Attention(cfg, rotary, use_triton, fused, layer, tp)
+        self.mlp = MLP(cfg, fused, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -151,17 +176,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, use_triton: bool, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, max_positions: int, use_triton: bool, fused: bool = False,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp = tp or TPGroup()
         self.fused = fused
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, use_triton, fused, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, use_triton, fused, i, tp)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        # vocab-parallel: ceil(V/N) rows here (the last rank's tail rows are zero, cut after the gather)
+        self.vocab_rows = vocab_range(cfg.vocab_size, tp.size, tp.rank)
+        self.lm_head = nn.Linear(cfg.hidden_size, -(-cfg.vocab_size // tp.size), bias=False)
+        if cfg.tie_word_embeddings and tp.size == 1:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
@@ -176,24 +206,48 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last(logits)[:, : self.cfg.vocab_size]
+        return logits.float()
 
     # ---- weights -----------------------------------------------------------------------
-    def fused_param(self, hf_name: str) -> tuple[str, slice | None] | None:
-        """Maps a Hugging Face tensor name to (our parameter, rows within it)."""
-        c = self.cfg
+    def shard_targets(self, hf_name: str) -> list[tuple[str, slice | None, int, slice | None]]:
+        """Where a Hugging Face tensor goes on this rank: [(our parameter, rows within it,
+        dim of the source to slice, the slice of it this rank reads (None: all))]."""
+        c, tp = self.cfg, self.tp
         name = hf_name.removeprefix("model.")
         if name.startswith("rotary_emb") or ".rotary_emb." in name:
-            return None
+            return []
         if name == "lm_head.weight" and c.tie_word_embeddings:
-            return None
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        for part, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
-                           ("v_proj", slice(q + kv, q + 2 * kv))):
+            return []
+        d, r = c.head_dim, tp.rank
+        hq = c.num_heads // tp.size
+        klo, khi = kv_head_range(c.num_kv_heads, tp.size, r)
+        q, kv = hq * d, (khi - klo) * d
+        kv_src = slice(klo * d, khi * d)
+        for part, rows, src in (("q_proj", slice(0, q), slice(r * q, (r + 1) * q)),
+                                ("k_proj", slice(q, q + kv), kv_src), ("v_proj", slice(q + kv, q + 2 * kv), kv_src)):
             if f".self_attn.{part}." in name:
-                return name.replace(part, "qkv_proj"), rows
-        ff = c.intermediate_size
+                return [(name.replace(part, "qkv_proj"), rows, 0, src)]
+        ff = c.intermediate_size // tp.size
         for part, rows in (("gate_proj", slice(0, ff)), ("up_proj", slice(ff, 2 * ff))):
             if f".mlp.{part}." in name:
-                return name.replace(part, "gate_up_proj"), rows
-        return name, None
+                return [(name.replace(part, "gate_up_proj"), rows, 0, slice(r * ff, (r + 1) * ff))]
+        for part, width in (("self_attn.o_proj.weight", q), ("mlp.down_proj.weight", ff)):
+            if name.endswith(part):
+                return [(name, None, 1, slice(r * width, (r + 1) * width))]
+        lo, hi = self.vocab_rows
+        if name == "lm_head.weight":
+            return [(name, slice(0, hi - lo), 0, slice(lo, hi))]
+        if name == "embed_tokens.weight" and c.tie_word_embeddings and tp.size > 1:
+            return [(name, None, 0, None), ("lm_head.weight", slice(0, hi - lo), 0, slice(lo, hi))]
+        return [(name, None, 0, None)]
+
+    def expected_elements(self, name: str, p: torch.Tensor) -> int:
+        """How many of parameter `name`'s elements a checkpoint fills (the LM head's padding
+        rows on the last rank stay zero)."""
+        if name == "lm_head.weight":
+            lo, hi = self.vocab_rows
+            return (hi - lo) * p.shape[1]
+        return p.numel()

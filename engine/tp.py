@@ -1,0 +1,166 @@
+"""Tensor parallelism: one engine over N processes (one per GPU), in lockstep.
+
+Rank 0 owns everything that decides (scheduler, block tables, sampling); ranks 1..N-1
+(shards, `shard.py`) hold a slice of the weights and of the KV cache and run the same
+forward pass on the inputs rank 0 sends them, one step at a time:
+
+    rank 0   schedule -> host inputs -> ctrl.broadcast -> forward (all-reduces) -> sample
+    rank k               ctrl.broadcast (receive)      -> forward (all-reduces)
+
+Sharding (Megatron): q heads split evenly; KV heads split evenly, or each rank keeps the
+one KV head its q heads read when num_kv_heads < N (replicated N / num_kv_heads times);
+qkv and gate/up column-parallel, o and down row-parallel with one all-reduce each; the
+embedding replicated (a lookup reads T rows: no traffic); the LM head vocab-parallel
+(ceil(V / N) rows per rank, all-gathered logits: it saves (N-1)/N of a 1-2 GB matrix
+per rank on 70B-class models, room for KV).
+
+The group is built at run time, like the transfer groups: rank 0 serves a TCPStore,
+the shards join it; two process groups over it: `ctrl` (gloo, CPU: the step inputs,
+pickled) and `dev` (NCCL on CUDA, gloo on CPU: all-reduce and all-gather). A shard
+that dies closes its sockets: rank 0's next collective raises (`TPError`), and the
+worker hosting it ends (the cluster replaces it). The ctrl group waits without limit
+(an idle engine sends nothing); the dev group's collectives time out after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class TPError(RuntimeError):
+    """A collective of the tensor-parallel group failed: a rank died or hung."""
+
+
+def check_tp(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+    """Raises ValueError naming the numbers when a model cannot be split `size` ways."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the model's {num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} and the model's {num_kv_heads} KV heads: one must "
+                         "divide the other")
+    if intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the model's intermediate size "
+                         f"{intermediate_size}")
+
+
+def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """The global KV heads [lo, hi) rank `rank` of `size` holds."""
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return rank * per, (rank + 1) * per
+    h = rank * num_kv_heads // size
+    return h, h + 1
+
+
+def vocab_range(vocab_size: int, size: int, rank: int) -> tuple[int, int]:
+    """The LM-head rows [lo, hi) of rank `rank`; each rank's shard has ceil(V / N) rows."""
+    per = -(-vocab_size // size)
+    return min(rank * per, vocab_size), min((rank + 1) * per, vocab_size)
+
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+@dataclass
+class TPGroup:
+    """This process's place in a tensor-parallel group; size 1 is the ordinary engine."""
+
+    rank: int = 0
+    size: int = 1
+    ctrl: object = None  # ProcessGroupGloo: step inputs from rank 0
+    dev: object = None  # ProcessGroupNCCL / Gloo: the model's collectives
+    store: object = None  # rank 0's TCPStore (kept alive)
+
+    @property
+    def address(self) -> str | None:
+        return None if self.store is None else f"{self.host}:{self.store.port}"
+
+    @classmethod
+    def serve(cls, size: int, host: str = "127.0.0.1") -> TPGroup:
+        """Rank 0's store, before the shards start (they need its address)."""
+        store = dist.TCPStore(host, 0, world_size=size, is_master=True, wait_for_workers=False,
+                              timeout=td(600))
+        g = cls(0, size, store=store)
+        g.host = host
+        return g
+
+    def connect(self, device: torch.device, address: str | None = None, timeout_s: float = 600.0) -> TPGroup:
+        """Builds both process groups (every rank calls it; blocks until all have)."""
+        if self.size == 1:
+            return self
+        if self.store is None:
+            host, port = address.rsplit(":", 1)
+            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=td(timeout_s))
+        self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("tp/ctrl", self.store), self.rank, self.size,
+                                          td(365 * 86400))
+        dev_store = dist.PrefixStore("tp/dev", self.store)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td(timeout_s)
+            self.dev = dist.ProcessGroupNCCL(dev_store, self.rank, self.size, opts)
+        else:
+            self.dev = dist.ProcessGroupGloo(dev_store, self.rank, self.size, td(timeout_s))
+        return self
+
+    # ---- the model's collectives ---------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            self._wait(self.dev.allreduce([x]))
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., N * n], rank-major along the last dim."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._wait(self.dev._allgather_base(out, x))
+        return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (the KV block count all ranks can hold)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._wait(self.ctrl.allreduce([t], opts))
+        return int(t.item())
+
+    # ---- rank 0 -> shards -----------------------------------------------------------------------
+    def send(self, obj) -> None:
+        """Rank 0: one message to every shard (a step's inputs, or None: stop)."""
+        if self.size == 1:
+            return
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self._wait(self.ctrl.broadcast([torch.tensor([len(data)], dtype=torch.int64)], _root0()))
+        self._wait(self.ctrl.broadcast([torch.frombuffer(bytearray(data), dtype=torch.uint8)], _root0()))
+
+    def recv(self):
+        """A shard: the next message from rank 0."""
+        n = torch.zeros(1, dtype=torch.int64)
+        self._wait(self.ctrl.broadcast([n], _root0()))
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        self._wait(self.ctrl.broadcast([buf], _root0()))
+        return pickle.loads(buf.numpy().tobytes())
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - gloo / NCCL raise their own types
+            raise TPError(f"tensor-parallel rank {self.rank} of {self.size}: a collective failed "
+                          f"(a rank died or hung): {e}") from e
+
+
+def _root0() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts

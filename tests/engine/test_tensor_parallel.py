@@ -1,0 +1,122 @@
+"""Tensor parallelism on CPU (gloo, float32): N processes in lockstep give TP=1's greedy
+tokens; each rank loads exactly its Megatron slices; a dead rank fails the step clearly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import save_hf
+
+from pdserve import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.loader import load_model
+from pdserve.engine.tp import TPError, TPGroup, check_tp, kv_head_range, vocab_range
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    shared = [11, 52, 903, 4000, 17, 88, 612, 9, 1200, 33, 71, 5, 6, 7, 8, 9, 10]  # > one 16-token block
+    return [shared + [21, 22, 23], shared + [31], [7, 8, 9], list(range(100, 140)), [42]]
+
+
+@pytest.fixture(scope="module")
+def biased_llama(tmp_path_factory, default_model_dir) -> str:
+    """A Llama with q/k/v/o and MLP biases and a vocabulary 4 does not divide (49155):
+    row-parallel biases added once, the last rank's LM-head rows padded."""
+    out = str(tmp_path_factory.mktemp("biased"))
+    save_hf("llama", dict(vocab_size=49155, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          initializer_range=0.15, attention_bias=True, mlp_bias=True, bos_token_id=1,
+                          eos_token_id=2, pad_token_id=2), out, default_model_dir, bias_std=0.1)
+    return out
+
+
+def _greedy(model_dir: str, tp: int, params: SamplingParams = GREEDY, **kw) -> list[list[int]]:
+    with LLM(model_dir, tensor_parallel_size=tp, **kw) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+
+
+@pytest.mark.parametrize("kind,tp", [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4)])
+def test_tp_greedy_equals_tp1(tiny_models, kind, tp):
+    """llama: 2 KV heads (TP=4 replicates each twice); qwen2: 1 KV head, q/k/v biases, tied
+    embeddings (the LM head's shard is cut from the embedding)."""
+    assert _greedy(tiny_models[kind], tp) == _greedy(tiny_models[kind], 1)
+
+
+def test_tp_with_biases_padded_vocab_preemption_and_prefix_hits(biased_llama):
+    """6 blocks for 5 prompts of up to 70 tokens: requests are preempted and recomputed;
+    the shared 16-token block is a prefix hit. The shards follow rank 0's block tables."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = _greedy(biased_llama, 1, params)
+    with LLM(biased_llama, tensor_parallel_size=4, num_gpu_blocks_override=6, max_num_seqs=4) as llm:
+        outs = llm.generate(_prompts(), params)
+        stats = llm.engine.stats()
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert stats["tensor_parallel_size"] == 4
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+
+
+def test_each_rank_loads_its_slices(tiny_models):
+    """Rank 1 of 4 on the llama (4 q heads, 2 KV heads, head_dim 16, ff 128): q head 1,
+    KV head 0 (replicated on ranks 0 and 1), gate/up rows 32:64, o/down columns."""
+    from safetensors import safe_open
+
+    d = tiny_models["llama"]
+    cfg = EngineConfig(model=d, tensor_parallel_size=4).resolve(d)
+    model = load_model(cfg, tp=TPGroup(rank=1, size=4))
+    with safe_open(os.path.join(d, "model.safetensors"), framework="pt") as f:
+        hf = {k: f.get_tensor(k) for k in f.keys()}
+    layer = model.layers[1]
+    qkv = layer.self_attn.qkv_proj.weight
+    p = "model.layers.1."
+    assert qkv.shape == (16 * 3, 64)
+    assert torch.equal(qkv[:16], hf[p + "self_attn.q_proj.weight"][16:32])
+    assert torch.equal(qkv[16:32], hf[p + "self_attn.k_proj.weight"][0:16])
+    assert torch.equal(qkv[32:], hf[p + "self_attn.v_proj.weight"][0:16])
+    assert torch.equal(layer.self_attn.o_proj.weight, hf[p + "self_attn.o_proj.weight"][:, 16:32])
+    gate_up = layer.mlp.gate_up_proj.weight
+    assert torch.equal(gate_up[:32], hf[p + "mlp.gate_proj.weight"][32:64])
+    assert torch.equal(gate_up[32:], hf[p + "mlp.up_proj.weight"][32:64])
+    assert torch.equal(layer.mlp.down_proj.weight, hf[p + "mlp.down_proj.weight"][:, 32:64])
+    lo, hi = vocab_range(49152, 4, 1)
+    assert (lo, hi) == (12288, 24576)
+    assert torch.equal(model.lm_head.weight, hf["lm_head.weight"][lo:hi])
+    assert torch.equal(model.embed_tokens.weight, hf["model.embed_tokens.weight"])  # replicated
+
+
+def test_head_ranges_and_refusals():
+    assert [kv_head_range(8, 2, r) for r in range(2)] == [(0, 4), (4, 8)]
+    assert [kv_head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert vocab_range(49155, 4, 3) == (36867, 49155)  # 12288 rows + 1 padding row
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the model's 4 attention heads"):
+        check_tp(4, 2, 128, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 and the model's 6 KV heads"):
+        check_tp(8, 6, 128, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_tp_size_the_model_cannot_split_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
+        LLM(tiny_models["llama"], tensor_parallel_size=3)
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2)
+    try:
+        assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
+        proc = llm.engine.shards.procs[0]
+        proc.kill()
+        proc.wait()
+        assert llm.engine.shards.dead() == [1]
+        with pytest.raises(TPError, match="tensor-parallel rank 0 of 2: a collective failed"):
+            llm.generate([[5, 6, 7]], GREEDY)
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # the aborted request freed its blocks
+    finally:
+        llm.close()
