@@ -7,13 +7,14 @@ import os
 
 import pytest
 import torch
-from helpers import save_hf
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.loader import load_model
 from pdserve.engine.tp import TPError, TPGroup, check_tp, kv_head_range, vocab_range
+
+from helpers import save_hf
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
