@@ -29,7 +29,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.transfer.base import HandoffTarget, KVConnector, TransferState
+from pdserve.transfer.base import KVConnector, TransferState
 
 
 @dataclass
@@ -90,11 +90,10 @@ class DecodeRole(Role):
                 continue
             fill, skip = res
             req.num_cached_tokens = skip * self.engine.config.block_size
-            channel = self.connector.new_channel(inc.peer)
-            self.connector.start_recv(inc.peer, req.request_id, fill, channel, self.handoff_timeout_s)
+            # one receive, or one per route from a tensor-parallel peer's ranks (transfer/tp.py)
+            _, target = self.connector.receive(inc.peer, req.request_id, fill, skip, self.handoff_timeout_s)
             inc.spans["reserved"] = time.time()
             self.receiving[req.request_id] = inc
-            target = HandoffTarget(self.connector.name, self.connector.address, channel, skip)
             events.append(Reserved(req.request_id, inc.peer, target))
         self.backlog = waiting
         return events

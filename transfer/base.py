@@ -69,6 +69,13 @@ class HandoffTarget:
     address: str
     channel: Channel
     num_skip: int
+    # a tensor-parallel receiver: (rank name, address, channel) of each of its ranks, in rank
+    # order (rank 0's is peer/address/channel above); empty for a single-GPU receiver
+    ranks: tuple = ()
+
+    @property
+    def tp(self) -> int:
+        return max(1, len(self.ranks))
 
 
 @dataclass(eq=False)
@@ -92,6 +99,9 @@ class Handoff:
     t_started: float | None = None
     t_first_post: float | None = None
     t_posted: float | None = None
+    # tensor parallel: the KV heads [lo, hi) of this rank's blocks that this handoff moves
+    # (the peer moves as many of its own); None: all of them
+    heads: tuple[int, int] | None = None
 
     @property
     def deadline(self) -> float:
@@ -125,16 +135,24 @@ class Handoff:
         return None if self.finished_at is None else self.finished_at - self.created
 
 
-def wire_layout(kv: torch.Tensor, chunk_bytes: int) -> dict:
-    """What two peers must share to exchange blocks: the KV layout (engine/kv_cache.KVLayout)
-    and the chunking of a message."""
-    return {**KVLayout.of(kv).as_dict(), "min_chunk_bytes": chunk_bytes}
+def wire_layout(kv: torch.Tensor, chunk_bytes: int, tp: int = 1, kv_heads_total: int | None = None) -> dict:
+    """What two peers must share to exchange blocks: the KV layout (engine/kv_cache.KVLayout),
+    the model's KV heads and the chunking of a message. `tp` and the rank's own head count
+    may differ (tensor-parallel ranks exchange head slices)."""
+    lay = KVLayout.of(kv).as_dict()
+    return {**lay, "min_chunk_bytes": chunk_bytes, "tp": tp,
+            "kv_heads_total": kv_heads_total if kv_heads_total is not None else lay["num_kv_heads"]}
+
+
+_MAY_DIFFER = ("tp", "num_kv_heads")
 
 
 def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
-    if mine != theirs:
-        diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
-        raise LayoutMismatch(f"KV layout mismatch with peer {peer!r} (ours, theirs): {diff}")
+    keys = (set(mine) | set(theirs)) - set(_MAY_DIFFER)
+    diff = {k: (mine.get(k), theirs.get(k)) for k in keys if mine.get(k) != theirs.get(k)}
+    if diff:
+        raise LayoutMismatch(f"KV layout mismatch with peer {peer!r} (ours TP={mine.get('tp', 1)}, theirs "
+                             f"TP={theirs.get('tp', 1)}; ours, theirs): {diff}")
 
 
 def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
@@ -213,15 +231,25 @@ class KVConnector(ABC):
 
     @abstractmethod
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
-                   timeout_s: float | None = None, ready=None, meta: dict | None = None) -> Handoff:
+                   timeout_s: float | None = None, ready=None, meta: dict | None = None,
+                   heads: tuple[int, int] | None = None) -> Handoff:
         """Sends `block_ids` (the request's blocks after target.num_skip) and `meta` to the
         target. `ready`: a CUDA event recorded after the step that wrote the blocks
-        (default: one recorded now on the caller's stream)."""
+        (default: one recorded now on the caller's stream). `heads`: only that slice of
+        the blocks' KV heads (tensor parallel, transfer/tp.py)."""
 
     @abstractmethod
     def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-                   timeout_s: float | None = None) -> Handoff:
+                   timeout_s: float | None = None, heads: tuple[int, int] | None = None) -> Handoff:
         """Receives into `block_ids` on `channel` (from new_channel); `meta` arrives with it."""
+
+    def receive(self, peer: str, request_id: str, block_ids: list[int], num_skip: int,
+                timeout_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
+        """Receiver: posts the receive of a handoff from `peer` on a new channel; returns it
+        and the target the sender needs (tensor-parallel workers: transfer/tp.py)."""
+        channel = self.new_channel(peer)
+        h = self.start_recv(peer, request_id, block_ids, channel, timeout_s)
+        return h, HandoffTarget(self.name, self.address, channel, num_skip)
 
     @abstractmethod
     def poll(self) -> list[Handoff]:

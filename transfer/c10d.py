@@ -38,11 +38,12 @@ class C10dConnector(KVConnector):
     """One per worker. `kv` is the worker's block-major KV tensor (engine/kv_cache.py)."""
 
     def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0,
-                 min_chunk_bytes: int = 64 << 20):
+                 min_chunk_bytes: int = 64 << 20, tp: int = 1, kv_heads_total: int | None = None):
         self.name = name
         self.kv = kv
         self.device = kv.device
-        self.layout = wire_layout(kv, min_chunk_bytes)  # both peers must also chunk alike
+        # both peers must also chunk alike; tensor-parallel ranks may hold different head counts
+        self.layout = wire_layout(kv, min_chunk_bytes, tp, kv_heads_total)
         self.block_bytes = kv[0].numel() * kv.element_size()
         self.min_chunk_bytes = min_chunk_bytes
         self.staging = StagingPool(kv, min_chunk_bytes)
@@ -121,9 +122,10 @@ class C10dConnector(KVConnector):
 
     # ---- the interface -------------------------------------------------------------------------
     def _start(self, is_sender: bool, peer: str, peer_address: str, request_id: str, block_ids: list[int],
-               channel: Channel, timeout_s: float | None, ready=None, meta: dict | None = None) -> Handoff:
+               channel: Channel, timeout_s: float | None, ready=None, meta: dict | None = None,
+               heads=None) -> Handoff:
         h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s,
-                    meta=meta)
+                    meta=meta, heads=None if heads is None else tuple(heads))
         if is_sender and self.stream is not None:
             h._ready = ready
             if ready is None:
@@ -141,13 +143,13 @@ class C10dConnector(KVConnector):
         return h
 
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
-                   timeout_s: float | None = None, ready=None, meta: dict | None = None) -> Handoff:
+                   timeout_s: float | None = None, ready=None, meta: dict | None = None, heads=None) -> Handoff:
         return self._start(True, target.peer, target.address, request_id, block_ids, target.channel, timeout_s,
-                           ready, meta)
+                           ready, meta, heads)
 
     def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-                   timeout_s: float | None = None) -> Handoff:
-        return self._start(False, peer, "", request_id, block_ids, channel, timeout_s)
+                   timeout_s: float | None = None, heads=None) -> Handoff:
+        return self._start(False, peer, "", request_id, block_ids, channel, timeout_s, heads=heads)
 
     def poll(self) -> list[Handoff]:
         now = time.monotonic()
@@ -181,12 +183,12 @@ class C10dConnector(KVConnector):
         return True
 
     def forget_peer(self, peer: str) -> None:
-        """The peer left the cluster: close both directions of its pair."""
-        for key in [(peer, True), (peer, False)]:
-            with self._lock:
-                pair = self._pairs.get(key)
-            if pair is not None:
-                pair.kill(f"peer {peer} left")
+        """The peer left the cluster: close both directions of its pairs (with each of its
+        ranks, "<peer>#<r>", when it was tensor-parallel)."""
+        with self._lock:
+            pairs = [p for (name, _), p in self._pairs.items() if name == peer or name.startswith(f"{peer}#")]
+        for pair in pairs:
+            pair.kill(f"peer {peer} left")
 
     @property
     def num_pending(self) -> int:

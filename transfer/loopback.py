@@ -43,9 +43,9 @@ class LoopbackConnector(KVConnector):
         return Channel(0)
 
     def _start(self, is_sender: bool, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-               timeout_s: float | None, meta: dict | None = None) -> Handoff:
+               timeout_s: float | None, meta: dict | None = None, heads=None) -> Handoff:
         h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s,
-                    meta=meta)
+                    meta=meta, heads=heads)
         self._handoffs[request_id] = h
         sender, receiver = (self.name, peer) if is_sender else (peer, self.name)
         key = (sender, receiver, request_id)
@@ -66,7 +66,12 @@ class LoopbackConnector(KVConnector):
             return h
         if send.block_ids:
             buf = gather_blocks(src.kv, send.block_ids)
-            scatter_blocks(dst.kv, recv.block_ids, buf)
+            if send.heads is None and recv.heads is None:
+                scatter_blocks(dst.kv, recv.block_ids, buf)
+            else:  # tensor parallel: a slice of the sender's heads into a slice of the receiver's
+                (slo, shi), (dlo, dhi) = send.heads or (0, src.kv.shape[4]), recv.heads or (0, dst.kv.shape[4])
+                buf = buf[:, :, :, :, slo:shi].contiguous()
+                dst.kv[:, :, :, :, dlo:dhi].index_copy_(0, torch.tensor(recv.block_ids), buf)
             send.nbytes = recv.nbytes = buf.numel() * buf.element_size()
         recv.meta = send.meta
         send._finish(TransferState.DONE)
@@ -74,12 +79,12 @@ class LoopbackConnector(KVConnector):
         return h
 
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
-                   timeout_s: float | None = None, ready=None, meta: dict | None = None) -> Handoff:
-        return self._start(True, target.peer, request_id, block_ids, target.channel, timeout_s, meta)
+                   timeout_s: float | None = None, ready=None, meta: dict | None = None, heads=None) -> Handoff:
+        return self._start(True, target.peer, request_id, block_ids, target.channel, timeout_s, meta, heads)
 
     def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-                   timeout_s: float | None = None) -> Handoff:
-        return self._start(False, peer, request_id, block_ids, channel, timeout_s)
+                   timeout_s: float | None = None, heads=None) -> Handoff:
+        return self._start(False, peer, request_id, block_ids, channel, timeout_s, heads=heads)
 
     def poll(self) -> list[Handoff]:
         now = time.monotonic()

@@ -57,6 +57,21 @@ def plan_chunks(num_blocks: int, block_bytes: int, chunk_bytes: int = 64 << 20):
     return [(lo, min(num_blocks, lo + step)) for lo in range(0, num_blocks, step)]
 
 
+def _width(heads) -> int | None:
+    return None if heads is None else heads[1] - heads[0]
+
+
+def _sliced(heads, num_heads: int) -> tuple[int, int] | None:
+    """A head range that is less than all of this rank's heads, else None."""
+    if heads is None or (heads[0] == 0 and heads[1] == num_heads):
+        return None
+    return tuple(heads)
+
+
+def _index(ids: list[int], index, lo: int, hi: int, conn) -> torch.Tensor:
+    return index[lo:hi] if index is not None else block_index(ids, conn.kv.device)
+
+
 class _nullctx:
     def __enter__(self):
         return self
@@ -195,7 +210,7 @@ class Pair:
     def _send(self, h: Handoff) -> None:
         k = self.next_seq
         self.next_seq += 1
-        order = {"rid": h.request_id, "nblocks": len(h.block_ids), "meta": h.meta}
+        order = {"rid": h.request_id, "nblocks": len(h.block_ids), "meta": h.meta, "heads": h.heads}
         self._store(h.deadline).set(f"order/{k}", json.dumps(order))
         self._move(h, k, h.block_ids)
 
@@ -231,12 +246,16 @@ class Pair:
                 h = None
         if h is None:  # aborted here: drain the message so the pair stays in step
             if order["nblocks"]:
-                self._move(Handoff(order["rid"], self.peer, [], None, False, self.conn.default_timeout_s),
-                           k, None, scratch=order["nblocks"])
+                drain = Handoff(order["rid"], self.peer, [], None, False, self.conn.default_timeout_s)
+                drain.heads = _width(order.get("heads"))
+                self._move(drain, k, None, scratch=order["nblocks"])
             return
         if len(h.block_ids) != order["nblocks"]:
             raise ValueError(f"handoff {h.request_id}: the sender sends {order['nblocks']} blocks, "
                              f"{len(h.block_ids)} were reserved")
+        if _width(order.get("heads")) != _width(h.heads):
+            raise ValueError(f"handoff {h.request_id}: the sender sends KV heads {order.get('heads')}, "
+                             f"this rank expects {h.heads}")
         h.meta = order["meta"]
         self._move(h, k, h.block_ids)
 
@@ -262,9 +281,14 @@ class Pair:
                 # the fewer calls this thread makes, the fewer times it waits for the GIL
                 index = block_index(block_ids, conn.kv.device) if block_ids and not contiguous_run(block_ids) \
                     else None
-                for i, (lo, hi) in enumerate(plan_chunks(n, conn.block_bytes, conn.min_chunk_bytes)):
+                heads = _sliced(h.heads, conn.kv.shape[4])
+                block_bytes = conn.block_bytes if heads is None else \
+                    conn.block_bytes // conn.kv.shape[4] * (heads[1] - heads[0])
+                for i, (lo, hi) in enumerate(plan_chunks(n, block_bytes, conn.min_chunk_bytes)):
                     ids = block_ids[lo:hi] if block_ids is not None else None
-                    if ids is not None and contiguous_run(ids):  # each side decides alone
+                    if heads is not None:  # a head slice (tensor parallel): always staged
+                        buf, staged = self._head_slice(h, ring, i, ids, index, lo, hi, heads), False
+                    elif ids is not None and contiguous_run(ids):  # each side decides alone
                         buf, staged = conn.kv[ids[0]: ids[-1] + 1], False
                     else:
                         if i >= 2 and posted[i - 2][1]:  # the slot's previous user must be done
@@ -277,9 +301,11 @@ class Pair:
                     posted.append([work, staged])
                     if i == 0:
                         h.t_first_post = time.monotonic()
-                    if not self.is_sender and staged:
+                    if not self.is_sender and (staged or heads is not None):
                         self._wait(posted[-1], h, stream)
-                        if ids is not None:
+                        if ids is not None and heads is not None:
+                            conn.kv[:, :, :, :, heads[0]:heads[1]].index_copy_(0, _index(ids, index, lo, hi, conn), buf)
+                        elif ids is not None:
                             scatter_blocks(conn.kv, index[lo:hi], buf)
                     h.nbytes += buf.numel() * buf.element_size()
                 h.t_posted = time.monotonic()
@@ -295,6 +321,16 @@ class Pair:
         if not h._finish(TransferState.DONE):
             # aborted or overdue while in flight: the data moved, but the owner gave up
             raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
+
+    def _head_slice(self, h: Handoff, ring, i: int, ids, index, lo: int, hi: int, heads) -> torch.Tensor:
+        """The buffer of a chunk that moves only KV heads [heads) of each block: the sender
+        gathers the blocks and cuts the slice out; the receiver receives into a fresh one."""
+        kv = self.conn.kv
+        shape = (hi - lo, *kv.shape[1:4], heads[1] - heads[0], kv.shape[5])
+        if not self.is_sender or ids is None:
+            return torch.empty(shape, dtype=kv.dtype, device=kv.device)
+        full = gather_blocks(kv, _index(ids, index, lo, hi, self.conn))
+        return full[:, :, :, :, heads[0]:heads[1]].contiguous()
 
     @staticmethod
     def _wait(op: list, h: Handoff, stream) -> None:

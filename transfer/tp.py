@@ -1,0 +1,268 @@
+"""The handoff between tensor-parallel workers of any sizes: rank to rank, head slices.
+
+A worker of TP=N holds its KV heads split across its ranks (engine/tp.py: evenly, or one
+head per rank replicated when the model has fewer KV heads than ranks). A handoff from a
+prefill worker of TP=P to a decode worker of TP=D is a set of routes, one per (prefill
+rank, decode rank) that share heads: each decode rank receives every head it holds from
+exactly one prefill rank that holds it (a replicated head from the holder whose turn it
+is, so replicas share the sending), and each route is an ordinary pairwise handoff of
+that head slice (transfer/pair.py). Nothing is gathered onto one rank.
+
+    routes(kv_heads, P, D) -> [Route(src, dst, src_heads, dst_heads)]
+
+`TPConnector` is a worker's KVConnector over its ranks' own connectors: rank 0's in this
+process, the others reached through `RankLink`s (the cluster's shard actors). A handoff
+is DONE when every route is; the first route to fail fails it and aborts the rest. The
+receiver learns the sender's TP from the caller (`peer_tp`), the sender the receiver's
+from the target (`HandoffTarget.ranks`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from pdserve.engine.tp import kv_head_range
+
+from .base import Channel, Handoff, HandoffTarget, KVConnector, TransferState
+
+
+@dataclass(frozen=True)
+class Route:
+    src: int  # sender rank
+    dst: int  # receiver rank
+    src_heads: tuple[int, int]  # [lo, hi) of the sender rank's local heads
+    dst_heads: tuple[int, int]  # the same heads, in the receiver rank's local numbering
+
+
+def routes(kv_heads: int, src_tp: int, dst_tp: int) -> list[Route]:
+    out = []
+    for d in range(dst_tp):
+        glo, ghi = kv_head_range(kv_heads, dst_tp, d)
+        for h in range(glo, ghi):
+            holders = [s for s in range(src_tp) if kv_head_range(kv_heads, src_tp, s)[0] <= h
+                       < kv_head_range(kv_heads, src_tp, s)[1]]
+            if not holders:
+                raise ValueError(f"KV head {h} of {kv_heads} has no holder among {src_tp} sender ranks "
+                                 f"(prefill TP={src_tp}, decode TP={dst_tp})")
+            s = holders[d % len(holders)]
+            slo = kv_head_range(kv_heads, src_tp, s)[0]
+            last = out[-1] if out else None
+            if last is not None and last.src == s and last.dst == d and last.dst_heads[1] == h - glo:
+                out[-1] = Route(s, d, (last.src_heads[0], h - slo + 1), (last.dst_heads[0], h - glo + 1))
+            else:
+                out.append(Route(s, d, (h - slo, h - slo + 1), (h - glo, h - glo + 1)))
+    return out
+
+
+class RankLink(ABC):
+    """Rank r (>= 1) of this worker, as rank 0 reaches it: its connector's operations."""
+
+    name: str
+    address: str
+
+    @abstractmethod
+    def new_channels(self, peers: list[str]) -> list[Channel]: ...
+
+    @abstractmethod
+    def start(self, specs: list[dict]) -> None:
+        """Starts handoffs: dicts of kind ("send"/"recv"), request_id, block_ids, heads,
+        timeout_s, and target (send) or peer + channel (recv)."""
+
+    @abstractmethod
+    def finished(self) -> list[tuple[str, str, str | None]]:
+        """(request_id, state name, error) of its handoffs that finished since last asked."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def forget_peer(self, peer: str) -> None: ...
+
+
+def rank_name(worker: str, rank: int) -> str:
+    return worker if rank == 0 else f"{worker}#{rank}"
+
+
+def route_id(request_id: str, r: Route, single: bool) -> str:
+    """The id a route's handoff has on both of its ranks (a rank may take part in several
+    routes of one request)."""
+    return request_id if single else f"{request_id}#{r.src}.{r.dst}"
+
+
+class TPConnector(KVConnector):
+    def __init__(self, local: KVConnector, links: list[RankLink], kv_heads: int):
+        self.local, self.links, self.kv_heads = local, links, kv_heads
+        self.name, self.address, self.layout = local.name, local.address, local.layout
+        self.size = 1 + len(links)
+        self.peer_tp: dict[str, int] = {}  # sender worker -> its TP (the caller sets it)
+        self._lock = threading.Lock()
+        self._open: dict[str, _Composite] = {}
+        self._route_of: dict[str, str] = {}  # route id -> request id
+
+    def _addr(self, r: int) -> str:
+        return self.local.address if r == 0 else self.links[r - 1].address
+
+    def new_channel(self, peer: str) -> Channel:
+        return self.local.new_channel(peer)
+
+    # ---- receiver --------------------------------------------------------------------------------
+    def receive(self, peer: str, request_id: str, block_ids: list[int], num_skip: int,
+                timeout_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
+        """Posts the receive of every route from `peer` (of TP peer_tp[peer]) on this
+        worker's ranks; the target tells each sender rank where and on which channel."""
+        rs = routes(self.kv_heads, self.peer_tp.get(peer, 1), self.size)
+        single = len(rs) == 1
+        comp = _Composite(request_id, peer, list(block_ids), Channel(0), False, timeout_s or 30.0)
+        ranks = []
+        for d in range(self.size):
+            mine = [r for r in rs if r.dst == d]
+            senders = [rank_name(peer, r.src) for r in mine]
+            chans = [self.local.new_channel(p) for p in senders] if d == 0 else \
+                (self.links[d - 1].new_channels(senders) if senders else [])
+            ranks.append((rank_name(self.name, d), self._addr(d), {p: c.gen for p, c in zip(senders, chans)}))
+            for r, c in zip(mine, chans):
+                self._start_part(comp, r.dst, dict(
+                    kind="recv", request_id=route_id(request_id, r, single), block_ids=list(block_ids),
+                    heads=r.dst_heads, timeout_s=timeout_s, peer=rank_name(peer, r.src), channel=c))
+        self._track(comp)
+        gen0 = next(iter(ranks[0][2].values()), 0)
+        return comp, HandoffTarget(self.name, self.address, Channel(gen0), num_skip, tuple(ranks))
+
+    def start_recv(self, peer, request_id, block_ids, channel, timeout_s=None, heads=None) -> Handoff:
+        raise NotImplementedError("a tensor-parallel connector receives through receive()")
+
+    # ---- sender ------------------------------------------------------------------------------------
+    def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
+                   timeout_s: float | None = None, ready=None, meta: dict | None = None,
+                   heads=None) -> Handoff:
+        ranks = target.ranks or ((target.peer, target.address, None),)
+        rs = routes(self.kv_heads, self.size, len(ranks))
+        single = len(rs) == 1
+        comp = _Composite(request_id, target.peer, list(block_ids), target.channel, True, timeout_s or 30.0,
+                          meta=meta)
+        for r in rs:
+            name, address, gens = ranks[r.dst]
+            gen = target.channel.gen if gens is None else gens[rank_name(self.name, r.src)]
+            self._start_part(comp, r.src, dict(
+                kind="send", request_id=route_id(request_id, r, single), block_ids=list(block_ids),
+                heads=r.src_heads, timeout_s=timeout_s, meta=meta, ready=ready,
+                target=HandoffTarget(name, address, Channel(gen), target.num_skip)))
+        self._track(comp)
+        return comp
+
+    # ---- both --------------------------------------------------------------------------------------
+    def _start_part(self, comp: _Composite, rank: int, spec: dict) -> None:
+        rid = spec["request_id"]
+        comp.waiting.add(rid)
+        with self._lock:
+            self._route_of[rid] = comp.request_id
+        if rank == 0:
+            h = _start_local(self.local, spec)
+            comp.local.append(h)
+            if h.state == TransferState.FAILED:
+                comp.settle(rid, "FAILED", h.error)
+        else:
+            spec.pop("ready", None)
+            self.links[rank - 1].start([spec])
+
+    def _track(self, comp: _Composite) -> None:
+        with self._lock:
+            if comp.request_id in self._open:
+                raise ValueError(f"a handoff for request {comp.request_id!r} is already in flight")
+            self._open[comp.request_id] = comp
+
+    def poll(self) -> list[Handoff]:
+        finished = [(h.request_id, h.state.name, h.error) for h in self.local.poll()]
+        for link in self.links:
+            finished += link.finished()
+        for route, state, error in finished:
+            with self._lock:
+                rid = self._route_of.pop(route, None)
+                comp = self._open.get(rid)
+            if comp is not None:
+                comp.settle(route, state, error)
+        done = []
+        with self._lock:
+            items = list(self._open.items())
+        for rid, comp in items:
+            if not comp.state.finished and comp.timed_out():
+                comp._finish(TransferState.FAILED, f"timed out after {comp.timeout_s:.1f} s")
+            if comp.state == TransferState.FAILED and comp.waiting:
+                self._abort_parts(comp)
+            if comp.state.finished:
+                done.append(comp)
+                with self._lock:
+                    self._open.pop(rid, None)
+        return done
+
+    def _abort_parts(self, comp: _Composite) -> None:
+        for route in list(comp.waiting):
+            self.local.abort(route)
+            for link in self.links:
+                link.abort(route)
+            with self._lock:
+                self._route_of.pop(route, None)
+        comp.waiting.clear()
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            comp = self._open.get(request_id)
+        if comp is None or not comp._finish(TransferState.FAILED, "aborted"):
+            return False
+        self._abort_parts(comp)
+        return True
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._open)
+
+    def forget_peer(self, peer: str) -> None:
+        self.local.forget_peer(peer)
+        for link in self.links:
+            link.forget_peer(peer)
+
+    def close(self) -> None:
+        self.local.close()
+
+
+def _start_local(conn: KVConnector, spec: dict) -> Handoff:
+    if spec["kind"] == "send":
+        return conn.start_send(spec["target"], spec["request_id"], spec["block_ids"], spec["timeout_s"],
+                               spec.get("ready"), spec.get("meta"), heads=spec["heads"])
+    return conn.start_recv(spec["peer"], spec["request_id"], spec["block_ids"], spec["channel"],
+                           spec["timeout_s"], heads=spec["heads"])
+
+
+class _Composite(Handoff):
+    """One request's handoff over its routes: DONE when all are, FAILED at the first failure
+    (its other routes are aborted). The receiver's meta comes from a route of rank 0."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.waiting: set[str] = set()
+        self.local: list[Handoff] = []
+
+    def timed_out(self) -> bool:
+        return time.monotonic() > self.deadline + 1.0  # the routes' own deadlines come first
+
+    def settle(self, route: str, state: str, error: str | None) -> None:
+        self.waiting.discard(route)
+        if self.state.finished:
+            return
+        if state != "DONE":
+            self._finish(TransferState.FAILED, f"route {route}: {error}")
+            return
+        for h in self.local:
+            self.nbytes = max(self.nbytes, 0)
+            if h.meta is not None and not self.is_sender:
+                self.meta = h.meta
+        if not self.waiting:
+            self.nbytes = sum(h.nbytes for h in self.local)
+            for h in self.local:
+                for k in ("t_started", "t_first_post", "t_posted"):
+                    if getattr(self, k) is None:
+                        setattr(self, k, getattr(h, k))
+            self._finish(TransferState.DONE)
