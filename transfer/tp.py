@@ -255,10 +255,8 @@ class _Composite(Handoff):
         if state != "DONE":
             self._finish(TransferState.FAILED, f"route {route}: {error}")
             return
-        for h in self.local:
-            self.nbytes = max(self.nbytes, 0)
-            if h.meta is not None and not self.is_sender:
-                self.meta = h.meta
+        if not self.is_sender:
+            self.meta = next((h.meta for h in self.local if h.meta is not None), self.meta)
         if not self.waiting:
             self.nbytes = sum(h.nbytes for h in self.local)
             for h in self.local:
