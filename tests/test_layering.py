@@ -51,7 +51,7 @@ INTRA = {
         "schemas": set(), "errors": {"schemas"}, "render": set(), "runner": {"errors"}, "metrics": set(),
         "app": {"errors", "metrics", "render", "runner", "schemas"}, "__init__": {"app"},
     },
-    "transfer": {"base": set(), "pair": {"base"}, "c10d": {"base", "pair"}, "loopback": {"base"},
+    "transfer": {"base": set(), "pair": {"base"}, "c10d": {"base", "pair"}, "loopback": {"base"}, "tp": {"base"},
                  "__init__": {"base"}},
 }
 
