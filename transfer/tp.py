@@ -82,6 +82,29 @@ class RankLink(ABC):
     def forget_peer(self, peer: str) -> None: ...
 
 
+class LocalRankLink(RankLink):
+    """A rank whose connector lives in this process (tests; in-process ranks)."""
+
+    def __init__(self, connector: KVConnector):
+        self.connector, self.name, self.address = connector, connector.name, connector.address
+
+    def new_channels(self, peers: list[str]) -> list[Channel]:
+        return [self.connector.new_channel(p) for p in peers]
+
+    def start(self, specs: list[dict]) -> None:
+        for spec in specs:
+            start_part(self.connector, spec)
+
+    def finished(self) -> list[tuple[str, str, str | None]]:
+        return [(h.request_id, h.state.name, h.error) for h in self.connector.poll()]
+
+    def abort(self, request_id: str) -> None:
+        self.connector.abort(request_id)
+
+    def forget_peer(self, peer: str) -> None:
+        self.connector.forget_peer(peer)
+
+
 def rank_name(worker: str, rank: int) -> str:
     return worker if rank == 0 else f"{worker}#{rank}"
 
@@ -160,7 +183,7 @@ class TPConnector(KVConnector):
         with self._lock:
             self._route_of[rid] = comp.request_id
         if rank == 0:
-            h = _start_local(self.local, spec)
+            h = start_part(self.local, spec)
             comp.local.append(h)
             if h.state == TransferState.FAILED:
                 comp.settle(rid, "FAILED", h.error)
@@ -228,7 +251,8 @@ class TPConnector(KVConnector):
         self.local.close()
 
 
-def _start_local(conn: KVConnector, spec: dict) -> Handoff:
+def start_part(conn: KVConnector, spec: dict) -> Handoff:
+    """Starts one route's handoff on a rank's own connector (a RankLink's `start` spec)."""
     if spec["kind"] == "send":
         return conn.start_send(spec["target"], spec["request_id"], spec["block_ids"], spec["timeout_s"],
                                spec.get("ready"), spec.get("meta"), heads=spec["heads"])
