@@ -76,7 +76,8 @@ class Cluster:
                  namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
                  local_cached_fraction: float = 2.0, serving_config: ServingConfig | str | None = None,
                  start_timeout: float = 900.0, mode: str = "disaggregated",
-                 prefill_engine_args: dict | None = None):
+                 prefill_engine_args: dict | None = None, prefill_tp: int | None = None,
+                 decode_tp: int | None = None):
         mode = MODE_ALIASES.get(mode, mode)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)} (or 'disagg'), got {mode!r}")
@@ -97,7 +98,13 @@ class Cluster:
         role_engine_args = {"decode": engine_args, "prefill": prefill_pool_args(engine_args, prefill_engine_args)}
         if mode == "hybrid":  # decode workers prefill too, in chunks their TPOT target allows
             role_engine_args["decode"] = {**role_engine_args["prefill"], "slo_tpot_s": self.serving.slo.tpot_s}
-        EngineConfig.from_kwargs(**role_engine_args["prefill"]).resolve(self.model_path)
+        # each pool's tensor-parallel size: the argument, else the serving config's, else the engine's
+        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            pool = self.serving.pool(role)
+            pool.tensor_parallel_size = tp if tp is not None else pool.tensor_parallel_size
+            if pool.tensor_parallel_size is not None:
+                role_engine_args[role] = {**role_engine_args[role], "tensor_parallel_size": pool.tensor_parallel_size}
+            EngineConfig.from_kwargs(**role_engine_args[role]).resolve(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -130,16 +137,20 @@ class Cluster:
               address: str | None = None, namespace: str = "pdserve", actor_options: dict | None = None,
               local_prefill_tokens: int = 0, local_cached_fraction: float = 2.0,
               serving_config: ServingConfig | str | None = None, start_timeout: float = 900.0,
-              mode: str = "disaggregated", prefill_engine_args: dict | None = None, **engine_args) -> Cluster:
+              mode: str = "disaggregated", prefill_engine_args: dict | None = None, prefill_tp: int | None = None,
+              decode_tp: int | None = None, **engine_args) -> Cluster:
         """`prefill` / `decode` default to the serving config's replicas (1 each without one).
         mode="disaggregated": every prompt on the prefill pool (bar the explicit local rules).
         mode="hybrid": per prompt, the prefill pool or a decode worker, whichever is predicted
         to serve the serving config's SLO (`slo`) better; decode steps keep the TPOT target.
         mode="colocated" is the baseline: `decode` engines that each prefill (chunked) and
-        decode their own requests, placed by cached prefix then consistent hash; no handoff."""
+        decode their own requests, placed by cached prefix then consistent hash; no handoff.
+        `prefill_tp` / `decode_tp`: GPUs per worker of each pool (tensor parallelism; a
+        handoff works between any two sizes whose KV heads divide); `tensor_parallel_size`
+        sets both (colocated engines are the decode pool)."""
         return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
                    local_prefill_tokens, local_cached_fraction, serving_config, start_timeout, mode,
-                   prefill_engine_args)
+                   prefill_engine_args, prefill_tp, decode_tp)
 
     @staticmethod
     def _serving_config(cfg: ServingConfig | str | None, prefill: int | None, decode: int | None) -> ServingConfig:

@@ -262,7 +262,7 @@ class Dispatcher:
         """Passes the worker's stream to `sink` until the last output."""
         try:
             async for ref in d.actor.generate.options(num_returns="streaming").remote(
-                    wire_id, ids, params, p.worker_id if p is not None else None):
+                    wire_id, ids, params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else ())):
                 out: RequestOutput = await ref
                 c = out.outputs[0] if out.outputs else None
                 if c is not None and c.finish_reason == "error" and not progress.streamed:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .autoscale import LatencyWindow, PoolSignals, PoolState, decide
 from .routing import Candidate
@@ -44,6 +46,7 @@ class WorkerRecord:
     draining: bool = False
     switching_to: str | None = None  # draining to change role: counted in that pool, placed in none
     stats: dict = field(default_factory=dict)
+    placement_group: object = None  # a tensor-parallel worker's GPUs (one bundle per rank)
 
 
 class Pools:
@@ -161,19 +164,51 @@ class Pools:
     async def _add_worker(self, role: str) -> WorkerRecord:
         label = "colocated" if self.mode == "colocated" else role
         wid = f"{label}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
-        cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000,
-                                              **self.actor_options[role])
-        actor = cls.remote(wid, role, self.role_engine_args[role], self.namespace)
+        opts, tp = dict(self.actor_options[role]), self.tp(role)
+        pg = shard_opts = None
+        if tp > 1:
+            pg = await self._placement_group(wid, role, tp)
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+            shard_opts = {k: opts[k] for k in ("num_gpus", "num_cpus") if k in opts}
+        cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
+        actor = cls.remote(wid, role, self.role_engine_args[role], self.namespace, placement_group=pg,
+                           shard_options=shard_opts)
         try:
             info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, RayError) as e:
             ray.kill(actor)
+            if pg is not None:
+                remove_placement_group(pg)
+            if isinstance(e, RayError):
+                raise
             raise RuntimeError(f"{role} worker did not start within {self.start_timeout:.0f} s: no node offers "
                                f"{self.actor_options[role]} (is the autoscaler at its node type's max?)") from None
-        w = WorkerRecord(wid, role, actor, info)
+        w = WorkerRecord(wid, role, actor, info, placement_group=pg)
         self.workers[wid] = w
         log.info("worker %s started", wid)
         return w
+
+    def tp(self, role: str) -> int:
+        return self.role_engine_args[role].get("tensor_parallel_size") or 1
+
+    def _bundles(self, role: str, tp: int) -> list[dict]:
+        """One bundle per rank, each what one rank's actor asks for; the pool's custom
+        resource on bundle 0 only (rank 0 is the worker the pool's node type hosts)."""
+        opts = self.actor_options[role]
+        base = {k: opts[o] for k, o in (("GPU", "num_gpus"), ("CPU", "num_cpus")) if opts.get(o)}
+        bundles = [{**base, **(opts.get("resources") or {})}] + [dict(base) for _ in range(tp - 1)]
+        return [b or {"CPU": 0.01} for b in bundles]  # a bundle must hold something
+
+    async def _placement_group(self, wid: str, role: str, tp: int):
+        """The worker's N ranks packed on one node (their all-reduces stay on NVLink)."""
+        pg = placement_group(self._bundles(role, tp), strategy="STRICT_PACK", name=f"pdserve-{wid}")
+        try:
+            await asyncio.wait_for(pg.ready(), self.start_timeout)
+        except asyncio.TimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(f"{role} worker of tensor_parallel_size {tp}: no node offers {self._bundles(role, tp)} "
+                               f"on one node within {self.start_timeout:.0f} s") from None
+        return pg
 
     async def _drain_and_remove(self, w: WorkerRecord) -> None:
         await self._wait_drained(w)
@@ -205,6 +240,8 @@ class Pools:
             ray.kill(w.actor)
         except Exception:  # noqa: BLE001
             pass
+        if w.placement_group is not None:  # its shard actors go with it
+            remove_placement_group(w.placement_group)
         await self.registry.unregister.remote(w.worker_id)
 
     # ---- health and autoscaling ---------------------------------------------------------------
@@ -249,8 +286,8 @@ class Pools:
         cap = self.serving.autoscale.max_workers
         if cap is not None and len(self.workers) >= cap:
             return False
-        opts, free = self.actor_options[role], ray.available_resources()
-        need = {"GPU": opts.get("num_gpus", 0), "CPU": opts.get("num_cpus", 0), **(opts.get("resources") or {})}
+        opts, free, tp = self.actor_options[role], ray.available_resources(), self.tp(role)
+        need = {"GPU": opts.get("num_gpus", 0) * tp, "CPU": opts.get("num_cpus", 0) * tp, **(opts.get("resources") or {})}
         return all(free.get(k, 0.0) >= v for k, v in need.items() if v)
 
     def pool_signals(self, now: float | None = None) -> dict[str, PoolSignals]:

@@ -1,6 +1,7 @@
 """The serving config: a validated dataclass, loadable from YAML (`--config`).
 
-    prefill: {replicas: 1, min: 1, max: 4, num_gpus: 1, resources: {pdserve_prefill: 1}}
+    prefill: {replicas: 1, min: 1, max: 4, num_gpus: 1, resources: {pdserve_prefill: 1},
+              tensor_parallel_size: 2}   # GPUs per worker (one Ray actor each, packed on one node)
     decode:  {replicas: 1, min: 1, max: 8, num_gpus: 1, resources: {pdserve_decode: 1}}
     autoscale:
       enabled: true
@@ -38,12 +39,16 @@ class PoolConfig:
     num_gpus: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
     num_cpus: float | None = None
     resources: dict[str, float] | None = None  # None: pdserve_<role> when a node offers it
+    # each worker's GPUs (num_gpus per rank); None: the engine's tensor_parallel_size (1)
+    tensor_parallel_size: int | None = None
 
     def validate(self, role: str) -> None:
-        for name in ("replicas", "min", "max"):
+        for name in ("replicas", "min", "max", "tensor_parallel_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"{role}: {name} must be an integer, got {v!r}")
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
+            raise ValueError(f"{role}: tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not (1 <= self.min <= self.max):
             raise ValueError(f"{role}: need 1 <= min <= max, got min={self.min} max={self.max}")
         if self.replicas is None:

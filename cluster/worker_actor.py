@@ -38,11 +38,14 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Failed, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tp import TPError
 from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector
+from pdserve.transfer.tp import TPConnector
 
 from .registry import REGISTRY_NAME
+from .shard_actor import RayShards
 
 ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
 
@@ -76,7 +79,10 @@ class SwitchRole:
 
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_kwargs: dict, namespace: str,
-                 heartbeat_s: float = 1.0, handoff_timeout_s: float = 30.0):
+                 heartbeat_s: float = 1.0, handoff_timeout_s: float = 30.0, placement_group=None,
+                 shard_options: dict | None = None):
+        """A worker of tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as
+        shard actors on bundles 1..N-1 of `placement_group` (shard_actor.py)."""
         import torch
 
         if role not in ROLE_CLASSES:
@@ -90,12 +96,20 @@ class WorkerActor:
         self.worker_id, self.role_name, self.namespace = worker_id, role, namespace
         self.epoch = uuid.uuid4().hex[:8]
         self.heartbeat_s = heartbeat_s
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+        config = EngineConfig.from_kwargs(**engine_kwargs)
+        launch = None
+        if config.tensor_parallel_size > 1:
+            launch = RayShards.launcher(worker_id, placement_group, shard_options or {}, handoff_timeout_s)
+        self.engine = LLMEngine(config, launch_shards=launch)
+        self.tp = config.tensor_parallel_size
         self.engine.stream_deltas = True
         self.engine.kv.pool.record_events = True
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        self.connector = C10dConnector(worker_id, self.engine.runner.kv, host=host,
-                                       default_timeout_s=handoff_timeout_s)
+        kv_heads = config.model_config.num_kv_heads
+        local = C10dConnector(worker_id, self.engine.runner.kv, host=host, default_timeout_s=handoff_timeout_s,
+                              tp=self.tp, kv_heads_total=kv_heads)
+        # rank to rank handoffs with workers of any TP (transfer/tp.py); one route at TP 1 <-> 1
+        self.connector = TPConnector(local, self.engine.shards.links() if self.engine.shards else [], kv_heads)
         self.handoff_timeout_s = handoff_timeout_s
         self.role = self._make_role(role)
         self.registry = ray.get_actor(REGISTRY_NAME, namespace=namespace)
@@ -120,10 +134,26 @@ class WorkerActor:
         await self.registry.register.remote(self.worker_id, info)
         self.thread = threading.Thread(target=self._loop, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
+        if self.engine.shards is not None:
+            threading.Thread(target=self._watch_shards, name=f"shards-{self.worker_id}", daemon=True).start()
         return info
 
+    def _watch_shards(self) -> None:
+        """A TP worker is whole or gone: a dead rank ends this actor (on NCCL the engine
+        thread may be stuck in a collective with it); the pools' monitor then purges and
+        replaces the worker, and the dispatcher retries its requests elsewhere."""
+        while not self.stopped:
+            dead = self.engine.shards.dead() if self.engine.shards is not None else []
+            if dead and not self.stopped:
+                self._die(TPError(f"rank(s) {dead} of tensor-parallel worker {self.worker_id} died"))
+            time.sleep(0.5)
+
+    def _die(self, err: Exception) -> None:
+        log.error("%s: %s: ending the worker", self.worker_id, err)
+        os._exit(1)
+
     def info(self) -> dict:
-        return {"role": self.role_name, "address": self.connector.address, "epoch": self.epoch,
+        return {"role": self.role_name, "address": self.connector.address, "epoch": self.epoch, "tp": self.tp,
                 "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "capacity_blocks": self.engine.kv.num_blocks, "layout": self.connector.layout}
 
@@ -133,6 +163,7 @@ class WorkerActor:
         if self.thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10)
         self.connector.close()
+        self.engine.close()  # a TP worker's shards stop
 
     async def ping(self) -> str:
         return self.worker_id
@@ -169,10 +200,13 @@ class WorkerActor:
         self.wake.set()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prefill_id: str | None = None):
-        """Decode role: a stream of delta outputs. With `prefill_id` the KV and the first
-        token come from that prefill worker; without, the prompt is prefilled here."""
+                       prefill_id: str | None = None, prefill_tp: int = 1):
+        """Decode role: a stream of delta outputs. With `prefill_id` (of tensor-parallel
+        size `prefill_tp`) the KV and the first token come from that prefill worker;
+        without, the prompt is prefilled here."""
         q = self.streams[request_id] = asyncio.Queue()
+        if prefill_id is not None:
+            self.connector.peer_tp[prefill_id] = prefill_tp
         self._post(Add(request_id, prompt_token_ids, params, prefill_id))
         try:
             while True:
@@ -237,7 +271,11 @@ class WorkerActor:
             self.wake.clear()
             while self.inbox:
                 self._handle(self.inbox.popleft())
-            for ev in self.role.step():
+            try:
+                events = self.role.step()
+            except TPError as e:
+                self._die(e)
+            for ev in events:
                 self._forward(ev)
             now = time.monotonic()
             if now - last_beat >= self.heartbeat_s:

@@ -41,14 +41,18 @@ def shard_config(config: EngineConfig, rank: int, per_process_devices: bool) -> 
     return cfg
 
 
-def run_shard(config: EngineConfig, load_format: str, rank: int, address: str) -> None:
-    """A shard's whole life; returns when rank 0 says stop, raises TPError if rank 0 died."""
+def run_shard(config: EngineConfig, load_format: str, rank: int, address: str, on_ready=None) -> None:
+    """A shard's whole life; returns when rank 0 says stop, raises TPError if rank 0 died.
+    `on_ready(runner)` runs once the weights and the KV cache are in place (the cluster's
+    shard actor builds its transfer connector over `runner.kv` there)."""
     from .model_runner import ModelRunner
 
     if config.torch_device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
     tp = TPGroup(rank, config.tensor_parallel_size).connect(config.torch_device, address)
     runner = ModelRunner(config, load_format, tp)
+    if on_ready is not None:
+        on_ready(runner)
     while True:
         inputs = tp.recv()
         if inputs is None:

@@ -41,7 +41,7 @@ def test_imports_go_one_way(pkg):
 INTRA = {
     "cluster": {
         "serving_config": set(), "routing": set(), "registry": set(), "api": set(),
-        "autoscale": {"serving_config"}, "worker_actor": {"registry"},
+        "autoscale": {"serving_config"}, "shard_actor": set(), "worker_actor": {"registry", "shard_actor"},
         "pools": {"autoscale", "routing", "serving_config", "worker_actor"},
         "dispatch": {"api", "pools", "routing"},
         "cluster": {"api", "dispatch", "pools", "registry", "serving_config"},

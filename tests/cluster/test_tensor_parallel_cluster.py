@@ -1,0 +1,95 @@
+"""Tensor-parallel workers in the real cluster (Ray actors in placement groups, gloo):
+handoffs between prefill and decode pools of different TP sizes give `LLM`'s tokens,
+the registry sees one worker per TP group, and a dead rank takes its worker out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster
+
+from helpers import PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS8 = PROMPTS[:4] + [p + " And then, in more words than before, explain." for p in PROMPTS[:4]]
+
+
+def reference(model: str) -> list[list[int]]:
+    with LLM(model, max_model_len=512) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS8, GREEDY)]
+
+
+def no_request_blocks(cluster: Cluster) -> None:
+    for row in cluster.status():
+        assert row["request_blocks"] == 0 and row["inflight"] == 0, row
+
+
+@pytest.fixture(scope="module")
+def p1_d2(tiny_models):
+    c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, prefill_tp=1, decode_tp=2, max_model_len=512)
+    yield c
+    c.shutdown()
+
+
+def test_prefill_tp1_to_decode_tp2_equals_llm(p1_d2, tiny_models):
+    outs = p1_d2.generate(PROMPTS8, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference(tiny_models["llama"])
+    assert all(o.decode_worker.startswith("decode") and o.prefill_worker.startswith("prefill") for o in outs)
+    rows = {r["worker_id"]: r for r in p1_d2.status()}
+    assert sorted(r["tensor_parallel_size"] for r in rows.values()) == [1, 2]
+    # the registry and routing see one worker per TP group, its ranks are its own actors
+    assert {w["worker_id"] for w in p1_d2.registry_workers()} == set(rows)
+    dec = next(w for w in rows if w.startswith("decode"))
+    assert ray.get(ray.get_actor(f"{dec}#1", namespace="pdserve").address.remote())
+    no_request_blocks(p1_d2)
+
+
+def test_a_killed_rank_takes_its_worker_out_and_it_is_replaced(p1_d2):
+    dec = next(w for w in p1_d2.workers if w.startswith("decode"))
+    long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    outs: list = []
+    ts = [threading.Thread(target=lambda i=i: outs.append(p1_d2.generate(f"Story {i}: once", long)[0]))
+          for i in range(3)]
+    for t in ts:
+        t.start()
+    for _ in range(300):
+        if any(r.get("num_running", 0) for r in p1_d2.status() if r["worker_id"] == dec):
+            break
+        time.sleep(0.05)
+    t_kill = time.monotonic()
+    ray.kill(ray.get_actor(f"{dec}#1", namespace="pdserve"))
+    for t in ts:
+        t.join(240)
+    assert len(outs) == 3  # none hangs: each finished, or failed with the worker's death as its reason
+    for o in outs:
+        c = o.outputs[0]
+        assert (c.finish_reason == "length" and len(c.token_ids) == 150) or \
+            (c.finish_reason == "error" and "died" in str(c.stop_reason)), (c.finish_reason, c.stop_reason)
+    for _ in range(300):
+        if dec not in p1_d2.workers and p1_d2.pool_sizes() == {"prefill": 1, "decode": 1}:
+            break
+        time.sleep(0.2)
+    assert dec not in p1_d2.workers and dec not in {w["worker_id"] for w in p1_d2.registry_workers()}
+    assert time.monotonic() - t_kill < 60
+    new = next(w for w in p1_d2.workers if w.startswith("decode"))
+    out = p1_d2.generate(PROMPTS8[:2], GREEDY)
+    assert all(o.decode_worker == new and len(o.outputs[0].token_ids) == 12 for o in out)
+    assert next(r for r in p1_d2.status() if r["worker_id"] == new)["tensor_parallel_size"] == 2
+    no_request_blocks(p1_d2)
+
+
+def test_prefill_tp2_replicated_kv_head_to_decode_tp1_equals_llm(tiny_models):
+    """qwen2 has one KV head: both prefill ranks hold it; one of them sends it."""
+    c = Cluster.start(tiny_models["qwen2"], prefill=1, decode=1, prefill_tp=2, decode_tp=1, max_model_len=512)
+    try:
+        outs = c.generate(PROMPTS8, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference(tiny_models["qwen2"])
+        assert all(o.prefill_worker.startswith("prefill") for o in outs)
+        no_request_blocks(c)
+    finally:
+        c.shutdown()
