@@ -90,3 +90,35 @@ def test_help_shows_defaults():
     assert "--host HOST           default: 127.0.0.1" in text and "default: 8000" in text
     assert "(default: hybrid)" in " ".join(text.split())
     assert "(default: 256)" in text  # an option with help keeps it and gains the default
+
+
+def test_tensor_parallel_flags_and_config_keys(tmp_path):
+    from pdserve.cli import _engine_kwargs, build_parser, serving_config
+    from pdserve.cluster.serving_config import ServingConfig
+
+    cfg_file = tmp_path / "serving.yaml"
+    cfg_file.write_text("prefill: {tensor_parallel_size: 4}\ndecode: {tensor_parallel_size: 1}\n")
+    args = build_parser().parse_args(["serve", "--config", str(cfg_file), "--decode-tp", "2", "-tp", "8"])
+    cfg = serving_config(args).validate()
+    assert (cfg.prefill.tensor_parallel_size, cfg.decode.tensor_parallel_size) == (4, 2)
+    assert _engine_kwargs(args)["tensor_parallel_size"] == 8  # what a pool without its own size takes
+    try:
+        ServingConfig.from_dict({"decode": {"tensor_parallel_size": 0}})
+    except ValueError as e:
+        assert "decode: tensor_parallel_size must be >= 1, got 0" in str(e)
+    else:
+        raise AssertionError("tensor_parallel_size 0 was accepted")
+
+
+def test_generate_with_tensor_parallelism_prints_tp1s_text(tiny_models):
+    def run(tp: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "Once upon a time", "--model",
+                              tiny_models["llama"], "--no-chat", "--max-tokens", "8", "-tp", tp],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert run("2") == run("1")
+    out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "hi", "--model", tiny_models["llama"],
+                          "-tp", "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "tensor_parallel_size 3 must divide the model's 4 attention heads" in out.stderr

@@ -23,6 +23,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs per engine (Megatron shards, one process / Ray actor per GPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights of the config's shape)")
@@ -39,7 +41,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
            "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
            "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
-           "fused_ops": args.fused_ops}
+           "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size}
     for name in ("max_num_seqs", "max_num_batched_tokens"):  # None: the engine's default
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
@@ -60,14 +62,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, **_engine_kwargs(args))
     tok = llm.get_tokenizer()
     use_chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))
-    for prompt in args.prompts:
-        if use_chat:
-            out = llm.chat([{"role": "user", "content": prompt}], params)[0]
-        else:
-            out = llm.generate(prompt, params)[0]
-        if len(args.prompts) > 1:
-            print(f"### {prompt}")
-        print(out.outputs[0].text)
+    with llm:  # a tensor-parallel engine's shard processes stop with it
+        for prompt in args.prompts:
+            if use_chat:
+                out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+            else:
+                out = llm.generate(prompt, params)[0]
+            if len(args.prompts) > 1:
+                print(f"### {prompt}")
+            print(out.outputs[0].text)
     return 0
 
 
@@ -143,6 +146,8 @@ def serving_config(args: argparse.Namespace):
                 setattr(pool, bound, getattr(args, f"{bound}_{role}"))
         if args.gpus_per_worker is not None:
             pool.num_gpus = args.gpus_per_worker
+        if getattr(args, f"{role}_tp") is not None:
+            pool.tensor_parallel_size = getattr(args, f"{role}_tp")
         if args.pool_resources == "on":
             pool.resources = {f"pdserve_{role}": 1}
         elif args.pool_resources == "off":
@@ -171,8 +176,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(cluster, api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                         served_model_name=args.served_model_name)
         pools = cluster.pool_sizes()
-        sizes = f"colocated={pools['decode']}" if cluster.mode == "colocated" else \
-            f"{cluster.mode}, prefill={pools['prefill']}, decode={pools['decode']}"
+        tp = {r: cluster.pools.tp(r) for r in pools}
+        sizes = f"colocated={pools['decode']} x TP{tp['decode']}" if cluster.mode == "colocated" else \
+            f"{cluster.mode}, prefill={pools['prefill']} x TP{tp['prefill']}, decode={pools['decode']} x TP{tp['decode']}"
         slo = cluster.serving.slo
         print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
               f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
@@ -279,7 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--autoscale-idle", type=float, default=None, help="seconds calm before a pool shrinks")
     sv.add_argument("--pool-resources", choices=("auto", "on", "off"), default="auto",
                     help="request pdserve_prefill / pdserve_decode per actor (auto: when a node offers them)")
-    sv.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 when the cluster has GPUs")
+    sv.add_argument("--gpus-per-worker", type=float, default=None,
+                    help="GPUs per rank of a worker (default: 1 when the cluster has GPUs)")
+    for role in ("prefill", "decode"):
+        sv.add_argument(f"--{role}-tp", type=int, default=None,
+                        help=f"tensor-parallel size of each {role} worker (default: the config's, else "
+                             "--tensor-parallel-size)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--address", default=None, help="join this Ray cluster (auto | host:port); default: start one")

@@ -1,0 +1,154 @@
+"""Tensor parallelism on GPUs: a TP=N engine's decode step (batch 1 and 64) against the
+HBM floor of ONE rank's bytes, and its 4K prefill against the matmul ceiling of one
+rank's FLOPs (random bf16 weights: speed does not depend on the values).
+
+    python bench/tp_gpu.py --shape llama3-70b --tp 2 --tokenizer TOK --out bench/results/tp
+    python bench/tp_gpu.py --shape llama3-8b --tp 1,2 --tokenizer TOK --out bench/results/tp
+    python bench/tp_gpu.py --shape llama3-70b --rank-of 2 ...   # one GPU: one rank's shapes
+                                                                # (no all-reduce: the compute part)
+Ranks 1..N-1 run as child processes (engine/shard.py), one GPU each; rank 0 is this
+process. Prints a table last; writes tp_gpu_<shape>.{json,md,png} under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_gpu import LLAMA3_8B, ceilings, timed  # noqa: E402
+
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+              "num_attention_heads": 64, "num_key_value_heads": 8}
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+
+def rank_shape(cfg: dict, n: int) -> dict:
+    """A one-GPU model with one rank's matrices of a TP=n split (heads, KV heads, MLP, LM
+    head divided; hidden size kept): the compute of a rank without its all-reduces."""
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {**cfg, "num_attention_heads": cfg["num_attention_heads"] // n, "head_dim": head_dim,
+            "num_key_value_heads": max(1, cfg["num_key_value_heads"] // n),
+            "intermediate_size": cfg["intermediate_size"] // n, "vocab_size": -(-cfg["vocab_size"] // n)}
+
+
+def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefill: int, ceil: dict) -> dict:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import ScheduledRequest
+
+    bs, per_seq = 16, ctx // 16 + 1
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        ec = EngineConfig(model=d, tokenizer=tokenizer, dtype="bfloat16", tensor_parallel_size=tp,
+                          load_format="dummy", num_gpu_blocks_override=max(max(batches) * per_seq, prefill // bs) + 8,
+                          max_model_len=max(prefill, ctx) + 64, max_num_batched_tokens=prefill,
+                          max_num_seqs=max(batches))
+        engine = LLMEngine(ec)
+    runner = engine.runner
+    try:
+        runner.kv.normal_()
+        weights = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if "embed" not in n)
+        kv_tok = runner.layout.block_bytes // bs
+        greedy, vocab = SamplingParams(temperature=0, max_tokens=16), cfg["vocab_size"]
+        rows = []
+        for b in tqdm(batches, desc=f"decode TP={tp}"):
+            sched = []
+            for i in range(b):
+                toks = torch.randint(0, min(vocab, 32000), (ctx + 1,)).tolist()
+                r = Request(f"d{b}-{i}", toks[:ctx], greedy, max_tokens=16)
+                r.append_token(toks[ctx])
+                r.num_computed_tokens = ctx
+                sched.append(ScheduledRequest(r, 1, list(range(i * per_seq, (i + 1) * per_seq))))
+            t = timed(lambda s=sched: runner.execute(s), 10, warmup=3)
+            floor = (weights + b * (ctx + 1) * kv_tok) / (ceil["copy_GBps"] * 1e9)
+            rows.append({"kind": "decode", "batch": b, "context": ctx, "ms": t * 1e3, "floor_ms": floor * 1e3,
+                         "ratio": t / floor})
+        toks = torch.randint(0, min(vocab, 32000), (prefill,)).tolist()
+        s = [ScheduledRequest(Request("p", toks, greedy, max_tokens=16), prefill, list(range(-(-prefill // bs))))]
+        t = timed(lambda: runner.execute(s), 5, warmup=2)
+        h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+        heads_dim = runner.model_config.num_heads * runner.model_config.head_dim // tp  # this rank's q width
+        flops = 2 * prefill * weights / 2 + 4 * prefill * prefill * heads_dim * L / 2  # causal attention
+        rows.append({"kind": "prefill", "tokens": prefill, "ms": t * 1e3, "TFLOPs": flops / t / 1e12,
+                     "frac_of_matmul": flops / t / 1e12 / ceil["matmul_TFLOPs"]})
+        return {"tp": tp, "rank_weight_GB": weights / 1e9, "hidden": h, "rows": rows}
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-70b")
+    ap.add_argument("--tp", default="2", help="comma-separated TP sizes")
+    ap.add_argument("--rank-of", type=int, default=1, help="run one rank's shapes of a TP=N split on one GPU")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--out", default="bench/results/tp")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cfg = SHAPES[args.shape] if args.rank_of == 1 else rank_shape(SHAPES[args.shape], args.rank_of)
+    ceil = ceilings()
+    torch.cuda.empty_cache()
+    results = [run(cfg, int(tp), args.tokenizer, [int(b) for b in args.batches.split(",")], args.ctx,
+                   args.prefill, ceil) for tp in args.tp.split(",")]
+    name = f"tp_gpu_{args.shape}" + (f"_rank_of_{args.rank_of}" if args.rank_of > 1 else "")
+    out = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "shape": args.shape,
+           "rank_of": args.rank_of, "ceilings": ceil, "results": results}
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
+        json.dump(out, f, indent=2)
+    what = f"one rank of TP={args.rank_of} alone (no all-reduce)" if args.rank_of > 1 else "TP engine"
+    lines = [f"# {args.shape}, {what}, on {out['device']}", "",
+             f"Ceilings (same run): copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.",
+             "", "| TP | rank weights GB | step | ms | floor / ceiling | ratio |", "|---|---|---|---|---|---|"]
+    for r in results:
+        for row in r["rows"]:
+            if row["kind"] == "decode":
+                lines.append(f"| {r['tp']} | {r['rank_weight_GB']:.1f} | decode b={row['batch']} ctx {row['context']} | "
+                             f"{row['ms']:.2f} | HBM floor {row['floor_ms']:.2f} ms | {row['ratio']:.2f}x floor |")
+            else:
+                lines.append(f"| {r['tp']} | {r['rank_weight_GB']:.1f} | prefill {row['tokens']} | {row['ms']:.1f} | "
+                             f"{row['TFLOPs']:.0f} TFLOP/s | {row['frac_of_matmul']:.0%} of matmul |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
+        f.write(md)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        labels, got, floor = [], [], []
+        for r in results:
+            for row in r["rows"]:
+                if row["kind"] == "decode":
+                    labels.append(f"TP{r['tp']} b{row['batch']}")
+                    got.append(row["ms"])
+                    floor.append(row["floor_ms"])
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], got, 0.4, label="decode step")
+        ax.bar([x + 0.2 for x in xs], floor, 0.4, label="HBM floor (one rank's bytes)")
+        ax.set_xticks(list(xs), labels)
+        ax.set(ylabel="ms", title=f"{args.shape}: {what}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, name + ".png"), dpi=120)
+    except ImportError:
+        pass
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
