@@ -77,7 +77,7 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
         s = [ScheduledRequest(Request("p", toks, greedy, max_tokens=16), prefill, list(range(-(-prefill // bs))))]
         t = timed(lambda: runner.execute(s), 5, warmup=2)
         h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
-        heads_dim = runner.model_config.num_heads * runner.model_config.head_dim // tp  # this rank's q width
+        heads_dim = engine.model_config.num_heads * engine.model_config.head_dim // tp  # this rank's q width
         flops = 2 * prefill * weights / 2 + 4 * prefill * prefill * heads_dim * L / 2  # causal attention
         rows.append({"kind": "prefill", "tokens": prefill, "ms": t * 1e3, "TFLOPs": flops / t / 1e12,
                      "frac_of_matmul": flops / t / 1e12 / ceil["matmul_TFLOPs"]})
@@ -110,12 +110,14 @@ def main() -> None:
         json.dump(out, f, indent=2)
     what = f"one rank of TP={args.rank_of} alone (no all-reduce)" if args.rank_of > 1 else "TP engine"
     lines = [f"# {args.shape}, {what}, on {out['device']}", "",
-             f"Ceilings (same run): copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.",
+             f"Ceilings (same run): copy {ceil['copy_GBps']:.0f} GB/s, "
+             f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.",
              "", "| TP | rank weights GB | step | ms | floor / ceiling | ratio |", "|---|---|---|---|---|---|"]
     for r in results:
         for row in r["rows"]:
             if row["kind"] == "decode":
-                lines.append(f"| {r['tp']} | {r['rank_weight_GB']:.1f} | decode b={row['batch']} ctx {row['context']} | "
+                lines.append(f"| {r['tp']} | {r['rank_weight_GB']:.1f} | "
+                             f"decode b={row['batch']} ctx {row['context']} | "
                              f"{row['ms']:.2f} | HBM floor {row['floor_ms']:.2f} ms | {row['ratio']:.2f}x floor |")
             else:
                 lines.append(f"| {r['tp']} | {r['rank_weight_GB']:.1f} | prefill {row['tokens']} | {row['ms']:.1f} | "

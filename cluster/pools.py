@@ -287,7 +287,8 @@ class Pools:
         if cap is not None and len(self.workers) >= cap:
             return False
         opts, free, tp = self.actor_options[role], ray.available_resources(), self.tp(role)
-        need = {"GPU": opts.get("num_gpus", 0) * tp, "CPU": opts.get("num_cpus", 0) * tp, **(opts.get("resources") or {})}
+        need = {"GPU": opts.get("num_gpus", 0) * tp, "CPU": opts.get("num_cpus", 0) * tp,
+                **(opts.get("resources") or {})}
         return all(free.get(k, 0.0) >= v for k, v in need.items() if v)
 
     def pool_signals(self, now: float | None = None) -> dict[str, PoolSignals]:

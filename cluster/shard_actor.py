@@ -173,7 +173,8 @@ class RayShards(Shards):
             strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank) \
                 if placement_group is not None else None
             actor = ray.remote(ShardActor).options(
-                name=rank_name(worker_id, rank), namespace=ray.get_runtime_context().namespace, max_concurrency=8, num_cpus=options.get("num_cpus", 0), num_gpus=options.get("num_gpus", 0),
+                name=rank_name(worker_id, rank), namespace=ray.get_runtime_context().namespace, max_concurrency=8,
+                num_cpus=options.get("num_cpus", 0), num_gpus=options.get("num_gpus", 0),
                 scheduling_strategy=strategy,
             ).remote(worker_id, rank, shard_config(config, rank, False), load_format, address, handoff_timeout_s)
             self.actors.append(actor)

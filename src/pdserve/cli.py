@@ -176,9 +176,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(cluster, api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                         served_model_name=args.served_model_name)
         pools = cluster.pool_sizes()
-        tp = {r: cluster.pools.tp(r) for r in pools}
-        sizes = f"colocated={pools['decode']} x TP{tp['decode']}" if cluster.mode == "colocated" else \
-            f"{cluster.mode}, prefill={pools['prefill']} x TP{tp['prefill']}, decode={pools['decode']} x TP{tp['decode']}"
+        tp = {r: f"{pools[r]} x TP{cluster.pools.tp(r)}" for r in pools}
+        sizes = f"colocated={tp['decode']}" if cluster.mode == "colocated" else \
+            f"{cluster.mode}, prefill={tp['prefill']}, decode={tp['decode']}"
         slo = cluster.serving.slo
         print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
               f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
