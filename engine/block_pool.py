@@ -45,6 +45,9 @@ class BlockPool:
         # registry of the cluster subscribes through it
         self.events: list[tuple[str, BlockHash]] = []
         self.record_events = False
+        # the host tier (offload.py) watches cached blocks being freed and blocks reallocated
+        self.on_free = None  # (block) -> None: a cached block's last reference went
+        self.on_realloc = None  # (block) -> None: a free block is about to be overwritten
 
     # ---- queries -----------------------------------------------------------------
     @property
@@ -70,6 +73,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
+            if self.on_realloc is not None:
+                self.on_realloc(block)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -92,6 +97,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
+                if self.on_free is not None and block.block_hash is not None:
+                    self.on_free(block)
 
     def cache_block(self, block: Block, block_hash: BlockHash) -> None:
         """Publishes a full block under its hash. If another block already holds that

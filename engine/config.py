@@ -173,6 +173,11 @@ class EngineConfig:
     slo_tpot_s: float | None = None
     # ranks (GPUs) one engine spans, Megatron-style (engine/tp.py); rank 0 schedules and samples
     tensor_parallel_size: int = 1
+    # the host-memory tier of the prefix cache, GiB per rank (engine/offload.py); 0: off
+    kv_offloading_size: float = 0.0
+    # the host tier written here on close (and every kv_persist_interval_s), read back on start
+    kv_persist_dir: str | None = None
+    kv_persist_interval_s: float = 60.0
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)
 
@@ -202,6 +207,7 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        self._check_tiers(tp)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:
@@ -210,6 +216,18 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+    def _check_tiers(self, tp: int) -> None:
+        off = self.kv_offloading_size
+        if isinstance(off, bool) or not isinstance(off, (int, float)) or off < 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {off!r}")
+        if self.kv_persist_dir is not None and not off:
+            raise ValueError("kv_persist_dir persists the host tier: set kv_offloading_size (GiB) too")
+        if self.kv_persist_dir is not None and isinstance(tp, int) and tp > 1:
+            raise ValueError("kv_persist_dir is not supported with tensor_parallel_size > 1 yet "
+                             "(each rank holds a slice of the host tier)")
+        if not (isinstance(self.kv_persist_interval_s, (int, float)) and self.kv_persist_interval_s > 0):
+            raise ValueError(f"kv_persist_interval_s must be > 0, got {self.kv_persist_interval_s!r}")
 
     # ---- resolution against the model and the device ---------------------------------
     def resolve(self, model_path: str) -> EngineConfig:

@@ -12,12 +12,15 @@ different request settings and a KV handoff around it.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .loader import resolve_model_path
 from .model_runner import ModelRunner
+from . import persist
+from .offload import HostIndex
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
@@ -27,6 +30,8 @@ from .step_model import StepModel
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from .tp import TPGroup
 from .validation import check_request
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -44,11 +49,17 @@ class LLMEngine:
             self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
             self.tp.connect(config.torch_device)
         self.runner = ModelRunner(config, load_format, self.tp)
+        host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, host=host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s)
+        self.load_format = load_format
+        self.persist_status: str | None = None  # what restoring the host tier said
+        self._persisted_at = time.monotonic()
+        if config.kv_persist_dir:
+            self._restore_host_tier()
         self.requests: dict[str, Request] = {}
         # prefill role: requests that finish normally keep their blocks until release()
         self.hold_blocks_on_finish = False
@@ -133,7 +144,12 @@ class LLMEngine:
         return self._output(req, delta, [req.output_token_ids[-1]])
 
     def close(self) -> None:
-        """Stops the shards of a tensor-parallel engine (nothing to do alone)."""
+        """Persists the host tier (kv_persist_dir) and stops a tensor-parallel engine's shards."""
+        if self.config.kv_persist_dir and self.kv.host is not None:
+            try:
+                self.persist_host_tier()
+            except OSError as e:
+                log.warning("could not persist the host tier: %s", e)
         shards, self.shards = self.shards, None
         if shards is None:
             return
@@ -151,10 +167,27 @@ class LLMEngine:
         sched = self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
         if not sched:
             return []
+        ops = self.kv.host.take() if self.kv.host is not None else None
         with self.step_model.timed(sched.scheduled):
-            tokens = self.runner.execute(sched.scheduled)
+            tokens = self.runner.execute(sched.scheduled, ops)
         self.scheduler.update_after_step(sched)
+        if self.config.kv_persist_dir and time.monotonic() - self._persisted_at >= self.config.kv_persist_interval_s:
+            self.persist_host_tier()
         return self._postprocess(sched, tokens)
+
+    # ---- the host tier on disk (persist.py) ------------------------------------------------
+    def _restore_host_tier(self) -> None:
+        try:
+            n = persist.load(self.config, self.load_format, self.kv.host, self.runner.host)
+            self.persist_status = f"restored {n} blocks from {self.config.kv_persist_dir}"
+        except persist.PersistError as e:
+            self.persist_status = str(e)
+            log.warning("%s", e)
+
+    def persist_host_tier(self) -> str:
+        """Writes the host tier to kv_persist_dir now (also on close and every interval)."""
+        self._persisted_at = time.monotonic()
+        return persist.save(self.config, self.load_format, self.kv.host, self.runner.host)
 
     def retune(self, slo_tpot_s: float | None, max_num_batched_tokens: int | None = None) -> None:
         """Changes the TPOT target and the step budget at run time (a worker switching role).
@@ -248,4 +281,14 @@ class LLMEngine:
             "num_decoding": sum(1 for r in self.scheduler.running if r.is_decoding),
             "max_num_seqs": self.scheduler.max_num_seqs,
             "tensor_parallel_size": self.tp.size,
+            **self._host_stats(),
         }
+
+    def _host_stats(self) -> dict:
+        host = self.kv.host
+        if host is None:
+            return {}
+        return {"kv_host_blocks_total": host.num_slots, "kv_host_blocks_used": len(host),
+                "kv_offloaded_blocks": host.offloaded_blocks, "kv_host_loaded_blocks": host.loaded_blocks,
+                "prefix_cache_host_hits": self.kv.host_hit_tokens,
+                "kv_load_back_seconds": self.runner.host.load_seconds}

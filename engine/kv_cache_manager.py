@@ -10,13 +10,16 @@ Lifecycle of a request's blocks:
 A KV handoff: the receiver reserve_prompt()s (its own hits pinned, fresh blocks for
 the rest, the number of hits tells the sender what to skip); the sender sends
 prompt_blocks_after(skip); both free() when the handoff is over.
-Counters for metrics: prefix-cache queries/hits in tokens.
+With a host tier (offload.py): freed cached blocks are offloaded, and a lookup goes on
+past the GPU hits into the host tier, loading those blocks back into fresh GPU blocks.
+Counters for metrics: prefix-cache queries/hits in tokens (host hits included), host hits.
 """
 
 from __future__ import annotations
 
 from .block_pool import Block, BlockPool
 from .hashing import ROOT_HASH, BlockHash, hash_block
+from .offload import HostIndex
 from .request import Request
 
 
@@ -26,7 +29,7 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 extra_keys: tuple = ()):
+                 extra_keys: tuple = (), host: HostIndex | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_keys = extra_keys
@@ -36,6 +39,11 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self.host = host if enable_caching else None
+        self.host_hit_tokens = 0  # of prefix_hits, tokens loaded back from the host tier
+        if self.host is not None:
+            self.pool.on_free = lambda b: self.host.offload(b.block_id, b.block_hash)
+            self.pool.on_realloc = lambda b: self.host.reallocated(b.block_id)
 
     # ---- hashing -------------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[BlockHash]:
@@ -59,12 +67,35 @@ class KVCacheManager:
             return [], 0
         hits: list[Block] = []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        for block_hash in self.block_hashes(request)[:max_blocks]:
+        hashes = self.block_hashes(request)[:max_blocks]
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
+        if self.host is not None and len(hits) < len(hashes):
+            hits += self._load_from_host(hashes[len(hits):], hits)
         return hits, len(hits) * self.block_size
+
+    def _load_from_host(self, hashes: list[BlockHash], pinned: list[Block]) -> list[Block]:
+        """The host tier's run of `hashes`, each loaded back into a fresh GPU block that is
+        then cached like any GPU block (so a request that cannot be admitted now finds them
+        on the GPU next time). The GPU hits before them are pinned meanwhile."""
+        self.pool.touch(pinned)
+        loaded = []
+        try:
+            for h in hashes:
+                slot = self.host.lookup(h)
+                if slot is None or self.pool.num_free_blocks == 0:
+                    break
+                block = self.pool.allocate(1)[0]
+                self.pool.cache_block(block, h)
+                self.host.load(slot, block.block_id)
+                loaded.append(block)
+        finally:
+            self.pool.free(reversed(pinned + loaded))
+        self.host_hit_tokens += len(loaded) * self.block_size
+        return loaded
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one admitted request's prefix-cache query (metrics, in tokens)."""

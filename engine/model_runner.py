@@ -26,6 +26,7 @@ from .attention import AttentionMetadata
 from .config import EngineConfig
 from .kv_cache import allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
+from .offload import HostCache, TierOps, host_slots
 from .sampler import Sampler
 from .scheduler import ScheduledRequest
 from .tp import TPGroup
@@ -47,6 +48,7 @@ class StepInputs:
     query_lens: list | None = None
     num_decodes: int = 0
     sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
+    tier_ops: TierOps | None = None  # host-tier copies to apply first (offload.py)
 
 
 class ModelRunner:
@@ -67,6 +69,9 @@ class ModelRunner:
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
         self.kv_views = layer_views(self.kv)
         self.layout = kv_layout(config)
+        self.host = None  # the host tier's buffer on this rank (offload.py)
+        if config.kv_offloading_size:
+            self.host = HostCache(self.kv, self.num_host_slots)
         self.sampler = Sampler(self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.split_mixed = False  # see execute()
@@ -178,9 +183,15 @@ class ModelRunner:
         graph.replay()
         return out[: inp.num_rows]
 
+    @property
+    def num_host_slots(self) -> int:
+        return host_slots(self.config.kv_offloading_size, self.layout.block_bytes)
+
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor | None:
         """Every rank: runs the step; the logits of its sampling rows (None if none)."""
+        if inp.tier_ops is not None:
+            self.host.apply(self.kv, inp.tier_ops)
         if inp.graph:
             return self._replay(inp)
         ids, positions, meta, rows = self.prepare(inp)
@@ -190,20 +201,22 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
-        """Runs the batch; returns the sampled token of each request that samples. With
-        `split_mixed` and CUDA graphs, a batch of decodes and prefill chunks runs as two
-        passes: the decodes through their graph, then the chunks eagerly."""
+    def execute(self, scheduled: list[ScheduledRequest], tier_ops: TierOps | None = None) -> dict[str, int]:
+        """Runs the batch (after the host tier's copies); returns the sampled token of each
+        request that samples. With `split_mixed` and CUDA graphs, a batch of decodes and
+        prefill chunks runs as two passes: the decodes through their graph, then the
+        chunks eagerly."""
         if self.split_mixed and self.graphs:
             decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.request.is_decoding]
             if decodes and len(decodes) < len(scheduled) and len(decodes) <= max(self.graphs):
                 rest = [s for s in scheduled if not (s.num_new_tokens == 1 and s.request.is_decoding)]
-                return {**self._execute(decodes), **self._execute(rest)}
-        return self._execute(scheduled)
+                return {**self._execute(decodes, tier_ops), **self._execute(rest)}
+        return self._execute(scheduled, tier_ops)
 
-    def _execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
+    def _execute(self, scheduled: list[ScheduledRequest], tier_ops: TierOps | None = None) -> dict[str, int]:
         batch = self.order(scheduled)
         inp = self.host_inputs(batch)
+        inp.tier_ops = tier_ops
         self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
         logits = self.forward(inp)
         samplers = [s for s in batch if s.samples]

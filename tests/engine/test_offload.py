@@ -1,0 +1,125 @@
+"""The host tier (offload.py) and its persistence (persist.py), on CPU with tiny models:
+exact slots of the LRU index, outputs identical to an unbounded GPU cache, tensor-parallel
+shards following rank 0's copies, a restart that finds its prefix on disk, and refusals."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.offload import HostIndex
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SHARED = list(range(100, 164))  # 4 full blocks every prompt starts with
+PROMPTS = [SHARED + [i, i + 1, i + 2] for i in range(300, 330, 3)]
+H = [bytes([i]) * 32 for i in range(6)]
+
+
+def test_host_index_lru_slots_events_and_ops():
+    idx = HostIndex(3)
+    idx.record_events = True
+    for block, h in ((5, H[0]), (6, H[1]), (7, H[2])):
+        idx.offload(block, h)
+    idx.offload(9, H[0])  # already there: no copy, just recently used
+    assert idx.entries() == [(H[1], 1), (H[2], 2), (H[0], 0)]
+    assert idx.lookup(H[1]) == 1 and idx.lookup(H[5]) is None
+    idx.offload(8, H[3])  # full: reuses the least recently used slot (H[2]'s)
+    assert idx.entries() == [(H[0], 0), (H[1], 1), (H[3], 2)]
+    idx.load(1, 40)
+    idx.reallocated(6)  # its offload is still queued: the step must wait for it
+    ops = idx.take()
+    assert ops.offloads == [(5, 0), (6, 1), (7, 2), (8, 2)] and ops.loads == [(1, 40)] and ops.wait
+    assert idx.drain_events() == [("host_stored", H[0]), ("host_stored", H[1]), ("host_stored", H[2]),
+                                  ("host_removed", H[2]), ("host_stored", H[3])]
+    idx.reallocated(7)  # offloaded last step: may still run on the side stream
+    assert idx.take().wait and idx.take() is None
+    with pytest.raises(ValueError, match="at least one block slot"):
+        HostIndex(0)
+
+
+def churn(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt after an unrelated 150-token one that pushes the shared prefix out of
+    a 12-block GPU cache."""
+    out = []
+    for p in prompts:
+        llm.generate([list(range(1000 + 3 * p[-1], 1150 + 3 * p[-1]))], PARAMS)
+        out.append(llm.generate([p], PARAMS)[0].outputs[0].token_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    with LLM(tiny_models["llama"], max_model_len=256) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def test_offload_then_hit_equals_an_unbounded_gpu_cache(tiny_models, reference):
+    small = dict(max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=2)
+    with LLM(tiny_models["llama"], **small) as gpu_only:
+        assert churn(gpu_only, PROMPTS) == reference
+        base = gpu_only.engine.stats()
+    with LLM(tiny_models["llama"], kv_offloading_size=0.001, **small) as llm:
+        assert churn(llm, PROMPTS) == reference
+        st = llm.engine.stats()
+        llm.engine.kv.check_all_free()
+    assert "prefix_cache_host_hits" not in base
+    # with the tier every prompt after the first finds its 64-token prefix in one tier or the other
+    assert base["prefix_cache_hits"] < 9 * 64 <= st["prefix_cache_hits"], (base, st)
+    assert st["prefix_cache_host_hits"] >= 4 * 64
+    assert st["kv_host_loaded_blocks"] * 16 == st["prefix_cache_host_hits"]
+    assert st["kv_offloaded_blocks"] >= st["kv_host_blocks_used"] > 0
+    assert st["kv_host_blocks_total"] == int(0.001 * (1 << 30)) // llm.engine.runner.layout.block_bytes
+
+
+def test_offload_under_preemption_and_tensor_parallel_shards(tiny_models):
+    """8 requests of 40 tokens on 10 blocks preempt each other; at TP=2 the shard applies
+    the same copies to its own KV slice and host buffer."""
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(tiny_models["llama"], max_model_len=256) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, long)]
+    for tp in (1, 2):
+        with LLM(tiny_models["llama"], max_model_len=256, num_gpu_blocks_override=10, max_num_seqs=4,
+                 kv_offloading_size=0.001, tensor_parallel_size=tp) as llm:
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:8], long)] == want[:8]
+            for p, w in zip(PROMPTS[8:], want[8:]):
+                llm.generate([list(range(1000 + 3 * p[-1], 1150 + 3 * p[-1]))], PARAMS)
+                assert llm.generate([p], long)[0].outputs[0].token_ids == w
+            st = llm.engine.stats()
+            assert st["num_preemptions"] > 0 and st["prefix_cache_host_hits"] > 0, st
+            llm.engine.kv.check_all_free()
+
+
+def test_persisted_tier_serves_a_known_prefix_after_restart(tiny_models, reference, tmp_path):
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
+    with LLM(tiny_models["llama"], **kw) as llm:
+        assert churn(llm, PROMPTS[:2]) == reference[:2]
+        used = llm.engine.stats()["kv_host_blocks_used"]
+    assert (tmp_path / "kv_host_tier.pt").exists()
+    with LLM(tiny_models["llama"], **kw) as llm:
+        assert llm.engine.persist_status == f"restored {used} blocks from {tmp_path}"
+        assert llm.engine.stats()["kv_host_blocks_used"] == used
+        out = llm.generate([PROMPTS[5]], PARAMS)[0]
+        assert out.outputs[0].token_ids == reference[5]
+        assert out.num_cached_tokens == 64 and llm.engine.stats()["prefix_cache_host_hits"] == 64
+
+
+def test_a_corrupt_or_mismatched_persist_file_is_refused_and_the_server_starts_empty(tiny_models, tmp_path):
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
+    with LLM(tiny_models["llama"], **kw) as llm:
+        churn(llm, PROMPTS[:1])
+    with LLM(tiny_models["mistral"], **kw) as llm:  # the same shapes, other weights and config
+        assert "was written for another fingerprint" in llm.engine.persist_status
+        assert llm.engine.stats()["kv_host_blocks_used"] == 0
+        assert len(llm.generate([PROMPTS[0]], PARAMS)[0].outputs[0].token_ids) == 8
+    (tmp_path / "kv_host_tier.pt").write_bytes(b"not a checkpoint")
+    with LLM(tiny_models["llama"], **kw) as llm:
+        assert "kv_host_tier.pt is corrupt" in llm.engine.persist_status
+        assert llm.engine.stats()["kv_host_blocks_used"] == 0
+    with pytest.raises(ValueError, match="set kv_offloading_size"):
+        LLM(tiny_models["llama"], kv_persist_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="kv_offloading_size must be a number of GiB >= 0, got -1"):
+        LLM(tiny_models["llama"], kv_offloading_size=-1)
