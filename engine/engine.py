@@ -15,11 +15,11 @@ import itertools
 import logging
 import time
 
+from . import persist
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .loader import resolve_model_path
 from .model_runner import ModelRunner
-from . import persist
 from .offload import HostIndex
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
