@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -165,13 +166,16 @@ class Pools:
         label = "colocated" if self.mode == "colocated" else role
         wid = f"{label}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
         opts, tp = dict(self.actor_options[role]), self.tp(role)
+        args = self.role_engine_args[role]
+        if args.get("kv_persist_dir"):  # one file per worker slot, found again after a restart
+            args = {**args, "kv_persist_dir": os.path.join(args["kv_persist_dir"], wid.rsplit("-", 1)[0])}
         pg = shard_opts = None
         if tp > 1:
             pg = await self._placement_group(wid, role, tp)
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
             shard_opts = {k: opts[k] for k in ("num_gpus", "num_cpus") if k in opts}
         cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
-        actor = cls.remote(wid, role, self.role_engine_args[role], self.namespace, placement_group=pg,
+        actor = cls.remote(wid, role, args, self.namespace, placement_group=pg,
                            shard_options=shard_opts)
         try:
             info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)

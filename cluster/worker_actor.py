@@ -104,6 +104,9 @@ class WorkerActor:
         self.tp = config.tensor_parallel_size
         self.engine.stream_deltas = True
         self.engine.kv.pool.record_events = True
+        if self.engine.kv.host is not None:  # the host tier's blocks (a persisted tier's too) are announced
+            self.engine.kv.host.record_events = True
+            self.engine.kv.host.events = [("host_stored", h) for h, _ in self.engine.kv.host.entries()]
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         kv_heads = config.model_config.num_kv_heads
         local = C10dConnector(worker_id, self.engine.runner.kv, host=host, default_timeout_s=handoff_timeout_s,
@@ -337,14 +340,15 @@ class WorkerActor:
                 ev.request_id, f"prefill worker {ev.peer} unreachable: {e}"))
 
     def _heartbeat(self) -> None:
-        pool = self.engine.kv.pool
-        events = [(k, h.hex()) for k, h in pool.drain_events()]
+        pool, host = self.engine.kv.pool, self.engine.kv.host
+        events = [(k, h.hex()) for k, h in pool.drain_events() + (host.drain_events() if host else [])]
         try:
             if self._beat is not None and ray.wait([self._beat], timeout=0)[0] and ray.get(self._beat) is False:
                 # the registry purged us (no heartbeat within its stale_s, e.g. a long stall):
                 # join again and announce every cached block, not just the news
                 self.registry.register.remote(self.worker_id, self.info())
-                events = [("stored", h.hex()) for h in pool.cached]
+                events = [("stored", h.hex()) for h in pool.cached] + \
+                    [("host_stored", h.hex()) for h, _ in (host.entries() if host else [])]
             self._beat = self.registry.heartbeat.remote(self.worker_id, self._stats(), events)
         except Exception:  # noqa: BLE001 - the registry restarting must not stop the engine
             self._beat = None

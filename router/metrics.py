@@ -31,11 +31,17 @@ class _WorkerCollector:
             "vllm:kv_cache_usage_perc": ("KV-cache usage, 1 = full", "kv_cache_usage"),
             "pdserve:kv_blocks_used": ("KV blocks referenced", "kv_blocks_used"),
             "pdserve:kv_blocks_total": ("KV blocks in the pool", "kv_blocks_total"),
+            "pdserve:kv_host_blocks_used": ("Host-tier KV blocks holding a prefix block", "kv_host_blocks_used"),
+            "pdserve:kv_host_blocks_total": ("Host-tier KV block slots", "kv_host_blocks_total"),
         }
         counters = {
             "vllm:prefix_cache_queries": ("Prefix-cache queries, in tokens", "prefix_cache_queries"),
             "vllm:prefix_cache_hits": ("Prefix-cache hits, in tokens", "prefix_cache_hits"),
             "vllm:num_preemptions": ("Preemptions", "num_preemptions"),
+            "pdserve:kv_offloaded_blocks": ("KV blocks copied to the host tier", "kv_offloaded_blocks"),
+            "pdserve:prefix_cache_host_hits": ("Prefix-cache hits loaded back from the host tier, in tokens",
+                                               "prefix_cache_host_hits"),
+            "pdserve:kv_load_back_seconds": ("Time spent loading host-tier blocks back", "kv_load_back_seconds"),
         }
         snap = self.cluster.snapshot()
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):

@@ -27,6 +27,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GPUs per engine (Megatron shards, one process / Ray actor per GPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of host memory per GPU for the prefix cache's second tier (0: off)")
+    p.add_argument("--kv-persist-dir", default=None,
+                   help="write the host tier here on shutdown and every --kv-persist-interval s; read it on start")
+    p.add_argument("--kv-persist-interval", type=float, default=60.0)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights of the config's shape)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -41,7 +46,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
            "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
            "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
-           "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size}
+           "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size,
+           "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
+           "kv_persist_interval_s": args.kv_persist_interval}
     for name in ("max_num_seqs", "max_num_batched_tokens"):  # None: the engine's default
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)

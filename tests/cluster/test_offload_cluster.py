@@ -1,0 +1,76 @@
+"""The host tier in the cluster: the registry learns each worker's tiers from heartbeats
+and scores holders by tier; a worker's offloaded prefix is found, loaded back and gives
+the same tokens; a restarted cluster finds its persisted tier."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster
+from pdserve.cluster.registry import HOST_HIT_WEIGHT, BlockRegistry
+from pdserve.engine.hashing import hash_block_tokens
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SHARED = list(range(100, 164))
+
+
+def test_registry_scores_holders_by_tier():
+    ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+    reg = BlockRegistry.options(name="tier-test-registry", namespace="tier-test").remote()
+    try:
+        hs = [f"{i:064x}" for i in range(4)]
+        for w in ("a", "b", "c"):
+            ray.get(reg.register.remote(w, {"role": "decode", "epoch": "1"}))
+        ray.get(reg.heartbeat.remote("a", {}, [("stored", hs[0]), ("stored", hs[1])]))  # GPU: 2 blocks
+        ray.get(reg.heartbeat.remote("b", {}, [("host_stored", h) for h in hs[:3]]))  # host: 3 blocks
+        ray.get(reg.heartbeat.remote("c", {}, [("stored", hs[0]), ("host_stored", hs[1])]))  # 1 + 1
+        assert 3 * HOST_HIT_WEIGHT > 2 > 1 + HOST_HIT_WEIGHT
+        assert ray.get(reg.longest_prefix.remote(hs, "decode")) == ("b", 3)
+        assert ray.get(reg.longest_prefix.remote(hs[:2], "decode")) == ("a", 2)  # 2 GPU beat 2 host
+        assert ray.get(reg.tiers_of.remote("c", hs)) == ["gpu", "host", "", ""]
+        ray.get(reg.heartbeat.remote("b", {}, [("host_removed", hs[0])]))
+        assert ray.get(reg.longest_prefix.remote(hs, "decode")) == ("a", 2)
+        rows = {w["worker_id"]: w for w in ray.get(reg.list_workers.remote())}
+        assert (rows["b"]["num_host_blocks"], rows["c"]["num_cached_blocks"]) == (2, 1)
+    finally:
+        ray.kill(reg)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models, tmp_path, mode):
+    model = tiny_models["llama"]
+    prompts = [SHARED + [7, 8, 9], SHARED + [17, 18]]
+    with LLM(model, max_model_len=256) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001,
+              kv_persist_dir=str(tmp_path), mode=mode, decode=1, prefill=None if mode == "colocated" else 1)
+    hashes = [h.hex() for h in hash_block_tokens(SHARED, 16)]
+    c = Cluster.start(model, **kw)
+    try:
+        assert c.generate([prompts[0]], PARAMS)[0].outputs[0].token_ids == want[0]
+        holder = c.generate([prompts[0]], PARAMS)[0].prefill_worker  # the worker that prefilled it
+        for i in range(3):  # unrelated prompts push the prefix out of its 12 GPU blocks
+            c.generate([list(range(1000 + 200 * i, 1150 + 200 * i))], PARAMS)
+        deadline = time.monotonic() + 10
+        while ray.get(c.registry.tiers_of.remote(holder, hashes)) != ["host"] * 4:
+            assert time.monotonic() < deadline, ray.get(c.registry.tiers_of.remote(holder, hashes))
+            time.sleep(0.2)
+        out = c.generate([prompts[1]], PARAMS)[0]
+        assert out.outputs[0].token_ids == want[1] and out.prefill_worker == holder
+        assert next(r for r in c.status() if r["worker_id"] == holder)["prefix_cache_host_hits"] >= 64
+    finally:
+        c.shutdown()
+    c = Cluster.start(model, **kw)  # the same worker slots read their files back
+    try:
+        deadline = time.monotonic() + 10
+        while not any(set(ray.get(c.registry.tiers_of.remote(w, hashes))) == {"host"} for w in c.workers):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        out = c.generate([prompts[1]], PARAMS)[0]
+        assert out.outputs[0].token_ids == want[1] and out.num_cached_tokens == 64
+    finally:
+        c.shutdown()
