@@ -24,7 +24,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .config import EngineConfig
-from .kv_cache import allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
+from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
 from .offload import HostCache, TierOps, host_slots
 from .sampler import Sampler
@@ -65,7 +65,7 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.model = load_model(config, load_format, self.tp)
         # every rank holds the same block ids: the count the fullest GPU allows
-        self.num_blocks = self.tp.min_int(num_kv_blocks(config, self._activation_bytes()))
+        self.num_blocks = self.tp.min_int(num_kv_blocks(config, activation_bytes(config)))
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
         self.kv_views = layer_views(self.kv)
         self.layout = kv_layout(config)
@@ -77,16 +77,6 @@ class ModelRunner:
         self.split_mixed = False  # see execute()
         if self.device.type == "cuda" and config.use_triton and not config.enforce_eager:
             self.capture_graphs()
-
-    def _activation_bytes(self) -> int:
-        """A bound on forward-pass scratch memory, kept out of the KV budget on GPU."""
-        mc, c = self.config.model_config, self.config
-        elem = torch.empty((), dtype=c.torch_dtype).element_size()
-        t = c.max_num_batched_tokens
-        per_token = (2 * mc.intermediate_size * 2 + mc.hidden_size * 6
-                     + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * 2)
-        logits = c.max_num_seqs * mc.vocab_size * 4 * 3
-        return int(1.2 * (t * per_token * elem + logits)) + (256 << 20)
 
     # ---- one step ----------------------------------------------------------------------
     def order(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:

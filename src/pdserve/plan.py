@@ -1,0 +1,169 @@
+"""`pdserve plan`: what one worker holds and serves, computed before deploying.
+
+From a model (a Hugging Face directory or its config.json), the GPU (a preset or its
+memory), dtype, KV dtype, tensor-parallel size, block size and a workload (prompt and
+output lengths, or the Mooncake trace's):
+
+    KV bytes per token       per rank and for the whole model
+    weights per rank         from the model built on the meta device (exact parameter bytes)
+    KV blocks per worker     the engine's own budget: memory x utilization - weights - the
+                             activation bound (engine/kv_cache.py), or kv_cache_memory_bytes
+    max concurrent requests  paged: blocks / blocks a request ends with (prompt + output - 1
+                             tokens, 16 per block); contiguous: each reserves max_model_len
+    prefill:decode ratio     prefill workers per decode worker so that both keep up: a
+                             prefill worker finishes prefill_tok_s / mean prompt requests/s;
+                             a decode worker batch / (mean output x step time)
+
+Rates: given (`prefill_tok_s`, `decode_step_ms`, e.g. from `bench/engine_gpu.py`), or
+estimated from the GPU preset's measured ceilings and this engine's measured efficiency
+on them (bench/results/engine_gpu*.md, bench/results/tp/): prefill at 80% of the bf16
+matmul ceiling, decode steps at 1.25x the HBM floor of one rank's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import activation_bytes, kv_layout
+
+
+@dataclass(frozen=True)
+class Gpu:
+    memory_bytes: int  # as the driver reports it
+    copy_bytes_s: float  # measured device-to-device copy, read + write
+    matmul_flops: float  # measured 8192^3 bf16 matmul
+
+
+GPUS = {  # measured with bench/engine_gpu.py and bench/tp_gpu.py
+    "h100": Gpu(81559 << 20, 2940e9, 734e12),
+    "h200": Gpu(143771 << 20, 4204e9, 794e12),
+}
+PREFILL_EFFICIENCY = 0.8  # of the matmul ceiling (Llama-3-8B 4K prefill: 80% on H100)
+DECODE_OVER_FLOOR = 1.25  # step time / HBM floor (Llama-3-8B: 1.25-1.28x on H100)
+
+
+def weight_bytes(config: EngineConfig) -> int:
+    """One rank's parameter and buffer bytes, from the model built on the meta device."""
+    from pdserve.engine.models.llama import LlamaForCausalLM
+    from pdserve.engine.tp import TPGroup
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config.model_config, config.max_model_len, False, fused=False,
+                                 tp=TPGroup(0, config.tensor_parallel_size))
+    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    params = sum(p.numel() for p in model.parameters()) * elem
+    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def workload_lengths(prompt_len: int | None, output_len: int | None, trace: str | None,
+                     trace_requests: int | None) -> list[tuple[int, int]]:
+    if trace:
+        out = []
+        with open(trace) as f:
+            for line in f:
+                rec = json.loads(line)
+                out.append((int(rec["input_length"]), max(1, int(rec["output_length"]))))
+                if trace_requests and len(out) >= trace_requests:
+                    break
+        return out
+    if not prompt_len or not output_len or prompt_len < 1 or output_len < 1:
+        raise ValueError("give a workload: --prompt-len and --output-len (>= 1 each), or --trace")
+    return [(prompt_len, output_len)]
+
+
+def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu_memory_gib: float | None = None,
+         kv_cache_memory_bytes: int | None = None, prefill_tok_s: float | None = None,
+         decode_step_ms: float | None = None, **engine_args) -> dict:
+    """The plan as a dict (what `pdserve plan --json` prints). `engine_args`: EngineConfig's
+    (dtype, kv_cache_dtype, tensor_parallel_size, block_size, max_model_len, max_num_seqs, ...)."""
+    if os.path.isfile(model):
+        model = os.path.dirname(os.path.abspath(model))
+    spec = None
+    if gpu is not None:
+        if gpu not in GPUS:
+            raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {gpu!r} (or give --gpu-memory)")
+        spec = GPUS[gpu]
+    engine_args.setdefault("dtype", "bfloat16")
+    cfg = EngineConfig(model=model, device="cpu", kv_cache_memory_bytes=kv_cache_memory_bytes, **engine_args)
+    cfg.resolve(model)
+    layout, bs = kv_layout(cfg), cfg.block_size
+    weights = weight_bytes(cfg)
+    if kv_cache_memory_bytes is not None:
+        budget = kv_cache_memory_bytes
+    else:
+        mem = spec.memory_bytes if gpu_memory_gib is None else int(gpu_memory_gib * (1 << 30))
+        if not mem:
+            raise ValueError("give the GPU: --gpu NAME, --gpu-memory GiB, or --kv-cache-memory-bytes")
+        budget = int(mem * cfg.gpu_memory_utilization) - weights - activation_bytes(cfg)
+    blocks = max(0, budget // layout.block_bytes)
+    cap = cfg.max_model_len
+    fits = [(p, o) for p, o in lengths if p + o <= cap]
+    if not fits:
+        raise ValueError(f"no request of the workload fits max_model_len {cap} (prompt + output); "
+                         "raise --max-model-len")
+    left_out, lengths = len(lengths) - len(fits), fits
+    per_req = [math.ceil((p + o - 1) / bs) for p, o in lengths]
+    mean_blocks = sum(per_req) / len(per_req)
+    paged = int(blocks // mean_blocks) if len(set(per_req)) > 1 else blocks // per_req[0]
+    contiguous = blocks // math.ceil(cap / bs)
+    batch = min(paged, cfg.max_num_seqs)
+    mean_p = sum(p for p, _ in lengths) / len(lengths)
+    mean_o = sum(o for _, o in lengths) / len(lengths)
+    kv_tok = layout.block_bytes // bs
+    params = weights / torch.empty((), dtype=cfg.torch_dtype).element_size()
+    if prefill_tok_s is None and spec is not None:
+        prefill_tok_s = PREFILL_EFFICIENCY * spec.matmul_flops / (2 * params)
+    if decode_step_ms is None and spec is not None:
+        floor = (weights + batch * (mean_p + mean_o / 2) * kv_tok) / spec.copy_bytes_s
+        decode_step_ms = DECODE_OVER_FLOOR * floor * 1e3
+    ratio = None
+    if prefill_tok_s and decode_step_ms and batch:
+        prefill_rps = prefill_tok_s / mean_p
+        decode_rps = batch / (mean_o * decode_step_ms / 1e3)
+        ratio = decode_rps / prefill_rps
+    return {
+        "model": model, "tensor_parallel_size": cfg.tensor_parallel_size, "dtype": str(cfg.torch_dtype)[6:],
+        "kv_cache_dtype": layout.dtype, "block_size": bs, "max_model_len": cap,
+        "kv_bytes_per_token_rank": kv_tok,
+        "kv_bytes_per_token": kv_tok * cfg.tensor_parallel_size,
+        "weight_bytes_rank": weights, "kv_budget_bytes_rank": budget, "kv_blocks": blocks,
+        "kv_tokens": blocks * bs, "requests": len(lengths), "left_out_too_long": left_out,
+        "mean_prompt": mean_p, "mean_output": mean_o,
+        "max_concurrency_paged": paged, "max_concurrency_contiguous": contiguous,
+        "paged_over_contiguous": paged / contiguous if contiguous else None,
+        "max_num_seqs": cfg.max_num_seqs, "decode_batch": batch,
+        "prefill_tok_s": prefill_tok_s, "decode_step_ms": decode_step_ms, "prefill_per_decode_worker": ratio,
+    }
+
+
+def render(p: dict) -> str:
+    gb = 1e9
+    rows = [
+        ("KV per token", f"{p['kv_bytes_per_token'] / 1024:.1f} KiB ({p['kv_bytes_per_token_rank'] / 1024:.1f} "
+                         f"KiB per rank, {p['kv_cache_dtype']})"),
+        ("weights per rank", f"{p['weight_bytes_rank'] / gb:.2f} GB ({p['dtype']}, TP={p['tensor_parallel_size']})"),
+        ("KV budget per rank", f"{p['kv_budget_bytes_rank'] / gb:.2f} GB"),
+        ("KV blocks per worker", f"{p['kv_blocks']} x {p['block_size']} tokens = {p['kv_tokens']} tokens"),
+        ("workload", f"{p['requests']} request(s), mean prompt {p['mean_prompt']:.0f}, "
+                     f"mean output {p['mean_output']:.0f}"
+                     + (f" ({p['left_out_too_long']} longer than max_model_len left out)"
+                        if p["left_out_too_long"] else "")),
+        ("max concurrent (paged)", f"{p['max_concurrency_paged']} (engine batch: {p['decode_batch']}, "
+                                   f"max_num_seqs {p['max_num_seqs']})"),
+        ("max concurrent (contiguous)", f"{p['max_concurrency_contiguous']} (each reserves max_model_len "
+                                        f"{p['max_model_len']})"),
+    ]
+    if p["paged_over_contiguous"]:
+        rows.append(("paged / contiguous", f"{p['paged_over_contiguous']:.2f}x"))
+    if p["prefill_per_decode_worker"] is not None:
+        rows += [("prefill rate", f"{p['prefill_tok_s']:.0f} tok/s per worker"),
+                 ("decode step", f"{p['decode_step_ms']:.2f} ms at batch {p['decode_batch']}"),
+                 ("prefill : decode workers", f"{p['prefill_per_decode_worker']:.2f} : 1")]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)

@@ -1,0 +1,73 @@
+"""`pdserve plan`: its block count is the engine's, its max-concurrency prediction is what
+the engine runs without preempting (within 5%), paged vs contiguous on mixed lengths."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.plan import GPUS, plan, workload_lengths
+
+
+def run_without_preempting(llm: LLM, k: int, prompt_len: int, output_len: int) -> bool:
+    rng = random.Random(k)
+    prompts = [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(k)]
+    before = llm.engine.stats()["num_preemptions"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    return llm.engine.stats()["num_preemptions"] == before
+
+
+@pytest.mark.parametrize("prompt_len,output_len,budget_blocks", [(40, 40, 100), (70, 30, 160), (16, 17, 64)])
+def test_max_concurrency_is_what_the_engine_runs_without_preempting(tiny_models, prompt_len, output_len,
+                                                                    budget_blocks):
+    model = tiny_models["llama"]
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block x KV heads x head dim x float32
+    budget = budget_blocks * block_bytes + 1000  # not a whole number of blocks
+    p = plan(model, [(prompt_len, output_len)], kv_cache_memory_bytes=budget, dtype="float32", max_model_len=256,
+             max_num_seqs=512)
+    with LLM(model, kv_cache_memory_bytes=budget, max_model_len=256, max_num_seqs=512,
+             enable_prefix_caching=False) as llm:
+        assert llm.engine.kv.num_blocks == p["kv_blocks"] == budget_blocks
+        k = p["max_concurrency_paged"]
+        assert run_without_preempting(llm, k, prompt_len, output_len)
+        more = k + max(1, round(0.05 * k))  # 5% more: the engine preempts
+        assert not run_without_preempting(llm, more, prompt_len, output_len)
+    assert p["kv_bytes_per_token_rank"] == block_bytes // 16
+
+
+def test_gpu_budget_weights_and_mixed_lengths(tiny_models):
+    model = tiny_models["llama"]
+    with LLM(model, dtype="bfloat16", max_model_len=256) as llm:
+        weights = sum(t.numel() * t.element_size() for t in [*llm.engine.runner.model.parameters(),
+                                                              *llm.engine.runner.model.buffers()])
+    mixed = [(20, 10), (200, 40), (60, 60), (100, 5)]
+    p = plan(model, mixed, gpu="h100", max_model_len=256)
+    assert p["weight_bytes_rank"] == weights
+    blocks_each = [2, 15, 8, 7]  # ceil((prompt + output - 1) / 16)
+    assert p["max_concurrency_paged"] == int(p["kv_blocks"] // (sum(blocks_each) / 4))
+    assert p["max_concurrency_contiguous"] == p["kv_blocks"] // 16
+    assert p["paged_over_contiguous"] == pytest.approx(16 / 8, rel=0.01)
+    assert p["prefill_per_decode_worker"] > 0 and p["kv_budget_bytes_rank"] < GPUS["h100"].memory_bytes * 0.9
+    tp2 = plan(model, mixed, gpu="h100", max_model_len=256, tensor_parallel_size=2)
+    assert tp2["kv_bytes_per_token_rank"] * 2 == tp2["kv_bytes_per_token"] == p["kv_bytes_per_token"]
+    with pytest.raises(ValueError, match="no request of the workload fits max_model_len 256"):
+        plan(model, [(300, 10)], gpu="h100", max_model_len=256)
+    with pytest.raises(ValueError, match="--prompt-len and --output-len"):
+        workload_lengths(None, 10, None, None)
+
+
+def test_plan_cli_on_the_trace(tiny_models):
+    out = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--model", tiny_models["llama"] + "/config.json",
+                          "--gpu", "h200", "--trace", "--trace-requests", "200", "--max-model-len", "65536"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for line in ("KV per token", "request(s), mean prompt", "paged / contiguous", "prefill : decode workers"):
+        assert line in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--model", tiny_models["llama"], "--gpu", "h100"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "give a workload" in bad.stderr
