@@ -110,7 +110,7 @@ class WorkerActor:
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         kv_heads = config.model_config.num_kv_heads
         local = C10dConnector(worker_id, self.engine.runner.kv, host=host, default_timeout_s=handoff_timeout_s,
-                              tp=self.tp, kv_heads_total=kv_heads)
+                              tp=self.tp, kv_heads_total=kv_heads, kv_cache_dtype=config.kv_cache_dtype)
         # rank to rank handoffs with workers of any TP (transfer/tp.py); one route at TP 1 <-> 1
         self.connector = TPConnector(local, self.engine.shards.links() if self.engine.shards else [], kv_heads)
         self.handoff_timeout_s = handoff_timeout_s

@@ -26,7 +26,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
-_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# int8 / fp8: 1-byte values with a float32 scale per token and head (kv_quant.py)
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -213,6 +214,8 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(_KV_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3":  # vLLM's alias: one name on the wire
+            self.kv_cache_dtype = "fp8"
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -6,7 +6,8 @@ Why block-major: a request's KV handoff gathers its blocks with one index_select
 into a contiguous staging buffer and sends it as one message (docs/architecture.md, section 4);
 with layer-major storage the same gather would touch num_layers x 2 strided regions
 per block. The attention kernels read per-layer strided views kv[:, l, 0] / kv[:, l, 1]
-of shape [num_blocks, block_size, num_kv_heads, head_dim].
+of shape [num_blocks, block_size, num_kv_heads, head_dim]. Quantized KV ("int8", "fp8")
+stores each row's float32 scale after it in the same slab (kv_quant.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import kv_quant
 from .config import EngineConfig
 from .tp import kv_head_range
 
@@ -28,11 +30,12 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    scale_bytes: int = 0  # per (token, head) row: a quantized cache's scale (kv_quant.py)
 
     @property
     def block_bytes(self) -> int:
         elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * (self.head_dim * elem + self.scale_bytes)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,8 +58,9 @@ def local_kv_heads(config: EngineConfig) -> int:
 
 def kv_layout(config: EngineConfig) -> KVLayout:
     mc = config.model_config
+    scale = kv_quant.SCALE_BYTES if kv_quant.is_scaled(config.kv_cache_dtype) else 0
     return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), mc.head_dim,
-                    str(config.kv_dtype).removeprefix("torch."))
+                    str(config.kv_dtype).removeprefix("torch."), scale)
 
 
 def activation_bytes(config: EngineConfig) -> int:
@@ -95,10 +99,16 @@ def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
 
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
     mc = config.model_config
-    return torch.zeros(num_blocks, mc.num_layers, 2, config.block_size, local_kv_heads(config),
-                       mc.head_dim, dtype=config.kv_dtype, device=config.torch_device)
+    shape = (num_blocks, mc.num_layers, 2, config.block_size, local_kv_heads(config))
+    if kv_quant.is_scaled(config.kv_cache_dtype):  # 1-byte values, then the row's scale
+        return torch.zeros(*shape, mc.head_dim + kv_quant.SCALE_BYTES, dtype=torch.uint8, device=config.torch_device)
+    return torch.zeros(*shape, mc.head_dim, dtype=config.kv_dtype, device=config.torch_device)
 
 
-def layer_views(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""
+def layer_views(kv: torch.Tensor, kv_cache_dtype: str = "auto") -> list[tuple]:
+    """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]
+    (a quantized cache's: kv_quant.QuantKV pairs of values and scales)."""
+    if kv_quant.is_scaled(kv_cache_dtype):
+        return [(kv_quant.views(kv[:, layer, 0], kv_cache_dtype), kv_quant.views(kv[:, layer, 1], kv_cache_dtype))
+                for layer in range(kv.shape[1])]
     return [(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(kv.shape[1])]

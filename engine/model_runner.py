@@ -67,7 +67,7 @@ class ModelRunner:
         # every rank holds the same block ids: the count the fullest GPU allows
         self.num_blocks = self.tp.min_int(num_kv_blocks(config, activation_bytes(config)))
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
-        self.kv_views = layer_views(self.kv)
+        self.kv_views = layer_views(self.kv, config.kv_cache_dtype)
         self.layout = kv_layout(config)
         self.host = None  # the host tier's buffer on this rank (offload.py)
         if config.kv_offloading_size:

@@ -38,12 +38,13 @@ class C10dConnector(KVConnector):
     """One per worker. `kv` is the worker's block-major KV tensor (engine/kv_cache.py)."""
 
     def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0,
-                 min_chunk_bytes: int = 64 << 20, tp: int = 1, kv_heads_total: int | None = None):
+                 min_chunk_bytes: int = 64 << 20, tp: int = 1, kv_heads_total: int | None = None,
+                 kv_cache_dtype: str = "auto"):
         self.name = name
         self.kv = kv
         self.device = kv.device
         # both peers must also chunk alike; tensor-parallel ranks may hold different head counts
-        self.layout = wire_layout(kv, min_chunk_bytes, tp, kv_heads_total)
+        self.layout = wire_layout(kv, min_chunk_bytes, tp, kv_heads_total, kv_cache_dtype)
         self.block_bytes = kv[0].numel() * kv.element_size()
         self.min_chunk_bytes = min_chunk_bytes
         self.staging = StagingPool(kv, min_chunk_bytes)

@@ -2,7 +2,8 @@
 Triton kernels are tested against.
 
 Cache views, one layer: k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
-(strided views into the block-major KV tensor, see engine/kv_cache.py).
+(strided views into the block-major KV tensor, see engine/kv_cache.py); a quantized
+cache's are kv_quant.QuantKV (values + per-token, per-head scales), dequantized on read.
 """
 
 from __future__ import annotations
@@ -10,10 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kv_quant
+
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """Writes k, v [num_tokens, num_kv_heads, head_dim] to their slots (-1 = skip)."""
+    if isinstance(k_cache, kv_quant.QuantKV):
+        kv_quant.store(k, v, k_cache, v_cache, slot_mapping)
+        return
     bs = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -22,11 +28,16 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache[blk, off] = v[keep].to(v_cache.dtype)
 
 
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's keys or values, [seq_len, num_kv_heads, head_dim]."""
+def gather_kv(cache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One sequence's keys or values, [seq_len, num_kv_heads, head_dim] (in `dtype`)."""
     bs = cache.shape[1]
     nb = -(-seq_len // bs)
-    return cache[block_ids[:nb]].flatten(0, 1)[:seq_len]
+    if isinstance(cache, kv_quant.QuantKV):
+        vals = cache.values[block_ids[:nb]].flatten(0, 1)[:seq_len]
+        scales = cache.scales[block_ids[:nb]].flatten(0, 1)[:seq_len]
+        return kv_quant.dequantize(vals, scales, dtype or torch.float32)
+    out = cache[block_ids[:nb]].flatten(0, 1)[:seq_len]
+    return out if dtype is None else out.to(dtype)
 
 
 def paged_attention_ref(
@@ -43,8 +54,8 @@ def paged_attention_ref(
     start = 0
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         qi = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        k = gather_kv(k_cache, block_tables[i], seq_len).to(q.dtype).transpose(0, 1).unsqueeze(0)
-        v = gather_kv(v_cache, block_tables[i], seq_len).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        k = gather_kv(k_cache, block_tables[i], seq_len, q.dtype).transpose(0, 1).unsqueeze(0)
+        v = gather_kv(v_cache, block_tables[i], seq_len, q.dtype).transpose(0, 1).unsqueeze(0)
         gqa = q.shape[1] != k.shape[1]
         if q_len == seq_len and sliding_window is None:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv_quant import QuantKV
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -39,15 +41,54 @@ def _store_kv_kernel(
     tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _store_kv_quant_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+    QMAX: tl.constexpr, INT8: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # quantized KV (engine/kv_quant.py): each (token, head) row gets scale = amax / QMAX
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // PAGE
+    off = slot % PAGE
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)[None, :]
+    live = (offs_h * 0 + slot) >= 0
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d < HEAD_DIM) & live[:, None]
+    mask_h = (offs_h < NUM_KV_HEADS) & live
+    for which in tl.static_range(2):
+        if which == 0:
+            x = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d, mask=mask, other=0.0)
+            vals = kc_ptr + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch + offs_d
+            scales = ks_ptr + blk * stride_ksb + off * stride_kst + offs_h * stride_ksh
+        else:
+            x = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=mask, other=0.0)
+            vals = vc_ptr + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d
+            scales = vs_ptr + blk * stride_vsb + off * stride_vst + offs_h * stride_vsh
+        x = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8) / QMAX
+        q = x / scale[:, None]
+        if INT8:
+            q = tl.minimum(tl.maximum(tl.floor(q + 0.5), -QMAX), QMAX)
+        tl.store(vals, q.to(vals.dtype.element_ty), mask=mask)
+        tl.store(scales, scale, mask=mask_h)
+
+
 @triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr,
     qk_scale, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    SPLITS, SPLIT: tl.constexpr, NUM_HEADS: tl.constexpr,
+    SPLITS, SPLIT: tl.constexpr, NUM_HEADS: tl.constexpr, SCALED: tl.constexpr,
 ):
     # one program = one sequence x one kv head x one split of the context; the GROUP query
     # heads sharing that kv head are the rows of the tile, so each K/V element is read once
@@ -96,15 +137,22 @@ def _paged_decode_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if SCALED:  # a token's K scale multiplies its column of scores, its V scale its row of p
+            ks = tl.load(ks_ptr + blk * stride_ksb + tok * stride_kst + kvh * stride_ksh, mask=valid, other=0.0)
+            vs = tl.load(vs_ptr + blk * stride_vsb + tok * stride_vst + kvh * stride_vsh, mask=valid, other=0.0)
+            s = s * ks[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        pw = p
+        if SCALED:
+            pw = p * vs[None, :]
         if IEEE:
-            pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
+            pv = tl.dot(pw.to(COMPUTE_DTYPE), v, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(COMPUTE_DTYPE), v)
+            pv = tl.dot(pw.to(COMPUTE_DTYPE), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if not SPLIT:
@@ -156,6 +204,14 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> 
 MAX_SPLITS = 32
 
 
+def _scale_args(k_cache, v_cache) -> tuple:
+    """(K values, V values, K scales, V scales, their 6 strides, scaled?) of a layer's caches."""
+    if isinstance(k_cache, QuantKV):
+        ks, vs = k_cache.scales, v_cache.scales
+        return (k_cache.values, v_cache.values, ks, vs, *ks.stride(), *vs.stride(), True)
+    return (k_cache, v_cache, k_cache, v_cache, 0, 0, 0, 0, 0, 0, False)
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got "
@@ -168,7 +224,9 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """k, v [num_tokens, num_kv_heads, head_dim] -> their slots; slot -1 is skipped."""
+    """k, v [num_tokens, num_kv_heads, head_dim] -> their slots; slot -1 is skipped. A
+    quantized cache (kv_quant.QuantKV) gets each row's values and its scale."""
+    k_cache, v_cache, ks, vs, *sstrides, scaled = _scale_args(k_cache, v_cache)
     _check_cache(k_cache, v_cache)
     T, H, D = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (H, D):
@@ -179,6 +237,17 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         raise ValueError(f"slot_mapping must be int32/int64 [{T}], "
                          f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if T == 0:
+        return
+    if scaled:
+        _store_kv_quant_kernel[(T,)](
+            k, v, k_cache, v_cache, ks, vs, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sstrides,
+            QMAX=127.0 if k_cache.dtype == torch.int8 else 448.0, INT8=k_cache.dtype == torch.int8,
+            NUM_KV_HEADS=H, HEAD_DIM=D, PAGE=k_cache.shape[1],
+            H_PAD=triton.next_power_of_2(H), D_PAD=triton.next_power_of_2(D),
+        )
         return
     _store_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping,
@@ -205,7 +274,9 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """One query token per sequence. q [num_seqs, num_heads, head_dim] -> same shape.
 
     splits: pieces each context is cut into (flash-decoding), combined by a second launch;
-    None picks by shape (num_splits), 1 on CPU."""
+    None picks by shape (num_splits), 1 on CPU. A quantized cache's scales are applied to
+    the scores (K) and the probabilities (V)."""
+    k_cache, v_cache, ks, vs, *sstrides, scaled = _scale_args(k_cache, v_cache)
     _check_cache(k_cache, v_cache)
     B, H, D = q.shape
     _, page, KVH, Dc = k_cache.shape
@@ -242,15 +313,15 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         part_acc = part_ml = out  # unused
     _paged_decode_kernel[(B, KVH, splits)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, part_acc, part_ml,
+        q, k_cache, v_cache, out, block_tables, seq_lens, part_acc, part_ml, ks, vs,
         scale * log2e, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *sstrides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, SPLIT=splits > 1, NUM_HEADS=H,
-        num_warps=4,
+        SCALED=scaled, num_warps=4,
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](

@@ -19,8 +19,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS8 = PROMPTS[:4] + [p + " And then, in more words than before, explain." for p in PROMPTS[:4]]
 
 
-def reference(model: str) -> list[list[int]]:
-    with LLM(model, max_model_len=512) as llm:
+def reference(model: str, **kw) -> list[list[int]]:
+    with LLM(model, max_model_len=512, **kw) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS8, GREEDY)]
 
 
@@ -84,11 +84,13 @@ def test_a_killed_rank_takes_its_worker_out_and_it_is_replaced(p1_d2):
 
 
 def test_prefill_tp2_replicated_kv_head_to_decode_tp1_equals_llm(tiny_models):
-    """qwen2 has one KV head: both prefill ranks hold it; one of them sends it."""
-    c = Cluster.start(tiny_models["qwen2"], prefill=1, decode=1, prefill_tp=2, decode_tp=1, max_model_len=512)
+    """qwen2 has one KV head: both prefill ranks hold it; one of them sends it. The KV is
+    int8 with its per-row scales inside the slab: they travel with the head slices."""
+    c = Cluster.start(tiny_models["qwen2"], prefill=1, decode=1, prefill_tp=2, decode_tp=1, max_model_len=512,
+                      kv_cache_dtype="int8")
     try:
         outs = c.generate(PROMPTS8, GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == reference(tiny_models["qwen2"])
+        assert [o.outputs[0].token_ids for o in outs] == reference(tiny_models["qwen2"], kv_cache_dtype="int8")
         assert all(o.prefill_worker.startswith("prefill") for o in outs)
         no_request_blocks(c)
     finally:

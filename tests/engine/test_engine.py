@@ -4,6 +4,7 @@ bad input, aborts, counters; every block free after each test."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 
@@ -129,18 +130,24 @@ def test_bad_model_paths(tmp_path):
         LLM(str(tmp_path), max_num_sequences=3)
 
 
-def test_fp8_kv_cache(llm):
-    """KV quantization to fp8 (e4m3): a quarter of float32's bytes per block, outputs
-    close to the full-precision cache's on the real model."""
-    fp8 = LLM(max_model_len=256, kv_cache_dtype="fp8")
-    assert fp8.engine.runner.kv.element_size() == 1
-    assert fp8.engine.runner.layout.block_bytes * 4 == llm.engine.runner.layout.block_bytes
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_quantized_kv_cache(llm, fmt):
+    """KV quantized to 1-byte values with a float32 scale per (token, head) row, in the same
+    slab (kv_quant.py): 64 + 4 bytes per row of SmolLM2 against float32's 256; greedy output
+    agrees with the full-precision cache's on the first tokens of every prompt."""
+    from helpers import PROMPTS
+
+    q = LLM(max_model_len=256, kv_cache_dtype=fmt)
+    kv = q.engine.runner.kv
+    assert kv.dtype == torch.uint8 and kv.shape[-1] == 64 + 4
+    assert q.engine.runner.layout.block_bytes * 256 == llm.engine.runner.layout.block_bytes * 68
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompts = ["The capital of France is", "def add(a, b):\n    return"]
-    a = [o.outputs[0].token_ids for o in fp8.generate(prompts, sp)]
-    b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert [x[:2] for x in a] == [y[:2] for y in b]  # later tokens may drift with fp8 rounding
-    fp8.engine.kv.check_all_free()
+    a = [o.outputs[0].token_ids for o in q.generate(PROMPTS, sp)]
+    b = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+    assert [x[:2] for x in a] == [y[:2] for y in b]  # later tokens may drift with rounding
+    agree = sum(x == y for u, w in zip(a, b) for x, y in zip(u, w)) / sum(map(len, b))
+    assert agree >= 0.85, agree
+    q.engine.kv.check_all_free()
 
 
 def test_delta_outputs_accumulate_to_the_cumulative_ones(llm):

@@ -93,6 +93,17 @@ def test_offload_under_preemption_and_tensor_parallel_shards(tiny_models):
             llm.engine.kv.check_all_free()
 
 
+def test_int8_kv_and_its_scales_go_through_the_host_tier_and_tp_shards(tiny_models):
+    """Scales live in the slab (kv_quant.py): offloaded, loaded back and split by head with
+    the values. TP=2 with a small GPU cache and the tier gives TP=1's unbounded tokens."""
+    with LLM(tiny_models["llama"], max_model_len=256, kv_cache_dtype="int8") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    with LLM(tiny_models["llama"], max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=2,
+             kv_offloading_size=0.001, kv_cache_dtype="int8", tensor_parallel_size=2) as llm:
+        assert churn(llm, PROMPTS) == want
+        assert llm.engine.stats()["prefix_cache_host_hits"] > 0
+
+
 def test_persisted_tier_serves_a_known_prefix_after_restart(tiny_models, reference, tmp_path):
     kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
     with LLM(tiny_models["llama"], **kw) as llm:

@@ -122,3 +122,20 @@ def test_a_failing_route_fails_the_handoff_and_aborts_the_rest():
         for c in (src, dst):
             for r in range(c.size):
                 (c.local if r == 0 else c.links[r - 1].connector).close()
+
+
+def test_different_kv_cache_dtypes_are_refused_at_pairing():
+    """int8 and fp8 slabs have the same bytes (engine/kv_quant.py): the layouts name the dtype."""
+    raw = torch.zeros(NB, LAYERS, 2, BS, 2, DIM + 4, dtype=torch.uint8)
+    src = C10dConnector("pre", raw.clone(), kv_cache_dtype="int8", default_timeout_s=10)
+    dst = C10dConnector("dec", raw.clone(), kv_cache_dtype="fp8", default_timeout_s=10)
+    try:
+        recv, target = dst.receive("pre", "r1", [1, 2], 0)
+        send = src.start_send(target, "r1", [3, 4])
+        wait([recv, send], src, dst, timeout=20)
+        assert recv.state == send.state == TransferState.FAILED
+        for h in (recv, send):
+            assert "KV cache dtypes differ" in h.error and "--kv-cache-dtype" in h.error, h.error
+    finally:
+        src.close()
+        dst.close()
