@@ -79,6 +79,13 @@ def _store_kv_quant_kernel(
         tl.store(scales, scale, mask=mask_h)
 
 
+# One program = one sequence x one kv head x one split of the context; the GROUP query
+# heads sharing that kv head are the rows of the tile, so each K/V element is read once
+# per step. SPLIT (SPLITS > 1: too few sequences to fill the GPU) writes the split's
+# unnormalized partial (acc, max, sum) for _combine_splits_kernel. SPLITS is a runtime
+# value, never specialized: eager mixed batches vary it from step to step, and a new
+# constant would compile a new kernel in the middle of serving. SCALED: a quantized cache
+# (engine/kv_quant.py) with a float32 scale per (token, head) row.
 @triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr,
@@ -90,12 +97,6 @@ def _paged_decode_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     SPLITS, SPLIT: tl.constexpr, NUM_HEADS: tl.constexpr, SCALED: tl.constexpr,
 ):
-    # one program = one sequence x one kv head x one split of the context; the GROUP query
-    # heads sharing that kv head are the rows of the tile, so each K/V element is read once
-    # per step. SPLIT (SPLITS > 1: too few sequences to fill the GPU) writes the split's
-    # unnormalized partial (acc, max, sum) for _combine_splits_kernel. SPLITS is a runtime
-    # value, never specialized: eager mixed batches vary it from step to step, and a new
-    # constant would compile a new kernel in the middle of serving.
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
