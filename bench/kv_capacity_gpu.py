@@ -110,7 +110,8 @@ def host_tier(model: str, cuda: bool, gpu_budget: int, host_gib: float, n: int, 
         e.close()
     q, hits = sum(s["prefix_cache_queries"] for s in st), sum(s["prefix_cache_hits"] for s in st)
     xs = sorted(ttft.values())
-    return {"host_gib": host_gib, "requests": len(reqs), "prefix_hit_rate": hits / q if q else 0.0,
+    return {"host_gib": host_gib, "requests": len(reqs), "gpu_blocks": engines[0].kv.num_blocks,
+            "time_scale": time_scale, "prefix_hit_rate": hits / q if q else 0.0,
             "host_hit_tokens": sum(s.get("prefix_cache_host_hits", 0) for s in st),
             "load_back_s": sum(s.get("kv_load_back_seconds", 0.0) for s in st),
             "ttft_p50_s": xs[len(xs) // 2], "ttft_p90_s": xs[int(len(xs) * 0.9)], "wall_s": time.monotonic() - t0}
@@ -158,6 +159,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--time-scale", type=float, default=3.0, help="trace replay speed-up")
     ap.add_argument("--parts", default="concurrency,host,restart")
+    ap.add_argument("--gpu-blocks", type=int, default=800, help="each engine's GPU cache in part 2")
     args = ap.parse_args()
     parts = args.parts.split(",")
     cuda = torch.cuda.is_available()
@@ -175,7 +177,7 @@ def main() -> None:
         if "concurrency" in parts:
             res["concurrency"] = concurrency(model, cuda, 5000 * unit, 128)
         if "host" in parts:
-            res["host_tier"] = [host_tier(model, cuda, 800 * unit, g, args.requests, args.time_scale)
+            res["host_tier"] = [host_tier(model, cuda, args.gpu_blocks * unit, g, args.requests, args.time_scale)
                                 for g in (0, 8000 * unit / (1 << 30))]
         if "restart" in parts:
             res["restart"] = restart(model, cuda, 4000 * unit / (1 << 30))
