@@ -166,7 +166,7 @@ class RayRankLink(RankLink):
 class RayShards(Shards):
     """Ranks 1..N-1 on bundles 1..N-1 of the worker's placement group."""
 
-    def __init__(self, worker_id: str, placement_group, options: dict, handoff_timeout_s: float,
+    def __init__(self, worker_id: str, placement_group, options: dict, handoff_timeout_s: float, namespace: str,
                  config: EngineConfig, load_format: str, address: str):
         self.worker_id = worker_id
         self.actors, self.runs = [], []
@@ -174,7 +174,7 @@ class RayShards(Shards):
             strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank) \
                 if placement_group is not None else None
             actor = ray.remote(ShardActor).options(
-                name=rank_name(worker_id, rank), namespace=ray.get_runtime_context().namespace, max_concurrency=8,
+                name=rank_name(worker_id, rank), namespace=namespace, max_concurrency=8,
                 num_cpus=options.get("num_cpus", 0), num_gpus=options.get("num_gpus", 0),
                 scheduling_strategy=strategy,
             ).remote(worker_id, rank, shard_config(config, rank, False), load_format, address, handoff_timeout_s)
@@ -182,10 +182,10 @@ class RayShards(Shards):
             self.runs.append(actor.run.remote())
 
     @classmethod
-    def launcher(cls, worker_id: str, placement_group, options: dict, handoff_timeout_s: float):
-        """The `launch_shards` an LLMEngine takes."""
+    def launcher(cls, worker_id: str, placement_group, options: dict, handoff_timeout_s: float, namespace: str):
+        """The `launch_shards` an LLMEngine takes (rank r is the actor "<worker_id>#r" in `namespace`)."""
         return lambda config, load_format, address: cls(worker_id, placement_group, options, handoff_timeout_s,
-                                                        config, load_format, address)
+                                                        namespace, config, load_format, address)
 
     def links(self) -> list[RayRankLink]:
         addresses = ray.get([a.address.remote() for a in self.actors])

@@ -99,7 +99,7 @@ class WorkerActor:
         config = EngineConfig.from_kwargs(**engine_kwargs)
         launch = None
         if config.tensor_parallel_size > 1:
-            launch = RayShards.launcher(worker_id, placement_group, shard_options or {}, handoff_timeout_s)
+            launch = RayShards.launcher(worker_id, placement_group, shard_options or {}, handoff_timeout_s, namespace)
         self.engine = LLMEngine(config, launch_shards=launch)
         self.tp = config.tensor_parallel_size
         self.engine.stream_deltas = True

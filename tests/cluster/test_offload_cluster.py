@@ -19,7 +19,9 @@ SHARED = list(range(100, 164))
 
 
 def test_registry_scores_holders_by_tier():
-    ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+    owns = not ray.is_initialized()
+    if owns:
+        ray.init(namespace="tier-test", include_dashboard=False, log_to_driver=False)
     reg = BlockRegistry.options(name="tier-test-registry", namespace="tier-test").remote()
     try:
         hs = [f"{i:064x}" for i in range(4)]
@@ -38,6 +40,8 @@ def test_registry_scores_holders_by_tier():
         assert (rows["b"]["num_host_blocks"], rows["c"]["num_cached_blocks"]) == (2, 1)
     finally:
         ray.kill(reg)
+        if owns:
+            ray.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
