@@ -66,6 +66,20 @@ def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models
         out = c.generate([prompts[1]], PARAMS)[0]
         assert out.outputs[0].token_ids == want[1] and out.prefill_worker == holder
         assert next(r for r in c.status() if r["worker_id"] == holder)["prefix_cache_host_hits"] >= 64
+        # /metrics reads what the monitor gathered (every second)
+        from pdserve.router.metrics import RouterMetrics
+        from prometheus_client import generate_latest
+
+        deadline = time.monotonic() + 10
+        while True:
+            text = generate_latest(RouterMetrics(c, "m").registry).decode()
+            line = next((x for x in text.splitlines() if x.startswith("pdserve:prefix_cache_host_hits_total{")
+                         and f'worker="{holder}"' in x), "")
+            if line and float(line.rsplit(" ", 1)[1]) >= 64:
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.3)
+        assert "pdserve:kv_host_blocks_total{" in text and "pdserve:kv_offloaded_blocks_total{" in text
     finally:
         c.shutdown()
     c = Cluster.start(model, **kw)  # the same worker slots read their files back

@@ -118,6 +118,14 @@ def test_persisted_tier_serves_a_known_prefix_after_restart(tiny_models, referen
         assert out.num_cached_tokens == 64 and llm.engine.stats()["prefix_cache_host_hits"] == 64
 
 
+def test_the_tier_is_also_written_every_interval(tiny_models, tmp_path):
+    with LLM(tiny_models["llama"], max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001,
+             kv_persist_dir=str(tmp_path), kv_persist_interval_s=0.01) as llm:
+        churn(llm, PROMPTS[:1])
+        assert (tmp_path / "kv_host_tier.pt").exists()  # before close
+        llm.engine.persist_host_tier()
+
+
 def test_a_corrupt_or_mismatched_persist_file_is_refused_and_the_server_starts_empty(tiny_models, tmp_path):
     kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
     with LLM(tiny_models["llama"], **kw) as llm:
