@@ -67,8 +67,9 @@ def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models
         assert out.outputs[0].token_ids == want[1] and out.prefill_worker == holder
         assert next(r for r in c.status() if r["worker_id"] == holder)["prefix_cache_host_hits"] >= 64
         # /metrics reads what the monitor gathered (every second)
-        from pdserve.router.metrics import RouterMetrics
         from prometheus_client import generate_latest
+
+        from pdserve.router.metrics import RouterMetrics
 
         deadline = time.monotonic() + 10
         while True:
