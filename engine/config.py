@@ -179,6 +179,9 @@ class EngineConfig:
     # the host tier written here on close (and every kv_persist_interval_s), read back on start
     kv_persist_dir: str | None = None
     kv_persist_interval_s: float = 60.0
+    # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
+    # "prompt_lookup_min": n} (spec_decode.py); None: off
+    speculative_config: dict | None = None
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)
 
@@ -209,6 +212,9 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         self._check_tiers(tp)
+        from .spec_decode import SpeculativeConfig
+
+        self.spec = SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:

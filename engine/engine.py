@@ -26,6 +26,7 @@ from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .shard import ProcessShards
+from .spec_decode import Drafter
 from .step_model import StepModel
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from .tp import TPGroup
@@ -55,6 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s)
+        self.drafter = Drafter(config.spec, config.max_model_len)
         self.load_format = load_format
         self.persist_status: str | None = None  # what restoring the host tier said
         self._persisted_at = time.monotonic()
@@ -164,12 +166,14 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.drafter.propose(self.scheduler.running)
         sched = self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
         if not sched:
             return []
         ops = self.kv.host.take() if self.kv.host is not None else None
         with self.step_model.timed(sched.scheduled):
             tokens = self.runner.execute(sched.scheduled, ops)
+        self.drafter.settle(sched.scheduled, tokens)
         self.scheduler.update_after_step(sched)
         if self.config.kv_persist_dir and time.monotonic() - self._persisted_at >= self.config.kv_persist_interval_s:
             self.persist_host_tier()
@@ -202,20 +206,25 @@ class LLMEngine:
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
-            token = tokens.get(req.request_id)
-            if token is None:
+            got = tokens.get(req.request_id)
+            if got is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.append_token(token)
-            delta = self._detok[req.request_id].push(token)
-            stopped = req.check_stop_token()
-            delta = self._apply_stop_strings(req, delta)
-            if delta:
-                req.output_text += delta
-            if req.status.finished or stopped:
-                self._finish(req, req.status)
-            outputs.append(self._output(req, delta, [token]))
+            text, ids = "", []
+            for token in got if isinstance(got, list) else [got]:  # a list: verified drafts
+                req.append_token(token)
+                ids.append(token)
+                delta = self._detok[req.request_id].push(token)
+                stopped = req.check_stop_token()
+                delta = self._apply_stop_strings(req, delta)
+                if delta:
+                    req.output_text += delta
+                    text += delta
+                if req.status.finished or stopped:
+                    self._finish(req, req.status)
+                    break
+            outputs.append(self._output(req, text, ids))
         return outputs
 
     def _apply_stop_strings(self, req: Request, delta: str) -> str:
@@ -282,6 +291,7 @@ class LLMEngine:
             "max_num_seqs": self.scheduler.max_num_seqs,
             "tensor_parallel_size": self.tp.size,
             **self._host_stats(),
+            **self.drafter.stats(),
         }
 
     def _host_stats(self) -> dict:

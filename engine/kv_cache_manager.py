@@ -141,6 +141,15 @@ class KVCacheManager:
             if blocks[i].block_hash is None:
                 self.pool.cache_block(blocks[i], hashes[i])
 
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Keeps the blocks the first `num_tokens` tokens need; frees the rest (the slots of a
+        step's rejected draft tokens), tail first."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        if len(blocks) > keep:
+            self.pool.free(reversed(blocks[keep:]))
+            self.req_blocks[request.request_id] = blocks[:keep]
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(reversed(blocks))

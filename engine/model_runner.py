@@ -98,7 +98,7 @@ class ModelRunner:
         num_decodes = 0
         for i, s in enumerate(batch):
             req, start, k = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            input_ids += req.all_token_ids[start : start + k]
+            input_ids += req.all_token_ids[start : start + k - len(s.draft_token_ids)] + s.draft_token_ids
             pos = range(start, start + k)
             positions += pos
             slots += [s.block_ids[p // bs] * bs + p % bs for p in pos]
@@ -107,8 +107,8 @@ class ModelRunner:
             tables[i, : len(s.block_ids)] = s.block_ids
             if k == 1 and num_decodes == i:
                 num_decodes += 1
-            if s.samples:
-                sample_rows.append(len(input_ids) - 1)
+            if s.samples:  # a step with drafts needs the logits at each of its k + 1 tokens
+                sample_rows += range(len(input_ids) - 1 - len(s.draft_token_ids), len(input_ids))
         i64 = np.int64
         return StepInputs(False, n, tables, ids=np.array(input_ids, i64), positions=np.array(positions, i64),
                           slots=np.array(slots, i64), seq_lens=seq_lens, query_lens=query_lens,
@@ -212,10 +212,32 @@ class ModelRunner:
         samplers = [s for s in batch if s.samples]
         if logits is None:
             return {}
+        if any(s.draft_token_ids for s in samplers):
+            return self._verify(logits, samplers)
         req_ids = [s.request.request_id for s in samplers]
         tokens = self.sampler(logits, [s.request.sampling_params for s in samplers], req_ids,
                               [s.request.banned_token_ids() for s in samplers])
         return dict(zip(req_ids, tokens))
+
+    def _verify(self, logits: torch.Tensor, samplers: list[ScheduledRequest]) -> dict:
+        """A batch with draft tokens: plain rows sample as usual; each request with drafts gets
+        the list of tokens its verification produced."""
+        out, plain, row = {}, [], 0
+        for s in samplers:
+            n = 1 + len(s.draft_token_ids)
+            if s.draft_token_ids:
+                out[s.request.request_id] = self.sampler.verify(logits[row:row + n], s.draft_token_ids,
+                                                                s.request.sampling_params, s.request.request_id)
+            else:
+                plain.append((s, row))
+            row += n
+        if plain:
+            rows = torch.tensor([r for _, r in plain], device=logits.device)
+            reqs = [s.request for s, _ in plain]
+            tokens = self.sampler(logits[rows], [r.sampling_params for r in reqs], [r.request_id for r in reqs],
+                                  [r.banned_token_ids() for r in reqs])
+            out.update(zip([r.request_id for r in reqs], tokens))
+        return out
 
 
 def decode_inputs(batch: list[ScheduledRequest], padded: int, block_size: int,

@@ -58,6 +58,8 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # draft tokens proposed for this step (speculative decoding, spec_decode.py)
+    spec_tokens: list[int] = field(default_factory=list)
     # detokenizer state (owned by the engine's output processor)
     output_text: str = ""
     first_token_time: float | None = None

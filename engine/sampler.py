@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .sampling_params import SamplingParams
+from .spec_decode import verify_greedy, verify_sampled
 
 
 class Sampler:
@@ -41,14 +42,7 @@ class Sampler:
         if all(p.greedy for p in params):
             return greedy.tolist()
         n = logits.shape[0]
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                             device=logits.device, dtype=torch.float32)
-        logits = logits / temps[:, None]
-        top_ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
-        top_ps = [p.top_p for p in params]
-        if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
-            logits = self._top_k_top_p(logits, top_ks, top_ps)
-        probs = logits.softmax(dim=-1)
+        probs = self.probs(logits, params)
         noise = torch.empty_like(probs)
         for i, (p, rid) in enumerate(zip(params, request_ids)):
             gen = self._generator(rid, p.seed) if p.seed is not None else None
@@ -56,6 +50,26 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled).tolist()[:n]
+
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k and top-p."""
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                             device=logits.device, dtype=torch.float32)
+        logits = logits / temps[:, None]
+        top_ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+        top_ps = [p.top_p for p in params]
+        if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
+            logits = self._top_k_top_p(logits, top_ks, top_ps)
+        return logits.softmax(dim=-1)
+
+    @torch.no_grad()
+    def verify(self, logits: torch.Tensor, drafts: list[int], params: SamplingParams, request_id: str) -> list[int]:
+        """logits [k+1, vocab] at a request's [last token, d1..dk]: the tokens its step
+        produces (accepted drafts, then one from the target; spec_decode.py)."""
+        if params.greedy:
+            return verify_greedy(logits, drafts)
+        gen = self._generator(request_id, params.seed) if params.seed is not None else None
+        return verify_sampled(self.probs(logits, [params] * len(logits)), drafts, gen)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

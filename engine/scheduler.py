@@ -22,13 +22,16 @@ from .request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
     block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)  # verified this step (spec_decode.py)
+    num_accepted: int = 0  # of the drafts, set after the step
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens (logits needed)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        n = self.num_new_tokens - len(self.draft_token_ids)
+        return self.request.num_computed_tokens + n == self.request.num_tokens
 
 
 @dataclass
@@ -101,6 +104,12 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_left -= num_new
+            used = self._with_drafts(req, budget, out) if req.spec_tokens and req.is_decoding else 0
+            if used:
+                scheduled_running.append(req)
+                budget -= used
+                i += 1
+                continue
             while True:
                 blocks = self.kv.allocate_slots(req, num_new)
                 if blocks is not None:
@@ -143,7 +152,20 @@ class Scheduler:
             prefill_left -= num_new
         return out
 
+    def _with_drafts(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedules a decode with its draft tokens (verified in this step, spec_decode.py)
+        when they fit the budget and the pool without preempting; else drops the drafts
+        (0: schedule it plainly)."""
+        n = 1 + len(req.spec_tokens)
+        blocks = self.kv.allocate_slots(req, n) if n <= budget else None
+        if blocks is None:
+            req.spec_tokens = []
+            return 0
+        out.scheduled.append(ScheduledRequest(req, n, [b.block_id for b in blocks], list(req.spec_tokens)))
+        return n
+
     def _preempt(self, req: Request) -> None:
+        req.spec_tokens = []
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -153,7 +175,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advances progress and publishes newly full blocks to the prefix cache."""
+        """Advances progress and publishes newly full blocks to the prefix cache. A step with
+        drafts keeps the KV of its accepted ones only: the rejected drafts' blocks are freed."""
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids) + s.num_accepted
+            if s.draft_token_ids:
+                s.request.spec_tokens = []
+                self.kv.rollback(s.request, s.request.num_computed_tokens + 1)
             self.kv.cache_blocks(s.request, s.request.num_computed_tokens)

@@ -1,0 +1,156 @@
+"""Speculative decoding: draft tokens proposed cheaply, verified by the target in one step.
+
+    propose   before the schedule, each decoding request gets up to k draft tokens
+              (`Request.spec_tokens`): ngram prompt lookup (the most recent earlier
+              occurrence of its last n tokens, n from prompt_lookup_max down to
+              prompt_lookup_min, and what followed it)
+    schedule  the request's step carries [last token, d1..dk]: k+1 query tokens through
+              paged attention on top of its cached context, KV slots for all of them
+    verify    the target's logits at the k+1 positions: greedy keeps the drafts up to the
+              first that is not the argmax, then the argmax there (or a bonus token after
+              all k); sampled requests use rejection sampling (a draft d drawn with
+              probability q(d) is kept with probability min(1, p(d) / q(d)), else the
+              token comes from max(0, p - q) renormalized), which keeps the target's
+              distribution exactly; ngram drafts are deterministic (q one-hot)
+    rollback  the request's computed tokens advance by 1 + accepted drafts; the blocks the
+              rejected drafts' KV slots took beyond that are freed, and only accepted full
+              blocks get prefix-cache hashes (the rejected tokens never join the request)
+
+Off-switch: no drafts in a step whose running decodes exceed `disable_by_batch_size`
+(vLLM's `speculative_disable_by_batch_size`): at large batch a decode step is no longer
+weight-bound, and verifying k+1 tokens per request costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = 8
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {type(d).__name__}")
+        method = d.get("method")
+        if method == "draft_model":
+            raise ValueError("speculative_config method 'draft_model' is not supported yet; use 'ngram'")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        cfg = cls(**d)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            v = getattr(cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min {cfg.prompt_lookup_min} > "
+                             f"prompt_lookup_max {cfg.prompt_lookup_max}")
+        return cfg
+
+
+def ngram_propose(tokens: list[int], k: int, nmax: int, nmin: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the last n tokens
+    (the longest n in [nmin, nmax] that occurs); [] if none does."""
+    size = len(tokens)
+    for n in range(min(nmax, size - 1), nmin - 1, -1):
+        tail = tokens[size - n:]
+        for start in range(size - n - 1, -1, -1):  # most recent first, never the tail itself
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    """logits [k+1, vocab] at [last token, d1..dk] -> the tokens the step produces."""
+    target = logits.argmax(dim=-1).tolist()
+    out = []
+    for i, d in enumerate(drafts):
+        out.append(target[i])
+        if target[i] != d:
+            return out
+    out.append(target[len(drafts)])
+    return out
+
+
+def verify_sampled(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
+    """probs [k+1, vocab]: the target's (after temperature / top-k / top-p). Rejection
+    sampling against one-hot drafts: d_i kept with probability p_i(d_i); at the first
+    rejection the token comes from p_i with d_i removed, renormalized; after k acceptances
+    a bonus token from p_k."""
+    u = torch.rand(len(drafts) + 1, generator=generator, device=probs.device).tolist()
+    out = []
+    for i, d in enumerate(drafts):
+        if u[i] < probs[i, d].item():
+            out.append(d)
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0.0
+        total = residual.sum()
+        residual = residual / total if total > 0 else probs[i]
+        out.append(int(torch.multinomial(residual, 1, generator=generator).item()))
+        return out
+    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator).item()))
+    return out
+
+
+class Drafter:
+    """The engine's side of speculation: proposes drafts before a step, counts what the
+    verification kept after it. A no-op without a config."""
+
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int):
+        self.config, self.max_model_len = config, max_model_len
+        self.num_drafts = 0  # requests that carried drafts into a step
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.steps_off = 0  # steps the batch size turned speculation off
+
+    def propose(self, running: list) -> None:
+        cfg = self.config
+        if cfg is None:
+            return
+        decodes = [r for r in running if r.is_decoding]
+        if len(decodes) > cfg.disable_by_batch_size:
+            self.steps_off += 1
+            return
+        for r in decodes:
+            room = min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
+                       self.max_model_len - r.num_tokens - 1)
+            # no drafts while banned tokens (min_tokens) shape each step's logits
+            r.spec_tokens = [] if room <= 0 or r.banned_token_ids() else \
+                ngram_propose(r.all_token_ids, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+
+    def settle(self, scheduled: list, tokens: dict) -> None:
+        """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""
+        for s in scheduled:
+            if s.draft_token_ids:
+                got = tokens.get(s.request.request_id, [])
+                s.num_accepted = max(0, len(got) - 1)
+                self.num_drafts += 1
+                self.num_draft_tokens += len(s.draft_token_ids)
+                self.num_accepted_tokens += s.num_accepted
+
+    def stats(self) -> dict:
+        if self.config is None:
+            return {}
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
+                "spec_decode_mean_accepted_length": 1 + self.num_accepted_tokens / max(1, self.num_drafts),
+                "spec_decode_steps_off": self.steps_off}

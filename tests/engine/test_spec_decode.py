@@ -1,0 +1,122 @@
+"""Speculative decoding (ngram): proposals and verification exactly, greedy output identical
+with and without it (preemption and prefix hits in the mix), the rollback's exact blocks,
+rejection sampling that keeps the target distribution, the batch-size off-switch."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.spec_decode import SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
+
+from helpers import PROMPTS
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 64}
+REPEATS = ["Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the "
+           "lazy dog. the quick brown", "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,"]
+
+
+def test_ngram_proposals():
+    toks = [5, 6, 7, 8, 9, 5, 6, 7]
+    assert ngram_propose(toks, 3, 3, 1) == [8, 9, 5]  # "5 6 7" occurred at 0: what followed
+    assert ngram_propose(toks, 10, 3, 1) == [8, 9, 5, 6, 7]
+    assert ngram_propose([1, 2, 3, 9, 2, 3], 2, 3, 2) == [9, 2]  # n=3 misses, n=2 finds "2 3"
+    assert ngram_propose([1, 2, 1, 3, 1], 2, 1, 1) == [3, 1]  # the most recent earlier "1"
+    assert ngram_propose([1, 2, 3, 4], 2, 3, 1) == []
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_miss():
+    logits = torch.full((4, 10), -1.0)
+    for row, tok in enumerate([7, 3, 9, 2]):
+        logits[row, tok] = 1.0
+    assert verify_greedy(logits, [7, 3, 9]) == [7, 3, 9, 2]  # all kept + the bonus token
+    assert verify_greedy(logits, [7, 4, 9]) == [7, 3]  # the miss is replaced by the target's token
+    assert verify_greedy(logits, [1, 3, 9]) == [7]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """One-hot drafts: whatever is drafted, the first token is distributed as p."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    probs = p.repeat(2, 1)
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    for draft in (0, 3):
+        counts = collections.Counter(verify_sampled(probs, [draft], gen)[0] for _ in range(n))
+        chi2 = sum((counts[i] - n * p[i].item()) ** 2 / (n * p[i].item()) for i in range(4))
+        assert chi2 < 16.3, (draft, counts)  # 3 degrees of freedom, p = 0.001
+
+
+def test_rollback_frees_exactly_the_rejected_tail():
+    kv = KVCacheManager(10, 4)
+    req = Request("r", list(range(7)), SamplingParams())
+    assert [b.block_id for b in kv.allocate_slots(req, 7)] == [0, 1]
+    req.num_computed_tokens = 7
+    assert [b.block_id for b in kv.allocate_slots(req, 6)] == [0, 1, 2, 3]  # 1 + 5 drafts: up to 13 tokens
+    kv.rollback(req, 9)  # 1 draft kept: 8 computed + room for the next token
+    assert kv.block_ids("r") == [0, 1, 2] and kv.num_free_blocks == 7
+    assert list(kv.pool.free_queue)[-1] == 3  # freed to the tail
+    kv.free(req)
+    kv.check_all_free()
+
+
+def greedy(llm: LLM, prompts, max_tokens=40):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+
+
+def test_greedy_output_is_identical_with_preemption_and_prefix_hits():
+    prompts = REPEATS + PROMPTS[:4] + [REPEATS[0] + " fox"]  # the last shares the first's prefix
+    with LLM(max_model_len=512) as llm:
+        want = greedy(llm, prompts)
+    with LLM(max_model_len=512, speculative_config=NGRAM) as llm:
+        assert greedy(llm, prompts[:-1]) + greedy(llm, prompts[-1:]) == want  # the last one hits the cache
+        st = llm.engine.stats()
+        assert st["spec_decode_num_accepted_tokens"] > 10 and st["prefix_cache_hits"] > 0, st
+        llm.engine.kv.check_all_free()
+    with LLM(max_model_len=512, speculative_config=NGRAM, num_gpu_blocks_override=12, max_num_seqs=4) as llm:
+        assert greedy(llm, prompts) == want
+        st = llm.engine.stats()
+        assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0, st
+        llm.engine.kv.check_all_free()
+
+
+def test_sampled_output_keeps_the_target_distribution():
+    """The default model sampled (temperature 1, top_k 3) on a counting prompt, where ngram
+    drafts are often accepted: the tokens at output positions 1-4, over 400 seeded requests
+    each way, come from the same distribution with and without speculation (chi-square
+    homogeneity test)."""
+    prompt = "Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=5, seed=i, ignore_eos=True) for i in range(400)]
+    counts = []
+    for spec in (None, NGRAM):
+        with LLM(max_model_len=128, speculative_config=spec) as llm:
+            outs = [o.outputs[0].token_ids for i in range(0, 400, 50)
+                    for o in llm.generate([prompt] * 50, params[i:i + 50])]
+            if spec:
+                st = llm.engine.stats()
+                assert st["spec_decode_num_accepted_tokens"] > 300 and st["spec_decode_steps_off"] == 0, st
+        counts.append(collections.Counter((pos, o[pos]) for o in outs for pos in (1, 2, 3, 4)))
+    keys = [k for k in set(counts[0]) | set(counts[1]) if counts[0][k] + counts[1][k] >= 5]
+    chi2 = sum((counts[0][k] - counts[1][k]) ** 2 / (counts[0][k] + counts[1][k]) for k in keys)
+    dof = max(1, len(keys) - 4)
+    assert chi2 < dof + 4 * math.sqrt(2 * dof), (chi2, dof, counts)
+
+
+def test_large_batches_turn_speculation_off():
+    with LLM(max_model_len=256, speculative_config={**NGRAM, "disable_by_batch_size": 2}) as llm:
+        greedy(llm, REPEATS + PROMPTS[:2], max_tokens=8)
+        st = llm.engine.stats()
+        assert st["spec_decode_steps_off"] > 0
+    with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1, got 0"):
+        LLM(max_model_len=64, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
