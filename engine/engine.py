@@ -166,10 +166,17 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        sched = self._schedule()
+        return self._postprocess(sched, self._execute(sched)) if sched else []
+
+    def _schedule(self) -> SchedulerOutput:
+        """Drafts (speculative decoding), then the scheduler's batch under the step budget."""
         self.drafter.propose(self.scheduler.running)
-        sched = self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
-        if not sched:
-            return []
+        return self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
+
+    def _execute(self, sched: SchedulerOutput) -> dict:
+        """The host tier's copies and the forward pass; then the drafts' verdicts, progress
+        (rolling back rejected drafts) and, on its interval, the host tier to disk."""
         ops = self.kv.host.take() if self.kv.host is not None else None
         with self.step_model.timed(sched.scheduled):
             tokens = self.runner.execute(sched.scheduled, ops)
@@ -177,7 +184,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched)
         if self.config.kv_persist_dir and time.monotonic() - self._persisted_at >= self.config.kv_persist_interval_s:
             self.persist_host_tier()
-        return self._postprocess(sched, tokens)
+        return tokens
 
     # ---- the host tier on disk (persist.py) ------------------------------------------------
     def _restore_host_tier(self) -> None:

@@ -42,6 +42,9 @@ class _WorkerCollector:
             "pdserve:prefix_cache_host_hits": ("Prefix-cache hits loaded back from the host tier, in tokens",
                                                "prefix_cache_host_hits"),
             "pdserve:kv_load_back_seconds": ("Time spent loading host-tier blocks back", "kv_load_back_seconds"),
+            "vllm:spec_decode_num_drafts": ("Requests that carried draft tokens into a step", "spec_decode_num_drafts"),
+            "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed", "spec_decode_num_draft_tokens"),
+            "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted", "spec_decode_num_accepted_tokens"),
         }
         snap = self.cluster.snapshot()
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):

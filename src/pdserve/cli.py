@@ -32,6 +32,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-persist-dir", default=None,
                    help="write the host tier here on shutdown and every --kv-persist-interval s; read it on start")
     p.add_argument("--kv-persist-interval", type=float, default=60.0)
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights of the config's shape)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -42,13 +44,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: on where Triton runs on CUDA)")
 
 
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
            "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
            "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
            "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size,
            "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
-           "kv_persist_interval_s": args.kv_persist_interval}
+           "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config}
     for name in ("max_num_seqs", "max_num_batched_tokens"):  # None: the engine's default
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
