@@ -116,6 +116,9 @@ class Drafter:
 
     def __init__(self, config: SpeculativeConfig | None, max_model_len: int):
         self.config, self.max_model_len = config, max_model_len
+        # (request, room) -> draft tokens, instead of ngram lookup (benchmarks: a draft whose
+        # acceptance is controlled)
+        self.proposer = None
         self.num_drafts = 0  # requests that carried drafts into a step
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -133,8 +136,12 @@ class Drafter:
             room = min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
                        self.max_model_len - r.num_tokens - 1)
             # no drafts while banned tokens (min_tokens) shape each step's logits
-            r.spec_tokens = [] if room <= 0 or r.banned_token_ids() else \
-                ngram_propose(r.all_token_ids, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            if room <= 0 or r.banned_token_ids():
+                r.spec_tokens = []
+            elif self.proposer is not None:
+                r.spec_tokens = list(self.proposer(r, room))[:room]
+            else:
+                r.spec_tokens = ngram_propose(r.all_token_ids, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
     def settle(self, scheduled: list, tokens: dict) -> None:
         """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""
