@@ -4,7 +4,8 @@ at batch 1, 8 and 32 with and without speculation, against the acceptance rate.
 Random weights make ngram acceptance meaningless, so the draft is controlled: each request's
 own greedy continuation (from the run without speculation), each draft token replaced by a
 random one with probability 1 - a. The share of requests whose greedy output equals the run
-without speculation is reported (exact on CPU in float32; bf16 kernels round differently). `--shape tiny` runs on CPU (a check of the script, not a result).
+without speculation is reported (exact on CPU in float32; bf16 kernels round differently).
+`--shape tiny` runs on CPU (a check of the script, not a result).
 
     python bench/spec_gpu.py --tokenizer TOK --out bench/results/spec        # table last
 """
