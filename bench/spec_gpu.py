@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--out", default="bench/results/spec")
+    ap.add_argument("--logit-scale", type=float, default=1.0,
+                    help="scale the LM head: a random model's flat logits flip their argmax on any rounding "
+                         "difference between kernels; sharper ones let the controlled draft mean what it says")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     rows = []
@@ -72,6 +75,7 @@ def main() -> None:
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "disable_by_batch_size": 1 << 20}
         eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16" if cuda else "float32", load_format="dummy",
                                      max_model_len=2048, max_num_seqs=64, speculative_config=spec))
+        eng.runner.model.lm_head.weight.data.mul_(args.logit_scale)  # in place: the CUDA graphs still see it
         cfg, rng = eng.drafter.config, random.Random(0)
         for b in [int(x) for x in args.batches.split(",")]:
             prompts = [[rng.randrange(100, 40000) for _ in range(512)] for _ in range(b)]
