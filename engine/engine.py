@@ -44,6 +44,8 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        # a draft model's weights and KV first: the target's KV budget then counts them (GPU)
+        self.drafter = Drafter(config.spec, config)
         self.tp, self.shards = TPGroup(), None
         if config.tensor_parallel_size > 1:
             self.tp = TPGroup.serve(config.tensor_parallel_size)
@@ -56,7 +58,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s)
-        self.drafter = Drafter(config.spec, config.max_model_len)
         self.load_format = load_format
         self.persist_status: str | None = None  # what restoring the host tier said
         self._persisted_at = time.monotonic()
@@ -255,6 +256,7 @@ class LLMEngine:
         return text[len(req.output_text):end] if end > len(req.output_text) else ""
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.drafter.forget(req.request_id)
         hold = self.hold_blocks_on_finish and status in (RequestStatus.FINISHED_STOPPED,
                                                          RequestStatus.FINISHED_LENGTH)
         self.scheduler.finish(req, status, free=not hold)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = 8
+    model: str | None = None  # draft_model: a Hugging Face directory with the target's vocabulary
+    draft_kv_cache_memory_bytes: int = 1 << 30  # the draft model's own KV cache (spec_draft.py)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
@@ -45,17 +47,18 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a mapping, got {type(d).__name__}")
         method = d.get("method")
-        if method == "draft_model":
-            raise ValueError("speculative_config method 'draft_model' is not supported yet; use 'ngram'")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
+                 "disable_by_batch_size", "model", "draft_kv_cache_memory_bytes"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         cfg = cls(**d)
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+        if method == "draft_model" and not isinstance(cfg.model, str):
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft's directory")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+                     "draft_kv_cache_memory_bytes"):
             v = getattr(cfg, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
@@ -114,8 +117,15 @@ class Drafter:
     """The engine's side of speculation: proposes drafts before a step, counts what the
     verification kept after it. A no-op without a config."""
 
-    def __init__(self, config: SpeculativeConfig | None, max_model_len: int):
-        self.config, self.max_model_len = config, max_model_len
+    def __init__(self, config: SpeculativeConfig | None, target=None):
+        """`target`: the engine's EngineConfig (resolved); a draft model is loaded from it."""
+        self.config = config
+        self.max_model_len = target.max_model_len if target is not None else 1 << 30
+        self.draft = None
+        if config is not None and config.method == "draft_model":
+            from .spec_draft import DraftModelProposer
+
+            self.draft = DraftModelProposer(config.model, target, config.draft_kv_cache_memory_bytes)
         # (request, room) -> draft tokens, instead of ngram lookup (benchmarks: a draft whose
         # acceptance is controlled)
         self.proposer = None
@@ -132,16 +142,26 @@ class Drafter:
         if len(decodes) > cfg.disable_by_batch_size:
             self.steps_off += 1
             return
-        for r in decodes:
-            room = min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
-                       self.max_model_len - r.num_tokens - 1)
-            # no drafts while banned tokens (min_tokens) shape each step's logits
-            if room <= 0 or r.banned_token_ids():
+        rooms = [0 if r.banned_token_ids() else  # no drafts while banned tokens shape the logits
+                 min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
+                     self.max_model_len - r.num_tokens - 1) for r in decodes]
+        if self.draft is not None:
+            drafts = self.draft.propose(decodes, rooms)
+            for r in decodes:
+                r.spec_tokens = drafts.get(r.request_id, [])
+            return
+        for r, room in zip(decodes, rooms):
+            if room <= 0:
                 r.spec_tokens = []
             elif self.proposer is not None:
                 r.spec_tokens = list(self.proposer(r, room))[:room]
             else:
                 r.spec_tokens = ngram_propose(r.all_token_ids, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: the draft model's copy of it goes."""
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     def settle(self, scheduled: list, tokens: dict) -> None:
         """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client import generate_latest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.engine.loader import resolve_model_path
 from pdserve.router.metrics import RouterMetrics
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
@@ -17,10 +19,15 @@ PROMPTS = ["Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,", "Say it twice: the cat 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def test_decode_pool_speculates_with_llms_tokens():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_decode_pool_speculates_with_llms_tokens(method):
+    """draft_model: the default model drafts for itself; on the decode worker the draft model
+    prefills the handed-off prompt into its own KV cache first (spec_draft.py)."""
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": resolve_model_path(None),
+                                            "num_speculative_tokens": 3, "disable_by_batch_size": 64}
     with LLM(max_model_len=256) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    c = Cluster.start(prefill=1, decode=1, max_model_len=256, speculative_config=NGRAM, mode="disaggregated")
+    c = Cluster.start(prefill=1, decode=1, max_model_len=256, speculative_config=spec, mode="disaggregated")
     try:
         outs = c.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == want
