@@ -39,6 +39,7 @@ from pdserve.bench.workloads import DEFAULT_TRACE, trace_workload  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
 from pdserve.engine.hashing import hash_block_tokens  # noqa: E402
+from pdserve.engine.kv_cache import kv_layout  # noqa: E402
 from pdserve.plan import plan  # noqa: E402
 
 
@@ -185,8 +186,6 @@ def main() -> None:
         for fmt in ("auto", "fp8", "int8"):
             cfg = EngineConfig(model=model, dtype="bfloat16", kv_cache_dtype=fmt)
             cfg.resolve(model)
-            from pdserve.engine.kv_cache import kv_layout
-
             q[fmt] = kv_layout(cfg).block_bytes
         res["blocks_per_byte_vs_bf16"] = {k: q["auto"] / v for k, v in q.items()}
     os.makedirs(args.out, exist_ok=True)
