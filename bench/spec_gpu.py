@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--out", default="bench/results/spec")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--logit-scale", type=float, default=1.0,
                     help="scale the LM head: a random model's flat logits flip their argmax on any rounding "
                          "difference between kernels; sharper ones let the controlled draft mean what it says")
@@ -73,7 +74,8 @@ def main() -> None:
         else:
             model = build_model(d, args.tokenizer)
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "disable_by_batch_size": 1 << 20}
-        eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16" if cuda else "float32", load_format="dummy",
+        dtype = args.dtype or ("bfloat16" if cuda else "float32")
+        eng = LLMEngine(EngineConfig(model=model, dtype=dtype, load_format="dummy",
                                      max_model_len=2048, max_num_seqs=64, speculative_config=spec))
         eng.runner.model.lm_head.weight.data.mul_(args.logit_scale)  # in place: the CUDA graphs still see it
         cfg, rng = eng.drafter.config, random.Random(0)
@@ -104,7 +106,8 @@ def main() -> None:
         eng.close()
     device = torch.cuda.get_device_name() if cuda else "CPU"
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"spec_{args.shape}.json"), "w") as f:
+    tag = args.shape + (f"_{args.dtype}" if args.dtype else "")
+    with open(os.path.join(args.out, f"spec_{tag}.json"), "w") as f:
         json.dump({"device": device, "k": args.k, "out_len": args.out_len, "rows": rows}, f, indent=2)
     lines = [f"# Speculative decoding, {args.shape} on {device} (k={args.k}, {args.out_len} tokens, prompts 512)", "",
              "| batch | draft acceptance (target) | measured acceptance | tok/s | vs no speculation | "
@@ -116,7 +119,7 @@ def main() -> None:
             lines.append(f"| {r['batch']} | {r['acceptance_target']:.0%} | {r['acceptance']:.0%} | {r['tok_s']:.0f} | "
                          f"{r['speedup']:.2f}x | {r['same_output']:.0%} |")
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, f"spec_{args.shape}.md"), "w") as f:
+    with open(os.path.join(args.out, f"spec_{tag}.md"), "w") as f:
         f.write(md)
     print(md)
 
