@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import ray
 
 from pdserve import LLM, SamplingParams
@@ -44,8 +43,7 @@ def test_registry_scores_holders_by_tier():
             ray.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models, tmp_path, mode):
+def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models, tmp_path, mode="disaggregated"):
     model = tiny_models["llama"]
     prompts = [SHARED + [7, 8, 9], SHARED + [17, 18]]
     with LLM(model, max_model_len=256) as llm:
