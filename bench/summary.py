@@ -117,8 +117,8 @@ def kv_capacity() -> dict:
     cmd = "python3 bench/kv_capacity_gpu.py --tokenizer TOKENIZER_DIR --parts concurrency,restart  # one H100"
     return {
         "paged_over_contiguous": {"value": round(c["peak_over_contiguous"], 2), "command": cmd,
-                                  "workload": f"{c['requests']} mixed-length requests (trace x0.25) on {c['kv_blocks']} "
-                                              "blocks vs max_model_len 8192 reserved per request"},
+                                  "workload": f"{c['requests']} mixed-length requests (trace x0.25) on "
+                                              f"{c['kv_blocks']} blocks vs max_model_len 8192 reserved per request"},
         "int8_blocks_vs_bf16": {"value": round(cap["blocks_per_byte_vs_bf16"]["int8"], 2), "command": cmd,
                                 "workload": "KV blocks per byte, head_dim 128, a float32 scale per row"},
         "restart_ttft_speedup": {"value": round(rst["ttft_cold_s"] / rst["ttft_after_restart_s"], 2),
@@ -126,8 +126,8 @@ def kv_capacity() -> dict:
                                              "restart with the persisted host tier",
                                  "command": cmd.replace("concurrency,restart", "host,restart")},
         "host_tier_cache_share": {"value": round(sim[(3200000, "tiers")]["hit_rate"], 3),
-                                  "workload": "whole Mooncake trace, 2 workers, 760K GPU tokens + 3.2M host tokens each "
-                                              f"(without the tier: {sim[(0, 'tiers')]['hit_rate']:.3f})",
+                                  "workload": "whole Mooncake trace, 2 workers, 760K GPU tokens + 3.2M host tokens "
+                                              f"each (without the tier: {sim[(0, 'tiers')]['hit_rate']:.3f})",
                                   "command": "python3 bench/tier_sim.py  # CPU, the engine's cache code"},
     }
 
