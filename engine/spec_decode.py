@@ -141,6 +141,8 @@ class Drafter:
         decodes = [r for r in running if r.is_decoding]
         if len(decodes) > cfg.disable_by_batch_size:
             self.steps_off += 1
+            for r in decodes:  # drafts from an earlier step that did not run them go too
+                r.spec_tokens = []
             return
         rooms = [0 if r.banned_token_ids() else  # no drafts while banned tokens shape the logits
                  min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
