@@ -53,8 +53,14 @@ def test_a_killed_rank_takes_its_worker_out_and_it_is_replaced(p1_d2):
     dec = next(w for w in p1_d2.workers if w.startswith("decode"))
     long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     outs: list = []
-    ts = [threading.Thread(target=lambda i=i: outs.append(p1_d2.generate(f"Story {i}: once", long)[0]))
-          for i in range(3)]
+
+    def one(i: int) -> None:
+        try:
+            outs.append(p1_d2.generate(f"Story {i}: once", long)[0])
+        except RuntimeError as e:  # the retry found no live decode worker: the pool's only one is refilling
+            outs.append(e)
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(3)]
     for t in ts:
         t.start()
     for _ in range(300):
@@ -67,6 +73,9 @@ def test_a_killed_rank_takes_its_worker_out_and_it_is_replaced(p1_d2):
         t.join(240)
     assert len(outs) == 3  # none hangs: each finished, or failed with the worker's death as its reason
     for o in outs:
+        if isinstance(o, RuntimeError):
+            assert "no healthy decode worker" in str(o)
+            continue
         c = o.outputs[0]
         assert (c.finish_reason == "length" and len(c.token_ids) == 150) or \
             (c.finish_reason == "error" and "died" in str(c.stop_reason)), (c.finish_reason, c.stop_reason)
