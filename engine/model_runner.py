@@ -9,6 +9,12 @@ On CUDA, all-decode steps replay CUDA graphs captured at start for padded batch
 sizes (1, 2, 4, 8, 16, 32, ...): a decode step of an 8B model launches ~800 kernels,
 and launching them from Python costs more than running them. Padding rows store
 nothing (slot -1) and attend to one token of block 0; their logits are dropped.
+A speculative step is an all-decode step too ("flat decode"): a request verifying
+[last, d1..dk] is k+1 rows, row j at position p+j attending to its first p+j+1 tokens
+through the same block table, so verification replays the same graphs and the same
+paged-decode kernel as plain decoding (the KV of all k+1 tokens is stored before any
+row attends). `flat_decode` sends such steps through this layout eagerly where there
+are no graphs (CPU tests of the GPU path).
 
 Tensor parallel (engine/tp.py): rank 0's runner builds a step's host inputs (`StepInputs`:
 numpy arrays, cheap to pickle), sends them to the shards and runs `forward` on them; each
@@ -17,6 +23,7 @@ shard's runner receives them and runs the same `forward` (shard.py). Only rank 0
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +82,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.split_mixed = False  # see execute()
+        self.graph_seconds: dict[int, float] = {}  # rows -> seconds per replay (with speculation)
+        self.flat_decode = False  # all-decode steps in the graph layout without graphs (CPU tests)
         if self.device.type == "cuda" and config.use_triton and not config.enforce_eager:
             self.capture_graphs()
 
@@ -85,10 +94,13 @@ class ModelRunner:
     def host_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
         """Rank 0: the step's inputs as numpy arrays (graph replay or the eager batch)."""
         n = len(batch)
-        if self.graphs and n <= max(self.graphs) and all(s.num_new_tokens == 1 for s in batch):
-            b = min(k for k in self.graphs if k >= n)
-            cols, tables = decode_inputs(batch, b, self.block_size, self.g_tables.shape[1])
-            return StepInputs(True, n, tables, cols=cols)
+        rows = sum(s.num_new_tokens for s in batch)
+        if (self.graphs or self.flat_decode) and all(s.decode_rows for s in batch) \
+                and rows <= max(self.graphs, default=rows):
+            b = min((k for k in self.graphs if k >= rows), default=rows)
+            width = self.g_tables.shape[1] if self.graphs else max(len(s.block_ids) for s in batch)
+            cols, tables, sample_rows = decode_inputs(batch, b, self.block_size, width)
+            return StepInputs(True, rows, tables, cols=cols, sample_rows=sample_rows)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -131,6 +143,10 @@ class ModelRunner:
     # ---- CUDA graphs for decode ---------------------------------------------------------
     def graph_sizes(self) -> list[int]:
         top = self.config.max_num_seqs
+        spec = self.config.spec
+        if spec is not None:  # verification rows: k + 1 per request while speculation is on
+            rows = min(top, spec.disable_by_batch_size) * (1 + spec.num_speculative_tokens)
+            top = max(top, min(rows, self.config.max_num_batched_tokens))
         sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
         return sorted(set(sizes + [top]))
 
@@ -160,6 +176,23 @@ class ModelRunner:
                 out = run()
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize()
+        if self.config.spec is not None:
+            self.graph_seconds = self.time_graphs()
+
+    def time_graphs(self, reps: int = 5) -> dict[int, float]:
+        """Seconds one replay of each captured graph takes (the speculation cost model,
+        spec_decode.py): the weights' and activations' cost by row count; padding rows attend
+        to one token, so the KV each real row reads is not in it."""
+        out = {}
+        for b, (graph, _) in sorted(self.graphs.items()):
+            graph.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                graph.replay()
+            torch.cuda.synchronize()
+            out[b] = (time.perf_counter() - t0) / reps
+        return out
 
     def _replay(self, inp: StepInputs) -> torch.Tensor:
         """Logits of an all-decode batch through its captured graph."""
@@ -173,6 +206,14 @@ class ModelRunner:
         graph.replay()
         return out[: inp.num_rows]
 
+    def _flat_eager(self, inp: StepInputs) -> torch.Tensor:
+        """The graph layout run eagerly (no graphs: `flat_decode` on CPU)."""
+        dev, b = self.device, inp.num_rows
+        ids, pos, slots, lens = (torch.from_numpy(c[:b]).to(dev) for c in inp.cols)
+        meta = AttentionMetadata(slots, torch.from_numpy(inp.tables[:b]).to(dev), lens.tolist(),
+                                 lens.to(torch.int32), [1] * b, b)
+        return self.model.compute_logits(self.model(ids, pos, self.kv_views, meta))
+
     @property
     def num_host_slots(self) -> int:
         return host_slots(self.config.kv_offloading_size, self.layout.block_bytes)
@@ -183,7 +224,10 @@ class ModelRunner:
         if inp.tier_ops is not None:
             self.host.apply(self.kv, inp.tier_ops)
         if inp.graph:
-            return self._replay(inp)
+            logits = self._replay(inp) if self.graphs else self._flat_eager(inp)
+            if len(inp.sample_rows) == inp.num_rows:
+                return logits
+            return logits[torch.from_numpy(inp.sample_rows).to(logits.device)] if len(inp.sample_rows) else None
         ids, positions, meta, rows = self.prepare(inp)
         hidden = self.model(ids, positions, self.kv_views, meta)
         if not len(inp.sample_rows):
@@ -197,9 +241,10 @@ class ModelRunner:
         prefill chunks runs as two passes: the decodes through their graph, then the
         chunks eagerly."""
         if self.split_mixed and self.graphs:
-            decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.request.is_decoding]
-            if decodes and len(decodes) < len(scheduled) and len(decodes) <= max(self.graphs):
-                rest = [s for s in scheduled if not (s.num_new_tokens == 1 and s.request.is_decoding)]
+            decodes = [s for s in scheduled if s.decode_rows and s.request.is_decoding]
+            if decodes and len(decodes) < len(scheduled) \
+                    and sum(s.num_new_tokens for s in decodes) <= max(self.graphs):
+                rest = [s for s in scheduled if not (s.decode_rows and s.request.is_decoding)]
                 return {**self._execute(decodes, tier_ops), **self._execute(rest)}
         return self._execute(scheduled, tier_ops)
 
@@ -223,11 +268,13 @@ class ModelRunner:
         """A batch with draft tokens: plain rows sample as usual; each request with drafts gets
         the list of tokens its verification produced."""
         out, plain, row = {}, [], 0
+        argmax = logits.argmax(dim=-1).tolist()  # one sync for every greedy verification
         for s in samplers:
             n = 1 + len(s.draft_token_ids)
             if s.draft_token_ids:
                 out[s.request.request_id] = self.sampler.verify(logits[row:row + n], s.draft_token_ids,
-                                                                s.request.sampling_params, s.request.request_id)
+                                                                s.request.sampling_params, s.request.request_id,
+                                                                argmax[row:row + n])
             else:
                 plain.append((s, row))
             row += n
@@ -241,20 +288,29 @@ class ModelRunner:
 
 
 def decode_inputs(batch: list[ScheduledRequest], padded: int, block_size: int,
-                  max_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+                  max_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The host side of a graph replay: ([4, padded] int64 rows of token ids, positions,
-    KV slots and context lengths; [padded, max_blocks] int32 block tables). Padding rows
-    store nothing (slot -1) and attend to one token of block 0. Built in numpy: a per-row
-    torch tensor costs tens of microseconds on the host, per step, while the GPU waits."""
-    n = len(batch)
+    KV slots and context lengths; [padded, max_blocks] int32 block tables; the rows whose
+    logits are sampled). A request with drafts takes a row per query token, each with the
+    request's table and its own context length. Padding rows store nothing (slot -1) and
+    attend to one token of block 0. Built in numpy: a per-row torch tensor costs tens of
+    microseconds on the host, per step, while the GPU waits."""
     cols = np.zeros((4, padded), dtype=np.int64)
-    cols[2, n:] = -1
     tables = np.zeros((padded, max_blocks), dtype=np.int32)
-    for i, s in enumerate(batch):
+    sample_rows, i = [], 0
+    for s in batch:
         p = s.request.num_computed_tokens
-        cols[0, i] = s.request.all_token_ids[p]
-        cols[1, i] = p
-        cols[2, i] = s.block_ids[p // block_size] * block_size + p % block_size
-        tables[i, : len(s.block_ids)] = s.block_ids
+        ids = [s.request.all_token_ids[p]] + s.draft_token_ids
+        n = len(ids)
+        pos = np.arange(p, p + n)
+        blocks = np.asarray(s.block_ids, dtype=np.int64)
+        cols[0, i:i + n] = ids
+        cols[1, i:i + n] = pos
+        cols[2, i:i + n] = blocks[pos // block_size] * block_size + pos % block_size
+        tables[i:i + n, : len(s.block_ids)] = s.block_ids
+        if s.samples:
+            sample_rows += range(i, i + n)
+        i += n
+    cols[2, i:] = -1
     cols[3] = cols[1] + 1
-    return cols, tables
+    return cols, tables, np.array(sample_rows, dtype=np.int64)

@@ -63,11 +63,13 @@ class Sampler:
         return logits.softmax(dim=-1)
 
     @torch.no_grad()
-    def verify(self, logits: torch.Tensor, drafts: list[int], params: SamplingParams, request_id: str) -> list[int]:
+    def verify(self, logits: torch.Tensor, drafts: list[int], params: SamplingParams, request_id: str,
+               argmax: list[int] | None = None) -> list[int]:
         """logits [k+1, vocab] at a request's [last token, d1..dk]: the tokens its step
-        produces (accepted drafts, then one from the target; spec_decode.py)."""
+        produces (accepted drafts, then one from the target; spec_decode.py). `argmax`: the
+        rows' argmax if the caller has it (one device sync for the whole batch)."""
         if params.greedy:
-            return verify_greedy(logits, drafts)
+            return verify_greedy(argmax if argmax is not None else logits.argmax(dim=-1).tolist(), drafts)
         gen = self._generator(request_id, params.seed) if params.seed is not None else None
         return verify_sampled(self.probs(logits, [params] * len(logits)), drafts, gen)
 

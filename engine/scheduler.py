@@ -33,6 +33,12 @@ class ScheduledRequest:
         n = self.num_new_tokens - len(self.draft_token_ids)
         return self.request.num_computed_tokens + n == self.request.num_tokens
 
+    @property
+    def decode_rows(self) -> bool:
+        """One known token plus any drafts: each a row of the paged-decode kernel (the
+        CUDA-graph layout, model_runner.decode_inputs)."""
+        return self.num_new_tokens - len(self.draft_token_ids) == 1
+
 
 @dataclass
 class SchedulerOutput:

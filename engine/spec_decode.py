@@ -16,9 +16,18 @@
               rejected drafts' KV slots took beyond that are freed, and only accepted full
               blocks get prefix-cache hashes (the rejected tokens never join the request)
 
-Off-switch: no drafts in a step whose running decodes exceed `disable_by_batch_size`
-(vLLM's `speculative_disable_by_batch_size`): at large batch a decode step is no longer
-weight-bound, and verifying k+1 tokens per request costs more than it saves.
+Off-switch, per step, two rules:
+  - no drafts while the running decodes exceed `disable_by_batch_size` (vLLM's
+    `speculative_disable_by_batch_size`), a hard cap;
+  - on CUDA, a cost model: the runner times each captured decode graph at start
+    (`step_seconds`: rows -> seconds; a verifying request takes 1 + d rows, model_runner.py),
+    and a step carries its drafts only if the tokens they are expected to yield per second
+    beat plain decoding's: sum over requests of (1 - a^(d+1)) / (1 - a), over t(rows), against
+    B / t(B), with a the per-token acceptance measured lately (accepted / (accepted + misses),
+    a geometric fit, decayed by DECAY per verifying step; prior PRIOR_ACCEPTED of
+    PRIOR_DRAFTS). At small batch a step reads all weights whatever its rows, so t(B + drafts) ~ t(B) and any acceptance pays; at large batch
+    the matmuls turn compute-bound and only high acceptance does. While the model says no,
+    one step in PROBE_EVERY still speculates, so the acceptance estimate follows the text.
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ from dataclasses import dataclass
 import torch
 
 METHODS = ("ngram", "draft_model")
+PRIOR_ACCEPTED, PRIOR_DRAFTS = 2, 4  # the acceptance estimate before any verification: 1/2
+PROBE_EVERY = 16
+DECAY = 0.99
 
 
 @dataclass(frozen=True)
@@ -80,9 +92,8 @@ def ngram_propose(tokens: list[int], k: int, nmax: int, nmin: int) -> list[int]:
     return []
 
 
-def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    """logits [k+1, vocab] at [last token, d1..dk] -> the tokens the step produces."""
-    target = logits.argmax(dim=-1).tolist()
+def verify_greedy(target: list[int], drafts: list[int]) -> list[int]:
+    """The target's argmax at [last token, d1..dk] (k+1 ids) -> the tokens the step produces."""
     out = []
     for i, d in enumerate(drafts):
         out.append(target[i])
@@ -132,7 +143,11 @@ class Drafter:
         self.num_drafts = 0  # requests that carried drafts into a step
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.steps_off = 0  # steps the batch size turned speculation off
+        self.steps_off = 0  # steps the batch size or the cost model turned speculation off
+        self.step_seconds: dict[int, float] = {}  # decode-graph rows -> seconds (CUDA; model_runner.py)
+        self.num_misses = 0  # verifications that rejected a draft
+        self.recent = [0.0, 0.0]  # accepted drafts, misses: decayed by DECAY per verifying step
+        self._skipped = 0  # consecutive steps the cost model turned off
 
     def propose(self, running: list) -> None:
         cfg = self.config
@@ -151,14 +166,45 @@ class Drafter:
             drafts = self.draft.propose(decodes, rooms)
             for r in decodes:
                 r.spec_tokens = drafts.get(r.request_id, [])
-            return
-        for r, room in zip(decodes, rooms):
-            if room <= 0:
+        else:
+            for r, room in zip(decodes, rooms):
+                if room <= 0:
+                    r.spec_tokens = []
+                elif self.proposer is not None:
+                    r.spec_tokens = list(self.proposer(r, room))[:room]
+                else:
+                    r.spec_tokens = ngram_propose(r.all_token_ids, room, cfg.prompt_lookup_max,
+                                                  cfg.prompt_lookup_min)
+        if any(r.spec_tokens for r in decodes) and not self.pays([len(r.spec_tokens) for r in decodes]):
+            self.steps_off += 1
+            for r in decodes:
                 r.spec_tokens = []
-            elif self.proposer is not None:
-                r.spec_tokens = list(self.proposer(r, room))[:room]
-            else:
-                r.spec_tokens = ngram_propose(r.all_token_ids, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+
+    def acceptance(self) -> float:
+        """Per-token acceptance lately (a geometric fit: accepted / (accepted + misses), over
+        the last ~1 / (1 - DECAY) verifying steps)."""
+        acc = self.recent[0] + PRIOR_ACCEPTED
+        return acc / (acc + self.recent[1] + PRIOR_DRAFTS - PRIOR_ACCEPTED)
+
+    def pays(self, drafts: list[int]) -> bool:
+        """Whether a step with these draft counts (one per decoding request) is expected to
+        yield more tokens per second than plain decoding (the cost model above). True
+        without a cost table (CPU, eager)."""
+        t = self.step_seconds
+        if not t:
+            return True
+        b, rows = len(drafts), len(drafts) + sum(drafts)
+        fits = [k for k in t if k >= rows]
+        ok = False
+        if fits:  # beyond the largest graph the step would run eagerly: never worth it
+            a = min(self.acceptance(), 0.999)
+            tokens = sum((1 - a ** (d + 1)) / (1 - a) for d in drafts)
+            ok = tokens / t[min(fits)] > b / t[min(k for k in t if k >= b)]
+        self._skipped = 0 if ok else self._skipped + 1
+        if not ok and fits and self._skipped >= PROBE_EVERY:
+            self._skipped = 0
+            return True  # a probe: keeps the acceptance estimate current
+        return ok
 
     def forget(self, request_id: str) -> None:
         """The request ended: the draft model's copy of it goes."""
@@ -167,10 +213,16 @@ class Drafter:
 
     def settle(self, scheduled: list, tokens: dict) -> None:
         """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""
+        if any(s.draft_token_ids for s in scheduled):
+            self.recent = [x * DECAY for x in self.recent]
         for s in scheduled:
             if s.draft_token_ids:
                 got = tokens.get(s.request.request_id, [])
                 s.num_accepted = max(0, len(got) - 1)
+                miss = s.num_accepted < len(s.draft_token_ids)
+                self.num_misses += miss
+                self.recent[0] += s.num_accepted
+                self.recent[1] += miss
                 self.num_drafts += 1
                 self.num_draft_tokens += len(s.draft_token_ids)
                 self.num_accepted_tokens += s.num_accepted

@@ -69,7 +69,7 @@ class StepModel:
         decodes = prefill = kv = attn = 0
         for s in scheduled:
             r = s.request
-            if s.num_new_tokens == 1 and r.is_decoding:
+            if s.decode_rows and r.is_decoding:  # drafts ride in the decode graph (model_runner.py)
                 decodes += 1
                 kv += r.num_tokens
             else:

@@ -36,9 +36,9 @@ def test_greedy_verification_keeps_drafts_up_to_the_first_miss():
     logits = torch.full((4, 10), -1.0)
     for row, tok in enumerate([7, 3, 9, 2]):
         logits[row, tok] = 1.0
-    assert verify_greedy(logits, [7, 3, 9]) == [7, 3, 9, 2]  # all kept + the bonus token
-    assert verify_greedy(logits, [7, 4, 9]) == [7, 3]  # the miss is replaced by the target's token
-    assert verify_greedy(logits, [1, 3, 9]) == [7]
+    assert verify_greedy(logits.argmax(-1).tolist(), [7, 3, 9]) == [7, 3, 9, 2]  # all kept + the bonus token
+    assert verify_greedy(logits.argmax(-1).tolist(), [7, 4, 9]) == [7, 3]  # the miss is replaced by the target's token
+    assert verify_greedy(logits.argmax(-1).tolist(), [1, 3, 9]) == [7]
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
@@ -139,3 +139,58 @@ def test_draft_model_proposals(tiny_models):
             llm.engine.drafter.draft.kv.check_all_free()
     with pytest.raises(ValueError, match="needs 'model'"):
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_verification_in_the_decode_graph_layout(backend, tiny_models):
+    """The GPU path on CPU: with `flat_decode` every all-decode step, drafts included, runs in
+    the CUDA-graph layout (a row per query token through the paged-decode kernel; on CUDA the
+    captured graphs replay it). The draft is the plain run's own continuation with every third
+    token corrupted: the kept ones are accepted, output equals plain decoding's, nothing leaks."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    prompts = PROMPTS[:3]
+    kw = dict(model=tiny_models["llama"], max_model_len=128, attention_backend=backend)
+    with LLM(**kw) as llm:
+        want = greedy(llm, prompts, 16)
+    with LLM(**kw, speculative_config=NGRAM) as llm:
+        runner, flat = llm.engine.runner, []
+        runner.flat_decode = True
+        real = runner._flat_eager
+        runner._flat_eager = lambda inp: flat.append(inp.num_rows) or real(inp)
+        cont = {tuple(llm.engine.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
+
+        def oracle(req, room):
+            c, m = cont[tuple(req.prompt_token_ids)], req.num_output_tokens
+            return [t if (m + j) % 3 else 0 for j, t in enumerate(c[m:m + room])]
+
+        llm.engine.drafter.proposer = oracle
+        assert greedy(llm, prompts, 16) == want
+        st = llm.engine.stats()
+        assert st["spec_decode_acceptance_rate"] > 0.3 and st["spec_decode_mean_accepted_length"] > 1.5, st
+        assert max(flat) > len(prompts), flat  # steps with k + 1 rows per request
+        llm.engine.kv.check_all_free()
+
+
+def test_the_cost_model_turns_speculation_off_when_it_does_not_pay():
+    """The off-switch's cost model (spec_decode.py) on step-time tables like the ones the runner
+    measures on CUDA: flat (weight-bound) pays at any acceptance; steep (compute-bound) pays only
+    at high acceptance; drafts beyond the largest graph never; a probe every PROBE_EVERY steps."""
+    from pdserve.engine.spec_decode import PROBE_EVERY, Drafter
+
+    d = Drafter(SpeculativeConfig.from_dict(NGRAM))
+    assert d.pays([4, 4])  # no table (CPU): always
+    d.step_seconds = {b: 0.010 for b in (1, 2, 4, 8, 16)}
+    assert d.pays([4, 4]) and d.acceptance() == 0.5
+    d.step_seconds = {b: 0.001 * b for b in (1, 2, 4, 8, 16)}  # time grows with rows
+    assert not d.pays([4, 4])  # 10 rows cost 8x two; 1/2 acceptance yields < 2x tokens
+    d.recent = [10_000, 10]  # ~all accepted: 5 tokens per request for 8x
+    assert not d.pays([4, 4])
+    d.step_seconds = {b: 0.001 * (1 + b / 4) for b in (1, 2, 4, 8, 16)}
+    assert d.pays([4, 4])  # 3.5x the time, ~5x the tokens
+    assert not d.pays([4, 4, 4, 4])  # 20 rows: beyond the largest graph
+    d = Drafter(SpeculativeConfig.from_dict(NGRAM))
+    d.step_seconds = {b: 0.001 * (1 + b / 4) for b in (1, 2, 4, 8, 16)}
+    d.recent = [0, 10_000]  # nothing accepted
+    said = [d.pays([4, 4]) for _ in range(2 * PROBE_EVERY)]
+    assert said.count(True) == 2 and said[PROBE_EVERY - 1], said  # probes only
