@@ -1,10 +1,15 @@
-"""Speculative decoding on one GPU (Llama-3-8B shape, random bf16 weights): decode tokens/s
-at batch 1, 8 and 32 with and without speculation, against the acceptance rate.
+"""Speculative decoding on one GPU (Llama-3-8B shape, bf16): decode tokens/s at batch
+1..32 with and without speculation, against the acceptance rate, and with the engine's own
+off-switch (cost model, engine/spec_decode.py).
 
-Random weights make ngram acceptance meaningless, so the draft is controlled: each request's
-own greedy continuation (from the run without speculation), each draft token replaced by a
-random one with probability 1 - a. The share of requests whose greedy output equals the run
-without speculation is reported (exact on CPU in float32; bf16 kernels round differently).
+Random weights make acceptance meaningless, so the draft is controlled: each request's own
+greedy continuation (from the run without speculation), each draft token replaced by a
+random one with probability 1 - a. For that to control anything the target's greedy
+continuation must not flip on rounding: `--target chain` (default) makes the random model a
+deterministic chain (the LM head is the embedding, permuted, and the layers' output
+projections are scaled by 1e-4, so the next token is perm(current) with a large margin);
+every matmul still runs at full size, so step times are those of the 8B shape. `--target
+random` keeps the plain random weights (flat logits: any rounding difference flips the argmax).
 `--shape tiny` runs on CPU (a check of the script, not a result).
 
     python bench/spec_gpu.py --tokenizer TOK --out bench/results/spec        # table last
@@ -49,19 +54,56 @@ def run(eng: LLMEngine, prompts: list[list[int]], out_len: int) -> tuple[list[li
     return [done[f"r{i}"] for i in range(len(prompts))], time.perf_counter() - t
 
 
+def make_chain(model: torch.nn.Module, seed: int = 0) -> None:
+    """Next token = a fixed permutation of the current one, by a wide margin (see the top)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.mul_(1e-4)
+            layer.mlp.down_proj.weight.mul_(1e-4)
+        emb = model.embed_tokens.weight
+        perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
+        model.lm_head.weight.data = model.lm_head.weight.data.clone()  # untie if tied
+        model.lm_head.weight.copy_(emb[perm])
+
+
+def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
+    """One row per acceptance: speculation forced on (auto False) or left to the engine's
+    off-switch (auto True: its cost model, with a fresh acceptance estimate)."""
+    d, rows = eng.drafter, []
+    cont = {f"r{i}": w for i, w in enumerate(want)}
+    for a in accs:
+        def oracle(req, room, a=a):
+            c, m = cont[req.request_id], req.num_output_tokens
+            return [t if rng.random() < a else rng.randrange(100, 40000) for t in c[m:m + room]]
+
+        d.proposer = oracle
+        d.step_seconds = eng.runner.graph_seconds if auto else {}
+        d.recent = [0.0, 0.0]
+        before = d.stats()
+        got, t = run(eng, prompts, out_len)
+        after = d.stats()
+        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+        accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        rows.append({"batch": len(prompts), "acceptance_target": a, "auto": auto,
+                     "acceptance": accepted / max(1, drafted), "tok_s": len(prompts) * out_len / t,
+                     "seconds": t, "steps_off": after["spec_decode_steps_off"] - before["spec_decode_steps_off"],
+                     "same_output": sum(g == w for g, w in zip(got, want)) / len(want)})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--acceptance", default="0,0.5,0.7,0.9")
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--acceptance", default="0,0.3,0.5,0.7,0.9")
+    ap.add_argument("--auto-acceptance", default="0.3,0.7", help="runs left to the engine's off-switch")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--out", default="bench/results/spec")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--logit-scale", type=float, default=1.0,
-                    help="scale the LM head: a random model's flat logits flip their argmax on any rounding "
-                         "difference between kernels; sharper ones let the controlled draft mean what it says")
+    ap.add_argument("--target", choices=("chain", "random"), default="chain")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     rows = []
@@ -77,47 +119,40 @@ def main() -> None:
         dtype = args.dtype or ("bfloat16" if cuda else "float32")
         eng = LLMEngine(EngineConfig(model=model, dtype=dtype, load_format="dummy",
                                      max_model_len=2048, max_num_seqs=64, speculative_config=spec))
-        eng.runner.model.lm_head.weight.data.mul_(args.logit_scale)  # in place: the CUDA graphs still see it
+        if args.target == "chain":
+            make_chain(eng.runner.model)  # in place: the CUDA graphs read the same memory
         cfg, rng = eng.drafter.config, random.Random(0)
         for b in [int(x) for x in args.batches.split(",")]:
             prompts = [[rng.randrange(100, 40000) for _ in range(512)] for _ in range(b)]
             eng.drafter.config = None  # plain decoding (CUDA graphs)
             want, t_base = run(eng, prompts, args.out_len)
-            rows.append({"batch": b, "acceptance_target": None, "tok_s": b * args.out_len / t_base})
+            rows.append({"batch": b, "acceptance_target": None, "tok_s": b * args.out_len / t_base,
+                         "seconds": t_base})
             eng.drafter.config = cfg
-            cont = {f"r{i}": w for i, w in enumerate(want)}
-            for a in [float(x) for x in args.acceptance.split(",")]:
-                def oracle(req, room, a=a, cont=cont):
-                    c, m = cont[req.request_id], req.num_output_tokens
-                    return [t if rng.random() < a else rng.randrange(100, 40000) for t in c[m:m + room]]
-
-                eng.drafter.proposer = oracle
-                before = eng.drafter.stats()
-                got, t = run(eng, prompts, args.out_len)
-                # bf16 on GPU: the verification's attention (k+1 queries, eager) and the plain decode
-                # kernel (CUDA graph) round differently; near-ties of a random model's flat logits flip
-                same = sum(g == w for g, w in zip(got, want)) / len(want)
-                after = eng.drafter.stats()
-                drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-                accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-                rows.append({"batch": b, "acceptance_target": a, "acceptance": accepted / max(1, drafted),
-                             "tok_s": b * args.out_len / t, "speedup": t_base / t, "same_output": same})
-                print(rows[-1], flush=True)
+            for auto, accs in ((False, args.acceptance), (True, args.auto_acceptance)):
+                got = spec_runs(eng, prompts, args.out_len, want, [float(x) for x in accs.split(",")], rng, auto)
+                for r in got:
+                    r["speedup"] = t_base / r["seconds"]
+                rows += got
+        graph_seconds = eng.runner.graph_seconds
         eng.close()
     device = torch.cuda.get_device_name() if cuda else "CPU"
     os.makedirs(args.out, exist_ok=True)
-    tag = args.shape + (f"_{args.dtype}" if args.dtype else "")
+    tag = f"{args.shape}_{args.target}" + (f"_{args.dtype}" if args.dtype else "")
     with open(os.path.join(args.out, f"spec_{tag}.json"), "w") as f:
-        json.dump({"device": device, "k": args.k, "out_len": args.out_len, "rows": rows}, f, indent=2)
-    lines = [f"# Speculative decoding, {args.shape} on {device} (k={args.k}, {args.out_len} tokens, prompts 512)", "",
-             "| batch | draft acceptance (target) | measured acceptance | tok/s | vs no speculation | "
-             "outputs identical to plain |", "|---|---|---|---|---|---|"]
+        json.dump({"device": device, "k": args.k, "out_len": args.out_len, "target": args.target, "rows": rows,
+                   "graph_seconds": graph_seconds}, f, indent=2)
+    lines = [f"# Speculative decoding, {args.shape} ({args.target} target) on {device} "
+             f"(k={args.k}, {args.out_len} tokens, prompts 512)", "",
+             "| batch | drafts | draft acceptance (set) | measured acceptance | tok/s | vs no speculation | "
+             "steps turned off | outputs identical to plain |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["acceptance_target"] is None:
-            lines.append(f"| {r['batch']} | off | - | {r['tok_s']:.0f} | 1.00x | - |")
+            lines.append(f"| {r['batch']} | none | - | - | {r['tok_s']:.0f} | 1.00x | - | - |")
         else:
-            lines.append(f"| {r['batch']} | {r['acceptance_target']:.0%} | {r['acceptance']:.0%} | {r['tok_s']:.0f} | "
-                         f"{r['speedup']:.2f}x | {r['same_output']:.0%} |")
+            lines.append(f"| {r['batch']} | {'off-switch' if r['auto'] else 'always'} | {r['acceptance_target']:.0%} | "
+                         f"{r['acceptance']:.0%} | {r['tok_s']:.0f} | {r['speedup']:.2f}x | {r['steps_off']} | "
+                         f"{r['same_output']:.0%} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"spec_{tag}.md"), "w") as f:
         f.write(md)
