@@ -62,8 +62,9 @@ def make_chain(model: torch.nn.Module, seed: int = 0) -> None:
             layer.mlp.down_proj.weight.mul_(1e-4)
         emb = model.embed_tokens.weight
         perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
-        model.lm_head.weight.data = model.lm_head.weight.data.clone()  # untie if tied
-        model.lm_head.weight.copy_(emb[perm])
+        if model.lm_head.weight is emb:  # tied (the tiny shape, CPU): untie; a CUDA graph would keep the old one
+            model.lm_head.weight = torch.nn.Parameter(emb.detach().clone())
+        model.lm_head.weight.copy_(emb[perm])  # in place: the captured graphs read this memory
 
 
 def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
