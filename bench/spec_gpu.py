@@ -24,6 +24,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -33,15 +34,18 @@ from serving_gpu import build_model  # noqa: E402
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
+from pdserve.engine.spec_decode import DISABLE_BY_BATCH_SIZE  # noqa: E402
 
 
 def run(eng: LLMEngine, prompts: list[list[int]], out_len: int) -> tuple[list[list[int]], float]:
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(p, params, request_id=f"r{i}")
-    while eng.scheduler.waiting or any(not r.is_decoding for r in eng.scheduler.running):
-        eng.step()  # prefill first: only decode steps are timed
     done: dict[str, list[int]] = {}
+    while eng.scheduler.waiting or any(not r.is_decoding for r in eng.scheduler.running):
+        for o in eng.step():  # prefill first: only decode steps are timed
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -69,8 +73,9 @@ def make_chain(model: torch.nn.Module, seed: int = 0) -> None:
 
 def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
     """One row per acceptance: speculation forced on (auto False) or left to the engine's
-    off-switch (auto True: its cost model, with a fresh acceptance estimate)."""
-    d, rows = eng.drafter, []
+    off-switch (auto True: its default batch cap and cost model, with a fresh acceptance
+    estimate)."""
+    d, rows, cfg = eng.drafter, [], eng.drafter.config
     cont = {f"r{i}": w for i, w in enumerate(want)}
     for a in accs:
         def oracle(req, room, a=a):
@@ -78,7 +83,8 @@ def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
             return [t if rng.random() < a else rng.randrange(100, 40000) for t in c[m:m + room]]
 
         d.proposer = oracle
-        d.step_seconds = eng.runner.graph_seconds if auto else {}
+        d.step_seconds = dict(eng.runner.graph_seconds) if auto else {}  # the start-up table, then learnt
+        d.config = replace(cfg, disable_by_batch_size=DISABLE_BY_BATCH_SIZE if auto else 1 << 20)
         d.recent = [0.0, 0.0]
         before = d.stats()
         got, t = run(eng, prompts, out_len)
@@ -97,11 +103,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
-    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--acceptance", default="0,0.3,0.5,0.7,0.9")
-    ap.add_argument("--auto-acceptance", default="0.3,0.7", help="runs left to the engine's off-switch")
+    ap.add_argument("--auto-acceptance", default="0,0.3,0.7", help="runs left to the engine's off-switch")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--out-len", type=int, default=64)
+    ap.add_argument("--out-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/spec")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--target", choices=("chain", "random"), default="chain")
@@ -124,17 +131,18 @@ def main() -> None:
             make_chain(eng.runner.model)  # in place: the CUDA graphs read the same memory
         cfg, rng = eng.drafter.config, random.Random(0)
         for b in [int(x) for x in args.batches.split(",")]:
-            prompts = [[rng.randrange(100, 40000) for _ in range(512)] for _ in range(b)]
-            eng.drafter.config = None  # plain decoding (CUDA graphs)
-            want, t_base = run(eng, prompts, args.out_len)
-            rows.append({"batch": b, "acceptance_target": None, "tok_s": b * args.out_len / t_base,
-                         "seconds": t_base})
-            eng.drafter.config = cfg
-            for auto, accs in ((False, args.acceptance), (True, args.auto_acceptance)):
-                got = spec_runs(eng, prompts, args.out_len, want, [float(x) for x in accs.split(",")], rng, auto)
-                for r in got:
-                    r["speedup"] = t_base / r["seconds"]
-                rows += got
+            for rep in range(args.repeats):  # fresh prompts and corruption each time: the spread
+                prompts = [[rng.randrange(100, 40000) for _ in range(512)] for _ in range(b)]
+                eng.drafter.config = None  # plain decoding (CUDA graphs)
+                want, t_base = run(eng, prompts, args.out_len)
+                rows.append({"batch": b, "repeat": rep, "acceptance_target": None, "auto": False,
+                             "tok_s": b * args.out_len / t_base, "seconds": t_base, "speedup": 1.0})
+                eng.drafter.config = cfg
+                for auto, accs in ((False, args.acceptance), (True, args.auto_acceptance)):
+                    got = spec_runs(eng, prompts, args.out_len, want, [float(x) for x in accs.split(",")], rng, auto)
+                    for r in got:
+                        r["speedup"], r["repeat"] = t_base / r["seconds"], rep
+                    rows += got
         graph_seconds = eng.runner.graph_seconds
         eng.close()
     device = torch.cuda.get_device_name() if cuda else "CPU"
@@ -144,16 +152,20 @@ def main() -> None:
         json.dump({"device": device, "k": args.k, "out_len": args.out_len, "target": args.target, "rows": rows,
                    "graph_seconds": graph_seconds}, f, indent=2)
     lines = [f"# Speculative decoding, {args.shape} ({args.target} target) on {device} "
-             f"(k={args.k}, {args.out_len} tokens, prompts 512)", "",
-             "| batch | drafts | draft acceptance (set) | measured acceptance | tok/s | vs no speculation | "
+             f"(k={args.k}, {args.out_len} tokens, prompts 512, {args.repeats} runs each: mean [min, max])", "",
+             "| batch | drafts | per-token acceptance (set) | accepted / drafted | tok/s | vs no speculation | "
              "steps turned off | outputs identical to plain |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["acceptance_target"] is None:
-            lines.append(f"| {r['batch']} | none | - | - | {r['tok_s']:.0f} | 1.00x | - | - |")
-        else:
-            lines.append(f"| {r['batch']} | {'off-switch' if r['auto'] else 'always'} | {r['acceptance_target']:.0%} | "
-                         f"{r['acceptance']:.0%} | {r['tok_s']:.0f} | {r['speedup']:.2f}x | {r['steps_off']} | "
-                         f"{r['same_output']:.0%} |")
+    for key in dict.fromkeys((r["batch"], r["auto"], r["acceptance_target"]) for r in rows):
+        g = [r for r in rows if (r["batch"], r["auto"], r["acceptance_target"]) == key]
+        sp = [r["speedup"] for r in g]
+        tok = sum(r["tok_s"] for r in g) / len(g)
+        if key[2] is None:
+            lines.append(f"| {key[0]} | none | - | - | {tok:.0f} | 1.00x | - | - |")
+            continue
+        acc = sum(r["acceptance"] for r in g) / len(g)
+        lines.append(f"| {key[0]} | {'off-switch' if key[1] else 'always'} | {key[2]:.0%} | {acc:.0%} | {tok:.0f} | "
+                     f"{sum(sp) / len(sp):.2f}x [{min(sp):.2f}, {max(sp):.2f}] | "
+                     f"{sum(r['steps_off'] for r in g) / len(g):.0f} | {min(r['same_output'] for r in g):.0%} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"spec_{tag}.md"), "w") as f:
         f.write(md)

@@ -52,7 +52,7 @@ class LLMEngine:
             self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
             self.tp.connect(config.torch_device)
         self.runner = ModelRunner(config, load_format, self.tp)
-        self.drafter.step_seconds = self.runner.graph_seconds  # the off-switch's cost model (CUDA)
+        self.drafter.step_seconds = dict(self.runner.graph_seconds)  # the off-switch's cost model (CUDA)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, host=host)
@@ -183,6 +183,7 @@ class LLMEngine:
         with self.step_model.timed(sched.scheduled):
             tokens = self.runner.execute(sched.scheduled, ops)
         self.drafter.settle(sched.scheduled, tokens)
+        self.drafter.observe(sched.scheduled, self.step_model.last["seconds"])
         self.scheduler.update_after_step(sched)
         if self.config.kv_persist_dir and time.monotonic() - self._persisted_at >= self.config.kv_persist_interval_s:
             self.persist_host_tier()

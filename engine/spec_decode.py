@@ -21,7 +21,9 @@ Off-switch, per step, two rules:
     `speculative_disable_by_batch_size`), a hard cap;
   - on CUDA, a cost model: the runner times each captured decode graph at start
     (`step_seconds`: rows -> seconds; a verifying request takes 1 + d rows, model_runner.py),
-    and a step carries its drafts only if the tokens they are expected to yield per second
+    then every all-decode step's wall time updates its size's entry (EWMA 0.2: the KV
+    the rows read and the host's work, which the start-up replay of 1-token contexts
+    misses: on H100, 8B, 512-token contexts, 160 rows cost 1.39x 32 rows, not 1.17x), and a step carries its drafts only if the tokens they are expected to yield per second
     beat plain decoding's: sum over requests of (1 - a^(d+1)) / (1 - a), over t(rows), against
     B / t(B), with a the per-token acceptance measured lately (accepted / (accepted + misses),
     a geometric fit, decayed by DECAY per verifying step; prior PRIOR_ACCEPTED of
@@ -32,13 +34,17 @@ Off-switch, per step, two rules:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 METHODS = ("ngram", "draft_model")
-PRIOR_ACCEPTED, PRIOR_DRAFTS = 2, 4  # the acceptance estimate before any verification: 1/2
+PRIOR_ACCEPTED, PRIOR_DRAFTS = 1, 2  # the acceptance estimate before any verification: 1/2
 PROBE_EVERY = 16
+# the hard cap's default: the largest batch measured (bench/results/spec/README.md); above it
+# only the cost model decides (and only on CUDA)
+DISABLE_BY_BATCH_SIZE = 64
 DECAY = 0.99
 
 
@@ -48,7 +54,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE
     model: str | None = None  # draft_model: a Hugging Face directory with the target's vocabulary
     draft_kv_cache_memory_bytes: int = 1 << 30  # the draft model's own KV cache (spec_draft.py)
 
@@ -144,15 +150,21 @@ class Drafter:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.steps_off = 0  # steps the batch size or the cost model turned speculation off
+        self.draft_seconds = 0.0  # in propose(): ngram lookup or the draft model's steps
         self.step_seconds: dict[int, float] = {}  # decode-graph rows -> seconds (CUDA; model_runner.py)
         self.num_misses = 0  # verifications that rejected a draft
         self.recent = [0.0, 0.0]  # accepted drafts, misses: decayed by DECAY per verifying step
         self._skipped = 0  # consecutive steps the cost model turned off
 
     def propose(self, running: list) -> None:
-        cfg = self.config
-        if cfg is None:
+        if self.config is None:
             return
+        t0 = time.perf_counter()
+        self._propose(running)
+        self.draft_seconds += time.perf_counter() - t0
+
+    def _propose(self, running: list) -> None:
+        cfg = self.config
         decodes = [r for r in running if r.is_decoding]
         if len(decodes) > cfg.disable_by_batch_size:
             self.steps_off += 1
@@ -211,6 +223,17 @@ class Drafter:
         if self.draft is not None:
             self.draft.forget(request_id)
 
+    def observe(self, scheduled: list, seconds: float) -> None:
+        """An all-decode step's wall time updates the cost table's entry for its rows."""
+        t = self.step_seconds
+        if not t or not scheduled or not all(s.decode_rows for s in scheduled):
+            return
+        rows = sum(s.num_new_tokens for s in scheduled)
+        fits = [k for k in t if k >= rows]
+        if fits:
+            k = min(fits)
+            t[k] = 0.8 * t[k] + 0.2 * seconds
+
     def settle(self, scheduled: list, tokens: dict) -> None:
         """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""
         if any(s.draft_token_ids for s in scheduled):
@@ -234,4 +257,4 @@ class Drafter:
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_decode_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
                 "spec_decode_mean_accepted_length": 1 + self.num_accepted_tokens / max(1, self.num_drafts),
-                "spec_decode_steps_off": self.steps_off}
+                "spec_decode_steps_off": self.steps_off, "spec_decode_draft_seconds": self.draft_seconds}

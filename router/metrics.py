@@ -45,6 +45,8 @@ class _WorkerCollector:
             "vllm:spec_decode_num_drafts": ("Requests that carried draft tokens into a step", "spec_decode_num_drafts"),
             "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed", "spec_decode_num_draft_tokens"),
             "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted", "spec_decode_num_accepted_tokens"),
+            "pdserve:spec_decode_draft_seconds": ("Time spent proposing drafts", "spec_decode_draft_seconds"),
+            "pdserve:spec_decode_steps_off": ("Steps the off-switch ran without drafts", "spec_decode_steps_off"),
         }
         snap = self.cluster.snapshot()
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):

@@ -32,6 +32,7 @@ def test_decode_pool_speculates_with_llms_tokens(method):
         outs = c.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == want
         dec = next(r for r in c.status() if r["role"] == "decode")
+        assert dec["spec_decode_draft_seconds"] > 0
         assert dec["spec_decode_num_accepted_tokens"] > 5 and all(o.decode_worker == dec["worker_id"] for o in outs)
         deadline = time.monotonic() + 10
         name = "vllm:spec_decode_num_accepted_tokens_total{"

@@ -13,6 +13,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.engine.spec_decode import SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
 
 from helpers import PROMPTS
@@ -182,6 +183,11 @@ def test_the_cost_model_turns_speculation_off_when_it_does_not_pay():
     assert d.pays([4, 4])  # no table (CPU): always
     d.step_seconds = {b: 0.010 for b in (1, 2, 4, 8, 16)}
     assert d.pays([4, 4]) and d.acceptance() == 0.5
+    s2 = [ScheduledRequest(Request(f"r{i}", [1, 2], SamplingParams()), 5, [], [7, 7, 7, 7]) for i in range(2)]
+    d.observe(s2, 0.020)
+    assert d.step_seconds[16] == pytest.approx(0.012)  # 10 rows: the 16-row entry learns, EWMA 0.2
+    d.observe(s2[:1] + [ScheduledRequest(Request("p", [1] * 9, SamplingParams()), 8, [])], 1.0)
+    assert d.step_seconds[16] == pytest.approx(0.012)  # a prefill chunk: not a decode-graph step
     d.step_seconds = {b: 0.001 * b for b in (1, 2, 4, 8, 16)}  # time grows with rows
     assert not d.pays([4, 4])  # 10 rows cost 8x two; 1/2 acceptance yields < 2x tokens
     d.recent = [10_000, 10]  # ~all accepted: 5 tokens per request for 8x
