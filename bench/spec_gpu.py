@@ -34,7 +34,7 @@ from serving_gpu import build_model  # noqa: E402
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.spec_decode import DISABLE_BY_BATCH_SIZE  # noqa: E402
+from pdserve.engine.spec_cost import DISABLE_BY_BATCH_SIZE, SpecCost  # noqa: E402
 
 
 def run(eng: LLMEngine, prompts: list[list[int]], out_len: int) -> tuple[list[list[int]], float]:
@@ -83,9 +83,8 @@ def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
             return [t if rng.random() < a else rng.randrange(100, 40000) for t in c[m:m + room]]
 
         d.proposer = oracle
-        d.step_seconds = dict(eng.runner.graph_seconds) if auto else {}  # the start-up table, then learnt
+        d.cost = SpecCost(eng.runner.graph_seconds if auto else None)  # a fresh model, learnt as it runs
         d.config = replace(cfg, disable_by_batch_size=DISABLE_BY_BATCH_SIZE if auto else 1 << 20)
-        d.recent = [0.0, 0.0]
         before = d.stats()
         got, t = run(eng, prompts, out_len)
         after = d.stats()

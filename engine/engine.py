@@ -52,7 +52,7 @@ class LLMEngine:
             self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
             self.tp.connect(config.torch_device)
         self.runner = ModelRunner(config, load_format, self.tp)
-        self.drafter.step_seconds = dict(self.runner.graph_seconds)  # the off-switch's cost model (CUDA)
+        self.drafter.cost.base = dict(self.runner.graph_seconds)  # the off-switch's cost model (CUDA)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, host=host)

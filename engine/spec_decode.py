@@ -16,20 +16,7 @@
               rejected drafts' KV slots took beyond that are freed, and only accepted full
               blocks get prefix-cache hashes (the rejected tokens never join the request)
 
-Off-switch, per step, two rules:
-  - no drafts while the running decodes exceed `disable_by_batch_size` (vLLM's
-    `speculative_disable_by_batch_size`), a hard cap;
-  - on CUDA, a cost model: the runner times each captured decode graph at start
-    (`step_seconds`: rows -> seconds; a verifying request takes 1 + d rows, model_runner.py),
-    then every all-decode step's wall time updates its size's entry (EWMA 0.2: the KV
-    the rows read and the host's work, which the start-up replay of 1-token contexts
-    misses: on H100, 8B, 512-token contexts, 160 rows cost 1.39x 32 rows, not 1.17x), and a step carries its drafts only if the tokens they are expected to yield per second
-    beat plain decoding's: sum over requests of (1 - a^(d+1)) / (1 - a), over t(rows), against
-    B / t(B), with a the per-token acceptance measured lately (accepted / (accepted + misses),
-    a geometric fit, decayed by DECAY per verifying step; prior PRIOR_ACCEPTED of
-    PRIOR_DRAFTS). At small batch a step reads all weights whatever its rows, so t(B + drafts) ~ t(B) and any acceptance pays; at large batch
-    the matmuls turn compute-bound and only high acceptance does. While the model says no,
-    one step in PROBE_EVERY still speculates, so the acceptance estimate follows the text.
+Off-switch: a batch-size cap and, on CUDA, a cost model of the step (spec_cost.py).
 """
 
 from __future__ import annotations
@@ -39,13 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .spec_cost import DISABLE_BY_BATCH_SIZE, SpecCost
+
 METHODS = ("ngram", "draft_model")
-PRIOR_ACCEPTED, PRIOR_DRAFTS = 1, 2  # the acceptance estimate before any verification: 1/2
-PROBE_EVERY = 16
-# the hard cap's default: the largest batch measured (bench/results/spec/README.md); above it
-# only the cost model decides (and only on CUDA)
-DISABLE_BY_BATCH_SIZE = 64
-DECAY = 0.99
+
 
 
 @dataclass(frozen=True)
@@ -151,10 +135,7 @@ class Drafter:
         self.num_accepted_tokens = 0
         self.steps_off = 0  # steps the batch size or the cost model turned speculation off
         self.draft_seconds = 0.0  # in propose(): ngram lookup or the draft model's steps
-        self.step_seconds: dict[int, float] = {}  # decode-graph rows -> seconds (CUDA; model_runner.py)
-        self.num_misses = 0  # verifications that rejected a draft
-        self.recent = [0.0, 0.0]  # accepted drafts, misses: decayed by DECAY per verifying step
-        self._skipped = 0  # consecutive steps the cost model turned off
+        self.cost = SpecCost()  # the off-switch's model; the engine gives it the runner's graph timings
 
     def propose(self, running: list) -> None:
         if self.config is None:
@@ -187,36 +168,10 @@ class Drafter:
                 else:
                     r.spec_tokens = ngram_propose(r.all_token_ids, room, cfg.prompt_lookup_max,
                                                   cfg.prompt_lookup_min)
-        if any(r.spec_tokens for r in decodes) and not self.pays([len(r.spec_tokens) for r in decodes]):
+        if any(r.spec_tokens for r in decodes) and not self.cost.pays([len(r.spec_tokens) for r in decodes]):
             self.steps_off += 1
             for r in decodes:
                 r.spec_tokens = []
-
-    def acceptance(self) -> float:
-        """Per-token acceptance lately (a geometric fit: accepted / (accepted + misses), over
-        the last ~1 / (1 - DECAY) verifying steps)."""
-        acc = self.recent[0] + PRIOR_ACCEPTED
-        return acc / (acc + self.recent[1] + PRIOR_DRAFTS - PRIOR_ACCEPTED)
-
-    def pays(self, drafts: list[int]) -> bool:
-        """Whether a step with these draft counts (one per decoding request) is expected to
-        yield more tokens per second than plain decoding (the cost model above). True
-        without a cost table (CPU, eager)."""
-        t = self.step_seconds
-        if not t:
-            return True
-        b, rows = len(drafts), len(drafts) + sum(drafts)
-        fits = [k for k in t if k >= rows]
-        ok = False
-        if fits:  # beyond the largest graph the step would run eagerly: never worth it
-            a = min(self.acceptance(), 0.999)
-            tokens = sum((1 - a ** (d + 1)) / (1 - a) for d in drafts)
-            ok = tokens / t[min(fits)] > b / t[min(k for k in t if k >= b)]
-        self._skipped = 0 if ok else self._skipped + 1
-        if not ok and fits and self._skipped >= PROBE_EVERY:
-            self._skipped = 0
-            return True  # a probe: keeps the acceptance estimate current
-        return ok
 
     def forget(self, request_id: str) -> None:
         """The request ended: the draft model's copy of it goes."""
@@ -224,31 +179,20 @@ class Drafter:
             self.draft.forget(request_id)
 
     def observe(self, scheduled: list, seconds: float) -> None:
-        """An all-decode step's wall time updates the cost table's entry for its rows."""
-        t = self.step_seconds
-        if not t or not scheduled or not all(s.decode_rows for s in scheduled):
-            return
-        rows = sum(s.num_new_tokens for s in scheduled)
-        fits = [k for k in t if k >= rows]
-        if fits:
-            k = min(fits)
-            t[k] = 0.8 * t[k] + 0.2 * seconds
+        """An all-decode step's wall time, for the cost model."""
+        if scheduled and all(s.decode_rows for s in scheduled):
+            self.cost.observe(sum(s.num_new_tokens for s in scheduled), seconds)
 
     def settle(self, scheduled: list, tokens: dict) -> None:
         """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""
-        if any(s.draft_token_ids for s in scheduled):
-            self.recent = [x * DECAY for x in self.recent]
-        for s in scheduled:
-            if s.draft_token_ids:
-                got = tokens.get(s.request.request_id, [])
-                s.num_accepted = max(0, len(got) - 1)
-                miss = s.num_accepted < len(s.draft_token_ids)
-                self.num_misses += miss
-                self.recent[0] += s.num_accepted
-                self.recent[1] += miss
-                self.num_drafts += 1
-                self.num_draft_tokens += len(s.draft_token_ids)
-                self.num_accepted_tokens += s.num_accepted
+        verified = [s for s in scheduled if s.draft_token_ids]
+        for s in verified:
+            s.num_accepted = max(0, len(tokens.get(s.request.request_id, [])) - 1)
+            self.num_drafts += 1
+            self.num_draft_tokens += len(s.draft_token_ids)
+            self.num_accepted_tokens += s.num_accepted
+        if verified:
+            self.cost.verified([s.num_accepted for s in verified], [len(s.draft_token_ids) for s in verified])
 
     def stats(self) -> dict:
         if self.config is None:

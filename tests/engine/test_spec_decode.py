@@ -14,7 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledRequest
-from pdserve.engine.spec_decode import SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
+from pdserve.engine.spec_decode import Drafter, SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
 
 from helpers import PROMPTS
 
@@ -174,29 +174,38 @@ def test_verification_in_the_decode_graph_layout(backend, tiny_models):
 
 
 def test_the_cost_model_turns_speculation_off_when_it_does_not_pay():
-    """The off-switch's cost model (spec_decode.py) on step-time tables like the ones the runner
+    """The off-switch's cost model (spec_cost.py) on start-up tables like the ones the runner
     measures on CUDA: flat (weight-bound) pays at any acceptance; steep (compute-bound) pays only
-    at high acceptance; drafts beyond the largest graph never; a probe every PROBE_EVERY steps."""
-    from pdserve.engine.spec_decode import PROBE_EVERY, Drafter
+    at high acceptance; drafts beyond the largest graph never; a probe every PROBE_EVERY steps;
+    measured step times refit what the start-up table misses."""
+    from pdserve.engine.spec_cost import PROBE_EVERY, SpecCost
 
-    d = Drafter(SpeculativeConfig.from_dict(NGRAM))
-    assert d.pays([4, 4])  # no table (CPU): always
-    d.step_seconds = {b: 0.010 for b in (1, 2, 4, 8, 16)}
-    assert d.pays([4, 4]) and d.acceptance() == 0.5
-    s2 = [ScheduledRequest(Request(f"r{i}", [1, 2], SamplingParams()), 5, [], [7, 7, 7, 7]) for i in range(2)]
-    d.observe(s2, 0.020)
-    assert d.step_seconds[16] == pytest.approx(0.012)  # 10 rows: the 16-row entry learns, EWMA 0.2
-    d.observe(s2[:1] + [ScheduledRequest(Request("p", [1] * 9, SamplingParams()), 8, [])], 1.0)
-    assert d.step_seconds[16] == pytest.approx(0.012)  # a prefill chunk: not a decode-graph step
-    d.step_seconds = {b: 0.001 * b for b in (1, 2, 4, 8, 16)}  # time grows with rows
-    assert not d.pays([4, 4])  # 10 rows cost 8x two; 1/2 acceptance yields < 2x tokens
-    d.recent = [10_000, 10]  # ~all accepted: 5 tokens per request for 8x
-    assert not d.pays([4, 4])
-    d.step_seconds = {b: 0.001 * (1 + b / 4) for b in (1, 2, 4, 8, 16)}
-    assert d.pays([4, 4])  # 3.5x the time, ~5x the tokens
-    assert not d.pays([4, 4, 4, 4])  # 20 rows: beyond the largest graph
-    d = Drafter(SpeculativeConfig.from_dict(NGRAM))
-    d.step_seconds = {b: 0.001 * (1 + b / 4) for b in (1, 2, 4, 8, 16)}
-    d.recent = [0, 10_000]  # nothing accepted
-    said = [d.pays([4, 4]) for _ in range(2 * PROBE_EVERY)]
+    sizes = (1, 2, 4, 8, 16)
+    assert SpecCost().pays([4, 4])  # no table (CPU): always
+    c = SpecCost({b: 0.010 for b in sizes})
+    assert c.pays([4, 4]) and c.acceptance() == 0.5
+    c = SpecCost({b: 0.001 * b for b in sizes})  # time grows with rows
+    assert not c.pays([4, 4])  # 10 rows cost 8x two; 1/2 acceptance yields < 2x tokens
+    c.recent = [10_000, 10]  # ~all accepted: 5 tokens per request for 8x the time
+    assert not c.pays([4, 4])
+    c = SpecCost({b: 0.001 * (1 + b / 4) for b in sizes})
+    c.recent = [10_000, 10]
+    assert c.pays([4, 4])  # 3.5x the time, ~5x the tokens
+    assert not c.pays([4, 4, 4, 4])  # 20 rows: beyond the largest graph
+    c = SpecCost({b: 0.001 * (1 + b / 4) for b in sizes})
+    c.verified([0] * 10_000, [4] * 10_000)  # nothing accepted
+    said = [c.pays([4, 4]) for _ in range(2 * PROBE_EVERY)]
     assert said.count(True) == 2 and said[PROBE_EVERY - 1], said  # probes only
+    # flat at start-up, but measured: 2 rows take 20 ms, 10 rows 40 ms (host work, KV reads)
+    c = SpecCost({b: 0.010 for b in sizes})
+    for _ in range(8):
+        c.observe(2, 0.020)
+        c.observe(10, 0.040)
+    assert c.seconds(2) == pytest.approx(0.020) and c.seconds(10) == pytest.approx(0.040)
+    assert c.r == pytest.approx(0.0025) and not c.pays([4, 4])  # 1/2 acceptance: 1.94x tokens for 2x time
+    d = Drafter(SpeculativeConfig.from_dict(NGRAM))
+    d.cost = SpecCost({b: 0.010 for b in sizes})
+    two = [ScheduledRequest(Request(f"r{i}", [1, 2], SamplingParams()), 5, [], [7, 7, 7, 7]) for i in range(2)]
+    d.observe(two, 0.030)
+    d.observe(two[:1] + [ScheduledRequest(Request("p", [1] * 9, SamplingParams()), 8, [])], 1.0)  # not decode rows
+    assert c.seconds(10) == pytest.approx(0.040) and d.cost.seconds(10) == pytest.approx(0.030)
