@@ -15,8 +15,10 @@ Per step, two rules (engine/spec_decode.py's Drafter asks before each step):
     geometric fit, decayed by DECAY per verifying step; prior PRIOR_ACCEPTED of
     PRIOR_DRAFTS). At small batch a step reads all the weights whatever its rows, so any
     acceptance pays; at large batch the matmuls turn compute-bound and only high
-    acceptance does. While the model says no, one step in PROBE_EVERY still speculates,
-    so the acceptance estimate (and the fit below) follow the text.
+    acceptance does. The decision is taken before proposing (with full drafts: an ngram
+    lookup over 64 long requests is milliseconds of host time) and again with the drafts
+    proposed. Probes: after PROBE_EVERY steps one way, one step goes the other way, so the
+    acceptance estimate follows the text and the fit below sees both sizes.
 
 t(rows) = base(rows) + h + r x rows. `base`: the runner times each captured graph at start
 (1-token contexts). h and r: a least-squares fit of the measured wall time of the last
@@ -47,7 +49,9 @@ class SpecCost:
         self.r = 0.0  # seconds per row beyond base
         self._obs: collections.deque = collections.deque(maxlen=FIT_WINDOW)  # (rows, seconds beyond base)
         self.recent = [0.0, 0.0]  # accepted drafts, misses: decayed by DECAY per verifying step
-        self._skipped = 0  # consecutive steps the model turned speculation off
+        self.since_plain = 0  # decode steps since the last one without drafts
+        self.since_spec = 0  # and since the last one with drafts
+        self._probe = False
 
     def _size(self, rows: int) -> int | None:
         fits = [k for k in self.base if k >= rows]
@@ -68,25 +72,42 @@ class SpecCost:
         self.recent[0] += sum(accepted)
         self.recent[1] += sum(a < d for a, d in zip(accepted, drafted))
 
-    def pays(self, drafts: list[int]) -> bool:
+    def gain(self, drafts: list[int]) -> bool:
         """Whether a step with these draft counts (one per decoding request) is expected to
         yield more tokens per second than plain decoding. True without a table (CPU)."""
         if not self.base:
             return True
         b = len(drafts)
         spec, plain = self.seconds(b + sum(drafts)), self.seconds(b)
-        ok = False
-        if spec is not None and plain is not None:  # beyond the largest graph: never worth it
-            a = min(self.acceptance(), 0.999)
-            ok = sum((1 - a ** (d + 1)) / (1 - a) for d in drafts) / spec > b / plain
-        self._skipped = 0 if ok else self._skipped + 1
-        if not ok and spec is not None and self._skipped >= PROBE_EVERY:
-            self._skipped = 0
-            return True  # a probe
+        if spec is None or plain is None:  # beyond the largest graph: never worth it
+            return False
+        a = min(self.acceptance(), 0.999)
+        return sum((1 - a ** (d + 1)) / (1 - a) for d in drafts) / spec > b / plain
+
+    def plan(self, b: int, k: int) -> bool:
+        """Before proposing (proposals cost host time too): whether this step of b decodes
+        speculates, judged with full drafts of k. Probes: after PROBE_EVERY steps one way,
+        one step the other way, so both sizes keep being measured for the fit and the
+        acceptance estimate follows the text."""
+        self._probe = False
+        if not self.base:
+            return True
+        ok = self.gain([k] * b)
+        if ok and self.since_plain >= PROBE_EVERY:
+            return False
+        if not ok and self.since_spec >= PROBE_EVERY and self.seconds(b * (k + 1)) is not None:
+            self._probe = True
+            return True
         return ok
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """An all-decode step of `rows` rows took `seconds` (wall): refits h and r."""
+    def pays(self, drafts: list[int]) -> bool:
+        """After proposing: the planned step with the drafts it got (a probe runs anyway)."""
+        return self._probe or self.gain(drafts)
+
+    def observe(self, rows: int, seconds: float, drafted: bool) -> None:
+        """An all-decode step of `rows` rows (with drafts or not) took `seconds` (wall):
+        refits h and r."""
+        self.since_plain, self.since_spec = (self.since_plain + 1, 0) if drafted else (0, self.since_spec + 1)
         k = self._size(rows)
         if k is None:
             return

@@ -147,8 +147,9 @@ class Drafter:
     def _propose(self, running: list) -> None:
         cfg = self.config
         decodes = [r for r in running if r.is_decoding]
-        if len(decodes) > cfg.disable_by_batch_size:
-            self.steps_off += 1
+        if len(decodes) > cfg.disable_by_batch_size or \
+                (decodes and not self.cost.plan(len(decodes), cfg.num_speculative_tokens)):
+            self.steps_off += 1  # the off-switch (spec_cost.py), before any proposal's host time
             for r in decodes:  # drafts from an earlier step that did not run them go too
                 r.spec_tokens = []
             return
@@ -181,7 +182,8 @@ class Drafter:
     def observe(self, scheduled: list, seconds: float) -> None:
         """An all-decode step's wall time, for the cost model."""
         if scheduled and all(s.decode_rows for s in scheduled):
-            self.cost.observe(sum(s.num_new_tokens for s in scheduled), seconds)
+            self.cost.observe(sum(s.num_new_tokens for s in scheduled), seconds,
+                              any(s.draft_token_ids for s in scheduled))
 
     def settle(self, scheduled: list, tokens: dict) -> None:
         """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""

@@ -192,15 +192,20 @@ def test_the_cost_model_turns_speculation_off_when_it_does_not_pay():
     c.recent = [10_000, 10]
     assert c.pays([4, 4])  # 3.5x the time, ~5x the tokens
     assert not c.pays([4, 4, 4, 4])  # 20 rows: beyond the largest graph
-    c = SpecCost({b: 0.001 * (1 + b / 4) for b in sizes})
-    c.verified([0] * 10_000, [4] * 10_000)  # nothing accepted
-    said = [c.pays([4, 4]) for _ in range(2 * PROBE_EVERY)]
-    assert said.count(True) == 2 and said[PROBE_EVERY - 1], said  # probes only
+    for accepted, probes in ((0, True), (4, False)):  # nothing accepted: spec probes; all: plain probes
+        c = SpecCost({b: 0.001 * (1 + b / 4) for b in sizes})
+        c.verified([accepted] * 10_000, [4] * 10_000)
+        said = []
+        for _ in range(3 * PROBE_EVERY + 3):
+            said.append(c.plan(2, 4) and c.pays([4, 4]))
+            rows = 10 if said[-1] else 2
+            c.observe(rows, c.seconds(rows), said[-1])  # steps take what the table says
+        assert said.count(probes) == 3 and said[PROBE_EVERY] == probes, said
     # flat at start-up, but measured: 2 rows take 20 ms, 10 rows 40 ms (host work, KV reads)
     c = SpecCost({b: 0.010 for b in sizes})
     for _ in range(8):
-        c.observe(2, 0.020)
-        c.observe(10, 0.040)
+        c.observe(2, 0.020, False)
+        c.observe(10, 0.040, True)
     assert c.seconds(2) == pytest.approx(0.020) and c.seconds(10) == pytest.approx(0.040)
     assert c.r == pytest.approx(0.0025) and not c.pays([4, 4])  # 1/2 acceptance: 1.94x tokens for 2x time
     d = Drafter(SpeculativeConfig.from_dict(NGRAM))
