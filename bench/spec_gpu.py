@@ -98,9 +98,44 @@ def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
     return rows
 
 
+def plot(path: str) -> str:
+    """Speedup vs batch per acceptance, forced on (solid) and left to the off-switch (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        res = json.load(f)
+    rows = [r for r in res["rows"] if r["acceptance_target"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for auto, style in ((False, "-"), (True, "--")):
+        accs = sorted({r["acceptance_target"] for r in rows if r["auto"] == auto})
+        for i, a in enumerate(accs):
+            g = [r for r in rows if r["auto"] == auto and r["acceptance_target"] == a]
+            bs = sorted({r["batch"] for r in g})
+            mean = [sum(r["speedup"] for r in g if r["batch"] == b) / sum(r["batch"] == b for r in g) for b in bs]
+            lo = [min(r["speedup"] for r in g if r["batch"] == b) for b in bs]
+            hi = [max(r["speedup"] for r in g if r["batch"] == b) for b in bs]
+            color = plt.cm.viridis(a / 0.9 * 0.85)
+            ax.plot(bs, mean, style, marker="o", color=color,
+                    label=f"{'off-switch' if auto else 'always'}, acceptance {a:.0%}")
+            ax.fill_between(bs, lo, hi, color=color, alpha=0.15)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (decoding requests)")
+    ax.set_ylabel("decode tokens/s vs no speculation")
+    ax.set_title(f"Speculative decoding, k={res['k']}, Llama-3-8B shape, {res['device']}", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    out = path[: -len(".json")] + ".png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--tokenizer")
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--acceptance", default="0,0.3,0.5,0.7,0.9")
@@ -111,7 +146,11 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/spec")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--target", choices=("chain", "random"), default="chain")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the plot of a saved result")
     args = ap.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return
     cuda = torch.cuda.is_available()
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -168,6 +207,10 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"spec_{tag}.md"), "w") as f:
         f.write(md)
+    try:
+        plot(os.path.join(args.out, f"spec_{tag}.json"))
+    except ImportError:
+        pass  # no matplotlib on the GPU machine: --plot JSON afterwards
     print(md)
 
 

@@ -132,6 +132,28 @@ def kv_capacity() -> dict:
     }
 
 
+def speculative() -> dict:
+    """Issue 18's headline numbers (one H100, Llama-3-8B shape, chain target, k=4)."""
+    res = load("spec", "spec_llama3-8b_chain.json")
+    cmd = "python3 bench/spec_gpu.py --tokenizer TOKENIZER_DIR  # one H100"
+
+    def mean(batch: int, acc: float, auto: bool) -> float:
+        g = [r["speedup"] for r in res["rows"]
+             if r["batch"] == batch and r["acceptance_target"] == acc and r["auto"] == auto]
+        return round(sum(g) / len(g), 2)
+
+    worst = min((mean(b, a, True), b, a) for b in {r["batch"] for r in res["rows"]}
+                for a in {r["acceptance_target"] for r in res["rows"] if r["auto"]})
+    return {
+        "spec_speedup_b1_accept70": {"value": mean(1, 0.7, False), "command": cmd,
+                                     "workload": "batch 1, per-token draft acceptance 70%, k=4, 128 tokens, "
+                                                 "mean of 3 runs"},
+        "spec_off_switch_worst": {"value": worst[0], "command": cmd,
+                                  "workload": f"the off-switch's worst mean over batches 1-64 x acceptance 0/30/70% "
+                                              f"(batch {worst[1]}, acceptance {worst[2]:.0%})"},
+    }
+
+
 def main() -> None:
     eng = load("engine_gpu_b64.json")
     dec = {r["batch"]: r for r in eng["decode"]}
@@ -161,6 +183,7 @@ def main() -> None:
     summary.update(one_round_trip())
     summary.update(hybrid())
     summary.update(kv_capacity())
+    summary.update(speculative())
     with open(os.path.join(RES, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():
