@@ -111,7 +111,7 @@ def plot(path: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for auto, style in ((False, "-"), (True, "--")):
         accs = sorted({r["acceptance_target"] for r in rows if r["auto"] == auto})
-        for i, a in enumerate(accs):
+        for a in accs:
             g = [r for r in rows if r["auto"] == auto and r["acceptance_target"] == a]
             bs = sorted({r["batch"] for r in g})
             mean = [sum(r["speedup"] for r in g if r["batch"] == b) / sum(r["batch"] == b for r in g) for b in bs]
