@@ -111,6 +111,8 @@ class DecodeRole(Role):
                 events.append(Emitted(RequestOutput.error(req.request_id, f"KV handoff failed: {h.error}")))
                 continue
             req.append_token(h.meta["first_token"])
+            if "first_logprobs" in h.meta:
+                req.output_logprobs.append({int(t): v for t, v in h.meta["first_logprobs"]})
             self.engine.kv.cache_blocks(req, req.num_prompt_tokens)
             out = self.engine.admit_prefilled(req)
             out.metrics.spans = {**h.meta.get("spans", {}), **inc.spans, **h.wall_spans("recv"),

@@ -222,6 +222,9 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             text, ids = "", []
+            lp = self.runner.sampler.logprobs.get(req.request_id)
+            if lp is not None:  # one token per step for these (no drafts: logits_process.py)
+                req.output_logprobs.append(lp)
             for token in got if isinstance(got, list) else [got]:  # a list: verified drafts
                 req.append_token(token)
                 ids.append(token)
@@ -273,8 +276,12 @@ class LLMEngine:
         fin = req.status.finished
         text, ids, prompt_ids = (delta, delta_ids, []) if self.stream_deltas else \
             (req.output_text, list(req.output_token_ids), req.prompt_token_ids)
+        logprobs = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = req.output_logprobs[len(req.output_logprobs) - len(ids):] if self.stream_deltas \
+                else list(req.output_logprobs)
         comp = CompletionOutput(0, text, ids, finish_reason=req.status.finish_reason if fin else None,
-                                stop_reason=req.stop_reason)
+                                stop_reason=req.stop_reason, logprobs=logprobs)
         metrics = RequestMetrics(req.arrival_time, req.first_token_time,
                                  req.finished_time, req.num_cached_tokens,
                                  req.num_preemptions)

@@ -259,10 +259,8 @@ class ModelRunner:
             return {}
         if any(s.draft_token_ids for s in samplers):
             return self._verify(logits, samplers)
-        req_ids = [s.request.request_id for s in samplers]
-        tokens = self.sampler(logits, [s.request.sampling_params for s in samplers], req_ids,
-                              [s.request.banned_token_ids() for s in samplers])
-        return dict(zip(req_ids, tokens))
+        reqs = [s.request for s in samplers]
+        return dict(zip([r.request_id for r in reqs], self.sampler(logits, reqs)))
 
     def _verify(self, logits: torch.Tensor, samplers: list[ScheduledRequest]) -> dict:
         """A batch with draft tokens: plain rows sample as usual; each request with drafts gets
@@ -281,9 +279,7 @@ class ModelRunner:
         if plain:
             rows = torch.tensor([r for _, r in plain], device=logits.device)
             reqs = [s.request for s, _ in plain]
-            tokens = self.sampler(logits[rows], [r.sampling_params for r in reqs], [r.request_id for r in reqs],
-                                  [r.banned_token_ids() for r in reqs])
-            out.update(zip([r.request_id for r in reqs], tokens))
+            out.update(zip([r.request_id for r in reqs], self.sampler(logits[rows], reqs)))
         return out
 
 

@@ -16,7 +16,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: {sampled id: log-prob, top ids: ...}
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -68,7 +68,7 @@ class Accumulator:
 
     def __init__(self, prompt: str | None, prompt_token_ids: list[int]):
         self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
-        self.text, self.token_ids = "", []
+        self.text, self.token_ids, self.logprobs = "", [], None
 
     def add(self, out: RequestOutput) -> RequestOutput:
         self.text += out.delta_text
@@ -76,5 +76,7 @@ class Accumulator:
         out.prompt, out.prompt_token_ids = self.prompt, self.prompt_token_ids
         if out.outputs:
             c = out.outputs[0]
-            c.text, c.token_ids = self.text, list(self.token_ids)
+            if c.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + c.logprobs
+            c.text, c.token_ids, c.logprobs = self.text, list(self.token_ids), self.logprobs
         return out

@@ -58,6 +58,8 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # per output token, {sampled id: log-prob, then the top N ids: log-probs} (sampling_params.logprobs)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     # draft tokens proposed for this step (speculative decoding, spec_decode.py)
     spec_tokens: list[int] = field(default_factory=list)
     # detokenizer state (owned by the engine's output processor)

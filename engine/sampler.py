@@ -1,4 +1,5 @@
-"""Per-request sampling over a batch of logits: greedy, temperature, top-k, top-p, seed.
+"""Per-request sampling over a batch of logits: greedy, temperature, min-p, top-k, top-p, seed
+(after the request's own logit adjustments, logits_process.py).
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws
 from p exactly and lets each seeded request take its noise from its own generator,
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .logits_process import process
+from .request import Request
 from .sampling_params import SamplingParams
 from .spec_decode import verify_greedy, verify_sampled
 
@@ -17,6 +20,7 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
+        self.logprobs: dict[str, dict[int, float]] = {}  # the last call's, for requests that ask
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -29,23 +33,46 @@ class Sampler:
         return gen
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 request_ids: list[str], banned: list[tuple[int, ...]] | None = None) -> list[int]:
-        """logits [num_seqs, vocab] (float32) -> one token id per sequence. `banned[i]`: token
-        ids row i may not sample (EOS and stop ids before min_tokens), masked to -inf."""
-        if banned and any(banned):
-            rows = [i for i, ids in enumerate(banned) for _ in ids]
-            cols = [t for ids in banned for t in ids]
-            idx = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
-            logits[idx[0], idx[1]] = float("-inf")
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        """logits [num_seqs, vocab] (float32), one row per request -> one token id each, after
+        the requests' own adjustments (logits_process.py: bias, banned tokens, penalties)."""
+        process(logits, reqs)
+        params = [r.sampling_params for r in reqs]
         greedy = logits.argmax(dim=-1)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if all(p.greedy for p in params):
-            return greedy.tolist()
+            tokens = greedy.tolist()
+        else:
+            tokens = self._sample(logits, params, reqs, greedy)
+        self.logprobs = self._logprobs(logits, reqs, want, tokens) if want else {}
+        return tokens
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, reqs: list[Request], rows: list[int], tokens: list[int]) -> dict:
+        """{request id: {sampled: log-prob, top ids: log-probs}} for the rows that ask: the
+        distribution after the request's adjustments, before temperature (vLLM's processed
+        logits)."""
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        k = max(reqs[i].sampling_params.logprobs for i in rows)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        sampled = lp[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])].tolist()
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        out = {}
+        for j, i in enumerate(rows):
+            n = reqs[i].sampling_params.logprobs
+            entry = {tokens[i]: sampled[j]}
+            for t, v in zip(top_i[j][:n], top_v[j][:n]):
+                entry.setdefault(t, v)
+            out[reqs[i].request_id] = entry
+        return out
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], reqs: list[Request],
+                greedy: torch.Tensor) -> list[int]:
         n = logits.shape[0]
         probs = self.probs(logits, params)
         noise = torch.empty_like(probs)
-        for i, (p, rid) in enumerate(zip(params, request_ids)):
-            gen = self._generator(rid, p.seed) if p.seed is not None else None
+        for i, (p, r) in enumerate(zip(params, reqs)):
+            gen = self._generator(r.request_id, p.seed) if p.seed is not None else None
             noise[i].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -60,7 +87,12 @@ class Sampler:
         top_ps = [p.top_p for p in params]
         if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
-        return logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the row's top probability
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=probs.dtype)[:, None]
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
 
     @torch.no_grad()
     def verify(self, logits: torch.Tensor, drafts: list[int], params: SamplingParams, request_id: str,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat limit; vLLM's default)
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,12 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100)
+    logprobs: int | None = None  # per output token: the sampled token's log-probability and the top N
     stop_strs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,9 +59,38 @@ class SamplingParams:
             self.stop_strs = list(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop_strs):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) \
+                or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for t, b in self.logit_bias.items():
+                try:
+                    tok = int(t)  # OpenAI's JSON keys are strings
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {t!r}") from None
+                if tok < 0 or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias must map token ids >= 0 to values in [-100, 100], got {t!r}: {b!r}")
+                bias[tok] = float(b)
+            self.logit_bias = bias
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

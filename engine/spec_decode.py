@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .logits_process import one_token_steps
 from .spec_cost import DISABLE_BY_BATCH_SIZE, SpecCost
 
 METHODS = ("ngram", "draft_model")
@@ -153,7 +154,7 @@ class Drafter:
             for r in decodes:  # drafts from an earlier step that did not run them go too
                 r.spec_tokens = []
             return
-        rooms = [0 if r.banned_token_ids() else  # no drafts while banned tokens shape the logits
+        rooms = [0 if one_token_steps(r) else  # bias, bans, penalties, log-probs: logits_process.py
                  min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
                      self.max_model_len - r.num_tokens - 1) for r in decodes]
         if self.draft is not None:

@@ -147,6 +147,8 @@ class PrefillRole(Role):
         c = p.output.outputs[0]
         p.spans["send_start"] = time.time()
         meta = {"first_token": c.token_ids[0], "spans": p.spans}
+        if c.logprobs:  # the first token's log-probs travel with it (the decode worker emits it)
+            meta["first_logprobs"] = list(c.logprobs[0].items())  # pairs: the meta is JSON
         blocks = self.engine.kv.prompt_blocks_after(req, p.target.num_skip)
         try:
             self.connector.start_send(p.target, request_id, blocks, self.handoff_timeout_s, p.ready, meta)

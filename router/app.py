@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front of a pdserve cluster (FastAPI, served by uvicorn).
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE, `data: [DONE]`)
+    POST /tokenize, /detokenize (vLLM's);  GET /version, /docs (OpenAPI)
     GET  /v1/models, /v1/models/{id}, /health, /metrics, /admin/status, /admin/timeline;  POST /admin/scale, /admin/slo
 
 A request is validated (body size, JSON, fields, n, sampling values, prompt +
@@ -25,18 +26,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve import __version__
 from pdserve.cluster.api import ServingCluster
 
 from .errors import GuardMiddleware, HTTPError, error_response
 from .metrics import RouterMetrics
 from .render import Renderer, headers_of, sse, usage
 from .runner import RequestRunner
-from .schemas import ChatCompletionRequest, CompletionRequest, error_body
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 
 
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               max_queue: int = 256, served_model_name: str | None = None) -> FastAPI:
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="pdserve", version=__version__, docs_url="/docs", redoc_url=None)
     model_name = served_model_name or os.path.basename(os.path.normpath(cluster.model_path))
     metrics = RouterMetrics(cluster, model_name)
     runner = RequestRunner(cluster, max_body_bytes, max_queue)
@@ -62,7 +64,8 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
 
 
 def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunner, model_name: str) -> None:
-    """/v1/completions, /v1/chat/completions (one request path, two renderings), /v1/models."""
+    """/v1/completions, /v1/chat/completions (one request path, two renderings), /v1/models,
+    /tokenize, /detokenize."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -77,12 +80,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         check_model(req)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            ids = list(cluster.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False))
-        except Exception as e:  # noqa: BLE001 - the template rejects the conversation
-            raise HTTPError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        ids = chat_ids(req.messages)
         return await serve(request, req, None, ids, runner.params(req, ids, None), chat=True)
 
     def check_model(req) -> None:
@@ -105,7 +103,9 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         """Both endpoints: run the request, render it as the endpoint's OpenAI shape."""
         runner.admit()
         prefix = "chatcmpl" if chat else "cmpl"
-        render = Renderer(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model_name)
+        echo = "" if chat or not req.echo else (text if text is not None else cluster.tokenizer.decode(ids))
+        render = Renderer(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model_name, cluster.tokenizer,
+                          params.logprobs or 0, echo)
         if not req.stream:
             out = await runner.run_to_end(text, ids, params, request)
             check_final(out)
@@ -115,6 +115,38 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(stream_body(gen, first, render, len(ids), include_usage),
                                  media_type="text/event-stream", headers=headers_of(first))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
+        req = await runner.parse(request, TokenizeRequest)
+        check_model(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        tok = cluster.tokenizer
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = chat_ids(req.messages, req.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": cluster.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await runner.parse(request, DetokenizeRequest)
+        check_model(req)
+        vocab = len(cluster.tokenizer)
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return {"prompt": cluster.tokenizer.decode(req.tokens)}
+
+    def chat_ids(messages, add_generation_prompt: bool = True) -> list[int]:
+        conv = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return list(cluster.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                              tokenize=True, return_dict=False))
+        except Exception as e:  # noqa: BLE001 - the template rejects the conversation
+            raise HTTPError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": cluster.max_model_len}
@@ -167,7 +199,11 @@ async def stream_body(gen, first, render: Renderer, n_prompt: int, include_usage
 
 
 def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: RouterMetrics) -> None:
-    """/health, /metrics, /admin/scale, /admin/slo, /admin/status, /admin/timeline."""
+    """/version, /health, /metrics, /admin/scale, /admin/slo, /admin/status, /admin/timeline."""
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():

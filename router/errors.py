@@ -23,8 +23,11 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 class GuardMiddleware:
-    """API key (constant-time compare) on every route but /health, and a body-size limit
-    from Content-Length; `on_refuse(status)` counts each refusal."""
+    """API key (constant-time compare) on every route but OPEN ones (the health check, the
+    version and the API's own description), and a body-size limit from Content-Length;
+    `on_refuse(status)` counts each refusal."""
+
+    OPEN = ("/health", "/version", "/docs", "/openapi.json")
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, on_refuse):
         self.app, self.api_key, self.max_body_bytes, self.on_refuse = app, api_key, max_body_bytes, on_refuse
@@ -33,7 +36,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"] != "/health":
+        if self.api_key and scope["path"] not in self.OPEN:
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 self.on_refuse(401)

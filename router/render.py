@@ -2,7 +2,8 @@
 the two shapes (text completion / chat completion) as data, not as twin handlers.
 
     final(out, n_prompt)   the non-streaming body of a finished (cumulative) output
-    opening()              chat's first SSE chunk (the assistant role), None for text
+    opening()              the first SSE chunk: chat's assistant role, text's echoed prompt (or None)
+    logprobs(...)          OpenAI's log-probs object of either shape
     choices(out)           the SSE choices of one delta output (empty when it adds nothing)
     chunk(choices, ...)    one SSE event
 """
@@ -34,6 +35,31 @@ class Renderer:
     request_id: str
     created: int
     model: str
+    tokenizer: object = None  # for log-probs: each token's text
+    top_n: int = 0  # top log-probs per token
+    echo: str = ""  # completions' echo: the prompt's text, before the completion's
+
+    def logprobs(self, entries: list[dict[int, float]] | None, token_ids: list[int], offset: int = 0):
+        """OpenAI's log-probs object for these tokens (None when the request asked for none).
+        An entry is {sampled id: log-prob, top ids: log-probs}; its top N, best first."""
+        if entries is None:
+            return None
+        text = self.tokenizer.decode
+        tops = [sorted(e.items(), key=lambda kv: -kv[1])[:self.top_n] for e in entries]
+        if self.chat:
+            def item(t: int, v: float) -> dict:
+                s = text([t])
+                return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+            return {"content": [{**item(t, e[t]), "top_logprobs": [item(u, w) for u, w in top]}
+                                for t, e, top in zip(token_ids, entries, tops)]}
+        tokens = [text([t]) for t in token_ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{text([u]): w for u, w in top} for top in tops], "text_offset": offsets}
 
     @property
     def object(self) -> str:
@@ -41,27 +67,34 @@ class Renderer:
 
     def final(self, out: RequestOutput, n_prompt: int) -> dict:
         c = out.outputs[0]
-        choice = {"index": 0, "logprobs": None, "finish_reason": c.finish_reason}
+        choice = {"index": 0, "logprobs": self.logprobs(c.logprobs, c.token_ids, len(self.echo)),
+                  "finish_reason": c.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
-            choice["text"] = c.text
+            choice["text"] = self.echo + c.text
         return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(n_prompt, len(c.token_ids))}
 
+    def __post_init__(self) -> None:
+        self._offset = len(self.echo)  # streamed text so far (log-probs' text_offset)
+
     def opening(self) -> dict | None:
         if not self.chat:
-            return None
+            return {"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None} if self.echo else None
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
     def choices(self, out: RequestOutput) -> list[dict]:
-        reason = out.outputs[0].finish_reason if out.finished else None
+        c = out.outputs[0]
+        reason = c.finish_reason if out.finished else None
+        lp = self.logprobs(c.logprobs, out.delta_token_ids, self._offset) if out.delta_token_ids else None
+        self._offset += len(out.delta_text)
         if not self.chat:
-            if not (out.delta_text or out.finished):
+            if not (out.delta_text or out.finished or lp):
                 return []
-            return [{"index": 0, "text": out.delta_text, "logprobs": None, "finish_reason": reason}]
-        choices = [{"index": 0, "delta": {"content": out.delta_text}, "logprobs": None, "finish_reason": None}
-                   ] if out.delta_text else []
+            return [{"index": 0, "text": out.delta_text, "logprobs": lp, "finish_reason": reason}]
+        choices = [{"index": 0, "delta": {"content": out.delta_text}, "logprobs": lp, "finish_reason": None}
+                   ] if out.delta_text or lp else []
         if out.finished:
             choices.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
         return choices

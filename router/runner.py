@@ -22,8 +22,10 @@ from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.validation import InvalidRequest
 
 from .errors import HTTPError
+from .schemas import screen
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs")
 
 
 class _Done:
@@ -47,10 +49,14 @@ class RequestRunner:
         if not isinstance(data, dict):
             raise HTTPError(400, "the JSON body must be an object")
         try:
-            return model_cls.model_validate(data)
-        except ValidationError as e:
+            return model_cls.model_validate(screen(data))
+        except ValueError as e:
+            if not isinstance(e, ValidationError):  # screen(): a parameter not implemented yet
+                raise HTTPError(400, e.args[0], param=e.args[1]) from None
             err = e.errors()[0]
             param = ".".join(str(x) for x in err.get("loc", ()))
+            if err.get("type") == "extra_forbidden":
+                raise HTTPError(400, f"unknown parameter {param!r}", param=param) from None
             raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}", param=param or None) from None
 
     def params(self, req, ids: list[int], default_max: int | None):

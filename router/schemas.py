@@ -1,4 +1,5 @@
-"""OpenAI request bodies (the fields pdserve honours) and the error object."""
+"""OpenAI request bodies (the fields pdserve honours; anything else is refused, see NOT_YET and
+HINTS) and the error object."""
 
 from __future__ import annotations
 
@@ -10,11 +11,32 @@ from pdserve.engine.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
+# OpenAI parameters pdserve does not implement yet: refused (400 naming the parameter) unless
+# the value is one that asks for nothing (the default)
+NOT_YET = {"best_of": (None, 1),
+           "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+           "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "guided_json": (None,),
+           "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,)}
+# optional hints the OpenAI API defines that change nothing a server computes: accepted, unused
+HINTS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+
+
+def screen(data: dict) -> dict:
+    """The body without the hints and the defaulted NOT_YET parameters; raises ValueError
+    (message, param) for a NOT_YET parameter that asks for something. Any other unknown
+    field is then refused by the models (extra="forbid")."""
+    for name, allowed in NOT_YET.items():
+        if name in data and data[name] not in allowed:
+            raise ValueError(f"parameter {name!r} is not supported by this server yet", name)
+    return {k: v for k, v in data.items() if k not in NOT_YET and k not in HINTS}
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -27,9 +49,16 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+
+    def num_logprobs(self) -> int | None:
+        return None
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
@@ -38,11 +67,20 @@ class _Sampling(BaseModel):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                               min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_p=self.min_p, logit_bias=self.logit_bias, logprobs=self.num_logprobs())
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the top N per token (and the sampled token's)
+    echo: bool = False
+
+    def num_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("logprobs with echo (the prompt's log-probs) is not supported")
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -59,6 +97,29 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("logprobs must be true when top_logprobs is set")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

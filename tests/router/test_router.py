@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 
@@ -360,3 +361,105 @@ def test_conditional_disaggregation(client, cluster):
         cluster.dispatcher.local_cached_fraction = 2.0
     assert cluster.counters["routing"].get("local_short", 0) >= 1
     assert cluster.counters["routing"].get("local_cached", 0) >= 1
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "suffix": "end"}, "suffix"),
+    ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "hi", "min_p": 2}, "min_p"),
+])
+def test_nothing_is_silently_ignored(server, body, param):
+    """A parameter the server does not implement (or does not know) is a 400 naming it; its
+    default value, and OpenAI's optional hints, are accepted."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = {"prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1, "user": "u7",
+          "metadata": {"k": "v"}, "response_format": {"type": "text"}}
+    assert httpx.post(server.url + "/v1/completions", json=ok, headers=h).status_code == 200
+
+
+def test_penalties_and_logit_bias_with_the_openai_client(client, cluster):
+    """Applied on both sides of the handoff (the prefill worker samples the first token): a +100
+    bias makes every token the biased one; a frequency penalty cuts repetition."""
+    tok = cluster.tokenizer.encode(" banana")[0]
+    out = client.completions.create(model=model_id(client), prompt="Fruit:", max_tokens=5, temperature=0.7,
+                                    logit_bias={str(tok): 100})
+    assert out.choices[0].text.split() == ["banana"] * 5
+    chat = client.chat.completions.create(model=model_id(client), messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logit_bias={str(tok): 100})
+    assert chat.choices[0].message.content.split() == ["banana"] * 4
+    prompt = "Say the word 'yes' many times: yes yes yes yes"
+
+    def top_count(extra=None, **kw) -> int:
+        out = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=32, temperature=0,
+                                        extra_body={"ignore_eos": True, **(extra or {})}, **kw)
+        ids = cluster.tokenizer.encode(out.choices[0].text)
+        return max(ids.count(t) for t in set(ids))
+
+    plain = top_count()
+    assert top_count(frequency_penalty=1.5) < plain / 2
+    assert top_count(presence_penalty=2.0, extra={"repetition_penalty": 1.5, "min_p": 0.1}) < plain
+    wait_no_request_blocks(cluster)
+
+
+def test_tokenize_detokenize_version_docs(server, cluster):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, headers=h).json()
+    assert r["tokens"] == cluster.tokenizer.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 512
+    d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, headers=h).json()
+    assert d == {"prompt": "Hello world"}
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": msgs}, headers=h).json()
+    assert chat["tokens"] == list(cluster.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                        tokenize=True, return_dict=False))
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10 ** 9]}, headers=h)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(server.url + "/tokenize", json={"prompt": "a", "messages": msgs}, headers=h)
+    assert both.status_code == 400
+    from pdserve import __version__
+
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}  # open, like /health
+    assert httpx.get(server.url + "/docs").status_code == 200
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(spec["paths"])
+
+
+def test_logprobs_and_echo_with_the_openai_client(client, cluster, llm):
+    """Log-probs in both OpenAI shapes, streamed too, equal to the colocated engine's (the first
+    token's come from the prefill worker through the handoff), and a distribution: the top 20 sum
+    to at most 1 and the greedy token is the top one. echo puts the prompt before the text."""
+    prompt = "The capital of France is"
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0].outputs[0]
+    out = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text and len(lp.tokens) == 6
+    assert lp.token_logprobs == pytest.approx([e[t] for t, e in zip(ref.token_ids, ref.logprobs)], abs=1e-3)
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(v) and top[tok] == pytest.approx(v)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    chat = client.chat.completions.create(model=model_id(client), messages=[{"role": "user", "content": "Hi!"}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=20)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and "".join(c.token for c in content) == \
+        chat.choices[0].message.content
+    for c in content:
+        probs = [math.exp(t.logprob) for t in c.top_logprobs]
+        assert len(probs) == 20 and sum(probs) <= 1 + 1e-4 and c.logprob == pytest.approx(c.top_logprobs[0].logprob)
+    stream = client.chat.completions.create(model=model_id(client), messages=[{"role": "user", "content": "Hi!"}],
+                                            max_tokens=5, temperature=0, logprobs=True, stream=True)
+    streamed = [c for ch in stream for choice in ch.choices if choice.logprobs for c in choice.logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-3)
+    assert all(c.top_logprobs == [] for c in streamed)  # top_logprobs not asked: 0
+    echo = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith(prompt) and len(echo.choices[0].text) > len(prompt)
+    bad = httpx.post(client.base_url.join("chat/completions"), json={"messages": [{"role": "user", "content": "x"}],
+                     "top_logprobs": 2}, headers={"Authorization": f"Bearer {KEY}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
+    wait_no_request_blocks(cluster)
