@@ -429,6 +429,12 @@ def test_tokenize_detokenize_version_docs(server, cluster):
     assert httpx.get(server.url + "/docs").status_code == 200
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(spec["paths"])
+    op = spec["paths"]["/v1/chat/completions"]["post"]
+    ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref == "#/components/schemas/ChatCompletionRequest"
+    assert {"logprobs", "top_logprobs", "logit_bias"} <= set(spec["components"]["schemas"]["ChatCompletionRequest"]
+                                                          ["properties"])
+    assert {"200", "400", "401", "404", "413", "429"} == set(op["responses"])
 
 
 def test_logprobs_and_echo_with_the_openai_client(client, cluster, llm):
