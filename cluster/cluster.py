@@ -196,6 +196,9 @@ class Cluster:
         return check_request(ids, params, self.max_model_len, self.vocab_size)
 
     def _prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: submit one sequence per request (SamplingParams.samples(); the HTTP "
+                             "server does this for n > 1)")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self.validate(ids, params)
         return text, ids

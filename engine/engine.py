@@ -87,6 +87,9 @@ class LLMEngine:
         """Validates a prompt and its sampling parameters; raises ValueError naming the
         problem. Nothing is queued."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: an engine request is one sequence; LLM.generate and the HTTP server "
+                             "run n of them (SamplingParams.samples())")
         if isinstance(prompt, str):
             text = prompt
             if not prompt:

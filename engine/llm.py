@@ -59,25 +59,30 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        # validate all before queueing any, so a bad prompt leaves nothing behind
-        reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
-        for r in reqs:
-            self.engine.add_request(r)
+        # validate all before queueing any, so a bad prompt leaves nothing behind; n > 1: the
+        # copies wait for the first to prefill, then hit its prompt's blocks in the prefix cache
+        groups = [[self.engine.make_request(p, c) for c in sp.samples()] for p, sp in zip(prompts, params)]
+        waiting = {g[0].request_id: g[1:] for g in groups if len(g) > 1}
+        for g in groups:
+            self.engine.add_request(g[0])
         final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm)
+        bar = tqdm(total=sum(map(len, groups)), desc="generating", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    for r in waiting.pop(out.request_id, ()):
+                        self.engine.add_request(r)
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            for r in reqs:
-                self.engine.abort_request(r.request_id)
+            for g in groups:
+                for r in g:
+                    self.engine.abort_request(r.request_id)
             raise
         finally:
             bar.close()
-        return [final[r.request_id] for r in reqs]
+        return [merge([final[r.request_id] for r in g]) for g in groups]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -87,3 +92,12 @@ class LLM:
         prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)) for c in convs]
         return self.generate(prompts, sampling_params)
+
+
+def merge(outs: list[RequestOutput]) -> RequestOutput:
+    """n finished outputs of one prompt as one, with n completions (index 0..n-1)."""
+    first = outs[0]
+    for i, o in enumerate(outs):
+        o.outputs[0].index = i
+    first.outputs = [o.outputs[0] for o in outs]
+    return first

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat limit; vLLM's default)
 
 
@@ -37,8 +38,8 @@ class SamplingParams:
     stop_strs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (got {self.n}): multiple samples per prompt are not supported")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -87,6 +88,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+
+    def samples(self) -> list[SamplingParams]:
+        """The n sequences as n single ones (the engine runs one sequence per request); a
+        seeded request's copies take seeds seed, seed + 1, ... so they differ and repeat."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
 
     @property
     def penalized(self) -> bool:

@@ -103,20 +103,25 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
 
     async def serve(request: Request, req, text, ids, params, chat: bool):
         """Both endpoints: run the request, render it as the endpoint's OpenAI shape."""
-        runner.admit()
+        copies = params.samples()  # n > 1: n sequences (runner.merged)
+        runner.admit(len(copies))
         prefix = "chatcmpl" if chat else "cmpl"
         echo = "" if chat or not req.echo else (text if text is not None else cluster.tokenizer.decode(ids))
-        render = Renderer(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model_name, cluster.tokenizer,
-                          params.logprobs or 0, echo)
+        rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, params.logprobs or 0, echo, i)
+                   for i in range(len(copies))]
         if not req.stream:
-            out = await runner.run_to_end(text, ids, params, request)
-            check_final(out)
-            return JSONResponse(render.final(out, len(ids)), headers=headers_of(out))
-        gen = runner.outputs(text, ids, params)
+            outs = await runner.run_to_end(text, ids, copies, request)
+            for out in outs:
+                check_final(out)
+            return JSONResponse(renders[0].body([r.final(o) for r, o in zip(renders, outs)],
+                                                usage(len(ids), sum(len(o.outputs[0].token_ids) for o in outs))),
+                                headers=headers_of(outs[0]))
+        gen = runner.merged(text, ids, copies)
         first = await runner.first_output(gen)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream_body(gen, first, render, len(ids), include_usage),
-                                 media_type="text/event-stream", headers=headers_of(first))
+        return StreamingResponse(stream_body(gen, first, renders, len(ids), include_usage),
+                                 media_type="text/event-stream", headers=headers_of(first[1]))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -173,13 +178,15 @@ def check_final(out) -> None:
         raise HTTPError(503 if c is not None else 499, f"request failed: {c.stop_reason if c else 'aborted'}",
                         "server_error")
 
-async def stream_body(gen, first, render: Renderer, n_prompt: int, include_usage: bool):
-    """The SSE events of a streamed request, from its first (already awaited) output."""
-    out, n_out = first, 0
+async def stream_body(gen, first, renders: list[Renderer], n_prompt: int, include_usage: bool):
+    """The SSE events of a streamed request's sequences (runner.merged: (index, delta output)),
+    from the first (already awaited) one."""
+    (i, out), n_out, left = first, 0, len(renders)
     try:
-        opening = render.opening()
-        if opening is not None:
-            yield render.chunk([opening])
+        for r in renders:
+            opening = r.opening()
+            if opening is not None:
+                yield r.chunk([opening])
         while True:
             c = out.outputs[0] if out.outputs else None
             if c is None:  # aborted
@@ -188,13 +195,14 @@ async def stream_body(gen, first, render: Renderer, n_prompt: int, include_usage
                 yield sse(error_body(f"request failed: {c.stop_reason}", "server_error", None, 503))
                 break
             n_out += len(out.delta_token_ids)
-            for choice in render.choices(out):
-                yield render.chunk([choice])
-            if out.finished:
+            for choice in renders[i].choices(out):
+                yield renders[i].chunk([choice])
+            left -= out.finished
+            if not left:
                 if include_usage:
-                    yield render.chunk([], usage=usage(n_prompt, n_out))
+                    yield renders[0].chunk([], usage=usage(n_prompt, n_out))
                 break
-            out = await gen.__anext__()
+            i, out = await gen.__anext__()
         yield "data: [DONE]\n\n"
     finally:
         await gen.aclose()

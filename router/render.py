@@ -1,7 +1,8 @@
 """OpenAI response bodies for both endpoints, from pdserve outputs: one renderer with
 the two shapes (text completion / chat completion) as data, not as twin handlers.
 
-    final(out, n_prompt)   the non-streaming body of a finished (cumulative) output
+    final(out)             the non-streaming choice of a finished (cumulative) output
+    body(choices, usage)   the non-streaming body
     opening()              the first SSE chunk: chat's assistant role, text's echoed prompt (or None)
     logprobs(...)          OpenAI's log-probs object of either shape
     choices(out)           the SSE choices of one delta output (empty when it adds nothing)
@@ -38,6 +39,7 @@ class Renderer:
     tokenizer: object = None  # for log-probs: each token's text
     top_n: int = 0  # top log-probs per token
     echo: str = ""  # completions' echo: the prompt's text, before the completion's
+    index: int = 0  # the choice (n > 1: one renderer per sequence)
 
     def logprobs(self, entries: list[dict[int, float]] | None, token_ids: list[int], offset: int = 0):
         """OpenAI's log-probs object for these tokens (None when the request asked for none).
@@ -65,24 +67,31 @@ class Renderer:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def final(self, out: RequestOutput, n_prompt: int) -> dict:
+    def final(self, out: RequestOutput) -> dict:
+        """The non-streaming choice of a finished (cumulative) output."""
         c = out.outputs[0]
-        choice = {"index": 0, "logprobs": self.logprobs(c.logprobs, c.token_ids, len(self.echo)),
+        choice = {"index": self.index, "logprobs": self.logprobs(c.logprobs, c.token_ids, len(self.echo)),
                   "finish_reason": c.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = self.echo + c.text
+        return choice
+
+    def body(self, choices: list[dict], usage_: dict) -> dict:
         return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage(n_prompt, len(c.token_ids))}
+                "choices": choices, "usage": usage_}
 
     def __post_init__(self) -> None:
         self._offset = len(self.echo)  # streamed text so far (log-probs' text_offset)
 
     def opening(self) -> dict | None:
         if not self.chat:
-            return {"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None} if self.echo else None
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            if not self.echo:
+                return None
+            return {"index": self.index, "text": self.echo, "logprobs": None, "finish_reason": None}
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
 
     def choices(self, out: RequestOutput) -> list[dict]:
         c = out.outputs[0]
@@ -92,11 +101,11 @@ class Renderer:
         if not self.chat:
             if not (out.delta_text or out.finished or lp):
                 return []
-            return [{"index": 0, "text": out.delta_text, "logprobs": lp, "finish_reason": reason}]
-        choices = [{"index": 0, "delta": {"content": out.delta_text}, "logprobs": lp, "finish_reason": None}
+            return [{"index": self.index, "text": out.delta_text, "logprobs": lp, "finish_reason": reason}]
+        choices = [{"index": self.index, "delta": {"content": out.delta_text}, "logprobs": lp, "finish_reason": None}
                    ] if out.delta_text or lp else []
         if out.finished:
-            choices.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return choices
 
     def chunk(self, choices: list, **extra) -> str:

@@ -3,10 +3,11 @@
     parse()       body size, JSON, the pydantic model          -> 400 / 413 naming the field
     params()      sampling values + the one validation of the request against the model
                   (cluster.validate -> engine/validation.py)    -> 400 naming the field
-    admit()       a slot of the bounded queue                   -> 429 + Retry-After
+    admit()       a slot of the bounded queue per sequence      -> 429 + Retry-After
     outputs()     the cluster's delta outputs as an async generator; stopping early
                   (a client that went away) cancels the request on every worker
-    run_to_end()  non-streaming: the final output, accumulated once here
+    merged()      the n sequences of a request (n > 1), tagged with their index
+    run_to_end()  non-streaming: each sequence's final output, accumulated once here
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pdserve.engine.validation import InvalidRequest
 from .errors import HTTPError
 from .schemas import screen
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs")
 
 
@@ -64,7 +65,7 @@ class RequestRunner:
             params = req.sampling_params(default_max)
         except ValueError as e:
             msg = str(e)
-            param = "n" if msg.startswith("n=") else next((f for f in SAMPLING_FIELDS if msg.startswith(f)), None)
+            param = next((f for f in SAMPLING_FIELDS if msg.startswith(f)), None)
             raise HTTPError(400, msg, param=param) from None
         try:
             max_tokens = self.cluster.validate(ids, params)
@@ -72,12 +73,45 @@ class RequestRunner:
             raise HTTPError(400, str(e), param=e.param) from None
         return dataclasses.replace(params, max_tokens=max_tokens)
 
-    def admit(self) -> None:
-        """Takes a slot of the bounded queue; outputs() gives it back when the request ends."""
-        if self.inflight >= self.max_queue:
+    def admit(self, n: int = 1) -> None:
+        """Takes n slots of the bounded queue (one per sequence); merged() gives them back."""
+        if self.inflight + n > self.max_queue:
             raise HTTPError(429, f"server busy: {self.inflight} requests in flight (limit {self.max_queue})",
                             "rate_limit_error", headers={"Retry-After": "1"})
-        self.inflight += 1
+        self.inflight += n
+
+    async def merged(self, text, ids, copies: list):
+        """(index, delta output) of a request's n sequences (SamplingParams.samples()) as they
+        come. Copy 0 starts alone; the others once it has its first output, so they find its
+        prompt's blocks in the prefix cache. Gives back the n queue slots admit() took."""
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in self.outputs(text, ids, copies[i]):
+                    q.put_nowait((i, out))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                q.put_nowait((i, e))
+            q.put_nowait((i, done))
+
+        tasks = [asyncio.ensure_future(pump(0))]
+        left = len(copies)
+        try:
+            while left:
+                i, item = await q.get()
+                if item is done:
+                    left -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                if len(tasks) == 1 < len(copies):
+                    tasks += [asyncio.ensure_future(pump(j)) for j in range(1, len(copies))]
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()  # a sequence still running is cancelled on every worker (outputs())
+            self.inflight -= len(copies)
 
     async def outputs(self, text, ids, params):
         """Yields the request's delta outputs as the cluster produces them; cancels the
@@ -100,19 +134,19 @@ class RequestRunner:
                 finished = finished or item.finished
                 yield item
         finally:
-            self.inflight -= 1
             if not finished:
                 fut.cancel()  # aborts on every worker, frees the blocks
 
-    async def run_to_end(self, text, ids, params, request: Request) -> RequestOutput:
-        """Non-streaming: the final (cumulative) output; cancels if the client disconnects first."""
-        acc, final = Accumulator(text, ids), []
+    async def run_to_end(self, text, ids, copies: list, request: Request) -> list[RequestOutput]:
+        """Non-streaming: each sequence's final (cumulative) output; cancels if the client
+        disconnects first."""
+        accs, final = [Accumulator(text, ids) for _ in copies], {}
 
         async def consume():
-            async for out in self.outputs(text, ids, params):
-                out = acc.add(out)
+            async for i, out in self.merged(text, ids, copies):
+                out = accs[i].add(out)
                 if out.finished:
-                    final.append(out)
+                    final[i] = out
 
         task = asyncio.ensure_future(consume())
         while not task.done():
@@ -125,12 +159,12 @@ class RequestRunner:
                     pass
                 raise HTTPError(499, "client closed the request")
         task.result()
-        if not final:
+        if len(final) != len(copies):
             raise HTTPError(500, "request ended without output", "server_error")
-        return final[0]
+        return [final[i] for i in range(len(copies))]
 
     @staticmethod
-    async def first_output(gen) -> RequestOutput:
+    async def first_output(gen) -> tuple[int, RequestOutput]:
         """Awaits the first output before the response starts (its workers go in the headers,
         and errors before it are still plain HTTP errors)."""
         try:

@@ -62,8 +62,6 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: only one completion per request (n=1)")
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                               min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,

@@ -134,7 +134,7 @@ def test_prefix_affinity_and_bounded_spread(client, server, cluster):
     ({"prompt": "hi", "max_tokens": 600}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
@@ -468,4 +468,25 @@ def test_logprobs_and_echo_with_the_openai_client(client, cluster, llm):
     bad = httpx.post(client.base_url.join("chat/completions"), json={"messages": [{"role": "user", "content": "x"}],
                      "top_logprobs": 2}, headers={"Authorization": f"Bearer {KEY}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
+    wait_no_request_blocks(cluster)
+
+
+def test_n_completions_with_the_openai_client(client, cluster):
+    """n > 1: n choices (index 0..n-1), seeded copies differ and repeat, streamed chunks carry
+    their choice's index, usage counts every sequence, and every queue slot and block is freed."""
+    kw = dict(model=model_id(client), prompt="Name a colour:", max_tokens=6, temperature=1.0, seed=5)
+    a = client.completions.create(n=3, **kw)
+    b = client.completions.create(n=3, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2] and [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1 and a.usage.completion_tokens == 18
+    chat = client.chat.completions.create(model=model_id(client), messages=[{"role": "user", "content": "Hi"}],
+                                          n=2, max_tokens=4, temperature=1.0, seed=1, stream=True)
+    texts = {0: "", 1: ""}
+    for ch in chat:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert all(texts.values())
+    r = httpx.post(client.base_url.join("completions"), json={"prompt": "x", "n": 17},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     wait_no_request_blocks(cluster)
