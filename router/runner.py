@@ -55,7 +55,8 @@ class RequestRunner:
             if not isinstance(e, ValidationError):  # screen(): a parameter not implemented yet
                 raise HTTPError(400, e.args[0], param=e.args[1]) from None
             err = e.errors()[0]
-            param = ".".join(str(x) for x in err.get("loc", ()))
+            loc = err.get("loc", ())
+            param = str(loc[0]) if loc else ""  # the body's field (not the union branch pydantic tried)
             if err.get("type") == "extra_forbidden":
                 raise HTTPError(400, f"unknown parameter {param!r}", param=param) from None
             raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}", param=param or None) from None

@@ -371,6 +371,7 @@ def test_conditional_disaggregation(client, cluster):
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"prompt": "hi", "min_p": 2}, "min_p"),
 ])
 def test_nothing_is_silently_ignored(server, body, param):
