@@ -29,9 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve import __version__
 from pdserve.cluster.api import ServingCluster
 
-from . import openapi
 from .errors import GuardMiddleware, HTTPError, error_response
 from .metrics import RouterMetrics
+from .openapi import install as install_openapi
 from .render import Renderer, headers_of, sse, usage
 from .runner import RequestRunner
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
@@ -61,7 +61,7 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
     add_openai_routes(app, cluster, runner, model_name)
     add_operations_routes(app, cluster, metrics)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, on_refuse=metrics.refused)
-    openapi.install(app)
+    install_openapi(app)
     return app
 
 

@@ -48,8 +48,9 @@ INTRA = {
         "__init__": {"cluster"},
     },
     "router": {
-        "schemas": set(), "errors": {"schemas"}, "render": set(), "runner": {"errors"}, "metrics": set(),
-        "app": {"errors", "metrics", "render", "runner", "schemas"}, "__init__": {"app"},
+        "schemas": set(), "errors": {"schemas"}, "render": set(), "runner": {"errors", "schemas"}, "metrics": set(),
+        "openapi": {"schemas"}, "app": {"errors", "metrics", "openapi", "render", "runner", "schemas"},
+        "__init__": {"app"},
     },
     "transfer": {"base": set(), "pair": {"base"}, "c10d": {"base", "pair"}, "loopback": {"base"}, "tp": {"base"},
                  "__init__": {"base"}},
