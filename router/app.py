@@ -59,6 +59,7 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
         return error_response(exc.status_code, message, "invalid_request_error", None, exc.headers)
 
     add_openai_routes(app, cluster, runner, model_name)
+    add_token_routes(app, cluster, runner, model_name)
     add_operations_routes(app, cluster, metrics)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, on_refuse=metrics.refused)
     install_openapi(app)
@@ -66,8 +67,7 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
 
 
 def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunner, model_name: str) -> None:
-    """/v1/completions, /v1/chat/completions (one request path, two renderings), /v1/models,
-    /tokenize, /detokenize."""
+    """/v1/completions, /v1/chat/completions (one request path, two renderings), /v1/models."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -82,13 +82,11 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         check_model(req)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        ids = chat_ids(req.messages)
+        ids = chat_ids(cluster, req.messages)
         return await serve(request, req, None, ids, runner.params(req, ids, None), chat=True)
 
     def check_model(req) -> None:
-        if req.model not in (None, model_name, cluster.model_path):
-            raise HTTPError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
-                            param="model")
+        check_model_name(req, cluster, model_name)
 
     def completion_prompt(req) -> tuple[str | None, list[int]]:
         prompt = req.prompt
@@ -123,38 +121,6 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         return StreamingResponse(stream_body(gen, first, renders, len(ids), include_usage),
                                  media_type="text/event-stream", headers=headers_of(first[1]))
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        """vLLM's: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
-        req = await runner.parse(request, TokenizeRequest)
-        check_model(req)
-        if (req.prompt is None) == (req.messages is None):
-            raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
-        tok = cluster.tokenizer
-        if req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            ids = chat_ids(req.messages, req.add_generation_prompt)
-        return {"count": len(ids), "max_model_len": cluster.max_model_len, "tokens": list(ids)}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = await runner.parse(request, DetokenizeRequest)
-        check_model(req)
-        vocab = len(cluster.tokenizer)
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-        return {"prompt": cluster.tokenizer.decode(req.tokens)}
-
-    def chat_ids(messages, add_generation_prompt: bool = True) -> list[int]:
-        conv = [{"role": m.role, "content": m.text()} for m in messages]
-        try:
-            return list(cluster.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                              tokenize=True, return_dict=False))
-        except Exception as e:  # noqa: BLE001 - the template rejects the conversation
-            raise HTTPError(400, f"cannot apply the chat template: {e}", param="messages") from None
-
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": cluster.max_model_len}
 
@@ -169,6 +135,49 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             raise HTTPError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}",
                             param="model")
         return card
+
+
+def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = True) -> list[int]:
+    conv = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return list(cluster.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=True, return_dict=False))
+    except Exception as e:  # noqa: BLE001 - the template rejects the conversation
+        raise HTTPError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def check_model_name(req, cluster: ServingCluster, model_name: str) -> None:
+    if req.model not in (None, model_name, cluster.model_path):
+        raise HTTPError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                        param="model")
+
+
+def add_token_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunner, model_name: str) -> None:
+    """vLLM's /tokenize and /detokenize."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
+        req = await runner.parse(request, TokenizeRequest)
+        check_model_name(req, cluster, model_name)
+        if (req.prompt is None) == (req.messages is None):
+            raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        tok = cluster.tokenizer
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = chat_ids(cluster, req.messages, req.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": cluster.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await runner.parse(request, DetokenizeRequest)
+        check_model_name(req, cluster, model_name)
+        vocab = len(cluster.tokenizer)
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return {"prompt": cluster.tokenizer.decode(req.tokens)}
 
 
 def check_final(out) -> None:
