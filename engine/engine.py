@@ -28,6 +28,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .shard import ProcessShards
 from .spec_decode import Drafter
 from .step_model import StepModel
+from .structured import Grammars
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from .tp import TPGroup
 from .validation import check_request
@@ -52,6 +53,7 @@ class LLMEngine:
             self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
             self.tp.connect(config.torch_device)
         self.runner = ModelRunner(config, load_format, self.tp)
+        self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.drafter.cost.base = dict(self.runner.graph_seconds)  # the off-switch's cost model (CUDA)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
@@ -87,6 +89,8 @@ class LLMEngine:
         """Validates a prompt and its sampling parameters; raises ValueError naming the
         problem. Nothing is queued."""
         params = params or SamplingParams()
+        if params.structured_outputs:
+            self.runner.sampler.grammars.compile(params.structured_outputs)  # a bad grammar: refused now
         if params.n != 1:
             raise ValueError(f"n={params.n}: an engine request is one sequence; LLM.generate and the HTTP server "
                              "run n of them (SamplingParams.samples())")

@@ -29,9 +29,11 @@ def adjusts(req: Request) -> bool:
 
 
 def one_token_steps(req: Request) -> bool:
-    """No speculation for this request: its logits are adjusted, or it wants log-probs
-    per token (verification yields several tokens from one sampler call)."""
-    return adjusts(req) or req.sampling_params.logprobs is not None
+    """No speculation for this request: its logits are adjusted (bias, bans, penalties, a
+    grammar), or it wants log-probs per token (verification yields several tokens from one
+    sampler call)."""
+    p = req.sampling_params
+    return adjusts(req) or p.logprobs is not None or p.structured_outputs is not None
 
 
 def process(logits: torch.Tensor, reqs: list[Request]) -> None:

@@ -21,9 +21,12 @@ class Sampler:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
         self.logprobs: dict[str, dict[int, float]] = {}  # the last call's, for requests that ask
+        self.grammars = None  # structured.Grammars: the engine sets it (rank 0)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self._generators.get(request_id)
@@ -37,6 +40,7 @@ class Sampler:
         """logits [num_seqs, vocab] (float32), one row per request -> one token id each, after
         the requests' own adjustments (logits_process.py: bias, banned tokens, penalties)."""
         process(logits, reqs)
+        constrained = self.grammars.mask(logits, reqs) if self.grammars is not None else []
         params = [r.sampling_params for r in reqs]
         greedy = logits.argmax(dim=-1)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -45,6 +49,8 @@ class Sampler:
         else:
             tokens = self._sample(logits, params, reqs, greedy)
         self.logprobs = self._logprobs(logits, reqs, want, tokens) if want else {}
+        if constrained:
+            self.grammars.accept(reqs, constrained, tokens)
         return tokens
 
     @staticmethod

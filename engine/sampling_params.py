@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .structured import check_spec
+
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat limit; vLLM's default)
 
@@ -35,6 +37,8 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100)
     logprobs: int | None = None  # per output token: the sampled token's log-probability and the top N
+    # {"json": schema} | {"json_object": True} | {"regex": r} | {"choice": [...]} (engine/structured.py)
+    structured_outputs: dict | None = None
     stop_strs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +89,9 @@ class SamplingParams:
                     raise ValueError(f"logit_bias must map token ids >= 0 to values in [-100, 100], got {t!r}: {b!r}")
                 bias[tok] = float(b)
             self.logit_bias = bias
+        self.structured_outputs = check_spec(self.structured_outputs)
+        if self.structured_outputs and self.ignore_eos:
+            raise ValueError("structured_outputs with ignore_eos: a complete grammar allows only EOS")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")

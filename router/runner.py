@@ -20,13 +20,15 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from pdserve.engine.outputs import Accumulator, RequestOutput
+from pdserve.engine.structured import Grammars
 from pdserve.engine.validation import InvalidRequest
 
 from .errors import HTTPError
 from .schemas import screen
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs")
+                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs", "response_format",
+                   "structured_outputs")
 
 
 class _Done:
@@ -38,6 +40,7 @@ class RequestRunner:
     def __init__(self, cluster, max_body_bytes: int, max_queue: int):
         self.cluster, self.max_body_bytes, self.max_queue = cluster, max_body_bytes, max_queue
         self.inflight = 0
+        self.grammars = Grammars(cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached
 
     async def parse(self, request: Request, model_cls):
         body = await request.body()
@@ -67,11 +70,15 @@ class RequestRunner:
         except ValueError as e:
             msg = str(e)
             param = next((f for f in SAMPLING_FIELDS if msg.startswith(f)), None)
-            raise HTTPError(400, msg, param=param) from None
+            raise HTTPError(400, msg, param="response_format" if param == "structured_outputs" else param) from None
         try:
             max_tokens = self.cluster.validate(ids, params)
+            if params.structured_outputs:  # a grammar that does not compile: refused before queueing
+                self.grammars.compile(params.structured_outputs)
         except InvalidRequest as e:
             raise HTTPError(400, str(e), param=e.param) from None
+        except ValueError as e:
+            raise HTTPError(400, str(e), param="response_format") from None
         return dataclasses.replace(params, max_tokens=max_tokens)
 
     def admit(self, n: int = 1) -> None:

@@ -3,7 +3,7 @@ HINTS) and the error object."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,8 +19,7 @@ class StreamOptions(BaseModel):
 # the value is one that asks for nothing (the default)
 NOT_YET = {"best_of": (None, 1),
            "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-           "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "guided_json": (None,),
-           "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,)}
+           "function_call": (None, "none"), "guided_grammar": (None,)}
 # optional hints the OpenAI API defines that change nothing a server computes: accepted, unused
 HINTS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 
@@ -33,6 +32,20 @@ def screen(data: dict) -> dict:
         if name in data and data[name] not in allowed:
             raise ValueError(f"parameter {name!r} is not supported by this server yet", name)
     return {k: v for k, v in data.items() if k not in NOT_YET and k not in HINTS}
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -59,8 +72,29 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     min_p: float = Field(0.0, ge=0, le=1)
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None  # vLLM's extras, the same as response_format's
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def structured(self) -> dict | None:
+        """structured_outputs (engine/structured.py) from response_format or vLLM's guided_*."""
+        given = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                   ("choice", self.guided_choice)) if v is not None}
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            given["response_format"] = True
+        if len(given) > 1:
+            raise ValueError(f"response_format: give one constraint, got {sorted(given)}")
+        if rf is not None and rf.type == "json_object":
+            return {"json_object": True}
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format: type 'json_schema' needs 'json_schema': {'name', 'schema'}")
+            return {"json": rf.json_schema.schema_ or {"type": "object"}}
+        return dict(given) or None
 
     def num_logprobs(self) -> int | None:
         return None
@@ -72,7 +106,8 @@ class _Sampling(BaseModel):
                               min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p, logit_bias=self.logit_bias, logprobs=self.num_logprobs())
+                              min_p=self.min_p, logit_bias=self.logit_bias, logprobs=self.num_logprobs(),
+                              structured_outputs=self.structured())
 
 
 class CompletionRequest(_Sampling):

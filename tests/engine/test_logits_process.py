@@ -75,3 +75,33 @@ def test_penalties_and_bias_through_the_engine():
         out = llm.generate([prompt], SamplingParams(temperature=0.8, max_tokens=6, seed=1, logit_bias={tok: 100}))
         assert out[0].outputs[0].token_ids == [tok] * 6
         llm.engine.kv.check_all_free()
+
+
+def test_structured_outputs_hold_their_grammar():
+    """A JSON schema, any JSON, a regex and a choice: sampled output (temperature 0.8) parses
+    and validates; a grammar that does not compile is refused before anything is queued."""
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    with LLM(max_model_len=256) as llm:
+        def run(spec, n=3):
+            outs = [llm.chat(ask, SamplingParams(temperature=0.8, seed=s, max_tokens=80, structured_outputs=spec))
+                    for s in range(n)]
+            return [o[0].outputs[0] for o in outs]
+
+        for o in run({"json": schema}):
+            doc = json.loads(o.text)
+            assert o.finish_reason == "stop" and set(doc) == {"name", "age"} and isinstance(doc["age"], int)
+        assert all(isinstance(json.loads(o.text), dict) for o in run({"json_object": True}, 2)
+                   if o.finish_reason == "stop")
+        assert all(re.fullmatch(r"[0-9]{3}-[0-9]{4}", o.text) for o in run({"regex": "[0-9]{3}-[0-9]{4}"}))
+        assert {o.text for o in run({"choice": ["red", "green", "blue"]}, 4)} <= {"red", "green", "blue"}
+        with pytest.raises(ValueError, match="does not compile"):
+            llm.generate(["x"], SamplingParams(structured_outputs={"regex": "(("}))
+        with pytest.raises(ValueError, match="structured_outputs must be one of"):
+            SamplingParams(structured_outputs={"yaml": "x"})
+        llm.engine.kv.check_all_free()
+        assert not llm.engine.runner.sampler.grammars.matchers
