@@ -23,10 +23,26 @@ def test_decode_inputs_rows_and_padding():
     batch = [_decoding("a", [11, 12, 13, 14, 15, 16], [7, 2]),  # position 5: block 2, offset 1
              _decoding("b", [21, 22, 23, 24], [9]),  # position 3: block 9, offset 3
              _decoding("c", [31], [5])]  # position 0
-    cols, tables = decode_inputs(batch, padded=4, block_size=bs, max_blocks=3)
+    cols, tables, rows = decode_inputs(batch, padded=4, block_size=bs, max_blocks=3)
+    assert rows.tolist() == [0, 1, 2]  # every real row samples
     assert cols.dtype == np.int64 and tables.dtype == np.int32
     assert cols[0].tolist() == [16, 24, 31, 0]  # input token: the last one
     assert cols[1].tolist() == [5, 3, 0, 0]  # its position
     assert cols[2].tolist() == [2 * bs + 1, 9 * bs + 3, 5 * bs + 0, -1]  # slot; padding stores nothing
     assert cols[3].tolist() == [6, 4, 1, 1]  # context after the step; padding attends to one token
     assert tables.tolist() == [[7, 2, 0], [9, 0, 0], [5, 0, 0], [0, 0, 0]]
+
+
+def test_a_request_with_drafts_takes_a_row_per_query_token():
+    """Speculative verification in the graph layout: [last, d1, d2] are three rows at positions
+    p, p+1, p+2, each with the request's block table and its own context length."""
+    bs = 4
+    s = _decoding("a", [11, 12, 13, 14], [7, 2])  # position 3 (block 7, offset 3)
+    s.draft_token_ids, s.num_new_tokens = [40, 41], 3
+    plain = _decoding("b", [21, 22], [9])
+    cols, tables, rows = decode_inputs([s, plain], padded=8, block_size=bs, max_blocks=2)
+    assert cols[0, :4].tolist() == [14, 40, 41, 22]
+    assert cols[1, :4].tolist() == [3, 4, 5, 1]
+    assert cols[2, :5].tolist() == [7 * bs + 3, 2 * bs + 0, 2 * bs + 1, 9 * bs + 1, -1]
+    assert cols[3, :4].tolist() == [4, 5, 6, 2]  # row j attends to the first p + j + 1 tokens
+    assert tables[:4].tolist() == [[7, 2], [7, 2], [7, 2], [9, 0]] and rows.tolist() == [0, 1, 2, 3]
