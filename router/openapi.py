@@ -17,6 +17,7 @@ from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+STREAMING = ("/v1/completions", "/v1/chat/completions")
 ERRORS = {"400": "invalid request (the error names the parameter)", "401": "missing or wrong API key",
           "404": "unknown model or route", "413": "request body too large", "429": "server busy (Retry-After)"}
 
@@ -48,6 +49,9 @@ def install(app: FastAPI) -> None:
                         {code: {"description": why, **error} for code, why in ERRORS.items()})
                     op["responses"].pop("422", None)  # FastAPI's own validation error: never sent
                 model = BODIES.get(path)
+                if path in STREAMING:  # stream: true answers with server-sent events
+                    ok = ops["post"]["responses"].setdefault("200", {"description": "Successful Response"})
+                    ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
                 if model is not None:
                     ops["post"]["requestBody"] = {"required": True, "content": {"application/json": {
                         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}

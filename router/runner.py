@@ -52,6 +52,10 @@ class RequestRunner:
             raise HTTPError(400, f"malformed JSON body: {e}") from None
         if not isinstance(data, dict):
             raise HTTPError(400, "the JSON body must be an object")
+        try:  # JSON's \u escapes can spell lone surrogates, which no tokenizer takes
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise HTTPError(400, f"the body holds text that is not valid Unicode: {e.reason}") from None
         try:
             return model_cls.model_validate(screen(data))
         except ValueError as e:

@@ -101,7 +101,8 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              seed=self.seed,
                               max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                               min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,

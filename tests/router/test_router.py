@@ -365,8 +365,10 @@ def test_conditional_disaggregation(client, cluster):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
-    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "logprobs"),
+    ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"prompt": "hi", "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
@@ -467,8 +469,8 @@ def test_logprobs_and_echo_with_the_openai_client(client, cluster, llm):
     assert all(c.top_logprobs == [] for c in streamed)  # top_logprobs not asked: 0
     echo = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=3, temperature=0, echo=True)
     assert echo.choices[0].text.startswith(prompt) and len(echo.choices[0].text) > len(prompt)
-    bad = httpx.post(client.base_url.join("chat/completions"), json={"messages": [{"role": "user", "content": "x"}],
-                     "top_logprobs": 2}, headers={"Authorization": f"Bearer {KEY}"})
+    bad = httpx.post(str(client.base_url.join("chat/completions")), headers={"Authorization": f"Bearer {KEY}"},
+                     json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
     wait_no_request_blocks(cluster)
 
@@ -488,7 +490,7 @@ def test_n_completions_with_the_openai_client(client, cluster):
         for c in ch.choices:
             texts[c.index] += c.delta.content or ""
     assert all(texts.values())
-    r = httpx.post(client.base_url.join("completions"), json={"prompt": "x", "n": 17},
+    r = httpx.post(str(client.base_url.join("completions")), json={"prompt": "x", "n": 17},
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     wait_no_request_blocks(cluster)
@@ -521,3 +523,12 @@ def test_structured_output_with_the_openai_client(client, cluster):
                                   extra_body={"guided_regex": "(("})
     assert e.value.body["param"] == "response_format"
     wait_no_request_blocks(cluster)
+
+
+def test_text_that_is_not_unicode_is_a_400(server):
+    """JSON can spell a lone surrogate (found by the schema fuzz: the tokenizer raised, a 500)."""
+    for path, body in (("/v1/completions", '{"prompt": "a\\ud800b"}'), ("/tokenize", '{"prompt": "\\udfff"}'),
+                       ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}')):
+        r = httpx.post(server.url + path, content=body, headers={"Authorization": f"Bearer {KEY}",
+                                                                 "Content-Type": "application/json"})
+        assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
