@@ -36,6 +36,9 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
     if n + max_tokens > max_model_len:
         raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
                              f"exceeds max_model_len ({max_model_len})", "max_tokens")
+    if params.min_tokens > max_tokens:  # max_tokens unset: what the context leaves
+        raise InvalidRequest(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this prompt "
+                             f"can generate (max_model_len {max_model_len})", "min_tokens")
     if kv_capacity_tokens is not None and n + max_tokens > kv_capacity_tokens:
         raise InvalidRequest(f"prompt + max_tokens = {n + max_tokens} tokens cannot fit in the KV cache "
                              f"({kv_capacity_tokens} tokens)", "max_tokens")

@@ -137,6 +137,7 @@ def test_prefix_affinity_and_bounded_spread(client, server, cluster):
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "hi", "min_tokens": 600}, 400, "min_tokens"),  # beyond what max_model_len leaves (fuzz: a 500)
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
     ({"model": "gpt-17", "prompt": "hi"}, 404, "model"),
