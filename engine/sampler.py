@@ -68,7 +68,8 @@ class Sampler:
             n = reqs[i].sampling_params.logprobs
             entry = {tokens[i]: sampled[j]}
             for t, v in zip(top_i[j][:n], top_v[j][:n]):
-                entry.setdefault(t, v)
+                if v != float("-inf"):  # a token the request may not sample (a ban, a grammar) is no candidate
+                    entry.setdefault(t, v)
             out[reqs[i].request_id] = entry
         return out
 

@@ -69,8 +69,8 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) \
-                or not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+                or not 0.01 <= self.repetition_penalty <= 10.0:  # below: logits / p overflow float32
+            raise ValueError(f"repetition_penalty must be in [0.01, 10], got {self.repetition_penalty!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

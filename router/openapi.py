@@ -51,7 +51,7 @@ def install(app: FastAPI) -> None:
                 model = BODIES.get(path)
                 if path in STREAMING:  # stream: true answers with server-sent events
                     ok = ops["post"]["responses"].setdefault("200", {"description": "Successful Response"})
-                    ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+                    ok.setdefault("content", {})["text/event-stream"] = {"schema": {}}  # chunks: the JSON shapes
                 if model is not None:
                     ops["post"]["requestBody"] = {"required": True, "content": {"application/json": {
                         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}

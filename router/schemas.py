@@ -69,7 +69,7 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10)
     min_p: float = Field(0.0, ge=0, le=1)
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
     response_format: ResponseFormat | None = None
