@@ -240,6 +240,7 @@ class ModelRunner:
         request that samples. With `split_mixed` and CUDA graphs, a batch of decodes and
         prefill chunks runs as two passes: the decodes through their graph, then the
         chunks eagerly."""
+        self.sampler.logprobs = {}  # the step's log-probs: both passes add theirs
         if self.split_mixed and self.graphs:
             decodes = [s for s in scheduled if s.decode_rows and s.request.is_decoding]
             if decodes and len(decodes) < len(scheduled) \

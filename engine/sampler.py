@@ -20,7 +20,7 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
-        self.logprobs: dict[str, dict[int, float]] = {}  # the last call's, for requests that ask
+        self.logprobs: dict[str, dict[int, float]] = {}  # this step's, for requests that ask (runner clears)
         self.grammars = None  # structured.Grammars: the engine sets it (rank 0)
 
     def forget(self, request_id: str) -> None:
@@ -48,7 +48,8 @@ class Sampler:
             tokens = greedy.tolist()
         else:
             tokens = self._sample(logits, params, reqs, greedy)
-        self.logprobs = self._logprobs(logits, reqs, want, tokens) if want else {}
+        if want:
+            self.logprobs.update(self._logprobs(logits, reqs, want, tokens))
         if constrained:
             self.grammars.accept(reqs, constrained, tokens)
         return tokens
