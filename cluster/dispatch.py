@@ -173,7 +173,8 @@ class Dispatcher:
             if relay not in done:  # the prefill side ended first: failed, or the request ended there
                 if prefill.exception() is not None:
                     raise self._lost(prefill.exception(), p, progress, sink, rid, ids, d)
-                if isinstance(prefill.result(), RequestOutput):
+                if isinstance(prefill.result(), RequestOutput):  # nothing to hand off (an error on the
+                    d.actor.abort.remote(wire_id)  # prefill worker): the decode worker's reservation goes
                     self._finish(prefill.result(), ids, progress, sink, p, None, rid)
                     return
             try:

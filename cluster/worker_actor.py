@@ -278,6 +278,8 @@ class WorkerActor:
                 events = self.role.step()
             except TPError as e:
                 self._die(e)
+            except Exception as e:  # noqa: BLE001 - a bug must not leave the thread dead and requests hanging
+                events = self._fail_all(e)
             for ev in events:
                 self._forward(ev)
             now = time.monotonic()
@@ -286,6 +288,15 @@ class WorkerActor:
                 self._heartbeat()
             if not self.role.has_work() and not self.inbox:
                 self.wake.wait(0.005 if self.role.num_inflight else 0.2)
+
+    def _fail_all(self, err: Exception) -> list:
+        """An unexpected error in a step: which request caused it is unknown, so every request
+        here ends with the error (their blocks freed) and the engine goes on with new ones."""
+        log.exception("%s: engine step failed; failing its %d request(s)", self.worker_id, len(self.engine.requests))
+        for rid in set(self.engine.requests) | set(self.streams) | set(self.done):
+            self.role.abort(rid)
+            self._deliver(rid, error=RuntimeError(f"{self.worker_id}: engine step failed: {err!r}"))
+        return []
 
     def _handle(self, cmd) -> None:
         try:

@@ -90,7 +90,7 @@ class LLMEngine:
         problem. Nothing is queued."""
         params = params or SamplingParams()
         if params.structured_outputs:
-            self.runner.sampler.grammars.compile(params.structured_outputs)  # a bad grammar: refused now
+            self.runner.sampler.grammars.check(params.structured_outputs)  # a bad grammar: refused now
         if params.n != 1:
             raise ValueError(f"n={params.n}: an engine request is one sequence; LLM.generate and the HTTP server "
                              "run n of them (SamplingParams.samples())")
@@ -229,6 +229,13 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             text, ids = "", []
+            dead = self.runner.sampler.grammars.dead_ends(req.request_id) if req.sampling_params.structured_outputs \
+                else None
+            if dead is not None:  # nothing the grammar allows could be sampled: the request ends here
+                req.stop_reason = dead
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(req, "", []))
+                continue
             lp = self.runner.sampler.logprobs.get(req.request_id)
             if lp is not None:  # one token per step for these (no drafts: logits_process.py)
                 req.output_logprobs.append(lp)

@@ -8,6 +8,11 @@
              grammar forbids to -inf (after the request's other adjustments, logits_process.py)
     accept   after sampling, the token advances the request's matcher; once the grammar is
              complete only the request's EOS ids remain, so it ends there
+    dead end a row where nothing may be sampled (the grammar needs characters this tokenizer
+             cannot spell, or it only allows EOS while min_tokens bans it) samples EOS and the
+             engine ends the request with finish_reason "error" naming why (dead_ends()). A
+             grammar that cannot even begin is refused up front (check()); the schema fuzz
+             found both, and before this the sampler raised and stopped the engine thread.
 
 The matcher is made when the request first samples on this engine, replaying the outputs it
 already has: a decode worker gets the first token (sampled under the same grammar on the
@@ -50,6 +55,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.matchers: dict[str, object] = {}
+        self._dead: dict[str, str] = {}  # request id -> why its grammar allows nothing (dead_ends())
 
     @functools.cached_property
     def _compiler(self):
@@ -72,6 +78,20 @@ class Grammars:
             why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e))  # the library's time and source line
             raise ValueError(f"structured_outputs {key!r} does not compile: {why}") from None
 
+    def check(self, spec: dict) -> None:
+        """compile(), and a grammar some token of this vocabulary can begin; else ValueError."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.compile(spec))
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        probe = torch.zeros(1, self.vocab_size)
+        xgr.apply_token_bitmask_inplace(probe, bitmask, vocab_size=self.vocab_size)
+        if torch.isneginf(probe).all():
+            key = next(iter(spec))
+            raise ValueError(f"structured_outputs {key!r} cannot be produced: no token of this model's vocabulary "
+                             "can begin it (characters its tokenizer cannot spell?)")
+
     def _matcher(self, req: Request):
         m = self.matchers.get(req.request_id)
         if m is None:
@@ -85,22 +105,37 @@ class Grammars:
         return m
 
     def mask(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """Applies the constrained rows' masks in place; returns those rows."""
+        """Applies the constrained rows' masks in place; returns the rows that go on (a dead
+        end's row is left to sample EOS, and its request is in dead_ends())."""
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.structured_outputs]
-        if rows:
-            import xgrammar as xgr
+        if not rows:
+            return rows
+        import xgrammar as xgr
 
-            bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
-            for i in rows:
-                self._matcher(reqs[i]).fill_next_token_bitmask(bitmask, i)
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
-                                            indices=rows)
+        bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
+        for i in rows:
+            self._matcher(reqs[i]).fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
+        stuck = torch.isneginf(logits[rows, :self.vocab_size]).all(dim=-1).tolist()
+        for i, dead in zip(list(rows), stuck):
+            if dead:
+                req = reqs[i]
+                self._dead[req.request_id] = (
+                    f"structured_outputs: after {len(req.output_token_ids)} output token(s) the grammar allows no token "
+                    "(it needs characters this tokenizer cannot spell, or only EOS while min_tokens bans it)")
+                logits[i, (list(req.eos_token_ids) or [0])[0]] = 0.0
+                rows.remove(i)
         return rows
 
     def accept(self, reqs: list[Request], rows: list[int], tokens: list[int]) -> None:
         for i in rows:
-            if not self._matcher(reqs[i]).accept_token(tokens[i]):
-                raise RuntimeError(f"request {reqs[i].request_id}: token {tokens[i]} breaks its grammar")
+            if not self._matcher(reqs[i]).accept_token(tokens[i]):  # the mask allowed it: not expected
+                self._dead[reqs[i].request_id] = f"structured_outputs: token {tokens[i]} was rejected by the grammar"
+
+    def dead_ends(self, request_id: str) -> str | None:
+        """Why the request's grammar came to a dead end this step (taken once), or None."""
+        return self._dead.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self._dead.pop(request_id, None)

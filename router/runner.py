@@ -78,7 +78,7 @@ class RequestRunner:
         try:
             max_tokens = self.cluster.validate(ids, params)
             if params.structured_outputs:  # a grammar that does not compile: refused before queueing
-                self.grammars.compile(params.structured_outputs)
+                self.grammars.check(params.structured_outputs)
         except InvalidRequest as e:
             raise HTTPError(400, str(e), param=e.param) from None
         except ValueError as e:
@@ -112,13 +112,13 @@ class RequestRunner:
         try:
             while left:
                 i, item = await q.get()
+                if len(tasks) == 1 < len(copies) and not isinstance(item, Exception):  # copy 0's first
+                    tasks += [asyncio.ensure_future(pump(j)) for j in range(1, len(copies))]  # output, or its end
                 if item is done:
                     left -= 1
                     continue
                 if isinstance(item, Exception):
                     raise item
-                if len(tasks) == 1 < len(copies):
-                    tasks += [asyncio.ensure_future(pump(j)) for j in range(1, len(copies))]
                 yield i, item
         finally:
             for t in tasks:

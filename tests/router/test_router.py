@@ -533,3 +533,29 @@ def test_text_that_is_not_unicode_is_a_400(server):
         r = httpx.post(server.url + path, content=body, headers={"Authorization": f"Bearer {KEY}",
                                                                  "Content-Type": "application/json"})
         assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
+
+
+def test_a_grammar_at_a_dead_end_fails_its_request_not_the_worker(client, cluster):
+    """Found by the schema fuzz: a grammar whose next character this tokenizer cannot spell (or
+    one that only allows EOS while min_tokens bans it) left nothing to sample; the sampler raised
+    and the engine thread died, so every later request hung. Now: a grammar that cannot begin
+    is a 400; a dead end later ends that request with an error, on the prefill worker (first
+    token) or the decode worker, and the workers go on serving."""
+    unspellable = "\U000736c5\U000bc223"  # UTF-8 bytes with no token in this byte-level vocabulary
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_id(client), prompt="x", max_tokens=4,
+                                  extra_body={"guided_choice": [unspellable]})
+    assert e.value.body["param"] == "response_format" and "cannot be produced" in e.value.body["message"]
+    for extra in ({"guided_choice": ["0" + unspellable]}, {"guided_choice": ["0"], "min_tokens": 3},
+                  {"guided_regex": "", "min_tokens": 1}):
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=model_id(client), prompt="x", max_tokens=4, extra_body=extra)
+        assert e.value.status_code == 503 and "the grammar allows no token" in e.value.body["message"], extra
+        streamed = client.completions.create(model=model_id(client), prompt="x", max_tokens=4, stream=True,
+                                             extra_body=extra)
+        with pytest.raises(openai.APIError, match="the grammar allows no token"):
+            list(streamed)
+    ok = client.completions.create(model=model_id(client), prompt="x", max_tokens=4,
+                                   extra_body={"guided_choice": ["0"]})
+    assert ok.choices[0].text == "0" and ok.choices[0].finish_reason == "stop"
+    wait_no_request_blocks(cluster)
