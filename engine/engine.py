@@ -233,7 +233,7 @@ class LLMEngine:
                 else None
             if dead is not None:  # nothing the grammar allows could be sampled: the request ends here
                 req.stop_reason = dead
-                self._finish(req, RequestStatus.FINISHED_ERROR)
+                self._finish(req, RequestStatus.FINISHED_INVALID)
                 outputs.append(self._output(req, "", []))
                 continue
             lp = self.runner.sampler.logprobs.get(req.request_id)

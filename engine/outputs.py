@@ -17,8 +17,12 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: {sampled id: log-prob, top ids: ...}
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # "stop" | "length" | "abort" | "error" (a worker failed: retried elsewhere while nothing has
+    # been streamed) | "invalid" (the request's own parameters cannot go on: never retried)
+    finish_reason: str | None = None
+    # the stop token id or stop string that ended it; for "error" / "invalid", why (an "invalid"
+    # reason begins with the parameter's name: "structured_outputs: ...")
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

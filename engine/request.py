@@ -25,6 +25,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    FINISHED_INVALID = 8  # the request's own parameters cannot go on (not retried elsewhere)
 
     @property
     def finished(self) -> bool:
@@ -37,6 +38,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_ERROR: "error",
+            RequestStatus.FINISHED_INVALID: "invalid",
         }.get(self)
 
 

@@ -10,7 +10,7 @@
              complete only the request's EOS ids remain, so it ends there
     dead end a row where nothing may be sampled (the grammar needs characters this tokenizer
              cannot spell, or it only allows EOS while min_tokens bans it) samples EOS and the
-             engine ends the request with finish_reason "error" naming why (dead_ends()). A
+             engine ends the request with finish_reason "invalid" naming why (dead_ends()). A
              grammar that cannot even begin is refused up front (check()); the schema fuzz
              found both, and before this the sampler raised and stopped the engine thread.
 

@@ -117,6 +117,9 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
                                 headers=headers_of(outs[0]))
         gen = runner.merged(text, ids, copies)
         first = await runner.first_output(gen)
+        if failure(first[1]) is not None:  # before any byte: a plain HTTP error, not a 200 stream
+            await gen.aclose()
+            check_final(first[1])
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(stream_body(gen, first, renders, len(ids), include_usage),
                                  media_type="text/event-stream", headers=headers_of(first[1]))
@@ -180,12 +183,26 @@ def add_token_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunne
         return {"prompt": cluster.tokenizer.decode(req.tokens)}
 
 
+def failure(out) -> HTTPError | None:
+    """The HTTP error an output stands for: aborted (499), a worker failure ("error": 503), or
+    the request's own parameters ("invalid": 400 naming the parameter, e.g. a grammar whose
+    next character the tokenizer cannot spell); None for an output that did not fail."""
+    c = out.outputs[0] if out.outputs else None
+    if c is None:
+        return HTTPError(499, "request failed: aborted", "server_error")
+    if c.finish_reason == "error":
+        return HTTPError(503, f"request failed: {c.stop_reason}", "server_error")
+    if c.finish_reason == "invalid":
+        name = str(c.stop_reason).split(":", 1)[0]
+        return HTTPError(400, str(c.stop_reason), param="response_format" if name == "structured_outputs" else name)
+    return None
+
+
 def check_final(out) -> None:
     """A final output that failed is an HTTP error (nothing has been sent yet)."""
-    c = out.outputs[0] if out.outputs else None
-    if c is None or c.finish_reason == "error":
-        raise HTTPError(503 if c is not None else 499, f"request failed: {c.stop_reason if c else 'aborted'}",
-                        "server_error")
+    err = failure(out)
+    if err is not None:
+        raise err
 
 async def stream_body(gen, first, renders: list[Renderer], n_prompt: int, include_usage: bool):
     """The SSE events of a streamed request's sequences (runner.merged: (index, delta output)),
@@ -197,11 +214,10 @@ async def stream_body(gen, first, renders: list[Renderer], n_prompt: int, includ
             if opening is not None:
                 yield r.chunk([opening])
         while True:
-            c = out.outputs[0] if out.outputs else None
-            if c is None:  # aborted
-                break
-            if c.finish_reason == "error":
-                yield sse(error_body(f"request failed: {c.stop_reason}", "server_error", None, 503))
+            err = failure(out)
+            if err is not None:
+                if err.status != 499:
+                    yield sse(error_body(err.message, err.type, err.param, err.status))
                 break
             n_out += len(out.delta_token_ids)
             for choice in renders[i].choices(out):

@@ -1,6 +1,6 @@
 """Structured output's dead ends (engine/structured.py), on the engine itself: a grammar that
 no token of the vocabulary can begin is refused before anything is queued; one that comes to a
-dead end later ends only its own request (finish_reason "error", the reason as stop_reason),
+dead end later ends only its own request (finish_reason "invalid", the reason as stop_reason),
 frees its blocks, and the engine serves the next request. Found by the schema fuzz: the sampler
 raised and took the engine thread with it."""
 
@@ -37,7 +37,7 @@ def test_a_dead_end_ends_only_its_request(llm, spec, min_tokens, kept):
     outs = llm.generate(["hi", "hello there"], [SamplingParams(structured_outputs=spec, min_tokens=min_tokens,
                                                               max_tokens=8), plain])
     dead, other = outs[0].outputs[0], outs[1].outputs[0]
-    assert dead.finish_reason == "error" and dead.text == kept
+    assert dead.finish_reason == "invalid" and dead.text == kept
     assert dead.stop_reason.startswith(f"structured_outputs: after {len(kept)} output token(s) the grammar allows")
     assert other.finish_reason == "length" and len(other.token_ids) == 6  # its batch-mate is untouched
     assert llm.generate(["hello there"], plain)[0].outputs[0].token_ids == other.token_ids  # the engine goes on

@@ -413,6 +413,36 @@ def test_penalties_and_logit_bias_with_the_openai_client(client, cluster):
     wait_no_request_blocks(cluster)
 
 
+def test_stop_ids_min_tokens_max_completion_tokens_and_seed_with_the_openai_client(client, cluster, llm):
+    """vLLM's stop_token_ids and min_tokens, OpenAI's max_completion_tokens and seed, across the
+    handoff: each output equals the colocated engine's with the same parameters."""
+    prompt, greedy = "The capital of France is", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = llm.generate([prompt], greedy)[0].outputs[0].token_ids
+    stop_at = next(j for j in range(2, len(ids)) if ids[j] not in ids[:j])
+    out = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [ids[stop_at]]})
+    want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[ids[stop_at]]))
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == want[0].outputs[0].text
+    assert out.usage.completion_tokens == stop_at + 1  # the stop id is produced (and counted), not shown
+    eos = cluster.tokenizer.eos_token_id  # +100 on EOS: without min_tokens the reply is empty
+    early = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=12, temperature=0,
+                                      logit_bias={str(eos): 100})
+    held = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=12, temperature=0,
+                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 5})
+    assert early.usage.completion_tokens == 1 and held.usage.completion_tokens == 6
+    assert held.choices[0].finish_reason == "stop" and held.choices[0].text
+    chat = client.chat.completions.create(model=model_id(client), messages=[{"role": "user", "content": "Hi"}],
+                                          max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
+
+    def sampled(seed):
+        return client.completions.create(model=model_id(client), prompt=prompt, max_tokens=8, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    assert sampled(11) == sampled(11) and len({sampled(11), sampled(12), sampled(13)}) > 1
+    wait_no_request_blocks(cluster)
+
+
 def test_tokenize_detokenize_version_docs(server, cluster):
     h = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, headers=h).json()
@@ -539,22 +569,32 @@ def test_a_grammar_at_a_dead_end_fails_its_request_not_the_worker(client, cluste
     """Found by the schema fuzz: a grammar whose next character this tokenizer cannot spell (or
     one that only allows EOS while min_tokens bans it) left nothing to sample; the sampler raised
     and the engine thread died, so every later request hung. Now: a grammar that cannot begin
-    is a 400; a dead end later ends that request with an error, on the prefill worker (first
+    is a 400; a dead end later ends that request (finish_reason "invalid": a 400 naming
+    response_format, or an error event once the stream has begun), on the prefill worker (first
     token) or the decode worker, and the workers go on serving."""
     unspellable = "\U000736c5\U000bc223"  # UTF-8 bytes with no token in this byte-level vocabulary
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_id(client), prompt="x", max_tokens=4,
                                   extra_body={"guided_choice": [unspellable]})
     assert e.value.body["param"] == "response_format" and "cannot be produced" in e.value.body["message"]
-    for extra in ({"guided_choice": ["0" + unspellable]}, {"guided_choice": ["0"], "min_tokens": 3},
-                  {"guided_regex": "", "min_tokens": 1}):
-        with pytest.raises(openai.APIStatusError) as e:
+    for extra, at in (({"guided_choice": ["0" + unspellable]}, 1), ({"guided_choice": ["0"], "min_tokens": 3}, 1),
+                      ({"guided_regex": "", "min_tokens": 1}, 0)):
+        with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=model_id(client), prompt="x", max_tokens=4, extra_body=extra)
-        assert e.value.status_code == 503 and "the grammar allows no token" in e.value.body["message"], extra
+        assert e.value.body["param"] == "response_format", extra
+        assert e.value.body["message"].startswith(f"structured_outputs: after {at} output token(s) the grammar allows")
+        if at == 0:  # the first output: refused before the stream begins
+            with pytest.raises(openai.BadRequestError, match="the grammar allows no token"):
+                client.completions.create(model=model_id(client), prompt="x", max_tokens=4, stream=True,
+                                          extra_body=extra)
+            continue
         streamed = client.completions.create(model=model_id(client), prompt="x", max_tokens=4, stream=True,
                                              extra_body=extra)
-        with pytest.raises(openai.APIError, match="the grammar allows no token"):
-            list(streamed)
+        text = ""
+        with pytest.raises(openai.APIError, match="the grammar allows no token") as e:
+            for ch in streamed:
+                text += ch.choices[0].text
+        assert text == "0" and e.value.body["code"] == 400
     ok = client.completions.create(model=model_id(client), prompt="x", max_tokens=4,
                                    extra_body={"guided_choice": ["0"]})
     assert ok.choices[0].text == "0" and ok.choices[0].finish_reason == "stop"
