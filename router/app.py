@@ -82,7 +82,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         check_model(req)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        ids = chat_ids(cluster, req.messages)
+        ids = chat_ids(cluster, req.messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None)
         return await serve(request, req, None, ids, runner.params(req, ids, None), chat=True)
 
     def check_model(req) -> None:
@@ -106,7 +106,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         prefix = "chatcmpl" if chat else "cmpl"
         echo = "" if chat or not req.echo else (text if text is not None else cluster.tokenizer.decode(ids))
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, params.logprobs or 0, echo, i)
+        tools = req.tool_calls() if chat else None  # params() has refused a bad tool_choice
+        renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, params.logprobs or 0, echo, i, tools)
                    for i in range(len(copies))]
         if not req.stream:
             outs = await runner.run_to_end(text, ids, copies, request)
@@ -140,10 +141,11 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         return card
 
 
-def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = True) -> list[int]:
-    conv = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[int]:
+    conv = [m.for_template() for m in messages]
     try:
-        return list(cluster.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+        return list(cluster.tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
                                                           tokenize=True, return_dict=False))
     except Exception as e:  # noqa: BLE001 - the template rejects the conversation
         raise HTTPError(400, f"cannot apply the chat template: {e}", param="messages") from None

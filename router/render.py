@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestOutput
 
+from .tools import ToolCalls
+
 
 def usage(n_prompt: int, n_out: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
@@ -40,6 +42,7 @@ class Renderer:
     top_n: int = 0  # top log-probs per token
     echo: str = ""  # completions' echo: the prompt's text, before the completion's
     index: int = 0  # the choice (n > 1: one renderer per sequence)
+    tools: ToolCalls | None = None  # chat with tool_choice required / named: the reply is calls (tools.py)
 
     def logprobs(self, entries: list[dict[int, float]] | None, token_ids: list[int], offset: int = 0):
         """OpenAI's log-probs object for these tokens (None when the request asked for none).
@@ -73,7 +76,10 @@ class Renderer:
         choice = {"index": self.index, "logprobs": self.logprobs(c.logprobs, c.token_ids, len(self.echo)),
                   "finish_reason": c.finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+            calls = self.tools.calls(c.text, c.finish_reason) if self.tools is not None else None
+            choice["message"] = {"role": "assistant", "content": c.text if calls is None else None}
+            if calls is not None:
+                choice["message"]["tool_calls"], choice["finish_reason"] = calls, "tool_calls"
         else:
             choice["text"] = self.echo + c.text
         return choice
@@ -84,6 +90,7 @@ class Renderer:
 
     def __post_init__(self) -> None:
         self._offset = len(self.echo)  # streamed text so far (log-probs' text_offset)
+        self._held = ""  # tool mode: the reply, held until it is whole
 
     def opening(self) -> dict | None:
         if not self.chat:
@@ -102,10 +109,26 @@ class Renderer:
             if not (out.delta_text or out.finished or lp):
                 return []
             return [{"index": self.index, "text": out.delta_text, "logprobs": lp, "finish_reason": reason}]
+        if self.tools is not None:
+            return self._tool_choices(out, lp, reason)
         choices = [{"index": self.index, "delta": {"content": out.delta_text}, "logprobs": lp, "finish_reason": None}
                    ] if out.delta_text or lp else []
         if out.finished:
             choices.append({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return choices
+
+    def _tool_choices(self, out: RequestOutput, lp, reason) -> list[dict]:
+        """Tool mode: log-probs as they come; the calls (or, cut short, the text) at the end,
+        each call whole in one delta (clients join a call's argument deltas by index)."""
+        self._held += out.delta_text
+        choices = [{"index": self.index, "delta": {}, "logprobs": lp, "finish_reason": None}] if lp else []
+        if out.finished:
+            calls = self.tools.calls(self._held, reason)
+            delta = {"content": self._held} if calls is None else \
+                {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+            choices += [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None},
+                        {"index": self.index, "delta": {}, "logprobs": None,
+                         "finish_reason": reason if calls is None else "tool_calls"}]
         return choices
 
     def chunk(self, choices: list, **extra) -> str:

@@ -28,7 +28,7 @@ from .schemas import screen
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs", "response_format",
-                   "structured_outputs")
+                   "structured_outputs", "tool_choice")
 
 
 class _Done:

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
+from .tools import Tool, ToolCalls, ToolChoice
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -17,11 +19,10 @@ class StreamOptions(BaseModel):
 
 # OpenAI parameters pdserve does not implement yet: refused (400 naming the parameter) unless
 # the value is one that asks for nothing (the default)
-NOT_YET = {"best_of": (None, 1),
-           "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-           "function_call": (None, "none"), "guided_grammar": (None,)}
+NOT_YET = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
+           "guided_grammar": (None,)}
 # optional hints the OpenAI API defines that change nothing a server computes: accepted, unused
-HINTS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+HINTS = ("user", "metadata", "store", "service_tier")
 
 
 def screen(data: dict) -> dict:
@@ -127,6 +128,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (tools.py)
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers
+
+    def for_template(self) -> dict:
+        """The turn as chat templates take it (the tool fields only where given)."""
+        turn = {"role": self.role, "content": self.text()}
+        turn.update({k: v for k, v in (("name", self.name), ("tool_calls", self.tool_calls),
+                                       ("tool_call_id", self.tool_call_id)) if v is not None})
+        return turn
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
@@ -139,6 +150,19 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_calls(self) -> ToolCalls | None:
+        """The request's tool mode (tools.py); raises ValueError naming tool_choice."""
+        return ToolCalls.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> dict | None:
+        calls, other = self.tool_calls(), super().structured()
+        if calls is not None and other is not None:
+            raise ValueError("tool_choice: a tool call's grammar and response_format / guided_* are two constraints")
+        return calls.spec() if calls is not None else other
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

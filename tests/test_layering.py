@@ -48,7 +48,8 @@ INTRA = {
         "__init__": {"cluster"},
     },
     "router": {
-        "schemas": set(), "errors": {"schemas"}, "render": set(), "runner": {"errors", "schemas"}, "metrics": set(),
+        "tools": set(), "schemas": {"tools"}, "errors": {"schemas"}, "render": {"tools"},
+        "runner": {"errors", "schemas"}, "metrics": set(),
         "openapi": {"schemas"}, "app": {"errors", "metrics", "openapi", "render", "runner", "schemas"},
         "__init__": {"app"},
     },

@@ -599,3 +599,48 @@ def test_a_grammar_at_a_dead_end_fails_its_request_not_the_worker(client, cluste
                                    extra_body={"guided_choice": ["0"]})
     assert ok.choices[0].text == "0" and ok.choices[0].finish_reason == "stop"
     wait_no_request_blocks(cluster)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_with_the_openai_client(client, cluster):
+    """tools with tool_choice named or "required" (router/tools.py): the reply is tool calls whose
+    arguments validate against the tool's schema, streamed too; "none" is text; "auto" (the
+    default with tools) and a tool_choice without tools are 400s naming tool_choice; an earlier
+    turn's calls and the tool's answer are accepted in the conversation."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=model_id(client), messages=ask, max_tokens=60, temperature=0, tools=[WEATHER, CLOCK])
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
+    call = named.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert args["city"] in {"Paris", "Rome", "Oslo"} and args["unit"] in {"celsius", "fahrenheit"}
+    assert call.id.startswith("call_") and named.choices[0].message.content is None
+    required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
+    calls = required.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in {"get_weather", "get_time"}
+    assert set(json.loads(calls[0].function.arguments)) in ({"city", "unit"}, {"zone"})
+    streamed = client.chat.completions.create(tool_choice="required", stream=True, **kw)
+    deltas = [d for ch in streamed for d in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+    assert deltas and all(json.loads(d.function.arguments) is not None for d in deltas)
+    text = client.chat.completions.create(tool_choice="none", **kw)
+    assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
+    for bad in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}, {"tool_choice": "required"},
+                {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model_id(client), messages=ask, max_tokens=4, **bad)
+        assert e.value.body["param"] == "tool_choice", bad
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    reply = client.chat.completions.create(model=model_id(client), messages=history, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content
+    wait_no_request_blocks(cluster)

@@ -1,0 +1,105 @@
+"""Tool calling for chat completions, through the grammar (engine/structured.py), not a parser:
+
+    tool_choice={"type": "function", "function": {"name": f}}
+                 the reply is constrained to f's `parameters` JSON schema; it becomes one
+                 tool call to f (finish_reason "tool_calls")
+    tool_choice="required"
+                 the reply is constrained to a JSON array of {"name", "arguments"} objects, one
+                 of the tools each (parallel_tool_calls=false: exactly one); it becomes those
+                 tool calls
+    tool_choice="none"
+                 the tools go to the chat template only; the reply is text
+    tool_choice="auto" (OpenAI's default once tools are given)
+                 refused, 400 naming tool_choice: telling a free-text reply from a call needs a
+                 parser for each model family's call format, which pdserve does not have yet
+
+The tools are given to the chat template in every case (as vLLM does), and earlier turns'
+`tool_calls` and `tool` messages go to it as they came. A reply cut short by max_tokens
+(finish_reason "length") is returned as text: a truncated call is not a call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: any JSON object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolCalls:
+    """One request's tool mode: its grammar (spec()) and its reply as calls (calls())."""
+
+    def __init__(self, tools: list[Tool], choice: ToolChoice | None, parallel: bool):
+        self.schemas = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in self.schemas:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one of the tools "
+                                 f"{sorted(self.schemas)}")
+            self.named: str | None = choice.function.name
+        else:
+            self.named = None
+        self.parallel = parallel
+
+    @classmethod
+    def of(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool) -> ToolCalls | None:
+        """The request's tool mode, None when its reply is plain text; raises ValueError
+        beginning with the parameter it names."""
+        if not tools:
+            if choice not in (None, "none"):
+                raise ValueError("tool_choice needs tools")
+            return None
+        if choice is None or choice == "auto":
+            raise ValueError("tool_choice 'auto' (the default when tools are given) is not supported: telling a "
+                             "reply from a tool call needs a parser for this model's call format; give "
+                             "tool_choice 'required', a named function, or 'none'")
+        return None if choice == "none" else cls(tools, choice, parallel)
+
+    def spec(self) -> dict:
+        """structured_outputs for the reply."""
+        if self.named is not None:
+            return {"json": self.schemas[self.named]}
+        one = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                          "required": ["name", "arguments"], "additionalProperties": False}
+                         for name, schema in self.schemas.items()]}
+        return {"json": {"type": "array", "items": one, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}}
+
+    def calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
+        """OpenAI's tool_calls of a finished reply; None when it is not a whole call (length)."""
+        if finish_reason != "stop":
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        pairs = [(self.named, value)] if self.named is not None else [(c["name"], c["arguments"]) for c in value]
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]
