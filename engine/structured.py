@@ -115,17 +115,30 @@ class Grammars:
         bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
         for i in rows:
             self._matcher(reqs[i]).fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
-        stuck = torch.isneginf(logits[rows, :self.vocab_size]).all(dim=-1).tolist()
-        for i, dead in zip(list(rows), stuck):
-            if dead:
-                req = reqs[i]
-                self._dead[req.request_id] = (
-                    f"structured_outputs: after {len(req.output_token_ids)} output token(s) the grammar allows no token "
-                    "(it needs characters this tokenizer cannot spell, or only EOS while min_tokens bans it)")
-                logits[i, (list(req.eos_token_ids) or [0])[0]] = 0.0
-                rows.remove(i)
-        return rows
+        dead = [i for i in rows if not self._any_allowed(bitmask[i], reqs[i].banned_token_ids())]
+        for i in dead:  # sample EOS (any token would do): the engine ends the request (dead_ends())
+            req = reqs[i]
+            self._dead[req.request_id] = (
+                f"structured_outputs: after {len(req.output_token_ids)} output token(s) the grammar allows no token "
+                "(it needs characters this tokenizer cannot spell, or only EOS while min_tokens bans it)")
+            bitmask[i].zero_()
+            eos = (list(req.eos_token_ids) or [0])[0]
+            bitmask[i, eos // 32] = 1 << (eos % 32) if eos % 32 < 31 else -(1 << 31)
+            logits[i, eos] = 0.0  # banned (-inf) by min_tokens perhaps: a finite value to sample
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size,
+                                        indices=rows)
+        return [i for i in rows if i not in dead]
+
+    def _any_allowed(self, row: torch.Tensor, banned: tuple[int, ...]) -> bool:
+        """Whether a bitmask row (host int32 words) allows a token outside `banned`, without
+        touching the device (a check on the masked logits would sync every step)."""
+        if not banned:
+            return bool(row.any())
+        row = row.clone()
+        for t in banned:
+            if t < self.vocab_size:
+                row[t // 32] &= ~(1 << (t % 32)) if t % 32 < 31 else (1 << 31) - 1
+        return bool(row.any())
 
     def accept(self, reqs: list[Request], rows: list[int], tokens: list[int]) -> None:
         for i in rows:

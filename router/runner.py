@@ -81,8 +81,9 @@ class RequestRunner:
                 self.grammars.check(params.structured_outputs)
         except InvalidRequest as e:
             raise HTTPError(400, str(e), param=e.param) from None
-        except ValueError as e:
-            raise HTTPError(400, str(e), param="response_format") from None
+        except ValueError as e:  # the grammar: of a tool's parameters, or of response_format / guided_*
+            tools = getattr(req, "tool_choice", None) not in (None, "none")
+            raise HTTPError(400, str(e), param="tools" if tools else "response_format") from None
         return dataclasses.replace(params, max_tokens=max_tokens)
 
     def admit(self, n: int = 1) -> None:

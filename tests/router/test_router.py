@@ -638,6 +638,12 @@ def test_tool_calls_with_the_openai_client(client, cluster):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model_id(client), messages=ask, max_tokens=4, **bad)
         assert e.value.body["param"] == "tool_choice", bad
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(("}}}}}
+    with pytest.raises(openai.BadRequestError, match="does not compile") as e:
+        client.chat.completions.create(model=model_id(client), messages=ask, max_tokens=4, tools=[broken],
+                                       tool_choice="required")
+    assert e.value.body["param"] == "tools"
     history = ask + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
