@@ -125,8 +125,8 @@ class Grammars:
             eos = (list(req.eos_token_ids) or [0])[0]
             bitmask[i, eos // 32] = 1 << (eos % 32) if eos % 32 < 31 else -(1 << 31)
             logits[i, eos] = 0.0  # banned (-inf) by min_tokens perhaps: a finite value to sample
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size,
-                                        indices=rows)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size, indices=rows)
         return [i for i in rows if i not in dead]
 
     def _any_allowed(self, row: torch.Tensor, banned: tuple[int, ...]) -> bool:

@@ -145,8 +145,8 @@ def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = Tr
              tools: list[dict] | None = None) -> list[int]:
     conv = [m.for_template() for m in messages]
     try:
-        return list(cluster.tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                          tokenize=True, return_dict=False))
+        return list(cluster.tokenizer.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=False,
+                                                          add_generation_prompt=add_generation_prompt))
     except Exception as e:  # noqa: BLE001 - the template rejects the conversation
         raise HTTPError(400, f"cannot apply the chat template: {e}", param="messages") from None
 

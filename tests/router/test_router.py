@@ -601,10 +601,11 @@ def test_a_grammar_at_a_dead_end_fails_its_request_not_the_worker(client, cluste
     wait_no_request_blocks(cluster)
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False}}}
@@ -645,7 +646,8 @@ def test_tool_calls_with_the_openai_client(client, cluster):
                                        tool_choice="required")
     assert e.value.body["param"] == "tools"
     history = ask + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"id": call.id, "type": "function",
+         "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
     reply = client.chat.completions.create(model=model_id(client), messages=history, max_tokens=8, temperature=0)
     assert reply.choices[0].message.content
