@@ -179,10 +179,17 @@ class ModelRunner:
         if self.config.spec is not None:
             self.graph_seconds = self.time_graphs()
 
-    def time_graphs(self, reps: int = 5) -> dict[int, float]:
+    def time_graphs(self, reps: int = 5, context: int = 512) -> dict[int, float]:
         """Seconds one replay of each captured graph takes (the speculation cost model,
-        spec_decode.py): the weights' and activations' cost by row count; padding rows attend
-        to one token, so the KV each real row reads is not in it."""
+        spec_cost.py), every row attending to `context` tokens (capped by max_model_len): the
+        weights', activations' and a typical row's KV cost by row count. With 1-token rows
+        the table missed the KV reads, so until the step-time fit had seen both sizes it
+        priced a speculative step too low: batch 32-64 with 0-30% acceptance speculated its
+        first steps at a loss (bench/results/spec/). Nothing is written (slots -1)."""
+        ctx = min(context, self.config.max_model_len)
+        blocks = -(-ctx // self.block_size)
+        self.g_tables[:, :blocks] = torch.arange(blocks, device=self.device, dtype=torch.int32) % self.num_blocks
+        self.g_lens.fill_(ctx)
         out = {}
         for b, (graph, _) in sorted(self.graphs.items()):
             graph.replay()
@@ -192,6 +199,8 @@ class ModelRunner:
                 graph.replay()
             torch.cuda.synchronize()
             out[b] = (time.perf_counter() - t0) / reps
+        self.g_tables.zero_()
+        self.g_lens.fill_(1)
         return out
 
     def _replay(self, inp: StepInputs) -> torch.Tensor:

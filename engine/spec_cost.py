@@ -18,13 +18,17 @@ Per step, two rules (engine/spec_decode.py's Drafter asks before each step):
     acceptance does. The decision is taken before proposing (with full drafts: an ngram
     lookup over 64 long requests is milliseconds of host time) and again with the drafts
     proposed. Probes: after PROBE_EVERY steps one way, one step goes the other way, so the
-    acceptance estimate follows the text and the fit below sees both sizes.
+    acceptance estimate follows the text and the fit below sees both sizes. A probe while
+    speculation is off drafts for 1 in PROBE_SHARE of the decodes only (rotating): probing
+    the whole batch cost batch 64 at 0% acceptance 8% of its tokens (H100, Llama-3-8B
+    shape: 8 of 127 steps at ~2x a plain step's time; bench/results/spec/).
 
-t(rows) = base(rows) + h + r x rows. `base`: the runner times each captured graph at start
-(1-token contexts). h and r: a least-squares fit of the measured wall time of the last
-FIT_WINDOW all-decode steps beyond base: the host's work per step and the KV each row
-reads, which the start-up replay misses (H100, Llama-3-8B shape, 512-token contexts: 160
-rows cost 1.39x 32 rows, not the start-up table's 1.17x). One fit for every size keeps
+t(rows) = base(rows) + h + r x rows. `base`: the runner times each captured graph at start,
+every row attending to 512 tokens (model_runner.time_graphs; with 1-token rows the table
+missed the KV reads: H100, Llama-3-8B shape, 512-token contexts, 160 rows cost 1.39x 32
+rows, not that table's 1.17x). h and r: a least-squares fit of the measured wall time of
+the last FIT_WINDOW all-decode steps beyond base: the host's work per step, and the KV
+that contexts longer or shorter than 512 read. One fit for every size keeps
 plain and speculative sizes comparable: a per-size table learns only the sizes a workload
 visits, and then compares a measured plain step with an unmeasured speculative one.
 """
@@ -38,6 +42,7 @@ import numpy as np
 DISABLE_BY_BATCH_SIZE = 64
 PRIOR_ACCEPTED, PRIOR_DRAFTS = 1, 2  # the acceptance estimate before any verification: 1/2
 PROBE_EVERY = 16
+PROBE_SHARE = 8
 DECAY = 0.99
 FIT_WINDOW = 256
 
@@ -99,6 +104,11 @@ class SpecCost:
             self._probe = True
             return True
         return ok
+
+    def probe_width(self, b: int) -> int | None:
+        """How many of the b decodes draft in this step: a probe while off drafts for a few
+        (ceil(b / PROBE_SHARE)); None: every request that may."""
+        return -(-b // PROBE_SHARE) if self._probe else None
 
     def pays(self, drafts: list[int]) -> bool:
         """After proposing: the planned step with the drafts it got (a probe runs anyway)."""

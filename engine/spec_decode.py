@@ -137,6 +137,7 @@ class Drafter:
         self.steps_off = 0  # steps the batch size or the cost model turned speculation off
         self.draft_seconds = 0.0  # in propose(): ngram lookup or the draft model's steps
         self.cost = SpecCost()  # the off-switch's model; the engine gives it the runner's graph timings
+        self._probe_from = 0  # the next probe's first request (probes rotate over the batch)
 
     def propose(self, running: list) -> None:
         if self.config is None:
@@ -157,6 +158,10 @@ class Drafter:
         rooms = [0 if one_token_steps(r) else  # bias, bans, penalties, log-probs: logits_process.py
                  min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
                      self.max_model_len - r.num_tokens - 1) for r in decodes]
+        width = self.cost.probe_width(len(decodes))
+        if width is not None:  # a probe while off: a rotating few draft (the estimate needs a sample)
+            first, self._probe_from = self._probe_from % len(decodes), self._probe_from + width
+            rooms = [room if (i - first) % len(decodes) < width else 0 for i, room in enumerate(rooms)]
         if self.draft is not None:
             drafts = self.draft.propose(decodes, rooms)
             for r in decodes:

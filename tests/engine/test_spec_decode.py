@@ -214,3 +214,31 @@ def test_the_cost_model_turns_speculation_off_when_it_does_not_pay():
     d.observe(two, 0.030)
     d.observe(two[:1] + [ScheduledRequest(Request("p", [1] * 9, SamplingParams()), 8, [])], 1.0)  # not decode rows
     assert c.seconds(10) == pytest.approx(0.040) and d.cost.seconds(10) == pytest.approx(0.030)
+
+
+def test_a_probe_while_off_drafts_for_a_rotating_few():
+    """While the cost model keeps speculation off, a probe (one step in PROBE_EVERY) drafts for
+    ceil(B / PROBE_SHARE) of the B decodes, the next ones each time: the acceptance estimate
+    needs a sample, and a probe of the whole batch cost batch 64 8% of its tokens (H100)."""
+    from pdserve.engine.spec_cost import PROBE_EVERY, PROBE_SHARE, SpecCost
+
+    d = Drafter(SpeculativeConfig.from_dict(NGRAM))
+    d.cost = SpecCost({b: 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64, 128)})  # compute-bound: off
+    d.cost.verified([0] * 1000, [4] * 1000)  # nothing accepted lately
+    d.proposer = lambda req, room: [7] * room
+    reqs = []
+    for i in range(16):
+        r = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100))
+        r.num_computed_tokens = 3
+        r.append_token(5)
+        reqs.append(r)
+    drafted = []
+    for step in range(2 * PROBE_EVERY + 2):
+        d.propose(reqs)
+        drafted.append([r.request_id for r in reqs if r.spec_tokens])
+        rows = 16 + 4 * len(drafted[-1])
+        d.cost.observe(rows, d.cost.seconds(rows), bool(drafted[-1]))
+    probes = [ids for ids in drafted if ids]
+    width = -(-16 // PROBE_SHARE)
+    assert probes == [[f"r{i}" for i in range(width)], [f"r{i}" for i in range(width, 2 * width)]], drafted
+    assert drafted.index(probes[0]) == PROBE_EVERY and d.steps_off == len(drafted) - 2
