@@ -271,6 +271,7 @@ class Dispatcher:
                 self._finish(out, ids, progress, sink, p, d, rid)
                 if out.finished:
                     return
+            raise WorkerLost(f"{d.worker_id}: the stream of {rid} ended before its last output")  # aborted
         except RayError as e:
             if isinstance(e, RayActorError):
                 raise

@@ -52,6 +52,11 @@ ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
 log = logging.getLogger(__name__)
 
 
+class Aborted(RuntimeError):
+    """A request the dispatcher aborted (a client gone, a failed attempt): its prefill() fails
+    with it; its generate() stream just ends."""
+
+
 @dataclass
 class Add:
     request_id: str
@@ -214,10 +219,14 @@ class WorkerActor:
         try:
             while True:
                 out = await q.get()
+                if isinstance(out, Aborted):  # the dispatcher asked, and reads no more: end quietly
+                    return  # (raising left an error no one fetched, which Ray logs as unhandled)
                 if isinstance(out, Exception):
                     raise out
                 while not out.finished and not q.empty():  # the consumer fell behind: one item
                     nxt = q.get_nowait()
+                    if isinstance(nxt, Aborted):
+                        return
                     if isinstance(nxt, Exception):
                         raise nxt
                     out = merge_outputs(out, nxt)
@@ -304,7 +313,7 @@ class WorkerActor:
                 self.role.add(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.peer)
             elif isinstance(cmd, Abort):
                 self.role.abort(cmd.request_id)
-                self._deliver(cmd.request_id, error=RuntimeError(f"request {cmd.request_id} aborted"))
+                self._deliver(cmd.request_id, error=Aborted(f"request {cmd.request_id} aborted"))
             elif isinstance(cmd, ForgetPeer):
                 self.connector.forget_peer(cmd.peer)
             elif isinstance(cmd, SwitchRole):

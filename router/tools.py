@@ -96,10 +96,10 @@ class ToolCalls:
         """OpenAI's tool_calls of a finished reply; None when it is not a whole call (length)."""
         if finish_reason != "stop":
             return None
-        try:
+        try:  # the grammar's whole output parses; a stop string may have cut it
             value = json.loads(text)
-        except json.JSONDecodeError:
+            pairs = [(self.named, value)] if self.named is not None else [(c["name"], c["arguments"]) for c in value]
+        except (json.JSONDecodeError, TypeError, KeyError):
             return None
-        pairs = [(self.named, value)] if self.named is not None else [(c["name"], c["arguments"]) for c in value]
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]

@@ -233,7 +233,7 @@ def test_a_probe_while_off_drafts_for_a_rotating_few():
         r.append_token(5)
         reqs.append(r)
     drafted = []
-    for step in range(2 * PROBE_EVERY + 2):
+    for _ in range(2 * PROBE_EVERY + 2):
         d.propose(reqs)
         drafted.append([r.request_id for r in reqs if r.spec_tokens])
         rows = 16 + 4 * len(drafted[-1])
