@@ -177,7 +177,8 @@ def main() -> None:
                              "tok_s": b * args.out_len / t_base, "seconds": t_base, "speedup": 1.0})
                 eng.drafter.config = cfg
                 for auto, accs in ((False, args.acceptance), (True, args.auto_acceptance)):
-                    got = spec_runs(eng, prompts, args.out_len, want, [float(x) for x in accs.split(",") if x], rng, auto)
+                    rates = [float(x) for x in accs.split(",") if x]
+                    got = spec_runs(eng, prompts, args.out_len, want, rates, rng, auto)
                     for r in got:
                         r["speedup"], r["repeat"] = t_base / r["seconds"], rep
                     rows += got
