@@ -91,7 +91,7 @@ class Sampler:
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                              device=logits.device, dtype=torch.float32)
         logits = logits / temps[:, None]
-        top_ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+        top_ks = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]
         top_ps = [p.top_p for p in params]
         if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
@@ -122,7 +122,9 @@ class Sampler:
         mask = ranks >= k  # outside top-k
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
         p = torch.tensor(top_ps, device=logits.device)[:, None]
-        # drop a token when the mass before it already reaches top_p (the first always stays)
+        # drop a token when the mass before it already reaches top_p (the first always stays:
+        # a top_p below float32's smallest, 1e-300, is 0 here)
         mask |= (probs.cumsum(dim=-1) - probs) >= p
+        mask[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         return torch.empty_like(logits).scatter_(1, idx, sorted_logits)

@@ -9,6 +9,7 @@ from .structured import check_spec
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat limit; vLLM's default)
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a torch.Generator seed (n copies add up to n - 1)
 
 @dataclass
 class SamplingParams:
@@ -54,8 +55,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         if self.stop is None:
             self.stop_strs = []
         elif isinstance(self.stop, str):

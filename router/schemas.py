@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 
 from .tools import Tool, ToolCalls, ToolChoice
 
@@ -63,7 +63,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: NonEmpty | list[NonEmpty] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False

@@ -19,6 +19,7 @@ def reqs(params, ids):
     ({"n": 0}, "n must be an integer in \\[1, 16\\]"),
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"seed": 1 << 63}, "seed must be an integer in"),  # a torch.Generator overflowed: the step raised
 ])
 def test_invalid_params_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -71,3 +72,13 @@ def test_n_completions_share_the_prompt_blocks():
         with pytest.raises(ValueError, match="an engine request is one sequence"):
             llm.engine.make_request(prompt, SamplingParams(n=2))
         llm.engine.kv.check_all_free()
+
+
+def test_extreme_values_found_by_the_fuzz():
+    """Values the schema fuzz sent that raised inside a step (failing every request batched with
+    them): a top_k beyond int64, a top_p below float32's smallest (0 on the device: every token
+    dropped, NaN, token 0 every time)."""
+    s = Sampler(torch.device("cpu"))
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.3, 0.1]]))
+    assert s(logits.clone(), reqs([SamplingParams(top_k=1 << 70, top_p=0.5, seed=1)], "a")) == [1]
+    assert s(logits.clone(), reqs([SamplingParams(top_p=1e-300, seed=2)], "b")) == [1]  # the top token stays

@@ -377,6 +377,8 @@ def test_conditional_disaggregation(client, cluster):
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"prompt": "hi", "min_p": 2}, "min_p"),
+    ({"prompt": "hi", "seed": 1 << 70}, "seed"),
+    ({"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids"),
 ])
 def test_nothing_is_silently_ignored(server, body, param):
     """A parameter the server does not implement (or does not know) is a 400 naming it; its
