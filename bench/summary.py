@@ -134,24 +134,44 @@ def kv_capacity() -> dict:
 
 def speculative() -> dict:
     """Issue 18's headline numbers (one H100, Llama-3-8B shape, chain target, k=4)."""
-    res = load("spec", "spec_llama3-8b_chain.json")
+    first = load("spec", "spec_llama3-8b_chain.json")["rows"]
+    second = load("spec", "spec_llama3-8b_chain_offswitch2.json")["rows"]  # the off-switch's second version
     cmd = "python3 bench/spec_gpu.py --tokenizer TOKENIZER_DIR  # one H100"
+    cmd2 = ("python3 bench/spec_gpu.py --tokenizer TOKENIZER_DIR --batches 1,8,32,64 --acceptance 0.3 "
+            "--auto-acceptance 0,0.3,0.7 --repeats 3  # one H100")
 
-    def mean(batch: int, acc: float, auto: bool) -> float:
-        g = [r["speedup"] for r in res["rows"]
-             if r["batch"] == batch and r["acceptance_target"] == acc and r["auto"] == auto]
+    def mean(rows: list, batch: int, acc: float, auto: bool) -> float:
+        g = [r["speedup"] for r in rows if r["batch"] == batch and r["acceptance_target"] == acc and r["auto"] == auto]
         return round(sum(g) / len(g), 2)
 
-    worst = min((mean(b, a, True), b, a) for b in {r["batch"] for r in res["rows"]}
-                for a in {r["acceptance_target"] for r in res["rows"] if r["auto"]})
+    def worst(rows: list) -> tuple:
+        return min((mean(rows, b, a, True), b, a) for b in {r["batch"] for r in rows}
+                   for a in {r["acceptance_target"] for r in rows if r["auto"]})
+
+    (w1, b1, a1), (w2, b2, a2) = worst(first), worst(second)
     return {
-        "spec_speedup_b1_accept70": {"value": mean(1, 0.7, False), "command": cmd,
+        "spec_speedup_b1_accept70": {"value": mean(first, 1, 0.7, False), "command": cmd,
                                      "workload": "batch 1, per-token draft acceptance 70%, k=4, 128 tokens, "
                                                  "mean of 3 runs"},
-        "spec_off_switch_worst": {"value": worst[0], "command": cmd,
-                                  "workload": f"the off-switch's worst mean over batches 1-64 x acceptance 0/30/70% "
-                                              f"(batch {worst[1]}, acceptance {worst[2]:.0%})"},
+        "spec_off_switch_worst": {"value": w2, "command": cmd2,
+                                  "workload": f"the off-switch's worst mean over batches 1/8/32/64 x acceptance "
+                                              f"0/30/70% (batch {b2}, acceptance {a2:.0%})",
+                                  "note": f"first version (1-token start-up timings, whole-batch probes): {w1} "
+                                          f"(batch {b1}, acceptance {a1:.0%})"},
     }
+
+
+def structured_output() -> dict:
+    """Issue 21: a decode step with every request under a grammar vs none (one H100)."""
+    rows = load("grammar", "grammar_llama3-8b.json")["rows"]
+    worst = max((sum(r["step_rel"] for r in g) / len(g), b, m) for b in {r["batch"] for r in rows}
+                for m in ("regex", "json_object") for g in [[r for r in rows if r["batch"] == b and r["mode"] == m]])
+    return {"grammar_step_cost_worst": {
+        "value": round(worst[0], 3), "command": "python3 bench/grammar_gpu.py --tokenizer TOKENIZER_DIR --repeats 5"
+                                                "  # one H100",
+        "workload": f"decode step time with every request constrained (regex / json_object, xgrammar) over "
+                    f"unconstrained, Llama-3-8B shape, batch 1-64, mean of 5 runs; "
+                    f"worst: batch {worst[1]}, {worst[2]}"}}
 
 
 def main() -> None:
@@ -184,6 +204,7 @@ def main() -> None:
     summary.update(hybrid())
     summary.update(kv_capacity())
     summary.update(speculative())
+    summary.update(structured_output())
     with open(os.path.join(RES, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():
