@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving_gpu import build_model  # noqa: E402
+from serving_gpu import build_model, save_ratio_plot  # noqa: E402
 
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
@@ -78,16 +78,9 @@ def plot(path: str) -> str:
         rel = {b: [r["step_rel"] for r in res["rows"] if r["batch"] == b and r["mode"] == mode] for b in bs}
         ax.plot(bs, [sum(v) / len(v) for v in rel.values()], marker="o", label=mode)
         ax.fill_between(bs, [min(v) for v in rel.values()], [max(v) for v in rel.values()], alpha=0.2)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch (decoding requests, all constrained)")
-    ax.set_ylabel("decode step time vs unconstrained")
-    ax.set_title(f"Structured output (xgrammar), Llama-3-8B shape, {res['device']}", fontsize=9)
-    ax.legend()
-    out = path[: -len(".json")] + ".png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    return out
+    return save_ratio_plot(fig, ax, path, "batch (decoding requests, all constrained)",
+                           "decode step time vs unconstrained",
+                           f"Structured output (xgrammar), Llama-3-8B shape, {res['device']}")
 
 
 def main() -> None:

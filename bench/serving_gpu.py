@@ -55,6 +55,21 @@ def build_model(out_dir: str, tokenizer_dir: str) -> str:
     return out_dir
 
 
+def save_ratio_plot(fig, ax, json_path: str, xlabel: str, ylabel: str, title: str, **legend) -> str:
+    """The GPU scripts' plots of a ratio against batch: the 1.0 line, a log2 batch axis, labels;
+    saved beside the result as PNG. Returns its path."""
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(**legend)
+    out = json_path[: -len(".json")] + ".png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def server_cmd(system: str, model: str, port: int) -> list[str]:
     """system: disagg[:P:D] (default 1:1), hybrid[:P:D] (default 1:1), colocated[:N] (default 2),
     hf[:GPUS] (default 2); a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg)."""

@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving_gpu import build_model  # noqa: E402
+from serving_gpu import build_model, save_ratio_plot  # noqa: E402
 
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
@@ -121,16 +121,8 @@ def plot(path: str) -> str:
             ax.plot(bs, mean, style, marker="o", color=color,
                     label=f"{'off-switch' if auto else 'always'}, acceptance {a:.0%}")
             ax.fill_between(bs, lo, hi, color=color, alpha=0.15)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch (decoding requests)")
-    ax.set_ylabel("decode tokens/s vs no speculation")
-    ax.set_title(f"Speculative decoding, k={res['k']}, Llama-3-8B shape, {res['device']}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    out = path[: -len(".json")] + ".png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    return out
+    return save_ratio_plot(fig, ax, path, "batch (decoding requests)", "decode tokens/s vs no speculation",
+                           f"Speculative decoding, k={res['k']}, Llama-3-8B shape, {res['device']}", fontsize=7, ncol=2)
 
 
 def main() -> None:
