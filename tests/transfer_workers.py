@@ -37,9 +37,9 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
     from pdserve.transfer import HandoffTarget
     from pdserve.transfer.c10d import C10dConnector
 
-    def send(peer, address, rid, block_ids, channel, timeout=None):  # meta: names the request it rides with
+    def send(peer, address, rid, block_ids, channel, timeout=None, heads=None):  # meta: names the request
         return conn.start_send(HandoffTarget(peer, address, channel, 0), rid, block_ids, timeout,
-                               meta={"first_token": len(block_ids), "rid": rid})
+                               meta={"first_token": len(block_ids), "rid": rid}, heads=heads)
 
     def recv(peer, _address, rid, block_ids, channel, timeout=None):
         return conn.start_recv(peer, rid, block_ids, channel, timeout)

@@ -247,7 +247,8 @@ class Pair:
         if h is None:  # aborted here: drain the message so the pair stays in step
             if order["nblocks"]:
                 drain = Handoff(order["rid"], self.peer, [], None, False, self.conn.default_timeout_s)
-                drain.heads = _width(order.get("heads"))
+                width = _width(order.get("heads"))  # what the sender sends: a slice this wide, or whole blocks
+                drain.heads = None if width is None else (0, width)
                 self._move(drain, k, None, scratch=order["nblocks"])
             return
         if len(h.block_ids) != order["nblocks"]:

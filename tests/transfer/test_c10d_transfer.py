@@ -233,3 +233,25 @@ def test_layout_mismatch_is_refused_on_both_sides(peers):
     out, _ = d.get("results")
     for r in (sent, out["r"]):
         assert r[0] == "FAILED" and "layout mismatch" in r[1] and "head_dim" in r[1]
+
+
+@pytest.mark.parametrize("heads", [None, (0, 2), (1, 2)], ids=["whole blocks", "every head, named", "a head slice"])
+def test_order_for_a_receive_given_up_is_drained_and_the_pair_goes_on(peers, heads):
+    """The receiver gives up on a handoff (timed out) before its order arrives; the sender
+    then sends it, with a head range as TPConnector puts on every send (TP 1 too). The
+    receiver drains it into scratch and the next handoff on the same pair lands intact."""
+    p, d = peers("prefill-0", 91), peers("decode-0", 92)
+    handoff(p, d, "warm", [1], [1])
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    (ch,) = d.ask("channel", (p.name, 1), "channels")
+    d.call("recv", {"ops": [(p.name, "", "late", [20, 21, 22], ch, 1.0)]})
+    out, _ = d.get("results", timeout=30)
+    assert out["late"][0] == "FAILED" and "timed out" in out["late"][1]
+    p.call("send", {"ops": [(d.name, d.address, "late", [3, 4, 5], ch, 20.0, heads)]})
+    assert p.get("results")["late"][0] == "DONE"  # the order went out and was drained
+    handoff(p, d, "next", [7, 8], [30, 31])
+    assert p.get("results")["next"][0] == "DONE"
+    out, blocks = d.get("results")
+    assert out["next"][0] == "DONE", out
+    assert torch.equal(blocks["next"], make_kv(91)[[7, 8]])
+    assert d.ask("stats", kind="stats")["pairs"] == 1  # the same pair: it never died
