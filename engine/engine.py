@@ -64,6 +64,7 @@ class LLMEngine:
         self.load_format = load_format
         self.persist_status: str | None = None  # what restoring the host tier said
         self._persisted_at = time.monotonic()
+        self._checksums = persist.Checksums()
         if config.kv_persist_dir:
             self._restore_host_tier()
         self.requests: dict[str, Request] = {}
@@ -199,16 +200,23 @@ class LLMEngine:
     # ---- the host tier on disk (persist.py) ------------------------------------------------
     def _restore_host_tier(self) -> None:
         try:
-            n = persist.load(self.config, self.load_format, self.kv.host, self.runner.host)
-            self.persist_status = f"restored {n} blocks from {self.config.kv_persist_dir}"
+            done = persist.load(self.config, self.load_format, self.kv.host, self.runner.host)
+            self.persist_status = done.describe(self.config.kv_persist_dir)
+            if done.refused:
+                log.warning("%s", self.persist_status)
         except persist.PersistError as e:
             self.persist_status = str(e)
             log.warning("%s", e)
 
     def persist_host_tier(self) -> str:
-        """Writes the host tier to kv_persist_dir now (also on close and every interval)."""
+        """Writes the host tier to kv_persist_dir now (also on close and every interval), after
+        applying the copies still queued: blocks freed since the last forward have host slots
+        but no contents there yet (saving without them served wrong answers after a restart)."""
         self._persisted_at = time.monotonic()
-        return persist.save(self.config, self.load_format, self.kv.host, self.runner.host)
+        ops = self.kv.host.take()
+        if ops is not None:
+            self.runner.host.apply(self.runner.kv, ops)
+        return persist.save(self.config, self.load_format, self.kv.host, self.runner.host, self._checksums)
 
     def retune(self, slo_tpot_s: float | None, max_num_batched_tokens: int | None = None) -> None:
         """Changes the TPOT target and the step budget at run time (a worker switching role).
@@ -322,6 +330,7 @@ class LLMEngine:
             "num_decoding": sum(1 for r in self.scheduler.running if r.is_decoding),
             "max_num_seqs": self.scheduler.max_num_seqs,
             "tensor_parallel_size": self.tp.size,
+            **({"kv_persist_status": self.persist_status} if self.persist_status else {}),
             **self._host_stats(),
             **self.drafter.stats(),
         }

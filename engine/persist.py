@@ -1,11 +1,22 @@
 """The host tier on disk (`kv_persist_dir`): hot KV survives a restart.
 
     save(dir)   on close and every kv_persist_interval_s: the host buffer and its index
-                (hash -> slot, LRU order) with what the blocks depend on: the model's
-                fingerprint, KV dtype, block size and block layout. Written to a temporary
-                file, then renamed: a crash mid-write leaves the previous file.
-    load(dir)   on start: refused (PersistError naming the mismatch; the engine starts
-                with an empty tier) if the file is corrupt or any of those differ.
+                (hash -> slot, LRU order), one checksum per block (blake2b over the block's
+                hash and bytes), with what the blocks depend on: the model's fingerprint,
+                KV dtype, block size and block layout. The caller first applies the copies
+                still queued (blocks freed after the last step: their slots are assigned, their
+                contents not yet copied). Written to a temporary file, then renamed: a crash
+                mid-write leaves the previous file.
+    load(dir)   on start: the whole file is refused (PersistError naming the mismatch; the engine
+                starts with an empty tier) if it is corrupt, malformed or any of those differ;
+                each block whose checksum does not verify, or whose values are not finite, is
+                refused alone. `Restored` says what came back and what was refused, and why.
+
+Before checksums, a graceful restart served wrong answers: blocks freed after a worker's
+last step were saved under their hashes with contents never copied, and flipped bytes or NaN
+blocks in the file were loaded and served. Checksums of unchanged slots are kept between saves
+(a slot is rewritten only when it is given to another hash), so the periodic save hashes only
+the blocks offloaded since the previous one.
 
 The fingerprint is a hash of the model's config.json and, per safetensors file, its name,
 size and its first and last MiB (a fine-tune of the same shapes differs there; hashing
@@ -19,6 +30,7 @@ import glob
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +41,8 @@ from .offload import HostCache, HostIndex
 log = logging.getLogger(__name__)
 
 FILE = "kv_host_tier.pt"
-FORMAT = 1
+FORMAT = 2  # 2: per-block checksums
+DIGEST_BYTES = 16
 
 
 class PersistError(ValueError):
@@ -59,13 +72,63 @@ def _meta(config: EngineConfig, load_format: str) -> dict:
             "layout": kv_layout(config).as_dict()}
 
 
-def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache) -> str:
+@dataclass
+class Restored:
+    """What load() brought back from disk, and what it refused and why."""
+
+    blocks: int = 0
+    bad_checksum: int = 0
+    not_finite: int = 0
+
+    @property
+    def refused(self) -> int:
+        return self.bad_checksum + self.not_finite
+
+    def describe(self, where: str) -> str:
+        text = f"restored {self.blocks} blocks from {where}"
+        if self.refused:
+            why = [f"{n} {what}" for n, what in ((self.bad_checksum, "failed their checksum"),
+                                                 (self.not_finite, "hold NaN or Inf")) if n]
+            text += f"; refused {self.refused} ({', '.join(why)})"
+        return text
+
+
+def block_digest(block_hash: bytes, block: torch.Tensor) -> bytes:
+    """A block's checksum: its hash and its bytes (a block moved under another hash fails too)."""
+    h = hashlib.blake2b(block_hash, digest_size=DIGEST_BYTES)
+    h.update(block.contiguous().view(torch.uint8).numpy())
+    return h.digest()
+
+
+class Checksums:
+    """Digests of the host tier's blocks by hash, kept between saves: a slot's bytes change
+    only when the slot goes to another hash, so each save hashes only the new blocks."""
+
+    def __init__(self):
+        self.by_hash: dict[bytes, tuple[int, bytes]] = {}  # hash -> (slot, digest)
+
+    def of(self, entries: list[tuple[bytes, int]], buf: torch.Tensor) -> list[bytes]:
+        fresh = {}
+        for h, slot in entries:
+            known = self.by_hash.get(h)
+            fresh[h] = known if known is not None and known[0] == slot else (slot, block_digest(h, buf[slot]))
+        self.by_hash = fresh
+        return [fresh[h][1] for h, _ in entries]
+
+
+def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache,
+         checksums: Checksums | None = None) -> str:
+    """Writes the tier; the copies queued in `index` must have been applied (the engine's
+    persist_host_tier does it)."""
+    if index.ops.offloads:
+        raise RuntimeError("persist.save: offloads are still queued; apply them first (their slots hold no data yet)")
     cache.synchronize()  # the offloads issued so far have landed
     os.makedirs(config.kv_persist_dir, exist_ok=True)
     path = os.path.join(config.kv_persist_dir, FILE)
     entries = index.entries()
     slots = torch.tensor([s for _, s in entries], dtype=torch.int64)
     payload = {**_meta(config, load_format), "hashes": [h for h, _ in entries],
+               "checksums": (checksums or Checksums()).of(entries, cache.buf),
                "blocks": cache.buf.index_select(0, slots) if len(entries) else cache.buf[:0]}
     tmp = path + ".tmp"
     torch.save(payload, tmp)
@@ -73,17 +136,17 @@ def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
     return path
 
 
-def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache) -> int:
-    """Fills the tier from the file; returns the blocks restored (0 without a file).
-    Raises PersistError naming the problem; the tier is then left empty."""
+def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache) -> Restored:
+    """Fills the tier from the file (nothing without one). Raises PersistError naming the
+    problem (the tier is then left empty); blocks that do not verify are left out."""
     path = os.path.join(config.kv_persist_dir, FILE)
     if not os.path.exists(path):
-        return 0
+        return Restored()
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        hashes, blocks = payload["hashes"], payload["blocks"]
-        if not isinstance(hashes, list) or blocks.shape[0] != len(hashes):
-            raise ValueError(f"{len(hashes)} hashes for {blocks.shape[0]} blocks")
+        hashes, sums, blocks = payload["hashes"], payload.get("checksums"), payload["blocks"]
+        if not isinstance(hashes, list) or not isinstance(blocks, torch.Tensor) or blocks.shape[0] != len(hashes):
+            raise ValueError(f"{len(hashes)} hashes for {getattr(blocks, 'shape', ['?'])[0]} blocks")
     except Exception as e:  # noqa: BLE001 - whatever torch.load or the shape check says
         raise PersistError(f"{path} is corrupt ({type(e).__name__}: {e}): starting with an empty host tier") from None
     want = _meta(config, load_format)
@@ -92,14 +155,31 @@ def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
             raise PersistError(f"{path} was written for another {key.replace('_', ' ')} "
                                f"({_short(payload.get(key))} there, {_short(want[key])} here): "
                                "starting with an empty host tier")
-    if tuple(blocks.shape[1:]) != tuple(cache.buf.shape[1:]):
-        raise PersistError(f"{path}: blocks of shape {tuple(blocks.shape[1:])}, this tier holds "
-                           f"{tuple(cache.buf.shape[1:])}: starting with an empty host tier")
-    keep = min(len(hashes), index.num_slots)  # the most recently used ones, if the tier shrank
-    start = len(hashes) - keep
-    cache.buf[:keep].copy_(blocks[start:])
-    index.restore([(h, i) for i, h in enumerate(hashes[start:])])
-    return keep
+    if not all(isinstance(h, bytes) and len(h) == 32 for h in hashes) or len(set(hashes)) != len(hashes):
+        raise PersistError(f"{path} is corrupt (block hashes must be distinct 32-byte digests): "
+                           "starting with an empty host tier")
+    if not isinstance(sums, list) or len(sums) != len(hashes) or \
+            not all(isinstance(d, bytes) and len(d) == DIGEST_BYTES for d in sums):
+        raise PersistError(f"{path} is corrupt (one {DIGEST_BYTES}-byte checksum per block expected): "
+                           "starting with an empty host tier")
+    if blocks.dtype != cache.buf.dtype or tuple(blocks.shape[1:]) != tuple(cache.buf.shape[1:]):
+        raise PersistError(f"{path}: blocks of {blocks.dtype} {tuple(blocks.shape[1:])}, this tier holds "
+                           f"{cache.buf.dtype} {tuple(cache.buf.shape[1:])}: starting with an empty host tier")
+    done = Restored()
+    good = []
+    for i, (h, digest) in enumerate(zip(hashes, sums)):
+        if block_digest(h, blocks[i]) != digest:
+            done.bad_checksum += 1
+        elif blocks.is_floating_point() and not bool(torch.isfinite(blocks[i]).all()):
+            done.not_finite += 1
+        else:
+            good.append(i)
+    good = good[max(0, len(good) - index.num_slots):]  # the most recently used ones, if the tier shrank
+    for slot, i in enumerate(good):
+        cache.buf[slot].copy_(blocks[i])
+    index.restore([(hashes[i], slot) for slot, i in enumerate(good)])
+    done.blocks = len(good)
+    return done
 
 
 def _short(v) -> str:

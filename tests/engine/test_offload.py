@@ -7,8 +7,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine import persist
+from pdserve.engine.hashing import hash_block_tokens
 from pdserve.engine.offload import HostIndex
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -116,6 +119,65 @@ def test_persisted_tier_serves_a_known_prefix_after_restart(tiny_models, referen
         out = llm.generate([PROMPTS[5]], PARAMS)[0]
         assert out.outputs[0].token_ids == reference[5]
         assert out.num_cached_tokens == 64 and llm.engine.stats()["prefix_cache_host_hits"] == 64
+
+
+def test_blocks_freed_after_the_last_step_are_copied_before_the_tier_is_saved(tiny_models, reference, tmp_path):
+    """The prompt's blocks are freed by its last step; their offloads are only queued when
+    the engine closes. Saving must copy them first, else the file holds their hashes over
+    slots never written, and the restarted engine serves garbage for a prefix hit."""
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
+    with LLM(tiny_models["llama"], **kw) as llm:
+        assert llm.generate([PROMPTS[0]], PARAMS)[0].outputs[0].token_ids == reference[0]
+        assert len(llm.engine.kv.host.ops.offloads) >= 4  # queued, not copied: no step ran since
+    with LLM(tiny_models["llama"], **kw) as llm:
+        out = llm.generate([PROMPTS[0]], PARAMS)[0]
+        assert out.num_cached_tokens == 64 and llm.engine.stats()["prefix_cache_host_hits"] == 64
+        assert out.outputs[0].token_ids == reference[0]
+
+
+def _rewrite(path, edit) -> None:
+    payload = torch.load(path, weights_only=True)
+    edit(payload)
+    torch.save(payload, path)
+
+
+def test_blocks_that_fail_their_checksum_or_hold_nan_are_refused_one_by_one(tiny_models, reference, tmp_path):
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
+    with LLM(tiny_models["llama"], **kw) as llm:
+        churn(llm, PROMPTS[:1])
+        used = llm.engine.stats()["kv_host_blocks_used"]
+    path = tmp_path / "kv_host_tier.pt"
+    hashes = torch.load(path, weights_only=True)["hashes"]
+    head = hashes.index(hash_block_tokens(SHARED, 16)[0])
+    second = hashes.index(hash_block_tokens(SHARED, 16)[1])
+
+    def damage(p):
+        p["blocks"][head].view(-1).view(torch.uint8)[123] ^= 0x40  # flipped bits inside the tensor data
+        p["blocks"][second] = float("nan")  # NaN, with a checksum that matches it
+        p["checksums"][second] = persist.block_digest(p["hashes"][second], p["blocks"][second])
+
+    _rewrite(path, damage)
+    with LLM(tiny_models["llama"], **kw) as llm:
+        assert llm.engine.persist_status == (f"restored {used - 2} blocks from {tmp_path}; refused 2 "
+                                             "(1 failed their checksum, 1 hold NaN or Inf)")
+        assert llm.engine.stats()["kv_persist_status"] == llm.engine.persist_status
+        out = llm.generate([PROMPTS[0]], PARAMS)[0]
+        assert out.outputs[0].token_ids == reference[0] and out.num_cached_tokens == 0  # recomputed
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda p: p.update(hashes=[h.hex() for h in p["hashes"]]), "32-byte digests"),
+    (lambda p: p.pop("checksums"), "checksum per block"),
+    (lambda p: p.update(blocks=p["blocks"].double()), "this tier holds"),
+], ids=["hashes as strings", "no checksums", "another dtype"])
+def test_a_malformed_persist_file_is_refused_whole_and_the_engine_serves(tiny_models, reference, tmp_path, edit, why):
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
+    with LLM(tiny_models["llama"], **kw) as llm:
+        churn(llm, PROMPTS[:1])
+    _rewrite(tmp_path / "kv_host_tier.pt", edit)
+    with LLM(tiny_models["llama"], **kw) as llm:
+        assert why in llm.engine.persist_status and llm.engine.stats()["kv_host_blocks_used"] == 0
+        assert llm.generate([PROMPTS[0]], PARAMS)[0].outputs[0].token_ids == reference[0]
 
 
 def test_the_tier_is_also_written_every_interval(tiny_models, tmp_path):
