@@ -190,6 +190,9 @@ class Pools:
         w = WorkerRecord(wid, role, actor, info, placement_group=pg)
         self.workers[wid] = w
         log.info("worker %s started", wid)
+        tier = info.get("kv_persist_status")
+        if tier and ("refused" in tier or not tier.startswith("restored")):  # in the server's own log too
+            log.warning("worker %s: persisted KV tier: %s", wid, tier)
         return w
 
     def tp(self, role: str) -> int:
@@ -255,9 +258,10 @@ class Pools:
             for w in list(self.workers.values()):
                 try:
                     w.stats = await asyncio.wait_for(w.actor.stats.remote(), 5)
-                except (RayError, asyncio.TimeoutError):
+                except (RayError, asyncio.TimeoutError) as e:
                     if w.worker_id in self.workers and not self.closed:
-                        log.warning("worker %s is dead: purging and replacing it", w.worker_id)
+                        why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+                        log.warning("worker %s cannot serve (%s): purging and replacing it", w.worker_id, why)
                         await self.remove(w, graceful=False)
             if not self.closed and not self._scaling.locked():
                 async with self._scaling:

@@ -35,7 +35,7 @@ import ray
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import RequestOutput, merge_outputs
 from pdserve.engine.role import Emitted, Failed, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tp import TPError
@@ -130,6 +130,7 @@ class WorkerActor:
         self.peers: dict[str, object] = {}  # prefill actors this decode worker sends targets to
         self._beat = None  # the last heartbeat's reply: False means the registry dropped us
         self.thread: threading.Thread | None = None
+        self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
 
     def _make_role(self, role: str):
         self.engine.hold_blocks_on_finish = False  # the prefill role sets it
@@ -163,7 +164,8 @@ class WorkerActor:
     def info(self) -> dict:
         return {"role": self.role_name, "address": self.connector.address, "epoch": self.epoch, "tp": self.tp,
                 "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "capacity_blocks": self.engine.kv.num_blocks, "layout": self.connector.layout}
+                "capacity_blocks": self.engine.kv.num_blocks, "layout": self.connector.layout,
+                "kv_persist_status": self.engine.persist_status}
 
     async def stop(self) -> None:
         self.stopped = True
@@ -174,10 +176,18 @@ class WorkerActor:
         self.engine.close()  # a TP worker's shards stop
 
     async def ping(self) -> str:
+        self._check_alive()
         return self.worker_id
 
     async def stats(self) -> dict:
+        self._check_alive()
         return self._stats()
+
+    def _check_alive(self) -> None:
+        """A worker whose engine thread died cannot serve: every call the monitor makes fails,
+        so the pools purge and replace it (health and placement follow)."""
+        if self.dead is not None:
+            raise RuntimeError(f"{self.worker_id} cannot serve: {self.dead}")
 
     def _stats(self) -> dict:
         s = self.engine.stats()
@@ -196,6 +206,7 @@ class WorkerActor:
                       decode_id: str | None):
         """Prefill role. With a decode peer: the handoff's result dict once the KV is sent
         (or the final output if the request ended here otherwise); without: the output."""
+        self._check_alive()
         fut = asyncio.get_running_loop().create_future()
         self.done[request_id] = fut
         self._post(Add(request_id, prompt_token_ids, params, decode_id))
@@ -212,6 +223,7 @@ class WorkerActor:
         """Decode role: a stream of delta outputs. With `prefill_id` (of tensor-parallel
         size `prefill_tp`) the KV and the first token come from that prefill worker;
         without, the prompt is prefilled here."""
+        self._check_alive()
         q = self.streams[request_id] = asyncio.Queue()
         if prefill_id is not None:
             self.connector.peer_tp[prefill_id] = prefill_tp
@@ -278,6 +290,18 @@ class WorkerActor:
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        """The engine thread. Whatever escapes the step's own guard (a bug in the heartbeat,
+        a command) ends the thread: the worker then says so to every call (`dead`) and its
+        requests fail at once, instead of /health staying 200 while every request waits."""
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - recorded and reported, never silent
+            self.dead = f"engine thread died: {type(e).__name__}: {e}"
+            log.exception("%s: %s", self.worker_id, self.dead)
+            for rid in set(self.streams) | set(self.done):
+                self._deliver(rid, error=RuntimeError(f"{self.worker_id}: {self.dead}"))
+
+    def _serve(self) -> None:
         last_beat = 0.0
         while not self.stopped:
             self.wake.clear()
@@ -373,14 +397,3 @@ class WorkerActor:
         except Exception:  # noqa: BLE001 - the registry restarting must not stop the engine
             self._beat = None
 
-
-def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """b, a later delta output of the same request, carrying a's deltas too."""
-    b.delta_text = a.delta_text + b.delta_text
-    b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
-    if a.outputs and b.outputs:
-        b.outputs[0].text = a.outputs[0].text + b.outputs[0].text
-        b.outputs[0].token_ids = a.outputs[0].token_ids + b.outputs[0].token_ids
-    if b.metrics is not None and a.metrics is not None and a.metrics.spans and not b.metrics.spans:
-        b.metrics.spans = a.metrics.spans
-    return b

@@ -65,6 +65,18 @@ class RequestOutput:
                    [CompletionOutput(0, "", [], finish_reason="error", stop_reason=reason)], True)
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """b, a later delta output of the same request, carrying a's deltas too."""
+    b.delta_text = a.delta_text + b.delta_text
+    b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
+    if a.outputs and b.outputs:
+        b.outputs[0].text = a.outputs[0].text + b.outputs[0].text
+        b.outputs[0].token_ids = a.outputs[0].token_ids + b.outputs[0].token_ids
+    if b.metrics is not None and a.metrics is not None and a.metrics.spans and not b.metrics.spans:
+        b.metrics.spans = a.metrics.spans
+    return b
+
+
 class Accumulator:
     """Turns a request's delta outputs (what workers stream: `delta_text`,
     `delta_token_ids`, no prompt ids) into cumulative vLLM-shaped outputs, once, at the

@@ -155,7 +155,7 @@ def test_delta_outputs_accumulate_to_the_cumulative_ones(llm):
     """Workers stream delta outputs (no prompt ids, no whole text per token); merged when a
     consumer falls behind and accumulated once at the edge, they equal the engine's own
     cumulative outputs."""
-    from pdserve.cluster.worker_actor import merge_outputs
+    from pdserve.engine.outputs import merge_outputs
     from pdserve.engine.outputs import Accumulator
 
     eng, p = llm.engine, "Tell me about the sea."

@@ -1,0 +1,83 @@
+"""Faults on a real local Ray cluster (gloo transfer, tiny random models): a worker whose
+engine thread died says so to every call and is replaced; a persisted host tier survives
+a graceful restart with the same answers; the cluster is closed to other users."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster
+from pdserve.cluster.pools import WorkerRecord
+from pdserve.cluster.worker_actor import WorkerActor
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_a_worker_whose_engine_thread_died_refuses_calls_and_is_replaced(tiny_models):
+    """The engine thread ends on an error outside the step's own guard (here its heartbeat
+    raises what a persisted tier with string hashes once raised): its requests fail at once,
+    ping and stats raise the reason, and the pools' monitor purges and replaces the worker."""
+    c = Cluster.start(tiny_models["llama"], decode=1, mode="colocated", max_model_len=256)
+    try:
+        class HeartbeatBug(WorkerActor):
+            def _heartbeat(self):
+                raise TypeError("'str' object has no attribute 'hex'")
+
+        args = c.pools.role_engine_args["decode"]
+        sick = ray.remote(HeartbeatBug).options(namespace=c.pools.namespace, max_concurrency=100).remote(
+            "sick-0", "decode", args, c.pools.namespace)
+        ray.get(sick.start.remote())
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                ray.get(sick.ping.remote())
+            except ray.exceptions.RayTaskError as e:
+                assert "engine thread died: TypeError: 'str' object has no attribute 'hex'" in str(e)
+                break
+            assert time.monotonic() < deadline, "the engine thread's death was never reported"
+            time.sleep(0.1)
+        with pytest.raises(ray.exceptions.RayTaskError, match="sick-0 cannot serve: engine thread died"):
+            ray.get(sick.stats.remote())
+        t = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match="cannot serve"):  # at once, not a hang
+            ray.get(next(sick.generate.remote("r", [1, 2, 3], GREEDY)), timeout=30)
+        assert time.monotonic() - t < 10
+        async def join():  # as if the pools had started it: the monitor must see it cannot serve
+            c.pools.workers["sick-0"] = WorkerRecord("sick-0", "decode", sick, {})
+
+        c._run(join(), 10)
+        deadline = time.monotonic() + 30
+        while "sick-0" in c.pools.workers:
+            assert time.monotonic() < deadline, "the monitor kept a worker that cannot serve"
+            time.sleep(0.2)
+        assert c.pool_sizes() == {"prefill": 0, "decode": 1}
+        assert c.generate([[5, 6, 7, 8]], GREEDY)[0].outputs[0].finish_reason == "length"
+    finally:
+        c.shutdown()
+
+
+def test_a_graceful_restart_with_the_persisted_tier_answers_the_same(tiny_models, tmp_path):
+    """Serve a prompt, stop the cluster at once (its blocks were freed by the last step, their
+    copies to the host tier only queued), start it again: the same tokens, from the tier."""
+    model = tiny_models["llama"]
+    prompt = list(range(100, 200))  # 6 full blocks
+    with LLM(model, max_model_len=256) as llm:
+        want = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    kw = dict(max_model_len=256, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path), mode="colocated", decode=1)
+    c = Cluster.start(model, **kw)
+    try:
+        assert c.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    finally:
+        c.shutdown()
+    c = Cluster.start(model, **kw)
+    try:
+        (row,) = c.status()
+        assert row["kv_persist_status"].startswith("restored 6 blocks from ") and "refused" not in row["kv_persist_status"]
+        out = c.generate([prompt], GREEDY)[0]
+        assert out.outputs[0].token_ids == want and out.num_cached_tokens == 96
+    finally:
+        c.shutdown()
