@@ -14,6 +14,13 @@
              grammar that cannot even begin is refused up front (check()); the schema fuzz
              found both, and before this the sampler raised and stopped the engine thread.
 
+Budget (`GrammarBudget`, one home for its limits): a spec over 128 KiB or a JSON schema nested
+deeper than 32 levels is refused by name before compiling; the router compiles off its event
+loop and refuses a grammar that takes longer than 5 s (measured on CPU: a 760 KB
+guided_choice held the router's loop ~2 min, a schema nested 400 deep took 18 s and then could
+not be pickled to a worker). The compiler's cache is bounded (64 MiB: ~2.25 MiB per distinct
+schema on the default model's vocabulary, kept forever before).
+
 The matcher is made when the request first samples on this engine, replaying the outputs it
 already has: a decode worker gets the first token (sampled under the same grammar on the
 prefill worker) with the handoff. Library: xgrammar, measured against llguidance on the
@@ -25,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +41,40 @@ if TYPE_CHECKING:
     from .request import Request
 
 KEYS = ("json", "json_object", "regex", "choice")
+REGEX_SPECIAL = frozenset("\\.^$*+?()[]{}|")
+
+
+@dataclass(frozen=True)
+class GrammarBudget:
+    """What one grammar may cost: its spec's size, a JSON schema's nesting, its compile time
+    (the router's limit; an engine compiles what passed it), and the compiler's cache."""
+
+    max_spec_bytes: int = 128 << 10
+    max_depth: int = 32
+    compile_timeout_s: float = 5.0
+    cache_bytes: int = 64 << 20
+
+
+BUDGET = GrammarBudget()
+
+
+def nesting_depth(value) -> int:
+    """How deep JSON containers nest (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        deepest = max(deepest, d)
+        stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
+    return deepest
+
+
+def regex_literal(text: str) -> str:
+    """`text` as a regex matching it literally (Python's re.escape also escapes spaces and other
+    characters xgrammar's regex reads as unknown escapes, with a warning per character)."""
+    return "".join("\\" + c if c in REGEX_SPECIAL else c for c in text)
 
 
 def check_spec(spec) -> dict | None:
@@ -46,6 +88,16 @@ def check_spec(spec) -> dict | None:
           "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}[key]
     if not ok:
         raise ValueError(f"structured_outputs {key!r} has a value of the wrong kind: {value!r}")
+    if key == "json":
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except (ValueError, RecursionError):
+            schema = None  # not JSON: the compiler says why
+        if nesting_depth(schema) > BUDGET.max_depth:
+            raise ValueError(f"structured_outputs 'json' nests deeper than {BUDGET.max_depth} levels")
+    size = len(value.encode()) if isinstance(value, str) else len(json.dumps(value)) if value is not True else 0
+    if size > BUDGET.max_spec_bytes:
+        raise ValueError(f"structured_outputs {key!r} is {size} bytes; the limit is {BUDGET.max_spec_bytes}")
     return spec
 
 
@@ -61,9 +113,15 @@ class Grammars:
     def _compiler(self):
         import xgrammar as xgr
 
-        return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size))
+        return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size),
+                                   cache_limit_bytes=BUDGET.cache_bytes)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self._compiler.get_cache_size_bytes() if "_compiler" in self.__dict__ else 0
 
     def compile(self, spec: dict):
+        check_spec(spec)  # the budget first: size and depth
         (key, value), = spec.items()
         c = self._compiler
         try:
@@ -73,7 +131,7 @@ class Grammars:
                 return c.compile_builtin_json_grammar()
             if key == "regex":
                 return c.compile_regex(value)
-            return c.compile_regex("(" + "|".join(re.escape(v) for v in value) + ")")
+            return c.compile_regex("(" + "|".join(regex_literal(v) for v in value) + ")")
         except Exception as e:  # noqa: BLE001 - the library's own errors name the problem
             why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e))  # the library's time and source line
             raise ValueError(f"structured_outputs {key!r} does not compile: {why}") from None

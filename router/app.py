@@ -16,7 +16,6 @@ aborts it on every worker and frees its blocks. The app uses the cluster only th
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 import uuid
@@ -33,12 +32,13 @@ from .errors import GuardMiddleware, HTTPError, error_response
 from .metrics import RouterMetrics
 from .openapi import install as install_openapi
 from .render import Renderer, headers_of, sse, usage
-from .runner import RequestRunner
+from .runner import RequestRunner, decode_json
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 
 
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-              max_queue: int = 256, served_model_name: str | None = None) -> FastAPI:
+              max_queue: int = 256, served_model_name: str | None = None, admin_key: str | None = None) -> FastAPI:
+    """`api_key` guards the inference routes, `admin_key` the /admin routes (errors.py)."""
     app = FastAPI(title="pdserve", version=__version__, docs_url="/docs", redoc_url=None)
     model_name = served_model_name or os.path.basename(os.path.normpath(cluster.model_path))
     metrics = RouterMetrics(cluster, model_name)
@@ -61,7 +61,8 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
     add_openai_routes(app, cluster, runner, model_name)
     add_token_routes(app, cluster, runner, model_name)
     add_operations_routes(app, cluster, metrics)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, on_refuse=metrics.refused)
+    app.add_middleware(GuardMiddleware, api_key=api_key, admin_key=admin_key, max_body_bytes=max_body_bytes,
+                       on_refuse=metrics.refused)
     install_openapi(app)
     return app
 
@@ -74,7 +75,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         req = await runner.parse(request, CompletionRequest)
         check_model(req)
         text, ids = completion_prompt(req)
-        return await serve(request, req, text, ids, runner.params(req, ids, 16), chat=False)
+        return await serve(request, req, text, ids, await runner.params(req, ids, 16), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -83,7 +84,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         ids = chat_ids(cluster, req.messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None)
-        return await serve(request, req, None, ids, runner.params(req, ids, None), chat=True)
+        return await serve(request, req, None, ids, await runner.params(req, ids, None), chat=True)
 
     def check_model(req) -> None:
         check_model_name(req, cluster, model_name)
@@ -254,11 +255,7 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
 
     @app.post("/admin/scale")
     async def scale(request: Request):
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except json.JSONDecodeError as e:
-            raise HTTPError(400, f"malformed JSON body: {e}") from None
+        data = decode_json(await request.body())
         if not isinstance(data, dict) or not set(data) <= {"prefill", "decode", "switch_roles"} or \
                 not set(data) & {"prefill", "decode"}:
             raise HTTPError(400, 'body must be {"prefill": n, "decode": m} (either or both; '
@@ -285,10 +282,7 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
     @app.post("/admin/slo")
     async def slo(request: Request):
         """{"ttft_s": x, "tpot_s": y} (either or both): the SLO hybrid placement serves, live."""
-        try:
-            data = json.loads(await request.body())
-        except json.JSONDecodeError as e:
-            raise HTTPError(400, f"malformed JSON body: {e}") from None
+        data = decode_json(await request.body())
         if not isinstance(data, dict) or not data or not set(data) <= {"ttft_s", "tpot_s"}:
             raise HTTPError(400, 'body must be {"ttft_s": seconds, "tpot_s": seconds} (either or both)')
         try:

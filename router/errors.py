@@ -23,28 +23,62 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 class GuardMiddleware:
-    """API key (constant-time compare) on every route but OPEN ones (the health check, the
-    version and the API's own description), and a body-size limit from Content-Length;
+    """Every request passes here first.
+
+    keys     the inference key (`api_key`) on every route but OPEN ones (the health check,
+             the version and the API's own description); the admin key (`admin_key`) on
+             /admin/*, which the inference key never opens: with an inference key and no admin
+             key the admin routes are refused (403) rather than left to inference clients.
+             Keys are compared in constant time.
+    headers  decoded as latin-1 (what HTTP allows on the wire): a byte outside ASCII is a
+             wrong key, never a 500
+    size     a body over `max_body_bytes` is a 413: from Content-Length at once, and counted as
+             it arrives otherwise (a chunked body is never read whole first)
     `on_refuse(status)` counts each refusal."""
 
     OPEN = ("/health", "/version", "/docs", "/openapi.json")
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_refuse):
-        self.app, self.api_key, self.max_body_bytes, self.on_refuse = app, api_key, max_body_bytes, on_refuse
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_refuse, admin_key: str | None = None):
+        self.app, self.api_key, self.admin_key = app, api_key, admin_key
+        self.max_body_bytes, self.on_refuse = max_body_bytes, on_refuse
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"] not in self.OPEN:
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                self.on_refuse(401)
-                return await error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                            "authentication_error")(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        refusal = self._refusal(scope["path"], headers)
+        if refusal is not None:
+            self.on_refuse(refusal[0])
+            return await error_response(*refusal)(scope, receive, send)
+        return await self.app(scope, self._bounded(receive), send)
+
+    def _refusal(self, path: str, headers: dict) -> tuple | None:
+        given = headers.get("authorization", "").encode("latin-1")
+        if path.startswith("/admin/") or path == "/admin":
+            if self.admin_key:
+                if not hmac.compare_digest(given, f"Bearer {self.admin_key}".encode()):
+                    return 401, "invalid or missing admin key (Authorization: Bearer ...)", "authentication_error"
+            elif self.api_key:
+                return (403, "the admin routes need their own key: start the server with --admin-key "
+                             "(or PDSERVE_ADMIN_KEY)", "permission_error")
+        elif self.api_key and path not in self.OPEN:
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                return 401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error"
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            self.on_refuse(413)
-            return await error_response(413, f"request body of {length} bytes exceeds the limit of "
-                                             f"{self.max_body_bytes}")(scope, receive, send)
-        return await self.app(scope, receive, send)
+            return 413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}"
+        return None
+
+    def _bounded(self, receive):
+        """`receive`, refusing (413) once the body passes the limit, whatever its framing."""
+        seen = 0
+
+        async def bounded():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise HTTPError(413, f"request body of more than {self.max_body_bytes} bytes exceeds the limit")
+            return message
+        return bounded

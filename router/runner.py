@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 
@@ -20,7 +21,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from pdserve.engine.outputs import Accumulator, RequestOutput
-from pdserve.engine.structured import Grammars
+from pdserve.engine.structured import BUDGET, Grammars, nesting_depth
 from pdserve.engine.validation import InvalidRequest
 
 from .errors import HTTPError
@@ -29,6 +30,36 @@ from .schemas import screen
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs", "response_format",
                    "structured_outputs", "tool_choice")
+
+
+MAX_JSON_DEPTH = 64  # a body nested deeper is refused (1000 deep once ended in a RecursionError: a 500)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_json(body: bytes):
+    """A request body as JSON; HTTPError 400 naming what is wrong: malformed, not UTF-8,
+    NaN / Infinity (not JSON, and no sampling value may be one), or nested too deep."""
+    too_deep = HTTPError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        data = json.loads(body, parse_constant=_no_constant)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise HTTPError(400, f"malformed JSON body: {e}") from None
+    if nesting_depth(data) > MAX_JSON_DEPTH:
+        raise too_deep
+    return data
+
+
+def grammar_param(req) -> str:
+    """The request field a grammar came from, for the 400 that refuses it."""
+    if getattr(req, "tool_choice", None) not in (None, "none"):
+        return "tools"
+    return next((f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(req, f, None) is not None),
+                "response_format")
 
 
 class _Done:
@@ -40,16 +71,16 @@ class RequestRunner:
     def __init__(self, cluster, max_body_bytes: int, max_queue: int):
         self.cluster, self.max_body_bytes, self.max_queue = cluster, max_body_bytes, max_queue
         self.inflight = 0
-        self.grammars = Grammars(cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached
+        self.grammars = Grammars(cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached (bounded)
+        # grammars compile here, off the event loop (xgrammar releases the GIL): one slow
+        # grammar never stalls /health or other requests, and two threads bound what they take
+        self.compiling = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
 
     async def parse(self, request: Request, model_cls):
         body = await request.body()
         if len(body) > self.max_body_bytes:
             raise HTTPError(413, f"request body of {len(body)} bytes exceeds the limit of {self.max_body_bytes}")
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"malformed JSON body: {e}") from None
+        data = decode_json(body)
         if not isinstance(data, dict):
             raise HTTPError(400, "the JSON body must be an object")
         try:  # JSON's \u escapes can spell lone surrogates, which no tokenizer takes
@@ -68,22 +99,26 @@ class RequestRunner:
                 raise HTTPError(400, f"unknown parameter {param!r}", param=param) from None
             raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}", param=param or None) from None
 
-    def params(self, req, ids: list[int], default_max: int | None):
+    async def params(self, req, ids: list[int], default_max: int | None):
         try:
             params = req.sampling_params(default_max)
         except ValueError as e:
             msg = str(e)
             param = next((f for f in SAMPLING_FIELDS if msg.startswith(f)), None)
-            raise HTTPError(400, msg, param="response_format" if param == "structured_outputs" else param) from None
+            raise HTTPError(400, msg, param=grammar_param(req) if param == "structured_outputs" else param) from None
         try:
             max_tokens = self.cluster.validate(ids, params)
             if params.structured_outputs:  # a grammar that does not compile: refused before queueing
-                self.grammars.check(params.structured_outputs)
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                    self.compiling, self.grammars.check, params.structured_outputs), BUDGET.compile_timeout_s)
         except InvalidRequest as e:
             raise HTTPError(400, str(e), param=e.param) from None
+        except asyncio.TimeoutError:
+            raise HTTPError(400, f"{grammar_param(req)}: the grammar did not compile within "
+                                 f"{BUDGET.compile_timeout_s:g} s (make it smaller or simpler)",
+                            param=grammar_param(req)) from None
         except ValueError as e:  # the grammar: of a tool's parameters, or of response_format / guided_*
-            tools = getattr(req, "tool_choice", None) not in (None, "none")
-            raise HTTPError(400, str(e), param="tools" if tools else "response_format") from None
+            raise HTTPError(400, str(e), param=grammar_param(req)) from None
         return dataclasses.replace(params, max_tokens=max_tokens)
 
     def admit(self, n: int = 1) -> None:

@@ -92,11 +92,13 @@ def free_port() -> int:
 class Server:
     """A real uvicorn server on 127.0.0.1 in a thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):
         import uvicorn
 
+        from pdserve.router.server import config as server_config
+
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, "warning", **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -103,7 +103,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from pdserve.cluster.registry import REGISTRY_NAME
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     no_cluster = (f"no Ray cluster at --address {args.address}: start one with `pdserve serve` "
                   "(or `ray start --head`), or pass the address of a running one")
     if ":" in args.address:  # host:port: Ray would retry a dead address for minutes
@@ -183,10 +182,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pdserve.cluster import Cluster
     from pdserve.router.app import build_app
+    from pdserve.router.server import config as server_config
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    admin_key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
     kwargs = _engine_kwargs(args)
     kwargs.pop("model", None)
     cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             local_cached_fraction=args.local_cached_fraction, serving_config=serving_config(args),
                             mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), **kwargs)
     try:
-        app = build_app(cluster, api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+        app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                         served_model_name=args.served_model_name)
         pools = cluster.pool_sizes()
         tp = {r: f"{pools[r]} x TP{cluster.pools.tp(r)}" for r in pools}
@@ -204,7 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
               f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
               f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.Server(server_config(app, args.host, args.port, args.log_level)).run()
     finally:
         cluster.shutdown()
     return 0
@@ -221,7 +221,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         raise CliError("give --prefill N and/or --decode M (the pool sizes to reach)")
     if args.switch_roles:
         body["switch_roles"] = True
-    key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
     url = f"{args.url.rstrip('/')}/admin/scale"
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
@@ -234,7 +234,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
             message = json.loads(e.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = e.reason
-        hint = " (set --api-key or PDSERVE_API_KEY)" if e.code == 401 else ""
+        hint = " (set --admin-key or PDSERVE_ADMIN_KEY)" if e.code in (401, 403) else ""
         raise CliError(f"the server refused the scaling (HTTP {e.code}): {message}{hint}") from None
     except urllib.error.URLError as e:
         raise CliError(f"no pdserve server at {args.url} ({e.reason}): start one with `pdserve serve`, "
@@ -316,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--address", default=None, help="join this Ray cluster (auto | host:port); default: start one")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or env PDSERVE_API_KEY)")
+    sv.add_argument("--admin-key", default=None,
+                    help="the key of /admin/* (or env PDSERVE_ADMIN_KEY); with --api-key and no admin key they are off")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
@@ -336,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--switch-roles", action="store_true",
                     help="reach the sizes by moving workers between the pools (same total; no worker starts)")
     sc.add_argument("--url", default="http://127.0.0.1:8000")
-    sc.add_argument("--api-key", default=None)
+    sc.add_argument("--admin-key", default=None, help="the server's admin key (or env PDSERVE_ADMIN_KEY)")
     sc.set_defaults(func=cmd_scale)
     st = sub.add_parser("status", help="print the prefill and decode pools of a running cluster")
     st.add_argument("--address", default="auto", help="Ray address of the cluster (default: auto)")

@@ -24,6 +24,7 @@ from pdserve.router.app import build_app
 from helpers import Server
 
 KEY = "sk-test-key"
+ADMIN = "sk-test-admin"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def server(cluster):
-    s = Server(build_app(cluster, api_key=KEY, max_body_bytes=64 << 10))
+    s = Server(build_app(cluster, api_key=KEY, admin_key=ADMIN, max_body_bytes=64 << 10))
     yield s
     s.stop()
 
@@ -274,7 +275,7 @@ def test_unknown_routes_and_model_retrieve_are_openai_shaped(client, server):
 
 
 def test_admin_scale_and_status(server, cluster):
-    h = {"Authorization": f"Bearer {KEY}"}
+    h = {"Authorization": f"Bearer {ADMIN}"}
     r = httpx.post(server.url + "/admin/scale", json={"decode": 0}, headers=h)
     assert r.status_code == 400 and r.json()["error"]["param"] == "decode"
     r = httpx.post(server.url + "/admin/scale", json={"decode": 2}, headers=h, timeout=300)
@@ -286,7 +287,7 @@ def test_admin_scale_and_status(server, cluster):
 
 
 def test_admin_switch_roles_and_slo(server, cluster):
-    h = {"Authorization": f"Bearer {KEY}"}
+    h = {"Authorization": f"Bearer {ADMIN}"}
     r = httpx.post(server.url + "/admin/scale", json={"decode": 2, "switch_roles": "yes"}, headers=h)
     assert r.status_code == 400 and r.json()["error"]["param"] == "switch_roles"
     r = httpx.post(server.url + "/admin/scale", json={"decode": 3, "switch_roles": True}, headers=h)
@@ -311,18 +312,20 @@ def test_pdserve_scale_shows_the_servers_message_and_reads_the_env_key(server, c
     import sys
 
     def scale(*args, key=None):
-        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ADMIN_KEY"}
         if key:
-            env["PDSERVE_API_KEY"] = key
+            env["PDSERVE_ADMIN_KEY"] = key
         return subprocess.run([sys.executable, "-m", "pdserve", "scale", *args, "--url", server.url],
                               capture_output=True, text=True, timeout=300, env=env)
 
-    out = scale("--decode", "0", key=KEY)
+    out = scale("--decode", "0", key=ADMIN)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "HTTP 400" in out.stderr and "decode must be an integer >= 1, got 0" in out.stderr
     out = scale("--decode", "1")
-    assert out.returncode == 2 and "HTTP 401" in out.stderr and "PDSERVE_API_KEY" in out.stderr
-    out = scale("--decode", "1", key=KEY)  # the key from the environment, as the server reads it
+    assert out.returncode == 2 and "HTTP 401" in out.stderr and "PDSERVE_ADMIN_KEY" in out.stderr
+    out = scale("--decode", "1", key=KEY)  # the inference key never opens the admin routes
+    assert out.returncode == 2 and "HTTP 401" in out.stderr and "invalid or missing admin key" in out.stderr
+    out = scale("--decode", "1", key=ADMIN)  # the key from the environment, as the server reads it
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["pools"] == cluster.pool_sizes()
 
@@ -654,3 +657,112 @@ def test_tool_calls_with_the_openai_client(client, cluster):
     reply = client.chat.completions.create(model=model_id(client), messages=history, max_tokens=8, temperature=0)
     assert reply.choices[0].message.content
     wait_no_request_blocks(cluster)
+
+
+def raw_http(url: str, data: bytes, timeout: float = 30.0) -> bytes:
+    """Sends bytes as they are (headers httpx would refuse to send) and reads the answer."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while b"\r\n\r\n" not in out or len(out) < out.index(b"\r\n\r\n") + 4 + _length(out):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+
+def _length(head: bytes) -> int:
+    m = re.search(rb"content-length: (\d+)", head, re.I)
+    return int(m.group(1)) if m else 0
+
+
+def test_hostile_input_gets_openai_4xx_and_the_server_goes_on(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/health", "/v1/models"):  # a byte outside ASCII in a header: never a 500
+        out = raw_http(server.url, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode() +
+                       b"Authorization: Bearer \xff\xfe\r\nX-Note: caf\xe9\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200" if path == "/health" else b"HTTP/1.1 401"), out[:200]
+    deep = '{"a": ' * 1000 + "0" + "}" * 1000
+    nested = "[" * 1000 + "]" * 1000
+    for path, body in (("/v1/completions", '{"prompt": ' + nested + "}"),
+                       ("/v1/completions", '{"prompt": "hi", "metadata": ' + deep + "}")):
+        r = httpx.post(server.url + path, content=body, headers=h)
+        assert r.status_code == 400 and "nests deeper than 64" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/admin/slo", content='{"ttft_s": ' + nested + "}",
+                   headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
+    for value in ("Infinity", "-Infinity", "NaN"):
+        r = httpx.post(server.url + "/v1/completions", content='{"prompt": "hi", "temperature": %s}' % value,
+                       headers=h)
+        assert r.status_code == 400 and f"{value} is not a JSON number" in r.json()["error"]["message"]
+    # a chunked body past the limit (64 KiB here) is refused as it arrives: never terminated, it
+    # would hang a server that reads it whole first
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n%s\r\n" % (16 << 10, b" " * (16 << 10))
+    out = raw_http(server.url, head + chunk * 6, timeout=20)
+    assert out.startswith(b"HTTP/1.1 413") and b"exceeds the limit" in out, out[:300]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(cluster):
+    import socket
+
+    s = Server(build_app(cluster), header_timeout_s=1.0)
+    try:
+        t = time.monotonic()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408") and b"request headers not received in time" in answer
+            assert sock.recv(4096) == b""  # closed
+        assert time.monotonic() - t < 5
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:  # an idle one, too
+            assert sock.recv(4096).startswith(b"HTTP/1.1 408")
+        assert httpx.get(s.url + "/health").status_code == 200  # whole requests are not affected
+    finally:
+        s.stop()
+
+
+def test_grammars_compile_off_the_event_loop_within_a_budget(cluster):
+    """A grammar too large or too deep is a 400 naming its field, before it reaches the compiler
+    or a worker; /health answers throughout."""
+    s = Server(build_app(cluster, max_body_bytes=4 << 20))
+    try:
+        big = {"prompt": "Pick:", "max_tokens": 2, "guided_choice": [f"option {i} " * 8 for i in range(8000)]}
+        schema = {"type": "string"}
+        for _ in range(400):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        deep = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}}}
+
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as hc:
+                t = time.monotonic()
+                reqs = [hc.post(s.url + "/v1/completions", json=big),
+                        hc.post(s.url + "/v1/chat/completions", content=json.dumps(deep)),
+                        hc.post(s.url + "/v1/completions", json={**big, "guided_choice": None,
+                                                                  "guided_json": json.dumps(schema)})]
+                health = await hc.get(s.url + "/health")
+                return await asyncio.gather(*reqs), health, time.monotonic() - t
+
+        (r_big, r_deep, r_str), health, took = asyncio.run(go())
+        assert health.status_code == 200
+        assert r_big.status_code == 400 and r_big.json()["error"]["param"] == "guided_choice"
+        assert "the limit is 131072" in r_big.json()["error"]["message"]
+        # 400 deep: refused by the body's own depth limit first
+        assert r_deep.status_code == 400 and "nests deeper" in r_deep.json()["error"]["message"]
+        assert r_str.status_code == 400 and r_str.json()["error"]["param"] == "guided_json"
+        assert "nests deeper than 32 levels" in r_str.json()["error"]["message"]
+        assert took < 10
+        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "Pick:", "max_tokens": 16, "temperature": 0,
+                                                          "guided_choice": ["red", "green light", "blue (dark)"]},
+                        timeout=120)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("red", "green light", "blue (dark)")
+    finally:
+        s.stop()
