@@ -97,7 +97,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Prints the pools of a running cluster, as its block registry sees them."""
-    import os
 
     import ray
 
@@ -194,8 +193,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             local_cached_fraction=args.local_cached_fraction, serving_config=serving_config(args),
                             mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), **kwargs)
     try:
-        app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
-                        served_model_name=args.served_model_name)
+        app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
+                        max_queue=args.max_queue, served_model_name=args.served_model_name)
         pools = cluster.pool_sizes()
         tp = {r: f"{pools[r]} x TP{cluster.pools.tp(r)}" for r in pools}
         sizes = f"colocated={tp['decode']}" if cluster.mode == "colocated" else \

@@ -76,7 +76,8 @@ def test_a_graceful_restart_with_the_persisted_tier_answers_the_same(tiny_models
     c = Cluster.start(model, **kw)
     try:
         (row,) = c.status()
-        assert row["kv_persist_status"].startswith("restored 6 blocks from ") and "refused" not in row["kv_persist_status"]
+        tier = row["kv_persist_status"]
+        assert tier.startswith("restored 6 blocks from ") and "refused" not in tier
         out = c.generate([prompt], GREEDY)[0]
         assert out.outputs[0].token_ids == want and out.num_cached_tokens == 96
     finally:

@@ -155,8 +155,7 @@ def test_delta_outputs_accumulate_to_the_cumulative_ones(llm):
     """Workers stream delta outputs (no prompt ids, no whole text per token); merged when a
     consumer falls behind and accumulated once at the edge, they equal the engine's own
     cumulative outputs."""
-    from pdserve.engine.outputs import merge_outputs
-    from pdserve.engine.outputs import Accumulator
+    from pdserve.engine.outputs import Accumulator, merge_outputs
 
     eng, p = llm.engine, "Tell me about the sea."
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zzz"])

@@ -697,8 +697,8 @@ def test_hostile_input_gets_openai_4xx_and_the_server_goes_on(server):
                    headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
     for value in ("Infinity", "-Infinity", "NaN"):
-        r = httpx.post(server.url + "/v1/completions", content='{"prompt": "hi", "temperature": %s}' % value,
-                       headers=h)
+        body = '{"prompt": "hi", "temperature": ' + value + "}"
+        r = httpx.post(server.url + "/v1/completions", content=body, headers=h)
         assert r.status_code == 400 and f"{value} is not a JSON number" in r.json()["error"]["message"]
     # a chunked body past the limit (64 KiB here) is refused as it arrives: never terminated, it
     # would hang a server that reads it whole first
