@@ -110,15 +110,27 @@ class Cluster:
         if self._owns_ray:
             env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
                                               "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL") if k in os.environ}
-            ray.init(address=address, namespace=namespace, include_dashboard=False,
+            # no address: a Ray of our own ("local"), never one that happens to run on this machine
+            ray.init(address=address or "local", namespace=namespace, include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=False)
-        self.registry = BlockRegistry.options(name=REGISTRY_NAME, namespace=namespace,
-                                              get_if_exists=True).remote()
+        # a Ray of our own is this machine only: the workers' KV stores listen on loopback
+        bind_host = "127.0.0.1" if self._owns_ray and address is None else None
+        try:
+            ray.get_actor(REGISTRY_NAME, namespace=namespace)
+        except ValueError:
+            pass
+        else:
+            if self._owns_ray:
+                ray.shutdown()
+            raise RuntimeError(f"another pdserve cluster serves namespace {namespace!r} on this Ray cluster: "
+                               "pick another namespace (--namespace), or stop that one")
+        self.registry = BlockRegistry.options(name=REGISTRY_NAME, namespace=namespace).remote()
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever, name="pdserve-cluster", daemon=True)
         self._thread.start()
         options = {role: dict(actor_options) if actor_options else self._role_options(role) for role in ROLES}
-        self.pools = Pools(self.serving, mode, role_engine_args, options, namespace, self.registry, start_timeout)
+        self.pools = Pools(self.serving, mode, role_engine_args, options, namespace, self.registry, start_timeout,
+                           bind_host)
         self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, local_prefill_tokens,
                                      local_cached_fraction)
         self.dispatcher.observers.append(_AutoscaleLatency(self.pools))

@@ -52,8 +52,9 @@ class WorkerRecord:
 
 class Pools:
     def __init__(self, serving: ServingConfig, mode: str, role_engine_args: dict, actor_options: dict,
-                 namespace: str, registry, start_timeout: float):
-        self.serving, self.mode = serving, mode
+                 namespace: str, registry, start_timeout: float, bind_host: str | None = None):
+        """`bind_host`: where the workers' KV stores listen (None: each node's address)."""
+        self.serving, self.mode, self.bind_host = serving, mode, bind_host
         self.role_engine_args, self.actor_options = role_engine_args, actor_options
         self.namespace, self.registry, self.start_timeout = namespace, registry, start_timeout
         self.workers: dict[str, WorkerRecord] = {}
@@ -175,7 +176,7 @@ class Pools:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
             shard_opts = {k: opts[k] for k in ("num_gpus", "num_cpus") if k in opts}
         cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
-        actor = cls.remote(wid, role, args, self.namespace, placement_group=pg,
+        actor = cls.remote(wid, role, args, self.namespace, placement_group=pg, bind_host=self.bind_host,
                            shard_options=shard_opts)
         try:
             info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)

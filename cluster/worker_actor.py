@@ -85,8 +85,9 @@ class SwitchRole:
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_kwargs: dict, namespace: str,
                  heartbeat_s: float = 1.0, handoff_timeout_s: float = 30.0, placement_group=None,
-                 shard_options: dict | None = None):
-        """A worker of tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as
+                 shard_options: dict | None = None, bind_host: str | None = None):
+        """`bind_host`: where this worker's KV store listens and peers reach it (default: the
+        node's address). A worker of tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as
         shard actors on bundles 1..N-1 of `placement_group` (shard_actor.py)."""
         import torch
 
@@ -112,7 +113,7 @@ class WorkerActor:
         if self.engine.kv.host is not None:  # the host tier's blocks (a persisted tier's too) are announced
             self.engine.kv.host.record_events = True
             self.engine.kv.host.events = [("host_stored", h) for h, _ in self.engine.kv.host.entries()]
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        host = bind_host or (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
         kv_heads = config.model_config.num_kv_heads
         local = C10dConnector(worker_id, self.engine.runner.kv, host=host, default_timeout_s=handoff_timeout_s,
                               tp=self.tp, kv_heads_total=kv_heads, kv_cache_dtype=config.kv_cache_dtype)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .stores import BoundStore
+
 
 class TPError(RuntimeError):
     """A collective of the tensor-parallel group failed: a rank died or hung."""
@@ -78,6 +80,7 @@ class TPGroup:
     ctrl: object = None  # ProcessGroupGloo: step inputs from rank 0
     dev: object = None  # ProcessGroupNCCL / Gloo: the model's collectives
     store: object = None  # rank 0's TCPStore (kept alive)
+    bound: BoundStore | None = None  # rank 0: the store's listening socket (bound to one address)
 
     @property
     def address(self) -> str | None:
@@ -86,9 +89,8 @@ class TPGroup:
     @classmethod
     def serve(cls, size: int, host: str = "127.0.0.1") -> TPGroup:
         """Rank 0's store, before the shards start (they need its address)."""
-        store = dist.TCPStore(host, 0, world_size=size, is_master=True, wait_for_workers=False,
-                              timeout=td(600))
-        g = cls(0, size, store=store)
+        bound = BoundStore(host, 600, world_size=size)  # the shards run on this node: loopback by default
+        g = cls(0, size, store=bound.store, bound=bound)
         g.host = host
         return g
 

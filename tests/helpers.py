@@ -108,3 +108,54 @@ class Server:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class RayHead:
+    """`ray start --head --block` in a session of its own (its own temp dir too), stopped by
+    signalling that process group: the test stops the Ray it started and nothing else
+    (`ray stop` would end every Ray process of the machine, other users' clusters included)."""
+
+    def __init__(self, port: int, *args: str, env: dict | None = None):
+        import subprocess
+        import sys
+        import tempfile
+
+        self.temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: Ray's socket paths
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--block",
+             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.temp_dir}", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+        deadline = time.monotonic() + 120
+        while not _listening(port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"ray start --head on port {port} did not come up")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        import signal
+
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(self.proc.pid):
+                self.proc.poll()
+                time.sleep(0.2)
+        self.proc.poll()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -28,6 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.stores import BoundStore
+
 from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, TransferState, wire_layout
 from .pair import Pair, td
 
@@ -50,8 +52,9 @@ class C10dConnector(KVConnector):
         self.staging = StagingPool(kv, min_chunk_bytes)
         self.default_timeout_s = default_timeout_s
         self.host = host
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=td(default_timeout_s))
-        self.address = f"{host}:{self.store.port}"
+        # peers reach it at `host`, and only there (engine/stores.py)
+        self.bound = BoundStore(host, default_timeout_s)
+        self.store, self.address = self.bound.store, self.bound.address
         # high priority: the handoff's gather / NCCL / scatter kernels get SMs as soon as
         # blocks free up, instead of queueing behind the next prefill step's GEMM waves
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None

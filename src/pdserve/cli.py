@@ -189,6 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs = _engine_kwargs(args)
     kwargs.pop("model", None)
     cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
+                            namespace=args.namespace,
                             local_prefill_tokens=args.local_prefill_tokens,
                             local_cached_fraction=args.local_cached_fraction, serving_config=serving_config(args),
                             mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), **kwargs)
@@ -314,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--address", default=None, help="join this Ray cluster (auto | host:port); default: start one")
+    sv.add_argument("--namespace", default="pdserve", help="the Ray namespace of this server's actors")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or env PDSERVE_API_KEY)")
     sv.add_argument("--admin-key", default=None,
                     help="the key of /admin/* (or env PDSERVE_ADMIN_KEY); with --api-key and no admin key they are off")

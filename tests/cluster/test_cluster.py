@@ -16,7 +16,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.engine.hashing import hash_block_tokens
 
-from helpers import PROMPTS
+from helpers import PROMPTS, RayHead
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 PROMPTS16 = PROMPTS[:8] + [p + " Explain." for p in PROMPTS[:8]]
@@ -232,17 +232,34 @@ class TestScalingAndFailures:
 
 
 def test_join_existing_ray_cluster(tmp_path):
-    port = "6391"
-    env_cmd = [sys.executable, "-m", "ray.scripts.scripts"]
-    subprocess.run(env_cmd + ["start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                              "--disable-usage-stats"], check=True, capture_output=True, timeout=120)
+    port = 6391
+    head = RayHead(port, "--num-cpus=2")
     try:
         c = Cluster.start(prefill=1, decode=1, address=f"127.0.0.1:{port}", max_model_len=256)
         try:
             out = c.generate("The capital of France is", GREEDY)[0]
             assert "Paris" in out.outputs[0].text
-            assert ray.get_runtime_context().gcs_address.endswith(port)
+            assert ray.get_runtime_context().gcs_address.endswith(str(port))
+            with pytest.raises(RuntimeError, match="another pdserve cluster serves namespace 'pdserve'"):
+                Cluster.start(prefill=1, decode=1, address=f"127.0.0.1:{port}", max_model_len=256)
+            assert "Paris" in c.generate("The capital of France is", GREEDY)[0].outputs[0].text  # untouched
         finally:
             c.shutdown()
     finally:
-        subprocess.run(env_cmd + ["stop", "--force"], capture_output=True, timeout=120)
+        head.stop()
+
+
+def test_without_an_address_the_cluster_starts_its_own_ray():
+    """A Ray already running on the machine is neither joined nor touched."""
+    port = 6393
+    head = RayHead(port, "--num-cpus=1")
+    try:
+        c = Cluster.start(decode=1, mode="colocated", max_model_len=256)
+        try:
+            assert not ray.get_runtime_context().gcs_address.endswith(f":{port}")
+            assert c.generate("Hi", GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
+        finally:
+            c.shutdown()
+        assert head.proc.poll() is None  # the other Ray still runs
+    finally:
+        head.stop()

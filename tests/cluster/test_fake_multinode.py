@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import pathlib
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,9 +16,10 @@ import ray
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
 
+from helpers import RayHead
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PORT = 6379  # fake nodes join the GCS at this port
-RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def node_counts() -> dict[str, int]:
@@ -41,10 +40,8 @@ def fake_cluster():
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", PORT)) == 0:
             pytest.fail(f"port {PORT} is in use; the fake multi-node provider needs it for the head's GCS")
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1"}
-    subprocess.run(RAY + ["start", "--head", f"--port={PORT}", "--num-cpus=2", "--include-dashboard=false",
-                          "--disable-usage-stats", f"--autoscaling-config={ROOT / 'configs/fake_multinode.yaml'}"],
-                   check=True, capture_output=True, timeout=120, env=env)
+    head = RayHead(PORT, "--num-cpus=2", f"--autoscaling-config={ROOT / 'configs/fake_multinode.yaml'}",
+                   env={**os.environ, "RAY_FAKE_CLUSTER": "1"})
     c = None
     try:
         c = Cluster.start(address=f"127.0.0.1:{PORT}", serving_config=str(ROOT / "configs/serving/fake.yaml"),
@@ -53,7 +50,7 @@ def fake_cluster():
     finally:
         if c is not None:
             c.shutdown()
-        subprocess.run(RAY + ["stop", "--force"], capture_output=True, timeout=120)
+        head.stop()  # its fake nodes are its children: the autoscaler started them
 
 
 def test_decode_pool_grows_its_own_node_type(fake_cluster):

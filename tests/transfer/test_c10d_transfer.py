@@ -255,3 +255,34 @@ def test_order_for_a_receive_given_up_is_drained_and_the_pair_goes_on(peers, hea
     assert out["next"][0] == "DONE", out
     assert torch.equal(blocks["next"], make_kv(91)[[7, 8]])
     assert d.ask("stats", kind="stats")["pairs"] == 1  # the same pair: it never died
+
+
+def _outside_address() -> str | None:
+    """This host's address on its network (not loopback), if it has one."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def test_the_store_listens_only_on_the_address_it_is_given():
+    import socket
+
+    from pdserve.transfer.c10d import C10dConnector
+
+    outside = _outside_address()
+    if outside is None:
+        pytest.skip("this host has no address besides loopback")
+    conn = C10dConnector("solo", make_kv(1), host="127.0.0.1")
+    try:
+        port = int(conn.address.rsplit(":", 1)[1])
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with pytest.raises(OSError):  # refused: nobody listens there
+            socket.create_connection((outside, port), timeout=5).close()
+    finally:
+        conn.close()
