@@ -25,7 +25,9 @@ a decode worker take prompts from a deep prefill queue (hybrid placement,
 cluster/routing.py). Until the fit has seen 8 steps with prefill tokens the chunk is a
 probe of PROBE_TOKENS; a decode-only step banks at least MIN_ROOM of the target, so a
 prompt placed on a worker whose decodes alone take the target still progresses (and
-placement sees the small rate and sends no more there). With no decodes running there
+placement sees the small rate and sends no more there); when the decodes alone take
+target + a full bank, a prompt already there gets a MIN_CHUNK step each time the bank is
+full (it waited for ever before: a TTFT of 41 s was seen). With no decodes running there
 is nothing to protect: the step budget (`max_num_batched_tokens`) applies.
 """
 
@@ -178,6 +180,8 @@ class StepModel:
             return min(PROBE_TOKENS, self.max_tokens) if slack >= 0 else 0
         target, _ = self._room(decodes, kv)
         full = self._largest(decodes, kv, ctx, target + self._bank_cap(target))
+        if full <= 0:  # the decodes alone take target + a full bank: a minimal chunk each time it is
+            return min(MIN_CHUNK, remaining, self.max_tokens) if slack >= self._bank_cap(target) - 1e-9 else 0
         want = max(min(full, remaining), min(MIN_CHUNK, self.max_tokens))
         now = self._largest(decodes, kv, ctx, target + min(slack, self._bank_cap(target)))
         return min(now, remaining) if now >= want else 0

@@ -99,3 +99,21 @@ def test_engine_keeps_mean_step_inside_target():
         assert r["cap"] is None or r["prefill_tokens"] <= r["cap"]
     mean = sum(r["seconds"] for r in with_decodes) / len(with_decodes)
     assert mean <= e.step_model.margin * e.step_model.slo_tpot_s * 1.15, (mean, e.step_model.slo_tpot_s)
+
+
+def test_a_prompt_progresses_when_the_decodes_alone_take_the_target_and_the_bank():
+    """Decodes whose step alone leaves no chunk under target + a full bank: the prompt still
+    gets a MIN_CHUNK step each time the bank is full (it starved before: TTFT 41 s seen)."""
+    m = fitted(0.008)  # target 6.8 ms; a 32-decode step takes 9.6 ms, any mixed step > 28 ms
+    target = m.margin * 0.008
+    assert m.chunk_at(32, 32 * 1001) == 0 and m.rate_at(32, 32 * 1001) == 0.0  # placement sends no more
+    running = [R(1001, 1000, 5) for _ in range(32)]
+    waiting = [R(3000, 0, 0)]
+    m.slack = 0.0
+    for n in range(1, 200):
+        cap = m.prefill_cap(running, waiting)
+        if cap:
+            break
+        m.observe(step(32, 0), cost(32, 0))
+    assert cap == MIN_CHUNK and m.slack >= 3 * target - 1e-9
+    assert n <= 3 / 0.05 + 2  # the bank fills at MIN_ROOM of the target per decode step
