@@ -12,6 +12,16 @@ from typing import Any, Protocol
 from pdserve.engine.sampling_params import SamplingParams
 
 
+class NoWorker(RuntimeError):
+    """A pool has no worker to place a request on (all dead or draining, a replacement
+    starting): the router answers 503 with Retry-After (`retry_after_s`, the pools' measured
+    worker start time)."""
+
+    def __init__(self, role: str, retry_after_s: float = 5.0):
+        super().__init__(f"no healthy {role} worker: a replacement is starting, retry shortly")
+        self.role, self.retry_after_s = role, retry_after_s
+
+
 class RequestObserver:
     """What the dispatcher reports as requests run (the router's metrics, the autoscaler's
     latency windows). Override what you need."""

@@ -77,7 +77,7 @@ class Cluster:
                  local_cached_fraction: float = 2.0, serving_config: ServingConfig | str | None = None,
                  start_timeout: float = 900.0, mode: str = "disaggregated",
                  prefill_engine_args: dict | None = None, prefill_tp: int | None = None,
-                 decode_tp: int | None = None):
+                 decode_tp: int | None = None, worker_cls=None):
         mode = MODE_ALIASES.get(mode, mode)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)} (or 'disagg'), got {mode!r}")
@@ -131,6 +131,7 @@ class Cluster:
         options = {role: dict(actor_options) if actor_options else self._role_options(role) for role in ROLES}
         self.pools = Pools(self.serving, mode, role_engine_args, options, namespace, self.registry, start_timeout,
                            bind_host)
+        self.pools.worker_cls = worker_cls or self.pools.worker_cls
         self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, local_prefill_tokens,
                                      local_cached_fraction)
         self.dispatcher.observers.append(_AutoscaleLatency(self.pools))
@@ -150,7 +151,7 @@ class Cluster:
               local_prefill_tokens: int = 0, local_cached_fraction: float = 2.0,
               serving_config: ServingConfig | str | None = None, start_timeout: float = 900.0,
               mode: str = "disaggregated", prefill_engine_args: dict | None = None, prefill_tp: int | None = None,
-              decode_tp: int | None = None, **engine_args) -> Cluster:
+              decode_tp: int | None = None, worker_cls=None, **engine_args) -> Cluster:
         """`prefill` / `decode` default to the serving config's replicas (1 each without one).
         mode="disaggregated": every prompt on the prefill pool (bar the explicit local rules).
         mode="hybrid": per prompt, the prefill pool or a decode worker, whichever is predicted
@@ -159,10 +160,11 @@ class Cluster:
         decode their own requests, placed by cached prefix then consistent hash; no handoff.
         `prefill_tp` / `decode_tp`: GPUs per worker of each pool (tensor parallelism; a
         handoff works between any two sizes whose KV heads divide); `tensor_parallel_size`
-        sets both (colocated engines are the decode pool)."""
+        sets both (colocated engines are the decode pool). `worker_cls`: a WorkerActor subclass
+        (fault-injection tests)."""
         return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
                    local_prefill_tokens, local_cached_fraction, serving_config, start_timeout, mode,
-                   prefill_engine_args, prefill_tp, decode_tp)
+                   prefill_engine_args, prefill_tp, decode_tp, worker_cls)
 
     @staticmethod
     def _serving_config(cfg: ServingConfig | str | None, prefill: int | None, decode: int | None) -> ServingConfig:

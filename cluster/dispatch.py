@@ -34,9 +34,9 @@ from pdserve.engine.hashing import hash_block_tokens
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
-from .api import RequestObserver
+from .api import NoWorker, RequestObserver
+from .placement import Placer
 from .pools import Pools, WorkerRecord
-from .routing import pick_decode, pick_prefill, place_prompt
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class _Progress:
         self.t0, self.last, self.first_at = t0, None, None
         self.tokens = 0
         self.placement: dict | None = None
+        self.predicted: tuple[str, float | None] | None = None  # (worker, TTFT) placement expected
         self._charged: list[tuple[WorkerRecord, int]] = []
 
     @property
@@ -78,15 +79,10 @@ class Dispatcher:
     def __init__(self, pools: Pools, registry, block_size: int, local_prefill_tokens: int = 0,
                  local_cached_fraction: float = 2.0, timeline_len: int = 4096):
         self.pools, self.registry, self.block_size = pools, registry, block_size
-        self.slo = pools.serving.slo
-        self.handoff_s = 0.02  # EWMA of the kv_to_first_token phase: hybrid placement's handoff cost
-        # conditional disaggregation: prompts up to this many tokens, or with at least this
-        # fraction of their blocks cached on a decode worker, prefill on that decode worker
-        # (defaults: off; values above 1 turn the cached rule off)
-        self.local_prefill_tokens = local_prefill_tokens
-        self.local_cached_fraction = local_cached_fraction
         self.observers: list[RequestObserver] = []
         self.counters = {"requests": 0, "retries": 0, "failed": 0, "routing": {}}
+        self.placer = Placer(pools, registry, block_size, local_prefill_tokens, local_cached_fraction,
+                             self.counters["routing"])
         self.timeline: collections.deque = collections.deque(maxlen=timeline_len)
         self._early_spans: dict[str, dict] = {}
 
@@ -104,6 +100,9 @@ class Dispatcher:
                 return
             except _Ended:
                 return
+            except NoWorker:  # the router's 503 with Retry-After
+                self.counters["failed"] += 1
+                raise
             except WorkerLost as e:
                 last_error = e
                 self.counters["retries"] += 1
@@ -113,53 +112,12 @@ class Dispatcher:
         self._finish(RequestOutput.error(rid, str(last_error)), ids, _Progress(time.monotonic()), sink, None, None)
 
     async def _attempt(self, wire_id: str, rid: str, ids, hashes, params, sink, progress: _Progress):
-        if self.pools.mode == "colocated":
-            w = await self._pick_prefill(hashes, ids, "decode")
-            progress.charge(w, len(ids))
-            return await self._single(wire_id, rid, ids, params, sink, progress, w)
-        local, reason = await self._local_decode(hashes, ids)
-        if local is not None:
-            self._count(reason)
-            progress.charge(local, len(ids))
-            return await self._single(wire_id, rid, ids, params, sink, progress, local)
-        if self.pools.mode == "hybrid":
-            p, d, local = await self._place_hybrid(hashes, ids, progress)
-            if local:
-                return await self._single(wire_id, rid, ids, params, sink, progress, d)
-        else:
-            p = await self._pick_prefill(hashes, ids, "prefill")
-            d = self.pools.worker(pick_decode(self.pools.candidates("decode")))
-            progress.charge(p, len(ids))
+        p, d, local = await self.placer.plan(hashes, ids, progress)
+        if local:
+            return await self._single(wire_id, rid, ids, params, sink, progress, d)
         if params.max_tokens == 1:
             return await self._prefill_only(wire_id, rid, ids, params, sink, progress, p)
         return await self._disaggregated(wire_id, rid, ids, params, sink, progress, p, d)
-
-    async def _place_hybrid(self, hashes: list[str], ids: list[int], progress: _Progress):
-        """Hybrid mode: the prefill worker p, the decode worker d, and whether d prefills the
-        prompt itself (routing.place_prompt, from live queues, rates and cached prefixes)."""
-        if hashes:
-            (ph, pd), (dh, dd) = await asyncio.gather(self.registry.longest_prefix.remote(hashes, "prefill"),
-                                                      self.registry.longest_prefix.remote(hashes, "decode"))
-        else:
-            ph, pd, dh, dd = None, 0, None, 0
-        prefills = self.pools.candidates("prefill")
-        key = hashes[0] if hashes else str(ids[: self.block_size])
-        pid, why = pick_prefill(prefills, key, (ph, pd))
-        p = next(c for c in prefills if c.worker_id == pid)
-        p.cached_tokens = pd * self.block_size if pid == ph else 0
-        decodes = self.pools.candidates("decode")
-        for c in decodes:
-            c.cached_tokens = dd * self.block_size if c.worker_id == dh else 0
-        pl = place_prompt(len(ids), p, decodes, self.slo.ttft_s, self.slo.spill_at, self.handoff_s)
-        self._count(pl.reason)
-        progress.placement = {**pl.explain(), "prefill": pid}
-        d = self.pools.worker(pl.decode)
-        if pl.local:
-            progress.charge(d, len(ids) - next(c.cached_tokens for c in decodes if c.worker_id == pl.decode))
-            return None, d, True
-        self._count(why)
-        progress.charge(self.pools.worker(pid), len(ids) - p.cached_tokens)
-        return self.pools.worker(pid), d, False
 
     async def _disaggregated(self, wire_id, rid, ids, params, sink, progress, p: WorkerRecord,
                              d: WorkerRecord) -> None:
@@ -171,9 +129,15 @@ class Dispatcher:
         try:
             done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
             if relay not in done:  # the prefill side ended first: failed, or the request ended there
-                if prefill.exception() is not None:
-                    raise self._lost(prefill.exception(), p, progress, sink, rid, ids, d)
-                if isinstance(prefill.result(), RequestOutput):  # nothing to hand off (an error on the
+                err = prefill.exception()
+                if getattr(err, "dead", False):
+                    # the prefill worker died: whether its KV landed is the decode worker's to say.
+                    # If it did, the request goes on there; if not, the receive fails (the monitor
+                    # makes the peers forget the dead worker) and the relay's WorkerLost retries
+                    p.draining = True
+                elif err is not None:
+                    raise self._lost(err, p, progress, sink, rid, ids, d)
+                elif isinstance(prefill.result(), RequestOutput):  # nothing to hand off (an error on the
                     d.actor.abort.remote(wire_id)  # prefill worker): the decode worker's reservation goes
                     self._finish(prefill.result(), ids, progress, sink, p, None, rid)
                     return
@@ -294,6 +258,7 @@ class Dispatcher:
                 progress.first_at = now
                 progress.settle()
                 self._observe("ttft", now - progress.t0)
+                self.placer.observe_first_token(progress.predicted, now - progress.t0)
                 self._record(out, progress, now)
             elif progress.last is not None:
                 self._observe("itl", now - progress.last)
@@ -333,38 +298,12 @@ class Dispatcher:
             for o in self.observers:
                 o.on_phase(name, sec)
         if "kv_to_first_token" in phases:
-            self.handoff_s = 0.9 * self.handoff_s + 0.1 * phases["kv_to_first_token"]
+            self.placer.observe_handoff(phases["kv_to_first_token"])
         entry = {"request_id": out.request_id, "prefill_worker": out.prefill_worker,
                  "decode_worker": out.decode_worker, "spans": spans, "phases": phases}
         if progress.placement is not None:
             entry["placement"] = progress.placement
         self.timeline.append(entry)
-
-    # ---- placement ------------------------------------------------------------------------------
-    async def _pick_prefill(self, hashes: list[str], ids: list[int], role: str) -> WorkerRecord:
-        """The worker to run this prompt's prefill: of the prefill pool, or (colocated mode)
-        of the decode pool: longest cached prefix, else consistent hash, bounded load."""
-        cached = await self.registry.longest_prefix.remote(hashes, role) if hashes else (None, 0)
-        key = hashes[0] if hashes else str(ids[: self.block_size])
-        wid, reason = pick_prefill(self.pools.candidates(role), key, tuple(cached))
-        self._count(reason)
-        return self.pools.worker(wid)
-
-    async def _local_decode(self, hashes: list[str], ids: list[int]) -> tuple[WorkerRecord | None, str]:
-        """Conditional disaggregation: the decode worker to prefill on, if any."""
-        if len(ids) <= self.local_prefill_tokens:
-            return self.pools.worker(pick_decode(self.pools.candidates("decode"))), "local_short"
-        if hashes and self.local_cached_fraction <= 1.0 and \
-                self.local_cached_fraction * len(ids) <= len(hashes) * self.block_size:
-            holder, depth = await self.registry.longest_prefix.remote(hashes, "decode")
-            w = self.pools.workers.get(holder)
-            if w is not None and not w.draining and depth * self.block_size >= self.local_cached_fraction * len(ids):
-                return w, "local_cached"
-        return None, ""
-
-    def _count(self, reason: str) -> None:
-        self.counters["routing"][reason] = self.counters["routing"].get(reason, 0) + 1
-
 
 class _Ended(Exception):
     """An attempt that already ended the request with an error output (not retried)."""

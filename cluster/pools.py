@@ -55,6 +55,7 @@ class Pools:
                  namespace: str, registry, start_timeout: float, bind_host: str | None = None):
         """`bind_host`: where the workers' KV stores listen (None: each node's address)."""
         self.serving, self.mode, self.bind_host = serving, mode, bind_host
+        self.worker_cls = WorkerActor  # the actor class (fault-injection tests use a subclass)
         self.role_engine_args, self.actor_options = role_engine_args, actor_options
         self.namespace, self.registry, self.start_timeout = namespace, registry, start_timeout
         self.workers: dict[str, WorkerRecord] = {}
@@ -67,6 +68,7 @@ class Pools:
         self._pool_state = {role: PoolState() for role in ROLES}
         self._scaling = asyncio.Lock()
         self.closed = False
+        self.start_s = 10.0  # EWMA of a worker's start (actor to serving): a 503's Retry-After
 
     # ---- views ------------------------------------------------------------------------------
     def worker(self, worker_id: str) -> WorkerRecord:
@@ -175,7 +177,8 @@ class Pools:
             pg = await self._placement_group(wid, role, tp)
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
             shard_opts = {k: opts[k] for k in ("num_gpus", "num_cpus") if k in opts}
-        cls = ray.remote(WorkerActor).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
+        t0 = time.monotonic()
+        cls = ray.remote(self.worker_cls).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
         actor = cls.remote(wid, role, args, self.namespace, placement_group=pg, bind_host=self.bind_host,
                            shard_options=shard_opts)
         try:
@@ -190,6 +193,7 @@ class Pools:
                                f"{self.actor_options[role]} (is the autoscaler at its node type's max?)") from None
         w = WorkerRecord(wid, role, actor, info, placement_group=pg)
         self.workers[wid] = w
+        self.start_s = 0.7 * self.start_s + 0.3 * (time.monotonic() - t0)
         log.info("worker %s started", wid)
         tier = info.get("kv_persist_status")
         if tier and ("refused" in tier or not tier.startswith("restored")):  # in the server's own log too

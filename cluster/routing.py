@@ -12,6 +12,8 @@ import bisect
 import hashlib
 from dataclasses import dataclass
 
+from .api import NoWorker
+
 
 @dataclass
 class Candidate:
@@ -76,10 +78,10 @@ def bounded(c: Candidate, cands: list[Candidate], eps: float) -> bool:
 
 
 def pick_prefill(cands: list[Candidate], prefix_key: str, cached: tuple[str | None, int],
-                 eps: float = 0.25) -> tuple[str, str]:
+                 eps: float = 0.25, role: str = "prefill") -> tuple[str, str]:
     """(worker id, reason). `cached` is the registry's (holder, depth) for the prompt."""
     if not cands:
-        raise RuntimeError("no healthy prefill worker")
+        raise NoWorker(role)
     by_id = {c.worker_id: c for c in cands}
     holder, depth = cached
     if holder in by_id and depth > 0 and bounded(by_id[holder], cands, eps):
@@ -92,7 +94,7 @@ def pick_prefill(cands: list[Candidate], prefix_key: str, cached: tuple[str | No
 
 def pick_decode(cands: list[Candidate]) -> str:
     if not cands:
-        raise RuntimeError("no healthy decode worker")
+        raise NoWorker("decode")
     return max(cands, key=lambda c: (c.free_blocks / max(c.total_blocks, 1) - 0.02 * c.load, -c.load)).worker_id
 
 

@@ -16,10 +16,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import math
 
 from fastapi import Request
 from pydantic import ValidationError
 
+from pdserve.cluster.api import NoWorker
 from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.structured import BUDGET, Grammars, nesting_depth
 from pdserve.engine.validation import InvalidRequest
@@ -176,6 +178,9 @@ class RequestRunner:
                     exc = item.fut.exception() if not item.fut.cancelled() else None
                     if isinstance(exc, ValueError):
                         raise HTTPError(400, str(exc), param=getattr(exc, "param", None))
+                    if isinstance(exc, NoWorker):
+                        raise HTTPError(503, str(exc), "server_error",
+                                        headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
                     if exc is not None:
                         raise HTTPError(500, f"request failed: {exc}", "server_error")
                     return

@@ -4,8 +4,11 @@ a graceful restart with the same answers; the cluster is closed to other users."
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
+import httpx
 import pytest
 import ray
 
@@ -13,6 +16,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.cluster.pools import WorkerRecord
 from pdserve.cluster.worker_actor import WorkerActor
+from pdserve.router.app import build_app
+
+from helpers import Server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -80,5 +86,80 @@ def test_a_graceful_restart_with_the_persisted_tier_answers_the_same(tiny_models
         assert tier.startswith("restored 6 blocks from ") and "refused" not in tier
         out = c.generate([prompt], GREEDY)[0]
         assert out.outputs[0].token_ids == want and out.num_cached_tokens == 96
+    finally:
+        c.shutdown()
+
+
+def slow_reply():
+    """A real worker whose prefill() reply stays on the way for 30 s after its KV was sent:
+    the window in which a prefill worker can die after the decode worker has what it needs.
+    (Made in a function: Ray ships a local class by value, not by this test module's name.)"""
+
+    class SlowReply(WorkerActor):
+        async def prefill(self, *args, **kwargs):
+            out = await super().prefill(*args, **kwargs)
+            await asyncio.sleep(30)
+            return out
+
+    return SlowReply
+
+
+def test_a_request_whose_kv_landed_survives_its_prefill_worker(tiny_models):
+    model = tiny_models["llama"]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompt = list(range(100, 140))
+    with LLM(model, max_model_len=256) as llm:
+        want = llm.generate([prompt], params)[0].outputs[0].token_ids
+    c = Cluster.start(model, prefill=1, decode=1, max_model_len=256, worker_cls=slow_reply())
+    try:
+        outs, first = [], threading.Event()
+
+        def sink(out):
+            outs.append(out)
+            first.set()
+
+        fut = c.submit(None, prompt, params, sink)
+        assert first.wait(60)
+        ray.kill(ray.get_actor(outs[0].prefill_worker, namespace="pdserve"))  # its reply still on the way
+        fut.result(120)
+        final = outs[-1].outputs[0]
+        assert final.finish_reason == "length", final.stop_reason
+        assert [t for o in outs for t in o.delta_token_ids] == want
+    finally:
+        c.shutdown()
+
+
+def _kill_prefill_pool(c: Cluster) -> None:
+    for w in c.status():
+        if w["role"] == "prefill":
+            ray.kill(ray.get_actor(w["worker_id"], namespace="pdserve"))
+
+
+def test_an_empty_prefill_pool_is_a_503_with_retry_after_and_hybrid_prefills_on_decode(tiny_models):
+    model = tiny_models["llama"]
+    c = Cluster.start(model, prefill=1, decode=1, max_model_len=256)
+    try:
+        server = Server(build_app(c))
+        try:
+            _kill_prefill_pool(c)  # before the monitor has even seen it
+            r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 4}, timeout=60)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["message"].startswith("no healthy prefill worker")
+            assert int(r.headers["retry-after"]) >= 1
+            deadline = time.monotonic() + 120  # the replacement serves
+            while c.pool_sizes()["prefill"] < 1 or c.generate([[1, 2, 3]], GREEDY)[0].outputs[0].finish_reason \
+                    == "error":
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        finally:
+            server.stop()
+    finally:
+        c.shutdown()
+    c = Cluster.start(model, prefill=1, decode=1, max_model_len=256, mode="hybrid")
+    try:
+        _kill_prefill_pool(c)
+        out = c.generate([list(range(100, 180))], GREEDY)[0]
+        assert out.outputs[0].finish_reason == "length" and out.prefill_worker == out.decode_worker
+        assert c.counters["routing"].get("no_prefill_worker", 0) >= 1
     finally:
         c.shutdown()

@@ -177,3 +177,36 @@ def test_switch_roles_under_load(hybrid, prompts, reference):
         hybrid.scale(prefill=3, decode=1, switch_roles=True)
     hybrid.scale(prefill=1, decode=2, switch_roles=True)  # and back
     assert hybrid.pool_sizes() == {"prefill": 1, "decode": 2} and set(hybrid.workers) == before
+
+
+def test_placement_corrects_a_worker_whose_predictions_were_wrong():
+    """A decode worker advertises a fast prefill rate (6,024 tok/s, as seen) but its prompts
+    take far longer than predicted: after a few first tokens its rate is divided by the error
+    and the prompts go to the prefill pool again."""
+    import asyncio
+
+    from pdserve.cluster.dispatch import _Progress
+    from pdserve.cluster.placement import Placer
+
+    cfg = ServingConfig.from_dict({"slo": {"ttft_s": 1.0}})
+    pools = Pools(cfg, "hybrid", {}, {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+    stats = {"prefill": {"prefill_tok_s": 177.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
+             "decode": {"prefill_tok_s": 6024.0, "prefill_chunk": 256, "kv_blocks_total": 100}}
+    for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
+        pools.workers[wid] = WorkerRecord(wid, role, None, stats=dict(stats[role]))
+    pools.workers["prefill-0"].queued_tokens = 600  # a queue: the decode worker looks ~10x faster
+    placer = Placer(pools, None, 16)
+
+    def place():
+        progress = _Progress(time.monotonic())
+        p, d, local = asyncio.run(placer.plan([], list(range(400)), progress))
+        progress.settle()
+        return local, progress
+
+    local, progress = place()
+    assert local and progress.placement["reason"] == "decode_spare" and progress.predicted[0] == "decode-1"
+    for _ in range(6):  # what happened: 12 s, not the ~0.07 s predicted
+        placer.observe_first_token(progress.predicted, 12.0)
+    local, progress = place()
+    assert not local and progress.placement["reason"] == "prefill_pool"
+    assert placer.error("decode-1") > 20

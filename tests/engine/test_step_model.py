@@ -110,7 +110,7 @@ def test_a_prompt_progresses_when_the_decodes_alone_take_the_target_and_the_bank
     running = [R(1001, 1000, 5) for _ in range(32)]
     waiting = [R(3000, 0, 0)]
     m.slack = 0.0
-    for n in range(1, 200):
+    for n in range(1, 200):  # noqa: B007 - n is read after the loop
         cap = m.prefill_cap(running, waiting)
         if cap:
             break

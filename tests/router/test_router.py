@@ -332,14 +332,14 @@ def test_pdserve_scale_shows_the_servers_message_and_reads_the_env_key(server, c
 
 def test_conditional_disaggregation(client, cluster):
     """Short prompts, and prompts mostly cached on a decode worker, prefill on that decode worker."""
-    cluster.dispatcher.local_prefill_tokens = 8
+    cluster.dispatcher.placer.local_prefill_tokens = 8
     try:
         raw = client.completions.with_raw_response.create(model=model_id(client), prompt="Hi", max_tokens=4,
                                                           temperature=0)
         assert raw.headers["x-pdserve-prefill"] == raw.headers["x-pdserve-decode"]
         assert raw.headers["x-pdserve-decode"].startswith("decode")
     finally:
-        cluster.dispatcher.local_prefill_tokens = 0
+        cluster.dispatcher.placer.local_prefill_tokens = 0
     doc = "The history of the lighthouse keepers of the northern coast, told in order. " * 4
     first = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 1.",
                                                         max_tokens=2, temperature=0)
@@ -356,14 +356,14 @@ def test_conditional_disaggregation(client, cluster):
     else:
         pytest.fail(f"the registry never showed {first.headers['x-pdserve-decode']} holding >= 70% of "
                     f"{len(ids)} tokens; last (holder, blocks) = {seen}")
-    cluster.dispatcher.local_cached_fraction = 0.7
+    cluster.dispatcher.placer.local_cached_fraction = 0.7
     try:
         again = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 2.",
                                                             max_tokens=2, temperature=0)
         assert again.headers["x-pdserve-prefill"] == again.headers["x-pdserve-decode"] == \
             first.headers["x-pdserve-decode"]
     finally:
-        cluster.dispatcher.local_cached_fraction = 2.0
+        cluster.dispatcher.placer.local_cached_fraction = 2.0
     assert cluster.counters["routing"].get("local_short", 0) >= 1
     assert cluster.counters["routing"].get("local_cached", 0) >= 1
 
