@@ -169,11 +169,12 @@ class Dispatcher:
         try:
             res = await ref
         except RayActorError as e:
-            raise WorkerLost(f"prefill worker {p.worker_id} died: {e}", dead=True) from e
+            log.warning("prefill worker %s died: %s", p.worker_id, e)
+            raise WorkerLost(f"prefill worker {p.worker_id} died", dead=True) from e
         except RayError as e:
             if isinstance(e.cause, ValueError):
                 raise e.cause from None
-            raise WorkerLost(f"prefill on {p.worker_id} failed: {e}") from e
+            raise WorkerLost(f"prefill on {p.worker_id} failed: {public_cause(e)}") from e
         if isinstance(res, dict):
             self._late_spans(rid, res.get("spans") or {})
             if res.get("state") == "DONE":
@@ -190,14 +191,16 @@ class Dispatcher:
         if isinstance(err, ValueError):
             return err
         if isinstance(err, RayActorError):
-            err = WorkerLost(f"{w.role} worker {w.worker_id} died: {err}", dead=True)
+            log.warning("%s worker %s died: %s", w.role, w.worker_id, err)
+            err = WorkerLost(f"{w.role} worker {w.worker_id} died", dead=True)
         if getattr(err, "dead", False):
             w.draining = True  # no more placements on it; the monitor purges and replaces it
         if progress.streamed:
-            self._finish(RequestOutput.error(rid, f"{w.worker_id} failed mid-generation: {err}"), ids, progress,
+            self._finish(RequestOutput.error(rid, f"{w.worker_id} failed mid-generation: {public_cause(err)}"), ids,
+                         progress,
                          sink, None, d)
             return _Ended()
-        return err if isinstance(err, WorkerLost) else WorkerLost(f"{w.worker_id} failed: {err}")
+        return err if isinstance(err, WorkerLost) else WorkerLost(f"{w.worker_id} failed: {public_cause(err)}")
 
     async def _single(self, wire_id, rid, ids, params, sink, progress, w: WorkerRecord) -> None:
         w.load += 1
@@ -241,7 +244,8 @@ class Dispatcher:
                 raise
             if isinstance(e.cause, ValueError):
                 raise e.cause from None
-            raise WorkerLost(f"{d.worker_id}: {e}") from e
+            log.warning("%s: %s", d.worker_id, e)
+            raise WorkerLost(f"{d.worker_id}: {public_cause(e)}") from e
 
     # ---- outputs, latencies, the timeline ------------------------------------------------------
     def _finish(self, out: RequestOutput, ids, progress: _Progress, sink, p, d, rid=None) -> None:
@@ -304,6 +308,19 @@ class Dispatcher:
         if progress.placement is not None:
             entry["placement"] = progress.placement
         self.timeline.append(entry)
+
+def public_cause(e: BaseException) -> str:
+    """What a client may read of an error: the worker's own exception, never Ray's text (actor
+    ids, addresses, RPC details, tracebacks), which goes to the server's log instead."""
+    if isinstance(e, RayActorError):
+        return "the worker process ended"
+    if isinstance(e, RayError):
+        cause = getattr(e, "cause", None)
+        if cause is None or isinstance(cause, RayError):
+            return type(e).__name__
+        e = cause
+    return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
 
 class _Ended(Exception):
     """An attempt that already ended the request with an error output (not retried)."""

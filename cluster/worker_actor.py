@@ -185,8 +185,7 @@ class WorkerActor:
         return self._stats()
 
     def _check_alive(self) -> None:
-        """A worker whose engine thread died cannot serve: every call the monitor makes fails,
-        so the pools purge and replace it (health and placement follow)."""
+        """Its engine thread dead, the worker fails every call: the pools purge and replace it."""
         if self.dead is not None:
             raise RuntimeError(f"{self.worker_id} cannot serve: {self.dead}")
 
@@ -380,9 +379,10 @@ class WorkerActor:
                 actor = self.peers[ev.peer] = ray.get_actor(ev.peer, namespace=self.namespace)
             actor.target.remote(ev.request_id, ev.target)
         except Exception as e:  # noqa: BLE001 - the prefill worker is gone: fail the request here
+            log.warning("%s: prefill worker %s unreachable: %s", self.worker_id, ev.peer, e)
             self.role.abort(ev.request_id)
-            self._deliver(ev.request_id, output=RequestOutput.error(
-                ev.request_id, f"prefill worker {ev.peer} unreachable: {e}"))
+            why = f"prefill worker {ev.peer} unreachable"
+            self._deliver(ev.request_id, output=RequestOutput.error(ev.request_id, why))
 
     def _heartbeat(self) -> None:
         pool, host = self.engine.kv.pool, self.engine.kv.host

@@ -37,12 +37,20 @@ from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 
 
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-              max_queue: int = 256, served_model_name: str | None = None, admin_key: str | None = None) -> FastAPI:
-    """`api_key` guards the inference routes, `admin_key` the /admin routes (errors.py)."""
+              max_queue: int = 256, served_model_name: str | None = None, admin_key: str | None = None,
+              chat_special_tokens: str = "refuse") -> FastAPI:
+    """`api_key` guards the inference routes, `admin_key` the /admin routes (errors.py).
+    `chat_special_tokens`: "refuse" (400) a chat message whose text spells one of the
+    tokenizer's special tokens (it would be read as a control token: a forged turn), or
+    "allow" it (vLLM's default)."""
+    if chat_special_tokens not in ("refuse", "allow"):
+        raise ValueError(f"chat_special_tokens must be refuse or allow, got {chat_special_tokens!r}")
     app = FastAPI(title="pdserve", version=__version__, docs_url="/docs", redoc_url=None)
     model_name = served_model_name or os.path.basename(os.path.normpath(cluster.model_path))
     metrics = RouterMetrics(cluster, model_name)
     runner = RequestRunner(cluster, max_body_bytes, max_queue)
+    if chat_special_tokens == "refuse":
+        runner.chat_specials = special_tokens(cluster.tokenizer)
     app.state.cluster, app.state.metrics = cluster, metrics
 
     @app.exception_handler(HTTPError)
@@ -83,7 +91,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         check_model(req)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        ids = chat_ids(cluster, req.messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None)
+        ids = chat_ids(cluster, req.messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None,
+                       refuse=runner.chat_specials)
         return await serve(request, req, None, ids, await runner.params(req, ids, None), chat=True)
 
     def check_model(req) -> None:
@@ -142,8 +151,23 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         return card
 
 
+def special_tokens(tokenizer) -> tuple[str, ...]:
+    """The texts the tokenizer reads as control tokens (its special and added special tokens)."""
+    found = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    found |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()
+              if getattr(t, "special", False)}
+    return tuple(sorted(t for t in found if t))
+
+
 def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[int]:
+             tools: list[dict] | None = None, refuse: tuple[str, ...] = ()) -> list[int]:
+    for i, m in enumerate(messages):
+        text = m.text()
+        bad = next((t for t in refuse if t in text), None)
+        if bad is not None:
+            raise HTTPError(400, f"messages[{i}] contains the special token {bad!r}, which would be read as a control "
+                                 "token (the server refuses them: --chat-special-tokens allow lets them through)",
+                            param="messages")
     conv = [m.for_template() for m in messages]
     try:
         return list(cluster.tokenizer.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=False,
@@ -172,7 +196,7 @@ def add_token_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunne
         if req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            ids = chat_ids(cluster, req.messages, req.add_generation_prompt)
+            ids = chat_ids(cluster, req.messages, req.add_generation_prompt, refuse=runner.chat_specials)
         return {"count": len(ids), "max_model_len": cluster.max_model_len, "tokens": list(ids)}
 
     @app.post("/detokenize")

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import math
 
 from fastapi import Request
@@ -34,6 +35,7 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_toke
                    "structured_outputs", "tool_choice")
 
 
+log = logging.getLogger(__name__)
 MAX_JSON_DEPTH = 64  # a body nested deeper is refused (1000 deep once ended in a RecursionError: a 500)
 
 
@@ -73,6 +75,7 @@ class RequestRunner:
     def __init__(self, cluster, max_body_bytes: int, max_queue: int):
         self.cluster, self.max_body_bytes, self.max_queue = cluster, max_body_bytes, max_queue
         self.inflight = 0
+        self.chat_specials: tuple[str, ...] = ()  # special tokens a chat message may not spell (app.py)
         self.grammars = Grammars(cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached (bounded)
         # grammars compile here, off the event loop (xgrammar releases the GIL): one slow
         # grammar never stalls /health or other requests, and two threads bound what they take
@@ -181,8 +184,10 @@ class RequestRunner:
                     if isinstance(exc, NoWorker):
                         raise HTTPError(503, str(exc), "server_error",
                                         headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
-                    if exc is not None:
-                        raise HTTPError(500, f"request failed: {exc}", "server_error")
+                    if exc is not None:  # a bug: the details go to the log, not to the client
+                        log.error("request failed", exc_info=exc)
+                        raise HTTPError(500, f"request failed: internal error ({type(exc).__name__}; "
+                                             "the server's log has the details)", "server_error")
                     return
                 finished = finished or item.finished
                 yield item

@@ -124,9 +124,12 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: str
+    role: Literal[ROLES]  # a template renders the role verbatim: any string could forge a turn
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (tools.py)

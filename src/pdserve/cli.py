@@ -195,7 +195,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), **kwargs)
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
-                        max_queue=args.max_queue, served_model_name=args.served_model_name)
+                        max_queue=args.max_queue, served_model_name=args.served_model_name,
+                        chat_special_tokens=args.chat_special_tokens)
         pools = cluster.pool_sizes()
         tp = {r: f"{pools[r]} x TP{cluster.pools.tp(r)}" for r in pools}
         sizes = f"colocated={tp['decode']}" if cluster.mode == "colocated" else \
@@ -320,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--admin-key", default=None,
                     help="the key of /admin/* (or env PDSERVE_ADMIN_KEY); with --api-key and no admin key they are off")
     sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--chat-special-tokens", choices=("refuse", "allow"), default="refuse",
+                    help="a chat message that spells a special token (e.g. <|im_start|>): 400, or read as the token "
+                         "(vLLM's default)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
     sv.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,

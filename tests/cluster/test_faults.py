@@ -163,3 +163,25 @@ def test_an_empty_prefill_pool_is_a_503_with_retry_after_and_hybrid_prefills_on_
         assert c.counters["routing"].get("no_prefill_worker", 0) >= 1
     finally:
         c.shutdown()
+
+
+def test_a_worker_lost_mid_generation_reports_no_ray_internals(tiny_models):
+    c = Cluster.start(tiny_models["llama"], decode=1, mode="colocated", max_model_len=256)
+    try:
+        outs, first = [], threading.Event()
+
+        def sink(out):
+            outs.append(out)
+            first.set()
+
+        fut = c.submit(None, list(range(100, 120)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                       sink)
+        assert first.wait(60)
+        ray.kill(ray.get_actor(outs[0].decode_worker, namespace="pdserve"))
+        fut.result(120)
+        final = outs[-1].outputs[0]
+        assert final.finish_reason == "error" and final.stop_reason.endswith("died")
+        for word in ("actor_id", "Actor ID", "ray::", "Traceback", "pid=", "ip="):
+            assert word not in final.stop_reason
+    finally:
+        c.shutdown()
