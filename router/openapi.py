@@ -19,7 +19,9 @@ BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatComp
           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 STREAMING = ("/v1/completions", "/v1/chat/completions")
 ERRORS = {"400": "invalid request (the error names the parameter)", "401": "missing or wrong API key",
-          "404": "unknown model or route", "413": "request body too large", "429": "server busy (Retry-After)"}
+          "403": "an admin route on a server without an admin key", "404": "unknown model or route",
+          "408": "request headers not received in time", "413": "request body too large",
+          "429": "server busy (Retry-After)", "503": "no worker to serve it while a replacement starts (Retry-After)"}
 
 
 class ErrorDetail(BaseModel):
