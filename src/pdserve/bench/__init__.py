@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import time
 
@@ -31,6 +32,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--url", default="http://127.0.0.1:8000")
     b.add_argument("--model", default=None, help="model name to send (default: the endpoint's first)")
     b.add_argument("--api-key", default=None)
+    b.add_argument("--admin-key", default=None, help="a pdserve server's admin key, for its timelines "
+                                                     "(or env PDSERVE_ADMIN_KEY)")
     b.add_argument("--workload", choices=("trace", "synthetic", "shared-prefix"), default="synthetic")
     b.add_argument("--num-requests", type=int, default=100)
     b.add_argument("--trace", default=None,
@@ -111,7 +114,7 @@ def run(args) -> dict:
     from .timeline import phase_stats
     from .workloads import poisson_arrivals
 
-    ep = Endpoint(args.url, args.model, args.api_key)
+    ep = Endpoint(args.url, args.model, args.api_key, admin_key=args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"))
     runs, desc = [], ""
     for i, rate in enumerate(_rates(args)):
         reqs, desc = _workload(args, salt=args.seed * 1000 + i)

@@ -43,7 +43,9 @@ class Record:
 
 
 class Endpoint:
-    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600):
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600,
+                 admin_key: str | None = None):
+        """`admin_key`: a pdserve server's /admin key (its timelines); the API key elsewhere."""
         u = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
         if u.scheme not in ("http", "https"):
             raise ValueError(f"unsupported URL scheme in {url!r}")
@@ -51,23 +53,24 @@ class Endpoint:
         self.base = u.path.rstrip("/")
         if self.base.endswith("/v1"):
             self.base = self.base[:-3]
-        self.api_key, self.timeout = api_key, timeout
+        self.api_key, self.admin_key, self.timeout = api_key, admin_key, timeout
         self.model = model or self.models()[0]
 
     def _conn(self) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=self.timeout)
 
-    def _headers(self) -> dict:
+    def _headers(self, path: str = "") -> dict:
         h = {"Content-Type": "application/json"}
-        if self.api_key:
-            h["Authorization"] = f"Bearer {self.api_key}"
+        key = self.admin_key if path.startswith("/admin/") else self.api_key
+        if key:
+            h["Authorization"] = f"Bearer {key}"
         return h
 
     def get(self, path: str) -> tuple[int, bytes]:
         conn = self._conn()
         try:
-            conn.request("GET", self.base + path, headers=self._headers())
+            conn.request("GET", self.base + path, headers=self._headers(path))
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
