@@ -96,7 +96,7 @@ def test_prefill_tp2_replicated_kv_head_to_decode_tp1_equals_llm(tiny_models):
     """qwen2 has one KV head: both prefill ranks hold it; one of them sends it. The KV is
     int8 with its per-row scales inside the slab: they travel with the head slices."""
     c = Cluster.start(tiny_models["qwen2"], prefill=1, decode=1, prefill_tp=2, decode_tp=1, max_model_len=512,
-                      kv_cache_dtype="int8")
+                      kv_cache_dtype="int8", namespace="pdserve-int8")  # beside the module's cluster
     try:
         outs = c.generate(PROMPTS8, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference(tiny_models["qwen2"], kv_cache_dtype="int8")
