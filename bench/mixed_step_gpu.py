@@ -99,25 +99,66 @@ def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
     return {"mode": mode, "coef_s": coef, "chunk_for_tpot_ms": out}
 
 
+def plot(out_dir: str) -> str:
+    """mixed_step_paged.json against mixed_step_reference.json (the same machine): the step's time
+    over the decodes alone, per chunk, for both prefill attention paths. Returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    device = ""
+    for tag, label in (("reference", "torch reference (gather, mask, SDPA)"), ("paged", "Triton paged prefill")):
+        with open(os.path.join(out_dir, f"mixed_step_{tag}.json")) as f:
+            res = json.load(f)
+        device = res["device"]
+        rows = [r for r in res["rows"] if r["decodes"] == 16]
+        base = next(r["mixed_ms"] for r in rows if r["chunk"] == 0)
+        pts = [(r["chunk"], r["mixed_ms"] - base) for r in rows if r["chunk"]]
+        ax.plot([c for c, _ in pts], [ms for _, ms in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prefill chunk (tokens) beside 16 decodes at ~4K context")
+    ax.set_ylabel("step time over the decodes alone (ms)")
+    ax.set_title(f"a mixed step's extra cost, Llama-3-8B shape, {device}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = os.path.join(out_dir, "mixed_step_paged.png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--tokenizer", default=None, help="a directory with the tokenizer files (required unless --plot)")
     ap.add_argument("--out", default="bench/results/hybrid")
     ap.add_argument("--batches", default="16,48")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prefill-attention", choices=("paged", "reference"), default="paged",
+                    help="reference: chunks through the torch path it replaced (gather, mask, SDPA), to compare")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
+    ap.add_argument("--plot", action="store_true", help="only plot mixed_step_{paged,reference}.json in --out")
     args = ap.parse_args()
+    if args.plot:
+        print(plot(args.out))
+        return
     random.seed(0)
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
     engine = LLMEngine(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", max_model_len=8704,
                                     max_num_batched_tokens=8192, gpu_memory_utilization=0.85))
+    if args.prefill_attention == "reference":
+        for m in engine.runner.model.modules():
+            if hasattr(m, "attn") and hasattr(m.attn, "_prefill"):
+                m.attn._prefill = None
     samples = {"mixed": [], "split": []}
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         rows += measure(engine, b, args.reps, samples)
     fits = [fit_report(samples[m], rows, m) for m in ("mixed", "split")]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "mixed_step.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "fits": fits}, f, indent=1)
+    with open(os.path.join(args.out, f"mixed_step{args.tag}.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "prefill_attention": args.prefill_attention,
+                   "rows": rows, "fits": fits}, f, indent=1)
     lines = ["| decodes | chunk | decode+chunk mixed (ms) | split: graph + chunk (ms) |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['decodes']} | {r['chunk']} | {r['mixed_ms']:.1f} | {r['split_ms']:.1f} |" for r in rows]
     for fit in fits:
@@ -126,7 +167,7 @@ def main() -> None:
                      f"TPOT target (ms) -> {{decodes: [chunk tokens, prefill tok/s]}} "
                      f"{json.dumps(fit['chunk_for_tpot_ms'])}")
     text = "\n".join(lines)
-    with open(os.path.join(args.out, "mixed_step.md"), "w") as f:
+    with open(os.path.join(args.out, f"mixed_step{args.tag}.md"), "w") as f:
         f.write(text + "\n")
     print(text)
 

@@ -174,6 +174,27 @@ def structured_output() -> dict:
                     f"worst: batch {worst[1]}, {worst[2]}"}}
 
 
+def mixed_step() -> dict:
+    """The step with a prefill chunk minus the same 16 decodes alone, with the Triton paged prefill
+    kernel, and with the torch reference it replaced measured on the same machine in the same call."""
+    paged, ref = load("hybrid", "mixed_step_paged.json"), load("hybrid", "mixed_step_reference.json")
+
+    def extra(res: dict, chunk: int) -> float:
+        rows = {r["chunk"]: r["mixed_ms"] for r in res["rows"] if r["decodes"] == 16}
+        return rows[chunk] - rows[0]
+
+    cmd = ("python3 bench/mixed_step_gpu.py --tokenizer TOK --out bench/results/hybrid --batches 16 --reps 5 "
+           "--prefill-attention {paged,reference} --tag _{paged,reference}  # " + paged["device"])
+    out = {}
+    for chunk, goal in ((64, 2), (256, 5), (1024, 26)):
+        out[f"mixed_step_overhead_ms_{chunk}"] = {
+            "value": round(extra(paged, chunk), 1), "goal": goal, "command": cmd,
+            "workload": f"16 decodes at ~4K context + a {chunk}-token chunk of an 8K prompt, Llama-3-8B shape, bf16, "
+                        f"eager mixed step (median of 5); the torch reference path: {extra(ref, chunk):.1f} ms. "
+                        "What is left is eager launch overhead: mixed steps run no CUDA graph yet"}
+    return out
+
+
 def main() -> None:
     eng = load("engine_gpu_b64.json")
     dec = {r["batch"]: r for r in eng["decode"]}
@@ -205,6 +226,7 @@ def main() -> None:
     summary.update(kv_capacity())
     summary.update(speculative())
     summary.update(structured_output())
+    summary.update(mixed_step())
     with open(os.path.join(RES, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():

@@ -26,22 +26,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _COMPUTE, _check_cache, _scale_args
+from .triton_attention import _COMPUTE, MAX_SPLITS, _check_cache, _scale_args, _sm_count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, tiles_ptr, seqs_ptr, ks_ptr, vs_ptr,
-    qk_scale, window,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, tiles_ptr, seqs_ptr, ks_ptr, vs_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, window, SPLITS,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tiles_ptr + tile * 2)
     m0 = tl.load(tiles_ptr + tile * 2 + 1)
     q0 = tl.load(seqs_ptr + seq * 3)  # the sequence's first query row in q
@@ -66,7 +67,13 @@ def _paged_prefill_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(ctx - q_len + m0 - window + 1, 0)
-    for n0 in range((lo // BLOCK_N) * BLOCK_N, end, BLOCK_N):
+    start = (lo // BLOCK_N) * BLOCK_N
+    stop = end
+    if SPLIT:  # this program's share of the tile's keys (flash-decoding's split, for chunks over long contexts)
+        per_split = tl.cdiv(tl.cdiv(end - start, BLOCK_N), SPLITS) * BLOCK_N
+        start = start + split * per_split
+        stop = tl.minimum(start + per_split, end)
+    for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_seq = offs_n < end
         blk = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
@@ -101,9 +108,54 @@ def _paged_prefill_kernel(
             pv = tl.dot(p.to(COMPUTE_DTYPE), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:  # unnormalized partials [tile, kv head, split, row, D_PAD] and [..., row, 2] (max, sum)
+        base = (tile * NUM_KV_HEADS + kvh) * SPLITS + split
+        tl.store(part_acc_ptr + (base * BLOCK_M * GROUP_PAD + rows)[:, None] * D_PAD + offs_d[None, :], acc)
+        tl.store(part_ml_ptr + (base * BLOCK_M * GROUP_PAD + rows) * 2, m_i)
+        tl.store(part_ml_ptr + (base * BLOCK_M * GROUP_PAD + rows) * 2 + 1, l_i)
+    else:
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + (q0 + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(o_ptr.dtype.element_ty), mask=live[:, None] & mask_d[None, :])
+
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _combine_prefill_kernel(
+    part_acc_ptr, part_ml_ptr, o_ptr, tiles_ptr, seqs_ptr, stride_ot, stride_oh, SPLITS,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+):
+    # one program = one tile x one kv head: each split rescaled to the common max, then summed
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tiles_ptr + tile * 2)
+    m0 = tl.load(tiles_ptr + tile * 2 + 1)
+    q0 = tl.load(seqs_ptr + seq * 3)
+    q_len = tl.load(seqs_ptr + seq * 3 + 1)
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    tok = m0 + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    offs_d = tl.arange(0, D_PAD)
+    m_all = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l_all = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
+    for sp in range(0, SPLITS):
+        at = ((tile * NUM_KV_HEADS + kvh) * SPLITS + sp) * BLOCK_M * GROUP_PAD + rows
+        m = tl.load(part_ml_ptr + at * 2)
+        lsum = tl.load(part_ml_ptr + at * 2 + 1)
+        a = tl.load(part_acc_ptr + at[:, None] * D_PAD + offs_d[None, :])
+        m_new = tl.maximum(m_all, m)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.exp2(m_all - m_use)
+        w_new = tl.exp2(m - m_use)
+        acc = acc * w_old[:, None] + a * w_new[:, None]
+        l_all = l_all * w_old + lsum * w_new
+        m_all = m_new
+    acc = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
+    live = (tok < q_len) & (g < GROUP)
+    heads = kvh * GROUP + g
     tl.store(o_ptr + (q0 + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             acc.to(o_ptr.dtype.element_ty), mask=live[:, None] & mask_d[None, :])
+             acc.to(o_ptr.dtype.element_ty), mask=live[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @dataclass
@@ -115,10 +167,12 @@ class PrefillPlan:
     tiles: torch.Tensor
     seqs: torch.Tensor
     block_m: int
+    max_context: int = 0
 
     @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], group: int, device) -> PrefillPlan:
-        block_m = max(1, 64 // triton.next_power_of_2(group))
+    def build(cls, query_lens: list[int], seq_lens: list[int], group: int, device, rows: int = 64) -> PrefillPlan:
+        """`rows`: query rows per program (BLOCK_M tokens x the GQA group, padded to a power of 2)."""
+        block_m = max(1, rows // triton.next_power_of_2(group))
         tiles, seqs, row = [], [], 0
         for i, (q_len, ctx) in enumerate(zip(query_lens, seq_lens)):
             if q_len > ctx:
@@ -127,14 +181,17 @@ class PrefillPlan:
             tiles += [x for m in range(0, q_len, block_m) for x in (i, m)]
             row += q_len
         as_t = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-        return cls(as_t(tiles).view(-1, 2), as_t(seqs).view(-1, 3), block_m)
+        return cls(as_t(tiles).view(-1, 2), as_t(seqs).view(-1, 3), block_m, max(seq_lens, default=0))
 
 
 def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, plan: PrefillPlan,
                          scale: float, sliding_window: int | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
+                         num_stages: int | None = None, splits: int | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]: the sequences' new tokens, back to back, each the
-    last `query_len` positions of its context (the new K/V already stored) -> same shape."""
+    last `query_len` positions of its context (the new K/V already stored) -> same shape.
+    splits: pieces each tile's keys are cut into (combined by a second launch); None: by shape
+    (plan.splits), 1 on CPU."""
     k_cache, v_cache, ks, vs, *sstrides, scaled = _scale_args(k_cache, v_cache)
     _check_cache(k_cache, v_cache)
     T, H, D = q.shape
@@ -151,14 +208,41 @@ def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.
         return out
     group = H // KVH
     cdt = q.dtype if q.dtype in _COMPUTE and q.is_cuda else torch.float32  # the interpreter: fp32
-    _paged_prefill_kernel[(plan.tiles.shape[0], KVH)](
-        q, k_cache, v_cache, out, block_tables, plan.tiles, plan.seqs, ks, vs,
-        scale * 1.4426950408889634, sliding_window or 0,
+    tiles = plan.tiles.shape[0]
+    if splits is None:
+        splits = prefill_splits(tiles * KVH, plan.max_context, _sm_count(q.device)) if q.is_cuda else 1
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
+    d_pad = max(16, triton.next_power_of_2(D))
+    rows = plan.block_m * triton.next_power_of_2(group)
+    part_acc = part_ml = out  # unused unless split
+    if splits > 1:
+        part_acc = torch.empty(tiles * KVH * splits * rows, d_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(tiles * KVH * splits * rows, 2, dtype=torch.float32, device=q.device)
+    _paged_prefill_kernel[(tiles, KVH, splits)](
+        q, k_cache, v_cache, out, block_tables, plan.tiles, plan.seqs, ks, vs, part_acc, part_ml,
+        scale * 1.4426950408889634, sliding_window or 0, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *sstrides,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)),
-        PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=max(16, min(64, page * 4)) if page <= 64 else page,
-        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SCALED=scaled, num_warps=4,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
+        PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n or (max(16, min(64, page * 4)) if page <= 64 else page),
+        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SCALED=scaled, SPLIT=splits > 1, NUM_KV_HEADS=KVH,
+        num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}),
     )
+    if splits > 1:
+        _combine_prefill_kernel[(tiles, KVH)](
+            part_acc, part_ml, out, plan.tiles, plan.seqs, out.stride(0), out.stride(1), splits,
+            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
+            BLOCK_M=plan.block_m, NUM_KV_HEADS=KVH, num_warps=num_warps,
+        )
     return out
+
+
+def prefill_splits(programs: int, max_context: int, sms: int) -> int:
+    """Pieces to cut each tile's keys into so that a launch has about two programs per SM: 1 when
+    the tiles alone fill the GPU (long fresh prompts), more for a short chunk over a long context
+    (a 64-token chunk at 7K context is 32 programs on Llama-3-8B's 8 KV heads)."""
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), max_context // 512, MAX_SPLITS))

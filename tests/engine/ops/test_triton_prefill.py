@@ -46,12 +46,12 @@ def test_paged_prefill_matches_reference(H, KVH, D, page, dtype):
     kc, vc = kv[:, 1, 0], kv[:, 1, 1]
     q = torch.randn(sum(q_lens), H, D, dtype=dtype, device=DEV)
     plan = PrefillPlan.build(q_lens, seq_lens, H // KVH, DEV)
-    for window in (None, 24):
+    for window, splits in ((None, 1), (24, 1), (None, 3), (24, 5)):  # splits: keys cut across programs
         out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
-        paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5, window, out=out)
+        paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5, window, out=out, splits=splits)
         ref = paged_attention_ref(q.double(), kc.double(), vc.double(), tables, seq_lens, q_lens, D ** -0.5, window)
         assert torch.isfinite(out).all()
-        assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2), window
+        assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2), (window, splits)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -68,9 +68,9 @@ def test_paged_prefill_reads_quantized_kv(fmt):
                  kc, vc, slots)
     q = torch.randn(sum(q_lens), H, D, device=DEV)
     plan = PrefillPlan.build(q_lens, seq_lens, H // KVH, DEV)
-    out = paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5)
     ref = paged_attention_ref(q.double(), kc, vc, tables, seq_lens, q_lens, D ** -0.5)
-    assert rel_err(out, ref) < 1e-4
+    for splits in (1, 4):
+        assert rel_err(paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5, splits=splits), ref) < 1e-4
 
 
 def test_a_plan_refuses_more_queries_than_context():
