@@ -29,6 +29,20 @@ import triton.language as tl
 from .triton_attention import _COMPUTE, MAX_SPLITS, _check_cache, _scale_args, _sm_count
 
 
+@triton.jit
+def _tile_rows(tiles_ptr, seqs_ptr, tile, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A tile's rows: (their query rows in q, query heads within the group, live?, query length, context)."""
+    seq = tl.load(tiles_ptr + tile * 2)
+    m0 = tl.load(tiles_ptr + tile * 2 + 1)
+    q0 = tl.load(seqs_ptr + seq * 3)  # the sequence's first query row in q
+    q_len = tl.load(seqs_ptr + seq * 3 + 1)
+    ctx = tl.load(seqs_ptr + seq * 3 + 2)  # its context after this step (cached + new)
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    tok = m0 + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    return seq, m0, q0 + tok, g, (tok < q_len) & (g < GROUP), ctx - q_len + tok, ctx - q_len + m0, ctx
+
+
 @triton.jit(do_not_specialize=["SPLITS"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, tiles_ptr, seqs_ptr, ks_ptr, vs_ptr, part_acc_ptr, part_ml_ptr,
@@ -43,30 +57,23 @@ def _paged_prefill_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq = tl.load(tiles_ptr + tile * 2)
-    m0 = tl.load(tiles_ptr + tile * 2 + 1)
-    q0 = tl.load(seqs_ptr + seq * 3)  # the sequence's first query row in q
-    q_len = tl.load(seqs_ptr + seq * 3 + 1)
-    ctx = tl.load(seqs_ptr + seq * 3 + 2)  # its context after this step (cached + new)
+    # q_pos: the rows' absolute positions; first: the tile's first query's position
+    seq, m0, qrow, g, live, q_pos, first, ctx = _tile_rows(tiles_ptr, seqs_ptr, tile, GROUP, GROUP_PAD, BLOCK_M)
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
-    tok = m0 + rows // GROUP_PAD
-    g = rows % GROUP_PAD
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < HEAD_DIM
-    live = (tok < q_len) & (g < GROUP)
     heads = kvh * GROUP + g
-    q_pos = ctx - q_len + tok  # absolute positions of the rows' tokens
-    q = tl.load(q_ptr + (q0 + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=live[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
     q = (q * qk_scale).to(COMPUTE_DTYPE)  # qk_scale folds in log2(e): softmax in base 2
 
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
-    end = tl.minimum(ctx - q_len + m0 + BLOCK_M, ctx)  # past the tile's last query: nothing it sees
+    end = tl.minimum(first + BLOCK_M, ctx)  # past the tile's last query: nothing it sees
     lo = 0
     if window > 0:
-        lo = tl.maximum(ctx - q_len + m0 - window + 1, 0)
+        lo = tl.maximum(first - window + 1, 0)
     start = (lo // BLOCK_N) * BLOCK_N
     stop = end
     if SPLIT:  # this program's share of the tile's keys (flash-decoding's split, for chunks over long contexts)
@@ -115,7 +122,7 @@ def _paged_prefill_kernel(
         tl.store(part_ml_ptr + (base * BLOCK_M * GROUP_PAD + rows) * 2 + 1, l_i)
     else:
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + (q0 + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(o_ptr.dtype.element_ty), mask=live[:, None] & mask_d[None, :])
 
 
@@ -128,13 +135,8 @@ def _combine_prefill_kernel(
     # one program = one tile x one kv head: each split rescaled to the common max, then summed
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = tl.load(tiles_ptr + tile * 2)
-    m0 = tl.load(tiles_ptr + tile * 2 + 1)
-    q0 = tl.load(seqs_ptr + seq * 3)
-    q_len = tl.load(seqs_ptr + seq * 3 + 1)
+    seq, m0, qrow, g, live, q_pos, first, ctx = _tile_rows(tiles_ptr, seqs_ptr, tile, GROUP, GROUP_PAD, BLOCK_M)
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
-    tok = m0 + rows // GROUP_PAD
-    g = rows % GROUP_PAD
     offs_d = tl.arange(0, D_PAD)
     m_all = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_all = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
@@ -152,9 +154,8 @@ def _combine_prefill_kernel(
         l_all = l_all * w_old + lsum * w_new
         m_all = m_new
     acc = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
-    live = (tok < q_len) & (g < GROUP)
     heads = kvh * GROUP + g
-    tl.store(o_ptr + (q0 + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+    tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              acc.to(o_ptr.dtype.element_ty), mask=live[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
