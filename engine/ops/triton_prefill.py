@@ -57,16 +57,15 @@ def _paged_prefill_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # q_pos: the rows' absolute positions; first: the tile's first query's position
+    # q_pos: the rows' absolute positions; first: the tile's first query's. q is loaded unscaled (no
+    # rounding of q x scale): the scale, with log2(e) folded in, goes on the fp32 scores
     seq, m0, qrow, g, live, q_pos, first, ctx = _tile_rows(tiles_ptr, seqs_ptr, tile, GROUP, GROUP_PAD, BLOCK_M)
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=live[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    q = (q * qk_scale).to(COMPUTE_DTYPE)  # qk_scale folds in log2(e): softmax in base 2
-
+                mask=live[:, None] & mask_d[None, :], other=0.0).to(COMPUTE_DTYPE)
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
@@ -94,6 +93,7 @@ def _paged_prefill_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
         if SCALED:
             ks = tl.load(ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh, mask=in_seq, other=0.0)
             vs = tl.load(vs_ptr + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh, mask=in_seq, other=0.0)
