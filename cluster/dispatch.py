@@ -4,7 +4,8 @@ Runs on the cluster's event loop thread.
     request()   block hashes; up to 3 attempts (a worker lost before the client saw a
                 token: try elsewhere); a request that fails for good ends with an error
                 output (finish_reason "error", the cause as stop_reason)
-    attempt     placement (pools + registry, routing.py) and one of:
+    attempt     placement (placement.py: pools + registry + routing.py; an empty pool is
+                NoWorker, the router's 503) and one of:
       disaggregated  the prefill worker p and the decode worker d are asked AT ONCE:
                          p.prefill(rid, ids, params, d)       -> the handoff's result
                          d.generate(rid, ids, params, p)      -> the stream of outputs
