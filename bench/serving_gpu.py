@@ -109,14 +109,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> floa
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """Ends the server (its own Ray goes with it: `pdserve serve` starts and shuts down its own),
+    and, should that hang, its process group: what this script started, nothing else."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a server that hung (Ray's processes)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None) -> tuple:
@@ -174,7 +179,8 @@ def main() -> None:
     summary = []
     for system in args.systems.split(","):
         log = open(os.path.join(tempfile.gettempdir(), f"server-{system.replace(':', '-')}.log"), "w")
-        proc = subprocess.Popen(server_cmd(system, model, args.port), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(server_cmd(system, model, args.port), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # a process group of its own: stop() ends only it
         try:
             up = wait_healthy(url, proc)
             print(f"== {system}: healthy after {up:.0f} s", flush=True)
