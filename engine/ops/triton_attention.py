@@ -79,6 +79,29 @@ def _store_kv_quant_kernel(
         tl.store(scales, scale, mask=mask_h)
 
 
+@triton.jit
+def kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, offs_n, in_seq, valid, kvh, offs_d, mask_d,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+            PAGE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
+    """One tile of keys `offs_n` of a sequence (its block-table row at `table_ptr`), kv head `kvh`:
+    K and V [BLOCK_N, D_PAD] in COMPUTE_DTYPE (zero where not `valid`) and, for a quantized cache,
+    each token's K and V scale (else K and V again, unused). Shared by the decode and prefill kernels."""
+    blk = tl.load(table_ptr + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
+    tok = offs_n % PAGE
+    kv_mask = valid[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
+                + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+    v = tl.load(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
+                + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+    ks = k
+    vs = v
+    if SCALED:
+        ks = tl.load(ks_ptr + blk * stride_ksb + tok * stride_kst + kvh * stride_ksh, mask=valid, other=0.0)
+        vs = tl.load(vs_ptr + blk * stride_vsb + tok * stride_vst + kvh * stride_vsh, mask=valid, other=0.0)
+    return k, v, ks, vs
+
+
 # One program = one sequence x one kv head x one split of the context; the GROUP query
 # heads sharing that kv head are the rows of the tile, so each K/V element is read once
 # per step. SPLIT (SPLITS > 1: too few sequences to fill the GPU) writes the split's
@@ -127,20 +150,15 @@ def _paged_decode_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_seq = offs_n < seq_len
         valid = in_seq & (offs_n >= lo)
-        blk = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
-        tok = offs_n % PAGE
-        kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        k, v, ks, vs = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_bt, offs_n, in_seq, valid, kvh,
+                               offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                               stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                               PAGE, COMPUTE_DTYPE, SCALED)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         if SCALED:  # a token's K scale multiplies its column of scores, its V scale its row of p
-            ks = tl.load(ks_ptr + blk * stride_ksb + tok * stride_kst + kvh * stride_ksh, mask=valid, other=0.0)
-            vs = tl.load(vs_ptr + blk * stride_vsb + tok * stride_vst + kvh * stride_vsh, mask=valid, other=0.0)
             s = s * ks[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _COMPUTE, MAX_SPLITS, _check_cache, _scale_args, _sm_count
+from .triton_attention import _COMPUTE, MAX_SPLITS, _check_cache, _scale_args, _sm_count, kv_tile
 
 
 @triton.jit
@@ -82,21 +82,16 @@ def _paged_prefill_kernel(
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_seq = offs_n < end
-        blk = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
-        slot = offs_n % PAGE
-        kv_mask = in_seq[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        k, v, ks, vs = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_bt, offs_n, in_seq, in_seq, kvh,
+                               offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                               stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                               PAGE, COMPUTE_DTYPE, SCALED)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         if SCALED:
-            ks = tl.load(ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh, mask=in_seq, other=0.0)
-            vs = tl.load(vs_ptr + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh, mask=in_seq, other=0.0)
             s = s * ks[None, :]
         seen = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if window > 0:
