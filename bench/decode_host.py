@@ -14,7 +14,7 @@ import time
 
 from tqdm import tqdm
 
-from pdserve.engine.model_runner import decode_inputs
+from pdserve.engine.graphs import decode_inputs
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledRequest

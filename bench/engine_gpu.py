@@ -150,7 +150,7 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
             ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             sched.append(ScheduledRequest(r, 1, ids))
         t = timed(lambda s=sched: runner.execute(s), 10, warmup=3)
-        graphs, runner.graphs = runner.graphs, {}  # the same step without CUDA graphs
+        graphs, runner.graphs = runner.graphs, None  # the same step without CUDA graphs
         t_eager = timed(lambda s=sched: runner.execute(s), 5, warmup=2)
         runner.graphs = graphs
         prof = profile_step(lambda s=sched: runner.execute(s)) if profile else None

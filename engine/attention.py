@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .ops.attention_ref import paged_attention_ref, store_kv_ref
@@ -20,13 +21,39 @@ from .ops.attention_ref import paged_attention_ref, store_kv_ref
 
 @dataclass
 class AttentionMetadata:
+    """What a layer's attention reads about the step's sequences, built once per step by
+    `build` (eager and piecewise steps, decode graphs and their capture, TP shards alike)."""
+
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not store
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    seq_lens: list[int]  # context length after this step, per sequence
-    seq_lens_t: torch.Tensor  # the same, [num_seqs] int32 on device
-    query_lens: list[int]  # new tokens per sequence
-    num_decodes: int  # leading sequences with query_len == 1
+    seq_lens_t: torch.Tensor  # context length after this step, [num_seqs] int32 on the device
+    num_decodes: int  # leading sequences with one query token (all of them in a decode graph)
+    seq_lens: list[int] | None = None  # host copies (None: a decode graph's device buffers)
+    query_lens: list[int] | None = None  # new tokens per sequence (None: one each)
     prefill_plan: object = None  # the prefill kernel's tiles (triton_prefill.PrefillPlan), made once per step
+
+    @classmethod
+    def build(cls, slots, tables, seq_lens, query_lens: list[int] | None, device=None) -> AttentionMetadata:
+        """Host arrays (numpy, lists) are copied to `device`; device tensors are used as they
+        are (a graph's static buffers: `seq_lens` a tensor, every row a decode, query_lens None)."""
+        def put(a, dtype=None):
+            if isinstance(a, torch.Tensor):
+                return a
+            t = torch.as_tensor(np.asarray(a, dtype=dtype))
+            return t.to(device, non_blocking=device is not None and torch.device(device).type == "cuda")
+
+        lens_list = None if isinstance(seq_lens, torch.Tensor) else [int(x) for x in seq_lens]
+        num_seqs = tables.shape[0]
+        if query_lens is None:
+            nd = num_seqs
+        else:
+            nd = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+        return cls(put(slots, np.int64), put(tables, np.int32), put(seq_lens, np.int32), nd, lens_list,
+                   None if query_lens is None else list(query_lens))
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
 
 
 class PagedAttention:
@@ -47,31 +74,32 @@ class PagedAttention:
         else:
             self._store, self._decode, self._prefill = store_kv_ref, None, None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        # q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]; out: where to write (like q)
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes if self._decode is not None else 0
-        if nd == len(meta.seq_lens):
+        if nd == meta.num_seqs:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
-                                self.scale, self.sliding_window)
-        out = torch.empty_like(q)
+                                self.scale, self.sliding_window, out=out)
+        out = torch.empty_like(q) if out is None else out
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
                          self.scale, self.sliding_window, out=out[:nd])
-        start = sum(meta.query_lens[:nd])
+        seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()  # CPU layouts
+        query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
+        start = sum(query_lens[:nd])
         # one fresh prompt alone: torch's causal flash kernel (one launch) is faster than the paged
         # kernel there (0.56 vs 0.87 ms a layer for 4096 tokens on an H100); anything else, paged
-        one_fresh = len(meta.seq_lens) - nd == 1 and meta.query_lens[-1] == meta.seq_lens[-1] and \
-            self.sliding_window is None
+        one_fresh = meta.num_seqs - nd == 1 and query_lens[-1] == seq_lens[-1] and self.sliding_window is None
         if self._prefill is not None and not one_fresh:
             if meta.prefill_plan is None:
-                meta.prefill_plan = self._plan(meta.query_lens[nd:], meta.seq_lens[nd:],
+                meta.prefill_plan = self._plan(query_lens[nd:], seq_lens[nd:],
                                                self.num_heads // self.num_kv_heads, q.device)
             self._prefill(q[start:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_plan, self.scale,
                           self.sliding_window, out=out[start:])
             return out
         out[start:] = paged_attention_ref(
-            q[start:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-            meta.query_lens[nd:], self.scale, self.sliding_window)
+            q[start:], k_cache, v_cache, meta.block_tables[nd:], seq_lens[nd:],
+            query_lens[nd:], self.scale, self.sliding_window)
         return out

@@ -63,15 +63,16 @@ def kv_layout(config: EngineConfig) -> KVLayout:
                     str(config.kv_dtype).removeprefix("torch."), scale)
 
 
-def activation_bytes(config: EngineConfig) -> int:
-    """A bound on forward-pass scratch memory, kept out of the KV budget on GPU."""
+def activation_bytes(config: EngineConfig, graph_tokens: int = 0) -> int:
+    """A bound on forward-pass scratch memory, kept out of the KV budget on GPU; the piecewise
+    CUDA graphs' memory pool holds a piece's scratch for `graph_tokens` more (graphs.py)."""
     mc, c = config.model_config, config
     elem = torch.empty((), dtype=c.torch_dtype).element_size()
     t = c.max_num_batched_tokens
     per_token = (2 * mc.intermediate_size * 2 + mc.hidden_size * 6
                  + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * 2)
     logits = c.max_num_seqs * mc.vocab_size * 4 * 3
-    return int(1.2 * (t * per_token * elem + logits)) + (256 << 20)
+    return int(1.2 * ((t + graph_tokens) * per_token * elem + logits)) + (256 << 20)
 
 
 def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:

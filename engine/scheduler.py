@@ -36,7 +36,7 @@ class ScheduledRequest:
     @property
     def decode_rows(self) -> bool:
         """One known token plus any drafts: each a row of the paged-decode kernel (the
-        CUDA-graph layout, model_runner.decode_inputs)."""
+        decode graphs' layout, graphs.decode_inputs)."""
         return self.num_new_tokens - len(self.draft_token_ids) == 1
 
 

@@ -121,7 +121,8 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, cfg.layer_windows[layer], use_triton)
 
-    def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata):
+    def project(self, positions, x):
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D], rope applied."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -130,8 +131,7 @@ class Attention(nn.Module):
             self.rope_(q, k, positions, self.rotary.cos, self.rotary.sin)
         else:
             q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return q, k, v.contiguous()
 
 
 class MLP(nn.Module):
@@ -162,15 +162,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, h, k_cache, v_cache, meta, residual=None):
-        """-> (h, residual); unfused, residual stays None and h is the layer's output;
-        fused, the layer's output is h + residual (added by the next RMSNorm)."""
+    def begin(self, positions, h, residual):
+        """The layer up to its attention: -> (q, k, v, residual). Unfused, the residual is the
+        layer's input h; fused, the residual travels beside h (the RMSNorm adds it first)."""
+        ln1 = self.input_layernorm
+        if self.fused:
+            x, residual = self.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
+        else:
+            x, residual = ln1(h), h
+        return (*self.self_attn.project(positions, x), residual)
+
+    def finish(self, o, residual):
+        """The layer after its attention output o [T, H, D]: -> (h, residual); unfused, the
+        residual is None and h the layer's output; fused, the layer's output is h + residual."""
+        h = self.self_attn.o_proj(o.reshape(-1, self.self_attn.q_size))
+        ln2 = self.post_attention_layernorm
         if not self.fused:
-            h = h + self.self_attn(positions, self.input_layernorm(h), k_cache, v_cache, meta)
-            return h + self.mlp(self.post_attention_layernorm(h)), None
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x, residual = self.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
-        h = self.self_attn(positions, x, k_cache, v_cache, meta)
+            h = residual + h
+            return h + self.mlp(ln2(h)), None
         x, residual = self.add_rmsnorm(h, residual, ln2.weight, ln2.eps)
         return self.mlp(x), residual
 
@@ -196,11 +205,25 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        h = self.embed_tokens(input_ids)
-        residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h, residual = layer(positions, h, k_cache, v_cache, meta, residual)
+        """input_ids, positions [T] -> hidden states [T, hidden]: the pieces with each layer's
+        attention between them (the piecewise CUDA graphs replay the same pieces, graphs.py)."""
+        out = self.piece(0, positions, input_ids)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches), 1):
+            q, k, v, residual = out
+            out = self.piece(i, positions, layer.self_attn.attn(q, k, v, k_cache, v_cache, meta), residual)
+        return out
+
+    def piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The model's work between two attentions. Piece 0 embeds the token ids x and runs
+        layer 0 up to its attention; piece i (1..L-1) finishes layer i-1 from its attention
+        output x [T, H, D] and runs layer i up to its own; piece L finishes the last layer and
+        applies the final norm. -> (q, k, v, residual), or the hidden states [T, hidden] (L)."""
+        if i == 0:
+            h = self.embed_tokens(x)
+        else:
+            h, residual = self.layers[i - 1].finish(x, residual)
+        if i < len(self.layers):
+            return self.layers[i].begin(positions, h, residual)
         if self.fused:
             return _fused_ops().add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)[0]
         return self.norm(h)

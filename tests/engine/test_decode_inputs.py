@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdserve.engine.model_runner import decode_inputs
+from pdserve.engine.graphs import decode_inputs
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledRequest

@@ -117,9 +117,9 @@ def test_speculative_verification_replays_the_decode_graphs(tiny_models):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
     llm = LLM(tiny_models["llama"], **kw, speculative_config=spec)
     runner, replays = llm.engine.runner, []
-    assert max(runner.graphs) == 40 and sorted(llm.engine.drafter.cost.base) == sorted(runner.graphs)
-    real = runner._replay
-    runner._replay = lambda inp: replays.append(inp.num_rows) or real(inp)
+    assert max(runner.graphs.decode) == 40 and sorted(llm.engine.drafter.cost.base) == sorted(runner.graphs.decode)
+    real = runner.graphs.run_decode
+    runner.graphs.run_decode = lambda inp: replays.append(inp.num_rows) or real(inp)
     cont = {tuple(llm.engine.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
     llm.engine.drafter.proposer = lambda req, room: [
         t if (req.num_output_tokens + j) % 3 else 0

@@ -144,9 +144,9 @@ def test_draft_model_proposals(tiny_models):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_verification_in_the_decode_graph_layout(backend, tiny_models):
-    """The GPU path on CPU: with `flat_decode` every all-decode step, drafts included, runs in
-    the CUDA-graph layout (a row per query token through the paged-decode kernel; on CUDA the
-    captured graphs replay it). The draft is the plain run's own continuation with every third
+    """The GPU path on CPU: with the graph layouts every all-decode step, drafts included, runs
+    in the decode graphs' layout (a row per query token through the paged-decode kernel; on
+    CUDA the captured graphs replay it). The draft is the plain run's own continuation with every third
     token corrupted: the kept ones are accepted, output equals plain decoding's, nothing leaks."""
     if backend == "triton":
         pytest.importorskip("triton")
@@ -156,9 +156,9 @@ def test_verification_in_the_decode_graph_layout(backend, tiny_models):
         want = greedy(llm, prompts, 16)
     with LLM(**kw, speculative_config=NGRAM) as llm:
         runner, flat = llm.engine.runner, []
-        runner.flat_decode = True
-        real = runner._flat_eager
-        runner._flat_eager = lambda inp: flat.append(inp.num_rows) or real(inp)
+        runner.use_graph_layouts()
+        real = runner.graphs.run_decode
+        runner.graphs.run_decode = lambda inp: flat.append(inp.num_rows) or real(inp)
         cont = {tuple(llm.engine.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
 
         def oracle(req, room):

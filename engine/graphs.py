@@ -1,0 +1,237 @@
+"""CUDA graphs: a step's kernel launches leave Python.
+
+A step of an 8B model launches ~800 kernels when it only decodes and ~2,100 when it also
+carries a prefill chunk; launched one by one from Python they cost more than they run
+(16 decodes + a 64-token chunk: 7.7 ms in a graph, +21 ms eager on an H100). Two kinds
+of graph, captured at start (CUDA, Triton, not `enforce_eager`), sharing one memory pool:
+
+- decode graphs: a whole all-decode step, one graph per padded row count (1, 2, 4, 8, 16,
+  32, ...). Rows are decodes and speculative verification rows (a request verifying
+  [last, d1..dk] is k+1 rows, row j attending to its first p+j+1 tokens). Padding rows store
+  nothing (slot -1) and attend to one token of block 0; their logits are dropped.
+- piecewise graphs: any other step of up to `max_piece_tokens` tokens, padded to a token
+  bucket. The model's work between two attentions (`model.piece`: norms, projections, rope,
+  MLP, TP all-reduces) is one graph per layer boundary and bucket; each layer's attention
+  runs eagerly between them on the real rows, because its grid depends on the step's mix of
+  decodes and chunks: a fixed handful of launches per layer (store, decode rows, prefill
+  rows, the prefill split's combine). Padding rows compute garbage that no real row reads
+  (every op outside attention is row-wise).
+
+`route` is the one decision every step goes through: "decode" (a decode graph), "pieces"
+or "eager". On CPU, `StepGraphs(capture=False)` runs both layouts without capturing, so
+the tests exercise the padding and the static buffers the graphs read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata
+
+PIECE_TOKENS = 2048  # past this a step's GPU time hides its launches: eager, no padding
+
+
+def piece_buckets(top: int) -> list[int]:
+    """Token counts the piecewise graphs are captured for, up to `top`: multiples of 16 up to
+    128, then 8 sizes per doubling (a step pads by at most 1/8; 1,040 tokens run as 1,152)."""
+    sizes, t = [], 16
+    while t < top:
+        sizes.append(t)
+        t += max(16, (1 << (t.bit_length() - 1)) // 8)
+    return sizes + [top]
+
+
+class StepGraphs:
+    """The captured graphs of one model runner and the static buffers they read."""
+
+    def __init__(self, model, kv_views: list, config, num_blocks: int, capture: bool = True):
+        self.model, self.kv_views, self.config, self.num_blocks = model, kv_views, config, num_blocks
+        self.capture = capture
+        self.block_size = config.block_size
+        self.decode_sizes = decode_sizes(config)
+        self.piece_sizes = piece_buckets(min(config.max_num_batched_tokens, PIECE_TOKENS))
+        self.max_piece_tokens = self.piece_sizes[-1]
+        self.decode: dict[int, tuple] = {}  # rows -> (graph, logits)
+        self.pieces: dict[int, list] = {}  # tokens -> [graph per piece]
+        self.decode_seconds: dict[int, float] = {}  # rows -> seconds per replay (speculation's cost model)
+        self._buffers(next(model.parameters()).device)
+        if capture:
+            self._capture()
+
+    # ---- the one decision ------------------------------------------------------------------
+    def route(self, batch) -> str:
+        """'decode' (every scheduled request is decode rows, within the largest decode graph),
+        'pieces' (within the largest token bucket) or 'eager'."""
+        rows = sum(s.num_new_tokens for s in batch)
+        if all(s.decode_rows for s in batch) and rows <= self.decode_sizes[-1]:
+            return "decode"
+        return "pieces" if rows <= self.max_piece_tokens else "eager"
+
+    def padded(self, path: str, rows: int) -> int:
+        sizes = self.decode_sizes if path == "decode" else self.piece_sizes
+        return next(b for b in sizes if b >= rows)
+
+    @property
+    def table_width(self) -> int:
+        return self.tables.shape[1]
+
+    # ---- buffers and capture ---------------------------------------------------------------
+    def _buffers(self, dev) -> None:
+        m, c = self.model, self.config.model_config
+        attn = m.layers[0].self_attn
+        t = max(self.decode_sizes[-1], self.max_piece_tokens)
+        rows = self.decode_sizes[-1]
+        dtype = next(m.parameters()).dtype
+        self.ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self.tables = torch.zeros(rows, -(-self.config.max_model_len // self.block_size), dtype=torch.int32,
+                                  device=dev)
+        self.lens = torch.ones(rows, dtype=torch.int32, device=dev)
+        p = self.max_piece_tokens
+        self.q = torch.zeros(p, attn.num_heads, attn.head_dim, dtype=dtype, device=dev)
+        self.k = torch.zeros(p, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.o = torch.zeros_like(self.q)
+        self.res = torch.zeros(p, c.hidden_size, dtype=dtype, device=dev)
+        self.hidden = torch.zeros_like(self.res)
+
+    def _decode_step(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata.build(self.slots[:b], self.tables[:b], self.lens[:b], None)
+        return self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], self.kv_views, meta))
+
+    def _piece(self, t: int, i: int) -> None:
+        """Piece i over the first t rows of the static buffers, its outputs written back to them."""
+        x = self.ids[:t] if i == 0 else self.o[:t]
+        out = self.model.piece(i, self.pos[:t], x, self.res[:t] if i else None)
+        if i == len(self.model.layers):
+            self.hidden[:t].copy_(out)
+            return
+        for buf, val in zip((self.q, self.k, self.v, self.res), out):
+            buf[:t].copy_(val)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.decode_sizes):  # largest first: smaller graphs reuse its memory
+            self._decode_step(b)  # compiles the Triton kernels and warms up cuBLAS outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._decode_step(b)
+            self.decode[b] = (graph, out)
+        n = len(self.model.layers) + 1
+        for t in reversed(self.piece_sizes):
+            for i in range(n):
+                self._piece(t, i)
+            torch.cuda.synchronize()
+            graphs = []
+            for i in range(n):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._piece(t, i)
+                graphs.append(graph)
+            self.pieces[t] = graphs
+        torch.cuda.synchronize()
+        if self.config.spec is not None:
+            self.decode_seconds = self.time_decode()
+
+    def time_decode(self, reps: int = 5, context: int = 512) -> dict[int, float]:
+        """Seconds one replay of each decode graph takes (the speculation cost model,
+        spec_cost.py), every row attending to `context` tokens (capped by max_model_len): the
+        weights', activations' and a typical row's KV cost by row count. With 1-token rows
+        the table missed the KV reads, so until the step-time fit had seen both sizes it
+        priced a speculative step too low: batch 32-64 with 0-30% acceptance speculated its
+        first steps at a loss (bench/results/spec/). Nothing is written (slots -1)."""
+        ctx = min(context, self.config.max_model_len)
+        blocks = -(-ctx // self.block_size)
+        self.tables[:, :blocks] = torch.arange(blocks, device=self.tables.device, dtype=torch.int32) % self.num_blocks
+        self.lens.fill_(ctx)
+        out = {}
+        for b, (graph, _) in sorted(self.decode.items()):
+            graph.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                graph.replay()
+            torch.cuda.synchronize()
+            out[b] = (time.perf_counter() - t0) / reps
+        self.tables.zero_()
+        self.lens.fill_(1)
+        return out
+
+    # ---- replay ------------------------------------------------------------------------------
+    def run_decode(self, inp) -> torch.Tensor:
+        """Logits of an all-decode step's rows (`inp.cols`: ids, positions, slots, context lengths)."""
+        b = inp.cols.shape[1]
+        for buf, col in zip((self.ids, self.pos, self.slots), inp.cols[:3]):
+            buf[:b].copy_(torch.from_numpy(col), non_blocking=True)
+        self.lens[:b].copy_(torch.from_numpy(inp.cols[3].astype(np.int32)), non_blocking=True)
+        self.tables[:b, : inp.tables.shape[1]].copy_(torch.from_numpy(inp.tables), non_blocking=True)
+        if self.capture:
+            graph, out = self.decode[b]
+            graph.replay()
+        else:
+            out = self._decode_step(b)
+        return out[: inp.num_rows]
+
+    def run_pieces(self, inp, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a flat step's real rows: the pieces of its bucket, attention between."""
+        n, t = len(inp.ids), inp.padded
+        self.ids[:n].copy_(torch.from_numpy(inp.ids), non_blocking=True)
+        self.pos[:n].copy_(torch.from_numpy(inp.positions), non_blocking=True)
+        graphs = self.pieces.get(t)
+        layers = self.model.layers
+        for i in range(len(layers) + 1):
+            if graphs is not None:
+                graphs[i].replay()
+            else:
+                self._piece(t, i)
+            if i < len(layers):
+                k_cache, v_cache = self.kv_views[i]
+                layers[i].self_attn.attn(self.q[:n], self.k[:n], self.v[:n], k_cache, v_cache, meta, out=self.o[:n])
+        return self.hidden[:n]
+
+
+def decode_sizes(config) -> list[int]:
+    """Row counts the decode graphs are captured for: max_num_seqs, or while speculation is on
+    the verification rows (k + 1 per request) up to the step budget."""
+    top = config.max_num_seqs
+    spec = config.spec
+    if spec is not None:
+        rows = min(top, spec.disable_by_batch_size) * (1 + spec.num_speculative_tokens)
+        top = max(top, min(rows, config.max_num_batched_tokens))
+    sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
+    return sorted(set(sizes + [top]))
+
+
+def decode_inputs(batch: list, padded: int, block_size: int,
+                  max_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host side of a decode-graph step: ([4, padded] int64 rows of token ids, positions,
+    KV slots and context lengths; [padded, max_blocks] int32 block tables; the rows whose
+    logits are sampled). A request with drafts takes a row per query token, each with the
+    request's table and its own context length. Padding rows store nothing (slot -1) and
+    attend to one token of block 0. Built in numpy: a per-row torch tensor costs tens of
+    microseconds on the host, per step, while the GPU waits."""
+    cols = np.zeros((4, padded), dtype=np.int64)
+    tables = np.zeros((padded, max_blocks), dtype=np.int32)
+    sample_rows, i = [], 0
+    for s in batch:
+        p = s.request.num_computed_tokens
+        ids = [s.request.all_token_ids[p]] + s.draft_token_ids
+        n = len(ids)
+        pos = np.arange(p, p + n)
+        blocks = np.asarray(s.block_ids, dtype=np.int64)
+        cols[0, i:i + n] = ids
+        cols[1, i:i + n] = pos
+        cols[2, i:i + n] = blocks[pos // block_size] * block_size + pos % block_size
+        tables[i:i + n, : len(s.block_ids)] = s.block_ids
+        if s.samples:
+            sample_rows += range(i, i + n)
+        i += n
+    cols[2, i:] = -1
+    cols[3] = cols[1] + 1
+    return cols, tables, np.array(sample_rows, dtype=np.int64)
