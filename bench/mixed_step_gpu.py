@@ -1,8 +1,9 @@
 """What a decode worker's step costs when it also carries a prefill chunk (hybrid placement),
-on one GPU: decode-only steps (CUDA graph) vs the same decodes plus a prefill chunk of c
-tokens, run either as one eager mixed pass or split (the decodes through their graph,
-then the chunk eagerly). From these the step-time model (engine/step_model.py) is fitted
-and its chunk for a TPOT target checked against what was measured.
+on one GPU: decode-only steps (a decode graph) vs the same decodes plus a prefill chunk of c
+tokens, run either through the piecewise CUDA graphs of its token bucket (engine/graphs.py)
+or eagerly (the same kernels launched from Python). From these the step-time model
+(engine/step_model.py) is fitted and its chunk for a TPOT target checked against what was
+measured.
 
     python bench/mixed_step_gpu.py --tokenizer DIR --out bench/results/hybrid
 
@@ -34,6 +35,7 @@ from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.step_model import StepModel  # noqa: E402
 
 CHUNKS = (0, 64, 256, 512, 1024, 2048)
+PIECES = 0  # the engine's largest piecewise-graph bucket (eager mode sets it to 0)
 
 
 def ids(n: int) -> list[int]:
@@ -64,8 +66,8 @@ def measure(engine: LLMEngine, batch: int, reps: int, samples: dict) -> list[dic
     rows = []
     for c in CHUNKS:
         row = {"decodes": batch, "chunk": c}
-        for mode in ("mixed", "split"):
-            engine.runner.split_mixed = mode == "split"
+        for mode in ("graphs", "eager"):
+            engine.runner.graphs.max_piece_tokens = PIECES if mode == "graphs" else 0
             times = []
             for i in range(reps + 1):
                 if c and not any(not r.is_decoding for r in engine.scheduler.running) and not engine.scheduler.waiting:
@@ -99,31 +101,31 @@ def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
     return {"mode": mode, "coef_s": coef, "chunk_for_tpot_ms": out}
 
 
-def plot(out_dir: str) -> str:
-    """mixed_step_paged.json against mixed_step_reference.json (the same machine): the step's time
-    over the decodes alone, per chunk, for both prefill attention paths. Returns the PNG's path."""
+def plot(out_dir: str, tag: str = "") -> str:
+    """mixed_step{tag}.json: the step's time over the decodes alone, per chunk, through the
+    piecewise graphs and eagerly (one run, one machine). Returns the PNG's path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    with open(os.path.join(out_dir, f"mixed_step{tag}.json")) as f:
+        res = json.load(f)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    device = ""
-    for tag, label in (("reference", "torch reference (gather, mask, SDPA)"), ("paged", "Triton paged prefill")):
-        with open(os.path.join(out_dir, f"mixed_step_{tag}.json")) as f:
-            res = json.load(f)
-        device = res["device"]
-        rows = [r for r in res["rows"] if r["decodes"] == 16]
-        base = next(r["mixed_ms"] for r in rows if r["chunk"] == 0)
-        pts = [(r["chunk"], r["mixed_ms"] - base) for r in rows if r["chunk"]]
+    rows = [r for r in res["rows"] if r["decodes"] == 16]
+    for key, label in (("eager_ms", "eager (kernels launched from Python)"), ("graphs_ms", "piecewise CUDA graphs")):
+        base = next(r[key] for r in rows if r["chunk"] == 0)
+        pts = [(r["chunk"], r[key] - base) for r in rows if r["chunk"]]
         ax.plot([c for c, _ in pts], [ms for _, ms in pts], marker="o", label=label)
+    goals = {64: 2, 256: 5, 1024: 26}
+    ax.scatter(list(goals), list(goals.values()), marker="_", s=200, color="k", label="goal")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prefill chunk (tokens) beside 16 decodes at ~4K context")
     ax.set_ylabel("step time over the decodes alone (ms)")
-    ax.set_title(f"a mixed step's extra cost, Llama-3-8B shape, {device}", fontsize=9)
+    ax.set_title(f"a mixed step's extra cost, Llama-3-8B shape, {res['device']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = os.path.join(out_dir, "mixed_step_paged.png")
+    out = os.path.join(out_dir, f"mixed_step{tag}.png")
     fig.savefig(out, dpi=120)
     return out
 
@@ -137,10 +139,10 @@ def main() -> None:
     ap.add_argument("--prefill-attention", choices=("paged", "reference"), default="paged",
                     help="reference: chunks through the torch path it replaced (gather, mask, SDPA), to compare")
     ap.add_argument("--tag", default="", help="suffix of the result files")
-    ap.add_argument("--plot", action="store_true", help="only plot mixed_step_{paged,reference}.json in --out")
+    ap.add_argument("--plot", action="store_true", help="only plot mixed_step{tag}.json in --out")
     args = ap.parse_args()
     if args.plot:
-        print(plot(args.out))
+        print(plot(args.out, args.tag))
         return
     random.seed(0)
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
@@ -150,17 +152,20 @@ def main() -> None:
         for m in engine.runner.model.modules():
             if hasattr(m, "attn") and hasattr(m.attn, "_prefill"):
                 m.attn._prefill = None
-    samples = {"mixed": [], "split": []}
+    global PIECES
+    PIECES = engine.runner.graphs.max_piece_tokens
+    samples = {"graphs": [], "eager": []}
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         rows += measure(engine, b, args.reps, samples)
-    fits = [fit_report(samples[m], rows, m) for m in ("mixed", "split")]
+    fits = [fit_report(samples[m], rows, m) for m in ("graphs", "eager")]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"mixed_step{args.tag}.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "prefill_attention": args.prefill_attention,
                    "rows": rows, "fits": fits}, f, indent=1)
-    lines = ["| decodes | chunk | decode+chunk mixed (ms) | split: graph + chunk (ms) |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r['decodes']} | {r['chunk']} | {r['mixed_ms']:.1f} | {r['split_ms']:.1f} |" for r in rows]
+    lines = [f"{torch.cuda.get_device_name()}, prefill attention: {args.prefill_attention}", "",
+             "| decodes | chunk | step, piecewise graphs (ms) | step, eager (ms) |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['decodes']} | {r['chunk']} | {r['graphs_ms']:.1f} | {r['eager_ms']:.1f} |" for r in rows]
     for fit in fits:
         coef = {k: float(f"{v:.3g}") for k, v in fit["coef_s"].items()}
         lines.append(f"\n{fit['mode']}: coefficients (s) {json.dumps(coef)}; "

@@ -2,7 +2,8 @@
 
 A step of an 8B model launches ~800 kernels when it only decodes and ~2,100 when it also
 carries a prefill chunk; launched one by one from Python they cost more than they run
-(16 decodes + a 64-token chunk: 7.7 ms in a graph, +21 ms eager on an H100). Two kinds
+(16 decodes at ~4K context on an H100: 10.6 ms in a graph; with a 64-token chunk 35.3 ms
+eager, 13.1 ms through the pieces below). Two kinds
 of graph, captured at start (CUDA, Triton, not `enforce_eager`), sharing one memory pool:
 
 - decode graphs: a whole all-decode step, one graph per padded row count (1, 2, 4, 8, 16,
@@ -31,7 +32,10 @@ import torch
 
 from .attention import AttentionMetadata
 
-PIECE_TOKENS = 2048  # past this a step's GPU time hides its launches: eager, no padding
+# Past this many tokens a step's GPU time hides its launches and eager is no slower: measured on
+# an H100 (Llama-3-8B shape, 16 decodes + a chunk, bench/results/hybrid/mixed_step_graphs.md),
+# the pieces took 26.5 vs 37.8 ms eager with a 512-token chunk, 44.2 vs 40.2 ms with 1024.
+PIECE_TOKENS = 512
 
 
 def piece_buckets(top: int) -> list[int]:

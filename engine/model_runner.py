@@ -11,7 +11,7 @@ reaches the end of their known tokens produce logits.
 
 Which path a step takes is one decision (graphs.StepGraphs.route): an all-decode step
 (speculative verification rows included) replays a decode graph; any other step up to
-2,048 tokens replays the piecewise graphs of its token bucket with attention between;
+512 tokens (graphs.PIECE_TOKENS) replays the piecewise graphs of its token bucket with attention between;
 larger steps, and every step without graphs, run eagerly. On CPU,
 `use_graph_layouts()` runs both graph layouts without capturing (tests).
 

@@ -7,17 +7,18 @@ tokens, so the GPU's time is in it) and kept with its shape:
     seconds ~ base + mixed + per_seq * decodes + per_token * prefill_tokens
               + per_kv * decode_context_tokens + per_attn * prefill_tokens x their context
 
-`mixed` is what a step with prefill tokens costs beyond a decode-only one (on CUDA a
-decode-only step replays a CUDA graph; a mixed step runs eagerly). The coefficients are
+`mixed` is what a step with prefill tokens costs beyond a decode-only one: ~20 ms when
+mixed steps ran eagerly beside a decode step's CUDA graph, next to nothing since they
+replay piecewise graphs (graphs.py). The coefficients are
 a least-squares fit (non-negative) over the last 256 decode-only and the last 256 steps
 with prefill tokens, refitted every 16 steps.
 
 With a target (`slo_tpot_s`), the decodes must average at most margin x target per
 output token (TPOT is a mean: DistServe's and vLLM's definition). Measured on H200
-(Llama-3-8B shape, bench/results/hybrid/mixed_step.md) a step that carries any prefill
-runs eagerly and costs ~20 ms more than the decode-only graph step it replaces, whatever
-its chunk: a small chunk in every step would break a 20-40 ms target for little prefill.
-So decode-only steps bank the time they leave under the target (`slack`, at most
+(Llama-3-8B shape, bench/results/hybrid/mixed_step_paged.md) an eager step that carries
+any prefill costs ~20 ms more than the decode-only graph step it replaces, whatever its
+chunk: a small chunk in every step would break a 20-40 ms target for little prefill.
+So, while the fit sees such a fixed cost, decode-only steps bank the time they leave under the target (`slack`, at most
 BANK_STEPS targets) and a step carries a prefill chunk only when the banked slack pays
 for one of at least MIN_CHUNK tokens: the largest that fits target + slack. The mean
 stays inside the target; one gap may reach (1 + BANK_STEPS) x target. This is what lets
@@ -44,6 +45,7 @@ from .request import Request
 PROBE_TOKENS = 256
 MIN_CHUNK = 256  # smaller chunks pay a mixed step's fixed cost for little prefill: bank slack instead
 MIN_ROOM = 0.05  # the least slack a decode-only step banks (progress when the decodes take the target)
+SMALL_FIXED = 0.1  # a mixed step's fixed cost under this share of the target: chunks need no bank
 IDLE_GAP_S = 0.05
 BANK_STEPS = 3.0  # slack banked at most, in targets: a step takes at most (1 + BANK_STEPS) x target
 _SCALE = np.array([1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20])  # features to ~unit size
@@ -163,27 +165,37 @@ class StepModel:
         return target, max(target - self.predict(decodes, 0, kv, 0), MIN_ROOM * target)
 
     def _largest(self, decodes: int, kv: int, ctx: int, limit: float) -> int:
-        """The largest chunk at context `ctx` whose step with these decodes takes <= limit."""
+        """The largest chunk n at context `ctx` whose step with these decodes takes <= limit:
+        per_token x n + per_attn x n x (ctx + n / 2) <= what the decodes leave, solved exactly
+        (a fit that puts the whole prefill cost on attention has per_token 0)."""
         c = self.coef / _SCALE
         avail = limit - self.predict(decodes, 1, kv, 0)
         if avail <= 0:
             return 0
-        n = avail / max(c[3] + c[5] * ctx, 1e-12)
-        n = avail / max(c[3] + c[5] * (ctx + n / 2), 1e-12)  # the chunk's own attention
+        a, b = c[5] / 2, c[3] + c[5] * ctx
+        if a <= 0:
+            n = avail / max(b, 1e-12)
+        else:
+            n = 2 * avail / (b + (b * b + 4 * a * avail) ** 0.5)  # the positive root, stable when b >> a
         return int(min(self.max_tokens, n))
 
     def chunk_for(self, decodes: int, kv: int, ctx: int, slack: float, remaining: int) -> int:
-        """The prefill chunk for the next step: the full-bank chunk (or the `remaining`
-        prompt, if less) once the banked slack pays for it, else 0 (bank more). Waiting for
-        the big chunk pays the mixed step's fixed cost once per chunk_at() tokens."""
+        """The prefill chunk for the next step. When a step with prefill costs a fixed amount
+        over a decode-only one (eager mixed steps: ~20 ms), the full-bank chunk (or the
+        `remaining` prompt, if less) once the banked slack pays for it, else 0 (bank more):
+        the fixed cost is paid once per chunk_at() tokens. When it costs next to nothing
+        (mixed steps in piecewise CUDA graphs: < SMALL_FIXED of the target), whatever fits the
+        target and the slack now, every step: no long gap between a decode's tokens."""
         if self.coef is None:
             return min(PROBE_TOKENS, self.max_tokens) if slack >= 0 else 0
         target, _ = self._room(decodes, kv)
+        now = self._largest(decodes, kv, ctx, target + min(slack, self._bank_cap(target)))
+        if self.coef[1] < SMALL_FIXED * target:
+            return min(now, remaining)
         full = self._largest(decodes, kv, ctx, target + self._bank_cap(target))
         if full <= 0:  # the decodes alone take target + a full bank: a minimal chunk each time it is
             return min(MIN_CHUNK, remaining, self.max_tokens) if slack >= self._bank_cap(target) - 1e-9 else 0
         want = max(min(full, remaining), min(MIN_CHUNK, self.max_tokens))
-        now = self._largest(decodes, kv, ctx, target + min(slack, self._bank_cap(target)))
         return min(now, remaining) if now >= want else 0
 
     def _bank_cap(self, target: float) -> float:

@@ -117,3 +117,27 @@ def test_a_prompt_progresses_when_the_decodes_alone_take_the_target_and_the_bank
         m.observe(step(32, 0), cost(32, 0))
     assert cap == MIN_CHUNK and m.slack >= 3 * target - 1e-9
     assert n <= 3 / 0.05 + 2  # the bank fills at MIN_ROOM of the target per decode step
+
+
+def test_chunks_without_a_fixed_cost_run_every_step():
+    """Mixed steps in piecewise CUDA graphs: no fixed cost, and the bench's chunks all come
+    from one prompt, so the fit may put the whole prefill cost on the attention term
+    (per_token 0). The chunk is still the exact largest that fits, and it runs now instead
+    of waiting for the bank (the fixed-point solve it replaced returned 0 here)."""
+    def graph_cost(d: int, c: int, ctx: int) -> float:
+        return 0.008 + 0.00005 * d + 4e-9 * c * (ctx + c / 2)
+
+    m = StepModel(8192, 0.04)
+    rng = random.Random(0)
+    for _ in range(300):
+        d, c = rng.randrange(1, 64), rng.choice((0, 0, 256, 512, 1024, 2048))
+        ctx = 2 * c  # collinear with c: the fit cannot tell per-token from attention cost
+        m.observe([ScheduledRequest(R(1001, 1000, 5), 1, []) for _ in range(d)]
+                  + ([ScheduledRequest(R(9000, ctx, 0), c, [])] if c else []), graph_cost(d, c, ctx))
+    m._fit()
+    target = m.margin * 0.04
+    assert m.coef[1] < 0.1 * target
+    n = m.chunk_at(32, 32 * 1001)
+    assert graph_cost(32, n, 0) == pytest.approx(4 * target, rel=0.05)
+    now = m.chunk_for(32, 32 * 1001, 4096, slack=0.0, remaining=8000)
+    assert now > 0 and graph_cost(32, now, 4096) == pytest.approx(target, rel=0.05)

@@ -1,0 +1,53 @@
+"""The CUDA graphs' layouts on CPU (graphs.py, without capturing): every step takes the one
+path decision, mixed and prefill steps run as the model's pieces over padded static buffers
+with attention between, all-decode steps as padded decode rows; greedy output equals the
+plain eager run's token for token, with chunked prefill, prefix hits and a sliding window."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.graphs import piece_buckets
+
+from helpers import PROMPTS
+
+
+def test_piece_buckets_pad_by_at_most_an_eighth():
+    b = piece_buckets(2048)  # PIECE_TOKENS caps what the runner asks for
+    assert b[:9] == [16, 32, 48, 64, 80, 96, 112, 128, 144]
+    assert b[-1] == 2048 and 1152 in b and 1088 not in b
+    for lo, hi in zip(b, b[1:]):
+        assert hi - lo <= max(16, lo // 8 + 1)
+    assert piece_buckets(40) == [16, 32, 40]
+
+
+@pytest.mark.parametrize("model,backend,fused", [("llama", "torch", False), ("mistral", "triton", True)])
+def test_graph_layouts_equal_eager(model, backend, fused, tiny_models):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    shared = "The history of the city begins with a small village by the river, and then "
+    prompts = [shared + p for p in PROMPTS[:3]] + [PROMPTS[3]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # a 24-token step budget: prompts arrive in chunks beside decodes (mixed steps), the shared
+    # prefix is a cache hit for the later ones (chunks over cached context)
+    kw = dict(model=tiny_models[model], max_model_len=256, attention_backend=backend, fused_ops=fused,
+              max_num_batched_tokens=24, max_num_seqs=4)
+    with LLM(**kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    with LLM(**kw) as llm:
+        runner, seen = llm.engine.runner, []
+        runner.use_graph_layouts()
+        assert runner.graphs.piece_sizes == [16, 24]
+        pieces, decode = runner.graphs.run_pieces, runner.graphs.run_decode
+        runner.graphs.run_pieces = lambda inp, meta: seen.append(("pieces", len(inp.ids), inp.padded,
+                                                                  len(inp.query_lens))) or pieces(inp, meta)
+        runner.graphs.run_decode = lambda inp: seen.append(("decode", inp.num_rows, inp.cols.shape[1], 0)) \
+            or decode(inp)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        assert llm.engine.kv.prefix_hits > 0
+        llm.engine.kv.check_all_free()
+    assert got == want
+    mixed = [s for s in seen if s[0] == "pieces" and s[3] > 1]
+    assert mixed and any(n < padded for _, n, padded, _ in seen), seen  # mixed steps; padding rows
+    assert any(s[0] == "decode" for s in seen)
