@@ -90,7 +90,8 @@ def test_piecewise_graphs_for_mixed_steps_equal_eager(tiny_models):
             graphs = llm.engine.runner.graphs
             assert sorted(graphs.pieces) == graphs.piece_sizes == [16, 32, 48]
             real = graphs.run_pieces
-            graphs.run_pieces = lambda inp, meta: seen.append((len(inp.ids), len(inp.query_lens))) or real(inp, meta)
+            graphs.run_pieces = lambda inp, meta, real=real: seen.append((len(inp.ids), len(inp.query_lens))) \
+                or real(inp, meta)
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         llm.engine.kv.check_all_free()
         del llm
