@@ -56,6 +56,10 @@ def run_step(engine: LLMEngine, cap: int) -> tuple[list, float]:
 
 
 def measure(engine: LLMEngine, batch: int, reps: int, samples: dict) -> list[dict]:
+    """`batch` decodes at ~4K context; then per chunk size c, steps of those decodes plus the
+    last c tokens of an 8K prompt whose first 8192 - c are a prefix-cache hit, so every mode
+    measures the same chunk at the same context. Modes alternate within each repetition
+    (graphs: the runner's route; eager: the same kernels launched from Python)."""
     for rid in list(engine.requests):
         engine.abort_request(rid)
     long = SamplingParams(max_tokens=4500, ignore_eos=True, temperature=0)
@@ -63,20 +67,29 @@ def measure(engine: LLMEngine, batch: int, reps: int, samples: dict) -> list[dic
         engine.add_request(ids(4000), long)
     while not all(r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
+    prompt = ids(8192)
+    for c in CHUNKS[1:]:  # every prefix the chunks need, cached once
+        engine.add_request(prompt[: 8192 - c], SamplingParams(max_tokens=1, temperature=0))
+    while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
     rows = []
+    graphs = engine.runner.graphs
     for c in CHUNKS:
-        row = {"decodes": batch, "chunk": c}
-        for mode in ("graphs", "eager"):
-            engine.runner.graphs.max_piece_tokens = PIECES if mode == "graphs" else 0
-            times = []
-            for i in range(reps + 1):
-                if c and not any(not r.is_decoding for r in engine.scheduler.running) and not engine.scheduler.waiting:
-                    engine.add_request(ids(8000), SamplingParams(max_tokens=1, temperature=0))
+        times = {"graphs": [], "eager": []}
+        for i in range(reps + 1):
+            for mode in times:
+                graphs.max_piece_tokens = PIECES if mode == "graphs" else 0
+                if c:
+                    engine.add_request(prompt[: 8192 - c] + ids(c), SamplingParams(max_tokens=1, temperature=0))
                 scheduled, dt = run_step(engine, c)
+                assert not c or sum(s.num_new_tokens for s in scheduled) == batch + c, "the chunk missed its prefix"
                 if i:  # the first may compile
-                    times.append(dt)
+                    times[mode].append(dt)
                     samples[mode].append((scheduled, dt))
-            row[f"{mode}_ms"] = 1000 * statistics.median(times)
+        graphs.max_piece_tokens = PIECES
+        row = {"decodes": batch, "chunk": c, "context": 8192 if c else 0,
+               **{f"{m}_ms": 1000 * statistics.median(t) for m, t in times.items()},
+               **{f"{m}_spread_ms": [round(1000 * min(t), 2), round(1000 * max(t), 2)] for m, t in times.items()}}
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -138,6 +151,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prefill-attention", choices=("paged", "reference"), default="paged",
                     help="reference: chunks through the torch path it replaced (gather, mask, SDPA), to compare")
+    ap.add_argument("--graph-tokens", type=int, default=2048,
+                    help="cuda_graph_max_tokens: every chunk up to it is measured through the piecewise graphs too")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--plot", action="store_true", help="only plot mixed_step{tag}.json in --out")
     args = ap.parse_args()
@@ -147,7 +162,8 @@ def main() -> None:
     random.seed(0)
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
     engine = LLMEngine(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", max_model_len=8704,
-                                    max_num_batched_tokens=8192, gpu_memory_utilization=0.85))
+                                    max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+                                    cuda_graph_max_tokens=args.graph_tokens))
     if args.prefill_attention == "reference":
         for m in engine.runner.model.modules():
             if hasattr(m, "attn") and hasattr(m.attn, "_prefill"):
@@ -164,8 +180,14 @@ def main() -> None:
         json.dump({"device": torch.cuda.get_device_name(), "prefill_attention": args.prefill_attention,
                    "rows": rows, "fits": fits}, f, indent=1)
     lines = [f"{torch.cuda.get_device_name()}, prefill attention: {args.prefill_attention}", "",
+             f"Medians of {args.reps} (min-max); modes alternate within each repetition; the chunk is the last c "
+             "tokens of an 8K prompt (its first 8192 - c cached), graphs up to "
+             f"{args.graph_tokens} tokens (`python3 bench/mixed_step_gpu.py --batches {args.batches} --reps {args.reps} "
+             f"--graph-tokens {args.graph_tokens}`)", "",
              "| decodes | chunk | step, piecewise graphs (ms) | step, eager (ms) |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r['decodes']} | {r['chunk']} | {r['graphs_ms']:.1f} | {r['eager_ms']:.1f} |" for r in rows]
+    lines += [f"| {r['decodes']} | {r['chunk']} | {r['graphs_ms']:.1f} ({r['graphs_spread_ms'][0]:.1f}-"
+              f"{r['graphs_spread_ms'][1]:.1f}) | {r['eager_ms']:.1f} ({r['eager_spread_ms'][0]:.1f}-"
+              f"{r['eager_spread_ms'][1]:.1f}) |" for r in rows]
     for fit in fits:
         coef = {k: float(f"{v:.3g}") for k, v in fit["coef_s"].items()}
         lines.append(f"\n{fit['mode']}: coefficients (s) {json.dumps(coef)}; "

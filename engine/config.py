@@ -162,7 +162,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    enforce_eager: bool = False  # no CUDA graphs
+    # steps of up to this many tokens that are not all decodes replay piecewise CUDA graphs
+    # (engine/graphs.py); larger ones run eagerly
+    cuda_graph_max_tokens: int = 512
     # Triton kernels for RMSNorm + residual, rope and SiLU * gate (engine/ops/triton_fused.py).
     # None (auto): on where Triton runs on CUDA (H200, Llama-3-8B shape: decode step 7.64 -> 5.76 ms
     # at batch 1, 4K prefill 136 -> 108 ms; bench/results/engine_gpu_b64_*.md); True needs Triton

@@ -10,7 +10,7 @@ of graph, captured at start (CUDA, Triton, not `enforce_eager`), sharing one mem
   32, ...). Rows are decodes and speculative verification rows (a request verifying
   [last, d1..dk] is k+1 rows, row j attending to its first p+j+1 tokens). Padding rows store
   nothing (slot -1) and attend to one token of block 0; their logits are dropped.
-- piecewise graphs: any other step of up to `max_piece_tokens` tokens, padded to a token
+- piecewise graphs: any other step of up to `cuda_graph_max_tokens` (512), padded to a token
   bucket. The model's work between two attentions (`model.piece`: norms, projections, rope,
   MLP, TP all-reduces) is one graph per layer boundary and bucket; each layer's attention
   runs eagerly between them on the real rows, because its grid depends on the step's mix of
@@ -32,11 +32,6 @@ import torch
 
 from .attention import AttentionMetadata
 
-# Past this many tokens a step's GPU time hides its launches and eager is no slower: measured on
-# an H100 (Llama-3-8B shape, 16 decodes + a chunk, bench/results/hybrid/mixed_step_graphs.md),
-# the pieces took 26.5 vs 37.8 ms eager with a 512-token chunk, 44.2 vs 40.2 ms with 1024.
-PIECE_TOKENS = 512
-
 
 def piece_buckets(top: int) -> list[int]:
     """Token counts the piecewise graphs are captured for, up to `top`: multiples of 16 up to
@@ -56,7 +51,7 @@ class StepGraphs:
         self.capture = capture
         self.block_size = config.block_size
         self.decode_sizes = decode_sizes(config)
-        self.piece_sizes = piece_buckets(min(config.max_num_batched_tokens, PIECE_TOKENS))
+        self.piece_sizes = piece_buckets(piece_tokens(config))
         self.max_piece_tokens = self.piece_sizes[-1]
         self.decode: dict[int, tuple] = {}  # rows -> (graph, logits)
         self.pieces: dict[int, list] = {}  # tokens -> [graph per piece]
@@ -198,6 +193,11 @@ class StepGraphs:
                 k_cache, v_cache = self.kv_views[i]
                 layers[i].self_attn.attn(self.q[:n], self.k[:n], self.v[:n], k_cache, v_cache, meta, out=self.o[:n])
         return self.hidden[:n]
+
+
+def piece_tokens(config) -> int:
+    """The largest token bucket (config.cuda_graph_max_tokens, at most the step budget)."""
+    return max(16, min(config.max_num_batched_tokens, config.cuda_graph_max_tokens))
 
 
 def decode_sizes(config) -> list[int]:

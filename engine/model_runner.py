@@ -11,7 +11,7 @@ reaches the end of their known tokens produce logits.
 
 Which path a step takes is one decision (graphs.StepGraphs.route): an all-decode step
 (speculative verification rows included) replays a decode graph; any other step up to
-512 tokens (graphs.PIECE_TOKENS) replays the piecewise graphs of its token bucket with attention between;
+512 tokens (`cuda_graph_max_tokens`) replays the piecewise graphs of its token bucket with attention between;
 larger steps, and every step without graphs, run eagerly. On CPU,
 `use_graph_layouts()` runs both graph layouts without capturing (tests).
 
@@ -29,7 +29,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .config import EngineConfig
-from .graphs import PIECE_TOKENS, StepGraphs, decode_inputs
+from .graphs import StepGraphs, decode_inputs, piece_tokens
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
 from .offload import HostCache, TierOps, host_slots
@@ -73,7 +73,7 @@ class ModelRunner:
         self.model = load_model(config, load_format, self.tp)
         # every rank holds the same block ids: the count the fullest GPU allows
         graphs = self.device.type == "cuda" and config.use_triton and not config.enforce_eager
-        scratch = activation_bytes(config, min(config.max_num_batched_tokens, PIECE_TOKENS) if graphs else 0)
+        scratch = activation_bytes(config, piece_tokens(config) if graphs else 0)
         self.num_blocks = self.tp.min_int(num_kv_blocks(config, scratch))
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
         self.kv_views = layer_views(self.kv, config.kv_cache_dtype)

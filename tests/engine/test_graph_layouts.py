@@ -14,7 +14,7 @@ from helpers import PROMPTS
 
 
 def test_piece_buckets_pad_by_at_most_an_eighth():
-    b = piece_buckets(2048)  # PIECE_TOKENS caps what the runner asks for
+    b = piece_buckets(2048)  # cuda_graph_max_tokens caps what the runner asks for
     assert b[:9] == [16, 32, 48, 64, 80, 96, 112, 128, 144]
     assert b[-1] == 2048 and 1152 in b and 1088 not in b
     for lo, hi in zip(b, b[1:]):
