@@ -182,8 +182,8 @@ def main() -> None:
     lines = [f"{torch.cuda.get_device_name()}, prefill attention: {args.prefill_attention}", "",
              f"Medians of {args.reps} (min-max); modes alternate within each repetition; the chunk is the last c "
              "tokens of an 8K prompt (its first 8192 - c cached), graphs up to "
-             f"{args.graph_tokens} tokens (`python3 bench/mixed_step_gpu.py --batches {args.batches} --reps {args.reps} "
-             f"--graph-tokens {args.graph_tokens}`)", "",
+             f"{args.graph_tokens} tokens (`python3 bench/mixed_step_gpu.py --batches {args.batches} "
+             f"--reps {args.reps} --graph-tokens {args.graph_tokens}`)", "",
              "| decodes | chunk | step, piecewise graphs (ms) | step, eager (ms) |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['decodes']} | {r['chunk']} | {r['graphs_ms']:.1f} ({r['graphs_spread_ms'][0]:.1f}-"
               f"{r['graphs_spread_ms'][1]:.1f}) | {r['eager_ms']:.1f} ({r['eager_spread_ms'][0]:.1f}-"
