@@ -1,12 +1,12 @@
 """Paged attention for one layer, over a flat batch of mixed prefill chunks and decodes.
 
-The model runner orders a batch so that its `num_decodes` single-token sequences
-come first: on CUDA those go through one Triton paged-decode launch, the rest (prefill
-chunks, possibly on top of cached prefixes) through one Triton paged-prefill launch
-(ops/triton_prefill.py; its plan is built by the step's first layer and shared by the
-others). A single fresh prompt (no cached context) runs torch's causal flash kernel. On CPU
-everything goes through the torch reference (ops/attention_ref.py), which stays the oracle
-the kernels are tested against.
+On CUDA a step of decodes only (and speculative verification rows, one per query token)
+runs the Triton paged-decode kernel; any other step runs one Triton paged-prefill launch
+over every sequence, decodes included as chunks of one token, each chunk on top of the
+context its sequence has cached (ops/triton_prefill.py; its plan is built by the step's
+first layer and shared by the others); a single fresh prompt alone runs torch's causal flash
+kernel. On CPU everything goes through the torch reference (ops/attention_ref.py), which
+stays the oracle the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -74,32 +74,31 @@ class PagedAttention:
         else:
             self._store, self._decode, self._prefill = store_kv_ref, None, None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+        """Writes the step's new keys and values to their slots (-1: skip)."""
+        self._store(k, v, k_cache, v_cache, slot_mapping)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        # q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]; out: where to write (like q)
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
-        nd = meta.num_decodes if self._decode is not None else 0
-        if nd == meta.num_seqs:
+        """q [T, H, D], k/v [T, KVH, D] (None: already stored, as the piecewise graphs do); caches
+        [num_blocks, block_size, KVH, D]; out: where to write (like q)."""
+        if k is not None:
+            self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self._decode is not None and meta.num_decodes == meta.num_seqs:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
                                 self.scale, self.sliding_window, out=out)
         out = torch.empty_like(q) if out is None else out
-        if nd:
-            self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
-                         self.scale, self.sliding_window, out=out[:nd])
         seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()  # CPU layouts
         query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
-        start = sum(query_lens[:nd])
         # one fresh prompt alone: torch's causal flash kernel (one launch) is faster than the paged
-        # kernel there (0.56 vs 0.87 ms a layer for 4096 tokens on an H100); anything else, paged
-        one_fresh = meta.num_seqs - nd == 1 and query_lens[-1] == seq_lens[-1] and self.sliding_window is None
+        # kernel there (0.56 vs 0.87 ms a layer for 4096 tokens on an H100); any other mix, decode
+        # rows included, one paged-prefill launch (a decode is a chunk of one token)
+        one_fresh = meta.num_seqs == 1 and query_lens[0] == seq_lens[0] and self.sliding_window is None
         if self._prefill is not None and not one_fresh:
             if meta.prefill_plan is None:
-                meta.prefill_plan = self._plan(query_lens[nd:], seq_lens[nd:],
-                                               self.num_heads // self.num_kv_heads, q.device)
-            self._prefill(q[start:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_plan, self.scale,
-                          self.sliding_window, out=out[start:])
-            return out
-        out[start:] = paged_attention_ref(
-            q[start:], k_cache, v_cache, meta.block_tables[nd:], seq_lens[nd:],
-            query_lens[nd:], self.scale, self.sliding_window)
+                meta.prefill_plan = self._plan(query_lens, seq_lens, self.num_heads // self.num_kv_heads, q.device)
+            return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.prefill_plan, self.scale,
+                                 self.sliding_window, out=out)
+        out[:] = paged_attention_ref(q, k_cache, v_cache, meta.block_tables, seq_lens, query_lens, self.scale,
+                                     self.sliding_window)
         return out

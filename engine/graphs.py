@@ -12,10 +12,10 @@ of graph, captured at start (CUDA, Triton, not `enforce_eager`), sharing one mem
   nothing (slot -1) and attend to one token of block 0; their logits are dropped.
 - piecewise graphs: any other step of up to `cuda_graph_max_tokens` (512), padded to a token
   bucket. The model's work between two attentions (`model.piece`: norms, projections, rope,
-  MLP, TP all-reduces) is one graph per layer boundary and bucket; each layer's attention
-  runs eagerly between them on the real rows, because its grid depends on the step's mix of
-  decodes and chunks: a fixed handful of launches per layer (store, decode rows, prefill
-  rows, the prefill split's combine). Padding rows compute garbage that no real row reads
+  the KV store, MLP, TP all-reduces) is one graph per layer boundary and bucket; each layer's
+  attention runs eagerly between them on the real rows, because its grid depends on the
+  step's mix of decodes and chunks: one paged-prefill launch per layer over every sequence
+  (two when its keys are split). Padding rows compute garbage that no real row reads
   (every op outside attention is row-wise).
 
 `route` is the one decision every step goes through: "decode" (a decode graph), "pieces"
@@ -91,9 +91,8 @@ class StepGraphs:
                                   device=dev)
         self.lens = torch.ones(rows, dtype=torch.int32, device=dev)
         p = self.max_piece_tokens
+        self.piece_slots = torch.full((p,), -1, dtype=torch.int64, device=dev)
         self.q = torch.zeros(p, attn.num_heads, attn.head_dim, dtype=dtype, device=dev)
-        self.k = torch.zeros(p, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=dev)
-        self.v = torch.zeros_like(self.k)
         self.o = torch.zeros_like(self.q)
         self.res = torch.zeros(p, c.hidden_size, dtype=dtype, device=dev)
         self.hidden = torch.zeros_like(self.res)
@@ -103,14 +102,17 @@ class StepGraphs:
         return self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], self.kv_views, meta))
 
     def _piece(self, t: int, i: int) -> None:
-        """Piece i over the first t rows of the static buffers, its outputs written back to them."""
+        """Piece i over the first t rows of the static buffers: its q and residual written back
+        to them, its keys and values stored in layer i's cache (padding rows: slot -1)."""
         x = self.ids[:t] if i == 0 else self.o[:t]
         out = self.model.piece(i, self.pos[:t], x, self.res[:t] if i else None)
         if i == len(self.model.layers):
             self.hidden[:t].copy_(out)
             return
-        for buf, val in zip((self.q, self.k, self.v, self.res), out):
-            buf[:t].copy_(val)
+        q, k, v, residual = out
+        self.q[:t].copy_(q)
+        self.res[:t].copy_(residual)
+        self.model.layers[i].self_attn.attn.store(k, v, *self.kv_views[i], self.piece_slots[:t])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -182,6 +184,9 @@ class StepGraphs:
         n, t = len(inp.ids), inp.padded
         self.ids[:n].copy_(torch.from_numpy(inp.ids), non_blocking=True)
         self.pos[:n].copy_(torch.from_numpy(inp.positions), non_blocking=True)
+        slots = np.full(t, -1, dtype=np.int64)
+        slots[:n] = inp.slots
+        self.piece_slots[:t].copy_(torch.from_numpy(slots), non_blocking=True)
         graphs = self.pieces.get(t)
         layers = self.model.layers
         for i in range(len(layers) + 1):
@@ -191,7 +196,7 @@ class StepGraphs:
                 self._piece(t, i)
             if i < len(layers):
                 k_cache, v_cache = self.kv_views[i]
-                layers[i].self_attn.attn(self.q[:n], self.k[:n], self.v[:n], k_cache, v_cache, meta, out=self.o[:n])
+                layers[i].self_attn.attn(self.q[:n], None, None, k_cache, v_cache, meta, out=self.o[:n])
         return self.hidden[:n]
 
 
