@@ -95,6 +95,25 @@ def measure(engine: LLMEngine, batch: int, reps: int, samples: dict) -> list[dic
     return rows
 
 
+def profile(engine: LLMEngine, chunks=(64, 256)) -> dict:
+    """GPU kernel time by kind of one step of the decodes plus each chunk (graphs mode)."""
+    from engine_gpu import profile_step
+
+    prompt = ids(8192)
+    for c in chunks:
+        engine.add_request(prompt[: 8192 - c], SamplingParams(max_tokens=1, temperature=0))
+    while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    out = {}
+    for c in chunks:
+        def one(c=c):
+            engine.add_request(prompt[: 8192 - c] + ids(c), SamplingParams(max_tokens=1, temperature=0))
+            run_step(engine, c)
+        out[c] = profile_step(one)
+        print(c, json.dumps(out[c]["kinds"]), json.dumps(out[c]["top"][:8]), flush=True)
+    return out
+
+
 def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
     out = {}
     for slo in (0.015, 0.02, 0.03, 0.04, 0.05):
@@ -151,6 +170,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prefill-attention", choices=("paged", "reference"), default="paged",
                     help="reference: chunks through the torch path it replaced (gather, mask, SDPA), to compare")
+    ap.add_argument("--profile", action="store_true", help="kernel time by kind of a step with a 64 / 256 chunk")
     ap.add_argument("--graph-tokens", type=int, default=2048,
                     help="cuda_graph_max_tokens: every chunk up to it is measured through the piecewise graphs too")
     ap.add_argument("--tag", default="", help="suffix of the result files")
@@ -175,10 +195,11 @@ def main() -> None:
     for b in (int(x) for x in args.batches.split(",")):
         rows += measure(engine, b, args.reps, samples)
     fits = [fit_report(samples[m], rows, m) for m in ("graphs", "eager")]
+    profiles = profile(engine) if args.profile else None
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"mixed_step{args.tag}.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "prefill_attention": args.prefill_attention,
-                   "rows": rows, "fits": fits}, f, indent=1)
+                   "rows": rows, "fits": fits, "profiles": profiles}, f, indent=1)
     lines = [f"{torch.cuda.get_device_name()}, prefill attention: {args.prefill_attention}", "",
              f"Medians of {args.reps} (min-max); modes alternate within each repetition; the chunk is the last c "
              "tokens of an 8K prompt (its first 8192 - c cached), graphs up to "
