@@ -211,7 +211,7 @@ def mixed_step() -> dict:
         "workload": f"an 8K prompt alone in 1024-token chunks: last {pp['chunk_last_ms']:.1f} ms / first "
                     f"{pp['chunk_first_ms']:.1f} ms. The first chunk is a fresh prompt alone (torch's flash kernel); "
                     "the last's 1024 queries over 7K cached keys go through the Triton paged-prefill kernel, slower "
-                    "per key than flash""}
+                    "per key than flash"}
     return out
 
 
