@@ -159,10 +159,10 @@ def run_bench(url, out, *args):
 def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
     c, server = colocated
     res = run_bench(server.url, tmp_path, "--workload", "shared-prefix", "--num-requests", "8", "--system-len", "96",
-                    "--question-len", "8", "--output-len", "6", "--num-prefixes", "2", "--rates", "4,inf",
+                    "--question-len", "8", "--output-len", "6", "--num-prefixes", "2", "--rates", "2,inf",
                     "--slo-ttft", "30", "--slo-tpot", "5", "--label", "colocated", "--token-range", "100:40000")
     data = json.loads((tmp_path / "colocated_shared-prefix.json").read_text())
-    assert [r["rate"] for r in data["runs"]] == [4.0, math.inf]
+    assert [r["rate"] for r in data["runs"]] == [2.0, math.inf]
     for r in data["runs"]:
         assert r["completed"] == 8 and r["failed"] == 0
         assert r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p50"] > 0 and r["output_tok_s"] > 0
@@ -173,13 +173,14 @@ def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
         assert len(r["timeline"]) == 8 and 0 < r["phase_ms"]["local_prefill"]["p50"] <= 1000 * r["ttft_s"]["p99"]
         assert len(r["requests_detail"]) == 8
     # 96 of 104 tokens shared by 4 requests each: spaced arrivals hit the first one's blocks
-    # (all at once, the requests of one prefix may be admitted in one step and share nothing)
+    # (all at once, the requests of one prefix may be admitted in one step and share nothing;
+    # at 4 req/s on a loaded 2-core machine a hit rate of 0.23 was seen once: 2 req/s spaces them)
     assert data["runs"][0]["prefix_hit_rate"] > 0.3
-    assert data["goodput"] == {"rps": 4.0, "lower_bound": True}
+    assert data["goodput"] == {"rps": 2.0, "lower_bound": True}
     assert (tmp_path / "colocated_shared-prefix.png").stat().st_size > 10_000
-    assert "| 4 | 8/8 |" in (tmp_path / "colocated_shared-prefix.md").read_text()
+    assert "| 2 | 8/8 |" in (tmp_path / "colocated_shared-prefix.md").read_text()
     assert "per-request timeline" in (tmp_path / "colocated_shared-prefix.md").read_text()
-    assert "colocated @ 4.00 req/s" in res.stderr  # the progress bar
+    assert "colocated @ 2.00 req/s" in res.stderr  # the progress bar
 
 
 def test_bench_command_trace_replay_and_plot(colocated, small_trace, tmp_path):
