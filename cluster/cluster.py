@@ -96,8 +96,12 @@ class Cluster:
         # the prefill pool's own engine settings (e.g. a larger chunk budget: a prefill
         # worker runs no decodes whose inter-token latency a long chunk would hurt)
         role_engine_args = {"decode": engine_args, "prefill": prefill_pool_args(engine_args, prefill_engine_args)}
-        if mode == "hybrid":  # decode workers prefill too, in chunks their TPOT target allows
+        # decode workers that prefill too (hybrid: the prompts placement lends them; colocated:
+        # every prompt) carry the TPOT target: each step's chunk is what it allows (step_model.py)
+        if mode == "hybrid":
             role_engine_args["decode"] = {**role_engine_args["prefill"], "slo_tpot_s": self.serving.slo.tpot_s}
+        elif mode == "colocated":
+            role_engine_args["decode"] = {**engine_args, "slo_tpot_s": self.serving.slo.tpot_s}
         # each pool's tensor-parallel size: the argument, else the serving config's, else the engine's
         for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
             pool = self.serving.pool(role)
@@ -291,12 +295,12 @@ class Cluster:
 
     def set_slo(self, ttft_s: float | None = None, tpot_s: float | None = None) -> dict:
         """Changes the SLO live: hybrid placement reads it per request; the decode workers'
-        step budget (hybrid mode) follows the TPOT target from their next step."""
+        step budget (hybrid and colocated modes) follows the TPOT target from their next step."""
         slo = dataclasses.replace(self.serving.slo, **{k: v for k, v in (("ttft_s", ttft_s), ("tpot_s", tpot_s))
                                                        if v is not None})
         slo.validate()
         self.serving.slo = self.dispatcher.slo = slo
-        if self.mode == "hybrid":
+        if self.mode in ("hybrid", "colocated"):
             self.pools.role_engine_args["decode"]["slo_tpot_s"] = slo.tpot_s
             self._run(self.pools.retune("decode", slo.tpot_s), 60)
         return dataclasses.asdict(slo)

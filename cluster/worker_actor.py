@@ -94,10 +94,8 @@ class WorkerActor:
         if role not in ROLE_CLASSES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
-        # how long the engine thread may hold the GIL while the transfer threads wait: Python's
-        # 5 ms made each handoff's receive take 20-40 ms under load on 2x H200 (the pair's
-        # thread needs the GIL a dozen times); 0.5 ms cut kv_to_first_token p50 at 7 req/s
-        # from 1.5 s to 0.13 s (bench/results/serving.md)
+        # the engine thread's GIL turns: Python's 5 ms made a handoff's receive take 20-40 ms on 2x H200;
+        # 0.5 ms cut kv_to_first_token p50 at 7 req/s from 1.5 s to 0.13 s (bench/results/serving.md)
         sys.setswitchinterval(float(os.environ.get("PDSERVE_SWITCH_INTERVAL", "0.0005")))
         self.worker_id, self.role_name, self.namespace = worker_id, role, namespace
         self.epoch = uuid.uuid4().hex[:8]
@@ -262,8 +260,8 @@ class WorkerActor:
         return info
 
     async def retune(self, slo_tpot_s: float | None) -> None:
-        """A new TPOT target for this engine's step budget (read at its next step)."""
-        self.engine.step_model.slo_tpot_s = slo_tpot_s
+        """A new TPOT target for this engine's step budget, set by the engine thread between steps."""
+        self._post(lambda: self.engine.retune(slo_tpot_s, self.engine.scheduler.max_num_batched_tokens))
 
     async def forget_peer(self, worker_id: str) -> None:
         self.peers.pop(worker_id, None)
@@ -342,6 +340,8 @@ class WorkerActor:
                 self.connector.forget_peer(cmd.peer)
             elif isinstance(cmd, SwitchRole):
                 self._switch(cmd)
+            else:  # a setting the engine thread changes between steps (retune)
+                cmd()
         except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
             self._deliver(getattr(cmd, "request_id", ""), error=e)
 

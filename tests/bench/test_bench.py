@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -147,6 +148,19 @@ def test_colocated_mode_equals_the_engine(colocated):
     assert len({o.decode_worker for o in outs}) == 2
     with pytest.raises(ValueError, match="no prefill pool"):
         c.scale(prefill=1)
+
+
+def test_colocated_engines_keep_the_tpot_target(colocated):
+    """Colocated engines prefill beside their decodes, so their step budget follows the serving
+    TPOT target (step_model.py), also after POST /admin/slo changes it (set by the engine
+    thread between steps)."""
+    c, _ = colocated
+    assert {row["slo_tpot_s"] for row in c.status()} == {c.serving.slo.tpot_s}
+    c.set_slo(tpot_s=0.07)
+    deadline = time.monotonic() + 30
+    while {row["slo_tpot_s"] for row in c.status()} != {0.07} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert {row["slo_tpot_s"] for row in c.status()} == {0.07}
 
 
 def run_bench(url, out, *args):
