@@ -114,6 +114,44 @@ def profile(engine: LLMEngine, chunks=(64, 256)) -> dict:
     return out
 
 
+VARIANTS = {  # PagedAttention's settings for steps that are not all decodes (engine/attention.py)
+    "one launch, 64 rows": dict(decodes_apart=False, prefill_rows=64, prefill_warps=4),
+    "one launch, 128 rows": dict(decodes_apart=False, prefill_rows=128, prefill_warps=8),
+    "decodes apart, 64 rows": dict(decodes_apart=True, prefill_rows=64, prefill_warps=4),
+    "decodes apart, 128 rows": dict(decodes_apart=True, prefill_rows=128, prefill_warps=8),
+}
+
+
+def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512)) -> list[dict]:
+    """The mixed step (graphs mode) under each attention variant, alternating within each
+    repetition, the chunk at the end of an 8K prompt as in measure()."""
+    from pdserve.engine.attention import PagedAttention
+
+    default = {k: getattr(PagedAttention, k) for k in VARIANTS["one launch, 64 rows"]}
+    prompt = ids(8192)
+    for c in chunks:
+        engine.add_request(prompt[: 8192 - c], SamplingParams(max_tokens=1, temperature=0))
+    while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    rows = []
+    for c in (0, *chunks):
+        times = {name: [] for name in VARIANTS}
+        for i in range(reps + 1):
+            for name, attrs in VARIANTS.items():
+                for k, v in attrs.items():
+                    setattr(PagedAttention, k, v)
+                if c:
+                    engine.add_request(prompt[: 8192 - c] + ids(c), SamplingParams(max_tokens=1, temperature=0))
+                _, dt = run_step(engine, c)
+                if i:
+                    times[name].append(dt)
+        rows.append({"chunk": c, **{name: 1000 * statistics.median(t) for name, t in times.items()}})
+        print(rows[-1], flush=True)
+    for k, v in default.items():
+        setattr(PagedAttention, k, v)
+    return rows
+
+
 def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
     out = {}
     for slo in (0.015, 0.02, 0.03, 0.04, 0.05):
@@ -170,6 +208,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prefill-attention", choices=("paged", "reference"), default="paged",
                     help="reference: chunks through the torch path it replaced (gather, mask, SDPA), to compare")
+    ap.add_argument("--variants", action="store_true", help="the mixed step under each attention variant")
     ap.add_argument("--profile", action="store_true", help="kernel time by kind of a step with a 64 / 256 chunk")
     ap.add_argument("--graph-tokens", type=int, default=2048,
                     help="cuda_graph_max_tokens: every chunk up to it is measured through the piecewise graphs too")
@@ -196,10 +235,12 @@ def main() -> None:
         rows += measure(engine, b, args.reps, samples)
     fits = [fit_report(samples[m], rows, m) for m in ("graphs", "eager")]
     profiles = profile(engine) if args.profile else None
+    variants = compare_variants(engine, args.reps) if args.variants else None
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"mixed_step{args.tag}.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "prefill_attention": args.prefill_attention,
-                   "rows": rows, "fits": fits, "profiles": profiles}, f, indent=1)
+                   "rows": rows, "fits": fits, "profiles": profiles,
+                   "variants": variants}, f, indent=1)
     lines = [f"{torch.cuda.get_device_name()}, prefill attention: {args.prefill_attention}", "",
              f"Medians of {args.reps} (min-max); modes alternate within each repetition; the chunk is the last c "
              "tokens of an 8K prompt (its first 8192 - c cached), graphs up to "
@@ -214,6 +255,10 @@ def main() -> None:
         lines.append(f"\n{fit['mode']}: coefficients (s) {json.dumps(coef)}; "
                      f"TPOT target (ms) -> {{decodes: [chunk tokens, prefill tok/s]}} "
                      f"{json.dumps(fit['chunk_for_tpot_ms'])}")
+    if variants:
+        lines += ["", "Attention variants, 16 decodes + chunk, piecewise graphs (median ms):", "",
+                  "| chunk | " + " | ".join(VARIANTS) + " |", "| --- " * (len(VARIANTS) + 1) + "|"]
+        lines += [f"| {r['chunk']} | " + " | ".join(f"{r[n]:.1f}" for n in VARIANTS) + " |" for r in variants]
     text = "\n".join(lines)
     with open(os.path.join(args.out, f"mixed_step{args.tag}.md"), "w") as f:
         f.write(text + "\n")

@@ -57,6 +57,14 @@ class AttentionMetadata:
 
 
 class PagedAttention:
+    # How a step that is not all decodes runs on CUDA, measured by `bench/mixed_step_gpu.py
+    # --variants`: its decode rows through the paged-decode kernel and the rest through
+    # paged-prefill (decodes_apart), or everything through paged-prefill (a decode is a chunk
+    # of one token); paged-prefill's query rows (tokens x GQA group) and warps per program.
+    decodes_apart = False
+    prefill_rows = 64
+    prefill_warps = 4
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None, use_triton: bool):
         self.num_heads = num_heads
@@ -90,15 +98,20 @@ class PagedAttention:
         out = torch.empty_like(q) if out is None else out
         seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()  # CPU layouts
         query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
+        nd = meta.num_decodes if self.decodes_apart and self._decode is not None else 0
+        if nd:
+            self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
+                         self.scale, self.sliding_window, out=out[:nd])
         # one fresh prompt alone: torch's causal flash kernel (one launch) is faster than the paged
-        # kernel there (0.56 vs 0.87 ms a layer for 4096 tokens on an H100); any other mix, decode
-        # rows included, one paged-prefill launch (a decode is a chunk of one token)
-        one_fresh = meta.num_seqs == 1 and query_lens[0] == seq_lens[0] and self.sliding_window is None
+        # kernel there (0.56 vs 0.87 ms a layer for 4096 tokens on an H100)
+        one_fresh = meta.num_seqs - nd == 1 and query_lens[-1] == seq_lens[-1] and self.sliding_window is None
         if self._prefill is not None and not one_fresh:
             if meta.prefill_plan is None:
-                meta.prefill_plan = self._plan(query_lens, seq_lens, self.num_heads // self.num_kv_heads, q.device)
-            return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.prefill_plan, self.scale,
-                                 self.sliding_window, out=out)
-        out[:] = paged_attention_ref(q, k_cache, v_cache, meta.block_tables, seq_lens, query_lens, self.scale,
-                                     self.sliding_window)
+                meta.prefill_plan = self._plan(query_lens[nd:], seq_lens[nd:], self.num_heads // self.num_kv_heads,
+                                               q.device, rows=self.prefill_rows)
+            self._prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_plan, self.scale,
+                          self.sliding_window, out=out[nd:], num_warps=self.prefill_warps)
+            return out
+        out[nd:] = paged_attention_ref(q[nd:], k_cache, v_cache, meta.block_tables[nd:], seq_lens[nd:],
+                                       query_lens[nd:], self.scale, self.sliding_window)
         return out

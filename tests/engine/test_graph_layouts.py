@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.attention import PagedAttention
 from pdserve.engine.graphs import piece_buckets
 
 from helpers import PROMPTS
@@ -22,10 +23,15 @@ def test_piece_buckets_pad_by_at_most_an_eighth():
     assert piece_buckets(40) == [16, 32, 40]
 
 
-@pytest.mark.parametrize("model,backend,fused", [("llama", "torch", False), ("mistral", "triton", True)])
-def test_graph_layouts_equal_eager(model, backend, fused, tiny_models):
+@pytest.mark.parametrize("model,backend,fused,apart", [("llama", "torch", False, False),
+                                                       ("mistral", "triton", True, False),
+                                                       ("mistral", "triton", True, True)])
+def test_graph_layouts_equal_eager(model, backend, fused, apart, tiny_models, monkeypatch):
+    """apart: a mixed step's decode rows through the paged-decode kernel, the chunks through
+    paged-prefill (else one paged-prefill launch over every sequence)."""
     if backend == "triton":
         pytest.importorskip("triton")
+    monkeypatch.setattr(PagedAttention, "decodes_apart", apart)
     shared = "The history of the city begins with a small village by the river, and then "
     prompts = [shared + p for p in PROMPTS[:3]] + [PROMPTS[3]]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
