@@ -125,7 +125,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None) -> tuple:
-    """One rate sweep of one workload; a hybrid server first learns the SLO it serves."""
+    """One rate sweep of one workload; a hybrid or colocated server first learns the SLO it serves."""
     wargs = list(WORKLOADS[wl])
     name = f"{wl}_{system.replace(':', '-')}"
     if tpot_ms is not None:
@@ -189,10 +189,11 @@ def main() -> None:
                             "--input-len", "2048", "--output-len", "16", "--num-requests", "8", "--rate", "inf"],
                            capture_output=True, timeout=300)
             for wl in args.workloads.split(","):
-                # a hybrid server is told each TPOT SLO in turn (POST /admin/slo); the others
-                # do not depend on it (their goodput at any TPOT SLO comes from one sweep)
+                # a hybrid or colocated server is told each TPOT SLO in turn (POST /admin/slo): its
+                # engines size their prefill chunks by it; the others do not depend on it (their
+                # goodput at any TPOT SLO comes from one sweep)
                 slos = [None]
-                if system.startswith("hybrid"):
+                if system.startswith(("hybrid", "colocated")):
                     slos = [x.split(":")[-1] for x in args.tpot_slos.split(",")
                             if ":" not in x or x.startswith(wl + ":")]
                 for tpot in slos:
