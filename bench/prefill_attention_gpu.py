@@ -34,6 +34,12 @@ CASES = [
     ("fresh 4096", [(4096, 4096)]),
     ("fresh 512 x 4", [(512, 512)] * 4),
 ]
+# the mixed steps of bench/mixed_step_gpu.py: 16 decodes at ~4K context beside a chunk at the end of an 8K prompt
+MIXED = [("16 decodes + chunk 64 at 8K", [(4096, 1)] * 16 + [(8192, 64)]),
+         ("16 decodes + chunk 256 at 8K", [(4096, 1)] * 16 + [(8192, 256)])]
+# --sweep: the kernel's tile settings (query rows per program, keys per iteration, warps, pipeline
+# stages) and the key splits' programs per SM
+SWEEP = {"rows": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "per_sm": (2, 8)}
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -71,10 +77,69 @@ def case(seqs: list[tuple[int, int]], gen: torch.Generator) -> dict:
             "tokens": sum(q_lens), "splits": splits}
 
 
+def sweep(out_dir: str) -> None:
+    """Every combination of SWEEP on every case (mixed steps included): the fastest settings per
+    case against the defaults, into prefill_sweep.{json,md}."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(0)
+    combos = [dict(zip(SWEEP, v)) for v in itertools.product(*SWEEP.values())]
+    rows = []
+    for name, seqs in MIXED + CASES:
+        seq_lens, q_lens = [c for c, _ in seqs], [n for _, n in seqs]
+        width = -(-max(seq_lens) // PAGE)
+        num_blocks = len(seqs) * width + 8
+        kv = torch.randn(num_blocks, 2, PAGE, KVH, D, dtype=torch.bfloat16, device="cuda")
+        kc, vc = kv[:, 0], kv[:, 1]
+        tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * width].view(len(seqs), width)
+        tables = tables.to(torch.int32).cuda()
+        q = torch.randn(sum(q_lens), H, D, dtype=torch.bfloat16, device="cuda")
+        ref = paged_attention_ref(q, kc, vc, tables, seq_lens, q_lens, D ** -0.5).float()
+        times = []
+        for c in combos:
+            plan = PrefillPlan.build(q_lens, seq_lens, H // KVH, "cuda", rows=c["rows"])
+            splits = prefill_splits(plan.tiles.shape[0] * KVH, plan.max_context, _sm_count(q.device), c["per_sm"])
+            kw = dict(block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"], splits=splits)
+            try:
+                out = paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5, **kw)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                ms = timed(lambda a=(q, kc, vc, tables, plan), o=out, k=kw: paged_prefill_triton(
+                    *a, D ** -0.5, out=o, **k))
+            except Exception as e:  # noqa: BLE001 - a setting the compiler refuses (shared memory)
+                print(name, c, repr(e)[:100], file=sys.stderr)
+                continue
+            times.append((ms, c, err))
+        times.sort(key=lambda t: t[0])
+        base = {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "per_sm": 8}  # Triton: 3 stages
+        default = next((t for t in times if t[1] == base), None)
+        rows.append({"case": name, "best": [{"ms": t[0], **t[1], "rel_err": t[2]} for t in times[:5]],
+                     "default_ms": default[0] if default else None, "all": [[t[0], t[1]] for t in times]})
+        print(name, rows[-1]["best"][:2], "default", rows[-1]["default_ms"], file=sys.stderr, flush=True)
+    device = torch.cuda.get_device_name()
+    with open(os.path.join(out_dir, "prefill_sweep.json"), "w") as f:
+        json.dump({"device": device, "sweep": SWEEP, "rows": rows}, f, indent=1)
+    lines = [f"Paged-prefill settings, one layer, {device} (`python bench/prefill_attention_gpu.py --sweep`)", "",
+             "| case | default (ms) | best (ms) | rows | block_n | warps | stages | splits per SM |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        b = r["best"][0]
+        lines.append(f"| {r['case']} | {r['default_ms'] or float('nan'):.3f} | {b['ms']:.3f} | {b['rows']} | "
+                     f"{b['block_n']} | {b['num_warps']} | {b['num_stages']} | {b['per_sm']} |")
+    text = "\n".join(lines)
+    with open(os.path.join(out_dir, "prefill_sweep.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/attention")
+    ap.add_argument("--sweep", action="store_true", help="the kernel's tile settings on every case")
     args = ap.parse_args()
+    if args.sweep:
+        os.makedirs(args.out, exist_ok=True)
+        sweep(args.out)
+        return
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, seqs in CASES:
