@@ -183,11 +183,14 @@ class PrefillPlan:
 def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, plan: PrefillPlan,
                          scale: float, sliding_window: int | None = None,
                          out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                         num_stages: int | None = None, splits: int | None = None) -> torch.Tensor:
+                         num_stages: int = 2, splits: int | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]: the sequences' new tokens, back to back, each the
     last `query_len` positions of its context (the new K/V already stored) -> same shape.
     splits: pieces each tile's keys are cut into (combined by a second launch); None: by shape
-    (plan.splits), 1 on CPU."""
+    (prefill_splits), 1 on CPU. The defaults (32 keys per iteration, 2 pipeline stages, 4 warps,
+    64 query rows) were the fastest or within 5% of it on 7 of 8 shapes of a sweep on an H100
+    (bench/results/attention/prefill_sweep.md): against 64 keys and 3 stages, -28% for 2048
+    tokens over a 2048 cached prefix, -13% for a 1024 chunk at 7K, -10% for a mixed step."""
     k_cache, v_cache, ks, vs, *sstrides, scaled = _scale_args(k_cache, v_cache)
     _check_cache(k_cache, v_cache)
     T, H, D = q.shape
@@ -222,9 +225,9 @@ def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *sstrides,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
-        PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n or (max(16, min(64, page * 4)) if page <= 64 else page),
+        PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n or (32 if page <= 32 else page),
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SCALED=scaled, SPLIT=splits > 1, NUM_KV_HEADS=KVH,
-        num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine_prefill_kernel[(tiles, KVH)](
