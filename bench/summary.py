@@ -209,7 +209,8 @@ def mixed_step() -> dict:
     out["chunked_prefill_last_over_first"] = {
         "value": round(pp["chunked_prefill_last_over_first"], 2), "goal": 1.2, "command": pp_cmd,
         "workload": f"an 8K prompt alone in 1024-token chunks: last {pp['chunk_last_ms']:.1f} ms / first "
-                    f"{pp['chunk_first_ms']:.1f} ms. The first chunk is a fresh prompt alone (torch's flash kernel): it "
+                    f"{pp['chunk_first_ms']:.1f} ms. The first chunk is a fresh prompt alone (torch's flash "
+                    "kernel): it "
                     "took 27-28.5 ms in three earlier H100 calls of this session, against which the last is ~1.5x"}
     return out
 
