@@ -32,6 +32,7 @@ from serving_gpu import build_model  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.scheduler import StepShape  # noqa: E402
 from pdserve.engine.step_model import StepModel  # noqa: E402
 
 CHUNKS = (0, 64, 256, 512, 1024, 2048)
@@ -157,13 +158,13 @@ def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
     for slo in (0.015, 0.02, 0.03, 0.04, 0.05):
         m = StepModel(8192, slo)
         for scheduled, dt in samples:
-            m.observe(scheduled, dt)
+            m.observe(StepShape.of(scheduled), dt)
         m._fit()
         out[f"{slo * 1000:g}"] = {str(b): [m.chunk_at(b, b * 4000), round(m.rate_at(b, b * 4000) or 0)]
                                   for b in sorted({r["decodes"] for r in rows})}
     m = StepModel(8192, 0.04)
     for scheduled, dt in samples:
-        m.observe(scheduled, dt)
+        m.observe(StepShape.of(scheduled), dt)
     m._fit()
     names = ("base", "mixed", "per_seq", "per_token", "per_kv_token", "per_attn")
     coef = {} if m.coef is None else dict(zip(names, (m.coef / __import__("numpy").array(

@@ -188,10 +188,10 @@ class LLMEngine:
         """The host tier's copies and the forward pass; then the drafts' verdicts, progress
         (rolling back rejected drafts) and, on its interval, the host tier to disk."""
         ops = self.kv.host.take() if self.kv.host is not None else None
-        with self.step_model.timed(sched.scheduled):
+        with self.step_model.timed(sched.shape):
             tokens = self.runner.execute(sched.scheduled, ops)
         self.drafter.settle(sched.scheduled, tokens)
-        self.drafter.observe(sched.scheduled, self.step_model.last["seconds"])
+        self.drafter.observe(sched.shape, self.step_model.last["seconds"])
         self.scheduler.update_after_step(sched)
         if self.config.kv_persist_dir and time.monotonic() - self._persisted_at >= self.config.kv_persist_interval_s:
             self.persist_host_tier()

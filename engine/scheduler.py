@@ -12,6 +12,7 @@ The scheduler holds integer block ids only, so it runs on CPU and in tests as is
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -40,10 +41,50 @@ class ScheduledRequest:
         return self.num_new_tokens - len(self.draft_token_ids) == 1
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a step carries, counted once: the step-cost models read it (step_model.py prices
+    the step, spec_cost.py the drafts' worth), so both price a verifying request the same way,
+    as 1 + d rows that each read the request's context."""
+
+    decodes: int = 0  # decoding requests
+    draft_rows: int = 0  # their verification rows beyond one each
+    prefill_tokens: int = 0
+    kv_tokens: int = 0  # context the decode rows read, summed over rows
+    attn: float = 0.0  # prefill tokens x their mean context
+
+    @property
+    def rows(self) -> int:
+        return self.decodes + self.draft_rows
+
+    @property
+    def all_decode(self) -> bool:
+        return self.decodes > 0 and not self.prefill_tokens
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledRequest]) -> StepShape:
+        decodes = drafts = prefill = kv = 0
+        attn = 0.0
+        for s in scheduled:
+            r = s.request
+            if s.decode_rows:  # one known token (+ drafts): rows of the decode layout (graphs.py)
+                decodes += 1
+                drafts += len(s.draft_token_ids)
+                kv += r.num_tokens * (1 + len(s.draft_token_ids))
+            else:
+                prefill += s.num_new_tokens
+                attn += s.num_new_tokens * (r.num_computed_tokens + s.num_new_tokens // 2)
+        return cls(decodes, drafts, prefill, kv, attn)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+
+    @functools.cached_property
+    def shape(self) -> StepShape:
+        return StepShape.of(self.scheduled)
 
     @property
     def num_tokens(self) -> int:

@@ -185,11 +185,10 @@ class Drafter:
         if self.draft is not None:
             self.draft.forget(request_id)
 
-    def observe(self, scheduled: list, seconds: float) -> None:
-        """An all-decode step's wall time, for the cost model."""
-        if scheduled and all(s.decode_rows for s in scheduled):
-            self.cost.observe(sum(s.num_new_tokens for s in scheduled), seconds,
-                              any(s.draft_token_ids for s in scheduled))
+    def observe(self, shape, seconds: float) -> None:
+        """An all-decode step's wall time (shape: scheduler.StepShape), for the cost model."""
+        if shape.all_decode:
+            self.cost.observe(shape.rows, seconds, shape.draft_rows > 0)
 
     def settle(self, scheduled: list, tokens: dict) -> None:
         """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""

@@ -4,8 +4,11 @@ prefill chunk a step may carry without breaking a time-per-output-token (TPOT) t
 Every step is timed (the model runner's call; it ends on the host copy of the sampled
 tokens, so the GPU's time is in it) and kept with its shape:
 
-    seconds ~ base + mixed + per_seq * decodes + per_token * prefill_tokens
+    seconds ~ base + mixed + per_seq * decode_rows + per_token * prefill_tokens
               + per_kv * decode_context_tokens + per_attn * prefill_tokens x their context
+
+(`scheduler.StepShape`: a request verifying d drafts is 1 + d decode rows, each reading its
+context, as speculation's off-switch prices it in spec_cost.py.)
 
 `mixed` is what a step with prefill tokens costs beyond a decode-only one: ~20 ms when
 mixed steps ran eagerly beside a decode step's CUDA graph, next to nothing since they
@@ -41,6 +44,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .request import Request
+from .scheduler import StepShape
 
 PROBE_TOKENS = 256
 MIN_CHUNK = 256  # smaller chunks pay a mixed step's fixed cost for little prefill: bank slack instead
@@ -69,19 +73,6 @@ class StepModel:
 
     # ---- features ------------------------------------------------------------------------
     @staticmethod
-    def _shape(scheduled) -> tuple[int, int, int, int]:
-        decodes = prefill = kv = attn = 0
-        for s in scheduled:
-            r = s.request
-            if s.decode_rows and r.is_decoding:  # drafts ride in the decode graph (model_runner.py)
-                decodes += 1
-                kv += r.num_tokens
-            else:
-                prefill += s.num_new_tokens
-                attn += s.num_new_tokens * (r.num_computed_tokens + s.num_new_tokens // 2)
-        return decodes, prefill, kv, attn
-
-    @staticmethod
     def _x(decodes: int, prefill: int, kv: int, attn: float) -> np.ndarray:
         return np.array([1.0, 1.0 if prefill else 0.0, decodes, prefill, kv, attn]) / _SCALE
 
@@ -92,7 +83,7 @@ class StepModel:
 
     # ---- observing steps ----------------------------------------------------------------------
     @contextmanager
-    def timed(self, scheduled):
+    def timed(self, shape: StepShape):
         """Times one step and learns from it. The time is the step's wall time from the end
         of the previous one (what a decode waits between its tokens: scheduling, the
         model, outputs, the role's work around it), unless the engine was idle between
@@ -102,10 +93,10 @@ class StepModel:
         end = time.perf_counter()
         wall = end - self._last_end if self._last_end is not None else end - t0
         self._last_end = end
-        self.observe(scheduled, wall if wall - (end - t0) < IDLE_GAP_S else end - t0)
+        self.observe(shape, wall if wall - (end - t0) < IDLE_GAP_S else end - t0)
 
-    def observe(self, scheduled, seconds: float) -> None:
-        shape = self._shape(scheduled)
+    def observe(self, step: StepShape, seconds: float) -> None:
+        shape = (step.rows, step.prefill_tokens, step.kv_tokens, step.attn)
         (self.mixed_steps if shape[1] else self.decode_steps).append((shape, seconds))
         self.step_s = seconds if not self.step_s else 0.9 * self.step_s + 0.1 * seconds
         if shape[1] >= 64 and seconds > 0:  # prefill throughput as measured (before the fit)

@@ -13,7 +13,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledRequest
+from pdserve.engine.scheduler import ScheduledRequest, StepShape
 from pdserve.engine.spec_decode import Drafter, SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
 
 from helpers import PROMPTS
@@ -211,8 +211,9 @@ def test_the_cost_model_turns_speculation_off_when_it_does_not_pay():
     d = Drafter(SpeculativeConfig.from_dict(NGRAM))
     d.cost = SpecCost({b: 0.010 for b in sizes})
     two = [ScheduledRequest(Request(f"r{i}", [1, 2], SamplingParams()), 5, [], [7, 7, 7, 7]) for i in range(2)]
-    d.observe(two, 0.030)
-    d.observe(two[:1] + [ScheduledRequest(Request("p", [1] * 9, SamplingParams()), 8, [])], 1.0)  # not decode rows
+    d.observe(StepShape.of(two), 0.030)
+    d.observe(StepShape.of(two[:1] + [ScheduledRequest(Request("p", [1] * 9, SamplingParams()), 8, [])]),
+              1.0)  # not decode rows
     assert c.seconds(10) == pytest.approx(0.040) and d.cost.seconds(10) == pytest.approx(0.030)
 
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.scheduler import ScheduledRequest
+from pdserve.engine.scheduler import ScheduledRequest, StepShape
 from pdserve.engine.step_model import MIN_CHUNK, StepModel
 
 
@@ -39,7 +39,7 @@ def fitted(slo: float) -> StepModel:
     rng = random.Random(0)
     for _ in range(300):
         d, c = rng.randrange(1, 64), rng.choice((0, 0, 256, 512, 1024, 2048))
-        m.observe(step(d, c), cost(d, c))
+        m.observe(StepShape.of(step(d, c)), cost(d, c))
     m._fit()
     return m
 
@@ -114,7 +114,7 @@ def test_a_prompt_progresses_when_the_decodes_alone_take_the_target_and_the_bank
         cap = m.prefill_cap(running, waiting)
         if cap:
             break
-        m.observe(step(32, 0), cost(32, 0))
+        m.observe(StepShape.of(step(32, 0)), cost(32, 0))
     assert cap == MIN_CHUNK and m.slack >= 3 * target - 1e-9
     assert n <= 3 / 0.05 + 2  # the bank fills at MIN_ROOM of the target per decode step
 
@@ -132,8 +132,8 @@ def test_chunks_without_a_fixed_cost_run_every_step():
     for _ in range(300):
         d, c = rng.randrange(1, 64), rng.choice((0, 0, 256, 512, 1024, 2048))
         ctx = 2 * c  # collinear with c: the fit cannot tell per-token from attention cost
-        m.observe([ScheduledRequest(R(1001, 1000, 5), 1, []) for _ in range(d)]
-                  + ([ScheduledRequest(R(9000, ctx, 0), c, [])] if c else []), graph_cost(d, c, ctx))
+        m.observe(StepShape.of([ScheduledRequest(R(1001, 1000, 5), 1, []) for _ in range(d)]
+                               + ([ScheduledRequest(R(9000, ctx, 0), c, [])] if c else [])), graph_cost(d, c, ctx))
     m._fit()
     target = m.margin * 0.04
     assert m.coef[1] < 0.1 * target
