@@ -201,6 +201,31 @@ def plot(out_dir: str, tag: str = "") -> str:
     return out
 
 
+def plot_variants(out_dir: str, tag: str = "_variants") -> str:
+    """mixed_step{tag}.json's attention variants: the step per chunk, one bar per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(out_dir, f"mixed_step{tag}.json")) as f:
+        res = json.load(f)
+    rows = res["variants"]
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    width = 0.8 / len(VARIANTS)
+    for j, name in enumerate(VARIANTS):
+        ax.bar([i + j * width for i in range(len(rows))], [r[name] for r in rows], width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [str(r["chunk"]) for r in rows])
+    ax.set_xlabel("prefill chunk (tokens) beside 16 decodes at ~4K context")
+    ax.set_ylabel("step (ms), piecewise graphs")
+    ax.set_title(f"attention variants for mixed steps, Llama-3-8B shape, {res['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = os.path.join(out_dir, f"mixed_step{tag}.png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=None, help="a directory with the tokenizer files (required unless --plot)")
@@ -217,7 +242,7 @@ def main() -> None:
     ap.add_argument("--plot", action="store_true", help="only plot mixed_step{tag}.json in --out")
     args = ap.parse_args()
     if args.plot:
-        print(plot(args.out, args.tag))
+        print(plot_variants(args.out, args.tag) if args.tag == "_variants" else plot(args.out, args.tag))
         return
     random.seed(0)
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)

@@ -56,15 +56,20 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def case(seqs: list[tuple[int, int]], gen: torch.Generator) -> dict:
+def layout(seqs: list[tuple[int, int]], gen: torch.Generator):
+    """A case's paged cache with random contents and shuffled blocks: (context lengths, query
+    lengths, K cache, V cache, block tables, q)."""
     seq_lens, q_lens = [c for c, _ in seqs], [n for _, n in seqs]
     width = -(-max(seq_lens) // PAGE)
     num_blocks = len(seqs) * width + 8
     kv = torch.randn(num_blocks, 2, PAGE, KVH, D, dtype=torch.bfloat16, device="cuda")
-    kc, vc = kv[:, 0], kv[:, 1]
     tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * width].view(len(seqs), width)
-    tables = tables.to(torch.int32).cuda()
     q = torch.randn(sum(q_lens), H, D, dtype=torch.bfloat16, device="cuda")
+    return seq_lens, q_lens, kv[:, 0], kv[:, 1], tables.to(torch.int32).cuda(), q
+
+
+def case(seqs: list[tuple[int, int]], gen: torch.Generator) -> dict:
+    seq_lens, q_lens, kc, vc, tables, q = layout(seqs, gen)
     scale = D ** -0.5
     plan = PrefillPlan.build(q_lens, seq_lens, H // KVH, "cuda")
     out = paged_prefill_triton(q, kc, vc, tables, plan, scale)
@@ -86,14 +91,7 @@ def sweep(out_dir: str) -> None:
     combos = [dict(zip(SWEEP, v)) for v in itertools.product(*SWEEP.values())]
     rows = []
     for name, seqs in MIXED + CASES:
-        seq_lens, q_lens = [c for c, _ in seqs], [n for _, n in seqs]
-        width = -(-max(seq_lens) // PAGE)
-        num_blocks = len(seqs) * width + 8
-        kv = torch.randn(num_blocks, 2, PAGE, KVH, D, dtype=torch.bfloat16, device="cuda")
-        kc, vc = kv[:, 0], kv[:, 1]
-        tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * width].view(len(seqs), width)
-        tables = tables.to(torch.int32).cuda()
-        q = torch.randn(sum(q_lens), H, D, dtype=torch.bfloat16, device="cuda")
+        seq_lens, q_lens, kc, vc, tables, q = layout(seqs, gen)
         ref = paged_attention_ref(q, kc, vc, tables, seq_lens, q_lens, D ** -0.5).float()
         times = []
         for c in combos:
@@ -131,6 +129,34 @@ def sweep(out_dir: str) -> None:
     print(text)
 
 
+def plot_sweep(out_dir: str) -> str:
+    """prefill_sweep.json: per case, the kernel with the earlier settings (64 keys, 3 stages, 8
+    programs per SM), with today's defaults, and the sweep's best. Returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(out_dir, "prefill_sweep.json")) as f:
+        res = json.load(f)
+    now = {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "per_sm": 8}
+    bars = {"earlier (64 keys, 3 stages)": [r["default_ms"] for r in res["rows"]],
+            "defaults (32 keys, 2 stages)": [next(ms for ms, c in r["all"] if c == now) for r in res["rows"]],
+            "best of the sweep": [r["best"][0]["ms"] for r in res["rows"]]}
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    for j, (label, ys) in enumerate(bars.items()):
+        ax.bar([i + j * 0.27 for i in range(len(ys))], ys, 0.27, label=label)
+    ax.set_xticks([i + 0.27 for i in range(len(res["rows"]))], [r["case"] for r in res["rows"]], rotation=20,
+                  ha="right", fontsize=7)
+    ax.set_ylabel("ms per layer")
+    ax.set_title(f"paged-prefill kernel settings, {res['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = os.path.join(out_dir, "prefill_sweep.png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/attention")
@@ -139,6 +165,7 @@ def main() -> None:
     if args.sweep:
         os.makedirs(args.out, exist_ok=True)
         sweep(args.out)
+        print(plot_sweep(args.out))
         return
     gen = torch.Generator().manual_seed(0)
     rows = []
