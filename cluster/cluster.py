@@ -96,12 +96,10 @@ class Cluster:
         # the prefill pool's own engine settings (e.g. a larger chunk budget: a prefill
         # worker runs no decodes whose inter-token latency a long chunk would hurt)
         role_engine_args = {"decode": engine_args, "prefill": prefill_pool_args(engine_args, prefill_engine_args)}
-        # decode workers that prefill too (hybrid: the prompts placement lends them; colocated:
-        # every prompt) carry the TPOT target: each step's chunk is what it allows (step_model.py)
+        # hybrid decode workers prefill what placement lends them, with the prefill pool's budget;
+        # they and colocated engines carry the TPOT target too (Pools.engine_args)
         if mode == "hybrid":
-            role_engine_args["decode"] = {**role_engine_args["prefill"], "slo_tpot_s": self.serving.slo.tpot_s}
-        elif mode == "colocated":
-            role_engine_args["decode"] = {**engine_args, "slo_tpot_s": self.serving.slo.tpot_s}
+            role_engine_args["decode"] = dict(role_engine_args["prefill"])
         # each pool's tensor-parallel size: the argument, else the serving config's, else the engine's
         for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
             pool = self.serving.pool(role)
@@ -300,8 +298,7 @@ class Cluster:
                                                        if v is not None})
         slo.validate()
         self.serving.slo = self.dispatcher.slo = slo
-        if self.mode in ("hybrid", "colocated"):
-            self.pools.role_engine_args["decode"]["slo_tpot_s"] = slo.tpot_s
+        if self.mode in ("hybrid", "colocated"):  # new workers read serving.slo (Pools.engine_args)
             self._run(self.pools.retune("decode", slo.tpot_s), 60)
         return dataclasses.asdict(slo)
 

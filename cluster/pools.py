@@ -133,12 +133,21 @@ class Pools:
         await asyncio.gather(*(w.actor.retune.remote(slo_tpot_s) for w in list(self.workers.values())
                                if w.role == role), return_exceptions=True)
 
+    def engine_args(self, role: str) -> dict:
+        """A new `role` worker's engine settings. Decode workers that prefill too (hybrid: what
+        placement lends them; colocated: every prompt) take the serving SLO's TPOT target as it
+        is now: it lives in `serving.slo` alone (POST /admin/slo changes it there)."""
+        args = self.role_engine_args[role]
+        if role == "decode" and self.mode in ("hybrid", "colocated"):
+            args = {**args, "slo_tpot_s": self.serving.slo.tpot_s}
+        return args
+
     async def _switch(self, w: WorkerRecord, role: str) -> None:
         """Drains `w` (placement already skips it), then switches its role; on failure it
         goes back to its old pool."""
         try:
             await self._wait_drained(w)
-            w.info = await w.actor.switch_role.remote(role, self.role_engine_args[role])
+            w.info = await w.actor.switch_role.remote(role, self.engine_args(role))
             self.switch_events.append({"time": time.time(), "worker": w.worker_id, "from": w.role, "to": role})
             log.warning("worker %s switched %s -> %s", w.worker_id, w.role, role)
             w.role = role
@@ -169,7 +178,7 @@ class Pools:
         label = "colocated" if self.mode == "colocated" else role
         wid = f"{label}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
         opts, tp = dict(self.actor_options[role]), self.tp(role)
-        args = self.role_engine_args[role]
+        args = self.engine_args(role)
         if args.get("kv_persist_dir"):  # one file per worker slot, found again after a restart
             args = {**args, "kv_persist_dir": os.path.join(args["kv_persist_dir"], wid.rsplit("-", 1)[0])}
         pg = shard_opts = None
