@@ -248,6 +248,8 @@ def main() -> None:
                             "workload": wl_dec + ", batch 1", "command": ENGINE},
         "decode_floor_ratio_b1": {"value": round(dec[1]["ratio_to_floor"], 3),
                                   "workload": wl_dec + ", batch 1, CUDA graph step / HBM floor", "command": ENGINE},
+        "decode_floor_ratio_b64": {"value": round(dec[64]["ratio_to_floor"], 3),
+                                   "workload": wl_dec + ", batch 64, CUDA graph step / HBM floor", "command": ENGINE},
         "decode_mbu": {"value": round(dec[64]["floor_ms"] / dec[64]["step_ms"], 3),
                        "workload": wl_dec + ", batch 64: bytes read per step / step time / measured copy bandwidth",
                        "command": ENGINE},
