@@ -56,6 +56,15 @@ def run_step(engine: LLMEngine, cap: int) -> tuple[list, float]:
     return scheduled, dt
 
 
+def cache_prefixes(engine: LLMEngine, prompt: list[int], chunks) -> None:
+    """Prefills prompt[: 8192 - c] for each chunk size c, so that a request of that prefix plus c
+    new tokens is a prefix-cache hit whose step carries exactly the c tokens."""
+    for c in chunks:
+        engine.add_request(prompt[: 8192 - c], SamplingParams(max_tokens=1, temperature=0))
+    while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
 def measure(engine: LLMEngine, batch: int, reps: int, samples: dict) -> list[dict]:
     """`batch` decodes at ~4K context; then per chunk size c, steps of those decodes plus the
     last c tokens of an 8K prompt whose first 8192 - c are a prefix-cache hit, so every mode
@@ -69,10 +78,7 @@ def measure(engine: LLMEngine, batch: int, reps: int, samples: dict) -> list[dic
     while not all(r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     prompt = ids(8192)
-    for c in CHUNKS[1:]:  # every prefix the chunks need, cached once
-        engine.add_request(prompt[: 8192 - c], SamplingParams(max_tokens=1, temperature=0))
-    while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    cache_prefixes(engine, prompt, CHUNKS[1:])
     rows = []
     graphs = engine.runner.graphs
     for c in CHUNKS:
@@ -101,10 +107,7 @@ def profile(engine: LLMEngine, chunks=(64, 256)) -> dict:
     from engine_gpu import profile_step
 
     prompt = ids(8192)
-    for c in chunks:
-        engine.add_request(prompt[: 8192 - c], SamplingParams(max_tokens=1, temperature=0))
-    while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    cache_prefixes(engine, prompt, chunks)
     out = {}
     for c in chunks:
         def one(c=c):
@@ -130,10 +133,7 @@ def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512)) -> lis
 
     default = {k: getattr(PagedAttention, k) for k in VARIANTS["one launch, 64 rows"]}
     prompt = ids(8192)
-    for c in chunks:
-        engine.add_request(prompt[: 8192 - c], SamplingParams(max_tokens=1, temperature=0))
-    while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    cache_prefixes(engine, prompt, chunks)
     rows = []
     for c in (0, *chunks):
         times = {name: [] for name in VARIANTS}
@@ -172,9 +172,8 @@ def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
     return {"mode": mode, "coef_s": coef, "chunk_for_tpot_ms": out}
 
 
-def plot(out_dir: str, tag: str = "") -> str:
-    """mixed_step{tag}.json: the step's time over the decodes alone, per chunk, through the
-    piecewise graphs and eagerly (one run, one machine). Returns the PNG's path."""
+def _figure(out_dir: str, tag: str, figsize: tuple):
+    """mixed_step{tag}.json and a fresh figure for it: (result, figure, axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,7 +181,26 @@ def plot(out_dir: str, tag: str = "") -> str:
 
     with open(os.path.join(out_dir, f"mixed_step{tag}.json")) as f:
         res = json.load(f)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=figsize)
+    return res, fig, ax
+
+
+def _save(fig, ax, out_dir: str, tag: str, ylabel: str, title: str, legend_size: int) -> str:
+    """Labels the chunk axis, saves mixed_step{tag}.png; returns its path."""
+    ax.set_xlabel("prefill chunk (tokens) beside 16 decodes at ~4K context")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    out = os.path.join(out_dir, f"mixed_step{tag}.png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def plot(out_dir: str, tag: str = "") -> str:
+    """mixed_step{tag}.json: the step's time over the decodes alone, per chunk, through the
+    piecewise graphs and eagerly (one run, one machine). Returns the PNG's path."""
+    res, fig, ax = _figure(out_dir, tag, (6, 3.5))
     rows = [r for r in res["rows"] if r["decodes"] == 16]
     for key, label in (("eager_ms", "eager (kernels launched from Python)"), ("graphs_ms", "piecewise CUDA graphs")):
         base = next(r[key] for r in rows if r["chunk"] == 0)
@@ -191,39 +209,20 @@ def plot(out_dir: str, tag: str = "") -> str:
     goals = {64: 2, 256: 5, 1024: 26}
     ax.scatter(list(goals), list(goals.values()), marker="_", s=200, color="k", label="goal")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("prefill chunk (tokens) beside 16 decodes at ~4K context")
-    ax.set_ylabel("step time over the decodes alone (ms)")
-    ax.set_title(f"a mixed step's extra cost, Llama-3-8B shape, {res['device']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = os.path.join(out_dir, f"mixed_step{tag}.png")
-    fig.savefig(out, dpi=120)
-    return out
+    return _save(fig, ax, out_dir, tag, "step time over the decodes alone (ms)",
+                 f"a mixed step's extra cost, Llama-3-8B shape, {res['device']}", 8)
 
 
 def plot_variants(out_dir: str, tag: str = "_variants") -> str:
     """mixed_step{tag}.json's attention variants: the step per chunk, one bar per variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(os.path.join(out_dir, f"mixed_step{tag}.json")) as f:
-        res = json.load(f)
+    res, fig, ax = _figure(out_dir, tag, (6.5, 3.5))
     rows = res["variants"]
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
     width = 0.8 / len(VARIANTS)
     for j, name in enumerate(VARIANTS):
         ax.bar([i + j * width for i in range(len(rows))], [r[name] for r in rows], width, label=name)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [str(r["chunk"]) for r in rows])
-    ax.set_xlabel("prefill chunk (tokens) beside 16 decodes at ~4K context")
-    ax.set_ylabel("step (ms), piecewise graphs")
-    ax.set_title(f"attention variants for mixed steps, Llama-3-8B shape, {res['device']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = os.path.join(out_dir, f"mixed_step{tag}.png")
-    fig.savefig(out, dpi=120)
-    return out
+    return _save(fig, ax, out_dir, tag, "step (ms), piecewise graphs",
+                 f"attention variants for mixed steps, Llama-3-8B shape, {res['device']}", 7)
 
 
 def main() -> None:
