@@ -31,6 +31,7 @@ from serving_gpu import build_model  # noqa: E402
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
+from pdserve.engine.ops.triton_prefill import MIXED, PREFILL  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.scheduler import StepShape  # noqa: E402
 from pdserve.engine.step_model import StepModel  # noqa: E402
@@ -119,10 +120,10 @@ def profile(engine: LLMEngine, chunks=(64, 256)) -> dict:
 
 
 VARIANTS = {  # PagedAttention's settings for steps that are not all decodes (engine/attention.py)
-    "one launch, 64 rows": dict(decodes_apart=False, prefill_rows=64, prefill_warps=4),
-    "one launch, 128 rows": dict(decodes_apart=False, prefill_rows=128, prefill_warps=8),
-    "decodes apart, 64 rows": dict(decodes_apart=True, prefill_rows=64, prefill_warps=4),
-    "decodes apart, 128 rows": dict(decodes_apart=True, prefill_rows=128, prefill_warps=8),
+    "one launch, mixed tiles": dict(decodes_apart=False, prefill_launch=MIXED),
+    "one launch, prefill tiles": dict(decodes_apart=False, prefill_launch=PREFILL),
+    "decodes apart, mixed tiles": dict(decodes_apart=True, prefill_launch=MIXED),
+    "decodes apart, prefill tiles": dict(decodes_apart=True, prefill_launch=PREFILL),
 }
 
 
@@ -131,7 +132,7 @@ def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512)) -> lis
     repetition, the chunk at the end of an 8K prompt as in measure()."""
     from pdserve.engine.attention import PagedAttention
 
-    default = {k: getattr(PagedAttention, k) for k in VARIANTS["one launch, 64 rows"]}
+    default = {k: getattr(PagedAttention, k) for k in VARIANTS["one launch, mixed tiles"]}
     prompt = ids(8192)
     cache_prefixes(engine, prompt, chunks)
     rows = []

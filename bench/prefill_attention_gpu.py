@@ -22,7 +22,7 @@ import torch
 
 from pdserve.engine.ops.attention_ref import paged_attention_ref
 from pdserve.engine.ops.triton_attention import _sm_count
-from pdserve.engine.ops.triton_prefill import PrefillPlan, paged_prefill_triton, prefill_splits
+from pdserve.engine.ops.triton_prefill import PrefillLaunch, PrefillPlan, paged_prefill_triton, prefill_splits
 
 H, KVH, D, PAGE = 32, 8, 128, 16
 # (name, [(context after the step, new tokens), ...])
@@ -35,11 +35,16 @@ CASES = [
     ("fresh 512 x 4", [(512, 512)] * 4),
 ]
 # the mixed steps of bench/mixed_step_gpu.py: 16 decodes at ~4K context beside a chunk at the end of an 8K prompt
-MIXED = [("16 decodes + chunk 64 at 8K", [(4096, 1)] * 16 + [(8192, 64)]),
+MIXED_CASES = [("16 decodes + chunk 64 at 8K", [(4096, 1)] * 16 + [(8192, 64)]),
          ("16 decodes + chunk 256 at 8K", [(4096, 1)] * 16 + [(8192, 256)])]
 # --sweep: the kernel's tile settings (query rows per program, keys per iteration, warps, pipeline
 # stages) and the key splits' programs per SM
 SWEEP = {"rows": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "per_sm": (2, 8)}
+
+
+def launch(c: dict) -> PrefillLaunch:
+    """A sweep combination as the kernel's tile settings."""
+    return PrefillLaunch(c["rows"], c["block_n"], c["num_warps"], c["num_stages"], c["per_sm"])
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -77,7 +82,7 @@ def case(seqs: list[tuple[int, int]], gen: torch.Generator) -> dict:
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     triton_ms = timed(lambda: paged_prefill_triton(q, kc, vc, tables, plan, scale, out=out))
     ref_ms = timed(lambda: paged_attention_ref(q, kc, vc, tables, seq_lens, q_lens, scale))
-    splits = prefill_splits(plan.tiles.shape[0] * KVH, plan.max_context, _sm_count(q.device))
+    splits = prefill_splits(plan.tiles.shape[0] * KVH, plan.max_context, _sm_count(q.device), plan.launch.per_sm)
     return {"triton_ms": triton_ms, "reference_ms": ref_ms, "speedup": ref_ms / triton_ms, "rel_err": err,
             "tokens": sum(q_lens), "splits": splits}
 
@@ -90,26 +95,22 @@ def sweep(out_dir: str) -> None:
     gen = torch.Generator().manual_seed(0)
     combos = [dict(zip(SWEEP, v)) for v in itertools.product(*SWEEP.values())]
     rows = []
-    for name, seqs in MIXED + CASES:
+    for name, seqs in MIXED_CASES + CASES:
         seq_lens, q_lens, kc, vc, tables, q = layout(seqs, gen)
         ref = paged_attention_ref(q, kc, vc, tables, seq_lens, q_lens, D ** -0.5).float()
         times = []
         for c in combos:
-            plan = PrefillPlan.build(q_lens, seq_lens, H // KVH, "cuda", rows=c["rows"])
-            splits = prefill_splits(plan.tiles.shape[0] * KVH, plan.max_context, _sm_count(q.device), c["per_sm"])
-            kw = dict(block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"], splits=splits)
+            plan = PrefillPlan.build(q_lens, seq_lens, H // KVH, "cuda", launch(c))
             try:
-                out = paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5, **kw)
+                out = paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
-                ms = timed(lambda a=(q, kc, vc, tables, plan), o=out, k=kw: paged_prefill_triton(
-                    *a, D ** -0.5, out=o, **k))
+                ms = timed(lambda a=(q, kc, vc, tables, plan), o=out: paged_prefill_triton(*a, D ** -0.5, out=o))
             except Exception as e:  # noqa: BLE001 - a setting the compiler refuses (shared memory)
                 print(name, c, repr(e)[:100], file=sys.stderr)
                 continue
             times.append((ms, c, err))
         times.sort(key=lambda t: t[0])
-        base = {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "per_sm": 8}  # Triton: 3 stages
-        default = next((t for t in times if t[1] == base), None)
+        default = next((t for t in times if launch(t[1]) == PrefillLaunch.for_step(q_lens)), None)
         rows.append({"case": name, "best": [{"ms": t[0], **t[1], "rel_err": t[2]} for t in times[:5]],
                      "default_ms": default[0] if default else None, "all": [[t[0], t[1]] for t in times]})
         print(name, rows[-1]["best"][:2], "default", rows[-1]["default_ms"], file=sys.stderr, flush=True)
@@ -117,7 +118,7 @@ def sweep(out_dir: str) -> None:
     with open(os.path.join(out_dir, "prefill_sweep.json"), "w") as f:
         json.dump({"device": device, "sweep": SWEEP, "rows": rows}, f, indent=1)
     lines = [f"Paged-prefill settings, one layer, {device} (`python bench/prefill_attention_gpu.py --sweep`)", "",
-             "| case | default (ms) | best (ms) | rows | block_n | warps | stages | splits per SM |",
+             "| case | by shape (ms) | best (ms) | rows | block_n | warps | stages | splits per SM |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         b = r["best"][0]
@@ -130,8 +131,9 @@ def sweep(out_dir: str) -> None:
 
 
 def plot_sweep(out_dir: str) -> str:
-    """prefill_sweep.json: per case, the kernel with the earlier settings (64 keys, 3 stages, 8
-    programs per SM), with today's defaults, and the sweep's best. Returns the PNG's path."""
+    """prefill_sweep.json: per case, the kernel with one setting for every step (64 rows, 32 keys,
+    2 stages, 8 programs per SM), with the settings by shape (PrefillLaunch.for_step: MIXED or
+    PREFILL), and the sweep's best. Returns the PNG's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,9 +141,9 @@ def plot_sweep(out_dir: str) -> str:
 
     with open(os.path.join(out_dir, "prefill_sweep.json")) as f:
         res = json.load(f)
-    now = {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "per_sm": 8}
-    bars = {"earlier (64 keys, 3 stages)": [r["default_ms"] for r in res["rows"]],
-            "defaults (32 keys, 2 stages)": [next(ms for ms, c in r["all"] if c == now) for r in res["rows"]],
+    one = PrefillLaunch(rows=64, block_n=32, warps=4, stages=2, per_sm=8)
+    bars = {"one setting (64 rows, 32 keys)": [next(ms for ms, c in r["all"] if launch(c) == one) for r in res["rows"]],
+            "by shape (mixed / prefill tiles)": [r["default_ms"] for r in res["rows"]],
             "best of the sweep": [r["best"][0]["ms"] for r in res["rows"]]}
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     for j, (label, ys) in enumerate(bars.items()):

@@ -297,7 +297,7 @@ class Cluster:
         slo = dataclasses.replace(self.serving.slo, **{k: v for k, v in (("ttft_s", ttft_s), ("tpot_s", tpot_s))
                                                        if v is not None})
         slo.validate()
-        self.serving.slo = self.dispatcher.slo = slo
+        self.serving.slo = slo  # its one home: placement and new workers read it there
         if self.mode in ("hybrid", "colocated"):  # new workers read serving.slo (Pools.engine_args)
             self._run(self.pools.retune("decode", slo.tpot_s), 60)
         return dataclasses.asdict(slo)

@@ -37,7 +37,6 @@ class Placer:
     def __init__(self, pools: Pools, registry, block_size: int, local_prefill_tokens: int = 0,
                  local_cached_fraction: float = 2.0, routing_counts: dict | None = None):
         self.pools, self.registry, self.block_size = pools, registry, block_size
-        self.slo = pools.serving.slo
         self.handoff_s = 0.02  # EWMA of the kv_to_first_token phase: hybrid placement's handoff cost
         # conditional disaggregation: prompts up to this many tokens, or with at least this
         # fraction of their blocks cached on a decode worker, prefill on that decode worker
@@ -46,6 +45,12 @@ class Placer:
         self.local_cached_fraction = local_cached_fraction
         self.routing = routing_counts if routing_counts is not None else {}
         self._error: dict[str, tuple[float, float]] = {}  # worker id -> (EWMA of observed / predicted, when)
+
+    @property
+    def slo(self):
+        """The SLO placement serves: read from `serving.slo`, its one home, at every decision
+        (POST /admin/slo replaces it there; a copy kept here went stale)."""
+        return self.pools.serving.slo
 
     async def plan(self, hashes: list[str], ids: list[int], progress) -> tuple[WorkerRecord | None, WorkerRecord, bool]:
         """(p, d, local): local -> d serves the request alone; else p prefills and sends to d."""

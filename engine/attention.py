@@ -60,10 +60,9 @@ class PagedAttention:
     # How a step that is not all decodes runs on CUDA, measured by `bench/mixed_step_gpu.py
     # --variants`: its decode rows through the paged-decode kernel and the rest through
     # paged-prefill (decodes_apart), or everything through paged-prefill (a decode is a chunk
-    # of one token); paged-prefill's query rows (tokens x GQA group) and warps per program.
+    # of one token); paged-prefill's tile settings (None: by the step's shape, PrefillLaunch.for_step).
     decodes_apart = False
-    prefill_rows = 64
-    prefill_warps = 4
+    prefill_launch = None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None, use_triton: bool):
@@ -108,9 +107,9 @@ class PagedAttention:
         if self._prefill is not None and not one_fresh:
             if meta.prefill_plan is None:
                 meta.prefill_plan = self._plan(query_lens[nd:], seq_lens[nd:], self.num_heads // self.num_kv_heads,
-                                               q.device, rows=self.prefill_rows)
+                                               q.device, self.prefill_launch)
             self._prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_plan, self.scale,
-                          self.sliding_window, out=out[nd:], num_warps=self.prefill_warps)
+                          self.sliding_window, out=out[nd:])
             return out
         out[nd:] = paged_attention_ref(q[nd:], k_cache, v_cache, meta.block_tables[nd:], seq_lens[nd:],
                                        query_lens[nd:], self.scale, self.sliding_window)

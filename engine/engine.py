@@ -54,13 +54,15 @@ class LLMEngine:
             self.tp.connect(config.torch_device)
         self.runner = ModelRunner(config, load_format, self.tp)
         self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        self.drafter.cost.base = dict(self.runner.graph_seconds)  # the off-switch's cost model (CUDA)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, host=host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s)
+        # the one step-time model: the TPOT chunk, the advertised prefill rate, speculation's off-switch
+        self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s,
+                                    graphs=self.runner.graph_seconds)
+        self.drafter.switch.model = self.step_model
         self.load_format = load_format
         self.persist_status: str | None = None  # what restoring the host tier said
         self._persisted_at = time.monotonic()
@@ -191,7 +193,7 @@ class LLMEngine:
         with self.step_model.timed(sched.shape):
             tokens = self.runner.execute(sched.scheduled, ops)
         self.drafter.settle(sched.scheduled, tokens)
-        self.drafter.observe(sched.shape, self.step_model.last["seconds"])
+        self.drafter.observe(sched.shape)
         self.scheduler.update_after_step(sched)
         if self.config.kv_persist_dir and time.monotonic() - self._persisted_at >= self.config.kv_persist_interval_s:
             self.persist_host_tier()

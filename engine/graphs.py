@@ -55,7 +55,7 @@ class StepGraphs:
         self.max_piece_tokens = self.piece_sizes[-1]
         self.decode: dict[int, tuple] = {}  # rows -> (graph, logits)
         self.pieces: dict[int, list] = {}  # tokens -> [graph per piece]
-        self.decode_seconds: dict[int, float] = {}  # rows -> seconds per replay (speculation's cost model)
+        self.decode_seconds: dict[int, float] = {}  # rows -> seconds per replay (step_model.py's `graph` feature)
         self._buffers(next(model.parameters()).device)
         if capture:
             self._capture()
@@ -141,12 +141,13 @@ class StepGraphs:
             self.decode_seconds = self.time_decode()
 
     def time_decode(self, reps: int = 5, context: int = 512) -> dict[int, float]:
-        """Seconds one replay of each decode graph takes (the speculation cost model,
-        spec_cost.py), every row attending to `context` tokens (capped by max_model_len): the
-        weights', activations' and a typical row's KV cost by row count. With 1-token rows
-        the table missed the KV reads, so until the step-time fit had seen both sizes it
-        priced a speculative step too low: batch 32-64 with 0-30% acceptance speculated its
-        first steps at a loss (bench/results/spec/). Nothing is written (slots -1)."""
+        """Seconds one replay of each decode graph takes (the step-time model's `graph` feature,
+        which speculation's off-switch reads: spec_switch.py), every row attending to `context`
+        tokens (capped by max_model_len): the weights', activations' and a typical row's KV
+        cost by row count. With 1-token rows the table missed the KV reads, so until the
+        step-time fit had seen both sizes it priced a speculative step too low: batch 32-64
+        with 0-30% acceptance speculated its first steps at a loss (bench/results/spec/).
+        Nothing is written (slots -1)."""
         ctx = min(context, self.config.max_model_len)
         blocks = -(-ctx // self.block_size)
         self.tables[:, :blocks] = torch.arange(blocks, device=self.tables.device, dtype=torch.int32) % self.num_blocks

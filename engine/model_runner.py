@@ -92,7 +92,8 @@ class ModelRunner:
 
     @property
     def graph_seconds(self) -> dict[int, float]:
-        """Rows -> seconds per decode-graph replay (measured with speculation on; spec_cost.py)."""
+        """Rows -> seconds per decode-graph replay (timed at start when speculation is configured;
+        step_model.py)."""
         return self.graphs.decode_seconds if self.graphs else {}
 
     # ---- one step ----------------------------------------------------------------------

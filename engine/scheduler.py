@@ -43,9 +43,10 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a step carries, counted once: the step-cost models read it (step_model.py prices
-    the step, spec_cost.py the drafts' worth), so both price a verifying request the same way,
-    as 1 + d rows that each read the request's context."""
+    """What a step carries, counted once: the step-time model (step_model.py) learns from it,
+    and every question about a step's cost (the TPOT chunk, the prefill rate, speculation's
+    off-switch) asks that model, so a verifying request is priced one way: 1 + d rows that
+    each read the request's context."""
 
     decodes: int = 0  # decoding requests
     draft_rows: int = 0  # their verification rows beyond one each

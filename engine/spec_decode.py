@@ -16,7 +16,7 @@
               rejected drafts' KV slots took beyond that are freed, and only accepted full
               blocks get prefix-cache hashes (the rejected tokens never join the request)
 
-Off-switch: a batch-size cap and, on CUDA, a cost model of the step (spec_cost.py).
+Off-switch: a batch-size cap and, on CUDA, the engine's step-time model (spec_switch.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .logits_process import one_token_steps
-from .spec_cost import DISABLE_BY_BATCH_SIZE, SpecCost
+from .spec_switch import DISABLE_BY_BATCH_SIZE, SpecSwitch
 
 METHODS = ("ngram", "draft_model")
 
@@ -134,9 +134,9 @@ class Drafter:
         self.num_drafts = 0  # requests that carried drafts into a step
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.steps_off = 0  # steps the batch size or the cost model turned speculation off
+        self.steps_off = 0  # steps the batch size or the step-time model turned speculation off
         self.draft_seconds = 0.0  # in propose(): ngram lookup or the draft model's steps
-        self.cost = SpecCost()  # the off-switch's model; the engine gives it the runner's graph timings
+        self.switch = SpecSwitch()  # the off-switch; the engine gives it its step-time model
         self._probe_from = 0  # the next probe's first request (probes rotate over the batch)
 
     def propose(self, running: list) -> None:
@@ -149,16 +149,17 @@ class Drafter:
     def _propose(self, running: list) -> None:
         cfg = self.config
         decodes = [r for r in running if r.is_decoding]
+        context = sum(r.num_tokens for r in decodes) / max(1, len(decodes))
         if len(decodes) > cfg.disable_by_batch_size or \
-                (decodes and not self.cost.plan(len(decodes), cfg.num_speculative_tokens)):
-            self.steps_off += 1  # the off-switch (spec_cost.py), before any proposal's host time
+                (decodes and not self.switch.plan(len(decodes), cfg.num_speculative_tokens, context)):
+            self.steps_off += 1  # the off-switch (spec_switch.py), before any proposal's host time
             for r in decodes:  # drafts from an earlier step that did not run them go too
                 r.spec_tokens = []
             return
         rooms = [0 if one_token_steps(r) else  # bias, bans, penalties, log-probs: logits_process.py
                  min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
                      self.max_model_len - r.num_tokens - 1) for r in decodes]
-        width = self.cost.probe_width(len(decodes))
+        width = self.switch.probe_width(len(decodes))
         if width is not None:  # a probe while off: a rotating few draft (the estimate needs a sample)
             first, self._probe_from = self._probe_from % len(decodes), self._probe_from + width
             rooms = [room if (i - first) % len(decodes) < width else 0 for i, room in enumerate(rooms)]
@@ -175,7 +176,8 @@ class Drafter:
                 else:
                     r.spec_tokens = ngram_propose(r.all_token_ids, room, cfg.prompt_lookup_max,
                                                   cfg.prompt_lookup_min)
-        if any(r.spec_tokens for r in decodes) and not self.cost.pays([len(r.spec_tokens) for r in decodes]):
+        if any(r.spec_tokens for r in decodes) and \
+                not self.switch.pays([len(r.spec_tokens) for r in decodes], context):
             self.steps_off += 1
             for r in decodes:
                 r.spec_tokens = []
@@ -185,10 +187,10 @@ class Drafter:
         if self.draft is not None:
             self.draft.forget(request_id)
 
-    def observe(self, shape, seconds: float) -> None:
-        """An all-decode step's wall time (shape: scheduler.StepShape), for the cost model."""
+    def observe(self, shape) -> None:
+        """A step ran (shape: scheduler.StepShape): the off-switch's probe counters."""
         if shape.all_decode:
-            self.cost.observe(shape.rows, seconds, shape.draft_rows > 0)
+            self.switch.stepped(shape.draft_rows > 0)
 
     def settle(self, scheduled: list, tokens: dict) -> None:
         """Records each verified request's accepted drafts (the scheduler rolls back the rest)."""
@@ -199,7 +201,7 @@ class Drafter:
             self.num_draft_tokens += len(s.draft_token_ids)
             self.num_accepted_tokens += s.num_accepted
         if verified:
-            self.cost.verified([s.num_accepted for s in verified], [len(s.draft_token_ids) for s in verified])
+            self.switch.verified([s.num_accepted for s in verified], [len(s.draft_token_ids) for s in verified])
 
     def stats(self) -> dict:
         if self.config is None:

@@ -6,15 +6,21 @@ tokens, so the GPU's time is in it) and kept with its shape:
 
     seconds ~ base + mixed + per_seq * decode_rows + per_token * prefill_tokens
               + per_kv * decode_context_tokens + per_attn * prefill_tokens x their context
+              + graph * g(decode_rows)
 
 (`scheduler.StepShape`: a request verifying d drafts is 1 + d decode rows, each reading its
-context, as speculation's off-switch prices it in spec_cost.py.)
+context.) g is the start-up time of the decode graph the rows replay (`graphs`, timed by the
+runner when speculation is configured; 0 otherwise): it carries what is not linear in the rows,
+the matmuls turning compute-bound at large batch. This is the engine's one step-cost model:
+the TPOT chunk (prefill_cap, chunk_at), the prefill rate placement reads (rate_at) and
+speculation's off-switch (decode_seconds; spec_switch.py) are queries on it.
 
 `mixed` is what a step with prefill tokens costs beyond a decode-only one: ~20 ms when
 mixed steps ran eagerly beside a decode step's CUDA graph, next to nothing since they
 replay piecewise graphs (graphs.py). The coefficients are
 a least-squares fit (non-negative) over the last 256 decode-only and the last 256 steps
-with prefill tokens, refitted every 16 steps.
+with prefill tokens, refitted every 16 steps; its prefill terms count once 8 steps with
+prefill are in it (a decode worker's fit serves the off-switch before any prefill).
 
 With a target (`slo_tpot_s`), the decodes must average at most margin x target per
 output token (TPOT is a mean: DistServe's and vLLM's definition). Measured on H200
@@ -52,17 +58,24 @@ MIN_ROOM = 0.05  # the least slack a decode-only step banks (progress when the d
 SMALL_FIXED = 0.1  # a mixed step's fixed cost under this share of the target: chunks need no bank
 IDLE_GAP_S = 0.05
 BANK_STEPS = 3.0  # slack banked at most, in targets: a step takes at most (1 + BANK_STEPS) x target
-_SCALE = np.array([1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20])  # features to ~unit size
+FEATURES = ("base", "mixed", "per_seq", "per_token", "per_kv_token", "per_attn", "graph")
+_SCALE = np.array([1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20, 0.01])  # features to ~unit size
 
 
 class StepModel:
-    def __init__(self, max_tokens: int, slo_tpot_s: float | None = None, margin: float = 0.85):
+    def __init__(self, max_tokens: int, slo_tpot_s: float | None = None, margin: float = 0.85,
+                 graphs: dict[int, float] | None = None):
         self.max_tokens = max_tokens  # the engine's max_num_batched_tokens
         self.slo_tpot_s = slo_tpot_s
         self.margin = margin
+        # decode-graph rows -> seconds per replay, every row at 512 tokens of context, timed by the
+        # runner at start (graphs.py; empty without graphs): the `graph` feature, and the spec
+        # off-switch's prior until steps are fitted
+        self.graphs = dict(graphs or {})
         self.decode_steps: collections.deque = collections.deque(maxlen=256)
         self.mixed_steps: collections.deque = collections.deque(maxlen=256)
-        self.coef: np.ndarray | None = None  # per feature, in _SCALE units
+        self.coef: np.ndarray | None = None  # per feature, in _SCALE units, once 12 steps are seen
+        self.prefill_fitted = False  # the fit has seen steps with prefill and a cost per prefill token
         self._since_fit = 0
         self.step_s = 0.0  # EWMA of every step's seconds
         self.prefill_tok_s = 0.0  # EWMA of prefill tokens / second over steps with >= 64 of them
@@ -72,14 +85,38 @@ class StepModel:
         self._last_end: float | None = None
 
     # ---- features ------------------------------------------------------------------------
-    @staticmethod
-    def _x(decodes: int, prefill: int, kv: int, attn: float) -> np.ndarray:
-        return np.array([1.0, 1.0 if prefill else 0.0, decodes, prefill, kv, attn]) / _SCALE
+    def graph_seconds(self, rows: int) -> float | None:
+        """The decode graph that `rows` rows replay: its start-up time (0 without graphs or rows;
+        None beyond the largest graph: such a step runs eagerly)."""
+        if not self.graphs or rows <= 0:
+            return 0.0
+        fits = [k for k in self.graphs if k >= rows]
+        return self.graphs[min(fits)] if fits else None
+
+    def _x(self, decodes: int, prefill: int, kv: int, attn: float) -> np.ndarray:
+        g = self.graph_seconds(decodes)
+        if g is None:  # beyond the largest graph: the largest, scaled by rows
+            top = max(self.graphs)
+            g = self.graphs[top] * decodes / top
+        return np.array([1.0, 1.0 if prefill else 0.0, decodes, prefill, kv, attn, g]) / _SCALE
 
     def predict(self, decodes: int, prefill: int, kv: int, attn: float) -> float | None:
         if self.coef is None:
             return None
         return float(self._x(decodes, prefill, kv, attn) @ self.coef)
+
+    def decode_seconds(self, rows: int, kv: int) -> float | None:
+        """An all-decode step of `rows` rows (decodes and draft rows) reading `kv` context tokens
+        (the spec off-switch's query, spec_decode.SpecSwitch): the fit, or the start-up graph time
+        before it; None beyond the largest decode graph."""
+        g = self.graph_seconds(rows)
+        if g is None:
+            return None
+        return g if self.coef is None else self.predict(rows, 0, kv, 0)
+
+    def coefficients(self) -> dict[str, float]:
+        """The fit in seconds per unit of each feature (empty before it)."""
+        return {} if self.coef is None else dict(zip(FEATURES, (self.coef / _SCALE).tolist()))
 
     # ---- observing steps ----------------------------------------------------------------------
     @contextmanager
@@ -113,13 +150,18 @@ class StepModel:
         self.last = {"decodes": shape[0], "prefill_tokens": shape[1], "cap": self._cap, "seconds": seconds,
                      "slack": self.slack}
         self._since_fit += 1
-        if self._since_fit >= 16 or (self.coef is None and len(self.mixed_steps) >= 8):
+        seen = len(self.decode_steps) + len(self.mixed_steps)
+        if self._since_fit >= 16 or (self.coef is None and seen >= 12) or \
+                (not self.prefill_fitted and len(self.mixed_steps) >= 8):
             self._fit()
 
     def _fit(self) -> None:
+        """Fits every step kept; the prefill terms count once 8 steps with prefill are among them
+        (until then a chunk is a probe). A refit that finds no cost per prefill token keeps the
+        fit before it."""
         self._since_fit = 0
         rows = list(self.decode_steps) + list(self.mixed_steps)
-        if len(self.mixed_steps) < 8 or len(rows) < 12:
+        if len(rows) < 12:
             return
         x = np.stack([self._x(*shape) for shape, _ in rows])
         y = np.array([s for _, s in rows])
@@ -129,9 +171,10 @@ class StepModel:
         keep = res <= max(4.0 * float(np.median(res)), 1e-4)
         if keep.sum() >= 12 and not keep.all():
             coef = _nnls(x[keep], y[keep])
-        if coef[3] <= 0 and coef[5] <= 0:
-            return  # no cost per prefill token seen yet: keep probing
-        self.coef = coef
+        prefill = len(self.mixed_steps) >= 8 and (coef[3] > 0 or coef[5] > 0)
+        if self.prefill_fitted and not prefill:
+            return
+        self.coef, self.prefill_fitted = coef, prefill
 
     # ---- the cap ------------------------------------------------------------------------------
     def prefill_cap(self, running: list[Request], waiting=()) -> int | None:
@@ -177,7 +220,7 @@ class StepModel:
         the fixed cost is paid once per chunk_at() tokens. When it costs next to nothing
         (mixed steps in piecewise CUDA graphs: < SMALL_FIXED of the target), whatever fits the
         target and the slack now, every step: no long gap between a decode's tokens."""
-        if self.coef is None:
+        if not self.prefill_fitted:
             return min(PROBE_TOKENS, self.max_tokens) if slack >= 0 else 0
         target, _ = self._room(decodes, kv)
         now = self._largest(decodes, kv, ctx, target + min(slack, self._bank_cap(target)))
@@ -205,7 +248,7 @@ class StepModel:
         """chunk_now() for `decodes` decoding requests holding `kv` tokens."""
         if not decodes or self.slo_tpot_s is None:
             return self.max_tokens
-        if self.coef is None:
+        if not self.prefill_fitted:
             return PROBE_TOKENS
         target, _ = self._room(decodes, kv)
         return self._largest(decodes, kv, 0, target + self._bank_cap(target))
@@ -215,7 +258,7 @@ class StepModel:
         chunk_at() each time the decode steps have banked the slack it needs; else full
         chunks. None until measured."""
         n = self.chunk_at(decodes, kv)
-        if self.coef is None:
+        if not self.prefill_fitted:
             if decodes and self.slo_tpot_s is not None:
                 return n / (self.margin * self.slo_tpot_s)
             return self.prefill_tok_s or None

@@ -79,37 +79,49 @@ def _paged_prefill_kernel(
         per_split = tl.cdiv(tl.cdiv(end - start, BLOCK_N), SPLITS) * BLOCK_N
         start = start + split * per_split
         stop = tl.minimum(start + per_split, end)
-    for n0 in range(start, stop, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_seq = offs_n < end
-        k, v, ks, vs = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_bt, offs_n, in_seq, in_seq, kvh,
-                               offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                               stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                               PAGE, COMPUTE_DTYPE, SCALED)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        if SCALED:
-            s = s * ks[None, :]
-        seen = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if window > 0:
-            seen = seen & (q_pos[:, None] - offs_n[None, :] < window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if SCALED:
-            p = p * vs[None, :]
-        if IEEE:
-            pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(COMPUTE_DTYPE), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # keys below `full` are seen by every row of the tile (causal, no window): the first phase walks them
+    # without building a mask, the second walks the rest (the diagonal, the window) with one
+    full = start
+    if window == 0:
+        full = tl.maximum(start, tl.minimum(stop, ((first + 1) // BLOCK_N) * BLOCK_N))
+    for phase in tl.static_range(2):
+        lo_n = start
+        hi_n = full
+        if phase == 1:
+            lo_n = full
+            hi_n = stop
+        for n0 in range(lo_n, hi_n, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            in_seq = offs_n < end
+            k, v, ks, vs = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_bt, offs_n, in_seq, in_seq,
+                                   kvh, offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                   stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                                   PAGE, COMPUTE_DTYPE, SCALED)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * qk_scale
+            if SCALED:
+                s = s * ks[None, :]
+            if phase == 1:
+                seen = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
+                if window > 0:
+                    seen = seen & (q_pos[:, None] - offs_n[None, :] < window)
+                s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if SCALED:
+                p = p * vs[None, :]
+            if IEEE:
+                pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(COMPUTE_DTYPE), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
     if SPLIT:  # unnormalized partials [tile, kv head, split, row, D_PAD] and [..., row, 2] (max, sum), live
         # rows only: a decode's tile has GROUP of its BLOCK_M x GROUP_PAD rows live, and writing the dead
         # ones made the partials 16x the traffic they need (0.7 ms of combine in a 16-decode + 64 step)
@@ -157,21 +169,53 @@ def _combine_prefill_kernel(
              acc.to(o_ptr.dtype.element_ty), mask=live[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """A launch's tile settings: query rows per program (BLOCK_M tokens x the GQA group, padded
+    to a power of 2), keys per iteration, warps, pipeline stages, and the programs per SM that
+    key splits aim for (prefill_splits)."""
+
+    rows: int
+    block_n: int
+    warps: int
+    stages: int
+    per_sm: int
+
+    @classmethod
+    def for_step(cls, query_lens: list[int]) -> PrefillLaunch:
+        """MIXED when a sequence brings fewer than 16 new tokens (a decode or verification row,
+        which fills a few rows of its tile), else PREFILL."""
+        return MIXED if min(query_lens, default=0) < 16 else PREFILL
+
+
+# From a sweep of 48 settings on 8 shapes, one layer of Llama-3-8B's attention on an H100
+# (`bench/prefill_attention_gpu.py --sweep`, bench/results/attention/prefill_sweep.md):
+# - steps with decode rows: small tiles, many key splits; the best on both mixed steps
+#   (16 decodes at 4K + a 64 or 256-token chunk at 8K).
+# - prompts and chunks only: 128-row tiles read each key for twice the queries; within 9% of
+#   the best on 5 of 6 shapes (1.08x geomean), against 1.24-1.96x for the mixed settings.
+MIXED = PrefillLaunch(rows=64, block_n=64, warps=4, stages=2, per_sm=8)
+PREFILL = PrefillLaunch(rows=128, block_n=128, warps=8, stages=2, per_sm=2)
+
+
 @dataclass
 class PrefillPlan:
     """A step's prefill sequences as the kernel reads them, built once and used by every layer:
     `tiles` [num_tiles, 2] (sequence, first token), `seqs` [num_seqs, 3] (first query row,
-    query length, context length), int32 on the device."""
+    query length, context length), int32 on the device; `launch`: the tile settings."""
 
     tiles: torch.Tensor
     seqs: torch.Tensor
     block_m: int
+    launch: PrefillLaunch
     max_context: int = 0
 
     @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], group: int, device, rows: int = 64) -> PrefillPlan:
-        """`rows`: query rows per program (BLOCK_M tokens x the GQA group, padded to a power of 2)."""
-        block_m = max(1, rows // triton.next_power_of_2(group))
+    def build(cls, query_lens: list[int], seq_lens: list[int], group: int, device,
+              launch: PrefillLaunch | None = None) -> PrefillPlan:
+        """launch None: by the step's shape (PrefillLaunch.for_step)."""
+        launch = launch or PrefillLaunch.for_step(query_lens)
+        block_m = max(1, launch.rows // triton.next_power_of_2(group))
         tiles, seqs, row = [], [], 0
         for i, (q_len, ctx) in enumerate(zip(query_lens, seq_lens)):
             if q_len > ctx:
@@ -180,20 +224,16 @@ class PrefillPlan:
             tiles += [x for m in range(0, q_len, block_m) for x in (i, m)]
             row += q_len
         as_t = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-        return cls(as_t(tiles).view(-1, 2), as_t(seqs).view(-1, 3), block_m, max(seq_lens, default=0))
+        return cls(as_t(tiles).view(-1, 2), as_t(seqs).view(-1, 3), block_m, launch, max(seq_lens, default=0))
 
 
 def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, plan: PrefillPlan,
-                         scale: float, sliding_window: int | None = None,
-                         out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                         num_stages: int = 2, splits: int | None = None) -> torch.Tensor:
+                         scale: float, sliding_window: int | None = None, out: torch.Tensor | None = None,
+                         splits: int | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]: the sequences' new tokens, back to back, each the
     last `query_len` positions of its context (the new K/V already stored) -> same shape.
-    splits: pieces each tile's keys are cut into (combined by a second launch); None: by shape
-    (prefill_splits), 1 on CPU. The defaults (32 keys per iteration, 2 pipeline stages, 4 warps,
-    64 query rows) were the fastest or within 5% of it on 7 of 8 shapes of a sweep on an H100
-    (bench/results/attention/prefill_sweep.md): against 64 keys and 3 stages, -28% for 2048
-    tokens over a 2048 cached prefix, -13% for a 1024 chunk at 7K, -10% for a mixed step."""
+    The tile settings are the plan's (`plan.launch`). splits: pieces each tile's keys are cut
+    into (combined by a second launch); None: by shape (prefill_splits), 1 on CPU."""
     k_cache, v_cache, ks, vs, *sstrides, scaled = _scale_args(k_cache, v_cache)
     _check_cache(k_cache, v_cache)
     T, H, D = q.shape
@@ -212,7 +252,8 @@ def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.
     cdt = q.dtype if q.dtype in _COMPUTE and q.is_cuda else torch.float32  # the interpreter: fp32
     tiles = plan.tiles.shape[0]
     if splits is None:
-        splits = prefill_splits(tiles * KVH, plan.max_context, _sm_count(q.device)) if q.is_cuda else 1
+        splits = prefill_splits(tiles * KVH, plan.max_context, _sm_count(q.device), plan.launch.per_sm) \
+            if q.is_cuda else 1
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     d_pad = max(16, triton.next_power_of_2(D))
@@ -228,15 +269,15 @@ def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *sstrides,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
-        PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n or (32 if page <= 32 else page),
+        PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=plan.launch.block_n,
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SCALED=scaled, SPLIT=splits > 1, NUM_KV_HEADS=KVH,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=plan.launch.warps, num_stages=plan.launch.stages,
     )
     if splits > 1:
         _combine_prefill_kernel[(tiles, KVH)](
             part_acc, part_ml, out, plan.tiles, plan.seqs, out.stride(0), out.stride(1), splits,
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
-            BLOCK_M=plan.block_m, NUM_KV_HEADS=KVH, num_warps=num_warps,
+            BLOCK_M=plan.block_m, NUM_KV_HEADS=KVH, num_warps=plan.launch.warps,
         )
     return out
 

@@ -132,7 +132,7 @@ def test_speculative_verification_replays_the_decode_graphs(tiny_models):
     the captured decode graphs (a row per query token): output equals plain decoding's, the
     kept drafts are accepted, the cost table covers the verification rows, nothing leaks."""
     from pdserve import LLM, SamplingParams
-    from pdserve.engine.spec_cost import SpecCost
+    from pdserve.engine.spec_switch import SpecSwitch
 
     prompts = [f"Request {i}: tell me about the number {i * 7}" for i in range(5)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -145,14 +145,14 @@ def test_speculative_verification_replays_the_decode_graphs(tiny_models):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
     llm = LLM(tiny_models["llama"], **kw, speculative_config=spec)
     runner, replays = llm.engine.runner, []
-    assert max(runner.graphs.decode) == 40 and sorted(llm.engine.drafter.cost.base) == sorted(runner.graphs.decode)
+    assert max(runner.graphs.decode) == 40 and sorted(llm.engine.step_model.graphs) == sorted(runner.graphs.decode)
     real = runner.graphs.run_decode
     runner.graphs.run_decode = lambda inp: replays.append(inp.num_rows) or real(inp)
     cont = {tuple(llm.engine.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
     llm.engine.drafter.proposer = lambda req, room: [
         t if (req.num_output_tokens + j) % 3 else 0
         for j, t in enumerate(cont[tuple(req.prompt_token_ids)][req.num_output_tokens:][:room])]
-    llm.engine.drafter.cost = SpecCost()  # always speculate (the cost model is tested on CPU)
+    llm.engine.drafter.switch = SpecSwitch()  # always speculate (the off-switch is tested on CPU)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
     st = llm.engine.stats()
     assert st["spec_decode_acceptance_rate"] > 0.3 and max(replays) > len(prompts), (st, replays)

@@ -173,59 +173,78 @@ def test_verification_in_the_decode_graph_layout(backend, tiny_models):
         llm.engine.kv.check_all_free()
 
 
-def test_the_cost_model_turns_speculation_off_when_it_does_not_pay():
-    """The off-switch's cost model (spec_cost.py) on start-up tables like the ones the runner
-    measures on CUDA: flat (weight-bound) pays at any acceptance; steep (compute-bound) pays only
-    at high acceptance; drafts beyond the largest graph never; a probe every PROBE_EVERY steps;
-    measured step times refit what the start-up table misses."""
-    from pdserve.engine.spec_cost import PROBE_EVERY, SpecCost
+def switch_on(graphs: dict[int, float]):
+    """A spec off-switch over a fresh step-time model with this start-up decode-graph table."""
+    from pdserve.engine.spec_switch import SpecSwitch
+    from pdserve.engine.step_model import StepModel
+
+    return SpecSwitch(StepModel(8192, graphs=graphs))
+
+
+def decode_step(switch, b: int, drafts: int, context: int = 100) -> None:
+    """An all-decode step of b requests carrying `drafts` draft rows ran and took what the
+    model says (the engine times it into the step model; the switch counts it)."""
+    rows = b + drafts
+    switch.model.observe(StepShape(decodes=b, draft_rows=drafts, kv_tokens=rows * context),
+                         switch.seconds(rows, context))
+    switch.stepped(drafts > 0)
+
+
+def test_the_step_model_turns_speculation_off_when_it_does_not_pay():
+    """The off-switch (spec_switch.py) asks the engine's one step-time model, on start-up
+    tables like the ones the runner measures on CUDA: flat (weight-bound) pays at any
+    acceptance; steep (compute-bound) pays only at high acceptance; drafts beyond the largest
+    graph never; a probe every PROBE_EVERY steps; the fit of measured steps replaces what the
+    start-up table misses, and the chunk and the switch read the same fit."""
+    from pdserve.engine.spec_switch import PROBE_EVERY, SpecSwitch
+    from pdserve.engine.step_model import StepModel
 
     sizes = (1, 2, 4, 8, 16)
-    assert SpecCost().pays([4, 4])  # no table (CPU): always
-    c = SpecCost({b: 0.010 for b in sizes})
-    assert c.pays([4, 4]) and c.acceptance() == 0.5
-    c = SpecCost({b: 0.001 * b for b in sizes})  # time grows with rows
-    assert not c.pays([4, 4])  # 10 rows cost 8x two; 1/2 acceptance yields < 2x tokens
+    assert SpecSwitch().pays([4, 4], 100) and SpecSwitch(StepModel(8192)).pays([4, 4], 100)  # no table (CPU)
+    c = switch_on({b: 0.010 for b in sizes})
+    assert c.pays([4, 4], 100) and c.acceptance() == 0.5
+    c = switch_on({b: 0.001 * b for b in sizes})  # time grows with rows
+    assert not c.pays([4, 4], 100)  # 10 rows cost 8x two; 1/2 acceptance yields < 2x tokens
     c.recent = [10_000, 10]  # ~all accepted: 5 tokens per request for 8x the time
-    assert not c.pays([4, 4])
-    c = SpecCost({b: 0.001 * (1 + b / 4) for b in sizes})
+    assert not c.pays([4, 4], 100)
+    c = switch_on({b: 0.001 * (1 + b / 4) for b in sizes})
     c.recent = [10_000, 10]
-    assert c.pays([4, 4])  # 3.5x the time, ~5x the tokens
-    assert not c.pays([4, 4, 4, 4])  # 20 rows: beyond the largest graph
+    assert c.pays([4, 4], 100)  # 3.5x the time, ~5x the tokens
+    assert not c.pays([4, 4, 4, 4], 100)  # 20 rows: beyond the largest graph
     for accepted, probes in ((0, True), (4, False)):  # nothing accepted: spec probes; all: plain probes
-        c = SpecCost({b: 0.001 * (1 + b / 4) for b in sizes})
+        c = switch_on({b: 0.001 * (1 + b / 4) for b in sizes})
         c.verified([accepted] * 10_000, [4] * 10_000)
         said = []
         for _ in range(3 * PROBE_EVERY + 3):
-            said.append(c.plan(2, 4) and c.pays([4, 4]))
-            rows = 10 if said[-1] else 2
-            c.observe(rows, c.seconds(rows), said[-1])  # steps take what the table says
+            said.append(c.plan(2, 4, 100) and c.pays([4, 4], 100))
+            decode_step(c, 2, 8 if said[-1] else 0)
         assert said.count(probes) == 3 and said[PROBE_EVERY] == probes, said
     # flat at start-up, but measured: 2 rows take 20 ms, 10 rows 40 ms (host work, KV reads)
-    c = SpecCost({b: 0.010 for b in sizes})
+    c = switch_on({b: 0.010 for b in sizes})
     for _ in range(8):
-        c.observe(2, 0.020, False)
-        c.observe(10, 0.040, True)
-    assert c.seconds(2) == pytest.approx(0.020) and c.seconds(10) == pytest.approx(0.040)
-    assert c.r == pytest.approx(0.0025) and not c.pays([4, 4])  # 1/2 acceptance: 1.94x tokens for 2x time
+        for rows, seconds in ((2, 0.020), (10, 0.040)):
+            c.model.observe(StepShape(decodes=2, draft_rows=rows - 2, kv_tokens=rows * 100), seconds)
+    assert c.seconds(2, 100) == pytest.approx(0.020, rel=1e-3) and c.seconds(10, 100) == pytest.approx(0.040, rel=1e-3)
+    assert not c.pays([4, 4], 100)  # 1/2 acceptance: 1.94x tokens for 2x time
+    assert c.model.coef is not None and not c.model.prefill_fitted  # a decode worker's fit: no chunk yet
+    # the drafter counts all-decode steps only (its probes); the engine's model times every step
     d = Drafter(SpeculativeConfig.from_dict(NGRAM))
-    d.cost = SpecCost({b: 0.010 for b in sizes})
+    d.switch = switch_on({b: 0.010 for b in sizes})
     two = [ScheduledRequest(Request(f"r{i}", [1, 2], SamplingParams()), 5, [], [7, 7, 7, 7]) for i in range(2)]
-    d.observe(StepShape.of(two), 0.030)
-    d.observe(StepShape.of(two[:1] + [ScheduledRequest(Request("p", [1] * 9, SamplingParams()), 8, [])]),
-              1.0)  # not decode rows
-    assert c.seconds(10) == pytest.approx(0.040) and d.cost.seconds(10) == pytest.approx(0.030)
+    d.observe(StepShape.of(two))
+    d.observe(StepShape.of(two[:1] + [ScheduledRequest(Request("p", [1] * 9, SamplingParams()), 8, [])]))
+    assert (d.switch.since_plain, d.switch.since_spec) == (1, 0)
 
 
 def test_a_probe_while_off_drafts_for_a_rotating_few():
     """While the cost model keeps speculation off, a probe (one step in PROBE_EVERY) drafts for
     ceil(B / PROBE_SHARE) of the B decodes, the next ones each time: the acceptance estimate
     needs a sample, and a probe of the whole batch cost batch 64 8% of its tokens (H100)."""
-    from pdserve.engine.spec_cost import PROBE_EVERY, PROBE_SHARE, SpecCost
+    from pdserve.engine.spec_switch import PROBE_EVERY, PROBE_SHARE
 
     d = Drafter(SpeculativeConfig.from_dict(NGRAM))
-    d.cost = SpecCost({b: 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64, 128)})  # compute-bound: off
-    d.cost.verified([0] * 1000, [4] * 1000)  # nothing accepted lately
+    d.switch = switch_on({b: 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64, 128)})  # compute-bound: off
+    d.switch.verified([0] * 1000, [4] * 1000)  # nothing accepted lately
     d.proposer = lambda req, room: [7] * room
     reqs = []
     for i in range(16):
@@ -237,8 +256,7 @@ def test_a_probe_while_off_drafts_for_a_rotating_few():
     for _ in range(2 * PROBE_EVERY + 2):
         d.propose(reqs)
         drafted.append([r.request_id for r in reqs if r.spec_tokens])
-        rows = 16 + 4 * len(drafted[-1])
-        d.cost.observe(rows, d.cost.seconds(rows), bool(drafted[-1]))
+        decode_step(d.switch, 16, 4 * len(drafted[-1]))
     probes = [ids for ids in drafted if ids]
     width = -(-16 // PROBE_SHARE)
     assert probes == [[f"r{i}" for i in range(width)], [f"r{i}" for i in range(width, 2 * width)]], drafted

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.scheduler import ScheduledRequest, StepShape
-from pdserve.engine.step_model import MIN_CHUNK, StepModel
+from pdserve.engine.step_model import MIN_CHUNK, PROBE_TOKENS, StepModel
 
 
 class R:  # the three fields the model reads of a request
@@ -141,3 +141,26 @@ def test_chunks_without_a_fixed_cost_run_every_step():
     assert graph_cost(32, n, 0) == pytest.approx(4 * target, rel=0.05)
     now = m.chunk_for(32, 32 * 1001, 4096, slack=0.0, remaining=8000)
     assert now > 0 and graph_cost(32, now, 4096) == pytest.approx(target, rel=0.05)
+
+
+def test_the_decode_graph_table_carries_what_is_not_linear_in_rows():
+    """A decode worker (no prefill yet) with the runner's start-up table of its decode graphs:
+    steps that turn compute-bound past 32 rows. The fit of measured steps (the table's time +
+    2 ms of host work + the KV read) predicts sizes it has not seen within 2%, which a line in
+    the rows cannot; the spec off-switch reads that same prediction, and no chunk is offered
+    until steps with prefill are fitted."""
+    table = {b: 0.008 + (0.0 if b <= 32 else 0.0004 * (b - 32)) for b in (1, 2, 4, 8, 16, 32, 64, 128)}
+    truth = lambda b, kv: table[b] + 0.002 + 2e-8 * kv  # noqa: E731
+    m, rng = StepModel(8192, 0.05, graphs=table), random.Random(0)
+    for _ in range(64):
+        b = rng.choice((1, 4, 16, 128))
+        kv = b * rng.randrange(500, 4000)
+        m.observe(StepShape(decodes=b, kv_tokens=kv), truth(b, kv))
+    for b in (2, 8, 32, 64):
+        assert m.decode_seconds(b, b * 2000) == pytest.approx(truth(b, b * 2000), rel=0.02), b
+    lines = StepModel(8192, 0.05)  # no table: a line in the rows misses the turn
+    for shape, seconds in m.decode_steps:
+        lines.observe(StepShape(decodes=shape[0], kv_tokens=shape[2]), seconds)
+    assert abs(lines.predict(64, 0, 64 * 2000, 0) / truth(64, 64 * 2000) - 1) > 0.05
+    assert m.decode_seconds(200, 0) is None  # beyond the largest graph
+    assert not m.prefill_fitted and m.chunk_at(16, 16 * 1000) == PROBE_TOKENS

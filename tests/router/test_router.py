@@ -304,6 +304,7 @@ def test_admin_switch_roles_and_slo(server, cluster):
     assert r.status_code == 400 and "slo.tpot_s" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/admin/slo", json={"ttft_s": 1.5, "tpot_s": 0.03}, headers=h, timeout=60)
     assert r.status_code == 200 and r.json()["slo"]["tpot_s"] == 0.03 and r.json()["slo"]["ttft_s"] == 1.5
+    assert cluster.dispatcher.placer.slo.ttft_s == 1.5  # what placement decides with (it kept the old one)
 
 
 def test_pdserve_scale_shows_the_servers_message_and_reads_the_env_key(server, cluster):
