@@ -127,7 +127,7 @@ VARIANTS = {  # PagedAttention's settings for steps that are not all decodes (en
 }
 
 
-def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512)) -> list[dict]:
+def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512, 1024, 2048)) -> list[dict]:
     """The mixed step (graphs mode) under each attention variant, alternating within each
     repetition, the chunk at the end of an 8K prompt as in measure()."""
     from pdserve.engine.attention import PagedAttention
@@ -167,10 +167,7 @@ def fit_report(samples: list, rows: list[dict], mode: str) -> dict:
     for scheduled, dt in samples:
         m.observe(StepShape.of(scheduled), dt)
     m._fit()
-    names = ("base", "mixed", "per_seq", "per_token", "per_kv_token", "per_attn")
-    coef = {} if m.coef is None else dict(zip(names, (m.coef / __import__("numpy").array(
-        [1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20])).tolist()))
-    return {"mode": mode, "coef_s": coef, "chunk_for_tpot_ms": out}
+    return {"mode": mode, "coef_s": m.coefficients(), "chunk_for_tpot_ms": out}
 
 
 def _figure(out_dir: str, tag: str, figsize: tuple):

@@ -34,7 +34,8 @@ from serving_gpu import build_model, save_ratio_plot  # noqa: E402
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.spec_cost import DISABLE_BY_BATCH_SIZE, SpecCost  # noqa: E402
+from pdserve.engine.spec_switch import DISABLE_BY_BATCH_SIZE, SpecSwitch  # noqa: E402
+from pdserve.engine.step_model import StepModel  # noqa: E402
 
 
 def run(eng: LLMEngine, prompts: list[list[int]], out_len: int) -> tuple[list[list[int]], float]:
@@ -73,7 +74,7 @@ def make_chain(model: torch.nn.Module, seed: int = 0) -> None:
 
 def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
     """One row per acceptance: speculation forced on (auto False) or left to the engine's
-    off-switch (auto True: its default batch cap and cost model, with a fresh acceptance
+    off-switch (auto True: its default batch cap and step-time model, with a fresh acceptance
     estimate)."""
     d, rows, cfg = eng.drafter, [], eng.drafter.config
     cont = {f"r{i}": w for i, w in enumerate(want)}
@@ -83,7 +84,9 @@ def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
             return [t if rng.random() < a else rng.randrange(100, 40000) for t in c[m:m + room]]
 
         d.proposer = oracle
-        d.cost = SpecCost(eng.runner.graph_seconds if auto else None)  # a fresh model, learnt as it runs
+        # a fresh step-time model for the engine, learnt as it runs, which the off-switch asks
+        eng.step_model = StepModel(eng.config.max_num_batched_tokens, graphs=eng.runner.graph_seconds)
+        d.switch = SpecSwitch(eng.step_model if auto else None)
         d.config = replace(cfg, disable_by_batch_size=DISABLE_BY_BATCH_SIZE if auto else 1 << 20)
         before = d.stats()
         got, t = run(eng, prompts, out_len)

@@ -57,11 +57,15 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    # How a step that is not all decodes runs on CUDA, measured by `bench/mixed_step_gpu.py
-    # --variants`: its decode rows through the paged-decode kernel and the rest through
-    # paged-prefill (decodes_apart), or everything through paged-prefill (a decode is a chunk
-    # of one token); paged-prefill's tile settings (None: by the step's shape, PrefillLaunch.for_step).
-    decodes_apart = False
+    # How a step that is not all decodes runs on CUDA: its decode rows through the paged-decode
+    # kernel and the rest through paged-prefill (decodes apart), or everything through one
+    # paged-prefill launch (a decode is a chunk of one token). None: by shape, measured by
+    # `bench/mixed_step_gpu.py --variants` (H100, 16 decodes at 4K + a chunk at 8K): one launch
+    # is fastest up to 256 chunk tokens (13.1 vs 13.6 ms at 64); decodes apart, the chunk in
+    # prefill tiles, from 512 (43.3 vs 45.1 ms at 1024). prefill_launch: paged-prefill's tile
+    # settings (None: by the launch's rows, PrefillLaunch.for_step).
+    decodes_apart: bool | None = None
+    apart_from_tokens = 512
     prefill_launch = None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -97,7 +101,11 @@ class PagedAttention:
         out = torch.empty_like(q) if out is None else out
         seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()  # CPU layouts
         query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
-        nd = meta.num_decodes if self.decodes_apart and self._decode is not None else 0
+        apart = self.decodes_apart
+        if apart is None:
+            apart = len(query_lens) > meta.num_decodes and \
+                sum(query_lens[meta.num_decodes:]) >= self.apart_from_tokens
+        nd = meta.num_decodes if apart and self._decode is not None else 0
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
                          self.scale, self.sliding_window, out=out[:nd])
