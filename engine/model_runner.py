@@ -85,6 +85,8 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None  # None: every step eager
         if graphs:
             self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks)
+        if self.device.type == "cuda" and config.use_triton:  # every layer shares the kernels' variants
+            self.model.layers[0].self_attn.attn.warm_up(*self.kv_views[0], config.torch_dtype)
 
     def use_graph_layouts(self) -> None:
         """Runs every step in the graphs' layouts without capturing (the GPU path on CPU)."""

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from pdserve.engine import kv_quant  # noqa: E402
 from pdserve.engine.ops.attention_ref import paged_attention_ref, store_kv_ref  # noqa: E402
-from pdserve.engine.ops.triton_prefill import PrefillPlan, paged_prefill_triton  # noqa: E402
+from pdserve.engine.ops.triton_prefill import MIXED, PREFILL, PrefillLaunch, PrefillPlan, paged_prefill_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,6 +71,39 @@ def test_paged_prefill_reads_quantized_kv(fmt):
     ref = paged_attention_ref(q.double(), kc, vc, tables, seq_lens, q_lens, D ** -0.5)
     for splits in (1, 4):
         assert rel_err(paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5, splits=splits), ref) < 1e-4
+
+
+def test_both_tile_settings_and_the_mask_free_keys_match_the_reference():
+    """The launch by shape: MIXED when a sequence brings < 16 new tokens, else PREFILL (128
+    rows, 128 keys an iteration: more keys than a page, a tile of 32 tokens x the group). Either
+    setting on either batch, with windows and key splits, equals the reference; the chunks over
+    long cached contexts walk most keys in the loop's mask-free phase."""
+    H, KVH, D, page = 8, 2, 32, 8
+    assert PrefillLaunch.for_step([40, 1]) is MIXED and PrefillLaunch.for_step([40, 16]) is PREFILL
+    for batch in (BATCH, [(300, 37), (260, 16), (64, 64)]):
+        seq_lens, q_lens = [c for c, _ in batch], [n for _, n in batch]
+        tables, num_blocks = layout(seq_lens, page, 3)
+        kv = torch.randn(num_blocks, 2, page, KVH, D, device=DEV)
+        q = torch.randn(sum(q_lens), H, D, device=DEV)
+        for launch in (MIXED, PREFILL):
+            plan = PrefillPlan.build(q_lens, seq_lens, H // KVH, DEV, launch)
+            for window, splits in ((None, 1), (40, 1), (None, 3)):
+                out = paged_prefill_triton(q, kv[:, 0], kv[:, 1], tables, plan, D ** -0.5, window, splits=splits)
+                ref = paged_attention_ref(q.double(), kv[:, 0].double(), kv[:, 1].double(), tables, seq_lens,
+                                          q_lens, D ** -0.5, window)
+                assert rel_err(out, ref) < 1e-4, (launch, window, splits)
+
+
+def test_warm_up_runs_every_variant_and_writes_nothing():
+    """PagedAttention.warm_up (the runner calls it on CUDA before serving, so no step waits
+    for Triton to compile a variant) runs each launch and leaves the cache as it was."""
+    from pdserve.engine.attention import PagedAttention
+
+    kv = torch.randn(70, 2, 16, 2, 32, device=DEV)
+    before = kv.clone()
+    attn = PagedAttention(8, 2, 32, 32 ** -0.5, None, use_triton=True)
+    attn.warm_up(kv[:, 0], kv[:, 1], torch.float32)
+    assert torch.equal(kv, before)
 
 
 def test_a_plan_refuses_more_queries_than_context():
