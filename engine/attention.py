@@ -88,28 +88,29 @@ class PagedAttention:
     def warm_up(self, k_cache, v_cache, dtype: torch.dtype) -> None:
         """Compiles, before serving, every kernel variant a step can launch: paged prefill in
         mixed and in prefill tiles, each with and without key splits (and their combine), and
-        paged decode with and without. Triton compiles a variant on first use, a second or more
-        each on the serving host: in a colocated run (H100, Llama-3-8B shape, 4096-token
-        prompts at 2.5 req/s) the first request's TTFT was 5.3 s and the queue it left took
-        20 s to drain. Reads block 0 only and writes nothing to the cache."""
+        paged decode with and without, each for block tables whose width has a factor of 16 and
+        one whose width has not (Triton specializes an int argument on that). Triton compiles
+        a variant on first use, a second or more each on the serving host: in a colocated run
+        (H100, Llama-3-8B shape, 4096-token prompts at 2.5 req/s) the first request's TTFT was
+        5.3 s. Reads block 0 only and writes nothing to the cache."""
         if self._prefill is None:
             return
         from .ops.triton_prefill import MIXED, PREFILL, PrefillPlan
 
         page = k_cache.shape[1]
         device = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache.values).device  # or a QuantKV
-        width = 64  # blocks per table: a long enough context for key splits
-        tables = torch.zeros(1, width, dtype=torch.int32, device=device)
         group = self.num_heads // self.num_kv_heads
-        for launch in (MIXED, PREFILL):
+        for width in (64, 65):  # blocks per table: contexts long enough for key splits
+            tables = torch.zeros(1, width, dtype=torch.int32, device=device)
+            for launch in (MIXED, PREFILL):
+                for splits in (1, 2):
+                    q = torch.zeros(16, self.num_heads, self.head_dim, dtype=dtype, device=device)
+                    plan = PrefillPlan.build([16], [width * page], group, device, launch)
+                    self._prefill(q, k_cache, v_cache, tables, plan, self.scale, self.sliding_window, splits=splits)
             for splits in (1, 2):
-                q = torch.zeros(16, self.num_heads, self.head_dim, dtype=dtype, device=device)
-                plan = PrefillPlan.build([16], [width * page], group, device, launch)
-                self._prefill(q, k_cache, v_cache, tables, plan, self.scale, self.sliding_window, splits=splits)
-        for splits in (1, 2):
-            q = torch.zeros(1, self.num_heads, self.head_dim, dtype=dtype, device=device)
-            lens = torch.full((1,), width * page, dtype=torch.int32, device=device)
-            self._decode(q, k_cache, v_cache, tables, lens, self.scale, self.sliding_window, splits=splits)
+                q = torch.zeros(1, self.num_heads, self.head_dim, dtype=dtype, device=device)
+                lens = torch.full((1,), width * page, dtype=torch.int32, device=device)
+                self._decode(q, k_cache, v_cache, tables, lens, self.scale, self.sliding_window, splits=splits)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
         """Writes the step's new keys and values to their slots (-1: skip)."""

@@ -33,7 +33,9 @@ from .graphs import StepGraphs, decode_inputs, piece_tokens
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
 from .offload import HostCache, TierOps, host_slots
+from .request import Request
 from .sampler import Sampler
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest
 from .tp import TPGroup
 
@@ -85,8 +87,8 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None  # None: every step eager
         if graphs:
             self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks)
-        if self.device.type == "cuda" and config.use_triton:  # every layer shares the kernels' variants
-            self.model.layers[0].self_attn.attn.warm_up(*self.kv_views[0], config.torch_dtype)
+        if self.device.type == "cuda" and config.use_triton:
+            self.warm_up()
 
     def use_graph_layouts(self) -> None:
         """Runs every step in the graphs' layouts without capturing (the GPU path on CPU)."""
@@ -97,6 +99,35 @@ class ModelRunner:
         """Rows -> seconds per decode-graph replay (timed at start when speculation is configured;
         step_model.py)."""
         return self.graphs.decode_seconds if self.graphs else {}
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Before serving, runs what a served step can launch that the graphs' capture did not,
+        so that no step waits on a Triton compile (a second or more per variant on the serving
+        host; a fresh H100 host's first colocated requests waited seconds): every attention
+        kernel variant (PagedAttention.warm_up; every layer shares them), then eager steps,
+        decodes beside a chunk and a chunk alone, of a token count with and without a factor of
+        16 (Triton specializes the fused kernels' int arguments on that). Every rank runs the
+        same steps, so their all-reduces pair up. Dummy requests over block 0; nothing is
+        written (slots -1) or sampled."""
+        self.model.layers[0].self_attn.attn.warm_up(*self.kv_views[0], self.config.torch_dtype)
+        first = (self.graphs.max_piece_tokens if self.graphs else 0) + 16  # the smallest eager step
+        for t in (first, first + 1):
+            for q_lens, seq_lens in (([1, 1, t - 2], [24, 40, t + 62]), ([t], [t + 64])):
+                if t <= self.config.max_num_batched_tokens and max(seq_lens) <= self.config.max_model_len:
+                    self.forward(self._dummy_inputs(q_lens, seq_lens))
+
+    def _dummy_inputs(self, query_lens: list[int], seq_lens: list[int]) -> StepInputs:
+        """A step's inputs for requests of these query and context lengths, every block 0,
+        storing nothing."""
+        batch = []
+        for i, (q, ctx) in enumerate(zip(query_lens, seq_lens)):
+            req = Request(f"warm-up-{i}", [0] * ctx, SamplingParams(max_tokens=1))
+            req.num_computed_tokens = ctx - q
+            batch.append(ScheduledRequest(req, q, [0] * -(-ctx // self.block_size)))
+        inp = self.host_inputs(self.order(batch))
+        inp.slots[:] = -1
+        return inp
 
     # ---- one step ----------------------------------------------------------------------
     def order(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:

@@ -6,6 +6,7 @@ plain eager run's token for token, with chunked prefill, prefix hits and a slidi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.attention import PagedAttention
@@ -57,3 +58,29 @@ def test_graph_layouts_equal_eager(model, backend, fused, apart, tiny_models, mo
     mixed = [s for s in seen if s[0] == "pieces" and s[3] > 1]
     assert mixed and any(n < padded for _, n, padded, _ in seen), seen  # mixed steps; padding rows
     assert any(s[0] == "decode" for s in seen)
+
+
+def test_warm_up_runs_the_eager_steps_and_writes_nothing(tiny_models):
+    """ModelRunner.warm_up (run on CUDA before serving, so no served step waits on a Triton
+    compile): on CPU, through Triton's interpreter, every attention variant and the eager steps
+    of 2 decodes beside a chunk and a chunk alone, with and without a factor of 16 in their
+    token counts, run over block 0; the KV cache is as it was and generation is unchanged."""
+    pytest.importorskip("triton")
+    kw = dict(model=tiny_models["mistral"], max_model_len=256, attention_backend="triton", fused_ops=True,
+              max_num_batched_tokens=64, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(**kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp)]
+        runner, steps = llm.engine.runner, []
+        runner.use_graph_layouts()  # the smallest eager step: past the largest piece bucket (64)
+        runner.graphs.piece_sizes = [16, 32]
+        runner.graphs.max_piece_tokens = 32
+        forward = runner.forward
+        runner.forward = lambda inp: steps.append((inp.path, list(inp.query_lens))) or forward(inp)
+        before = runner.kv.clone()
+        runner.warm_up()
+        assert torch.equal(runner.kv, before)
+        assert steps == [("eager", [1, 1, 46]), ("eager", [48]), ("eager", [1, 1, 47]), ("eager", [49])], steps
+        runner.forward = forward
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp)] == want
+        llm.engine.kv.check_all_free()
