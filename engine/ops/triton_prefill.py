@@ -43,6 +43,34 @@ def _tile_rows(tiles_ptr, seqs_ptr, tile, GROUP: tl.constexpr, GROUP_PAD: tl.con
     return seq, m0, q0 + tok, g, (tok < q_len) & (g < GROUP), ctx - q_len + tok, ctx - q_len + m0, ctx
 
 
+@triton.jit
+def _attend(q, k, v, ks, vs, seen, acc, m_i, l_i, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr,
+            COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
+    """One tile of keys into the rows' online softmax (base 2): (acc, max, sum) updated. MASKED:
+    scores where not `seen` drop out (else every row sees every key of the tile)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if SCALED:
+        s = s * ks[None, :]
+    if MASKED:
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if SCALED:
+        p = p * vs[None, :]
+    if IEEE:
+        pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(COMPUTE_DTYPE), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["SPLITS"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, tiles_ptr, seqs_ptr, ks_ptr, vs_ptr, part_acc_ptr, part_ml_ptr,
@@ -97,31 +125,11 @@ def _paged_prefill_kernel(
                                    kvh, offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                    stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                                    PAGE, COMPUTE_DTYPE, SCALED)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * qk_scale
-            if SCALED:
-                s = s * ks[None, :]
-            if phase == 1:
-                seen = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
-                if window > 0:
-                    seen = seen & (q_pos[:, None] - offs_n[None, :] < window)
-                s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if SCALED:
-                p = p * vs[None, :]
-            if IEEE:
-                pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(COMPUTE_DTYPE), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            seen = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if window > 0:
+                seen = seen & (q_pos[:, None] - offs_n[None, :] < window)
+            acc, m_i, l_i = _attend(q, k, v, ks, vs, seen, acc, m_i, l_i, qk_scale, phase == 1,
+                                    IEEE, COMPUTE_DTYPE, SCALED)
     if SPLIT:  # unnormalized partials [tile, kv head, split, row, D_PAD] and [..., row, 2] (max, sum), live
         # rows only: a decode's tile has GROUP of its BLOCK_M x GROUP_PAD rows live, and writing the dead
         # ones made the partials 16x the traffic they need (0.7 ms of combine in a 16-decode + 64 step)
