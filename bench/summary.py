@@ -136,6 +136,7 @@ def speculative() -> dict:
     """Issue 18's headline numbers (one H100, Llama-3-8B shape, chain target, k=4)."""
     first = load("spec", "spec_llama3-8b_chain.json")["rows"]
     second = load("spec", "spec_llama3-8b_chain_offswitch2.json")["rows"]  # the off-switch's second version
+    merged = load("spec", "spec_llama3-8b_chain_stepmodel.json")["rows"]  # asking the engine's one step model
     cmd = "python3 bench/spec_gpu.py --tokenizer TOKENIZER_DIR  # one H100"
     cmd2 = ("python3 bench/spec_gpu.py --tokenizer TOKENIZER_DIR --batches 1,8,32,64 --acceptance 0.3 "
             "--auto-acceptance 0,0.3,0.7 --repeats 3  # one H100")
@@ -148,15 +149,17 @@ def speculative() -> dict:
         return min((mean(rows, b, a, True), b, a) for b in {r["batch"] for r in rows}
                    for a in {r["acceptance_target"] for r in rows if r["auto"]})
 
-    (w1, b1, a1), (w2, b2, a2) = worst(first), worst(second)
+    (w1, b1, a1), (w2, b2, a2), (w3, b3, a3) = worst(first), worst(second), worst(merged)
     return {
         "spec_speedup_b1_accept70": {"value": mean(first, 1, 0.7, False), "command": cmd,
                                      "workload": "batch 1, per-token draft acceptance 70%, k=4, 128 tokens, "
                                                  "mean of 3 runs"},
-        "spec_off_switch_worst": {"value": w2, "command": cmd2,
+        "spec_off_switch_worst": {"value": w3, "command": cmd2,
                                   "workload": f"the off-switch's worst mean over batches 1/8/32/64 x acceptance "
-                                              f"0/30/70% (batch {b2}, acceptance {a2:.0%})",
-                                  "note": f"first version (1-token start-up timings, whole-batch probes): {w1} "
+                                              f"0/30/70% (batch {b3}, acceptance {a3:.0%}), asking the engine's "
+                                              "one step-time model (spec/spec_llama3-8b_chain_stepmodel.md)",
+                                  "note": f"with a cost model of its own: {w2} (batch {b2}, acceptance {a2:.0%}); "
+                                          f"first version (1-token start-up timings, whole-batch probes): {w1} "
                                           f"(batch {b1}, acceptance {a1:.0%})"},
     }
 
@@ -174,32 +177,34 @@ def structured_output() -> dict:
                     f"worst: batch {worst[1]}, {worst[2]}"}}
 
 
-PATH = {"graphs_ms": "piecewise CUDA graphs", "eager_ms": "eager (past cuda_graph_max_tokens)"}
+BY_SHAPE = {64: "one launch, mixed tiles", 256: "one launch, mixed tiles", 1024: "decodes apart, prefill tiles"}
 
 
 def mixed_step() -> dict:
-    """The step with a prefill chunk minus the same 16 decodes alone, as the engine runs it by
-    default: through the piecewise graphs up to cuda_graph_max_tokens (512), eagerly above;
-    the torch reference path it replaced (gather, mask, SDPA; an earlier call, offsets not
-    controlled) for comparison."""
-    res, ref = load("hybrid", "mixed_step_graphs.json"), load("hybrid", "mixed_step_reference.json")
+    """The step with a prefill chunk minus the same 16 decodes alone, with attention as the
+    engine picks it by shape (engine/attention.py: one paged-prefill launch in mixed tiles up
+    to 256 chunk tokens, decode rows apart and the chunk in prefill tiles from 512), from the
+    variants run (piecewise graphs up to 2048 tokens); the graphs/eager table and the torch
+    reference path it replaced (gather, mask, SDPA; an earlier call) for comparison."""
+    var, res = load("hybrid", "mixed_step_variants.json"), load("hybrid", "mixed_step_graphs.json")
+    ref = load("hybrid", "mixed_step_reference.json")
 
     def extra(rows: list, chunk: int, key: str) -> float:
-        by = {r["chunk"]: r[key] for r in rows if r["decodes"] == 16}
+        by = {r["chunk"]: r[key] for r in rows if r.get("decodes", 16) == 16}
         return by[chunk] - by[0]
 
     cmd = ("python3 bench/mixed_step_gpu.py --tokenizer TOK --out bench/results/hybrid --batches 16 --reps 5 "
-           "--tag _graphs --profile  # " + res["device"])
+           "--tag _variants --variants  # " + var["device"])
     out = {}
     for chunk, goal in ((64, 2), (256, 5), (1024, 26)):
-        key = "graphs_ms" if chunk + 16 <= 512 else "eager_ms"
         out[f"mixed_step_overhead_ms_{chunk}"] = {
-            "value": round(extra(res["rows"], chunk, key), 1), "goal": goal, "command": cmd,
+            "value": round(extra(var["variants"], chunk, BY_SHAPE[chunk]), 1), "goal": goal, "command": cmd,
             "workload": f"16 decodes at ~4K context + the last {chunk} tokens of an 8K prompt (the rest cached), "
-                        f"Llama-3-8B shape, bf16, median of 5, {PATH[key]}; "
-                        f"eager: {extra(res['rows'], chunk, 'eager_ms'):.1f} ms; the torch reference path it replaced: "
-                        f"{extra(ref['rows'], chunk, 'mixed_ms'):.1f} ms. What is left is the paged-prefill kernel's "
-                        "time over the decode rows and the chunk (profile in the result)"}
+                        f"Llama-3-8B shape, bf16, median of 5, piecewise graphs, attention: {BY_SHAPE[chunk]}; "
+                        f"the --tag _graphs run of the same build before the by-shape choice: "
+                        f"{extra(res['rows'], chunk, 'graphs_ms'):.1f} ms in graphs, "
+                        f"{extra(res['rows'], chunk, 'eager_ms'):.1f} eager; the torch reference path it replaced: "
+                        f"{extra(ref['rows'], chunk, 'mixed_ms'):.1f} ms"}
     pp = load("attention", "prefill_prefix.json")
     pp_cmd = pp["command"] + "  # " + pp["device"]
     out["prefix_hit_prefill_ratio"] = {
@@ -210,8 +215,8 @@ def mixed_step() -> dict:
         "value": round(pp["chunked_prefill_last_over_first"], 2), "goal": 1.2, "command": pp_cmd,
         "workload": f"an 8K prompt alone in 1024-token chunks: last {pp['chunk_last_ms']:.1f} ms / first "
                     f"{pp['chunk_first_ms']:.1f} ms. The first chunk is a fresh prompt alone (torch's flash "
-                    "kernel): it "
-                    "took 27-28.5 ms in three earlier H100 calls of this session, against which the last is ~1.5x"}
+                    "kernel); the last one's attention over 7K cached keys (~4.1 TFLOP) adds ~12 ms: ~350 "
+                    "TFLOP/s in the paged-prefill kernel, about a third of the H100's dense bf16 peak"}
     return out
 
 
@@ -221,14 +226,21 @@ def colocated_one() -> dict:
     for wl, rates, goal, what in (
             ("long", "2.5,3,3.5", 3.5, "4096 in / 256 out, TTFT <= 1 s"),
             ("trace", "3,5", None, "the Mooncake trace (lengths x0.25, outputs x0.5), TTFT <= 2 s")):
-        res = load("serving", f"{wl}_colocated1_h100_tpot40.json")
+        res = load("serving", f"{wl}_colocated1_h100_{'warmup' if wl == 'long' else 'tpot40'}.json")
         runs = {r["rate"]: r for r in res["runs"]}
+        repeats = ""
+        if wl == "long":  # the same build's other runs: at 3 req/s the queue is at the edge of capacity
+            other = [load("serving", f"long_colocated1_h100_{t}.json") for t in ("attnwarm", "cold")]
+            repeats = "; the other runs of this change at 3 req/s (their engines warmed up less, which costs " \
+                "the first rate only): " + ", ".join(
+                f"{r['slo_attainment']:.0%}" for o in other for r in o["runs"] if r["rate"] == 3) + \
+                " (serving/long_colocated1_h100_repeats.md)"
         out[f"colocated1_goodput_{wl}"] = {
             "value": round(res["goodput"]["rps"], 2), **({"goal": goal} if goal else {}),
             "command": cmd + f"--workloads {wl} --{wl}-rates {rates}  # one H100",
             "workload": f"{what}, TPOT <= 40 ms, one engine on one GPU whose prefill chunks follow the 40 ms target, "
                         "Llama-3-8B shape; SLO attainment by rate: "
-                        + ", ".join(f"{k:g}: {v['slo_attainment']:.0%}" for k, v in runs.items())}
+                        + ", ".join(f"{k:g}: {v['slo_attainment']:.0%}" for k, v in runs.items()) + repeats}
     return out
 
 
