@@ -124,7 +124,7 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.request import Request
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.scheduler import ScheduledRequest
+    from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
     bs = 16
     blocks_per_seq = ctx // bs + 1
@@ -149,11 +149,11 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
             r.num_computed_tokens = ctx
             ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             sched.append(ScheduledRequest(r, 1, ids))
-        t = timed(lambda s=sched: runner.execute(s), 10, warmup=3)
+        t = timed(lambda s=sched: runner.execute(SchedulerOutput(s)), 10, warmup=3)
         graphs, runner.graphs = runner.graphs, None  # the same step without CUDA graphs
-        t_eager = timed(lambda s=sched: runner.execute(s), 5, warmup=2)
+        t_eager = timed(lambda s=sched: runner.execute(SchedulerOutput(s)), 5, warmup=2)
         runner.graphs = graphs
-        prof = profile_step(lambda s=sched: runner.execute(s)) if profile else None
+        prof = profile_step(lambda s=sched: runner.execute(SchedulerOutput(s))) if profile else None
         read = body_params * 2 + B * (ctx + 1) * kv_token_bytes + B * cfg["hidden_size"] * 2
         floor = read / (ceil["copy_GBps"] * 1e9)
         decode_rows.append({"batch": B, "context": ctx, "step_ms": t * 1e3, "eager_ms": t_eager * 1e3,
@@ -166,8 +166,8 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
         toks = torch.randint(0, vocab, (n,)).tolist()
         r = Request(f"p{n}", toks, greedy, max_tokens=16)
         s = [ScheduledRequest(r, n, list(range(-(-n // bs))))]
-        t = timed(lambda s=s: runner.execute(s), 5, warmup=2)
-        prof = profile_step(lambda s=s: runner.execute(s), steps=2) if profile else None
+        t = timed(lambda s=s: runner.execute(SchedulerOutput(s)), 5, warmup=2)
+        prof = profile_step(lambda s=s: runner.execute(SchedulerOutput(s)), steps=2) if profile else None
         flops = 2 * n * (body_params - cfg["vocab_size"] * h) + 2 * h * vocab + 2 * n * n * h * L
         prefill_rows.append({"tokens": n, "ms": t * 1e3, "tokens_per_s": n / t, "TFLOPs": flops / t / 1e12,
                              "frac_of_matmul": flops / t / 1e12 / ceil["matmul_TFLOPs"],

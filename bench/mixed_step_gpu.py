@@ -48,7 +48,7 @@ def run_step(engine: LLMEngine, cap: int) -> tuple[list, float]:
     sched = engine.scheduler.schedule(prefill_cap=cap)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    tokens = engine.runner.execute(sched.scheduled)
+    tokens = engine.runner.execute(sched)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     scheduled = list(sched.scheduled)

@@ -43,7 +43,7 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.request import Request
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.scheduler import ScheduledRequest
+    from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
     bs, per_seq = 16, ctx // 16 + 1
     with tempfile.TemporaryDirectory() as d:
@@ -69,13 +69,13 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
                 r.append_token(toks[ctx])
                 r.num_computed_tokens = ctx
                 sched.append(ScheduledRequest(r, 1, list(range(i * per_seq, (i + 1) * per_seq))))
-            t = timed(lambda s=sched: runner.execute(s), 10, warmup=3)
+            t = timed(lambda s=sched: runner.execute(SchedulerOutput(s)), 10, warmup=3)
             floor = (weights + b * (ctx + 1) * kv_tok) / (ceil["copy_GBps"] * 1e9)
             rows.append({"kind": "decode", "batch": b, "context": ctx, "ms": t * 1e3, "floor_ms": floor * 1e3,
                          "ratio": t / floor})
         toks = torch.randint(0, min(vocab, 32000), (prefill,)).tolist()
         s = [ScheduledRequest(Request("p", toks, greedy, max_tokens=16), prefill, list(range(-(-prefill // bs))))]
-        t = timed(lambda: runner.execute(s), 5, warmup=2)
+        t = timed(lambda: runner.execute(SchedulerOutput(s)), 5, warmup=2)
         h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
         heads_dim = engine.model_config.num_heads * engine.model_config.head_dim // tp  # this rank's q width
         flops = 2 * prefill * weights / 2 + 4 * prefill * prefill * heads_dim * L / 2  # causal attention

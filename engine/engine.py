@@ -189,9 +189,8 @@ class LLMEngine:
     def _execute(self, sched: SchedulerOutput) -> dict:
         """The host tier's copies and the forward pass; then the drafts' verdicts, progress
         (rolling back rejected drafts) and, on its interval, the host tier to disk."""
-        ops = self.kv.host.take() if self.kv.host is not None else None
         with self.step_model.timed(sched.shape):
-            tokens = self.runner.execute(sched.scheduled, ops)
+            tokens = self.runner.execute(sched)
         self.drafter.settle(sched.scheduled, tokens)
         self.drafter.observe(sched.shape)
         self.scheduler.update_after_step(sched)

@@ -6,7 +6,7 @@ sequences are ordered first so attention sends them through the paged-decode ker
 one launch, the rest through the paged-prefill kernel. Only sequences whose chunk
 reaches the end of their known tokens produce logits.
 
-    execute(scheduled):  order -> host_inputs (StepInputs, with the step's path)
+    execute(step):       order -> host_inputs (StepInputs, with the step's path)
                          -> forward (decode graph | pieces | eager) -> sample / verify
 
 Which path a step takes is one decision (graphs.StepGraphs.route): an all-decode step
@@ -36,7 +36,7 @@ from .offload import HostCache, TierOps, host_slots
 from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledRequest
+from .scheduler import ScheduledRequest, SchedulerOutput
 from .tp import TPGroup
 
 
@@ -190,13 +190,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.from_numpy(inp.sample_rows).to(self.device)])
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], tier_ops: TierOps | None = None) -> dict[str, int]:
-        """Runs the batch (after the host tier's copies); returns the sampled token (a list: the
-        verified drafts) of each request that samples."""
+    def execute(self, step: SchedulerOutput) -> dict[str, int]:
+        """Runs the step (after the host tier's copies it carries); returns the sampled token (a
+        list: the verified drafts) of each request that samples."""
         self.sampler.logprobs = {}
-        batch = self.order(scheduled)
+        batch = self.order(step.scheduled)
         inp = self.host_inputs(batch)
-        inp.tier_ops = tier_ops
+        inp.tier_ops = step.tier_ops
         self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
         logits = self.forward(inp)
         samplers = [s for s in batch if s.samples]

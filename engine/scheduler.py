@@ -15,9 +15,13 @@ from __future__ import annotations
 import functools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .offload import TierOps
 
 
 @dataclass
@@ -80,8 +84,14 @@ class StepShape:
 
 @dataclass
 class SchedulerOutput:
+    """One step, built once by the scheduler and read by everything that runs or prices it:
+    the rows (`scheduled`: decode rows, their drafts, prefill chunks, each request carrying its
+    sampling state), the host tier's copies to apply before the forward, its `shape` for the
+    step-time model; the runner takes it whole (ModelRunner.execute)."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    tier_ops: TierOps | None = None  # host-tier copies queued up to this step (offload.py)
 
     @functools.cached_property
     def shape(self) -> StepShape:
@@ -135,7 +145,14 @@ class Scheduler:
     def schedule(self, prefill_cap: int | None = None) -> SchedulerOutput:
         """`prefill_cap`: at most this many prefill tokens in the step (decodes are not
         counted); None: only the step budget. The engine sets it from a TPOT target
-        (step_model.py)."""
+        (step_model.py). A step that runs takes the host tier's queued copies with it (an
+        empty one leaves them queued)."""
+        out = self._schedule(prefill_cap)
+        if out.scheduled and self.kv.host is not None:
+            out.tier_ops = self.kv.host.take()
+        return out
+
+    def _schedule(self, prefill_cap: int | None) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         prefill_left = budget if prefill_cap is None else prefill_cap

@@ -26,7 +26,7 @@ from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledRequest
+from .scheduler import ScheduledRequest, SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
 
@@ -81,7 +81,7 @@ class DraftModelProposer:
                 batch.append(ScheduledRequest(sh, n, [b.block_id for b in blocks]))
             if not batch:
                 break
-            tokens = self.runner.execute(batch)
+            tokens = self.runner.execute(SchedulerOutput(batch))
             for s in batch:
                 s.request.num_computed_tokens += s.num_new_tokens
                 token = tokens[s.request.request_id]

@@ -82,3 +82,19 @@ def test_preemption_frees_newest_and_recomputes():
     assert kv.prefix_hits - hits == 4
     s.finish(b, RequestStatus.FINISHED_STOPPED)
     kv.check_all_free()
+
+
+def test_a_step_carries_the_host_tiers_copies_and_an_empty_one_leaves_them_queued():
+    """The step object (SchedulerOutput) holds what the runner applies before the forward: the
+    host tier's queued copies go with the first step that runs, never with an empty one."""
+    from pdserve.engine.offload import HostIndex
+
+    kv = KVCacheManager(16, 4, host=HostIndex(4))
+    s = Scheduler(kv, 8, 32)
+    kv.host.offload(5, bytes(32))  # a block evicted earlier: its copy to host slot 0 is queued
+    empty = s.schedule()
+    assert not empty and empty.tier_ops is None
+    s.add(req("a", 6))
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert out.tier_ops.offloads == [(5, 0)] and kv.host.take() is None
