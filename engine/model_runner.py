@@ -215,8 +215,7 @@ class ModelRunner:
         for s in samplers:
             n = 1 + len(s.draft_token_ids)
             if s.draft_token_ids:
-                out[s.request.request_id] = self.sampler.verify(logits[row:row + n], s.draft_token_ids,
-                                                                s.request.sampling_params, s.request.request_id,
+                out[s.request.request_id] = self.sampler.verify(logits[row:row + n], s.draft_token_ids, s.request,
                                                                 argmax[row:row + n])
             else:
                 plain.append((s, row))

@@ -1,15 +1,18 @@
 """Per-request sampling over a batch of logits: greedy, temperature, min-p, top-k, top-p, seed
 (after the request's own logit adjustments, logits_process.py).
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws
-from p exactly and lets each seeded request take its noise from its own generator,
-so a seeded request samples the same tokens whatever else shares its batch.
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
+exactly. A seeded request's E is a pure function of (seed, the output token's index, token id)
+(sampling_noise.py), so it samples the same tokens whatever else shares its batch and wherever
+its tokens are drawn: across a prefill/decode handoff, a retry, a preemption, a role switch or
+speculative verification. The sampler keeps no per-request state.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import sampling_noise
 from .logits_process import process
 from .request import Request
 from .sampling_params import SamplingParams
@@ -19,21 +22,20 @@ from .spec_decode import verify_greedy, verify_sampled
 class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
-        self._generators: dict[str, torch.Generator] = {}
         self.logprobs: dict[str, dict[int, float]] = {}  # this step's, for requests that ask (runner clears)
         self.grammars = None  # structured.Grammars: the engine sets it (rank 0)
 
     def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.forget(request_id)
 
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[request_id] = gen
-        return gen
+    @staticmethod
+    def noise(rows: int, vocab: int, device, seed: int | None, first_index: int) -> torch.Tensor:
+        """Exp(1) draws [rows, vocab] for a request's output tokens first_index, first_index + 1,
+        ...: from its seed's stream (sampling_noise.py), or torch's generator when unseeded."""
+        if seed is None:
+            return torch.empty(rows, vocab, device=device).exponential_()
+        return sampling_noise.seeded_exponentials(seed, first_index, rows, vocab, device)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
@@ -78,10 +80,11 @@ class Sampler:
                 greedy: torch.Tensor) -> list[int]:
         n = logits.shape[0]
         probs = self.probs(logits, params)
-        noise = torch.empty_like(probs)
-        for i, (p, r) in enumerate(zip(params, reqs)):
-            gen = self._generator(r.request_id, p.seed) if p.seed is not None else None
-            noise[i].exponential_(generator=gen)
+        noise = torch.empty_like(probs).exponential_()
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+        if seeded:  # each at the index of the output token it draws now
+            keys = [sampling_noise.stream_keys(params[i].seed, reqs[i].num_output_tokens) for i in seeded]
+            noise[seeded] = sampling_noise.exponentials(keys, probs.shape[1], probs.device)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled).tolist()[:n]
@@ -103,15 +106,18 @@ class Sampler:
         return probs
 
     @torch.no_grad()
-    def verify(self, logits: torch.Tensor, drafts: list[int], params: SamplingParams, request_id: str,
+    def verify(self, logits: torch.Tensor, drafts: list[int], request: Request,
                argmax: list[int] | None = None) -> list[int]:
         """logits [k+1, vocab] at a request's [last token, d1..dk]: the tokens its step
-        produces (accepted drafts, then one from the target; spec_decode.py). `argmax`: the
-        rows' argmax if the caller has it (one device sync for the whole batch)."""
+        produces (accepted drafts, then one from the target; spec_decode.py). Row j draws the
+        request's output token num_output_tokens + j. `argmax`: the rows' argmax if the caller
+        has it (one device sync for the whole batch)."""
+        params = request.sampling_params
         if params.greedy:
             return verify_greedy(argmax if argmax is not None else logits.argmax(dim=-1).tolist(), drafts)
-        gen = self._generator(request_id, params.seed) if params.seed is not None else None
-        return verify_sampled(self.probs(logits, [params] * len(logits)), drafts, gen)
+        probs = self.probs(logits, [params] * len(logits))
+        noise = self.noise(len(logits), probs.shape[1], probs.device, params.seed, request.num_output_tokens)
+        return verify_sampled(probs, drafts, noise)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

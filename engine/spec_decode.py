@@ -94,25 +94,17 @@ def verify_greedy(target: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
-def verify_sampled(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
-    """probs [k+1, vocab]: the target's (after temperature / top-k / top-p). Rejection
-    sampling against one-hot drafts: d_i kept with probability p_i(d_i); at the first
-    rejection the token comes from p_i with d_i removed, renormalized; after k acceptances
-    a bonus token from p_k."""
-    u = torch.rand(len(drafts) + 1, generator=generator, device=probs.device).tolist()
-    out = []
-    for i, d in enumerate(drafts):
-        if u[i] < probs[i, d].item():
-            out.append(d)
-            continue
-        residual = probs[i].clone()
-        residual[d] = 0.0
-        total = residual.sum()
-        residual = residual / total if total > 0 else probs[i]
-        out.append(int(torch.multinomial(residual, 1, generator=generator).item()))
-        return out
-    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator).item()))
-    return out
+def verify_sampled(probs: torch.Tensor, drafts: list[int], noise: torch.Tensor) -> list[int]:
+    """probs [k+1, vocab]: the target's (after temperature / top-k / top-p); noise [k+1, vocab]:
+    Exp(1) draws, row j the request's draw for the token at that row (sampler.Sampler.noise).
+    Each row draws its token by the exponential race (argmax p / E), as plain sampling would at
+    that index; d_j is kept while the draw equals it, and the first draw that differs ends the
+    step (after k acceptances, row k's draw is the bonus token). Against one-hot drafts this is
+    rejection sampling: d_j survives with probability p_j(d_j), and a rejected row's token is
+    distributed as p_j without d_j, renormalized. A seeded request draws the same tokens as it
+    would without speculation."""
+    draws = (probs / noise).argmax(dim=-1).tolist()
+    return verify_greedy(draws, drafts)
 
 
 class Drafter:

@@ -38,13 +38,23 @@ def test_greedy_top_k_top_p_and_seed():
     draws = {t for i in range(200)
              for t in s(logits[:1], reqs([SamplingParams(top_p=0.7, seed=i)], [f"p{i}"]))}
     assert draws == {0, 1}
-    # a seeded request samples the same sequence whatever shares its batch
+    # a seeded request samples the same sequence whatever shares its batch, and keeps no state in
+    # the sampler: another sampler (another worker) continues it from its output index
     flat = torch.zeros(1, 1000)
-    seq_alone = [s(flat, reqs([SamplingParams(seed=7)], ["x"]))[0] for _ in range(5)]
-    s.forget("x")
-    seq_batched = [s(flat.repeat(3, 1), reqs([SamplingParams(), SamplingParams(seed=7), SamplingParams()],
-                                              ["y", "x", "z"]))[1] for _ in range(5)]
+
+    def run(sampler, req, others: int, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            batch = reqs([SamplingParams()] * others, [f"o{i}" for i in range(others)]) + [req]
+            out.append(sampler(flat.repeat(len(batch), 1), batch)[-1])
+            req.append_token(out[-1])
+        return out
+
+    seq_alone = run(s, Request("x", [1], SamplingParams(seed=7)), 0, 6)
+    moved = Request("x", [1], SamplingParams(seed=7))
+    seq_batched = run(s, moved, 2, 3) + run(Sampler(torch.device("cpu")), moved, 1, 3)
     assert seq_alone == seq_batched and len(set(seq_alone)) > 1
+    assert run(s, Request("x", [1], SamplingParams(seed=8)), 0, 6) != seq_alone
 
 
 def test_sampling_follows_distribution():
@@ -82,3 +92,26 @@ def test_extreme_values_found_by_the_fuzz():
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.3, 0.1]]))
     assert s(logits.clone(), reqs([SamplingParams(top_k=1 << 70, top_p=0.5, seed=1)], "a")) == [1]
     assert s(logits.clone(), reqs([SamplingParams(top_p=1e-300, seed=2)], "b")) == [1]  # the top token stays
+
+
+def test_seeded_noise_is_a_pure_function_with_exponential_marginals():
+    """sampling_noise: the same (seed, index) gives the same draws in any batch and call;
+    neighbouring seeds and indices give unrelated ones; the draws are Exp(1) (mean, and the
+    share below the median ln 2) and sampling with them follows p."""
+    import collections
+    import math
+
+    from pdserve.engine.sampling_noise import exponentials, seeded_exponentials, stream_keys
+
+    a = seeded_exponentials(-5, 3, 4, 5000, "cpu")
+    assert torch.equal(a[1:3], seeded_exponentials(-5, 4, 2, 5000, "cpu"))
+    assert torch.equal(a[0], exponentials([stream_keys(9, 0), stream_keys(-5, 3)], 5000, "cpu")[1])
+    b = seeded_exponentials(-4, 3, 4, 5000, "cpu")
+    assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.02
+    assert abs(a.mean().item() - 1) < 0.02 and abs((a < math.log(2)).float().mean().item() - 0.5) < 0.01
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20000
+    draws = (p / seeded_exponentials(1234, 0, n, 4, "cpu")).argmax(-1).tolist()  # one seed, n indices
+    counts = collections.Counter(draws)
+    chi2 = sum((counts[i] - n * p[i].item()) ** 2 / (n * p[i].item()) for i in range(4))
+    assert chi2 < 16.3, counts  # 3 degrees of freedom, p = 0.001

@@ -43,15 +43,23 @@ def test_greedy_verification_keeps_drafts_up_to_the_first_miss():
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
-    """One-hot drafts: whatever is drafted, the first token is distributed as p."""
+    """One-hot drafts: whatever is drafted, the first token is distributed as p (unseeded
+    noise), and a seeded request's step equals what it samples without drafts."""
+    from pdserve.engine.sampling_noise import seeded_exponentials
+
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     probs = p.repeat(2, 1)
-    gen = torch.Generator().manual_seed(0)
     n = 20000
     for draft in (0, 3):
-        counts = collections.Counter(verify_sampled(probs, [draft], gen)[0] for _ in range(n))
+        counts = collections.Counter(verify_sampled(probs, [draft], torch.empty(2, 4).exponential_())[0]
+                                     for _ in range(n))
         chi2 = sum((counts[i] - n * p[i].item()) ** 2 / (n * p[i].item()) for i in range(4))
         assert chi2 < 16.3, (draft, counts)  # 3 degrees of freedom, p = 0.001
+    for seed in range(50):  # the draws at indices 5, 6 without drafts; a kept draft continues them
+        plain = (probs / seeded_exponentials(seed, 5, 2, 4, "cpu")).argmax(-1).tolist()
+        for draft in range(4):
+            got = verify_sampled(probs, [draft], seeded_exponentials(seed, 5, 2, 4, "cpu"))
+            assert got == (plain if draft == plain[0] else plain[:1]), (seed, draft)
 
 
 def test_rollback_frees_exactly_the_rejected_tail():
@@ -86,6 +94,21 @@ def test_greedy_output_is_identical_with_preemption_and_prefix_hits():
         st = llm.engine.stats()
         assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0, st
         llm.engine.kv.check_all_free()
+
+
+def test_seeded_requests_sample_the_same_tokens_with_speculation():
+    """Verification draws row j at the request's output index + j, as plain sampling would:
+    seeded requests (temperature, top-p, min-p, n = 2) give the same tokens with ngram drafts,
+    of which many are kept."""
+    sp = SamplingParams(temperature=0.8, top_p=0.95, min_p=0.01, n=2, max_tokens=24, seed=77, ignore_eos=True)
+    got = []
+    for spec in (None, NGRAM):
+        with LLM(max_model_len=256, speculative_config=spec) as llm:
+            got.append([[c.token_ids for c in o.outputs] for o in llm.generate(REPEATS, sp)])
+            if spec:
+                assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 10, llm.engine.stats()
+    assert got[0] == got[1]
+    assert any(a != b for a, b in got[0])  # the two copies differ (seeds 77, 78)
 
 
 def test_sampled_output_keeps_the_target_distribution():

@@ -63,6 +63,23 @@ def test_disaggregated_equals_colocated(pair):
         assert w.num_inflight == 0 and not w.has_work()
 
 
+def test_seeded_sampling_is_the_same_across_the_handoff_and_preemption(pair):
+    """A seeded, sampled request gives the colocated engine's tokens when one worker prefills it
+    and another decodes it (whose small pool also preempts and recomputes): its noise is a
+    function of (seed, output index), not of a generator the decode worker restarted."""
+    pw, dw = pair
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.02, presence_penalty=0.5,
+                        max_tokens=24, ignore_eos=True, seed=1234)
+    ref = LLM(max_model_len=512).generate(PROMPTS[:8], sp)
+    before = dw.engine.stats()["num_preemptions"]
+    outs, _ = run_disagg(pw, dw, PROMPTS[:8], sp)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
+    assert len({tuple(r.outputs[0].token_ids) for r in ref}) == 8  # sampled, not one greedy answer
+    assert dw.engine.stats()["num_preemptions"] > before
+    for w in pair:
+        w.engine.kv.check_all_free()
+
+
 def test_decode_prefix_hits_are_not_sent(pair):
     pw, dw = pair
     system = "You are a helpful assistant that answers briefly and precisely. " * 3
