@@ -23,7 +23,11 @@ from .tp import kv_head_range
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What two workers must agree on to exchange KV blocks."""
+    """The one description of a KV cache's bytes: what two workers must agree on to exchange
+    KV blocks (the wire check, transfer/base.py), what the persisted host tier records
+    (persist.py), per rank under tensor parallelism. `dtype` is the values' dtype (int8,
+    float8_e4m3fn for a quantized cache, whose slab is uint8), `scale_bytes` the float32 scale
+    each (token, head) row carries after them (kv_quant.py)."""
 
     block_size: int
     num_layers: int
@@ -41,12 +45,20 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def of(cls, kv: torch.Tensor) -> KVLayout:
-        """The layout of a block-major KV tensor [num_blocks, layers, 2, block_size, kv_heads, head_dim]."""
+    def of(cls, kv: torch.Tensor, kv_cache_dtype: str = "auto") -> KVLayout:
+        """The layout of a block-major KV tensor [num_blocks, layers, 2, block_size, kv_heads,
+        head_dim]; a quantized cache's uint8 slab (kv_cache_dtype int8 / fp8) holds head_dim
+        values and the row's scale, described as such (the same as kv_layout(config))."""
         if kv.dim() != 6 or kv.shape[2] != 2:
             raise ValueError("KV cache must be [num_blocks, layers, 2, block_size, kv_heads, head_dim], "
                              f"got {tuple(kv.shape)}")
         _, layers, _, bs, heads, dim = kv.shape
+        if kv_quant.is_scaled(kv_cache_dtype):
+            if kv.dtype != torch.uint8:
+                raise ValueError(f"a {kv_cache_dtype} KV cache is a uint8 slab, got {kv.dtype}")
+            value = kv_quant.SCALED[kv_cache_dtype][0]
+            return cls(bs, layers, heads, dim - kv_quant.SCALE_BYTES, str(value).removeprefix("torch."),
+                       kv_quant.SCALE_BYTES)
         return cls(bs, layers, heads, dim, str(kv.dtype).removeprefix("torch."))
 
 

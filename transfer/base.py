@@ -137,12 +137,12 @@ class Handoff:
 
 def wire_layout(kv: torch.Tensor, chunk_bytes: int, tp: int = 1, kv_heads_total: int | None = None,
                 kv_cache_dtype: str = "auto") -> dict:
-    """What two peers must share to exchange blocks: the KV layout (engine/kv_cache.KVLayout),
-    the KV cache dtype (int8 and fp8 slabs have the same bytes: engine/kv_quant.py), the
-    model's KV heads and the chunking of a message. `tp` and the rank's own head count may
-    differ (tensor-parallel ranks exchange head slices)."""
-    lay = KVLayout.of(kv).as_dict()
-    return {**lay, "min_chunk_bytes": chunk_bytes, "tp": tp, "kv_cache_dtype": kv_cache_dtype,
+    """What two peers must share to exchange blocks: the KV cache's one description
+    (engine/kv_cache.KVLayout: its values' dtype and scale bytes too, so int8 and fp8 slabs of
+    the same bytes differ), the model's KV heads and the chunking of a message. `tp` and the
+    rank's own head count may differ (tensor-parallel ranks exchange head slices)."""
+    lay = KVLayout.of(kv, kv_cache_dtype).as_dict()
+    return {**lay, "min_chunk_bytes": chunk_bytes, "tp": tp,
             "kv_heads_total": kv_heads_total if kv_heads_total is not None else lay["num_kv_heads"]}
 
 
@@ -150,11 +150,13 @@ _MAY_DIFFER = ("tp", "num_kv_heads")
 
 
 def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
+    """Refuses a peer whose KV differs, naming the fields (ours, theirs)."""
     keys = (set(mine) | set(theirs)) - set(_MAY_DIFFER)
     diff = {k: (mine.get(k), theirs.get(k)) for k in keys if mine.get(k) != theirs.get(k)}
-    if "kv_cache_dtype" in diff:
-        raise LayoutMismatch(f"KV cache dtypes differ: ours {mine.get('kv_cache_dtype')!r}, peer {peer!r}'s "
-                             f"{theirs.get('kv_cache_dtype')!r}: give the prefill and decode pools the same "
+    if "dtype" in diff or "scale_bytes" in diff:
+        raise LayoutMismatch(f"KV cache dtypes differ: ours {mine.get('dtype')!r}, peer {peer!r}'s "
+                             f"{theirs.get('dtype')!r} (scale bytes {mine.get('scale_bytes')} vs "
+                             f"{theirs.get('scale_bytes')}): give the prefill and decode pools the same "
                              "--kv-cache-dtype")
     if diff:
         raise LayoutMismatch(f"KV layout mismatch with peer {peer!r} (ours TP={mine.get('tp', 1)}, theirs "

@@ -31,10 +31,11 @@ class LoopbackHub:
 
 
 class LoopbackConnector(KVConnector):
-    def __init__(self, name: str, kv: torch.Tensor, hub: LoopbackHub, default_timeout_s: float = 30.0):
+    def __init__(self, name: str, kv: torch.Tensor, hub: LoopbackHub, default_timeout_s: float = 30.0,
+                 kv_cache_dtype: str = "auto"):
         self.name, self.kv, self.hub = name, kv, hub
         self.address = f"loopback:{name}"
-        self.layout = wire_layout(kv, 0)
+        self.layout = wire_layout(kv, 0, kv_cache_dtype=kv_cache_dtype)
         self.default_timeout_s = default_timeout_s
         self._handoffs: dict[str, Handoff] = {}
         hub.connectors[name] = self

@@ -60,6 +60,22 @@ class TestTwoByTwo:
         assert len({o.decode_worker for o in outs if o.decode_worker.startswith("decode")}) == 2
         no_request_blocks(cluster)
 
+    def test_seeded_sampled_outputs_equal_colocated(self, cluster):
+        """Sampled with a seed (temperature, top-k, min-p, a presence penalty, log-probs, n = 2):
+        prefilled on one worker and decoded on another, each copy's tokens and log-probs equal
+        the colocated engine's."""
+        sp = SamplingParams(temperature=0.9, top_k=40, min_p=0.02, presence_penalty=0.4, logprobs=2, n=2,
+                            max_tokens=16, seed=2024, ignore_eos=True)
+        ref = LLM(max_model_len=512).generate(PROMPTS[:4], sp)
+        outs = cluster.generate(PROMPTS[:4], sp)
+        for o, r in zip(outs, ref):
+            assert [c.token_ids for c in o.outputs] == [c.token_ids for c in r.outputs]
+            for c, rc in zip(o.outputs, r.outputs):
+                assert [sorted(d) for d in c.logprobs] == [sorted(d) for d in rc.logprobs]
+        assert any(o.decode_worker.startswith("decode") for o in outs)
+        assert len({tuple(c.token_ids) for o in ref for c in o.outputs}) == 8  # sampled: all differ
+        no_request_blocks(cluster)
+
     def test_one_round_trip_timeline(self, cluster):
         """Prefill and decode are asked at once: the decode reservation is made while the
         prompt is prefilled, the prefill worker sends as soon as both are ready, and the

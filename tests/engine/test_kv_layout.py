@@ -1,0 +1,42 @@
+"""One description of a KV cache (engine/kv_cache.KVLayout): the engine's, the wire check's
+and the persisted tier's agree for every cache dtype, and a peer that differs is refused by
+the field that differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_cache import KVLayout, kv_layout
+from pdserve.transfer.base import LayoutMismatch, check_layouts, wire_layout
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8", "fp8"])
+def test_the_engine_the_wire_and_the_tier_describe_a_cache_one_way(dtype, tiny_models):
+    eng = LLMEngine(EngineConfig(model=tiny_models["llama"], kv_cache_dtype=dtype, max_model_len=128,
+                                 num_gpu_blocks_override=8))
+    lay = kv_layout(eng.config)
+    assert KVLayout.of(eng.runner.kv, dtype) == lay == eng.runner.layout
+    wire = wire_layout(eng.runner.kv, 0, kv_cache_dtype=dtype)
+    assert {k: wire[k] for k in lay.as_dict()} == lay.as_dict() and "kv_cache_dtype" not in wire
+    if dtype != "auto":  # a uint8 slab: head_dim values of the value dtype, then the row's scale
+        assert lay.dtype == {"int8": "int8", "fp8": "float8_e4m3fn"}[dtype] and lay.scale_bytes == 4
+        assert lay.head_dim == eng.runner.kv.shape[-1] - 4
+        assert lay.block_bytes == eng.runner.kv[0].numel()
+
+
+def test_peers_are_refused_by_the_field_that_differs():
+    slab = torch.zeros(4, 2, 2, 16, 2, 36, dtype=torch.uint8)
+    fp8 = wire_layout(slab, 0, kv_cache_dtype="fp8")
+    check_layouts(fp8, wire_layout(slab, 0, kv_cache_dtype="fp8_e4m3"), "peer")  # two names, the same bytes
+    with pytest.raises(LayoutMismatch, match="dtypes differ: ours 'float8_e4m3fn', peer 'peer''s 'int8'"):
+        check_layouts(fp8, wire_layout(slab, 0, kv_cache_dtype="int8"), "peer")
+    bf16 = wire_layout(torch.zeros(4, 2, 2, 16, 2, 32, dtype=torch.bfloat16), 0)
+    with pytest.raises(LayoutMismatch, match="dtypes differ.*'bfloat16'.*scale bytes 4 vs 0"):
+        check_layouts(fp8, bf16, "peer")
+    with pytest.raises(LayoutMismatch, match="'block_size': \\(16, 8\\)"):
+        check_layouts(bf16, wire_layout(torch.zeros(8, 2, 2, 8, 2, 32, dtype=torch.bfloat16), 0), "peer")
+    with pytest.raises(ValueError, match="a int8 KV cache is a uint8 slab"):
+        KVLayout.of(torch.zeros(4, 2, 2, 16, 2, 32), "int8")
