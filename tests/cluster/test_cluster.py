@@ -67,11 +67,13 @@ class TestTwoByTwo:
         sp = SamplingParams(temperature=0.9, top_k=40, min_p=0.02, presence_penalty=0.4, logprobs=2, n=2,
                             max_tokens=16, seed=2024, ignore_eos=True)
         ref = LLM(max_model_len=512).generate(PROMPTS[:4], sp)
-        outs = cluster.generate(PROMPTS[:4], sp)
-        for o, r in zip(outs, ref):
-            assert [c.token_ids for c in o.outputs] == [c.token_ids for c in r.outputs]
-            for c, rc in zip(o.outputs, r.outputs):
-                assert [sorted(d) for d in c.logprobs] == [sorted(d) for d in rc.logprobs]
+        copies = sp.samples()  # the cluster takes one sequence per request, as the HTTP server sends them
+        outs = cluster.generate([p for p in PROMPTS[:4] for _ in copies], copies * 4)
+        got = [o.outputs[0] for o in outs]
+        want = [c for r in ref for c in r.outputs]
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for c, rc in zip(got, want):
+            assert [sorted(d) for d in c.logprobs] == [sorted(d) for d in rc.logprobs]
         assert any(o.decode_worker.startswith("decode") for o in outs)
         assert len({tuple(c.token_ids) for o in ref for c in o.outputs}) == 8  # sampled: all differ
         no_request_blocks(cluster)
