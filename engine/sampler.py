@@ -34,7 +34,7 @@ class Sampler:
         """Exp(1) draws [rows, vocab] for a request's output tokens first_index, first_index + 1,
         ...: from its seed's stream (sampling_noise.py), or torch's generator when unseeded."""
         if seed is None:
-            return torch.empty(rows, vocab, device=device).exponential_()
+            return sampling_noise.unseeded(rows, vocab, device)
         return sampling_noise.seeded_exponentials(seed, first_index, rows, vocab, device)
 
     @torch.no_grad()
@@ -80,7 +80,7 @@ class Sampler:
                 greedy: torch.Tensor) -> list[int]:
         n = logits.shape[0]
         probs = self.probs(logits, params)
-        noise = torch.empty_like(probs).exponential_()
+        noise = sampling_noise.unseeded(*probs.shape, probs.device)
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         if seeded:  # each at the index of the output token it draws now
             keys = [sampling_noise.stream_keys(params[i].seed, reqs[i].num_output_tokens) for i in seeded]

@@ -19,7 +19,7 @@ same request draws the same noise for its i-th token wherever and whenever it is
 Unseeded rows take torch's exponential_ (no per-request work). The hash is lowbias32
 (C. Wellons' integer hash search) in int64 arithmetic with 32-bit products split in two
 halves, so no intermediate passes 2^63 and CPU and CUDA compute the same bits; the uniform
-takes the top 24 bits, exact in float32 and never 0 or 1.
+takes the top 23 bits as an odd numerator over 2^24, exact in float32 and never 0 or 1.
 """
 
 from __future__ import annotations
@@ -51,15 +51,26 @@ def stream_keys(seed: int, index: int) -> tuple[int, int]:
     return _mix(b ^ (index >> 32)), _mix(b ^ 0xC2B2AE35)
 
 
+def unseeded(rows: int, vocab: int, device) -> torch.Tensor:
+    """[rows, vocab] Exp(1) draws from torch's generator, floored at float32's smallest normal
+    (a draw of 0 would make a masked token's 0 / 0 win the argmax)."""
+    return torch.empty(rows, vocab, device=device).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+
+
 def exponentials(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
     """[len(keys), vocab] float32 Exp(1) draws, row r a pure function of keys[r] and the
     token id."""
     ka = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=device)[:, None]
     kb = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=device)[:, None]
     v = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]
-    h = _mix(_mix((v + ka) & M32) ^ kb)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+    return -torch.log(uniform(_mix(_mix((v + ka) & M32) ^ kb)))
+
+
+def uniform(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 uniforms in (0, 1): the odd numerators 1, 3, .., 2^24 - 1 over
+    2^24 (the top 23 bits), each exact in float32, so none rounds to 1 (an E of 0 would make a
+    masked token's 0 / E a NaN that wins the argmax)."""
+    return ((h >> 9) * 2 + 1).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def seeded_exponentials(seed: int, first_index: int, rows: int, vocab: int, device) -> torch.Tensor:

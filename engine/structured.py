@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .request import Request
 
 KEYS = ("json", "json_object", "regex", "choice")
+JSON_OBJECT = '{"type": "object"}'
 REGEX_SPECIAL = frozenset("\\.^$*+?()[]{}|")
 
 
@@ -127,8 +128,8 @@ class Grammars:
         try:
             if key == "json":
                 return c.compile_json_schema(value if isinstance(value, str) else json.dumps(value))
-            if key == "json_object":
-                return c.compile_builtin_json_grammar()
+            if key == "json_object":  # an object with any members, as OpenAI's response_format means
+                return c.compile_json_schema(JSON_OBJECT, strict_mode=False)
             if key == "regex":
                 return c.compile_regex(value)
             return c.compile_regex("(" + "|".join(regex_literal(v) for v in value) + ")")

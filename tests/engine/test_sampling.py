@@ -115,3 +115,18 @@ def test_seeded_noise_is_a_pure_function_with_exponential_marginals():
     counts = collections.Counter(draws)
     chi2 = sum((counts[i] - n * p[i].item()) ** 2 / (n * p[i].item()) for i in range(4))
     assert chi2 < 16.3, counts  # 3 degrees of freedom, p = 0.001
+
+
+def test_seeded_noise_is_never_zero_so_a_masked_token_is_never_drawn():
+    """Every 32-bit hash maps to a uniform strictly inside (0, 1), so E > 0 everywhere: with
+    E = 0 a token the grammar masked (p = 0) became 0 / 0 = NaN and won the argmax (a
+    json_object request at seed 0 sampled ' clone' after '{' and ended 'invalid')."""
+    from pdserve.engine.sampling_noise import uniform
+
+    h = torch.tensor([0, 1, 511, 512, (1 << 31), (1 << 32) - 512, (1 << 32) - 1], dtype=torch.int64)
+    u = uniform(h)
+    assert (u > 0).all() and (u < 1).all() and (-torch.log(u) > 0).all(), u
+    assert torch.equal(u[:3], u[:1].expand(3)) and u[3] > u[2]  # the top 23 bits, in order
+    p = torch.tensor([[0.0, 1.0]])
+    noise = -torch.log(uniform(torch.tensor([[(1 << 32) - 1, 0]], dtype=torch.int64)))
+    assert (p / noise).argmax(-1).item() == 1
