@@ -21,6 +21,13 @@ from pdserve.router.app import build_app
 from helpers import Server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, frequency_penalty=0.3, repetition_penalty=1.1,
+                        logprobs=2, max_tokens=24, seed=31, ignore_eos=True)
+
+
+def colocated_tokens(model: str, prompts, params) -> list[list[int]]:
+    with LLM(model, max_model_len=256) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def test_a_worker_whose_engine_thread_died_refuses_calls_and_is_replaced(tiny_models):
@@ -129,6 +136,44 @@ def test_a_request_whose_kv_landed_survives_its_prefill_worker(tiny_models):
         c.shutdown()
 
 
+def slow_start():
+    """A real worker that waits 3 s before it prefills: the window in which a prefill worker
+    can die before the client has seen a token (the dispatcher retries elsewhere)."""
+
+    class SlowStart(WorkerActor):
+        async def prefill(self, *args, **kwargs):
+            await asyncio.sleep(3)
+            return await super().prefill(*args, **kwargs)
+
+    return SlowStart
+
+
+def test_a_seeded_request_retried_after_its_prefill_worker_died_samples_the_same(tiny_models):
+    """The prefill worker holding a seeded, sampled request dies before its first token; the
+    dispatcher retries it on the other prefill worker and the client gets the colocated
+    engine's tokens (the noise is a function of seed and output index, not of a worker)."""
+    model = tiny_models["llama"]
+    prompt = list(range(100, 150))
+    want = colocated_tokens(model, [prompt], SEEDED)[0]
+    c = Cluster.start(model, prefill=2, decode=1, max_model_len=256, worker_cls=slow_start())
+    try:
+        got = []
+        t = threading.Thread(target=lambda: got.extend(c.generate([prompt], SEEDED, timeout=120)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while not (busy := [w["worker_id"] for w in c.status() if w["role"] == "prefill" and w["load"]]):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        ray.kill(ray.get_actor(busy[0], namespace="pdserve"))
+        t.join(150)
+        out, = got
+        assert out.outputs[0].finish_reason == "length", out.outputs[0].stop_reason
+        assert out.prefill_worker != busy[0] and out.prefill_worker.startswith("prefill")
+        assert out.outputs[0].token_ids == want
+    finally:
+        c.shutdown()
+
+
 def _kill_prefill_pool(c: Cluster) -> None:
     for w in c.status():
         if w["role"] == "prefill":
@@ -158,8 +203,9 @@ def test_an_empty_prefill_pool_is_a_503_with_retry_after_and_hybrid_prefills_on_
     c = Cluster.start(model, prefill=1, decode=1, max_model_len=256, mode="hybrid")
     try:
         _kill_prefill_pool(c)
-        out = c.generate([list(range(100, 180))], GREEDY)[0]
+        out = c.generate([list(range(100, 180))], SEEDED)[0]  # prefilled on its decode worker, seeded
         assert out.outputs[0].finish_reason == "length" and out.prefill_worker == out.decode_worker
+        assert out.outputs[0].token_ids == colocated_tokens(model, [list(range(100, 180))], SEEDED)[0]
         assert c.counters["routing"].get("no_prefill_worker", 0) >= 1
     finally:
         c.shutdown()

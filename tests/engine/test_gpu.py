@@ -181,3 +181,47 @@ def test_chunks_over_cached_context_through_the_paged_prefill_kernel_equal_the_r
         gc.collect()
         torch.cuda.empty_cache()
     assert outs["paged"] == outs["reference"]
+
+
+def test_seeded_sampling_is_the_same_across_the_handoff_on_cuda(tiny_models):
+    """On CUDA too a seeded, sampled request gives the colocated engine's tokens when one
+    engine prefills it and another decodes it (loopback KV copy): the noise's bits are the
+    CPU's (sampling_noise.py), and each request runs alone so both sides see equal logits."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.decode.role import DecodeRole
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.role import Emitted, Reserved
+    from pdserve.prefill.role import PrefillRole
+    from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
+
+    path = tiny_models["llama"]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=24, seed=7, ignore_eos=True)
+    prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]
+    kw = dict(model=path, dtype="bfloat16", gpu_memory_utilization=0.15)
+    llm = LLM(path, dtype="bfloat16", gpu_memory_utilization=0.15)
+    want = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]  # one at a time
+    del llm
+    hub = LoopbackHub()
+    pe, de = LLMEngine(EngineConfig(**kw)), LLMEngine(EngineConfig(**kw))
+    pw = PrefillRole(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub))
+    dw = DecodeRole(de, LoopbackConnector("decode-0", de.runner.kv, hub))
+    got = []
+    for i, ids in enumerate(prompts):
+        pw.add(f"r{i}", ids, sp, "decode-0")
+        dw.add(f"r{i}", ids, sp, "prefill-0")
+        final = None
+        while pw.num_inflight or dw.num_inflight:
+            for ev in pw.step() + dw.step():
+                if isinstance(ev, Reserved):
+                    pw.target(ev.request_id, ev.target)
+                elif isinstance(ev, Emitted) and ev.output.finished:
+                    final = ev.output
+        got.append(final.outputs[0].token_ids)
+    assert got == want
+    assert len({tuple(t) for t in want}) == 4
+    for e in (pe, de):
+        e.kv.check_all_free()
+    del pw, dw, pe, de
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -3,6 +3,8 @@ in one process: the disaggregated path gives the colocated engine's greedy token
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -16,6 +18,7 @@ from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 from helpers import PROMPTS
 
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +32,16 @@ def pair():
 
 def run_disagg(pw: PrefillRole, dw: DecodeRole, prompts, params):
     """Drives both roles as their actors would: every request goes to both at once; the
-    decode role's Reserved events become the prefill role's targets."""
+    decode role's Reserved events become the prefill role's targets. params: one for all, or
+    one per prompt."""
     finals, sent, skips = {}, {}, {}
-    for i, p in enumerate(prompts):
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, each)):
         ids = pw.engine.tokenize(p)
-        to_decode = params.max_tokens != 1
-        pw.add(f"r{i}", ids, params, "decode-0" if to_decode else None)
+        to_decode = sp.max_tokens != 1
+        pw.add(f"r{i}", ids, sp, "decode-0" if to_decode else None)
         if to_decode:
-            dw.add(f"r{i}", ids, params, "prefill-0")
+            dw.add(f"r{i}", ids, sp, "prefill-0")
     while pw.num_inflight or dw.num_inflight:
         for ev in pw.step() + dw.step():
             if isinstance(ev, Reserved):
@@ -76,6 +81,42 @@ def test_seeded_sampling_is_the_same_across_the_handoff_and_preemption(pair):
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
     assert len({tuple(r.outputs[0].token_ids) for r in ref}) == 8  # sampled, not one greedy answer
     assert dw.engine.stats()["num_preemptions"] > before
+    for w in pair:
+        w.engine.kv.check_all_free()
+
+
+def random_request(rng: random.Random) -> tuple[str, SamplingParams]:
+    """A prompt of random words and a random sampled parameter set (some greedy)."""
+    words = ("sea", "wind", "blue", "count", "1,", "2,", "the", "fox", "story", "def", "x", "=", "Once")
+    prompt = " ".join(rng.choice(words) for _ in range(rng.randrange(3, 40)))
+    sp = SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0, 1.5]), top_p=rng.choice([1.0, 0.9, 0.6]),
+                        top_k=rng.choice([0, 1, 8, 100]), min_p=rng.choice([0.0, 0.05]),
+                        presence_penalty=rng.choice([0.0, 0.8]), frequency_penalty=rng.choice([0.0, -0.5, 1.0]),
+                        repetition_penalty=rng.choice([1.0, 1.3]), logprobs=rng.choice([None, 0, 3]),
+                        n=rng.choice([1, 1, 2]), seed=rng.randrange(-2 ** 40, 2 ** 40),
+                        max_tokens=rng.randrange(2, 20), ignore_eos=rng.random() < 0.7)
+    return prompt, sp
+
+
+def test_random_seeded_requests_give_the_same_tokens_everywhere(pair):
+    """A property over 16 random parameter sets and prompts: each seeded request's tokens and
+    log-prob candidates are the same in one colocated batch, disaggregated one by one through
+    a preempting decode pool, and with ngram speculation on."""
+    rng = random.Random(31)
+    cases = [random_request(rng) for _ in range(16)]
+    prompts, params = [p for p, _ in cases], [sp for _, sp in cases]
+
+    def flat(outs):
+        return [(c.token_ids, [sorted(d) for d in c.logprobs or []]) for o in outs for c in o.outputs]
+
+    ref = flat(LLM(max_model_len=512).generate(prompts, params))
+    with LLM(max_model_len=512, speculative_config=NGRAM) as llm:
+        assert flat(llm.generate(prompts, params)) == ref
+    pw, dw = pair
+    copies = [(p, c) for p, sp in cases for c in sp.samples()]
+    outs, _ = run_disagg(pw, dw, [p for p, _ in copies], [c for _, c in copies])
+    assert flat(outs) == ref
+    assert len({tuple(t) for t, _ in ref}) > 12  # sampled: not one answer
     for w in pair:
         w.engine.kv.check_all_free()
 
