@@ -42,9 +42,11 @@ RATES = {"long": "4,6,8,10,12", "trace": "4,6,8,11,15", "trace-bursts": "4,8"}
 
 
 def build_model(out_dir: str, tokenizer_dir: str) -> str:
+    # Llama-3-8B's shapes; 16K positions so the 8K-prompt benches have room to decode (the engine
+    # refuses a max_model_len past max_position_embeddings)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 8192,
+           "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 16384,
            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 49152, "tie_word_embeddings": False,
            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "initializer_range": 0.02}
     os.makedirs(out_dir, exist_ok=True)

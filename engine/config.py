@@ -18,6 +18,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: serve past the model's max_position_embeddings anyway
+ALLOW_LONG = "PDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM"}
 
@@ -255,6 +258,10 @@ class EngineConfig:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len > mc.max_position_embeddings and os.environ.get(ALLOW_LONG) != "1":
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({mc.max_position_embeddings}): positions past it were never trained and the output "
+                             f"degrades; set {ALLOW_LONG}=1 to allow it anyway")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = (2048 if self.enable_chunked_prefill
                                            else max(self.max_model_len, 2048))

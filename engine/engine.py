@@ -232,6 +232,7 @@ class LLMEngine:
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
+            req.prompt_logprobs += self.runner.sampler.prompt_logprobs.get(req.request_id, ())
             got = tokens.get(req.request_id)
             if got is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -308,8 +309,10 @@ class LLMEngine:
         metrics = RequestMetrics(req.arrival_time, req.first_token_time,
                                  req.finished_time, req.num_cached_tokens,
                                  req.num_preemptions)
+        first = len(ids) == req.num_output_tokens  # the output that brings the first token(s)
+        prompt_lps = list(req.prompt_logprobs) if req.prompt_logprobs and (first or not self.stream_deltas) else None
         return RequestOutput(req.request_id, req.prompt, prompt_ids, [comp], fin,
-                             req.num_cached_tokens, metrics, delta, delta_ids)
+                             req.num_cached_tokens, metrics, delta, delta_ids, prompt_logprobs=prompt_lps)
 
     # ---- counters for metrics ----------------------------------------------------------------
     def stats(self) -> dict:

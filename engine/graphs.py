@@ -65,7 +65,7 @@ class StepGraphs:
         """'decode' (every scheduled request is decode rows, within the largest decode graph),
         'pieces' (within the largest token bucket) or 'eager'."""
         rows = sum(s.num_new_tokens for s in batch)
-        if all(s.decode_rows for s in batch) and rows <= self.decode_sizes[-1]:
+        if all(s.decode_rows and not s.prompt_positions for s in batch) and rows <= self.decode_sizes[-1]:
             return "decode"
         return "pieces" if rows <= self.max_piece_tokens else "eager"
 

@@ -61,9 +61,10 @@ class KVCacheManager:
         """Cached blocks for the longest prefix of `request`, and the tokens they cover.
 
         At least one token is always left to compute (its logits are needed), so a fully
-        cached, block-aligned prompt gives back its last block.
+        cached, block-aligned prompt gives back its last block; a request scoring its prompt
+        (prompt_logprobs) takes no hit.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.scoring_prompt:  # every prompt position's logits are needed
             return [], 0
         hits: list[Block] = []
         max_blocks = (request.num_tokens - 1) // self.block_size

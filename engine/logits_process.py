@@ -1,5 +1,6 @@
 """What a request does to its logits before sampling (vLLM's order and meaning):
 
+    allowed_token_ids   -inf for every other token (vLLM's)
     logit_bias          added to the named tokens' logits (OpenAI: -100..100; -100 bans, 100
                         all but forces)
     banned              -inf for the tokens the request may not sample yet (min_tokens:
@@ -24,8 +25,7 @@ from .request import Request
 
 
 def adjusts(req: Request) -> bool:
-    p = req.sampling_params
-    return bool(p.logit_bias) or p.penalized or bool(req.banned_token_ids())
+    return req.sampling_params.adjusts_logits or bool(req.banned_token_ids())
 
 
 def one_token_steps(req: Request) -> bool:
@@ -42,6 +42,11 @@ def process(logits: torch.Tensor, reqs: list[Request]) -> None:
     if not rows:
         return
     dev, vocab = logits.device, logits.shape[1]
+    for i in rows:
+        allowed = reqs[i].sampling_params.allowed_token_ids
+        if allowed is not None:
+            keep = torch.tensor([t for t in allowed if t < vocab], dtype=torch.int64, device=dev)
+            logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(0, keep, logits[i, keep])
     _add(logits, [(i, t, b) for i in rows for t, b in (reqs[i].sampling_params.logit_bias or {}).items()
                   if t < vocab], dev)
     _add(logits, [(i, t, float("-inf")) for i in rows for t in reqs[i].banned_token_ids()], dev, assign=True)

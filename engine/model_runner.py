@@ -8,6 +8,7 @@ reaches the end of their known tokens produce logits.
 
     execute(step):       order -> host_inputs (StepInputs, with the step's path)
                          -> forward (decode graph | pieces | eager) -> sample / verify
+                         (and score the prompt tokens of requests that ask: prompt_logprobs)
 
 Which path a step takes is one decision (graphs.StepGraphs.route): an all-decode step
 (speculative verification rows included) replays a decode graph; any other step up to
@@ -57,6 +58,7 @@ class StepInputs:
     query_lens: list | None = None
     padded: int = 0
     sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
+    prompt_rows: np.ndarray | None = None  # int64 rows whose logits score a prompt token (after sample_rows)
     tier_ops: TierOps | None = None  # host-tier copies to apply first (offload.py)
 
 
@@ -145,7 +147,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        seq_lens, query_lens, sample_rows = [], [], []
+        seq_lens, query_lens, sample_rows, prompt_rows = [], [], [], []
         tables = np.zeros((len(batch), max(len(s.block_ids) for s in batch)), dtype=np.int32)
         for i, s in enumerate(batch):
             req, start, k = s.request, s.request.num_computed_tokens, s.num_new_tokens
@@ -156,13 +158,15 @@ class ModelRunner:
             seq_lens.append(start + k)
             query_lens.append(k)
             tables[i, : len(s.block_ids)] = s.block_ids
+            first = len(input_ids) - k
+            prompt_rows += [first + p - start for p in s.prompt_positions]
             if s.samples:  # a step with drafts needs the logits at each of its k + 1 tokens
                 sample_rows += range(len(input_ids) - 1 - len(s.draft_token_ids), len(input_ids))
         i64 = np.int64
         return StepInputs(path, len(batch), tables, ids=np.array(input_ids, i64),
                           positions=np.array(positions, i64), slots=np.array(slots, i64), seq_lens=seq_lens,
                           query_lens=query_lens, padded=self.graphs.padded(path, rows) if path == "pieces" else 0,
-                          sample_rows=np.array(sample_rows, i64))
+                          sample_rows=np.array(sample_rows, i64), prompt_rows=np.array(prompt_rows, i64))
 
     @property
     def num_host_slots(self) -> int:
@@ -185,21 +189,26 @@ class ModelRunner:
             nb = self.device.type == "cuda"
             ids, positions = (torch.from_numpy(a).to(self.device, non_blocking=nb) for a in (inp.ids, inp.positions))
             hidden = self.model(ids, positions, self.kv_views, meta)
-        if not len(inp.sample_rows):
+        rows = inp.sample_rows if inp.prompt_rows is None else np.concatenate([inp.sample_rows, inp.prompt_rows])
+        if not len(rows):
             return None
-        return self.model.compute_logits(hidden[torch.from_numpy(inp.sample_rows).to(self.device)])
+        return self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, int]:
         """Runs the step (after the host tier's copies it carries); returns the sampled token (a
         list: the verified drafts) of each request that samples."""
-        self.sampler.logprobs = {}
+        self.sampler.logprobs, self.sampler.prompt_logprobs = {}, {}
         batch = self.order(step.scheduled)
         inp = self.host_inputs(batch)
         inp.tier_ops = step.tier_ops
         self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
         logits = self.forward(inp)
         samplers = [s for s in batch if s.samples]
+        if inp.prompt_rows is not None and len(inp.prompt_rows):
+            n = len(inp.sample_rows)
+            self.sampler.score_prompts(logits[n:], [s for s in batch if s.prompt_positions])
+            logits = logits[:n] if n else None
         if logits is None:
             return {}
         if any(s.draft_token_ids for s in samplers):

@@ -62,6 +62,9 @@ class Request:
     stop_reason: int | str | None = None
     # per output token, {sampled id: log-prob, then the top N ids: log-probs} (sampling_params.logprobs)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # per prompt token (sampling_params.prompt_logprobs): None for the first, then {its id: log-prob,
+    # the top N ids: log-probs} given the tokens before it; filled as its chunks run
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # draft tokens proposed for this step (speculative decoding, spec_decode.py)
     spec_tokens: list[int] = field(default_factory=list)
     # detokenizer state (owned by the engine's output processor)
@@ -71,6 +74,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether some prompt token's log-prob is still to be computed (prompt_logprobs)."""
+        return 0 < len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

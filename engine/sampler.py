@@ -23,6 +23,7 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self.logprobs: dict[str, dict[int, float]] = {}  # this step's, for requests that ask (runner clears)
+        self.prompt_logprobs: dict[str, list[dict[int, float]]] = {}  # this step's prompt scores (the same)
         self.grammars = None  # structured.Grammars: the engine sets it (rank 0)
 
     def forget(self, request_id: str) -> None:
@@ -55,6 +56,25 @@ class Sampler:
         if constrained:
             self.grammars.accept(reqs, constrained, tokens)
         return tokens
+
+    @torch.no_grad()
+    def score_prompts(self, logits: torch.Tensor, scheduled: list) -> None:
+        """logits at the scheduled chunks' prompt positions (ScheduledRequest.prompt_positions,
+        in order): each position's next prompt token's log-prob and the request's top N, of the
+        model's raw distribution (vLLM's prompt_logprobs), into self.prompt_logprobs."""
+        owners = [(s.request, p) for s in scheduled for p in s.prompt_positions]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor([req.all_token_ids[p + 1] for req, p in owners], device=lp.device)
+        got = lp.gather(1, targets[:, None])[:, 0].tolist()
+        k = max(req.sampling_params.prompt_logprobs for req, _ in owners)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, (req, p) in enumerate(owners):
+            n = req.sampling_params.prompt_logprobs
+            entry = {req.all_token_ids[p + 1]: got[j]}
+            for t, v in zip(top_i[j][:n], top_v[j][:n]):
+                entry.setdefault(t, v)
+            self.prompt_logprobs.setdefault(req.request_id, []).append(entry)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, reqs: list[Request], rows: list[int], tokens: list[int]) -> dict:

@@ -38,7 +38,10 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100)
     logprobs: int | None = None  # per output token: the sampled token's log-probability and the top N
-    # {"json": schema} | {"json_object": True} | {"regex": r} | {"choice": [...]} (engine/structured.py)
+    prompt_logprobs: int | None = None  # per prompt token after the first: its log-probability and the top N
+    allowed_token_ids: list[int] | None = None  # sample only these (vLLM's)
+    # {"json": schema} | {"json_object": True} | {"regex": r} | {"choice": [...]} | {"grammar": ebnf}
+    # (engine/structured.py)
     structured_outputs: dict | None = None
     stop_strs: list[str] = field(init=False, repr=False)
 
@@ -72,9 +75,16 @@ class SamplingParams:
         if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) \
                 or not 0.01 <= self.repetition_penalty <= 10.0:  # below: logits / p overflow float32
             raise ValueError(f"repetition_penalty must be in [0.01, 10], got {self.repetition_penalty!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or \
+                    any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got {ids!r}")
+            self.allowed_token_ids = sorted(set(ids))
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:
@@ -99,10 +109,17 @@ class SamplingParams:
 
     def samples(self) -> list[SamplingParams]:
         """The n sequences as n single ones (the engine runs one sequence per request); a
-        seeded request's copies take seeds seed, seed + 1, ... so they differ and repeat."""
+        seeded request's copies take seeds seed, seed + 1, ... so they differ and repeat. The
+        prompt's log-probs are the first copy's (the others hit its blocks in the prefix cache)."""
         if self.n == 1:
             return [self]
-        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i,
+                        prompt_logprobs=self.prompt_logprobs if i == 0 else None) for i in range(self.n)]
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the request changes its logits before sampling (logits_process.py)."""
+        return bool(self.logit_bias) or self.penalized or self.allowed_token_ids is not None
 
     @property
     def penalized(self) -> bool:

@@ -39,6 +39,17 @@ class ScheduledRequest:
         return self.request.num_computed_tokens + n == self.request.num_tokens
 
     @property
+    def prompt_positions(self) -> range:
+        """The positions of this chunk whose logits score the next prompt token (position p
+        gives prompt token p + 1's log-prob; prompt_logprobs), those not scored before."""
+        req = self.request
+        if not req.scoring_prompt:
+            return range(0)
+        start = req.num_computed_tokens
+        end = min(start + self.num_new_tokens - len(self.draft_token_ids), req.num_prompt_tokens - 1)
+        return range(max(start, len(req.prompt_logprobs) - 1), end)
+
+    @property
     def decode_rows(self) -> bool:
         """One known token plus any drafts: each a row of the paged-decode kernel (the
         decode graphs' layout, graphs.decode_inputs)."""

@@ -1,7 +1,8 @@
 """Structured output: a grammar constrains every sampled token (vLLM's `structured_outputs`).
 
     spec     SamplingParams.structured_outputs, one of {"json": schema (dict or JSON text)},
-             {"json_object": True} (any JSON object), {"regex": pattern}, {"choice": [strings]}
+             {"json_object": True} (any JSON object), {"regex": pattern}, {"choice": [strings]},
+             {"grammar": EBNF text} (GBNF, rooted at `root`)
     compile  per spec by xgrammar's compiler over this model's vocabulary (cached by spec); a
              spec that does not compile is a ValueError naming structured_outputs
     mask     before sampling, each constrained row's next-token bitmask sets the tokens the
@@ -40,7 +41,7 @@ import torch
 if TYPE_CHECKING:
     from .request import Request
 
-KEYS = ("json", "json_object", "regex", "choice")
+KEYS = ("json", "json_object", "regex", "choice", "grammar")
 JSON_OBJECT = '{"type": "object"}'
 REGEX_SPECIAL = frozenset("\\.^$*+?()[]{}|")
 
@@ -86,6 +87,7 @@ def check_spec(spec) -> dict | None:
         raise ValueError(f"structured_outputs must be one of {{{', '.join(KEYS)}: ...}}, got {spec!r}")
     (key, value), = spec.items()
     ok = {"json": isinstance(value, (dict, str)), "json_object": value is True, "regex": isinstance(value, str),
+          "grammar": isinstance(value, str) and bool(value.strip()),
           "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}[key]
     if not ok:
         raise ValueError(f"structured_outputs {key!r} has a value of the wrong kind: {value!r}")
@@ -132,6 +134,8 @@ class Grammars:
                 return c.compile_json_schema(JSON_OBJECT, strict_mode=False)
             if key == "regex":
                 return c.compile_regex(value)
+            if key == "grammar":  # EBNF (GBNF), rooted at `root`
+                return c.compile_grammar(value)
             return c.compile_regex("(" + "|".join(regex_literal(v) for v in value) + ")")
         except Exception as e:  # noqa: BLE001 - the library's own errors name the problem
             why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e))  # the library's time and source line

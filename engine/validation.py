@@ -25,7 +25,8 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
-    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
         far = sorted(t for t in ids if not 0 <= t < vocab_size)
         if far:
             raise InvalidRequest(f"{name} token ids out of range [0, {vocab_size}): {far[:5]}", name)

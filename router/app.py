@@ -32,7 +32,7 @@ from .errors import GuardMiddleware, HTTPError, error_response
 from .metrics import RouterMetrics
 from .openapi import install as install_openapi
 from .render import Renderer, headers_of, sse, usage
-from .runner import RequestRunner, decode_json
+from .runner import RequestRunner, decode_json, first_copies, sequences
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 
 
@@ -82,8 +82,9 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
     async def completions(request: Request):
         req = await runner.parse(request, CompletionRequest)
         check_model(req)
-        text, ids = completion_prompt(req)
-        return await serve(request, req, text, ids, await runner.params(req, ids, 16), chat=False)
+        prompts = completion_prompts(req)
+        return await serve(request, req, prompts, [await runner.params(req, ids, 16) for _, ids in prompts],
+                           chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -92,48 +93,60 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         ids = chat_ids(cluster, req.messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None,
-                       refuse=runner.chat_specials)
-        return await serve(request, req, None, ids, await runner.params(req, ids, None), chat=True)
+                       refuse=runner.chat_specials, **req.template_kwargs())
+        return await serve(request, req, [(None, ids)], [await runner.params(req, ids, None)], chat=True)
 
     def check_model(req) -> None:
         check_model_name(req, cluster, model_name)
 
-    def completion_prompt(req) -> tuple[str | None, list[int]]:
+    def completion_prompts(req) -> list[tuple[str | None, list[int]]]:
+        """OpenAI's prompt: a string, a token list, or a batch of either (one choice per prompt
+        and copy)."""
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise HTTPError(400, f"batched prompts ({len(prompt)}) are not supported: send one per request",
-                                param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt, (cluster.tokenizer.encode(prompt) if prompt else [])
-        return None, list(prompt)
+        batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+        return [(p, cluster.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in batch]
 
-    async def serve(request: Request, req, text, ids, params, chat: bool):
-        """Both endpoints: run the request, render it as the endpoint's OpenAI shape."""
-        copies = params.samples()  # n > 1: n sequences (runner.merged)
-        runner.admit(len(copies))
+    async def serve(request: Request, req, prompts: list[tuple[str | None, list[int]]], params: list, chat: bool):
+        """Both endpoints: run the request's sequences (its prompts x n), render them as the
+        endpoint's OpenAI shape: choice index = prompt i x n + copy j, usage summed."""
+        seqs = sequences(prompts, params)
+        runner.admit(len(seqs))
         prefix = "chatcmpl" if chat else "cmpl"
-        echo = "" if chat or not req.echo else (text if text is not None else cluster.tokenizer.decode(ids))
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_calls() if chat else None  # params() has refused a bad tool_choice
-        renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, params.logprobs or 0, echo, i, tools)
-                   for i in range(len(copies))]
+        n_prompt = sum(len(ids) for _, ids in prompts)
+        renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, s.params.logprobs or 0,
+                            echo_text(req, chat, s), i, tools, s.ids, req.prompt_logprobs is not None,
+                            req.num_prompt_logprobs() or 0, req.return_token_ids) for i, s in enumerate(seqs)]
         if not req.stream:
-            outs = await runner.run_to_end(text, ids, copies, request)
+            outs = await runner.run_to_end(seqs, request)
             for out in outs:
                 check_final(out)
+            share_prompt_logprobs(seqs, outs)
+            cached = sum(outs[i].num_cached_tokens for i in first_copies(seqs))
+            extra = renders[0].extras(outs[0]) if chat else None  # chat: at the top level
             return JSONResponse(renders[0].body([r.final(o) for r, o in zip(renders, outs)],
-                                                usage(len(ids), sum(len(o.outputs[0].token_ids) for o in outs))),
+                                                usage(n_prompt, sum(len(o.outputs[0].token_ids) for o in outs),
+                                                      cached), extra),
                                 headers=headers_of(outs[0]))
-        gen = runner.merged(text, ids, copies)
+        gen = runner.merged(seqs)
         first = await runner.first_output(gen)
         if failure(first[1]) is not None:  # before any byte: a plain HTTP error, not a 200 stream
             await gen.aclose()
             check_final(first[1])
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream_body(gen, first, renders, len(ids), include_usage),
+        opts = req.stream_options
+        return StreamingResponse(stream_body(gen, first, renders, seqs, n_prompt, bool(opts and opts.include_usage),
+                                             bool(opts and opts.continuous_usage_stats)),
                                  media_type="text/event-stream", headers=headers_of(first[1]))
+
+    def echo_text(req, chat: bool, s) -> str:
+        """echo: completions put the prompt's text before the completion's; chat the last
+        message's when it is the assistant's (vLLM's)."""
+        if not req.echo:
+            return ""
+        if chat:
+            return req.messages[-1].text() if req.messages[-1].role == "assistant" else ""
+        return s.text if s.text is not None else cluster.tokenizer.decode(s.ids)
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": cluster.max_model_len}
@@ -160,7 +173,7 @@ def special_tokens(tokenizer) -> tuple[str, ...]:
 
 
 def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None, refuse: tuple[str, ...] = ()) -> list[int]:
+             tools: list[dict] | None = None, refuse: tuple[str, ...] = (), **template_kwargs) -> list[int]:
     for i, m in enumerate(messages):
         text = m.text()
         bad = next((t for t in refuse if t in text), None)
@@ -171,7 +184,8 @@ def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = Tr
     conv = [m.for_template() for m in messages]
     try:
         return list(cluster.tokenizer.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=False,
-                                                          add_generation_prompt=add_generation_prompt))
+                                                          add_generation_prompt=add_generation_prompt,
+                                                          **template_kwargs))
     except Exception as e:  # noqa: BLE001 - the template rejects the conversation
         raise HTTPError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -231,15 +245,24 @@ def check_final(out) -> None:
     if err is not None:
         raise err
 
-async def stream_body(gen, first, renders: list[Renderer], n_prompt: int, include_usage: bool):
+def share_prompt_logprobs(seqs, outs) -> None:
+    """A prompt's log-probs come with its first copy (SamplingParams.samples()); its other
+    copies' choices show the same."""
+    scored = {s.prompt: o.prompt_logprobs for s, o in zip(seqs, outs) if o.prompt_logprobs}
+    for s, o in zip(seqs, outs):
+        o.prompt_logprobs = o.prompt_logprobs or scored.get(s.prompt)
+
+
+async def stream_body(gen, first, renders: list[Renderer], seqs, n_prompt: int, include_usage: bool,
+                      continuous: bool):
     """The SSE events of a streamed request's sequences (runner.merged: (index, delta output)),
-    from the first (already awaited) one."""
+    from the first (already awaited) one. A sequence's opening chunk (chat's role, an echoed
+    prompt, vLLM's extras) goes out with its first output; the prompt's log-probs come with its
+    first copy's, which starts before the others (runner.merged). continuous: every chunk
+    carries the usage so far (vLLM's continuous_usage_stats)."""
     (i, out), n_out, left = first, 0, len(renders)
+    opened, scored = set(), {}
     try:
-        for r in renders:
-            opening = r.opening()
-            if opening is not None:
-                yield r.chunk([opening])
         while True:
             err = failure(out)
             if err is not None:
@@ -247,8 +270,18 @@ async def stream_body(gen, first, renders: list[Renderer], n_prompt: int, includ
                     yield sse(error_body(err.message, err.type, err.param, err.status))
                 break
             n_out += len(out.delta_token_ids)
-            for choice in renders[i].choices(out):
-                yield renders[i].chunk([choice])
+            so_far = {"usage": usage(n_prompt, n_out)} if continuous else {}
+            r = renders[i]
+            if i not in opened:
+                opened.add(i)
+                if out.prompt_logprobs:
+                    scored[seqs[i].prompt] = out.prompt_logprobs
+                out.prompt_logprobs = scored.get(seqs[i].prompt)
+                opening = r.opening(out)
+                if opening is not None:
+                    yield r.chunk([opening], **so_far, **(r.extras(out) if r.chat and not opened - {i} else {}))
+            for choice in r.choices(out):
+                yield r.chunk([choice], **so_far)
             left -= out.finished
             if not left:
                 if include_usage:

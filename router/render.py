@@ -19,8 +19,9 @@ from pdserve.engine.outputs import RequestOutput
 from .tools import ToolCalls
 
 
-def usage(n_prompt: int, n_out: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+def usage(n_prompt: int, n_out: int, n_cached: int = 0) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": n_cached}}
 
 
 def sse(obj) -> str:
@@ -43,6 +44,10 @@ class Renderer:
     echo: str = ""  # completions' echo: the prompt's text, before the completion's
     index: int = 0  # the choice (n > 1: one renderer per sequence)
     tools: ToolCalls | None = None  # chat with tool_choice required / named: the reply is calls (tools.py)
+    prompt_ids: list[int] | None = None  # the sequence's prompt (echoed log-probs, return_token_ids)
+    vllm_prompt_logprobs: bool = False  # the request asked for vLLM's prompt_logprobs field
+    prompt_top_n: int = 0  # the top log-probs per prompt token
+    token_ids: bool = False  # vLLM's return_token_ids
 
     def logprobs(self, entries: list[dict[int, float]] | None, token_ids: list[int], offset: int = 0):
         """OpenAI's log-probs object for these tokens (None when the request asked for none).
@@ -64,7 +69,48 @@ class Renderer:
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{text([u]): w for u, w in top} for top in tops], "text_offset": offsets}
+                "top_logprobs": [{s: e[t], **{text([u]): w for u, w in top}}  # the sampled token too (vLLM)
+                                 for s, t, e, top in zip(tokens, token_ids, entries, tops)], "text_offset": offsets}
+
+    def prompt_logprobs(self, entries: list[dict[int, float] | None]) -> dict:
+        """Completions' echo with logprobs: the prompt's part of the log-probs object (its first
+        token has none, as OpenAI's legacy API gives it)."""
+        text = self.tokenizer.decode
+        tokens = [text([t]) for t in self.prompt_ids]
+        offsets, at = [], 0
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": tokens, "token_logprobs": [e and e[t] for t, e in zip(self.prompt_ids, entries)],
+                "top_logprobs": [e and {text([u]): w for u, w in sorted(e.items(), key=lambda kv: -kv[1])}
+                                 for e in entries], "text_offset": offsets}
+
+    def vllm_logprobs(self, entries: list[dict[int, float] | None] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, rank,
+        decoded_token}} for the token and the top N (`prompt_top_n`); rank is the place among
+        the top N, None for the prompt's token when it is not one of them."""
+        if entries is None:
+            return None
+        out = []
+        for t, e in zip(self.prompt_ids, entries):
+            if e is None:
+                out.append(None)
+                continue
+            top = sorted((u for u in e if u != t or len(e) <= self.prompt_top_n), key=lambda u: -e[u])
+            ranks = {u: r for r, u in enumerate(top, 1)}
+            out.append({str(u): {"logprob": v, "rank": ranks.get(u), "decoded_token": self.tokenizer.decode([u])}
+                        for u, v in e.items()})
+        return out
+
+    def extras(self, out: RequestOutput) -> dict:
+        """vLLM's extra fields asked for: prompt_logprobs, prompt_token_ids (a completion's
+        choice carries them; chat puts them at the top level, chat_extras())."""
+        extra = {}
+        if self.vllm_prompt_logprobs:
+            extra["prompt_logprobs"] = self.vllm_logprobs(out.prompt_logprobs)
+        if self.token_ids:
+            extra["prompt_token_ids"] = list(self.prompt_ids or [])
+        return extra
 
     @property
     def object(self) -> str:
@@ -73,31 +119,47 @@ class Renderer:
     def final(self, out: RequestOutput) -> dict:
         """The non-streaming choice of a finished (cumulative) output."""
         c = out.outputs[0]
-        choice = {"index": self.index, "logprobs": self.logprobs(c.logprobs, c.token_ids, len(self.echo)),
+        choice = {"index": self.index, "logprobs": self.with_echo(out, self.logprobs(c.logprobs, c.token_ids,
+                                                                                      len(self.echo))),
                   "finish_reason": c.finish_reason}
         if self.chat:
             calls = self.tools.calls(c.text, c.finish_reason) if self.tools is not None else None
-            choice["message"] = {"role": "assistant", "content": c.text if calls is None else None}
+            choice["message"] = {"role": "assistant", "content": self.echo + c.text if calls is None else None}
             if calls is not None:
                 choice["message"]["tool_calls"], choice["finish_reason"] = calls, "tool_calls"
         else:
             choice["text"] = self.echo + c.text
+            choice.update(self.extras(out))
+        if self.token_ids:
+            choice["token_ids"] = list(c.token_ids)
         return choice
 
-    def body(self, choices: list[dict], usage_: dict) -> dict:
+    def with_echo(self, out: RequestOutput, lp: dict | None) -> dict | None:
+        """Completions' echo with logprobs: the prompt's log-probs before the completion's."""
+        if self.chat or not self.echo or lp is None or not out.prompt_logprobs:
+            return lp
+        head = self.prompt_logprobs(out.prompt_logprobs)
+        return {k: head[k] + lp[k] for k in lp}
+
+    def body(self, choices: list[dict], usage_: dict, extra: dict | None = None) -> dict:
         return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage_}
+                "choices": choices, "usage": usage_, **(extra or {})}
 
     def __post_init__(self) -> None:
         self._offset = len(self.echo)  # streamed text so far (log-probs' text_offset)
         self._held = ""  # tool mode: the reply, held until it is whole
 
-    def opening(self) -> dict | None:
+    def opening(self, first: RequestOutput) -> dict | None:
+        """The first chunk's choice (`first`: the sequence's first output, for the echoed
+        prompt's log-probs and vLLM's extras); None when there is none."""
         if not self.chat:
-            if not self.echo:
+            extra = self.extras(first)
+            if not self.echo and not extra:
                 return None
-            return {"index": self.index, "text": self.echo, "logprobs": None, "finish_reason": None}
-        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            lp = self.prompt_logprobs(first.prompt_logprobs) if self.echo and self.top_n is not None and \
+                first.prompt_logprobs and first.outputs and first.outputs[0].logprobs is not None else None
+            return {"index": self.index, "text": self.echo, "logprobs": lp, "finish_reason": None, **extra}
+        return {"index": self.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                 "finish_reason": None}
 
     def choices(self, out: RequestOutput) -> list[dict]:
@@ -105,14 +167,15 @@ class Renderer:
         reason = c.finish_reason if out.finished else None
         lp = self.logprobs(c.logprobs, out.delta_token_ids, self._offset) if out.delta_token_ids else None
         self._offset += len(out.delta_text)
+        ids = {"token_ids": list(out.delta_token_ids)} if self.token_ids else {}
         if not self.chat:
             if not (out.delta_text or out.finished or lp):
                 return []
-            return [{"index": self.index, "text": out.delta_text, "logprobs": lp, "finish_reason": reason}]
+            return [{"index": self.index, "text": out.delta_text, "logprobs": lp, "finish_reason": reason, **ids}]
         if self.tools is not None:
             return self._tool_choices(out, lp, reason)
-        choices = [{"index": self.index, "delta": {"content": out.delta_text}, "logprobs": lp, "finish_reason": None}
-                   ] if out.delta_text or lp else []
+        choices = [{"index": self.index, "delta": {"content": out.delta_text}, "logprobs": lp, "finish_reason": None,
+                    **ids}] if out.delta_text or lp else []
         if out.finished:
             choices.append({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return choices

@@ -6,7 +6,7 @@
     admit()       a slot of the bounded queue per sequence      -> 429 + Retry-After
     outputs()     the cluster's delta outputs as an async generator; stopping early
                   (a client that went away) cancels the request on every worker
-    merged()      the n sequences of a request (n > 1), tagged with their index
+    merged()      the sequences of a request (its prompts x n), tagged with their index
     run_to_end()  non-streaming: each sequence's final output, accumulated once here
 """
 
@@ -18,12 +18,14 @@ import dataclasses
 import json
 import logging
 import math
+import re
 
 from fastapi import Request
 from pydantic import ValidationError
 
 from pdserve.cluster.api import NoWorker
 from pdserve.engine.outputs import Accumulator, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import BUDGET, Grammars, nesting_depth
 from pdserve.engine.validation import InvalidRequest
 
@@ -31,8 +33,8 @@ from .errors import HTTPError
 from .schemas import screen
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs", "response_format",
-                   "structured_outputs", "tool_choice")
+                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "prompt_logprobs", "logprobs",
+                   "allowed_token_ids", "response_format", "structured_outputs", "tool_choice")
 
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,31 @@ def grammar_param(req) -> str:
     """The request field a grammar came from, for the 400 that refuses it."""
     if getattr(req, "tool_choice", None) not in (None, "none"):
         return "tools"
-    return next((f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(req, f, None) is not None),
-                "response_format")
+    return next((f for f in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(req, f, None) is not None), "response_format")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """One sequence a request asks for: prompt `prompt` of the request's prompts (completions
+    take a batch), one of its n copies (SamplingParams.samples())."""
+    prompt: int
+    text: str | None
+    ids: list[int]
+    params: SamplingParams
+
+
+def sequences(prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[Sequence]:
+    """The request's sequences in OpenAI's choice order: index = prompt i x n + copy j."""
+    return [Sequence(k, text, ids, c) for k, ((text, ids), p) in enumerate(zip(prompts, params)) for c in p.samples()]
+
+
+def first_copies(seqs: list[Sequence]) -> list[int]:
+    """The index of each prompt's first copy."""
+    first: dict[int, int] = {}
+    for i, s in enumerate(seqs):
+        first.setdefault(s.prompt, i)
+    return list(first.values())
 
 
 class _Done:
@@ -82,6 +107,9 @@ class RequestRunner:
         self.compiling = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
 
     async def parse(self, request: Request, model_cls):
+        kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if kind and kind != "application/json" and not kind.endswith("+json"):
+            raise HTTPError(415, f"the body must be JSON (Content-Type: application/json), got {kind!r}")
         body = await request.body()
         if len(body) > self.max_body_bytes:
             raise HTTPError(413, f"request body of {len(body)} bytes exceeds the limit of {self.max_body_bytes}")
@@ -99,7 +127,10 @@ class RequestRunner:
                 raise HTTPError(400, e.args[0], param=e.args[1]) from None
             err = e.errors()[0]
             loc = err.get("loc", ())
-            param = str(loc[0]) if loc else ""  # the body's field (not the union branch pydantic tried)
+            if not loc:  # a check across fields (a model validator): its message names the field first
+                msg = str(err.get("msg", "")).removeprefix("Value error, ")
+                raise HTTPError(400, msg, param=re.match(r"[a-z_]*", msg).group() or None) from None
+            param = str(loc[0])  # the body's field (not the union branch pydantic tried)
             if err.get("type") == "extra_forbidden":
                 raise HTTPError(400, f"unknown parameter {param!r}", param=param) from None
             raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}", param=param or None) from None
@@ -133,28 +164,32 @@ class RequestRunner:
                             "rate_limit_error", headers={"Retry-After": "1"})
         self.inflight += n
 
-    async def merged(self, text, ids, copies: list):
-        """(index, delta output) of a request's n sequences (SamplingParams.samples()) as they
-        come. Copy 0 starts alone; the others once it has its first output, so they find its
-        prompt's blocks in the prefix cache. Gives back the n queue slots admit() took."""
+    async def merged(self, seqs: list[Sequence]):
+        """(index, delta output) of a request's sequences (its prompts x n) as they come. A
+        prompt's first copy starts at once, its other copies once that one has its first
+        output, so they find the prompt's blocks in the prefix cache. Gives back the queue
+        slots admit() took."""
         q: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(i: int) -> None:
+            s = seqs[i]
             try:
-                async for out in self.outputs(text, ids, copies[i]):
+                async for out in self.outputs(s.text, s.ids, s.params):
                     q.put_nowait((i, out))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 q.put_nowait((i, e))
             q.put_nowait((i, done))
 
-        tasks = [asyncio.ensure_future(pump(0))]
-        left = len(copies)
+        firsts = first_copies(seqs)
+        followers = {i: [j for j, s in enumerate(seqs) if s.prompt == seqs[i].prompt and j != i] for i in firsts}
+        tasks = [asyncio.ensure_future(pump(i)) for i in firsts]
+        left = len(seqs)
         try:
             while left:
                 i, item = await q.get()
-                if len(tasks) == 1 < len(copies) and not isinstance(item, Exception):  # copy 0's first
-                    tasks += [asyncio.ensure_future(pump(j)) for j in range(1, len(copies))]  # output, or its end
+                if not isinstance(item, Exception):  # a first copy's first output, or its end
+                    tasks += [asyncio.ensure_future(pump(j)) for j in followers.pop(i, ())]
                 if item is done:
                     left -= 1
                     continue
@@ -164,7 +199,7 @@ class RequestRunner:
         finally:
             for t in tasks:
                 t.cancel()  # a sequence still running is cancelled on every worker (outputs())
-            self.inflight -= len(copies)
+            self.inflight -= len(seqs)
 
     async def outputs(self, text, ids, params):
         """Yields the request's delta outputs as the cluster produces them; cancels the
@@ -195,13 +230,13 @@ class RequestRunner:
             if not finished:
                 fut.cancel()  # aborts on every worker, frees the blocks
 
-    async def run_to_end(self, text, ids, copies: list, request: Request) -> list[RequestOutput]:
+    async def run_to_end(self, seqs: list[Sequence], request: Request) -> list[RequestOutput]:
         """Non-streaming: each sequence's final (cumulative) output; cancels if the client
         disconnects first."""
-        accs, final = [Accumulator(text, ids) for _ in copies], {}
+        accs, final = [Accumulator(s.text, s.ids) for s in seqs], {}
 
         async def consume():
-            async for i, out in self.merged(text, ids, copies):
+            async for i, out in self.merged(seqs):
                 out = accs[i].add(out)
                 if out.finished:
                     final[i] = out
@@ -217,9 +252,9 @@ class RequestRunner:
                     pass
                 raise HTTPError(499, "client closed the request")
         task.result()
-        if len(final) != len(copies):
+        if len(final) != len(seqs):
             raise HTTPError(500, "request ended without output", "server_error")
-        return [final[i] for i in range(len(copies))]
+        return [final[i] for i in range(len(seqs))]
 
     @staticmethod
     async def first_output(gen) -> tuple[int, RequestOutput]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 
@@ -15,12 +15,12 @@ from .tools import Tool, ToolCalls, ToolChoice
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
 # OpenAI parameters pdserve does not implement yet: refused (400 naming the parameter) unless
 # the value is one that asks for nothing (the default)
-NOT_YET = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
-           "guided_grammar": (None,)}
+NOT_YET = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 # optional hints the OpenAI API defines that change nothing a server computes: accepted, unused
 HINTS = ("user", "metadata", "store", "service_tier")
 
@@ -53,6 +53,27 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` request field: one of json / regex / choice / grammar /
+    json_object."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    regex: NonEmpty | None = None
+    choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    grammar: NonEmpty | None = None
+    json_object: bool | None = None
+
+    def spec(self) -> dict:
+        given = {k: v for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                   ("grammar", self.grammar)) if v is not None}
+        if self.json_object:
+            given["json_object"] = True
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {sorted(given) or 'none'}")
+        return given
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -74,16 +95,31 @@ class _Sampling(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
     response_format: ResponseFormat | None = None
-    guided_json: dict | str | None = None  # vLLM's extras, the same as response_format's
+    structured_outputs: StructuredOutputs | None = None  # vLLM's, the same as response_format's
+    guided_json: dict | str | None = None  # vLLM's older names of the same
     guided_regex: str | None = None
     guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    guided_grammar: NonEmpty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extras
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt's, in the response
+    return_token_ids: bool = False  # the prompt's and each choice's token ids, in the response
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def structured(self) -> dict | None:
-        """structured_outputs (engine/structured.py) from response_format or vLLM's guided_*."""
+        """structured_outputs (engine/structured.py) from response_format, vLLM's
+        structured_outputs or its older guided_*."""
         given = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
-                                   ("choice", self.guided_choice)) if v is not None}
+                                   ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        if self.structured_outputs is not None:
+            given.update(self.structured_outputs.spec())
         rf = self.response_format
         if rf is not None and rf.type != "text":
             given["response_format"] = True
@@ -100,6 +136,9 @@ class _Sampling(BaseModel):
     def num_logprobs(self) -> int | None:
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -109,6 +148,7 @@ class _Sampling(BaseModel):
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, logit_bias=self.logit_bias, logprobs=self.num_logprobs(),
+                              prompt_logprobs=self.num_prompt_logprobs(), allowed_token_ids=self.allowed_token_ids,
                               structured_outputs=self.structured())
 
 
@@ -119,12 +159,18 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
     def num_logprobs(self) -> int | None:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("logprobs with echo (the prompt's log-probs) is not supported")
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the echoed prompt too (the legacy API's way to score text)."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked) if asked else None
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# apply_chat_template's arguments that the request sets itself
+TEMPLATE_ARGS = frozenset({"conversation", "tools", "tokenize", "return_dict", "add_generation_prompt",
+                           "continue_final_message", "documents", "return_tensors", "padding", "truncation"})
 
 
 class ChatMessage(BaseModel):
@@ -156,6 +202,26 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's chat extras
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply goes on from the last (assistant) message
+    echo: bool = False  # the reply begins with the last message's text when it is the assistant's
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: set add_generation_prompt to false with it")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        reserved = set(self.chat_template_kwargs or {}) & TEMPLATE_ARGS
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)} (the request's own fields)")
+        return self
+
+    def template_kwargs(self) -> dict:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
 
     def tool_calls(self) -> ToolCalls | None:
         """The request's tool mode (tools.py); raises ValueError naming tool_choice."""

@@ -84,13 +84,20 @@ class ToolCalls:
         return None if choice == "none" else cls(tools, choice, parallel)
 
     def spec(self) -> dict:
-        """structured_outputs for the reply."""
+        """structured_outputs for the reply. A tool's schema nests under the array's
+        `anyOf`, so its root-relative references (`#/$defs/X`, what pydantic's
+        model_json_schema() emits for nested models, and `#` itself) are moved to the root's
+        `$defs` under the tool's name (nested_schema())."""
         if self.named is not None:
             return {"json": self.schemas[self.named]}
-        one = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                          "required": ["name", "arguments"], "additionalProperties": False}
-                         for name, schema in self.schemas.items()]}
-        return {"json": {"type": "array", "items": one, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}}
+        defs, one = {}, []
+        for name, schema in self.schemas.items():
+            body, own = nested_schema(schema, f"{name}.")
+            defs.update(own)
+            one.append({"type": "object", "properties": {"name": {"const": name}, "arguments": body},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+        return {"json": {"type": "array", "items": {"anyOf": one}, "minItems": 1,
+                         **({} if self.parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}}
 
     def calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
         """OpenAI's tool_calls of a finished reply; None when it is not a whole call (length)."""
@@ -103,3 +110,37 @@ class ToolCalls:
             return None
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]
+
+
+DEF_KEYS = ("$defs", "definitions")
+
+
+def nested_schema(schema: dict, prefix: str) -> tuple[dict, dict]:
+    """A schema to be placed below another's root: (its body, the definitions to add to the
+    new root's $defs). Its own `$defs` / `definitions` move out under `prefix` + name, and
+    every `$ref` to them (or to `#`, its root, kept as prefix + "root") is rewritten."""
+    renamed = {f"#/{k}/{name}": f"#/$defs/{prefix}{name}" for k in DEF_KEYS for name in schema.get(k, {}) or {}}
+    refers_to_root = False
+
+    def walk(node):
+        nonlocal refers_to_root
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str):
+                if v == "#":
+                    refers_to_root, v = True, f"#/$defs/{prefix}root"
+                else:
+                    head = next((r for r in renamed if v == r or v.startswith(r + "/")), None)
+                    v = renamed[head] + v[len(head):] if head else v
+            out[k] = walk(v)
+        return out
+
+    body = walk({k: v for k, v in schema.items() if k not in DEF_KEYS})
+    defs = {f"{prefix}{name}": walk(d) for k in DEF_KEYS for name, d in (schema.get(k) or {}).items()}
+    if refers_to_root:
+        defs[f"{prefix}root"] = body
+    return body, defs

@@ -33,6 +33,9 @@ def test_adjustments_exactly():
     x = base.clone()
     process(x, [req(logit_bias={"5": 100, 0: -100}, min_tokens=2)])
     assert x[0, 5] == 98.0 and x[0, 0] == float("-inf")  # EOS (0) banned before min_tokens too
+    x = base.clone()
+    process(x, [req(allowed_token_ids=[4, 1], logit_bias={1: 1.0})])
+    assert x.tolist() == [[float("-inf"), 0.0, float("-inf"), float("-inf"), 1.0, float("-inf")]]
     x = base.repeat(2, 1)
     process(x, [req("a"), req("b", out=(3,), presence_penalty=1.0)])
     assert x[0].tolist() == base[0].tolist() and x[1, 3] == 2.0  # only the asking row changes
@@ -52,7 +55,9 @@ def test_min_p_and_the_sampler():
 @pytest.mark.parametrize("bad, match", [
     ({"presence_penalty": 3}, "presence_penalty must be in"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_p": 1.5}, "min_p must be in"), ({"logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
-    ({"logit_bias": {5: 101}}, "values in \\[-100, 100\\]"), ({"frequency_penalty": True}, "frequency_penalty")])
+    ({"logit_bias": {5: 101}}, "values in \\[-100, 100\\]"), ({"frequency_penalty": True}, "frequency_penalty"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"), ({"prompt_logprobs": 21}, "prompt_logprobs must be")])
 def test_bad_values_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**bad)

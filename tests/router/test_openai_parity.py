@@ -1,0 +1,208 @@
+"""OpenAI and vLLM clients unchanged, against the real server (uvicorn, a real Ray cluster,
+the official `openai` client) in two modes: disaggregated (the prompt's log-probs cross the
+handoff with its KV) and colocated. Batched prompts, the prompt's log-probs (echo and vLLM's
+prompt_logprobs), logprobs=0, vLLM's structured_outputs and extras, tools whose parameters
+use $defs, and the refusals vLLM makes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster
+from pdserve.router.app import build_app
+
+from helpers import Server
+
+PROMPTS = ["Hello, my name is", "The capital of France is"]
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def served(request):
+    kw = dict(prefill=1, decode=1) if request.param == "disaggregated" else dict(decode=1, mode="colocated")
+    c = Cluster.start(max_model_len=512, **kw)
+    s = Server(build_app(c))
+    yield c, s, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    s.stop()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512)
+
+
+def model_of(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_batched_prompts_are_one_choice_per_prompt_and_copy(served, llm):
+    """prompt = [text, text] and [[ids], [ids]], n = 2: choice index prompt i x n + copy j,
+    each equal to the engine's, usage summed; streamed, each index's text equals it too."""
+    _, _, client = served
+    ref = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6))
+    want = [o.outputs[0].text for o in ref]
+    r = client.completions.create(model=model_of(client), prompt=PROMPTS, n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [want[0], want[0], want[1], want[1]]
+    ids = [llm.engine.tokenizer.encode(p) for p in PROMPTS]
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    assert r.usage.completion_tokens == 2 * sum(len(o.outputs[0].token_ids) for o in ref)
+    by_ids = client.completions.create(model=model_of(client), prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == want
+    text = {}
+    for ch in client.completions.create(model=model_of(client), prompt=PROMPTS, n=2, max_tokens=6, temperature=0,
+                                        stream=True):
+        for c in ch.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+    assert text == {0: want[0], 1: want[0], 2: want[1], 3: want[1]}
+
+
+def test_echo_with_logprobs_scores_the_prompt(served, llm):
+    """echo + logprobs (how lm-evaluation-harness scores text): the prompt's tokens come first,
+    the first with no log-prob, the others equal to the engine's prompt_logprobs (computed
+    where the prompt is prefilled, carried across the handoff); streamed, the first chunk
+    carries them. vLLM's prompt_logprobs field gives the same numbers with ranks."""
+    _, _, client = served
+    prompt = PROMPTS[1]
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1, logprobs=1))[0]
+    ids = ref.prompt_token_ids
+    r = client.completions.create(model=model_of(client), prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                  logprobs=1)
+    lp = r.choices[0].logprobs
+    n = len(ids)
+    assert len(lp.tokens) == n + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([ref.prompt_logprobs[i][ids[i]] for i in range(1, n)], abs=2e-3)
+    assert r.choices[0].text.startswith(prompt) and "".join(lp.tokens[n:]) == r.choices[0].text[len(prompt):]
+    assert all(top[tok] == pytest.approx(v) for tok, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                                                    lp.top_logprobs[1:]))
+    chunks = list(client.completions.create(model=model_of(client), prompt=prompt, max_tokens=2, temperature=0,
+                                            echo=True, logprobs=1, stream=True))
+    head = chunks[0].choices[0]
+    assert head.text == prompt and head.logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:n], abs=1e-6)
+    v = client.completions.create(model=model_of(client), prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+    assert v[0] is None and len(v) == n
+    for i in range(1, n):
+        mine = v[i][str(ids[i])]
+        assert mine["logprob"] == pytest.approx(ref.prompt_logprobs[i][ids[i]], abs=2e-3)
+        ranked = sorted((e for e in v[i].values() if e["rank"] is not None), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+    chat = client.chat.completions.create(model=model_of(client), messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    extra = chat.model_extra
+    assert extra["prompt_logprobs"][0] is None and len(extra["prompt_logprobs"]) == len(extra["prompt_token_ids"])
+    assert all(math.isfinite(next(iter(e.values()))["logprob"]) for e in extra["prompt_logprobs"][1:])
+
+
+def test_logprobs_zero_gives_the_sampled_token(served):
+    """logprobs=0: each top_logprobs entry holds the sampled token (OpenAI and vLLM)."""
+    _, _, client = served
+    lp = client.completions.create(model=model_of(client), prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                   logprobs=0).choices[0].logprobs
+    assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
+    assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
+
+
+def test_vllm_structured_outputs_and_extras(served, llm):
+    """vLLM's structured_outputs (choice, regex, json, grammar), guided_grammar, return_token_ids,
+    allowed_token_ids, continuous usage, prompt_tokens_details and the chat extras
+    (chat_template_kwargs, continue_final_message with echo)."""
+    cluster, _, client = served
+    m = model_of(client)
+    ask = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    choice = client.chat.completions.create(model=m, messages=ask, max_tokens=5,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no")
+    regex = client.completions.create(model=m, prompt="Phone:", max_tokens=12,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert len(regex.choices[0].text) == 8 and regex.choices[0].text[3] == "-"
+    doc = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "A person as JSON"}],
+                                         max_tokens=60, extra_body={"structured_outputs": {"json": {
+                                             "type": "object", "properties": {"age": {"type": "integer"}},
+                                             "required": ["age"], "additionalProperties": False}}})
+    assert isinstance(json.loads(doc.choices[0].message.content)["age"], int)
+    yes_no = 'root ::= "yes" | "no"'
+    for body in ({"structured_outputs": {"grammar": yes_no}}, {"guided_grammar": yes_no}):
+        g = client.chat.completions.create(model=m, messages=ask, max_tokens=5, extra_body=body)
+        assert g.choices[0].message.content in ("yes", "no")
+    for bad, param in (({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+                       ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
+                       ({"structured_outputs": {"yaml": "x"}}, "structured_outputs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=m, messages=ask, max_tokens=5, extra_body=bad)
+        assert e.value.body["param"] == param, (bad, e.value.body)
+    allowed = llm.engine.tokenizer.encode(" yes no maybe")
+    r = client.completions.create(model=m, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    extra = r.choices[0].model_extra
+    assert set(extra["token_ids"]) <= set(allowed) and len(extra["token_ids"]) == 6
+    assert extra["prompt_token_ids"] == llm.engine.tokenizer.encode(PROMPTS[0])
+    usages = [ch.usage for ch in client.completions.create(
+        model=m, prompt=PROMPTS[0], max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}) if ch.usage]
+    assert len(usages) >= 5 and usages[-1].completion_tokens == 5
+    assert [u.completion_tokens for u in usages] == sorted(u.completion_tokens for u in usages)
+    long = PROMPTS[1] + " " + "and so on, " * 20
+    client.completions.create(model=m, prompt=long, max_tokens=2, temperature=0)
+    again = client.completions.create(model=m, prompt=long, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    partial = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The fruit is"}]
+    cont = client.chat.completions.create(model=m, messages=partial, max_tokens=4, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "echo": True, "return_token_ids": True,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    want = llm.engine.tokenizer.apply_chat_template(partial, continue_final_message=True, tokenize=True,
+                                                    return_dict=False)
+    assert cont.model_extra["prompt_token_ids"] == list(want)
+    assert cont.choices[0].message.content.startswith("The fruit is")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=m, messages=partial, max_tokens=4,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=m, messages=ask, max_tokens=4,
+                                       extra_body={"chat_template_kwargs": {"tokenize": False}})
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
+class Address(BaseModel):
+    city: str
+    country: str
+
+
+class Person(BaseModel):
+    name: str
+    home: Address
+
+
+def test_required_tools_with_defs_in_their_parameters(served):
+    """A tool whose parameters use $defs / $ref (pydantic's model_json_schema()) works with
+    tool_choice "required" as with a named choice: the call validates against the model."""
+    _, _, client = served
+    tool = {"type": "function", "function": {"name": "add_person", "parameters": Person.model_json_schema()}}
+    other = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+    r = client.chat.completions.create(model=model_of(client), max_tokens=80, temperature=0, tools=[tool, other],
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       messages=[{"role": "user", "content": "Add Ana from Lyon, France."}])
+    call = r.choices[0].message.tool_calls[0]
+    if call.function.name == "add_person":
+        Person.model_validate_json(call.function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_refusals_vllm_makes(served):
+    """stream_options without stream, a JSON body sent as a form, are 4xx naming the problem."""
+    _, server, client = served
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_of(client), prompt="x", max_tokens=2,
+                                  stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+    form = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 2}),
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415 and "application/json" in form.json()["error"]["message"]
