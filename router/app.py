@@ -82,7 +82,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
     async def completions(request: Request):
         req = await runner.parse(request, CompletionRequest)
         check_model(req)
-        prompts = completion_prompts(req)
+        prompts = completion_prompts(req, cluster.tokenizer)
         return await serve(request, req, prompts, [await runner.params(req, ids, 16) for _, ids in prompts],
                            chat=False)
 
@@ -99,13 +99,6 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
     def check_model(req) -> None:
         check_model_name(req, cluster, model_name)
 
-    def completion_prompts(req) -> list[tuple[str | None, list[int]]]:
-        """OpenAI's prompt: a string, a token list, or a batch of either (one choice per prompt
-        and copy)."""
-        prompt = req.prompt
-        batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
-        return [(p, cluster.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in batch]
-
     async def serve(request: Request, req, prompts: list[tuple[str | None, list[int]]], params: list, chat: bool):
         """Both endpoints: run the request's sequences (its prompts x n), render them as the
         endpoint's OpenAI shape: choice index = prompt i x n + copy j, usage summed."""
@@ -115,9 +108,11 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_calls() if chat else None  # params() has refused a bad tool_choice
         n_prompt = sum(len(ids) for _, ids in prompts)
-        renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, s.params.logprobs or 0,
-                            echo_text(req, chat, s), i, tools, s.ids, req.prompt_logprobs is not None,
-                            req.num_prompt_logprobs() or 0, req.return_token_ids) for i, s in enumerate(seqs)]
+        renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, top_n=s.params.logprobs or 0,
+                            echo=echo_text(req, chat, s, cluster.tokenizer), index=i, tools=tools, prompt_ids=s.ids,
+                            vllm_prompt_logprobs=req.prompt_logprobs is not None,
+                            prompt_top_n=req.num_prompt_logprobs() or 0, token_ids=req.return_token_ids)
+                   for i, s in enumerate(seqs)]
         if not req.stream:
             outs = await runner.run_to_end(seqs, request)
             for out in outs:
@@ -139,15 +134,6 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
                                              bool(opts and opts.continuous_usage_stats)),
                                  media_type="text/event-stream", headers=headers_of(first[1]))
 
-    def echo_text(req, chat: bool, s) -> str:
-        """echo: completions put the prompt's text before the completion's; chat the last
-        message's when it is the assistant's (vLLM's)."""
-        if not req.echo:
-            return ""
-        if chat:
-            return req.messages[-1].text() if req.messages[-1].role == "assistant" else ""
-        return s.text if s.text is not None else cluster.tokenizer.decode(s.ids)
-
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": cluster.max_model_len}
 
@@ -162,6 +148,24 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             raise HTTPError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}",
                             param="model")
         return card
+
+
+def completion_prompts(req, tokenizer) -> list[tuple[str | None, list[int]]]:
+    """OpenAI's prompt: a string, a token list, or a batch of either (one choice per prompt
+    and copy)."""
+    prompt = req.prompt
+    batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in batch]
+
+
+def echo_text(req, chat: bool, s, tokenizer) -> str:
+    """echo: completions put the prompt's text before the completion's; chat the last
+    message's when it is the assistant's (vLLM's)."""
+    if not req.echo:
+        return ""
+    if chat:
+        return req.messages[-1].text() if req.messages[-1].role == "assistant" else ""
+    return s.text if s.text is not None else tokenizer.decode(s.ids)
 
 
 def special_tokens(tokenizer) -> tuple[str, ...]:
