@@ -34,23 +34,28 @@ from .openapi import install as install_openapi
 from .render import Renderer, headers_of, sse, usage
 from .runner import RequestRunner, decode_json, first_copies, sequences
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .tool_parsers import PARSERS
 
 
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               max_queue: int = 256, served_model_name: str | None = None, admin_key: str | None = None,
-              chat_special_tokens: str = "refuse") -> FastAPI:
+              chat_special_tokens: str = "refuse", tool_call_parser: str | None = None) -> FastAPI:
     """`api_key` guards the inference routes, `admin_key` the /admin routes (errors.py).
     `chat_special_tokens`: "refuse" (400) a chat message whose text spells one of the
     tokenizer's special tokens (it would be read as a control token: a forged turn), or
-    "allow" it (vLLM's default)."""
+    "allow" it (vLLM's default). `tool_call_parser`: the model's call format, which serves
+    tool_choice "auto" (tool_parsers.py; vLLM's --tool-call-parser)."""
     if chat_special_tokens not in ("refuse", "allow"):
         raise ValueError(f"chat_special_tokens must be refuse or allow, got {chat_special_tokens!r}")
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {tool_call_parser!r}")
     app = FastAPI(title="pdserve", version=__version__, docs_url="/docs", redoc_url=None)
     model_name = served_model_name or os.path.basename(os.path.normpath(cluster.model_path))
     metrics = RouterMetrics(cluster, model_name)
     runner = RequestRunner(cluster, max_body_bytes, max_queue)
     if chat_special_tokens == "refuse":
         runner.chat_specials = special_tokens(cluster.tokenizer)
+    runner.tool_parser = PARSERS.get(tool_call_parser)
     app.state.cluster, app.state.metrics = cluster, metrics
 
     @app.exception_handler(HTTPError)
@@ -89,6 +94,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await runner.parse(request, ChatCompletionRequest)
+        req._tool_parser = runner.tool_parser
         check_model(req)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens

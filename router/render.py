@@ -123,8 +123,8 @@ class Renderer:
                                                                                       len(self.echo))),
                   "finish_reason": c.finish_reason}
         if self.chat:
-            calls = self.tools.calls(c.text, c.finish_reason) if self.tools is not None else None
-            choice["message"] = {"role": "assistant", "content": self.echo + c.text if calls is None else None}
+            content, calls = self.tools.reply(c.text, c.finish_reason) if self.tools is not None else (c.text, None)
+            choice["message"] = {"role": "assistant", "content": None if content is None else self.echo + content}
             if calls is not None:
                 choice["message"]["tool_calls"], choice["finish_reason"] = calls, "tool_calls"
         else:
@@ -148,6 +148,7 @@ class Renderer:
     def __post_init__(self) -> None:
         self._offset = len(self.echo)  # streamed text so far (log-probs' text_offset)
         self._held = ""  # tool mode: the reply, held until it is whole
+        self._sent = 0  # tool mode (auto): how much of it went out as content
 
     def opening(self, first: RequestOutput) -> dict | None:
         """The first chunk's choice (`first`: the sequence's first output, for the echoed
@@ -181,17 +182,24 @@ class Renderer:
         return choices
 
     def _tool_choices(self, out: RequestOutput, lp, reason) -> list[dict]:
-        """Tool mode: log-probs as they come; the calls (or, cut short, the text) at the end,
-        each call whole in one delta (clients join a call's argument deltas by index)."""
+        """Tool mode: log-probs as they come; content as far as no call may have begun (auto);
+        the calls (or, cut short, the text) at the end, each call whole in one delta (clients
+        join a call's argument deltas by index)."""
         self._held += out.delta_text
         choices = [{"index": self.index, "delta": {}, "logprobs": lp, "finish_reason": None}] if lp else []
+        safe = self.tools.streamable(self._held) if not out.finished else self._sent
+        if safe > self._sent:
+            choices.append({"index": self.index, "delta": {"content": self._held[self._sent:safe]}, "logprobs": None,
+                            "finish_reason": None})
+            self._sent = safe
         if out.finished:
-            calls = self.tools.calls(self._held, reason)
-            delta = {"content": self._held} if calls is None else \
-                {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-            choices += [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None},
-                        {"index": self.index, "delta": {}, "logprobs": None,
-                         "finish_reason": reason if calls is None else "tool_calls"}]
+            content, calls = self.tools.reply(self._held, reason)
+            rest = (content or "")[self._sent:] if calls is None or self._sent else (content or "")
+            deltas = ([{"content": rest}] if rest else []) + \
+                ([{"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}] if calls else [])
+            choices += [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            choices.append({"index": self.index, "delta": {}, "logprobs": None,
+                            "finish_reason": reason if calls is None else "tool_calls"})
         return choices
 
     def chunk(self, choices: list, **extra) -> str:

@@ -101,6 +101,7 @@ class RequestRunner:
         self.cluster, self.max_body_bytes, self.max_queue = cluster, max_body_bytes, max_queue
         self.inflight = 0
         self.chat_specials: tuple[str, ...] = ()  # special tokens a chat message may not spell (app.py)
+        self.tool_parser = None  # tool_parsers.ToolParser serving tool_choice auto (app.py)
         self.grammars = Grammars(cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached (bounded)
         # grammars compile here, off the event loop (xgrammar releases the GIL): one slow
         # grammar never stalls /health or other requests, and two threads bound what they take

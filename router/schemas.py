@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 
+from .tool_parsers import ToolParser
 from .tools import Tool, ToolCalls, ToolChoice
 
 
@@ -223,12 +224,16 @@ class ChatCompletionRequest(_Sampling):
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
 
+    _tool_parser: ToolParser | None = PrivateAttr(None)  # the server's, for tool_choice auto (app.py)
+
     def tool_calls(self) -> ToolCalls | None:
         """The request's tool mode (tools.py); raises ValueError naming tool_choice."""
-        return ToolCalls.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return ToolCalls.of(self.tools, self.tool_choice, self.parallel_tool_calls, self._tool_parser)
 
     def structured(self) -> dict | None:
         calls, other = self.tool_calls(), super().structured()
+        if calls is not None and calls.auto is not None:
+            return other  # the reply is free text (a grammar the request gives still holds)
         if calls is not None and other is not None:
             raise ValueError("tool_choice: a tool call's grammar and response_format / guided_* are two constraints")
         return calls.spec() if calls is not None else other

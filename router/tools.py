@@ -10,8 +10,10 @@
     tool_choice="none"
                  the tools go to the chat template only; the reply is text
     tool_choice="auto" (OpenAI's default once tools are given)
-                 refused, 400 naming tool_choice: telling a free-text reply from a call needs a
-                 parser for each model family's call format, which pdserve does not have yet
+                 with the server's --enable-auto-tool-choice --tool-call-parser NAME: the reply
+                 is free text; the parser (tool_parsers.py) takes the model family's calls out
+                 of it (streamed: content goes out until a call may begin, the calls at the
+                 end); without a parser, a 400 naming tool_choice
 
 The tools are given to the chat template in every case (as vLLM does), and earlier turns'
 `tool_calls` and `tool` messages go to it as they came. A reply cut short by max_tokens
@@ -25,6 +27,8 @@ import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from .tool_parsers import PARSERS, ToolParser
 
 
 class FunctionDef(BaseModel):
@@ -58,7 +62,9 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class ToolCalls:
     """One request's tool mode: its grammar (spec()) and its reply as calls (calls())."""
 
-    def __init__(self, tools: list[Tool], choice: ToolChoice | None, parallel: bool):
+    def __init__(self, tools: list[Tool], choice: ToolChoice | None, parallel: bool,
+                 parser: ToolParser | None = None):
+        self.auto = parser if choice in (None, "auto") else None  # the reply is text the parser reads
         self.schemas = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in self.schemas:
@@ -70,24 +76,27 @@ class ToolCalls:
         self.parallel = parallel
 
     @classmethod
-    def of(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool) -> ToolCalls | None:
+    def of(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool,
+           parser: ToolParser | None = None) -> ToolCalls | None:
         """The request's tool mode, None when its reply is plain text; raises ValueError
-        beginning with the parameter it names."""
+        beginning with the parameter it names. `parser`: the server's (tool_choice auto)."""
         if not tools:
             if choice not in (None, "none"):
                 raise ValueError("tool_choice needs tools")
             return None
-        if choice is None or choice == "auto":
-            raise ValueError("tool_choice 'auto' (the default when tools are given) is not supported: telling a "
-                             "reply from a tool call needs a parser for this model's call format; give "
-                             "tool_choice 'required', a named function, or 'none'")
-        return None if choice == "none" else cls(tools, choice, parallel)
+        if (choice is None or choice == "auto") and parser is None:
+            raise ValueError("tool_choice 'auto' (the default when tools are given) needs the server started with "
+                             "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format: "
+                             f"{', '.join(PARSERS)}); or give tool_choice 'required', a named function, or 'none'")
+        return None if choice == "none" else cls(tools, choice, parallel, parser)
 
     def spec(self) -> dict:
         """structured_outputs for the reply. A tool's schema nests under the array's
         `anyOf`, so its root-relative references (`#/$defs/X`, what pydantic's
         model_json_schema() emits for nested models, and `#` itself) are moved to the root's
-        `$defs` under the tool's name (nested_schema())."""
+        `$defs` under the tool's name (nested_schema()). None for auto: the reply is free."""
+        if self.auto is not None:
+            return None
         if self.named is not None:
             return {"json": self.schemas[self.named]}
         defs, one = {}, []
@@ -99,8 +108,28 @@ class ToolCalls:
         return {"json": {"type": "array", "items": {"anyOf": one}, "minItems": 1,
                          **({} if self.parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}}
 
+    def reply(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict] | None]:
+        """A finished reply as (content, OpenAI's tool_calls or None). Auto: the parser's calls
+        to known tools (the first only without parallel_tool_calls) and the text around them."""
+        if self.auto is None:
+            calls = self.calls(text, finish_reason)
+            return (text, None) if calls is None else (None, calls)
+        content, pairs = self.auto.parse(text) if finish_reason == "stop" else (text, [])
+        pairs = [(n, a) for n, a in pairs if n in self.schemas][:None if self.parallel else 1]
+        return (content, self._openai(pairs)) if pairs else (text, None)
+
+    def streamable(self, text: str) -> int:
+        """How much of a streamed reply may go out as content now (tool mode holds the rest)."""
+        return self.auto.streamable(text) if self.auto is not None else 0
+
+    @staticmethod
+    def _openai(pairs: list[tuple[str, dict]]) -> list[dict]:
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]
+
     def calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
-        """OpenAI's tool_calls of a finished reply; None when it is not a whole call (length)."""
+        """OpenAI's tool_calls of a finished constrained reply; None when it is not a whole
+        call (length)."""
         if finish_reason != "stop":
             return None
         try:  # the grammar's whole output parses; a stop string may have cut it
@@ -108,8 +137,7 @@ class ToolCalls:
             pairs = [(self.named, value)] if self.named is not None else [(c["name"], c["arguments"]) for c in value]
         except (json.JSONDecodeError, TypeError, KeyError):
             return None
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]
+        return self._openai(pairs)
 
 
 DEF_KEYS = ("$defs", "definitions")

@@ -188,6 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     admin_key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
     kwargs = _engine_kwargs(args)
     kwargs.pop("model", None)
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
     cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
                             namespace=args.namespace,
                             local_prefill_tokens=args.local_prefill_tokens,
@@ -196,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,
-                        chat_special_tokens=args.chat_special_tokens)
+                        chat_special_tokens=args.chat_special_tokens, tool_call_parser=args.tool_call_parser)
         pools = cluster.pool_sizes()
         tp = {r: f"{pools[r]} x TP{cluster.pools.tp(r)}" for r in pools}
         sizes = f"colocated={tp['decode']}" if cluster.mode == "colocated" else \
@@ -324,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-special-tokens", choices=("refuse", "allow"), default="refuse",
                     help="a chat message that spells a special token (e.g. <|im_start|>): 400, or read as the token "
                          "(vLLM's default)")
+    sv.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='serve tool_choice "auto" (with --tool-call-parser)')
+    sv.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"), default=None,
+                    help="the model's tool-call format: hermes (Qwen 2.5, Hermes), llama3_json (Llama 3.x), mistral")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
     sv.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,

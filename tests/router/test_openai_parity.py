@@ -16,18 +16,22 @@ from pydantic import BaseModel
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.engine.structured import regex_literal
 from pdserve.router.app import build_app
 
 from helpers import Server
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
+PARSER = {"disaggregated": "hermes", "colocated": "mistral"}  # tool_choice auto's call format, per server
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def served(request):
     kw = dict(prefill=1, decode=1) if request.param == "disaggregated" else dict(decode=1, mode="colocated")
     c = Cluster.start(max_model_len=512, **kw)
-    s = Server(build_app(c))
+    s = Server(build_app(c, tool_call_parser=PARSER[request.param]))
     yield c, s, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
     s.stop()
     c.shutdown()
@@ -206,3 +210,31 @@ def test_refusals_vllm_makes(served):
     form = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 2}),
                       headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert form.status_code == 415 and "application/json" in form.json()["error"]["message"]
+
+
+def test_auto_tool_choice_parses_the_models_call_format(served):
+    """tool_choice "auto" (the default once tools are given) with the server's parser: a reply in
+    the model's call format (forced here by a regex, since the default model rarely calls) comes
+    back as tool_calls and its text as content, streamed as content deltas then a tool_calls
+    delta; a reply without a call is plain content."""
+    cluster, _, client = served
+    fmt = PARSER["colocated" if cluster.mode == "colocated" else "disaggregated"]
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = {"hermes": f"Checking.\n<tool_call>\n{call}\n</tool_call>", "mistral": f"Checking.[TOOL_CALLS][{call}]"}[fmt]
+    kw = dict(model=model_of(client), messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=120,
+              temperature=0,
+              tools=[WEATHER], extra_body={"structured_outputs": {"regex": regex_literal(text)}})
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
+    content = "".join(c.delta.content or "" for c in chunks)
+    calls = [t for c in chunks for t in (c.delta.tool_calls or [])]
+    assert content.startswith("Checking.") and len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert chunks[-1].finish_reason == "tool_calls"
+    sunny = {"structured_outputs": {"regex": regex_literal("Sunny, 21 C.")}}
+    plain = client.chat.completions.create(**{**kw, "extra_body": sunny})
+    assert plain.choices[0].message.content == "Sunny, 21 C." and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
