@@ -49,9 +49,9 @@ INTRA = {
         "__init__": {"cluster"},
     },
     "router": {
-        "tools": set(), "schemas": {"tools"}, "errors": {"schemas"}, "render": {"tools"},
-        "runner": {"errors", "schemas"}, "metrics": set(),
-        "openapi": {"schemas"}, "app": {"errors", "metrics", "openapi", "render", "runner", "schemas"},
+        "tool_parsers": set(), "tools": {"tool_parsers"}, "schemas": {"tools", "tool_parsers"}, "errors": {"schemas"},
+        "render": {"tools"}, "runner": {"errors", "schemas"}, "metrics": set(), "openapi": {"schemas"},
+        "app": {"errors", "metrics", "openapi", "render", "runner", "schemas", "tool_parsers"},
         "server": {"schemas"},
         "__init__": {"app"},
     },
