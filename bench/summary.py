@@ -244,6 +244,24 @@ def colocated_one() -> dict:
     return out
 
 
+def seeded_sampling() -> dict:
+    res = load("sampling", "sampling_gpu.json")
+    t = {r["rows"]: r for r in res["sampler_ms"]}
+    cmd = "python3 bench/sampling_gpu.py --out bench/results/sampling  # one H100"
+    wl = f"sampler call over {res['vocab']:,}-token float32 logits, temperature 0.8, top-p 0.95, {res['device']}"
+    b = res["bits"]
+    return {
+        "seeded_sampler_extra_ms_64": {
+            "value": round(t[64]["seeded"] - t[64]["unseeded"], 3), "command": cmd,
+            "workload": wl + f"; 64 seeded rows vs 64 unseeded ({t[64]['unseeded']:.2f} ms); 1 row: "
+                             f"+{t[1]['seeded'] - t[1]['unseeded']:.2f} ms"},
+        "seeded_noise_bits_equal_cuda_cpu": {
+            "value": round(b["bitwise_equal"] / b["values"], 3), "command": cmd,
+            "workload": f"{b['pairs']} (seed, index) pairs x 2 rows x the vocabulary, float32 Exp(1) draws on CUDA vs "
+                        "CPU (the hash and the uniforms are integer-exact; -log rounds differently by device)"},
+    }
+
+
 def main() -> None:
     eng = load("engine_gpu_b64.json")
     dec = {r["batch"]: r for r in eng["decode"]}
@@ -279,6 +297,7 @@ def main() -> None:
     summary.update(structured_output())
     summary.update(mixed_step())
     summary.update(colocated_one())
+    summary.update(seeded_sampling())
     with open(os.path.join(RES, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():
