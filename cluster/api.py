@@ -39,8 +39,26 @@ class RequestObserver:
     def on_handoff(self, result: dict) -> None:
         """A finished send: state, error, bytes, seconds."""
 
-    def on_finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
-        """A request ended (reason: stop, length, abort, error)."""
+    def on_finish(self, done: FinishedRequest) -> None:
+        """A request ended."""
+
+
+@dataclass
+class FinishedRequest:
+    """A request that ended, as the edge saw it (vLLM's request-level metrics). Times in
+    seconds; None where the request never got that far (or no worker reported when a step
+    first took it)."""
+
+    reason: str  # stop, length, abort, error, invalid
+    num_prompt_tokens: int
+    num_output_tokens: int
+    queue_s: float | None  # arrival here -> a worker's step first took it
+    prefill_s: float | None  # that step -> the first token here
+    decode_s: float | None  # the first token -> the last
+
+    @property
+    def inference_s(self) -> float | None:
+        return None if self.prefill_s is None else self.prefill_s + (self.decode_s or 0.0)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from pdserve.engine.hashing import hash_block_tokens
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
-from .api import NoWorker, RequestObserver
+from .api import FinishedRequest, NoWorker, RequestObserver
 from .placement import Placer
 from .pools import Pools, WorkerRecord
 
@@ -60,6 +60,7 @@ class _Progress:
         self.tokens = 0
         self.placement: dict | None = None
         self.predicted: tuple[str, float | None] | None = None  # (worker, TTFT) placement expected
+        self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
         self._charged: list[tuple[WorkerRecord, int]] = []
 
     @property
@@ -272,8 +273,11 @@ class Dispatcher:
         if out.finished:
             c = out.outputs[0] if out.outputs else None
             self._observe("e2e", now - progress.t0)
+            done = FinishedRequest((c.finish_reason if c else None) or "abort", len(ids), progress.tokens,
+                                   progress.queue_s, progress.prefill_s,
+                                   now - progress.first_at if progress.first_at is not None else None)
             for o in self.observers:
-                o.on_finish((c.finish_reason if c else None) or "abort", len(ids), progress.tokens)
+                o.on_finish(done)
         sink(out)
 
     def _observe(self, kind: str, seconds: float) -> None:
@@ -298,6 +302,9 @@ class Dispatcher:
                  **((out.metrics.spans if out.metrics is not None else None) or {})}
         spans["arrival"] = wall - (now - progress.t0)
         spans["first_token_at_edge"] = wall
+        if spans.get("scheduled") is not None:  # the worker's step first took it
+            progress.queue_s = max(0.0, spans["scheduled"] - spans["arrival"])
+            progress.prefill_s = max(0.0, wall - spans["scheduled"])
         phases = timeline_phases(spans)
         for name, sec in phases.items():
             for o in self.observers:

@@ -70,7 +70,9 @@ class DecodeRole(Role):
             for ev in events if self.local else ():  # a local prompt's first token: its spans
                 spans = self.local.pop(ev.output.request_id, None)
                 if spans is not None and ev.output.metrics is not None:
-                    ev.output.metrics.spans = {**spans, "local_prefill_done": time.time()}
+                    ev.output.metrics.spans = {**spans, "local_prefill_done": time.time(),
+                                               **({"scheduled": ev.output.metrics.scheduled_at}
+                                                  if ev.output.metrics.scheduled_at is not None else {})}
         return events
 
     def _reserve(self) -> list[Event]:

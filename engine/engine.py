@@ -17,6 +17,7 @@ import time
 
 from . import persist
 from .config import EngineConfig
+from .iteration_stats import TokenHistogram
 from .kv_cache_manager import KVCacheManager
 from .loader import resolve_model_path
 from .model_runner import ModelRunner
@@ -63,6 +64,7 @@ class LLMEngine:
         self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s,
                                     graphs=self.runner.graph_seconds)
         self.drafter.switch.model = self.step_model
+        self.iteration_tokens = TokenHistogram()  # tokens per step (metrics)
         self.load_format = load_format
         self.persist_status: str | None = None  # what restoring the host tier said
         self._persisted_at = time.monotonic()
@@ -191,6 +193,7 @@ class LLMEngine:
         (rolling back rejected drafts) and, on its interval, the host tier to disk."""
         with self.step_model.timed(sched.shape):
             tokens = self.runner.execute(sched)
+        self.iteration_tokens.observe(sum(s.num_new_tokens for s in sched.scheduled))
         self.drafter.settle(sched.scheduled, tokens)
         self.drafter.observe(sched.shape)
         self.scheduler.update_after_step(sched)
@@ -308,7 +311,7 @@ class LLMEngine:
                                 stop_reason=req.stop_reason, logprobs=logprobs)
         metrics = RequestMetrics(req.arrival_time, req.first_token_time,
                                  req.finished_time, req.num_cached_tokens,
-                                 req.num_preemptions)
+                                 req.num_preemptions, req.scheduled_at)
         first = len(ids) == req.num_output_tokens  # the output that brings the first token(s)
         prompt_lps = list(req.prompt_logprobs) if req.prompt_logprobs and (first or not self.stream_deltas) else None
         return RequestOutput(req.request_id, req.prompt, prompt_ids, [comp], fin,
@@ -334,6 +337,10 @@ class LLMEngine:
             "num_decoding": sum(1 for r in self.scheduler.running if r.is_decoding),
             "max_num_seqs": self.scheduler.max_num_seqs,
             "tensor_parallel_size": self.tp.size,
+            "iteration_tokens": self.iteration_tokens.snapshot(),
+            "cache_config": {"block_size": self.config.block_size, "cache_dtype": self.config.kv_cache_dtype,
+                             "num_gpu_blocks": kv.num_blocks, "num_cpu_blocks": kv.host.num_slots if kv.host else 0,
+                             "enable_prefix_caching": self.config.enable_prefix_caching},
             **({"kv_persist_status": self.persist_status} if self.persist_status else {}),
             **self._host_stats(),
             **self.drafter.stats(),

@@ -35,6 +35,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    scheduled_at: float | None = None  # when a step first took it (time.time(), the worker's clock)
     # cluster: when the request passed each point before its first token (time.time(),
     # by the workers' clocks: prefill_queued, prefill_done, target_known, send_start,
     # decode_queued, reserved, kv_landed, ...), for the per-request timeline

@@ -71,6 +71,7 @@ class Request:
     output_text: str = ""
     first_token_time: float | None = None
     finished_time: float | None = None
+    scheduled_at: float | None = None  # when a step first took it (wall clock: metrics' queue time)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

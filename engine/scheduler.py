@@ -13,6 +13,7 @@ The scheduler holds integer block ids only, so it runs on CPU and in tests as is
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -221,6 +222,7 @@ class Scheduler:
             req.num_computed_tokens += num_hit_tokens
             if req.status != RequestStatus.PREEMPTED:
                 req.num_cached_tokens = num_hit_tokens
+            req.scheduled_at = req.scheduled_at or time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in blocks]))

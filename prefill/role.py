@@ -111,6 +111,8 @@ class PrefillRole(Role):
                 if p is None:
                     continue
                 p.spans["prefill_done"] = time.time()
+                if out.metrics is not None and out.metrics.scheduled_at is not None:
+                    p.spans["scheduled"] = out.metrics.scheduled_at
                 if p.peer is None or out.outputs[0].finish_reason not in ("stop", "length"):
                     self.pending.pop(out.request_id)
                     self.engine.release(out.request_id)

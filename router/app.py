@@ -110,6 +110,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         endpoint's OpenAI shape: choice index = prompt i x n + copy j, usage summed."""
         seqs = sequences(prompts, params)
         runner.admit(len(seqs))
+        for p in params:
+            app.state.metrics.on_params(p.n, p.max_tokens)
         prefix = "chatcmpl" if chat else "cmpl"
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_calls() if chat else None  # params() has refused a bad tool_choice

@@ -12,12 +12,15 @@ vLLM's do), as its last label.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from pdserve.cluster.api import RequestObserver
+from pdserve.cluster.api import FinishedRequest, RequestObserver
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
+REQUEST_SECONDS_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class _WorkerCollector:
@@ -56,6 +59,23 @@ class _WorkerCollector:
                     if w.get(key) is not None:
                         m.add_metric([w["worker_id"], w["role"], self.model], float(w[key]))
                 yield m
+        yield from self._cluster_wide(snap)
+        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step",
+                                      labels=["worker", "role", "model_name"])
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (value 1)",
+                                 labels=["worker", "role", "model_name", "block_size", "cache_dtype", "num_gpu_blocks",
+                                         "num_cpu_blocks", "enable_prefix_caching"])
+        for w in snap.workers:
+            if w.get("iteration_tokens"):
+                h = w["iteration_tokens"]
+                steps.add_metric([w["worker_id"], w["role"], self.model], [tuple(b) for b in h["buckets"]], h["sum"])
+            if w.get("cache_config"):
+                c = w["cache_config"]
+                info.add_metric([w["worker_id"], w["role"], self.model, str(c["block_size"]), str(c["cache_dtype"]),
+                                 str(c["num_gpu_blocks"]), str(c["num_cpu_blocks"]),
+                                 str(c["enable_prefix_caching"])], 1.0)
+        yield steps
+        yield info
         routing = CounterMetricFamily("pdserve:routing_decisions", "Placement decisions by reason",
                                       labels=["reason", "model_name"])
         for reason, n in sorted(snap.routing.items()):
@@ -65,6 +85,17 @@ class _WorkerCollector:
         for role, n in snap.pool_sizes.items():
             pools.add_metric([role, self.model], float(n))
         yield pools
+
+    def _cluster_wide(self, snap):
+        """The running and waiting requests of the whole cluster (one series each; vLLM's are
+        per engine, here per worker)."""
+        for name, doc, key in (("pdserve:cluster_num_requests_running", "Requests running on any worker",
+                                "num_running"),
+                               ("pdserve:cluster_num_requests_waiting", "Requests waiting on any worker",
+                                "num_waiting")):
+            m = GaugeMetricFamily(name, doc, labels=["model_name"])
+            m.add_metric([self.model], float(sum(w.get(key) or 0 for w in snap.workers)))
+            yield m
 
 
 class RouterMetrics(RequestObserver):
@@ -86,6 +117,21 @@ class RouterMetrics(RequestObserver):
         self.http_errors = Counter("pdserve:http_errors", "Requests refused by status code", ["code", *m], registry=r)
         self.handoff_bytes = Counter("pdserve:kv_handoff_bytes", "KV bytes moved prefill -> decode", m, registry=r)
         self.handoff_seconds = hist("pdserve:kv_handoff_seconds", "KV handoff latency")
+        def counts(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, m, buckets=TOKEN_BUCKETS, registry=r)
+
+        def seconds(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, m, buckets=REQUEST_SECONDS_BUCKETS, registry=r)
+
+        self.request_prompt_tokens = counts("vllm:request_prompt_tokens", "Prompt tokens per request")
+        self.request_generation_tokens = counts("vllm:request_generation_tokens", "Generated tokens per request")
+        self.params_n = counts("vllm:request_params_n", "The n of each request")
+        self.params_max_tokens = counts("vllm:request_params_max_tokens", "The max_tokens of each request")
+        self.request_seconds = {
+            "queue": seconds("vllm:request_queue_time_seconds", "Arrival to a worker's first step of the request"),
+            "prefill": seconds("vllm:request_prefill_time_seconds", "That step to the first token"),
+            "decode": seconds("vllm:request_decode_time_seconds", "The first token to the last"),
+            "inference": seconds("vllm:request_inference_time_seconds", "The first step to the last token")}
         self.phase_seconds = hist("pdserve:request_phase_seconds", "Phases of a request before its first token "
                                   "(prefill, decode_reserve, kv_to_first_token, local_prefill, local_to_first_token, "
                                   "local_first_token)", ("phase",))
@@ -104,10 +150,21 @@ class RouterMetrics(RequestObserver):
         if result.get("seconds") is not None:
             self.handoff_seconds.labels(self.model).observe(result["seconds"])
 
-    def on_finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
-        self.requests.labels(reason, self.model).inc()
-        self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
-        self.generation_tokens.labels(self.model).inc(num_output_tokens)
+    def on_finish(self, done: FinishedRequest) -> None:
+        self.requests.labels(done.reason, self.model).inc()
+        self.prompt_tokens.labels(self.model).inc(done.num_prompt_tokens)
+        self.generation_tokens.labels(self.model).inc(done.num_output_tokens)
+        self.request_prompt_tokens.labels(self.model).observe(done.num_prompt_tokens)
+        self.request_generation_tokens.labels(self.model).observe(done.num_output_tokens)
+        for kind, sec in (("queue", done.queue_s), ("prefill", done.prefill_s), ("decode", done.decode_s),
+                          ("inference", done.inference_s)):
+            if sec is not None:
+                self.request_seconds[kind].labels(self.model).observe(sec)
+
+    def on_params(self, n: int, max_tokens: int) -> None:
+        """A request the router accepted (its n and its max_tokens, after the default)."""
+        self.params_n.labels(self.model).observe(n)
+        self.params_max_tokens.labels(self.model).observe(max_tokens)
 
     def refused(self, status: int) -> None:
         self.http_errors.labels(str(status), self.model).inc()

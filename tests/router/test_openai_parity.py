@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from pdserve import LLM, SamplingParams
@@ -238,3 +240,38 @@ def test_auto_tool_choice_parses_the_models_call_format(served):
     plain = client.chat.completions.create(**{**kw, "extra_body": sunny})
     assert plain.choices[0].message.content == "Sunny, 21 C." and plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop"
+
+
+def test_vllm_request_metrics(served):
+    """The request-level series vLLM's dashboard reads, in both modes: token counts, n and
+    max_tokens, queue / prefill / decode / inference times (from the worker that first stepped
+    the request), tokens per step, the cache's configuration, and cluster-wide running/waiting."""
+    _, server, client = served
+
+    def scrape():
+        text = httpx.get(server.url + "/metrics").text
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def total(d, name):
+        return sum(v for k, v in d.items() if k.startswith(name + "{"))
+
+    before = scrape()
+    client.completions.create(model=model_of(client), prompt=PROMPTS[0], n=2, max_tokens=5, temperature=0.7,
+                              extra_body={"ignore_eos": True})
+    time.sleep(1.5)  # worker stats refresh every second
+    after = scrape()
+    grew = {n: total(after, n) - total(before, n) for n in (
+        "vllm:request_params_n_sum", "vllm:request_params_max_tokens_sum", "vllm:request_prompt_tokens_count",
+        "vllm:request_generation_tokens_sum", "vllm:request_queue_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+        "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_count")}
+    assert grew["vllm:request_params_n_sum"] == 2 and grew["vllm:request_params_max_tokens_sum"] == 5, grew
+    assert grew["vllm:request_prompt_tokens_count"] == 2 and grew["vllm:request_generation_tokens_sum"] == 10, grew
+    for name in ("queue", "prefill", "decode", "inference"):
+        assert grew[f"vllm:request_{name}_time_seconds_count"] == 2, (name, grew)
+    assert grew["vllm:iteration_tokens_total_count"] >= 5, grew
+    info = [k for k in after if k.startswith("vllm:cache_config_info{")]
+    assert info and all('"block_size": "16"' in k for k in info)
+    assert total(after, "pdserve:cluster_num_requests_running") == 0
+    assert "pdserve:cluster_num_requests_waiting" + json.dumps({"model_name": model_of(client)}) in after
