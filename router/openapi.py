@@ -21,6 +21,7 @@ STREAMING = ("/v1/completions", "/v1/chat/completions")
 ERRORS = {"400": "invalid request (the error names the parameter)", "401": "missing or wrong API key",
           "403": "an admin route on a server without an admin key", "404": "unknown model or route",
           "408": "request headers not received in time", "413": "request body too large",
+          "415": "the body is not JSON (Content-Type: application/json)",
           "429": "server busy (Retry-After)", "503": "no worker to serve it while a replacement starts (Retry-After)"}
 
 

@@ -171,7 +171,8 @@ class CompletionRequest(_Sampling):
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # apply_chat_template's arguments that the request sets itself
 TEMPLATE_ARGS = frozenset({"conversation", "tools", "tokenize", "return_dict", "add_generation_prompt",
-                           "continue_final_message", "documents", "return_tensors", "padding", "truncation"})
+                           "continue_final_message", "documents", "return_tensors", "padding", "truncation",
+                           "max_length", "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
 class ChatMessage(BaseModel):
