@@ -79,7 +79,9 @@ def test_cli_errors_are_one_line_and_exit_2():
     for args, expect in ((("scale",), "give --prefill N and/or --decode M"),
                          (("scale", "--decode", "2", "--url", "http://127.0.0.1:9"), "no pdserve server at"),
                          (("status", "--address", "127.0.0.1:9"), "no Ray cluster at --address 127.0.0.1:9"),
-                         (("serve", "--enable-auto-tool-choice"), "--tool-call-parser NAME go together")):
+                         (("serve", "--enable-auto-tool-choice"), "--tool-call-parser NAME go together"),
+                         (("serve", "--max-model-len", "10100"),  # the default model has 8192 positions
+                          "exceeds the model's max_position_embeddings (8192)")):
         out = pdserve(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr and expect in out.stderr, (args, out.stderr)
