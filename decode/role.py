@@ -117,6 +117,7 @@ class DecodeRole(Role):
                 req.output_logprobs.append({int(t): v for t, v in h.meta["first_logprobs"]})
             if "prompt_logprobs" in h.meta:
                 req.prompt_logprobs = [e and {int(t): v for t, v in e} for e in h.meta["prompt_logprobs"]]
+                req.prompt_ranks = list(h.meta["prompt_ranks"])
             self.engine.kv.cache_blocks(req, req.num_prompt_tokens)
             out = self.engine.admit_prefilled(req)
             out.metrics.spans = {**h.meta.get("spans", {}), **inc.spans, **h.wall_spans("recv"),

@@ -235,7 +235,9 @@ class LLMEngine:
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
-            req.prompt_logprobs += self.runner.sampler.prompt_logprobs.get(req.request_id, ())
+            for entry, rank in self.runner.sampler.prompt_logprobs.get(req.request_id, ()):
+                req.prompt_logprobs.append(entry)
+                req.prompt_ranks.append(rank)
             got = tokens.get(req.request_id)
             if got is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -313,9 +315,11 @@ class LLMEngine:
                                  req.finished_time, req.num_cached_tokens,
                                  req.num_preemptions, req.scheduled_at)
         first = len(ids) == req.num_output_tokens  # the output that brings the first token(s)
-        prompt_lps = list(req.prompt_logprobs) if req.prompt_logprobs and (first or not self.stream_deltas) else None
+        scored = bool(req.prompt_logprobs) and (first or not self.stream_deltas)
         return RequestOutput(req.request_id, req.prompt, prompt_ids, [comp], fin,
-                             req.num_cached_tokens, metrics, delta, delta_ids, prompt_logprobs=prompt_lps)
+                             req.num_cached_tokens, metrics, delta, delta_ids,
+                             prompt_logprobs=list(req.prompt_logprobs) if scored else None,
+                             prompt_ranks=list(req.prompt_ranks) if scored else None)
 
     # ---- counters for metrics ----------------------------------------------------------------
     def stats(self) -> dict:

@@ -60,6 +60,7 @@ class RequestOutput:
     # sampling_params.prompt_logprobs: per prompt token, None for the first, then {its id: log-prob,
     # the top N: log-probs} (vLLM's); on the first output of a delta stream, and every cumulative one
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank, with prompt_logprobs
 
     @classmethod
     def error(cls, request_id: str, reason: str, prompt: str | None = None,
@@ -74,6 +75,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     b.delta_text = a.delta_text + b.delta_text
     b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
     b.prompt_logprobs = a.prompt_logprobs or b.prompt_logprobs
+    b.prompt_ranks = a.prompt_ranks or b.prompt_ranks
     if a.outputs and b.outputs:
         b.outputs[0].text = a.outputs[0].text + b.outputs[0].text
         b.outputs[0].token_ids = a.outputs[0].token_ids + b.outputs[0].token_ids
@@ -89,10 +91,12 @@ class Accumulator:
 
     def __init__(self, prompt: str | None, prompt_token_ids: list[int]):
         self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
-        self.text, self.token_ids, self.logprobs, self.prompt_logprobs = "", [], None, None
+        self.text, self.token_ids, self.logprobs = "", [], None
+        self.prompt_logprobs = self.prompt_ranks = None
 
     def add(self, out: RequestOutput) -> RequestOutput:
         self.prompt_logprobs = out.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        self.prompt_ranks = out.prompt_ranks = out.prompt_ranks or self.prompt_ranks
         self.text += out.delta_text
         self.token_ids += out.delta_token_ids
         out.prompt, out.prompt_token_ids = self.prompt, self.prompt_token_ids

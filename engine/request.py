@@ -65,6 +65,7 @@ class Request:
     # per prompt token (sampling_params.prompt_logprobs): None for the first, then {its id: log-prob,
     # the top N ids: log-probs} given the tokens before it; filled as its chunks run
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank (1: the likeliest)
     # draft tokens proposed for this step (speculative decoding, spec_decode.py)
     spec_tokens: list[int] = field(default_factory=list)
     # detokenizer state (owned by the engine's output processor)
@@ -76,7 +77,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
-            self.prompt_logprobs = [None]
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
     @property
     def scoring_prompt(self) -> bool:

@@ -23,7 +23,8 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self.logprobs: dict[str, dict[int, float]] = {}  # this step's, for requests that ask (runner clears)
-        self.prompt_logprobs: dict[str, list[dict[int, float]]] = {}  # this step's prompt scores (the same)
+        # this step's prompt scores (the same): per position, ({token: log-prob, top N}, the token's rank)
+        self.prompt_logprobs: dict[str, list[tuple[dict[int, float], int]]] = {}
         self.grammars = None  # structured.Grammars: the engine sets it (rank 0)
 
     def forget(self, request_id: str) -> None:
@@ -60,12 +61,14 @@ class Sampler:
     @torch.no_grad()
     def score_prompts(self, logits: torch.Tensor, scheduled: list) -> None:
         """logits at the scheduled chunks' prompt positions (ScheduledRequest.prompt_positions,
-        in order): each position's next prompt token's log-prob and the request's top N, of the
-        model's raw distribution (vLLM's prompt_logprobs), into self.prompt_logprobs."""
+        in order): each position's next prompt token's log-prob, its rank and the request's top
+        N, of the model's raw distribution (vLLM's prompt_logprobs), into self.prompt_logprobs."""
         owners = [(s.request, p) for s in scheduled for p in s.prompt_positions]
         lp = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor([req.all_token_ids[p + 1] for req, p in owners], device=lp.device)
-        got = lp.gather(1, targets[:, None])[:, 0].tolist()
+        got = lp.gather(1, targets[:, None])
+        ranks = (lp > got).sum(dim=-1).add_(1).tolist()  # 1 + the tokens more likely than it
+        got = got[:, 0].tolist()
         k = max(req.sampling_params.prompt_logprobs for req, _ in owners)
         top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
         top_v, top_i = top_v.tolist(), top_i.tolist()
@@ -74,7 +77,7 @@ class Sampler:
             entry = {req.all_token_ids[p + 1]: got[j]}
             for t, v in zip(top_i[j][:n], top_v[j][:n]):
                 entry.setdefault(t, v)
-            self.prompt_logprobs.setdefault(req.request_id, []).append(entry)
+            self.prompt_logprobs.setdefault(req.request_id, []).append((entry, ranks[j]))
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, reqs: list[Request], rows: list[int], tokens: list[int]) -> dict:

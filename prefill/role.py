@@ -153,6 +153,7 @@ class PrefillRole(Role):
             meta["first_logprobs"] = list(c.logprobs[0].items())  # pairs: the meta is JSON
         if p.output.prompt_logprobs:  # scored here, where the prompt ran; emitted there
             meta["prompt_logprobs"] = [e and list(e.items()) for e in p.output.prompt_logprobs]
+            meta["prompt_ranks"] = p.output.prompt_ranks
         blocks = self.engine.kv.prompt_blocks_after(req, p.target.num_skip)
         try:
             self.connector.start_send(p.target, request_id, blocks, self.handoff_timeout_s, p.ready, meta)

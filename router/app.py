@@ -118,8 +118,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         n_prompt = sum(len(ids) for _, ids in prompts)
         renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, top_n=s.params.logprobs or 0,
                             echo=echo_text(req, chat, s, cluster.tokenizer), index=i, tools=tools, prompt_ids=s.ids,
-                            vllm_prompt_logprobs=req.prompt_logprobs is not None,
-                            prompt_top_n=req.num_prompt_logprobs() or 0, token_ids=req.return_token_ids)
+                            vllm_prompt_logprobs=req.prompt_logprobs is not None, token_ids=req.return_token_ids,
+                            scores_only=getattr(req, "scores_only", False))
                    for i, s in enumerate(seqs)]
         if not req.stream:
             outs = await runner.run_to_end(seqs, request)
@@ -129,8 +129,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             cached = sum(outs[i].num_cached_tokens for i in first_copies(seqs))
             extra = renders[0].extras(outs[0]) if chat else None  # chat: at the top level
             return JSONResponse(renders[0].body([r.final(o) for r, o in zip(renders, outs)],
-                                                usage(n_prompt, sum(len(o.outputs[0].token_ids) for o in outs),
-                                                      cached), extra),
+                                                usage(n_prompt, generated(renders, outs), cached), extra),
                                 headers=headers_of(outs[0]))
         gen = runner.merged(seqs)
         first = await runner.first_output(gen)
@@ -257,12 +256,18 @@ def check_final(out) -> None:
     if err is not None:
         raise err
 
+def generated(renders: list[Renderer], outs) -> int:
+    """The completion tokens a reply counts (none for a prompt scored alone: max_tokens 0)."""
+    return sum(len(o.outputs[0].token_ids) for r, o in zip(renders, outs) if not r.scores_only)
+
+
 def share_prompt_logprobs(seqs, outs) -> None:
     """A prompt's log-probs come with its first copy (SamplingParams.samples()); its other
     copies' choices show the same."""
-    scored = {s.prompt: o.prompt_logprobs for s, o in zip(seqs, outs) if o.prompt_logprobs}
+    scored = {s.prompt: o for s, o in zip(seqs, outs) if o.prompt_logprobs}
     for s, o in zip(seqs, outs):
-        o.prompt_logprobs = o.prompt_logprobs or scored.get(s.prompt)
+        if not o.prompt_logprobs and s.prompt in scored:
+            o.prompt_logprobs, o.prompt_ranks = scored[s.prompt].prompt_logprobs, scored[s.prompt].prompt_ranks
 
 
 async def stream_body(gen, first, renders: list[Renderer], seqs, n_prompt: int, include_usage: bool,
@@ -281,14 +286,14 @@ async def stream_body(gen, first, renders: list[Renderer], seqs, n_prompt: int, 
                 if err.status != 499:
                     yield sse(error_body(err.message, err.type, err.param, err.status))
                 break
-            n_out += len(out.delta_token_ids)
+            n_out += 0 if renders[i].scores_only else len(out.delta_token_ids)
             so_far = {"usage": usage(n_prompt, n_out)} if continuous else {}
             r = renders[i]
             if i not in opened:
                 opened.add(i)
                 if out.prompt_logprobs:
-                    scored[seqs[i].prompt] = out.prompt_logprobs
-                out.prompt_logprobs = scored.get(seqs[i].prompt)
+                    scored[seqs[i].prompt] = (out.prompt_logprobs, out.prompt_ranks)
+                out.prompt_logprobs, out.prompt_ranks = scored.get(seqs[i].prompt, (None, None))
                 opening = r.opening(out)
                 if opening is not None:
                     yield r.chunk([opening], **so_far, **(r.extras(out) if r.chat and not opened - {i} else {}))

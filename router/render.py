@@ -11,6 +11,7 @@ the two shapes (text completion / chat completion) as data, not as twin handlers
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -46,8 +47,8 @@ class Renderer:
     tools: ToolCalls | None = None  # chat with tool_choice required / named: the reply is calls (tools.py)
     prompt_ids: list[int] | None = None  # the sequence's prompt (echoed log-probs, return_token_ids)
     vllm_prompt_logprobs: bool = False  # the request asked for vLLM's prompt_logprobs field
-    prompt_top_n: int = 0  # the top log-probs per prompt token
     token_ids: bool = False  # vLLM's return_token_ids
+    scores_only: bool = False  # completions' max_tokens 0 with echo: the generated token is dropped
 
     def logprobs(self, entries: list[dict[int, float]] | None, token_ids: list[int], offset: int = 0):
         """OpenAI's log-probs object for these tokens (None when the request asked for none).
@@ -85,29 +86,31 @@ class Renderer:
                 "top_logprobs": [e and {text([u]): w for u, w in sorted(e.items(), key=lambda kv: -kv[1])}
                                  for e in entries], "text_offset": offsets}
 
-    def vllm_logprobs(self, entries: list[dict[int, float] | None] | None) -> list | None:
+    def vllm_logprobs(self, out: RequestOutput) -> list | None:
         """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, rank,
-        decoded_token}} for the token and the top N (`prompt_top_n`); rank is the place among
-        the top N, None for the prompt's token when it is not one of them."""
-        if entries is None:
+        decoded_token}} for the token (its rank among the whole vocabulary, from the engine) and
+        the top N (ranks 1..N)."""
+        if out.prompt_logprobs is None:
             return None
-        out = []
-        for t, e in zip(self.prompt_ids, entries):
+        ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
+        res = []
+        for t, e, rank in zip(self.prompt_ids, out.prompt_logprobs, ranks):
             if e is None:
-                out.append(None)
+                res.append(None)
                 continue
-            top = sorted((u for u in e if u != t or len(e) <= self.prompt_top_n), key=lambda u: -e[u])
-            ranks = {u: r for r, u in enumerate(top, 1)}
-            out.append({str(u): {"logprob": v, "rank": ranks.get(u), "decoded_token": self.tokenizer.decode([u])}
-                        for u, v in e.items()})
-        return out
+            top = sorted((u for u in e if u != t), key=lambda u: -e[u])
+            place = {u: r for r, u in enumerate(top, 1)}
+            place = {u: (r + 1 if rank is not None and rank <= r else r) for u, r in place.items()}  # t before them
+            res.append({str(u): {"logprob": v, "rank": rank if u == t else place[u],
+                                 "decoded_token": self.tokenizer.decode([u])} for u, v in e.items()})
+        return res
 
     def extras(self, out: RequestOutput) -> dict:
         """vLLM's extra fields asked for: prompt_logprobs, prompt_token_ids (a completion's
         choice carries them; chat puts them at the top level, chat_extras())."""
         extra = {}
         if self.vllm_prompt_logprobs:
-            extra["prompt_logprobs"] = self.vllm_logprobs(out.prompt_logprobs)
+            extra["prompt_logprobs"] = self.vllm_logprobs(out)
         if self.token_ids:
             extra["prompt_token_ids"] = list(self.prompt_ids or [])
         return extra
@@ -118,6 +121,8 @@ class Renderer:
 
     def final(self, out: RequestOutput) -> dict:
         """The non-streaming choice of a finished (cumulative) output."""
+        if self.scores_only:
+            out = self.prompt_alone(out)
         c = out.outputs[0]
         choice = {"index": self.index, "logprobs": self.with_echo(out, self.logprobs(c.logprobs, c.token_ids,
                                                                                       len(self.echo))),
@@ -134,12 +139,20 @@ class Renderer:
             choice["token_ids"] = list(c.token_ids)
         return choice
 
+    @staticmethod
+    def prompt_alone(out: RequestOutput) -> RequestOutput:
+        """The output without its generated token (scores_only), finished by length."""
+        c = out.outputs[0]
+        empty = dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                    finish_reason="length" if out.finished else None)
+        return dataclasses.replace(out, outputs=[empty], delta_text="", delta_token_ids=[])
+
     def with_echo(self, out: RequestOutput, lp: dict | None) -> dict | None:
         """Completions' echo with logprobs: the prompt's log-probs before the completion's."""
         if self.chat or not self.echo or lp is None or not out.prompt_logprobs:
             return lp
         head = self.prompt_logprobs(out.prompt_logprobs)
-        return {k: head[k] + lp[k] for k in lp}
+        return {k: head[k] + lp[k] for k in head}
 
     def body(self, choices: list[dict], usage_: dict, extra: dict | None = None) -> dict:
         return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
@@ -164,6 +177,8 @@ class Renderer:
                 "finish_reason": None}
 
     def choices(self, out: RequestOutput) -> list[dict]:
+        if self.scores_only:
+            out = self.prompt_alone(out)
         c = out.outputs[0]
         reason = c.finish_reason if out.finished else None
         lp = self.logprobs(c.logprobs, out.delta_token_ids, self._offset) if out.delta_token_ids else None

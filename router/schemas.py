@@ -80,7 +80,7 @@ class _Sampling(BaseModel):
 
     # the ranges SamplingParams enforces, declared here too so the OpenAPI schema says them
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions with echo only (the prompt, scored)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
@@ -158,6 +158,19 @@ class CompletionRequest(_Sampling):
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the top N per token (and the sampled token's)
     echo: bool = False
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt alone, with its log-probs (the legacy API's way to
+        score text). One token is generated and dropped."""
+        return self.max_tokens == 0
+
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        if not self.scores_only:
+            return super().sampling_params(default_max_tokens)
+        if not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo: the prompt alone, scored)")
+        return _Sampling.sampling_params(self.model_copy(update={"max_tokens": 1}), default_max_tokens)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

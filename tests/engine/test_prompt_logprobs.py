@@ -32,12 +32,13 @@ def test_prompt_logprobs_equal_hf_in_chunks_beside_others_and_through_preemption
         outs = llm.generate([list(range(300, 340)), list(range(400, 430)), prompt], [other, other, sp])
         scored = outs[2]
         lps = scored.prompt_logprobs
-        assert len(lps) == len(prompt) and lps[0] is None
+        assert len(lps) == len(prompt) == len(scored.prompt_ranks) and lps[0] is None is scored.prompt_ranks[0]
         for i in range(1, len(prompt)):
             assert lps[i][prompt[i]] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
             want = {t: v for t, v in zip(top.indices[i - 1].tolist(), top.values[i - 1].tolist())}
             assert {t: lps[i][t] for t in want} == pytest.approx(want, abs=1e-4)
             assert set(lps[i]) == set(want) | {prompt[i]}
+            assert scored.prompt_ranks[i] == 1 + int((ref[i - 1] > ref[i - 1, prompt[i]]).sum())
         assert scored.metrics.num_preemptions > 0  # nine blocks for three requests: the latest recomputed
         assert [c.token_ids for c in scored.outputs][0] == scored.outputs[1].token_ids  # greedy copies agree
         assert outs[0].prompt_logprobs is None

@@ -24,14 +24,15 @@ from pdserve.router.app import build_app
 from helpers import Server
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
-PARSER = {"disaggregated": "hermes", "colocated": "mistral"}  # tool_choice auto's call format, per server
+# tool_choice auto's call format, per server
+PARSER = {"disaggregated": "hermes", "colocated": "mistral", "hybrid": "llama3_json"}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+@pytest.fixture(scope="module", params=["disaggregated", "colocated", "hybrid"])
 def served(request):
-    kw = dict(prefill=1, decode=1) if request.param == "disaggregated" else dict(decode=1, mode="colocated")
+    kw = dict(decode=1, mode=request.param, **({} if request.param == "colocated" else {"prefill": 1}))
     c = Cluster.start(max_model_len=512, **kw)
     s = Server(build_app(c, tool_call_parser=PARSER[request.param]))
     yield c, s, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
@@ -92,14 +93,24 @@ def test_echo_with_logprobs_scores_the_prompt(served, llm):
                                             echo=True, logprobs=1, stream=True))
     head = chunks[0].choices[0]
     assert head.text == prompt and head.logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:n], abs=1e-6)
+    alone = client.completions.create(model=model_of(client), prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0  # scoring: the prompt alone
+    assert alone.choices[0].finish_reason == "length" and alone.choices[0].logprobs.token_logprobs == \
+        pytest.approx(lp.token_logprobs[:n], abs=1e-6)
+    for bad in (dict(prompt=prompt, max_tokens=0), dict(prompt=prompt, max_tokens=0, logprobs=1)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model_of(client), **bad)
+        assert e.value.body["param"] == "max_tokens"
     v = client.completions.create(model=model_of(client), prompt=prompt, max_tokens=2, temperature=0,
                                   extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
     assert v[0] is None and len(v) == n
     for i in range(1, n):
         mine = v[i][str(ids[i])]
         assert mine["logprob"] == pytest.approx(ref.prompt_logprobs[i][ids[i]], abs=2e-3)
-        ranked = sorted((e for e in v[i].values() if e["rank"] is not None), key=lambda e: e["rank"])
-        assert [e["rank"] for e in ranked] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+        assert mine["rank"] == ref.prompt_ranks[i]  # among the whole vocabulary
+        ranked = sorted(v[i].values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked][:2] == [1, 2] and len({e["rank"] for e in ranked}) == len(ranked)
+        assert [e["logprob"] for e in ranked] == sorted((e["logprob"] for e in ranked), reverse=True)
     chat = client.chat.completions.create(model=model_of(client), messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=2, extra_body={"prompt_logprobs": 0, "return_token_ids": True})
     extra = chat.model_extra
@@ -220,21 +231,23 @@ def test_auto_tool_choice_parses_the_models_call_format(served):
     back as tool_calls and its text as content, streamed as content deltas then a tool_calls
     delta; a reply without a call is plain content."""
     cluster, _, client = served
-    fmt = PARSER["colocated" if cluster.mode == "colocated" else "disaggregated"]
+    fmt = PARSER[cluster.mode]
     call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-    text = {"hermes": f"Checking.\n<tool_call>\n{call}\n</tool_call>", "mistral": f"Checking.[TOOL_CALLS][{call}]"}[fmt]
+    text = {"hermes": f"Checking.\n<tool_call>\n{call}\n</tool_call>", "mistral": f"Checking.[TOOL_CALLS][{call}]",
+            "llama3_json": call.replace("arguments", "parameters")}[fmt]
+    said = None if fmt == "llama3_json" else "Checking."  # llama3_json: the reply is the call alone
     kw = dict(model=model_of(client), messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=120,
               temperature=0,
               tools=[WEATHER], extra_body={"structured_outputs": {"regex": regex_literal(text)}})
     r = client.chat.completions.create(**kw)
     msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Checking."
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == said
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
         [("get_weather", {"city": "Paris"})]
     chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
     content = "".join(c.delta.content or "" for c in chunks)
     calls = [t for c in chunks for t in (c.delta.tool_calls or [])]
-    assert content.startswith("Checking.") and len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert content.startswith(said or "") and len(calls) == 1 and calls[0].function.name == "get_weather"
     assert chunks[-1].finish_reason == "tool_calls"
     sunny = {"structured_outputs": {"regex": regex_literal("Sunny, 21 C.")}}
     plain = client.chat.completions.create(**{**kw, "extra_body": sunny})
