@@ -141,10 +141,10 @@ def test_vllm_structured_outputs_and_extras(served, llm):
                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
     assert len(regex.choices[0].text) == 8 and regex.choices[0].text[3] == "-"
     doc = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "A person as JSON"}],
-                                         max_tokens=60, extra_body={"structured_outputs": {"json": {
+                                         max_tokens=120, temperature=0.8, seed=1, extra_body={"structured_outputs": {"json": {
                                              "type": "object", "properties": {"age": {"type": "integer"}},
                                              "required": ["age"], "additionalProperties": False}}})
-    assert isinstance(json.loads(doc.choices[0].message.content)["age"], int)
+    assert doc.choices[0].finish_reason == "stop" and isinstance(json.loads(doc.choices[0].message.content)["age"], int)
     yes_no = 'root ::= "yes" | "no"'
     for body in ({"structured_outputs": {"grammar": yes_no}}, {"guided_grammar": yes_no}):
         g = client.chat.completions.create(model=m, messages=ask, max_tokens=5, extra_body=body)
