@@ -140,10 +140,11 @@ def test_vllm_structured_outputs_and_extras(served, llm):
     regex = client.completions.create(model=m, prompt="Phone:", max_tokens=12,
                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
     assert len(regex.choices[0].text) == 8 and regex.choices[0].text[3] == "-"
+    person = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
+              "additionalProperties": False}
     doc = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "A person as JSON"}],
-                                         max_tokens=120, temperature=0.8, seed=1, extra_body={"structured_outputs": {"json": {
-                                             "type": "object", "properties": {"age": {"type": "integer"}},
-                                             "required": ["age"], "additionalProperties": False}}})
+                                         max_tokens=120, temperature=0.8, seed=1,
+                                         extra_body={"structured_outputs": {"json": person}})
     assert doc.choices[0].finish_reason == "stop" and isinstance(json.loads(doc.choices[0].message.content)["age"], int)
     yes_no = 'root ::= "yes" | "no"'
     for body in ({"structured_outputs": {"grammar": yes_no}}, {"guided_grammar": yes_no}):
