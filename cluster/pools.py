@@ -189,7 +189,7 @@ class Pools:
         t0 = time.monotonic()
         cls = ray.remote(self.worker_cls).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
         actor = cls.remote(wid, role, args, self.namespace, placement_group=pg, bind_host=self.bind_host,
-                           shard_options=shard_opts)
+                           shard_options=shard_opts, handoff_timeout_s=self.serving.handoff.timeout_s)
         try:
             info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
         except (asyncio.TimeoutError, RayError) as e:

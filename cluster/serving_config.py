@@ -17,6 +17,9 @@
       ttft_s: 2.0
       tpot_s: 0.05
       spill_at: 0.5             # prompts spill to decode workers past this x ttft_s predicted
+    handoff:
+      timeout_s: 30             # a KV handoff not done by then fails (--handoff-timeout); long
+                                # prompts on a busy host may need more
 
 Pools: sizes and bounds, and the Ray resources each pool's actors request. The
 autoscaling targets are what the policy (autoscale.py) compares its signals with. The
@@ -117,17 +120,29 @@ class SloConfig:
 
 
 @dataclass
+class HandoffConfig:
+    timeout_s: float = 30.0  # a reservation, send or receive of one request's KV
+
+    def validate(self) -> None:
+        v = self.timeout_s
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"handoff.timeout_s must be a number > 0, got {v!r}")
+
+
+@dataclass
 class ServingConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
 
     def validate(self) -> ServingConfig:
         self.prefill.validate("prefill")
         self.decode.validate("decode")
         self.autoscale.validate()
         self.slo.validate()
+        self.handoff.validate()
         return self
 
     def pool(self, role: str) -> PoolConfig:
@@ -136,21 +151,25 @@ class ServingConfig:
     @classmethod
     def from_dict(cls, d: dict | None) -> ServingConfig:
         d = dict(d or {})
-        unknown = set(d) - {"prefill", "decode", "autoscale", "slo"}
+        unknown = set(d) - {"prefill", "decode", "autoscale", "slo", "handoff"}
         if unknown:
             raise ValueError(f"unknown serving config keys: {sorted(unknown)} "
-                             "(expected prefill, decode, autoscale, slo)")
+                             "(expected prefill, decode, autoscale, slo, handoff)")
         return cls(prefill=_build(PoolConfig, d.get("prefill"), "prefill"),
                    decode=_build(PoolConfig, d.get("decode"), "decode"),
                    autoscale=_build(AutoscaleConfig, d.get("autoscale"), "autoscale"),
-                   slo=_build(SloConfig, d.get("slo"), "slo")).validate()
+                   slo=_build(SloConfig, d.get("slo"), "slo"),
+                   handoff=_build(HandoffConfig, d.get("handoff"), "handoff")).validate()
 
     @classmethod
     def from_yaml(cls, path: str) -> ServingConfig:
         import yaml
 
-        with open(path) as f:
-            data = yaml.safe_load(f)
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read the serving config {path}: {e.strerror}") from None
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"{path}: a serving config is a mapping, got {type(data).__name__}")
         try:

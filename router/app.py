@@ -21,6 +21,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -62,6 +63,16 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
     async def _http_error(_request, exc: HTTPError):
         metrics.refused(exc.status)
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_query(_request, exc: RequestValidationError):
+        """A route's query parameter of the wrong kind (e.g. /admin/timeline?n=abc): an OpenAI
+        error object naming it, not FastAPI's {"detail": ...}."""
+        metrics.refused(400)
+        err = (exc.errors() or [{}])[0]
+        param = str(err.get("loc", ("",))[-1]) or None
+        return error_response(400, f"invalid {param!r}: {err.get('msg', 'bad value')}", "invalid_request_error",
+                              param, None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _route_error(request, exc: StarletteHTTPException):

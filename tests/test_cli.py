@@ -30,6 +30,23 @@ def test_serve_flags_layer_over_the_serving_config(tmp_path):
     assert (cfg.decode.min, cfg.decode.max, cfg.decode.replicas) == (2, 4, 2)
     assert cfg.prefill.resources == {"pdserve_prefill": 1} and cfg.decode.resources == {"pdserve_decode": 1}
     assert not serving_config(build_parser().parse_args(["serve"])).autoscale.enabled
+    assert serving_config(build_parser().parse_args(["serve"])).handoff.timeout_s == 30
+    cfg_file.write_text("handoff: {timeout_s: 90}\n")
+    args = ["serve", "--config", str(cfg_file)]
+    assert serving_config(build_parser().parse_args(args)).handoff.timeout_s == 90
+    assert serving_config(build_parser().parse_args([*args, "--handoff-timeout", "120"])).handoff.timeout_s == 120
+
+
+def test_a_busy_port_and_the_version_answer_in_one_line_before_anything_starts():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = pdserve("serve", "--port", str(s.getsockname()[1]))
+    assert out.returncode == 2 and "Address already in use" in out.stderr and "Traceback" not in out.stderr
+    assert "serving" not in out.stdout  # refused before any worker started
+    assert pdserve("--version").stdout.strip().startswith("pdserve 0.")
 
 
 def test_serve_refuses_a_bad_serving_config(tmp_path):
@@ -81,7 +98,11 @@ def test_cli_errors_are_one_line_and_exit_2():
                          (("status", "--address", "127.0.0.1:9"), "no Ray cluster at --address 127.0.0.1:9"),
                          (("serve", "--enable-auto-tool-choice"), "--tool-call-parser NAME go together"),
                          (("serve", "--max-model-len", "10100"),  # the default model has 8192 positions
-                          "exceeds the model's max_position_embeddings (8192)")):
+                          "exceeds the model's max_position_embeddings (8192)"),
+                         (("serve", "--config", "nope.yaml"), "cannot read the serving config nope.yaml"),
+                         (("serve", "--port", "99999"), "--port must be in 1..65535"),
+                         (("serve", "--prefill", "0"), "--prefill must be >= 1, got 0"),
+                         (("serve", "--handoff-timeout", "0"), "handoff.timeout_s must be a number > 0")):
         out = pdserve(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr and expect in out.stderr, (args, out.stderr)

@@ -158,6 +158,8 @@ def serving_config(args: argparse.Namespace):
     for flag, name in (("slo_ttft", "ttft_s"), ("slo_tpot", "tpot_s")):
         if getattr(args, flag) is not None:
             setattr(cfg.slo, name, getattr(args, flag))
+    if args.handoff_timeout is not None:
+        cfg.handoff.timeout_s = args.handoff_timeout
     for role in ("prefill", "decode"):
         pool = cfg.pool(role)
         for bound in ("min", "max"):
@@ -171,7 +173,28 @@ def serving_config(args: argparse.Namespace):
             pool.resources = {f"pdserve_{role}": 1}
         elif args.pool_resources == "off":
             pool.resources = {}
-    return cfg
+    return cfg.validate()
+
+
+def check_listen(args: argparse.Namespace) -> None:
+    """What can be known before the cluster starts: the pool sizes asked for, and a port this
+    host can listen on now (a busy port was otherwise found only after every worker started)."""
+    import socket
+
+    for role in ("prefill", "decode"):
+        n = getattr(args, role)
+        if n is not None and n < 1:
+            raise CliError(f"--{role} must be >= 1, got {n}" + (" (--mode colocated has no prefill pool)"
+                                                                 if role == "prefill" else ""))
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((args.host, args.port))
+        except OSError as e:
+            raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror} (another server there? "
+                           "pick --port)") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -190,10 +213,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs.pop("model", None)
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
+    check_listen(args)
+    config = serving_config(args)  # a bad config file or value: one line, before anything starts
     cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
                             namespace=args.namespace,
                             local_prefill_tokens=args.local_prefill_tokens,
-                            local_cached_fraction=args.local_cached_fraction, serving_config=serving_config(args),
+                            local_cached_fraction=args.local_cached_fraction, serving_config=config,
                             mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), **kwargs)
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
@@ -271,6 +296,9 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    from pdserve import __version__
+
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for prompts with a local engine")
     g.add_argument("prompts", nargs="+", help="one or more prompts")
@@ -296,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--slo-ttft", type=float, default=None, help="TTFT target in seconds (default: config's, else 2)")
     sv.add_argument("--slo-tpot", type=float, default=None,
                     help="time per output token target in seconds (default: config's, else 0.05)")
+    sv.add_argument("--handoff-timeout", type=float, default=None,
+                    help="seconds a KV handoff may take before it fails (default: the config's handoff.timeout_s, "
+                         "else 30); long prompts on a busy host may need more")
     sv.add_argument("--config", default=None, help="serving config YAML: pools, resources, autoscaling targets")
     sv.add_argument("--autoscale", action="store_true", help="turn on the autoscaling policy")
     for role in ("prefill", "decode"):

@@ -224,6 +224,8 @@ def test_refusals_vllm_makes(served):
     form = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 2}),
                       headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert form.status_code == 415 and "application/json" in form.json()["error"]["message"]
+    bad = httpx.get(server.url + "/admin/timeline?n=abc")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
 
 
 def test_auto_tool_choice_parses_the_models_call_format(served):
