@@ -102,7 +102,8 @@ def test_cli_errors_are_one_line_and_exit_2():
                          (("serve", "--config", "nope.yaml"), "cannot read the serving config nope.yaml"),
                          (("serve", "--port", "99999"), "--port must be in 1..65535"),
                          (("serve", "--prefill", "0"), "--prefill must be >= 1, got 0"),
-                         (("serve", "--handoff-timeout", "0"), "handoff.timeout_s must be a number > 0")):
+                         (("serve", "--handoff-timeout", "0"), "handoff.timeout_s must be a number > 0"),
+                         (("plan", "--prompt-len", "100", "--output-len", "10"), "give the GPU: --gpu NAME")):
         out = pdserve(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr and expect in out.stderr, (args, out.stderr)
@@ -114,6 +115,8 @@ def test_help_shows_defaults():
     assert "--host HOST           default: 127.0.0.1" in text and "default: 8000" in text
     assert "(default: hybrid)" in " ".join(text.split())
     assert "(default: 256)" in text  # an option with help keeps it and gains the default
+    assert "(default: None)" not in text
+    assert all(" ".join(o.split()).count("default:") <= 1 for o in text.split("\n  -"))  # once per option
 
 
 def test_tensor_parallel_flags_and_config_keys(tmp_path):

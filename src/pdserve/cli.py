@@ -275,8 +275,15 @@ class CliError(Exception):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default (options without help get one too);
-    descriptions keep their line breaks."""
+    """Every option's help ends with its default once (options without help get one too; a
+    help that names its default, or an option without one, gets none added); descriptions
+    keep their line breaks."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False):
+            return text
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):

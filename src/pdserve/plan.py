@@ -97,7 +97,7 @@ def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
     else:
-        mem = spec.memory_bytes if gpu_memory_gib is None else int(gpu_memory_gib * (1 << 30))
+        mem = int(gpu_memory_gib * (1 << 30)) if gpu_memory_gib is not None else spec.memory_bytes if spec else 0
         if not mem:
             raise ValueError("give the GPU: --gpu NAME, --gpu-memory GiB, or --kv-cache-memory-bytes")
         budget = int(mem * cfg.gpu_memory_utilization) - weights - activation_bytes(cfg)
