@@ -339,6 +339,11 @@ class Cluster:
     def registry_workers(self) -> list[dict]:
         return ray.get(self.registry.list_workers.remote())
 
+    def closing(self) -> None:
+        """The process is going down (a signal that its workers got too): the monitor stops
+        purging and replacing the workers that end; shutdown() follows."""
+        self.pools.closed = True
+
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
             return

@@ -273,6 +273,7 @@ class Pools:
                 try:
                     w.stats = await asyncio.wait_for(w.actor.stats.remote(), 5)
                 except (RayError, asyncio.TimeoutError) as e:
+                    await asyncio.sleep(0.5)  # a signal that ended the worker ends this process too: closed by then
                     if w.worker_id in self.workers and not self.closed:
                         why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
                         log.warning("worker %s cannot serve (%s): purging and replacing it", w.worker_id, why)

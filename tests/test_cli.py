@@ -149,3 +149,30 @@ def test_generate_with_tensor_parallelism_prints_tp1s_text(tiny_models):
     out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "hi", "--model", tiny_models["llama"],
                           "-tp", "3"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "tensor_parallel_size 3 must divide the model's 4 attention heads" in out.stderr
+
+
+def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models):
+    """Ctrl-C reaches the whole process group, workers included: the server ends them, and its
+    monitor does not take them for failures to purge and replace."""
+    import os
+    import signal
+    import time
+
+    from helpers import free_port
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", tiny_models["llama"], "--mode",
+                             "colocated", "--decode", "1", "--max-model-len", "128", "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own group: the signal reaches only what it started
+    try:
+        deadline = time.monotonic() + 300
+        while "pdserve: serving" not in (line := proc.stdout.readline()):
+            assert line and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(3)  # the monitor has seen the worker
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "purging and replacing" not in err and "Traceback" not in err, err[-2000:]

@@ -232,7 +232,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
               f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
               f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
-        uvicorn.Server(server_config(app, args.host, args.port, args.log_level)).run()
+        server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level))
+        stop = server.handle_exit
+
+        def on_signal(sig, frame):  # Ctrl-C reaches the workers too: they end, they are not replaced
+            cluster.closing()
+            stop(sig, frame)
+
+        server.handle_exit = on_signal
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn raises the captured Ctrl-C again once it has stopped
+            pass
     finally:
         cluster.shutdown()
     return 0
