@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_generate_prints_a_coherent_answer(default_model_dir):
     out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "What is the capital of France?",
@@ -151,9 +153,11 @@ def test_generate_with_tensor_parallelism_prints_tp1s_text(tiny_models):
     assert out.returncode == 2 and "tensor_parallel_size 3 must divide the model's 4 attention heads" in out.stderr
 
 
-def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig):
     """Ctrl-C reaches the whole process group, workers included: the server ends them, and its
-    monitor does not take them for failures to purge and replace."""
+    monitor does not take them for failures to purge and replace; SIGTERM stops it the same way
+    (exit 0, no traceback)."""
     import os
     import signal
     import time
@@ -170,9 +174,9 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models):
         while "pdserve: serving" not in (line := proc.stdout.readline()):
             assert line and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(3)  # the monitor has seen the worker
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, getattr(signal, sig)) if sig == "SIGINT" else proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert "purging and replacing" not in err and "Traceback" not in err, err[-2000:]
+    assert proc.returncode == 0 and "purging and replacing" not in err and "Traceback" not in err, err[-2000:]

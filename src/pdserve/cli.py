@@ -176,6 +176,12 @@ def serving_config(args: argparse.Namespace):
     return cfg.validate()
 
 
+def _interrupt(sig, frame):
+    """SIGTERM as Ctrl-C: the server's `finally` stops the cluster (the default handler would
+    end the process first)."""
+    raise KeyboardInterrupt
+
+
 def check_listen(args: argparse.Namespace) -> None:
     """What can be known before the cluster starts: the pool sizes asked for, and a port this
     host can listen on now (a busy port was otherwise found only after every worker started)."""
@@ -199,6 +205,7 @@ def check_listen(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
+    import signal
 
     import uvicorn
 
@@ -240,9 +247,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stop(sig, frame)
 
         server.handle_exit = on_signal
+        signal.signal(signal.SIGTERM, _interrupt)  # what uvicorn raises again once it has stopped
         try:
             server.run()
-        except KeyboardInterrupt:  # uvicorn raises the captured Ctrl-C again once it has stopped
+        except KeyboardInterrupt:  # uvicorn raises the captured signal again once it has stopped
             pass
     finally:
         cluster.shutdown()
