@@ -3,6 +3,7 @@ the engine runs without preempting (within 5%), paged vs contiguous on mixed len
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.config import ALLOW_LONG
 from pdserve.plan import GPUS, plan, workload_lengths
 
 
@@ -64,7 +66,8 @@ def test_gpu_budget_weights_and_mixed_lengths(tiny_models):
 def test_plan_cli_on_the_trace(tiny_models):
     out = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--model", tiny_models["llama"] + "/config.json",
                           "--gpu", "h200", "--trace", "--trace-requests", "200", "--max-model-len", "65536"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120,  # past the tiny model's 512 positions:
+                         env={**os.environ, ALLOW_LONG: "1"})  # planned as the engine would serve it
     assert out.returncode == 0, out.stderr
     for line in ("KV per token", "request(s), mean prompt", "paged / contiguous", "prefill : decode workers"):
         assert line in out.stdout

@@ -140,7 +140,7 @@ def test_prefix_affinity_and_bounded_spread(client, server, cluster):
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": "hi", "min_tokens": 600}, 400, "min_tokens"),  # beyond what max_model_len leaves (fuzz: a 500)
     ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": [[1, 2], []]}, 400, "prompt"),  # a batch holding an empty prompt
     ({"model": "gpt-17", "prompt": "hi"}, 404, "model"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):
@@ -371,9 +371,10 @@ def test_conditional_disaggregation(client, cluster):
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "logprobs"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt alone, scored)
     ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"prompt": "hi", "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ({"prompt": "hi", "guided_grammar": "root ::= ("}, "guided_grammar"),
+    ({"prompt": "hi", "structured_outputs": {"yaml": "x"}}, "structured_outputs"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
@@ -475,7 +476,7 @@ def test_tokenize_detokenize_version_docs(server, cluster):
     assert ref == "#/components/schemas/ChatCompletionRequest"
     assert {"logprobs", "top_logprobs", "logit_bias"} <= set(spec["components"]["schemas"]["ChatCompletionRequest"]
                                                           ["properties"])
-    assert {"200", "400", "401", "403", "404", "408", "413", "429", "503"} == set(op["responses"])
+    assert {"200", "400", "401", "403", "404", "408", "413", "415", "429", "503"} == set(op["responses"])
 
 
 def test_logprobs_and_echo_with_the_openai_client(client, cluster, llm):
