@@ -21,7 +21,8 @@ def test_generate_reports_bad_input():
 
 
 def test_serve_flags_layer_over_the_serving_config(tmp_path):
-    from pdserve.cli import build_parser, serving_config
+    from pdserve.cli import build_parser
+    from pdserve.serve_cli import serving_config
 
     cfg_file = tmp_path / "serving.yaml"
     cfg_file.write_text("decode: {min: 2, max: 6}\nautoscale: {itl_p90_s: 0.2, cooldown_s: 5}\n")
@@ -122,8 +123,9 @@ def test_help_shows_defaults():
 
 
 def test_tensor_parallel_flags_and_config_keys(tmp_path):
-    from pdserve.cli import _engine_kwargs, build_parser, serving_config
+    from pdserve.cli import _engine_kwargs, build_parser
     from pdserve.cluster.serving_config import ServingConfig
+    from pdserve.serve_cli import serving_config
 
     cfg_file = tmp_path / "serving.yaml"
     cfg_file.write_text("prefill: {tensor_parallel_size: 4}\ndecode: {tensor_parallel_size: 1}\n")
