@@ -107,7 +107,7 @@ class Renderer:
 
     def extras(self, out: RequestOutput) -> dict:
         """vLLM's extra fields asked for: prompt_logprobs, prompt_token_ids (a completion's
-        choice carries them; chat puts them at the top level, chat_extras())."""
+        choice carries them; chat puts them at the top level: app.serve, stream_body)."""
         extra = {}
         if self.vllm_prompt_logprobs:
             extra["prompt_logprobs"] = self.vllm_logprobs(out)
@@ -170,8 +170,8 @@ class Renderer:
             extra = self.extras(first)
             if not self.echo and not extra:
                 return None
-            lp = self.prompt_logprobs(first.prompt_logprobs) if self.echo and self.top_n is not None and \
-                first.prompt_logprobs and first.outputs and first.outputs[0].logprobs is not None else None
+            asked = first.outputs and first.outputs[0].logprobs is not None  # echo + logprobs
+            lp = self.prompt_logprobs(first.prompt_logprobs) if self.echo and asked and first.prompt_logprobs else None
             return {"index": self.index, "text": self.echo, "logprobs": lp, "finish_reason": None, **extra}
         return {"index": self.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                 "finish_reason": None}
