@@ -77,7 +77,8 @@ class Cluster:
                  local_cached_fraction: float = 2.0, serving_config: ServingConfig | str | None = None,
                  start_timeout: float = 900.0, mode: str = "disaggregated",
                  prefill_engine_args: dict | None = None, prefill_tp: int | None = None,
-                 decode_tp: int | None = None, worker_cls=None):
+                 decode_tp: int | None = None, worker_cls=None, progress=None):
+        say = progress or (lambda message: None)
         mode = MODE_ALIASES.get(mode, mode)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)} (or 'disagg'), got {mode!r}")
@@ -85,6 +86,7 @@ class Cluster:
             raise ValueError("colocated mode has no prefill pool: size it with decode=N (N colocated engines)")
         self.mode = mode
         self.serving = self._serving_config(serving_config, prefill, decode)
+        say(f"model {model or 'default'}: reading its config and tokenizer")
         self.model_path = resolve_model_path(model)
         # validate names and values here, not in an actor
         self.engine_config = EngineConfig.from_kwargs(**{**engine_args, "model": self.model_path})
@@ -113,6 +115,7 @@ class Cluster:
             env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
                                               "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL") if k in os.environ}
             # no address: a Ray of our own ("local"), never one that happens to run on this machine
+            say(f"joining the Ray cluster at {address}" if address else "starting a local Ray cluster")
             ray.init(address=address or "local", namespace=namespace, include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=False)
         # a Ray of our own is this machine only: the workers' KV stores listen on loopback
@@ -134,14 +137,18 @@ class Cluster:
         self.pools = Pools(self.serving, mode, role_engine_args, options, namespace, self.registry, start_timeout,
                            bind_host)
         self.pools.worker_cls = worker_cls or self.pools.worker_cls
+        self.pools.progress = say
         self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, local_prefill_tokens,
                                      local_cached_fraction)
         self.dispatcher.observers.append(_AutoscaleLatency(self.pools))
         self._closed = False
         self._monitor = None
         try:
-            self.scale(prefill=None if mode == "colocated" else self.serving.prefill.replicas,
-                       decode=self.serving.decode.replicas)
+            sizes = {"prefill": None if mode == "colocated" else self.serving.prefill.replicas,
+                     "decode": self.serving.decode.replicas}
+            say("starting " + " + ".join(f"{n} {role}" for role, n in sizes.items() if n) +
+                " worker(s); each loads the model")
+            self.scale(**sizes)
         except BaseException:
             self.shutdown()
             raise
@@ -153,7 +160,7 @@ class Cluster:
               local_prefill_tokens: int = 0, local_cached_fraction: float = 2.0,
               serving_config: ServingConfig | str | None = None, start_timeout: float = 900.0,
               mode: str = "disaggregated", prefill_engine_args: dict | None = None, prefill_tp: int | None = None,
-              decode_tp: int | None = None, worker_cls=None, **engine_args) -> Cluster:
+              decode_tp: int | None = None, worker_cls=None, progress=None, **engine_args) -> Cluster:
         """`prefill` / `decode` default to the serving config's replicas (1 each without one).
         mode="disaggregated": every prompt on the prefill pool (bar the explicit local rules).
         mode="hybrid": per prompt, the prefill pool or a decode worker, whichever is predicted
@@ -163,10 +170,11 @@ class Cluster:
         `prefill_tp` / `decode_tp`: GPUs per worker of each pool (tensor parallelism; a
         handoff works between any two sizes whose KV heads divide); `tensor_parallel_size`
         sets both (colocated engines are the decode pool). `worker_cls`: a WorkerActor subclass
-        (fault-injection tests)."""
+        (fault-injection tests). `progress(message)`: told each stage of the start (the CLI
+        prints them)."""
         return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
                    local_prefill_tokens, local_cached_fraction, serving_config, start_timeout, mode,
-                   prefill_engine_args, prefill_tp, decode_tp, worker_cls)
+                   prefill_engine_args, prefill_tp, decode_tp, worker_cls, progress)
 
     @staticmethod
     def _serving_config(cfg: ServingConfig | str | None, prefill: int | None, decode: int | None) -> ServingConfig:

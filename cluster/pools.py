@@ -56,6 +56,7 @@ class Pools:
         """`bind_host`: where the workers' KV stores listen (None: each node's address)."""
         self.serving, self.mode, self.bind_host = serving, mode, bind_host
         self.worker_cls = WorkerActor  # the actor class (fault-injection tests use a subclass)
+        self.progress = lambda message: None  # told each worker that starts (the CLI prints it)
         self.role_engine_args, self.actor_options = role_engine_args, actor_options
         self.namespace, self.registry, self.start_timeout = namespace, registry, start_timeout
         self.workers: dict[str, WorkerRecord] = {}
@@ -204,6 +205,7 @@ class Pools:
         self.workers[wid] = w
         self.start_s = 0.7 * self.start_s + 0.3 * (time.monotonic() - t0)
         log.info("worker %s started", wid)
+        self.progress(f"{role} worker {wid} ready ({time.monotonic() - t0:.1f} s)")
         tier = info.get("kv_persist_status")
         if tier and ("refused" in tier or not tier.startswith("restored")):  # in the server's own log too
             log.warning("worker %s: persisted KV tier: %s", wid, tier)

@@ -50,7 +50,7 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
         raise ValueError(f"chat_special_tokens must be refuse or allow, got {chat_special_tokens!r}")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {tool_call_parser!r}")
-    app = FastAPI(title="pdserve", version=__version__, docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)  # /docs: openapi.py
     model_name = served_model_name or os.path.basename(os.path.normpath(cluster.model_path))
     metrics = RouterMetrics(cluster, model_name)
     runner = RequestRunner(cluster, max_body_bytes, max_queue)

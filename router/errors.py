@@ -37,6 +37,7 @@ class GuardMiddleware:
     `on_refuse(status)` counts each refusal."""
 
     OPEN = ("/health", "/version", "/docs", "/openapi.json")
+    OPEN_UNDER = "/docs/static/"  # Swagger UI's own files
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, on_refuse, admin_key: str | None = None):
         self.app, self.api_key, self.admin_key = app, api_key, admin_key
@@ -61,7 +62,7 @@ class GuardMiddleware:
             elif self.api_key:
                 return (403, "the admin routes need their own key: start the server with --admin-key "
                              "(or PDSERVE_ADMIN_KEY)", "permission_error")
-        elif self.api_key and path not in self.OPEN:
+        elif self.api_key and path not in self.OPEN and not path.startswith(self.OPEN_UNDER):
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 return 401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error"
         length = headers.get("content-length")

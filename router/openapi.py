@@ -1,5 +1,8 @@
 """The OpenAPI description (/openapi.json, /docs) of the routes that parse their own bodies.
 
+/docs is Swagger UI served from the `swagger-ui-bundle` package's files (/docs/static/...), not
+a CDN: it works on a host without internet access.
+
 The OpenAI routes read the raw body themselves (size limit, JSON, the parameters not
 implemented yet, then the pydantic model: runner.py), so FastAPI cannot see their request
 models; this adds them, with the error responses every route can give, to FastAPI's
@@ -10,13 +13,16 @@ and which statuses to expect.
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+DOCS_STATIC = "/docs/static"
 STREAMING = ("/v1/completions", "/v1/chat/completions")
 ERRORS = {"400": "invalid request (the error names the parameter)", "401": "missing or wrong API key",
           "403": "an admin route on a server without an admin key", "404": "unknown model or route",
@@ -62,3 +68,13 @@ def install(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = build
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(DOCS_STATIC, StaticFiles(directory=str(swagger_ui_path)), name="docs-static")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="pdserve: API",
+                                   swagger_js_url=f"{DOCS_STATIC}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_STATIC}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_STATIC}/favicon-32x32.png")

@@ -98,7 +98,7 @@ def pdserve(*args, env=None):
 def test_cli_errors_are_one_line_and_exit_2():
     for args, expect in ((("scale",), "give --prefill N and/or --decode M"),
                          (("scale", "--decode", "2", "--url", "http://127.0.0.1:9"), "no pdserve server at"),
-                         (("status", "--address", "127.0.0.1:9"), "no Ray cluster at --address 127.0.0.1:9"),
+                         (("status", "--url", "http://127.0.0.1:9"), "no pdserve server at http://127.0.0.1:9"),
                          (("serve", "--enable-auto-tool-choice"), "--tool-call-parser NAME go together"),
                          (("serve", "--max-model-len", "10100"),  # the default model has 8192 positions
                           "exceeds the model's max_position_embeddings (8192)"),
@@ -182,3 +182,7 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0 and "purging and replacing" not in err and "Traceback" not in err, err[-2000:]
+    # the start showed its stages, each worker as it became ready
+    for stage in ("reading its config and tokenizer", "starting a local Ray cluster",
+                  "starting 1 decode worker(s); each loads the model", "decode worker colocated-0-"):
+        assert stage in err, err[-2000:]

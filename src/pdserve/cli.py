@@ -3,7 +3,7 @@
     pdserve generate "prompt" [--model DIR] [--max-tokens N] [--temperature T] ...
     pdserve serve [--model M] [--prefill N] [--decode M] [--host 127.0.0.1] [--port 8000] ...
                   [--config serving.yaml] [--autoscale] [--min-decode 1 --max-decode 8] ...
-    pdserve status [--address auto]
+    pdserve status [--url http://127.0.0.1:8000]
     pdserve scale --prefill N --decode M [--url http://127.0.0.1:8000]
     pdserve bench [--url ...] [--workload trace|synthetic|shared-prefix] [--rates 1,2,4] ...
 
@@ -95,83 +95,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    """Prints the pools of a running cluster, as its block registry sees them."""
-
-    import ray
-
-    from pdserve.cluster.registry import REGISTRY_NAME
-
-    no_cluster = (f"no Ray cluster at --address {args.address}: start one with `pdserve serve` "
-                  "(or `ray start --head`), or pass the address of a running one")
-    if ":" in args.address:  # host:port: Ray would retry a dead address for minutes
-        import socket
-
-        host, _, port = args.address.rpartition(":")
-        try:
-            socket.create_connection((host.removeprefix("ray://"), int(port)), timeout=3).close()
-        except (OSError, ValueError):
-            raise CliError(no_cluster) from None
-    try:
-        ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
-    except ConnectionError:
-        raise CliError(no_cluster) from None
-    try:
-        registry = ray.get_actor(REGISTRY_NAME, namespace=args.namespace)
-    except ValueError:
-        raise CliError(f"no pdserve cluster in namespace {args.namespace!r} at {args.address}: "
-                       "start one with `pdserve serve`") from None
-    rows = sorted(ray.get(registry.list_workers.remote()), key=lambda w: (w["role"], w["worker_id"]))
-    head = ["worker", "role", "node", "blocks used/total", "running", "waiting", "prefix hits/queries",
-            "preemptions", "cached blocks"]
-    table = []
-    for w in rows:
-        st = w.get("stats", {})
-        table.append([w["worker_id"], w["role"], w.get("node", "?"),
-                      f"{st.get('kv_blocks_used', 0)}/{st.get('kv_blocks_total', w.get('capacity_blocks', 0))}",
-                      str(st.get("num_running", 0)), str(st.get("num_waiting", 0)),
-                      f"{st.get('prefix_cache_hits', 0)}/{st.get('prefix_cache_queries', 0)}",
-                      str(st.get("num_preemptions", 0)), str(w.get("num_cached_blocks", 0))])
-    widths = [max(len(r[i]) for r in [head, *table]) for i in range(len(head))]
-    for r in [head, *table]:
-        print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip())
-    counts = {role: sum(w["role"] == role for w in rows) for role in ("prefill", "decode")}
-    print(f"pools: prefill={counts['prefill']} decode={counts['decode']}")
-    return 0
-
-
-def cmd_scale(args: argparse.Namespace) -> int:
-    import json
-    import os
-    import urllib.error
-    import urllib.request
-
-    body = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
-    if not body:
-        raise CliError("give --prefill N and/or --decode M (the pool sizes to reach)")
-    if args.switch_roles:
-        body["switch_roles"] = True
-    key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
-    url = f"{args.url.rstrip('/')}/admin/scale"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {key}"} if key else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=900) as resp:
-            print(json.dumps(json.loads(resp.read()), indent=2))
-    except urllib.error.HTTPError as e:  # the server's own message, not a traceback
-        try:
-            message = json.loads(e.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = e.reason
-        hint = " (set --admin-key or PDSERVE_ADMIN_KEY)" if e.code in (401, 403) else ""
-        raise CliError(f"the server refused the scaling (HTTP {e.code}): {message}{hint}") from None
-    except urllib.error.URLError as e:
-        raise CliError(f"no pdserve server at {args.url} ({e.reason}): start one with `pdserve serve`, "
-                       "or pass --url") from None
-    return 0
-
-
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
@@ -228,18 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
-    sc = sub.add_parser("scale", help="resize the pools of a running server")
-    sc.add_argument("--prefill", type=int, default=None)
-    sc.add_argument("--decode", type=int, default=None)
-    sc.add_argument("--switch-roles", action="store_true",
-                    help="reach the sizes by moving workers between the pools (same total; no worker starts)")
-    sc.add_argument("--url", default="http://127.0.0.1:8000")
-    sc.add_argument("--admin-key", default=None, help="the server's admin key (or env PDSERVE_ADMIN_KEY)")
-    sc.set_defaults(func=cmd_scale)
-    st = sub.add_parser("status", help="print the prefill and decode pools of a running cluster")
-    st.add_argument("--address", default="auto", help="Ray address of the cluster (default: auto)")
-    st.add_argument("--namespace", default="pdserve")
-    st.set_defaults(func=cmd_status)
+    from pdserve.admin_cli import add_admin_parsers
+
+    add_admin_parsers(sub)
     from pdserve.bench import add_parser as add_bench  # argparse only; the client loads on use
 
     add_bench(sub)

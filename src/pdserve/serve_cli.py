@@ -74,6 +74,8 @@ def check_listen(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
     import signal
+    import sys
+    import time
 
     import uvicorn
 
@@ -90,11 +92,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
     check_listen(args)
     config = serving_config(args)  # a bad config file or value: one line, before anything starts
+    t0 = time.monotonic()
+
+    def progress(message: str) -> None:
+        print(f"pdserve: [{time.monotonic() - t0:5.1f} s] {message}", file=sys.stderr, flush=True)
+
     cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
                             namespace=args.namespace,
                             local_prefill_tokens=args.local_prefill_tokens,
                             local_cached_fraction=args.local_cached_fraction, serving_config=config,
-                            mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), **kwargs)
+                            mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), progress=progress,
+                            **kwargs)
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,

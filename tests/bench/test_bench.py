@@ -216,3 +216,50 @@ def test_bench_reports_an_unreachable_endpoint():
     res = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--url", "http://127.0.0.1:9", "--num-requests",
                           "1"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "cannot reach http://127.0.0.1:9" in res.stderr
+
+
+def test_prefix_hit_rate_counts_per_worker_so_a_scale_down_is_not_negative():
+    """Counters of a worker that left (scale-down, role switch) vanish from /metrics: the
+    summed total falls. The hit rate counts each worker's own increase (as Prometheus'
+    increase() does): it stayed between 0 and 1 (it read -249% before)."""
+    from pdserve.bench.report import counter_increase, markdown
+
+    q, h = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
+
+    def page(**workers):  # worker -> (queries, hits), as EndpointClient.metrics() reads a page
+        out = {q: sum(v[0] for v in workers.values()), h: sum(v[1] for v in workers.values())}
+        for w, (wq, wh) in workers.items():
+            out[f'{q}{{worker="{w}"}}'], out[f'{h}{{worker="{w}"}}'] = wq, wh
+        return out
+
+    before = page(a=(1000, 800), b=(5000, 4000))
+    after = page(a=(1400, 1000), c=(100, 50))  # b left; c started during the run
+    assert counter_increase(before, after, q) == 400 + 100 and counter_increase(before, after, h) == 200 + 50
+    rec = Record(10, 1, ttft=0.1, output_tokens=1)
+    rec.e2e = 0.1
+    s = summarize([rec], 1.0, 1.0, 1.0, 1.0, before, after)
+    assert s["prefix_hit_rate"] == pytest.approx(250 / 500)
+    restarted = page(a=(30, 10), c=(100, 50))  # a restarted: its counter starts over
+    assert counter_increase(before, restarted, q) == 30 + 100
+    assert counter_increase(before, {}, q) is None  # a server without the counter: "-"
+    # every prompt prefilled on its decode worker: the phases table has those columns, well formed
+    run = s | {"phase_ms": {"local_prefill": {"p50": 3.0, "p90": 4.0},
+                            "local_to_first_token": {"p50": 1.0, "p90": 2.0}}}
+    text = markdown({"label": "x", "config": {"workload_desc": "w", "ttft_slo": 1, "tpot_slo": 0.1},
+                     "runs": [run], "goodput": {"rps": 1.0, "lower_bound": True}})
+    table = text.split("per-request timeline):")[1].strip().splitlines()
+    assert table[0] == "| rate | local_prefill | local_to_first_token |"
+    assert table[2] == "| 1 | 3.0 / 4.0 | 1.0 / 2.0 |" and len({line.count("|") for line in table}) == 1
+
+
+def test_bench_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from pdserve.cli import main
+
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"label": "x", "config": {"workload_desc": "w", "ttft_slo": 1, "tpot_slo": 0.1},
+                             "runs": [], "goodput": {"rps": None, "lower_bound": False}}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["bench", "plot", str(f), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "pdserve: error: matplotlib is not installed: pip install 'pdserve[bench]' for the plots"
+    assert not list(tmp_path.glob("*.png"))

@@ -307,17 +307,32 @@ def test_admin_switch_roles_and_slo(server, cluster):
     assert cluster.dispatcher.placer.slo.ttft_s == 1.5  # what placement decides with (it kept the old one)
 
 
-def test_pdserve_scale_shows_the_servers_message_and_reads_the_env_key(server, cluster):
+def test_pdserve_scale_and_status_find_the_server_by_url_and_read_the_env_key(server, cluster):
     import os
     import subprocess
     import sys
 
+    def pdserve(*args, key=None, url=server.url):
+        env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_ADMIN_KEY", "PDSERVE_URL")}
+        env.update({"PDSERVE_ADMIN_KEY": key} if key else {})
+        env.update({"PDSERVE_URL": url} if url else {})
+        return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True,
+                              timeout=300, env=env)
+
     def scale(*args, key=None):
-        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ADMIN_KEY"}
-        if key:
-            env["PDSERVE_ADMIN_KEY"] = key
-        return subprocess.run([sys.executable, "-m", "pdserve", "scale", *args, "--url", server.url],
-                              capture_output=True, text=True, timeout=300, env=env)
+        return pdserve("scale", *args, "--url", server.url, key=key)
+
+    out = pdserve("status", key=ADMIN)  # $PDSERVE_URL, as `pdserve scale` finds it
+    assert out.returncode == 0, out.stderr
+    sizes = cluster.pool_sizes()
+    assert f"pools: prefill={sizes['prefill']} decode={sizes['decode']}" in out.stdout
+    for wid in cluster.workers:
+        assert wid in out.stdout
+    out = pdserve("status", url=None)  # nothing at the default URL's port here
+    assert out.returncode == 2 and "Traceback" not in out.stderr  # (someone else's server on 8000: its 401)
+    assert "no pdserve server at http://127.0.0.1:8000" in out.stderr or "HTTP 401" in out.stderr
+    out = pdserve("status", key=KEY)
+    assert out.returncode == 2 and "HTTP 401" in out.stderr and "Traceback" not in out.stderr
 
     out = scale("--decode", "0", key=ADMIN)
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -468,7 +483,15 @@ def test_tokenize_detokenize_version_docs(server, cluster):
     from pdserve import __version__
 
     assert httpx.get(server.url + "/version").json() == {"version": __version__}  # open, like /health
-    assert httpx.get(server.url + "/docs").status_code == 200
+    page = httpx.get(server.url + "/docs")  # Swagger UI, every file from this server (no CDN: works offline)
+    assert page.status_code == 200
+    import re
+
+    assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", page.text)
+    assert any(a.endswith("swagger-ui-bundle.js") for a in assets), assets
+    for a in assets:
+        assert a.startswith("/docs/static/"), a
+        assert httpx.get(server.url + a).status_code == 200, a  # open, like /docs
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(spec["paths"])
     op = spec["paths"]["/v1/chat/completions"]["post"]

@@ -181,7 +181,7 @@ def main(args) -> int:
                 results.append(json.load(f))
         if not results:
             raise ValueError("pdserve bench plot needs result JSON files")
-        for p in report.plot(results, args.out or ".", args.name or "compare"):
+        for p in report.plot(results, args.out or ".", args.name or "compare", required=True):
             print(p)
         return 0
     if args.num_requests < 1:

@@ -42,10 +42,9 @@ def summarize(records: list[Record], duration: float, rate: float, ttft_slo: flo
     out_tokens = sum(r.output_tokens for r in ok)
     hit_rate = None
     if metrics_before is not None and metrics_after:
-        q = metrics_after.get("vllm:prefix_cache_queries_total", 0) - metrics_before.get(
-            "vllm:prefix_cache_queries_total", 0)
-        h = metrics_after.get("vllm:prefix_cache_hits_total", 0) - metrics_before.get("vllm:prefix_cache_hits_total", 0)
-        hit_rate = h / q if q > 0 else None
+        q = counter_increase(metrics_before, metrics_after, "vllm:prefix_cache_queries_total")
+        h = counter_increase(metrics_before, metrics_after, "vllm:prefix_cache_hits_total")
+        hit_rate = h / q if q and h is not None else None
     phases = _phase_means(metrics_before or {}, metrics_after or {})
     errors = sorted({r.error for r in records if r.error})[:5]
     return {
@@ -64,6 +63,25 @@ def summarize(records: list[Record], duration: float, rate: float, ttft_slo: flo
         "requests_detail": [[round(r.sent, 4), r.prompt_tokens, r.output_tokens, _r(r.ttft), _r(r.tpot), _r(r.e2e)]
                             for r in sorted(records, key=lambda r: r.sent)],
     }
+
+
+def counter_increase(before: dict, after: dict, name: str) -> float | None:
+    """How much a counter grew over a run, as Prometheus' increase() counts it: per series
+    (per worker), a series that starts during the run counts from 0, one that fell (its
+    worker restarted) from 0 again, and one that is gone (its worker left: scaled down, or
+    switched roles) adds nothing. Summing the totals instead gave a negative hit rate after a
+    scale-down. None when the server has no such counter."""
+    series = [k for k in after if k.startswith(name + "{")]
+    if not series:
+        if name not in after:
+            return None
+        inc = after[name] - before.get(name, 0.0)
+        return after[name] if inc < 0 else inc
+    total = 0.0
+    for k in series:
+        inc = after[k] - before.get(k, 0.0)
+        total += after[k] if inc < 0 else inc
+    return total
 
 
 def _phase_means(before: dict, after: dict) -> dict:
@@ -117,10 +135,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['rate']:g} | {r['completed']}/{r['requests']} | {_ms(t['p50'])}/{_ms(t['p90'])}/"
                      f"{_ms(t['p99'])} | {_ms(p['p50'])}/{_ms(p['p90'])}/{_ms(p['p99'])} | {_ms(r['itl_s']['p90'])} "
                      f"| {r['output_tok_s']:.0f} | {r['slo_attainment']:.0%} | {hit} |")
-    timed = [(r["rate"], r["phase_ms"]) for r in result["runs"] if r.get("phase_ms")]
+    timed = [(r["rate"], r["phase_ms"]) for r in result["runs"]
+             if any(n in r.get("phase_ms", {}) for n in ("prefill", "local_prefill", "local_first_token"))]
     if timed:
-        names = [n for n in ("prefill", "decode_reserve", "kv_to_first_token", "local_first_token")
-                 if any(n in ph for _, ph in timed)]
+        from .timeline import PHASES
+
+        names = [n for n in PHASES if any(n in ph for _, ph in timed)]
         lines += ["", "Phases before the first token, p50 / p90 (ms, from the server's per-request timeline):",
                   "", "| rate | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
         for rate, ph in timed:
@@ -159,15 +179,21 @@ def write(result: dict, out_dir: str, stem: str) -> list[str]:
     return paths
 
 
-def plot(results: list[dict], out_dir: str, stem: str) -> list[str]:
-    """latency vs rate and SLO attainment vs rate, one line per result; [] without matplotlib."""
+NO_MATPLOTLIB = "matplotlib is not installed: pip install 'pdserve[bench]' for the plots"
+
+
+def plot(results: list[dict], out_dir: str, stem: str, required: bool = False) -> list[str]:
+    """latency vs rate and SLO attainment vs rate, one line per result. Without matplotlib:
+    [] and a notice, or a ValueError (exit 2) when the plot is all that was asked for."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("pdserve bench: matplotlib is not installed; skipping plots (pip install 'pdserve[bench]')")
+        if required:
+            raise ValueError(NO_MATPLOTLIB) from None
+        print(f"pdserve bench: {NO_MATPLOTLIB}; skipping them")
         return []
     os.makedirs(out_dir, exist_ok=True)
     cfg = results[0]["config"]

@@ -1,0 +1,142 @@
+"""Every command in README.md and docs/ runs here, so none goes stale.
+
+The quick check (not slow) parses every `pdserve` command against the CLI's own parser,
+checks that every file a command or a link names exists, and runs the Python blocks that need
+no server. The slow test starts the README's quick-start server (`pdserve serve`, the default
+model, on a free port instead of 8000) and runs every command against it: the `curl` lines,
+`pdserve status / scale / bench / generate / plan`, and the Python blocks. What needs GPUs or a
+cloud account (`ray up`, tensor-parallel serving, `scripts/*.sh`) is parsed, its files checked.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NEEDS_SERVER = ("127.0.0.1:8000", "OpenAI(", "Cluster.start", "LLM(")
+
+
+def blocks(lang: str) -> list[tuple[str, str]]:
+    out = []
+    for doc in DOCS:
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", doc.read_text(), re.S | re.M):
+            if m.group(1) == lang:
+                out.append((doc.name, m.group(2)))
+    return out
+
+
+def commands() -> list[tuple[str, list[str]]]:
+    """Each shell command of the docs' bash blocks as argv (continuations joined, comments and
+    leading VAR=value assignments dropped)."""
+    out = []
+    for name, text in blocks("bash"):
+        for line in text.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line, comments=True)
+            while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
+                argv = argv[1:]
+            if argv:
+                out.append((name, argv))
+    return out
+
+
+def test_the_readme_is_an_entry_point():
+    text = (ROOT / "README.md").read_text()
+    assert text.count("\n") <= 150
+    for doc in ("usage", "deployment", "kv-cache", "performance", "architecture", "development"):
+        assert f"(docs/{doc}.md)" in text
+
+
+def test_every_command_in_the_docs_parses_and_names_files_that_exist():
+    from pdserve.cli import build_parser
+
+    seen = set()
+    for name, argv in commands():
+        seen.add(argv[0])
+        assert argv[0] in ("pdserve", "bash", "ray", "curl"), f"{name}: an untested command: {argv}"
+        if argv[0] == "pdserve":
+            try:
+                build_parser().parse_args(argv[1:])
+            except SystemExit as e:
+                assert argv[1:] == ["--version"] and e.code == 0, f"{name}: {shlex.join(argv)} does not parse"
+        for arg in argv[1:]:
+            for path in re.findall(r"(?:configs|scripts|bench)/[\w./-]+", arg):
+                assert (ROOT / path).exists(), f"{name}: {shlex.join(argv)} names {path}, which is not there"
+    assert {"pdserve", "bash", "ray", "curl"} <= seen
+
+
+def test_every_link_in_the_docs_resolves():
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            assert file.exists(), f"{doc.name}: link to {target}"
+            if anchor and file.suffix == ".md":
+                slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                         for h in re.findall(r"^#+ (.*)$", file.read_text(), re.M)}
+                assert anchor in slugs, f"{doc.name}: link to {target}: no such heading"
+
+
+def test_the_python_blocks_without_a_server_run():
+    for name, code in blocks("python"):
+        if not any(s in code for s in NEEDS_SERVER):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+            assert out.returncode == 0, f"{name}:\n{code}\n{out.stderr[-2000:]}"
+
+
+@pytest.mark.slow
+def test_every_command_runs_against_the_quick_start_server(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_URL", "PDSERVE_ADMIN_KEY", "PDSERVE_API_KEY")}
+    env |= {"RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo", "PDSERVE_URL": url}
+    (quick_start,) = [argv for name, argv in commands() if name == "README.md" and argv[:2] == ["pdserve", "serve"]]
+    quick_start = [arg.replace("8000", str(port)) for arg in quick_start]
+    server = subprocess.Popen([sys.executable, "-m", *quick_start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=tmp_path, start_new_session=True)  # its own process group
+    try:
+        deadline = time.monotonic() + 300
+        while "pdserve: serving" not in (line := server.stdout.readline()):
+            assert line and time.monotonic() < deadline, server.stderr.read()
+        ran = 0
+        for name, argv in commands():
+            live = argv[0] == "curl" or (argv[0] == "pdserve" and argv[1] in ("status", "scale", "bench", "generate",
+                                                                                "plan", "--version"))
+            if not live:
+                continue
+            argv = [a.replace("http://127.0.0.1:8000", url) for a in argv]
+            if argv[0] == "pdserve":
+                argv = [sys.executable, "-m", *argv]
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+            assert out.returncode == 0, f"{name}: {shlex.join(argv)}\n{out.stdout[-1000:]}\n{out.stderr[-2000:]}"
+            assert '"error"' not in out.stdout, f"{name}: {shlex.join(argv)}: {out.stdout[-1000:]}"
+            ran += 1
+        for name, code in blocks("python"):
+            if any(s in code for s in NEEDS_SERVER):
+                code = code.replace("http://127.0.0.1:8000", url)
+                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                                     env=env, cwd=tmp_path)
+                assert out.returncode == 0, f"{name}:\n{code}\n{out.stderr[-2000:]}"
+                assert "Paris" in out.stdout or "OpenAI(" not in code, out.stdout
+                ran += 1
+        assert ran >= 15
+    finally:
+        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as the README says
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert server.returncode == 0
