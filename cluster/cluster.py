@@ -86,14 +86,12 @@ class Cluster:
             raise ValueError("colocated mode has no prefill pool: size it with decode=N (N colocated engines)")
         self.mode = mode
         self.serving = self._serving_config(serving_config, prefill, decode)
-        say(f"model {model or 'default'}: reading its config and tokenizer")
         self.model_path = resolve_model_path(model)
         # validate names and values here, not in an actor
         self.engine_config = EngineConfig.from_kwargs(**{**engine_args, "model": self.model_path})
         self.engine_config.resolve(self.model_path)
-        self.max_model_len = self.engine_config.max_model_len
+        self.max_model_len, self.block_size = self.engine_config.max_model_len, self.engine_config.block_size
         self.vocab_size = self.engine_config.model_config.vocab_size
-        self.block_size = self.engine_config.block_size
         engine_args = {**engine_args, "model": self.model_path}
         # the prefill pool's own engine settings (e.g. a larger chunk budget: a prefill
         # worker runs no decodes whose inter-token latency a long chunk would hurt)
@@ -110,6 +108,7 @@ class Cluster:
                 role_engine_args[role] = {**role_engine_args[role], "tensor_parallel_size": pool.tensor_parallel_size}
             EngineConfig.from_kwargs(**role_engine_args[role]).resolve(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
+        say(f"model {self.model_path}: config and tokenizer read (max_model_len {self.max_model_len})")
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",

@@ -4,6 +4,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 def test_generate_prints_a_coherent_answer(default_model_dir):
     out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "What is the capital of France?",
                           "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
@@ -11,6 +12,7 @@ def test_generate_prints_a_coherent_answer(default_model_dir):
     assert "Paris" in out.stdout
 
 
+@pytest.mark.slow
 def test_generate_reports_bad_input():
     out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "hi", "--model", "/no/such/dir"],
                          capture_output=True, text=True, timeout=120)
@@ -40,6 +42,7 @@ def test_serve_flags_layer_over_the_serving_config(tmp_path):
     assert serving_config(build_parser().parse_args([*args, "--handoff-timeout", "120"])).handoff.timeout_s == 120
 
 
+@pytest.mark.slow
 def test_a_busy_port_and_the_version_answer_in_one_line_before_anything_starts():
     import socket
 
@@ -95,7 +98,13 @@ def pdserve(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
-def test_cli_errors_are_one_line_and_exit_2():
+def test_cli_errors_are_one_line_and_exit_2(capsys):
+    """In-process (main() is what the console script runs), and one case as a real process."""
+    from pdserve.cli import main
+
+    out = pdserve("status", "--url", "http://127.0.0.1:9")
+    assert out.returncode == 2 and out.stderr.startswith("pdserve: error: no pdserve server at http://127.0.0.1:9")
+    assert len(out.stderr.strip().splitlines()) == 1
     for args, expect in ((("scale",), "give --prefill N and/or --decode M"),
                          (("scale", "--decode", "2", "--url", "http://127.0.0.1:9"), "no pdserve server at"),
                          (("status", "--url", "http://127.0.0.1:9"), "no pdserve server at http://127.0.0.1:9"),
@@ -107,10 +116,9 @@ def test_cli_errors_are_one_line_and_exit_2():
                          (("serve", "--prefill", "0"), "--prefill must be >= 1, got 0"),
                          (("serve", "--handoff-timeout", "0"), "handoff.timeout_s must be a number > 0"),
                          (("plan", "--prompt-len", "100", "--output-len", "10"), "give the GPU: --gpu NAME")):
-        out = pdserve(*args)
-        assert out.returncode == 2, (args, out.stderr)
-        assert "Traceback" not in out.stderr and expect in out.stderr, (args, out.stderr)
-        assert len(out.stderr.strip().splitlines()) == 1
+        assert main(list(args)) == 2, args
+        err = capsys.readouterr().err
+        assert expect in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
 def test_help_shows_defaults():
@@ -141,6 +149,7 @@ def test_tensor_parallel_flags_and_config_keys(tmp_path):
         raise AssertionError("tensor_parallel_size 0 was accepted")
 
 
+@pytest.mark.slow
 def test_generate_with_tensor_parallelism_prints_tp1s_text(tiny_models):
     def run(tp: str) -> str:
         out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "Once upon a time", "--model",
@@ -155,6 +164,7 @@ def test_generate_with_tensor_parallelism_prints_tp1s_text(tiny_models):
     assert out.returncode == 2 and "tensor_parallel_size 3 must divide the model's 4 attention heads" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig):
     """Ctrl-C reaches the whole process group, workers included: the server ends them, and its
@@ -183,6 +193,6 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0 and "purging and replacing" not in err and "Traceback" not in err, err[-2000:]
     # the start showed its stages, each worker as it became ready
-    for stage in ("reading its config and tokenizer", "starting a local Ray cluster",
+    for stage in ("config and tokenizer read (max_model_len 128)", "starting a local Ray cluster",
                   "starting 1 decode worker(s); each loads the model", "decode worker colocated-0-"):
         assert stage in err, err[-2000:]

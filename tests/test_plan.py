@@ -63,6 +63,7 @@ def test_gpu_budget_weights_and_mixed_lengths(tiny_models):
         workload_lengths(None, 10, None, None)
 
 
+@pytest.mark.slow
 def test_plan_cli_on_the_trace(tiny_models):
     out = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--model", tiny_models["llama"] + "/config.json",
                           "--gpu", "h200", "--trace", "--trace-requests", "200", "--max-model-len", "65536"],

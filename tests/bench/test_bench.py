@@ -137,6 +137,7 @@ def colocated():
     c.shutdown()
 
 
+@pytest.mark.slow
 def test_colocated_mode_equals_the_engine(colocated):
     c, _ = colocated
     assert c.pool_sizes() == {"prefill": 0, "decode": 2}
@@ -170,6 +171,7 @@ def run_bench(url, out, *args):
     return res
 
 
+@pytest.mark.slow
 def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
     c, server = colocated
     res = run_bench(server.url, tmp_path, "--workload", "shared-prefix", "--num-requests", "8", "--system-len", "96",
@@ -197,6 +199,7 @@ def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
     assert "colocated @ 2.00 req/s" in res.stderr  # the progress bar
 
 
+@pytest.mark.slow
 def test_bench_command_trace_replay_and_plot(colocated, small_trace, tmp_path):
     _, server = colocated
     run_bench(server.url, tmp_path, "--workload", "trace", "--trace", small_trace, "--length-scale", "0.0625",

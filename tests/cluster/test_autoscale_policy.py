@@ -85,12 +85,14 @@ def test_latency_window_forgets_old_samples():
     assert w.quantile(0.9, now=100.0) == 0.0
 
 
+@pytest.mark.slow
 def test_cluster_rejects_manual_sizes_outside_bounds():
     cfg = ServingConfig.from_dict({"decode": {"min": 1, "max": 2}, "autoscale": {"enabled": True}})
     with pytest.raises(ValueError, match=r"replicas=3 is outside"):
         Cluster.start(decode=3, serving_config=cfg)
 
 
+@pytest.mark.slow
 def test_policy_scales_the_right_pool_under_synthetic_load():
     cfg = ServingConfig.from_dict({
         "prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 2},

@@ -16,6 +16,8 @@ from pdserve.engine.hashing import hash_block_tokens
 
 from helpers import PROMPTS, RayHead
 
+pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 PROMPTS16 = PROMPTS[:8] + [p + " Explain." for p in PROMPTS[:8]]
 
@@ -237,10 +239,19 @@ class TestScalingAndFailures:
         no_request_blocks(cluster)
 
 
-def test_join_existing_ray_cluster(tmp_path):
+def test_own_ray_without_an_address_and_joining_one_with_it():
+    """A Ray already running on the machine is neither joined nor touched without an address;
+    given its address, the cluster joins it, and a second pdserve in its namespace is refused."""
     port = 6391
     head = RayHead(port, "--num-cpus=2")
     try:
+        c = Cluster.start(decode=1, mode="colocated", max_model_len=256)
+        try:
+            assert not ray.get_runtime_context().gcs_address.endswith(f":{port}")
+            assert c.generate("Hi", GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
+        finally:
+            c.shutdown()
+        assert head.proc.poll() is None  # the other Ray still runs
         c = Cluster.start(prefill=1, decode=1, address=f"127.0.0.1:{port}", max_model_len=256)
         try:
             out = c.generate("The capital of France is", GREEDY)[0]
@@ -251,21 +262,5 @@ def test_join_existing_ray_cluster(tmp_path):
             assert "Paris" in c.generate("The capital of France is", GREEDY)[0].outputs[0].text  # untouched
         finally:
             c.shutdown()
-    finally:
-        head.stop()
-
-
-def test_without_an_address_the_cluster_starts_its_own_ray():
-    """A Ray already running on the machine is neither joined nor touched."""
-    port = 6393
-    head = RayHead(port, "--num-cpus=1")
-    try:
-        c = Cluster.start(decode=1, mode="colocated", max_model_len=256)
-        try:
-            assert not ray.get_runtime_context().gcs_address.endswith(f":{port}")
-            assert c.generate("Hi", GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
-        finally:
-            c.shutdown()
-        assert head.proc.poll() is None  # the other Ray still runs
     finally:
         head.stop()

@@ -18,6 +18,8 @@ from pdserve.cluster import Cluster
 
 from helpers import RayHead
 
+pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PORT = 6379  # fake nodes join the GCS at this port
 

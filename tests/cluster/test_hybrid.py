@@ -112,6 +112,7 @@ def hybrid():
     c.shutdown()
 
 
+@pytest.mark.slow
 def test_deep_prefill_queue_spills_and_outputs_match(hybrid, prompts, reference):
     hybrid.generate(prompts[:2], GREEDY)  # the workers measure their prefill rate
     time.sleep(2.5)  # ... and report it
@@ -130,6 +131,7 @@ def test_deep_prefill_queue_spills_and_outputs_match(hybrid, prompts, reference)
     no_request_blocks(hybrid)
 
 
+@pytest.mark.slow
 def test_mixed_load_with_cancels_holds_no_block(hybrid, prompts):
     futures, got = [], []
     for i, p in enumerate(prompts * 2):
@@ -145,6 +147,7 @@ def test_mixed_load_with_cancels_holds_no_block(hybrid, prompts):
     no_request_blocks(hybrid)
 
 
+@pytest.mark.slow
 def test_switch_roles_under_load(hybrid, prompts, reference):
     before = set(hybrid.workers)
     decode_ids = sorted(w for w, r in hybrid.workers.items() if r.role == "decode")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import ray
 
 from pdserve import LLM, SamplingParams
@@ -17,6 +18,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SHARED = list(range(100, 164))
 
 
+@pytest.mark.slow
 def test_registry_scores_holders_by_tier():
     owns = not ray.is_initialized()
     if owns:
@@ -43,6 +45,7 @@ def test_registry_scores_holders_by_tier():
             ray.shutdown()
 
 
+@pytest.mark.slow
 def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models, tmp_path, mode="disaggregated"):
     model = tiny_models["llama"]
     prompts = [SHARED + [7, 8, 9], SHARED + [17, 18]]

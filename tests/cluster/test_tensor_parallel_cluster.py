@@ -15,6 +15,8 @@ from pdserve.cluster import Cluster
 
 from helpers import PROMPTS
 
+pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS8 = PROMPTS[:4] + [p + " And then, in more words than before, explain." for p in PROMPTS[:4]]
 

@@ -61,6 +61,7 @@ def references(model_dirs):
     return refs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_batch_matches_hf_and_prefix_cache(name, model_dirs, references):
     prompts, ref, shared, shared_ref = references[name]
@@ -75,6 +76,7 @@ def test_batch_matches_hf_and_prefix_cache(name, model_dirs, references):
     _check_all_free(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_small_chunks_match_hf(name, model_dirs, references):
     prompts, ref, _, _ = references[name]
@@ -83,6 +85,7 @@ def test_small_chunks_match_hf(name, model_dirs, references):
     _check_all_free(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_preemption_matches_hf(name, model_dirs, references):
     prompts, ref, _, _ = references[name]
@@ -94,6 +97,7 @@ def test_preemption_matches_hf(name, model_dirs, references):
     _check_all_free(llm)
 
 
+@pytest.mark.slow
 def test_triton_backend_matches_hf_under_interpreter(model_dirs, references):
     """The Triton store and paged-decode kernels inside the real engine (CPU: interpreter)."""
     pytest.importorskip("triton")
@@ -103,6 +107,7 @@ def test_triton_backend_matches_hf_under_interpreter(model_dirs, references):
     _check_all_free(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_fused_ops_match_hf_under_interpreter(model_dirs, references, name):
     """Fused RMSNorm + residual, rope and SiLU * gate kernels in the real engine: greedy

@@ -131,6 +131,7 @@ def test_bad_model_paths(tmp_path):
         LLM(str(tmp_path), max_num_sequences=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_quantized_kv_cache(llm, fmt):
     """KV quantized to 1-byte values with a float32 scale per (token, head) row, in the same

@@ -27,6 +27,7 @@ def test_piece_buckets_pad_by_at_most_an_eighth():
 @pytest.mark.parametrize("model,backend,fused,apart", [("llama", "torch", False, False),
                                                        ("mistral", "triton", True, False),
                                                        ("mistral", "triton", True, True)])
+@pytest.mark.slow
 def test_graph_layouts_equal_eager(model, backend, fused, apart, tiny_models, monkeypatch):
     """apart: a mixed step's decode rows through the paged-decode kernel, the chunks through
     paged-prefill (else one paged-prefill launch over every sequence)."""
@@ -60,6 +61,7 @@ def test_graph_layouts_equal_eager(model, backend, fused, apart, tiny_models, mo
     assert any(s[0] == "decode" for s in seen)
 
 
+@pytest.mark.slow
 def test_warm_up_runs_the_eager_steps_and_writes_nothing(tiny_models):
     """ModelRunner.warm_up (run on CUDA before serving, so no served step waits on a Triton
     compile): on CPU, through Triton's interpreter, every attention variant and the eager steps

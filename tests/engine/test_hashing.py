@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from pdserve.engine.hashing import ROOT_HASH, hash_block, hash_block_tokens
 
 
@@ -22,6 +24,7 @@ def test_hash_depends_on_parent_tokens_and_extra_keys():
     assert hash_block(ROOT_HASH, [1, 2]) != hash_block(ROOT_HASH, [2, 1])
 
 
+@pytest.mark.slow
 def test_hash_is_stable_across_processes():
     code = ("from pdserve.engine.hashing import hash_block_tokens;"
             "print(hash_block_tokens(list(range(64)), 16, ('m',))[-1].hex())")

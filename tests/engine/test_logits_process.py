@@ -63,6 +63,7 @@ def test_bad_values_are_refused(bad, match):
         SamplingParams(**bad)
 
 
+@pytest.mark.slow
 def test_penalties_and_bias_through_the_engine():
     """The default model on a prompt that invites repetition: frequency and repetition penalties
     cut the most repeated token's count; a +100 bias makes every token the biased one."""
@@ -82,6 +83,7 @@ def test_penalties_and_bias_through_the_engine():
         llm.engine.kv.check_all_free()
 
 
+@pytest.mark.slow
 def test_structured_outputs_hold_their_grammar():
     """A JSON schema, any JSON, a regex and a choice: sampled output (temperature 0.8) parses
     and validates; a grammar that does not compile is refused before anything is queued."""

@@ -78,6 +78,7 @@ def test_offload_then_hit_equals_an_unbounded_gpu_cache(tiny_models, reference):
     assert st["kv_host_blocks_total"] == int(0.001 * (1 << 30)) // llm.engine.runner.layout.block_bytes
 
 
+@pytest.mark.slow
 def test_offload_under_preemption_and_tensor_parallel_shards(tiny_models):
     """8 requests of 40 tokens on 10 blocks preempt each other; at TP=2 the shard applies
     the same copies to its own KV slice and host buffer."""
@@ -96,6 +97,7 @@ def test_offload_under_preemption_and_tensor_parallel_shards(tiny_models):
             llm.engine.kv.check_all_free()
 
 
+@pytest.mark.slow
 def test_int8_kv_and_its_scales_go_through_the_host_tier_and_tp_shards(tiny_models):
     """Scales live in the slab (kv_quant.py): offloaded, loaded back and split by head with
     the values. TP=2 with a small GPU cache and the tier gives TP=1's unbounded tokens."""

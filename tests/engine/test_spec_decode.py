@@ -80,6 +80,7 @@ def greedy(llm: LLM, prompts, max_tokens=40):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
 
 
+@pytest.mark.slow
 def test_greedy_output_is_identical_with_preemption_and_prefix_hits():
     prompts = REPEATS + PROMPTS[:4] + [REPEATS[0] + " fox"]  # the last shares the first's prefix
     with LLM(max_model_len=512) as llm:
@@ -96,6 +97,7 @@ def test_greedy_output_is_identical_with_preemption_and_prefix_hits():
         llm.engine.kv.check_all_free()
 
 
+@pytest.mark.slow
 def test_seeded_requests_sample_the_same_tokens_with_speculation():
     """Verification draws row j at the request's output index + j, as plain sampling would:
     seeded requests (temperature, top-p, min-p, n = 2) give the same tokens with ngram drafts,
@@ -111,21 +113,22 @@ def test_seeded_requests_sample_the_same_tokens_with_speculation():
     assert any(a != b for a, b in got[0])  # the two copies differ (seeds 77, 78)
 
 
+@pytest.mark.slow
 def test_sampled_output_keeps_the_target_distribution():
     """The default model sampled (temperature 1, top_k 3) on a counting prompt, where ngram
-    drafts are often accepted: the tokens at output positions 1-4, over 400 seeded requests
+    drafts are often accepted: the tokens at output positions 1-4, over 250 seeded requests
     each way, come from the same distribution with and without speculation (chi-square
     homogeneity test)."""
     prompt = "Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=5, seed=i, ignore_eos=True) for i in range(400)]
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=5, seed=i, ignore_eos=True) for i in range(250)]
     counts = []
     for spec in (None, NGRAM):
         with LLM(max_model_len=128, speculative_config=spec) as llm:
-            outs = [o.outputs[0].token_ids for i in range(0, 400, 50)
+            outs = [o.outputs[0].token_ids for i in range(0, 250, 50)
                     for o in llm.generate([prompt] * 50, params[i:i + 50])]
             if spec:
                 st = llm.engine.stats()
-                assert st["spec_decode_num_accepted_tokens"] > 300 and st["spec_decode_steps_off"] == 0, st
+                assert st["spec_decode_num_accepted_tokens"] > 180 and st["spec_decode_steps_off"] == 0, st
         counts.append(collections.Counter((pos, o[pos]) for o in outs for pos in (1, 2, 3, 4)))
     keys = [k for k in set(counts[0]) | set(counts[1]) if counts[0][k] + counts[1][k] >= 5]
     chi2 = sum((counts[0][k] - counts[1][k]) ** 2 / (counts[0][k] + counts[1][k]) for k in keys)
@@ -144,6 +147,7 @@ def test_large_batches_turn_speculation_off():
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
 
 
+@pytest.mark.slow
 def test_draft_model_proposals(tiny_models):
     """The draft model keeps its own paged KV per request (spec_draft.py). Drafting with the
     target itself is accepted in full; an unrelated random draft rarely is; both give the
@@ -165,6 +169,7 @@ def test_draft_model_proposals(tiny_models):
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_verification_in_the_decode_graph_layout(backend, tiny_models):
     """The GPU path on CPU: with the graph layouts every all-decode step, drafts included, runs

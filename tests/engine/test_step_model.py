@@ -73,6 +73,7 @@ def test_no_target_no_cap():
     assert m.prefill_cap([R(11, 10, 1)], [R(500, 0, 0)]) is None
 
 
+@pytest.mark.slow
 def test_engine_keeps_mean_step_inside_target():
     """A real engine: decodes running while long prompts arrive. Every step that ran decodes
     carried at most the chunk the model allowed, and their mean wall time (as the engine

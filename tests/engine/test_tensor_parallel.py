@@ -43,6 +43,7 @@ def _greedy(model_dir: str, tp: int, params: SamplingParams = GREEDY, **kw) -> l
         return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,tp", [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4)])
 def test_tp_greedy_equals_tp1(tiny_models, kind, tp):
     """llama: 2 KV heads (TP=4 replicates each twice); qwen2: 1 KV head, q/k/v biases, tied
@@ -50,6 +51,7 @@ def test_tp_greedy_equals_tp1(tiny_models, kind, tp):
     assert _greedy(tiny_models[kind], tp) == _greedy(tiny_models[kind], 1)
 
 
+@pytest.mark.slow
 def test_tp_with_biases_padded_vocab_preemption_and_prefix_hits(biased_llama):
     """6 blocks for 5 prompts of up to 70 tokens: requests are preempted and recomputed;
     the shared 16-token block is a prefix hit. The shards follow rank 0's block tables."""
@@ -108,6 +110,7 @@ def test_tp_size_the_model_cannot_split_is_refused(tiny_models):
         LLM(tiny_models["llama"], tensor_parallel_size=3)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_step_instead_of_hanging(tiny_models):
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2)
     try:

@@ -56,6 +56,7 @@ def run_disagg(pw: PrefillRole, dw: DecodeRole, prompts, params):
     return [finals[f"r{i}"] for i in range(len(prompts))], sent
 
 
+@pytest.mark.slow
 def test_disaggregated_equals_colocated(pair):
     pw, dw = pair
     ref = LLM(max_model_len=512).generate(PROMPTS[:8], SP)
@@ -68,6 +69,7 @@ def test_disaggregated_equals_colocated(pair):
         assert w.num_inflight == 0 and not w.has_work()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_across_the_handoff_and_preemption(pair):
     """A seeded, sampled request gives the colocated engine's tokens when one worker prefills it
     and another decodes it (whose small pool also preempts and recomputes): its noise is a
@@ -98,6 +100,7 @@ def random_request(rng: random.Random) -> tuple[str, SamplingParams]:
     return prompt, sp
 
 
+@pytest.mark.slow
 def test_random_seeded_requests_give_the_same_tokens_everywhere(pair):
     """A property over 16 random parameter sets and prompts: each seeded request's tokens and
     log-prob candidates are the same in one colocated batch, disaggregated one by one through

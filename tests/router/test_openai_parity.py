@@ -23,6 +23,8 @@ from pdserve.router.app import build_app
 
 from helpers import Server
 
+pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+
 PROMPTS = ["Hello, my name is", "The capital of France is"]
 # tool_choice auto's call format, per server
 PARSER = {"disaggregated": "hermes", "colocated": "mistral", "hybrid": "llama3_json"}

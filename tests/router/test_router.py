@@ -23,6 +23,8 @@ from pdserve.router.app import build_app
 
 from helpers import Server
 
+pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+
 KEY = "sk-test-key"
 ADMIN = "sk-test-admin"
 

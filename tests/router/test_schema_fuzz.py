@@ -16,6 +16,8 @@ from pdserve.router.app import build_app
 
 from helpers import Server
 
+pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+
 OPERATIONS = r"^/(v1/|tokenize|detokenize|version|health)"
 MAX_EXAMPLES = 25
 

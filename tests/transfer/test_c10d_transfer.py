@@ -112,6 +112,7 @@ def test_prompt_handoff_with_partial_block_and_decode_prefix_hits(peers):
         assert st["used"] == 0 and st["requests"] == []
 
 
+@pytest.mark.slow
 def test_two_by_two_concurrent_handoffs(peers):
     ps = [peers(f"prefill-{i}", 20 + i) for i in range(2)]
     ds = [peers(f"decode-{j}", 30 + j) for j in range(2)]
@@ -144,6 +145,7 @@ def test_two_by_two_concurrent_handoffs(peers):
             assert torch.equal(t, expect[rid]), rid
 
 
+@pytest.mark.slow
 def test_peer_that_never_sends_times_out_and_leaks_nothing(peers):
     p, d = peers("prefill-0", 41), peers("decode-0", 42)
     tokens = list(range(40))
@@ -163,6 +165,7 @@ def test_peer_that_never_sends_times_out_and_leaks_nothing(peers):
     assert d.get("results")[0]["r2"][0] == "DONE"
 
 
+@pytest.mark.slow
 def test_killed_peer_fails_cleanly_and_survivor_pairs_with_a_new_one(peers):
     p, d = peers("prefill-0", 51), peers("decode-0", 52)
     handoff(p, d, "warm", [1], [1])  # the pair exists
@@ -209,6 +212,7 @@ def test_receiver_killed_mid_handoff_sender_releases_everything(peers):
     assert d.proc.exitcode == 18
 
 
+@pytest.mark.slow
 def test_sender_side_abort_moves_the_pair_to_a_new_generation(peers):
     p, d = peers("prefill-0", 81), peers("decode-0", 82)
     handoff(p, d, "warm", [1], [1])
@@ -235,6 +239,7 @@ def test_layout_mismatch_is_refused_on_both_sides(peers):
         assert r[0] == "FAILED" and "layout mismatch" in r[1] and "head_dim" in r[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", [None, (0, 2), (1, 2)], ids=["whole blocks", "every head, named", "a head slice"])
 def test_order_for_a_receive_given_up_is_drained_and_the_pair_goes_on(peers, heads):
     """The receiver gives up on a handoff (timed out) before its order arrives; the sender

@@ -99,6 +99,7 @@ def test_handoff_between_tp_sizes_lands_every_head(heads, p, d):
                 (c.local if r == 0 else c.links[r - 1].connector).close()
 
 
+@pytest.mark.slow
 def test_a_failing_route_fails_the_handoff_and_aborts_the_rest():
     heads = 4
     full = torch.randn(NB, LAYERS, 2, BS, heads, DIM)

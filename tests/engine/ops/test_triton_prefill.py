@@ -37,6 +37,7 @@ SHAPES = [(4, 4, 32, 16), (8, 4, 64, 16), (8, 2, 32, 8), (8, 1, 64, 16), (6, 3, 
 BATCH = [(70, 29), (40, 40), (53, 1), (96, 17), (5, 5)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H,KVH,D,page", SHAPES)
 def test_paged_prefill_matches_reference(H, KVH, D, page, dtype):
@@ -73,6 +74,7 @@ def test_paged_prefill_reads_quantized_kv(fmt):
         assert rel_err(paged_prefill_triton(q, kc, vc, tables, plan, D ** -0.5, splits=splits), ref) < 1e-4
 
 
+@pytest.mark.slow
 def test_both_tile_settings_and_the_mask_free_keys_match_the_reference():
     """The launch by shape: MIXED when a sequence brings < 16 new tokens, else PREFILL (128
     rows, 128 keys an iteration: more keys than a page, a tile of 32 tokens x the group). Either
@@ -94,6 +96,7 @@ def test_both_tile_settings_and_the_mask_free_keys_match_the_reference():
                 assert rel_err(out, ref) < 1e-4, (launch, window, splits)
 
 
+@pytest.mark.slow
 def test_warm_up_runs_every_variant_and_writes_nothing():
     """PagedAttention.warm_up (the runner calls it on CUDA before serving, so no step waits
     for Triton to compile a variant) runs each launch and leaves the cache as it was."""
