@@ -15,13 +15,36 @@ import os
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def load_tokenizer(path: str):
+    """The model's tokenizer. A directory whose tokenizer_config.json names the generic fast
+    class (with a tokenizer.json) loads it directly: AutoTokenizer imports the auto mappings
+    and the model's config class first, 5.0 s against 1.0 s in a fresh process on 2 cores,
+    and every worker, CLI call and test process pays it; the tokenizer is the same object.
+    Any other class goes through AutoTokenizer."""
     try:
+        if _generic(path):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - re-raised with the path named
         raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+
+
+def _generic(path: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return cls in GENERIC_CLASSES and os.path.exists(os.path.join(path, "tokenizer.json"))
 
 
 class IncrementalDetokenizer:

@@ -179,3 +179,29 @@ def test_delta_outputs_accumulate_to_the_cumulative_ones(llm):
     assert last.outputs[0].token_ids == ref.outputs[0].token_ids and last.outputs[0].text == ref.outputs[0].text
     assert last.prompt_token_ids == ref.prompt_token_ids and last.finished
     assert rebuilt[1].outputs[0].token_ids == ref.outputs[0].token_ids[:3]  # the merged item carries both deltas
+
+
+def test_a_generic_tokenizer_loads_without_auto_tokenizer_and_is_the_same(default_model_dir, tmp_path):
+    """The default model names the generic fast class: load_tokenizer takes the direct path
+    and gives AutoTokenizer's tokenizer (text, special tokens, chat template); a directory
+    that names another class still goes through AutoTokenizer."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.tokenizer import _generic, load_tokenizer
+
+    assert _generic(default_model_dir)
+    ours, auto = load_tokenizer(default_model_dir), AutoTokenizer.from_pretrained(default_model_dir)
+    for text in ("Hello world", " leading space", "Ünïcödé 🤖\n\nnew", "<|im_start|>user"):
+        assert ours.encode(text) == auto.encode(text)
+    assert ours.all_special_ids == auto.all_special_ids and len(ours) == len(auto)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    other = tmp_path / "other"
+    shutil.copytree(default_model_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    assert not _generic(str(other)) and load_tokenizer(str(other)).encode("Hello world") == auto.encode("Hello world")
