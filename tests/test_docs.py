@@ -25,7 +25,8 @@ from helpers import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NEEDS_SERVER = ("127.0.0.1:8000", "OpenAI(", "Cluster.start", "LLM(")
+SERVER_URL = ("127.0.0.1:8000", "OpenAI(")  # blocks that talk to the quick-start server
+NEEDS_SERVER = (*SERVER_URL, "Cluster.start", "LLM(")  # and those that start a model of their own
 
 
 def blocks(lang: str) -> list[tuple[str, str]]:
@@ -127,15 +128,8 @@ def test_every_command_runs_against_the_quick_start_server(tmp_path):
             assert '"error"' not in out.stdout, f"{name}: {shlex.join(argv)}: {out.stdout[-1000:]}"
             ran += 1
         for name, code in blocks("python"):
-            if any(s in code for s in NEEDS_SERVER):
-                code = code.replace("http://127.0.0.1:8000", url)
-                t0 = time.monotonic()
-                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                                     env=env, cwd=tmp_path)
-                print(f"{time.monotonic() - t0:5.1f} s  {name}: {code.splitlines()[-1][:60]}", file=sys.stderr)
-                assert out.returncode == 0, f"{name}:\n{code}\n{out.stderr[-2000:]}"
-                assert "Paris" in out.stdout or "OpenAI(" not in code, out.stdout
-                ran += 1
+            if any(s in code for s in SERVER_URL):
+                ran += run_block(name, code.replace("http://127.0.0.1:8000", url), env, tmp_path)
         assert ran >= 15
     finally:
         os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as the README says
@@ -144,3 +138,16 @@ def test_every_command_runs_against_the_quick_start_server(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
     assert server.returncode == 0
+    for name, code in blocks("python"):  # those that start a cluster of their own, after the server is gone
+        if any(s in code for s in NEEDS_SERVER) and not any(s in code for s in SERVER_URL):
+            ran += run_block(name, code, env, tmp_path)
+    assert ran >= 17
+
+
+def run_block(name: str, code: str, env: dict, cwd) -> int:
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+    print(f"{time.monotonic() - t0:5.1f} s  {name}: {code.splitlines()[-1][:60]}", file=sys.stderr)
+    assert out.returncode == 0, f"{name}:\n{code}\n{out.stderr[-2000:]}"
+    assert "Paris" in out.stdout or "OpenAI(" not in code, out.stdout
+    return 1

@@ -40,3 +40,24 @@ def test_peers_are_refused_by_the_field_that_differs():
         check_layouts(bf16, wire_layout(torch.zeros(8, 2, 2, 8, 2, 32, dtype=torch.bfloat16), 0), "peer")
     with pytest.raises(ValueError, match="a int8 KV cache is a uint8 slab"):
         KVLayout.of(torch.zeros(4, 2, 2, 16, 2, 32), "int8")
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("dtype", ["auto", "int8"])
+def test_a_host_cache_costs_memory_as_it_fills_not_up_front(dtype, tiny_models):
+    """A 512 MiB CPU cache adds far less than 512 MiB of resident memory, reads as zeros, and
+    a written block reads back (kv_cache.zeros_on_demand)."""
+    before = _resident_mib()
+    eng = LLMEngine(EngineConfig(model=tiny_models["llama"], kv_cache_dtype=dtype, max_model_len=128,
+                                 kv_cache_memory_bytes=512 << 20))
+    kv = eng.runner.kv
+    assert kv.numel() * kv.element_size() > 500 << 20 and kv.device.type == "cpu"
+    assert _resident_mib() - before < 128
+    assert not kv[-1].any() and not kv[0].any()
+    kv[3].fill_(7)
+    assert (kv[3] == 7).all() and not kv[2].any() and not kv[4].any()
