@@ -79,6 +79,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     if a.outputs and b.outputs:
         b.outputs[0].text = a.outputs[0].text + b.outputs[0].text
         b.outputs[0].token_ids = a.outputs[0].token_ids + b.outputs[0].token_ids
+        if a.outputs[0].logprobs is not None:  # one entry per delta token, so both halves
+            b.outputs[0].logprobs = a.outputs[0].logprobs + (b.outputs[0].logprobs or [])
     if b.metrics is not None and a.metrics is not None and a.metrics.spans and not b.metrics.spans:
         b.metrics.spans = a.metrics.spans
     return b

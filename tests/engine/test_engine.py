@@ -3,6 +3,8 @@ bad input, aborts, counters; every block free after each test."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -155,11 +157,12 @@ def test_quantized_kv_cache(llm, fmt):
 def test_delta_outputs_accumulate_to_the_cumulative_ones(llm):
     """Workers stream delta outputs (no prompt ids, no whole text per token); merged when a
     consumer falls behind and accumulated once at the edge, they equal the engine's own
-    cumulative outputs."""
+    cumulative outputs, log-probs included (a merge that dropped one delta's entries misaligned
+    the router's per-token log-probs: a 500 under load)."""
     from pdserve.engine.outputs import Accumulator, merge_outputs
 
     eng, p = llm.engine, "Tell me about the sea."
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zzz"])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zzz"], logprobs=2)
     eng.add_request(p, sp, "cumulative")
     cumulative = []
     while eng.has_unfinished_requests():
@@ -173,12 +176,15 @@ def test_delta_outputs_accumulate_to_the_cumulative_ones(llm):
     finally:
         eng.stream_deltas = False
     assert len(deltas) == 12 and all(o.prompt_token_ids == [] and len(o.outputs[0].token_ids) == 1 for o in deltas)
+    merged = merge_outputs(*copy.deepcopy(deltas[4:6]))
+    assert [t in e for t, e in zip(merged.delta_token_ids, merged.outputs[0].logprobs, strict=True)] == [True, True]
     acc = Accumulator(p, req.prompt_token_ids)
     rebuilt = [acc.add(o) for o in [deltas[0], merge_outputs(deltas[1], deltas[2]), *deltas[3:]]]
     last, ref = rebuilt[-1], cumulative[-1]
     assert last.outputs[0].token_ids == ref.outputs[0].token_ids and last.outputs[0].text == ref.outputs[0].text
     assert last.prompt_token_ids == ref.prompt_token_ids and last.finished
     assert rebuilt[1].outputs[0].token_ids == ref.outputs[0].token_ids[:3]  # the merged item carries both deltas
+    assert last.outputs[0].logprobs == ref.outputs[0].logprobs and len(ref.outputs[0].logprobs) == 12
 
 
 def test_a_generic_tokenizer_loads_without_auto_tokenizer_and_is_the_same(default_model_dir, tmp_path):
