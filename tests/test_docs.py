@@ -112,13 +112,18 @@ def test_every_command_runs_against_the_quick_start_server(tmp_path):
         deadline = time.monotonic() + 300
         while "pdserve: serving" not in (line := server.stdout.readline()):
             assert line and time.monotonic() < deadline, server.stderr.read()
-        ran = 0
+        ran, seen = 0, []
         for name, argv in commands():
             live = argv[0] == "curl" or (argv[0] == "pdserve" and argv[1] in ("status", "scale", "bench", "generate",
                                                                                 "plan", "--version"))
             if not live:
                 continue
             argv = [a.replace("http://127.0.0.1:8000", url) for a in argv]
+            if argv[1] == "bench" and "--num-requests" in argv:  # the command as written, on fewer requests
+                argv[argv.index("--num-requests") + 1] = "2"
+            if argv in seen:
+                continue
+            seen.append(argv)
             if argv[0] == "pdserve":
                 argv = [sys.executable, "-m", *argv]
             t0 = time.monotonic()
@@ -141,7 +146,7 @@ def test_every_command_runs_against_the_quick_start_server(tmp_path):
     for name, code in blocks("python"):  # those that start a cluster of their own, after the server is gone
         if any(s in code for s in NEEDS_SERVER) and not any(s in code for s in SERVER_URL):
             ran += run_block(name, code, env, tmp_path)
-    assert ran >= 17
+    assert ran >= 16
 
 
 def run_block(name: str, code: str, env: dict, cwd) -> int:
