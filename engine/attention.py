@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .host_to_device import to_device
 from .ops.attention_ref import paged_attention_ref, store_kv_ref
 
 
@@ -40,7 +41,7 @@ class AttentionMetadata:
             if isinstance(a, torch.Tensor):
                 return a
             t = torch.as_tensor(np.asarray(a, dtype=dtype))
-            return t.to(device, non_blocking=device is not None and torch.device(device).type == "cuda")
+            return t if device is None else to_device(t, device)
 
         lens_list = None if isinstance(seq_lens, torch.Tensor) else [int(x) for x in seq_lens]
         num_seqs = tables.shape[0]

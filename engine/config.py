@@ -166,6 +166,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
+    # the host's work for step n+1 (scheduling, inputs, step n's outputs) while step n runs, the
+    # sampled tokens feeding step n+1 on the device (engine/overlap.py); steps with requests that
+    # need the host between steps (log-probs, grammars, penalties, speculation, TP) run in turn
+    async_scheduling: bool = True
     # steps of up to this many tokens that are not all decodes replay piecewise CUDA graphs
     # (engine/graphs.py); larger ones run eagerly
     cuda_graph_max_tokens: int = 512

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, outputs out, one step at a time.
 
     step():  schedule -> run -> postprocess
+             (overlapped: schedule -> launch -> resolve the previous step -> advance; overlap.py)
 
 add_request() validates and queues; step() schedules a batch under the token
 budget, runs it, appends sampled tokens, detokenizes, applies stop conditions and
@@ -23,6 +24,7 @@ from .loader import resolve_model_path
 from .model_runner import ModelRunner
 from .offload import HostIndex
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .overlap import PendingStep, plain
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -80,6 +82,8 @@ class LLMEngine:
         self.stream_deltas = False
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.pending: PendingStep | None = None  # the launched step not yet resolved (overlap.py)
+        self._in_turn: set[str] = set()  # live requests that are not overlap.plain
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -119,11 +123,16 @@ class LLMEngine:
         req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
+        self._track(req)
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
         self.scheduler.add(req)
         return req
+
+    def _track(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if not plain(req):
+            self._in_turn.add(req.request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request wherever it is and frees its blocks. False if unknown."""
@@ -144,14 +153,14 @@ class LLMEngine:
     def admit_prefilled(self, req: Request) -> RequestOutput:
         """Decode role: `req` has its prompt's KV in its blocks and its first token
         appended; it joins the running batch and decodes from there."""
-        self.requests[req.request_id] = req
+        self._track(req)
         det = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
         self._detok[req.request_id] = det
         req.num_computed_tokens = req.num_prompt_tokens
         req.first_token_time = req.first_token_time or time.monotonic()
         delta = det.push(req.output_token_ids[-1])
         stopped = req.check_stop_token()
-        delta = self._apply_stop_strings(req, delta)
+        delta = req.apply_stop_strings(delta)
         req.output_text += delta
         if stopped or req.status.finished:
             self._finish(req, req.status)
@@ -176,12 +185,44 @@ class LLMEngine:
         shards.close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0  # a request whose last token is in flight is still running
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        overlap = self.overlaps
+        done = [] if overlap else self._resolve()  # a step that cannot overlap waits for the one in flight
         sched = self._schedule()
-        return self._postprocess(sched, self._execute(sched)) if sched else []
+        return done + ((self._launch(sched) if overlap else self._postprocess(sched, self._execute(sched)))
+                       if sched else self._resolve())
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the next step runs while the one in flight finishes (overlap.py): one rank, no
+        speculation, every live request plain, not a prefill worker (its KV handoff starts at
+        the end of the step that wrote the KV, not one step later)."""
+        return self.config.async_scheduling and self.tp.size == 1 and self.drafter.config is None \
+            and not self._in_turn and not self.hold_blocks_on_finish
+
+    def _launch(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Overlapped (overlap.py): queues `sched`, then finishes the step before it."""
+        with self.step_model.timed(sched.shape):
+            rows = self.pending.rows if self.pending is not None else {}
+            launched = PendingStep.start(sched, *self.runner.launch(sched, rows))
+            outputs = self._resolve()
+        self.iteration_tokens.observe(sched.num_tokens)
+        self.scheduler.update_after_step(sched)
+        launched.placeholders()
+        self.pending = launched
+        self._persist_on_interval()
+        return outputs
+
+    def _resolve(self) -> list[RequestOutput]:
+        """The launched step's outputs once its ids reach the host (none in flight: [])."""
+        step, self.pending = self.pending, None
+        if step is None:
+            return []
+        tokens = step.tokens()
+        return self._postprocess(step.sched, {k: v for k, v in tokens.items() if k in self.requests})
 
     def _schedule(self) -> SchedulerOutput:
         """Drafts (speculative decoding), then the scheduler's batch under the step budget."""
@@ -197,9 +238,12 @@ class LLMEngine:
         self.drafter.settle(sched.scheduled, tokens)
         self.drafter.observe(sched.shape)
         self.scheduler.update_after_step(sched)
+        self._persist_on_interval()
+        return tokens
+
+    def _persist_on_interval(self) -> None:
         if self.config.kv_persist_dir and time.monotonic() - self._persisted_at >= self.config.kv_persist_interval_s:
             self.persist_host_tier()
-        return tokens
 
     # ---- the host tier on disk (persist.py) ------------------------------------------------
     def _restore_host_tier(self) -> None:
@@ -259,7 +303,7 @@ class LLMEngine:
                 ids.append(token)
                 delta = self._detok[req.request_id].push(token)
                 stopped = req.check_stop_token()
-                delta = self._apply_stop_strings(req, delta)
+                delta = req.apply_stop_strings(delta)
                 if delta:
                     req.output_text += delta
                     text += delta
@@ -269,26 +313,6 @@ class LLMEngine:
             outputs.append(self._output(req, text, ids))
         return outputs
 
-    def _apply_stop_strings(self, req: Request, delta: str) -> str:
-        """Finishes `req` if a stop string appears; returns the delta cut before it."""
-        stops = req.sampling_params.stop_strs
-        if not stops or not delta:
-            return delta
-        text = req.output_text + delta
-        search_from = max(0, len(req.output_text) - max(len(s) for s in stops) + 1)
-        best = None
-        for stop in stops:
-            i = text.find(stop, search_from)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is None:
-            return delta
-        i, stop = best
-        end = i + len(stop) if req.sampling_params.include_stop_str_in_output else i
-        req.status = RequestStatus.FINISHED_STOPPED
-        req.stop_reason = stop
-        return text[len(req.output_text):end] if end > len(req.output_text) else ""
-
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.drafter.forget(req.request_id)
         hold = self.hold_blocks_on_finish and status in (RequestStatus.FINISHED_STOPPED,
@@ -297,6 +321,7 @@ class LLMEngine:
         if hold:
             self.held[req.request_id] = req
         self.requests.pop(req.request_id, None)
+        self._in_turn.discard(req.request_id)
         self._detok.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)
         req.finished_time = time.monotonic()

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata
+from .host_to_device import pinned
 
 
 def piece_buckets(top: int) -> list[int]:
@@ -166,13 +167,16 @@ class StepGraphs:
         return out
 
     # ---- replay ------------------------------------------------------------------------------
-    def run_decode(self, inp) -> torch.Tensor:
+    def run_decode(self, inp, patch=None) -> torch.Tensor:
         """Logits of an all-decode step's rows (`inp.cols`: ids, positions, slots, context lengths)."""
         b = inp.cols.shape[1]
+        dev = self.ids.device
         for buf, col in zip((self.ids, self.pos, self.slots), inp.cols[:3]):
-            buf[:b].copy_(torch.from_numpy(col), non_blocking=True)
-        self.lens[:b].copy_(torch.from_numpy(inp.cols[3].astype(np.int32)), non_blocking=True)
-        self.tables[:b, : inp.tables.shape[1]].copy_(torch.from_numpy(inp.tables), non_blocking=True)
+            buf[:b].copy_(pinned(col, dev), non_blocking=True)
+        self.lens[:b].copy_(pinned(inp.cols[3].astype(np.int32), dev), non_blocking=True)
+        self.tables[:b, : inp.tables.shape[1]].copy_(pinned(inp.tables, dev), non_blocking=True)
+        if patch is not None:
+            patch(self.ids)
         if self.capture:
             graph, out = self.decode[b]
             graph.replay()
@@ -180,14 +184,17 @@ class StepGraphs:
             out = self._decode_step(b)
         return out[: inp.num_rows]
 
-    def run_pieces(self, inp, meta: AttentionMetadata) -> torch.Tensor:
+    def run_pieces(self, inp, meta: AttentionMetadata, patch=None) -> torch.Tensor:
         """Hidden states of a flat step's real rows: the pieces of its bucket, attention between."""
         n, t = len(inp.ids), inp.padded
-        self.ids[:n].copy_(torch.from_numpy(inp.ids), non_blocking=True)
-        self.pos[:n].copy_(torch.from_numpy(inp.positions), non_blocking=True)
+        dev = self.ids.device
+        self.ids[:n].copy_(pinned(inp.ids, dev), non_blocking=True)
+        if patch is not None:
+            patch(self.ids)
+        self.pos[:n].copy_(pinned(inp.positions, dev), non_blocking=True)
         slots = np.full(t, -1, dtype=np.int64)
         slots[:n] = inp.slots
-        self.piece_slots[:t].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.piece_slots[:t].copy_(pinned(slots, dev), non_blocking=True)
         graphs = self.pieces.get(t)
         layers = self.model.layers
         for i in range(len(layers) + 1):

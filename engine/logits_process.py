@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .host_to_device import to_device
 from .request import Request
 
 
@@ -59,8 +60,8 @@ def _add(logits: torch.Tensor, entries: list[tuple[int, int, float]], dev, assig
     if not entries:
         return
     r, c, v = zip(*entries)
-    idx = (torch.tensor(r, device=dev), torch.tensor(c, device=dev))
-    vals = torch.tensor(v, dtype=logits.dtype, device=dev)
+    idx = (to_device(r, dev, torch.int64), to_device(c, dev, torch.int64))
+    vals = to_device(v, dev, logits.dtype)
     logits.index_put_(idx, vals, accumulate=not assign)
 
 

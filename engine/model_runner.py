@@ -31,10 +31,11 @@ import torch
 from .attention import AttentionMetadata
 from .config import EngineConfig
 from .graphs import StepGraphs, decode_inputs, piece_tokens
+from .host_to_device import to_device
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
 from .offload import HostCache, TierOps, host_slots
-from .request import Request
+from .request import PENDING, Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, SchedulerOutput
@@ -60,6 +61,9 @@ class StepInputs:
     sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
     prompt_rows: np.ndarray | None = None  # int64 rows whose logits score a prompt token (after sample_rows)
     tier_ops: TierOps | None = None  # host-tier copies to apply first (offload.py)
+    # rows whose input token is still on the device (request.PENDING), and each one's row in
+    # the previous launch's sampled tokens (overlap.py); rank 0 only
+    pending: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class ModelRunner:
@@ -86,6 +90,7 @@ class ModelRunner:
         if config.kv_offloading_size:
             self.host = HostCache(self.kv, self.num_host_slots)
         self.sampler = Sampler(self.device)
+        self.last_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.graphs: StepGraphs | None = None  # None: every step eager
         if graphs:
             self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks)
@@ -177,22 +182,61 @@ class ModelRunner:
         """Every rank: runs the step; the logits of its sampling rows (None if none)."""
         if inp.tier_ops is not None:
             self.host.apply(self.kv, inp.tier_ops)
+        patch = self._patcher(inp.pending)
         if inp.path == "decode":
-            logits = self.graphs.run_decode(inp)
+            logits = self.graphs.run_decode(inp, patch)
             if len(inp.sample_rows) == inp.num_rows:
                 return logits
-            return logits[torch.from_numpy(inp.sample_rows).to(logits.device)] if len(inp.sample_rows) else None
+            return logits[to_device(inp.sample_rows, logits.device)] if len(inp.sample_rows) else None
         meta = AttentionMetadata.build(inp.slots, inp.tables, inp.seq_lens, inp.query_lens, self.device)
         if inp.path == "pieces":
-            hidden = self.graphs.run_pieces(inp, meta)
+            hidden = self.graphs.run_pieces(inp, meta, patch)
         else:
-            nb = self.device.type == "cuda"
-            ids, positions = (torch.from_numpy(a).to(self.device, non_blocking=nb) for a in (inp.ids, inp.positions))
+            ids, positions = (to_device(a, self.device) for a in (inp.ids, inp.positions))
+            if patch is not None:
+                patch(ids)
             hidden = self.model(ids, positions, self.kv_views, meta)
         rows = inp.sample_rows if inp.prompt_rows is None else np.concatenate([inp.sample_rows, inp.prompt_rows])
         if not len(rows):
             return None
-        return self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        return self.model.compute_logits(hidden[to_device(rows, self.device)])
+
+    def _patcher(self, pending: tuple[np.ndarray, np.ndarray] | None):
+        """What writes the pending input tokens into a step's device ids: row dst gets the
+        previous launch's sampled token src (None: no row is pending)."""
+        if pending is None or not len(pending[0]):
+            return None
+        dst, src = (to_device(a, self.device) for a in pending)
+        tokens = self.last_tokens
+
+        def patch(ids: torch.Tensor) -> None:
+            ids[dst] = tokens[src]
+        return patch
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput, pending_rows: dict[str, int]) -> tuple[torch.Tensor | None, list]:
+        """The overlapped step (overlap.py): runs `step` without waiting for it. Returns the
+        sampled token ids on the device and the requests they belong to, in order. A row whose
+        input is PENDING reads it from the previous launch's tokens (`pending_rows`: request id
+        -> its row there). Requests here need nothing from the host between steps (overlap.plain)."""
+        self.sampler.logprobs, self.sampler.prompt_logprobs = {}, {}
+        batch = self.order(step.scheduled)
+        inp = self.host_inputs(batch)
+        inp.tier_ops = step.tier_ops
+        ids = inp.cols[0] if inp.path == "decode" else inp.ids
+        dst, src, row = [], [], 0
+        for s in batch:  # only a request's newest token can be pending: its one decode row
+            row += s.num_new_tokens
+            if ids[row - 1] == PENDING:
+                dst.append(row - 1)
+                src.append(pending_rows[s.request.request_id])
+        if int((ids == PENDING).sum()) != len(dst):
+            raise RuntimeError("a pending token outside a decode row")
+        inp.pending = (np.array(dst, np.int64), np.array(src, np.int64))
+        logits = self.forward(inp)
+        reqs = [s.request for s in batch if s.samples]
+        self.last_tokens = self.sampler.sample_on_device(logits, reqs) if reqs else None
+        return self.last_tokens, reqs
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, int]:
@@ -230,7 +274,7 @@ class ModelRunner:
                 plain.append((s, row))
             row += n
         if plain:
-            rows = torch.tensor([r for _, r in plain], device=logits.device)
+            rows = to_device([r for _, r in plain], logits.device, torch.int64)
             reqs = [s.request for s, _ in plain]
             out.update(zip([r.request_id for r in reqs], self.sampler(logits[rows], reqs)))
         return out

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
 
+# A sampled token still on the device (the overlapped step, overlap.py): the last output token
+# of a request between the step that samples it and the next, never seen outside the engine.
+PENDING = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -135,3 +139,23 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+    def apply_stop_strings(self, delta: str) -> str:
+        """Finishes the request if a stop string appears; returns the delta cut before it."""
+        stops = self.sampling_params.stop_strs
+        if not stops or not delta:
+            return delta
+        text = self.output_text + delta
+        search_from = max(0, len(self.output_text) - max(len(s) for s in stops) + 1)
+        best = None
+        for stop in stops:
+            i = text.find(stop, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return delta
+        i, stop = best
+        end = i + len(stop) if self.sampling_params.include_stop_str_in_output else i
+        self.status = RequestStatus.FINISHED_STOPPED
+        self.stop_reason = stop
+        return text[len(self.output_text):end] if end > len(self.output_text) else ""

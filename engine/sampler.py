@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import sampling_noise
+from .host_to_device import to_device
 from .logits_process import process
 from .request import Request
 from .sampling_params import SamplingParams
@@ -45,18 +46,25 @@ class Sampler:
         the requests' own adjustments (logits_process.py: bias, banned tokens, penalties)."""
         process(logits, reqs)
         constrained = self.grammars.mask(logits, reqs) if self.grammars is not None else []
-        params = [r.sampling_params for r in reqs]
-        greedy = logits.argmax(dim=-1)
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if all(p.greedy for p in params):
-            tokens = greedy.tolist()
-        else:
-            tokens = self._sample(logits, params, reqs, greedy)
+        tokens = self._draw(logits, reqs).tolist()
+        want = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
         if want:
             self.logprobs.update(self._logprobs(logits, reqs, want, tokens))
         if constrained:
             self.grammars.accept(reqs, constrained, tokens)
         return tokens
+
+    @torch.no_grad()
+    def sample_on_device(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The token ids as a device tensor, without waiting for them (the overlapped step,
+        overlap.py): for requests whose sampling needs no host round trip (overlap.plain)."""
+        process(logits, reqs)
+        return self._draw(logits, reqs)
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in reqs]
+        greedy = logits.argmax(dim=-1)
+        return greedy if all(p.greedy for p in params) else self._sample(logits, params, reqs, greedy)
 
     @torch.no_grad()
     def score_prompts(self, logits: torch.Tensor, scheduled: list) -> None:
@@ -100,7 +108,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], reqs: list[Request],
-                greedy: torch.Tensor) -> list[int]:
+                greedy: torch.Tensor) -> torch.Tensor:
         n = logits.shape[0]
         probs = self.probs(logits, params)
         noise = sampling_noise.unseeded(*probs.shape, probs.device)
@@ -109,13 +117,12 @@ class Sampler:
             keys = [sampling_noise.stream_keys(params[i].seed, reqs[i].num_output_tokens) for i in seeded]
             noise[seeded] = sampling_noise.exponentials(keys, probs.shape[1], probs.device)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        return torch.where(is_greedy, greedy, sampled).tolist()[:n]
+        is_greedy = to_device([p.greedy for p in params], logits.device)
+        return torch.where(is_greedy, greedy, sampled)[:n]
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The distribution each row samples from: temperature, then top-k and top-p."""
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                             device=logits.device, dtype=torch.float32)
+        temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], logits.device, torch.float32)
         logits = logits / temps[:, None]
         top_ks = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]
         top_ps = [p.top_p for p in params]
@@ -123,7 +130,7 @@ class Sampler:
             logits = self._top_k_top_p(logits, top_ks, top_ps)
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the row's top probability
-            min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=probs.dtype)[:, None]
+            min_p = to_device([p.min_p for p in params], logits.device, probs.dtype)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
@@ -146,11 +153,11 @@ class Sampler:
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = torch.tensor(top_ks, device=logits.device)[:, None]
+        k = to_device(top_ks, logits.device, torch.int64)[:, None]
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         mask = ranks >= k  # outside top-k
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        p = torch.tensor(top_ps, device=logits.device)[:, None]
+        p = to_device(top_ps, logits.device, torch.float32)[:, None]
         # drop a token when the mass before it already reaches top_p (the first always stays:
         # a top_p below float32's smallest, 1e-300, is 0 here)
         mask |= (probs.cumsum(dim=-1) - probs) >= p

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .host_to_device import to_device
+
 M32 = 0xFFFFFFFF
 
 
@@ -60,8 +62,8 @@ def unseeded(rows: int, vocab: int, device) -> torch.Tensor:
 def exponentials(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
     """[len(keys), vocab] float32 Exp(1) draws, row r a pure function of keys[r] and the
     token id."""
-    ka = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=device)[:, None]
-    kb = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=device)[:, None]
+    ka = to_device([k[0] for k in keys], device, torch.int64)[:, None]
+    kb = to_device([k[1] for k in keys], device, torch.int64)[:, None]
     v = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]
     return -torch.log(uniform(_mix(_mix((v + ka) & M32) ^ kb)))
 

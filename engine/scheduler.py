@@ -174,6 +174,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_output_tokens >= req.max_tokens:  # its last token is still on the device (overlap.py)
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not req.is_decoding:
                 num_new = min(num_new, prefill_left)
@@ -256,6 +259,8 @@ class Scheduler:
         """Advances progress and publishes newly full blocks to the prefix cache. A step with
         drafts keeps the KV of its accepted ones only: the rejected drafts' blocks are freed."""
         for s in out.scheduled:
+            if s.request.finished:  # ended by the step before it (overlap.py): its row was wasted
+                continue
             s.request.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids) + s.num_accepted
             if s.draft_token_ids:
                 s.request.spec_tokens = []

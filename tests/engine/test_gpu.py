@@ -225,3 +225,25 @@ def test_seeded_sampling_is_the_same_across_the_handoff_on_cuda(tiny_models):
     del pw, dw, pe, de
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_overlapped_steps_equal_steps_in_turn_with_cuda_graphs(tiny_models):
+    """engine/overlap.py on CUDA: the pending ids patched into the graphs' buffers on the
+    device, the sampled ids copied back behind the next step; greedy and seeded requests of
+    different lengths (no EOS: the batches' shapes match step for step) give the same tokens."""
+    from pdserve import LLM, SamplingParams
+
+    from helpers import PROMPTS
+
+    sps = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=8 + 5 * i, ignore_eos=True)
+           for i in range(8)]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(tiny_models["llama"], dtype="bfloat16", gpu_memory_utilization=0.3, async_scheduling=overlap)
+        assert llm.engine.runner.graphs is not None and llm.engine.overlaps == overlap
+        outs[overlap] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:8], sps)]
+        llm.engine.kv.check_all_free()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]

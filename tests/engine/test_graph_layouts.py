@@ -48,10 +48,10 @@ def test_graph_layouts_equal_eager(model, backend, fused, apart, tiny_models, mo
         runner.use_graph_layouts()
         assert runner.graphs.piece_sizes == [16, 24]
         pieces, decode = runner.graphs.run_pieces, runner.graphs.run_decode
-        runner.graphs.run_pieces = lambda inp, meta: seen.append(("pieces", len(inp.ids), inp.padded,
-                                                                  len(inp.query_lens))) or pieces(inp, meta)
-        runner.graphs.run_decode = lambda inp: seen.append(("decode", inp.num_rows, inp.cols.shape[1], 0)) \
-            or decode(inp)
+        runner.graphs.run_pieces = lambda inp, *a: seen.append(("pieces", len(inp.ids), inp.padded,
+                                                                len(inp.query_lens))) or pieces(inp, *a)
+        runner.graphs.run_decode = lambda inp, *a: seen.append(("decode", inp.num_rows, inp.cols.shape[1], 0)) \
+            or decode(inp, *a)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         assert llm.engine.kv.prefix_hits > 0
         llm.engine.kv.check_all_free()
