@@ -45,7 +45,8 @@ def time_steps(eng, n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
-def bench(model_dir: str, tokenizer: str, batches: list[int], ctx: int, steps: int, ceil: dict) -> list[dict]:
+def bench(model_dir: str, tokenizer: str, batches: list[int], ctx: int, steps: int, ceil: dict,
+          cfg: dict = LLAMA3_8B) -> list[dict]:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
 
@@ -55,7 +56,7 @@ def bench(model_dir: str, tokenizer: str, batches: list[int], ctx: int, steps: i
                       max_model_len=ctx + 4 * steps + 256, max_num_seqs=top, max_num_batched_tokens=8192,
                       num_gpu_blocks_override=top * ((ctx + 4 * steps + 200) // bs + 2) + 16)
     eng = LLMEngine(ec, load_format="dummy")
-    body_params, _ = model_bytes(LLAMA3_8B)
+    body_params, _ = model_bytes(cfg)
     kv_token_bytes = eng.runner.layout.block_bytes // bs
     rng = random.Random(0)
     rows = []
@@ -70,7 +71,7 @@ def bench(model_dir: str, tokenizer: str, batches: list[int], ctx: int, steps: i
             row[f"gpu_idle_{key}"] = max(0.0, 1 - prof["gpu_busy_us"] / prof["wall_us"])
             row[f"profile_{key}"] = prof
         mean_ctx = sum(r.num_tokens for r in reqs) / len(reqs)
-        read = body_params * 2 + batch * mean_ctx * kv_token_bytes + batch * LLAMA3_8B["hidden_size"] * 2
+        read = body_params * 2 + batch * mean_ctx * kv_token_bytes + batch * cfg["hidden_size"] * 2
         row["floor_ms"] = read / (ceil["copy_GBps"] * 1e9) * 1e3
         row["ratio_off"] = row["step_ms_off"] / row["floor_ms"]
         row["ratio_on"] = row["step_ms_on"] / row["floor_ms"]
@@ -88,20 +89,25 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--vocab", type=int, default=LLAMA3_8B["vocab_size"],
+                    help="the model's vocabulary (49152: SmolLM2's tokenizer, the served benchmark's model)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     os.makedirs(args.out, exist_ok=True)
     ceil = ceilings()
     torch.cuda.empty_cache()
+    cfg = dict(LLAMA3_8B, vocab_size=args.vocab)
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(LLAMA3_8B, f)
-        rows = bench(d, args.tokenizer, batches, args.ctx, args.steps, ceil)
+            json.dump(cfg, f)
+        rows = bench(d, args.tokenizer, batches, args.ctx, args.steps, ceil, cfg)
     device = torch.cuda.get_device_name()
     with open(os.path.join(args.out, "decode_overlap_gpu.json"), "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "ceilings": ceil, "rows": rows}, f, indent=2)
+        json.dump({"device": device, "torch": torch.__version__, "vocab": args.vocab, "ceilings": ceil, "rows": rows},
+                  f, indent=2)
     lines = [f"# Decode steps with and without overlap on {device}", "",
-             f"Llama-3-8B config, random bf16 weights, context {args.ctx}, greedy; whole `LLMEngine.step()` "
+             f"Llama-3-8B config (vocabulary {args.vocab}), random bf16 weights, context {args.ctx}, greedy; "
+             "whole `LLMEngine.step()` "
              f"calls in steady decode, mean of {args.steps}. HBM floor: weights + KV read at the copy "
              f"bandwidth measured in the same run ({ceil['copy_GBps']:.0f} GB/s). GPU idle: 1 - kernel time / "
              "wall time over 10 steps (torch profiler).", "",

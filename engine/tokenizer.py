@@ -48,6 +48,12 @@ def _generic(path: str) -> bool:
 
 
 class IncrementalDetokenizer:
+    """A request's text as its tokens come: each push decodes the tokens since the last
+    complete piece (a few prompt tokens of left context first), once. Decoding goes straight to
+    the Rust tokenizer where transformers' decode would only add its Python wrapping (no
+    clean-up of spaces): at batch 64 the wrapped decode, twice per token, was the largest part
+    of the host's ~8 ms per engine step on an H100 host (bench/results/overlap/)."""
+
     CONTEXT = 6  # prompt tokens kept as left context
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
@@ -56,16 +62,26 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_token_ids[-self.CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        raw = getattr(tokenizer, "_tokenizer", None)
+        direct = raw is not None and hasattr(raw, "decode") and getattr(tokenizer, "clean_up_tokenization_spaces",
+                                                                        True) is False
+        self._raw = raw if direct else None
+        self._prefix: str | None = None  # the decoded ids[prefix_offset:read_offset]
 
     def _decode(self, ids: list[int]) -> str:
+        if self._raw is not None:
+            return self._raw.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Adds one token and returns the new text it completes (maybe empty)."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        if self._prefix is None:
+            self._prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        prefix = self._prefix
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._prefix = None
             return full[len(prefix):]
         return ""

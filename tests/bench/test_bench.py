@@ -205,6 +205,21 @@ def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
 
 
 @pytest.mark.slow
+def test_max_concurrency_keeps_one_request_in_flight(colocated, tmp_path):
+    """All due at once, one slot: each request is sent when the one before it has ended."""
+    _, server = colocated
+    run_bench(server.url, tmp_path, "--workload", "synthetic", "--input-len", "24", "--output-len", "4",
+              "--num-requests", "4", "--rates", "inf", "--max-concurrency", "1", "--label", "one",
+              "--token-range", "100:40000")
+    data = json.loads((tmp_path / "one_synthetic.json").read_text())
+    (run,) = data["runs"]
+    assert run["completed"] == 4 and data["config"]["max_concurrency"] == 1
+    rows = run["requests_detail"]  # [sent, prompt, output, ttft, tpot, e2e], in send order
+    for before, after in zip(rows, rows[1:]):
+        assert after[0] >= before[0] + before[5] - 1e-3, rows
+
+
+@pytest.mark.slow
 def test_bench_command_trace_replay_and_plot(colocated, small_trace, tmp_path):
     _, server = colocated
     run_bench(server.url, tmp_path, "--workload", "trace", "--trace", small_trace, "--length-scale", "0.0625",

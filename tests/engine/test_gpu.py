@@ -90,8 +90,8 @@ def test_piecewise_graphs_for_mixed_steps_equal_eager(tiny_models):
             graphs = llm.engine.runner.graphs
             assert sorted(graphs.pieces) == graphs.piece_sizes == [16, 32, 48]
             real = graphs.run_pieces
-            graphs.run_pieces = lambda inp, meta, real=real: seen.append((len(inp.ids), len(inp.query_lens))) \
-                or real(inp, meta)
+            graphs.run_pieces = lambda inp, *a, real=real: seen.append((len(inp.ids), len(inp.query_lens))) \
+                or real(inp, *a)
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         llm.engine.kv.check_all_free()
         del llm
@@ -147,7 +147,7 @@ def test_speculative_verification_replays_the_decode_graphs(tiny_models):
     runner, replays = llm.engine.runner, []
     assert max(runner.graphs.decode) == 40 and sorted(llm.engine.step_model.graphs) == sorted(runner.graphs.decode)
     real = runner.graphs.run_decode
-    runner.graphs.run_decode = lambda inp: replays.append(inp.num_rows) or real(inp)
+    runner.graphs.run_decode = lambda inp, *a: replays.append(inp.num_rows) or real(inp, *a)
     cont = {tuple(llm.engine.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
     llm.engine.drafter.proposer = lambda req, room: [
         t if (req.num_output_tokens + j) % 3 else 0

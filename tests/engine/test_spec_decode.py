@@ -186,7 +186,7 @@ def test_verification_in_the_decode_graph_layout(backend, tiny_models):
         runner, flat = llm.engine.runner, []
         runner.use_graph_layouts()
         real = runner.graphs.run_decode
-        runner.graphs.run_decode = lambda inp: flat.append(inp.num_rows) or real(inp)
+        runner.graphs.run_decode = lambda inp, *a: flat.append(inp.num_rows) or real(inp, *a)
         cont = {tuple(llm.engine.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
 
         def oracle(req, room):

@@ -56,6 +56,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--rate", type=float, default=None, help="arrival rate (req/s): Poisson, or the trace's "
                    "timestamps stretched to it; inf: all at once")
     b.add_argument("--rates", default=None, help="sweep: comma-separated rates, or 'trace' (trace timestamps)")
+    b.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight: a request due while all are busy waits for one")
     b.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     b.add_argument("--slo-tpot", type=float, default=0.1, help="seconds per output token after the first")
     b.add_argument("--seed", type=int, default=0)
@@ -131,7 +133,7 @@ def run(args) -> dict:
             rate_value = rate
         before = ep.metrics()
         with tqdm(total=len(reqs), desc=f"{args.label or 'bench'} @ {rate_value:.2f} req/s", unit="req") as bar:
-            records, duration = run_load(ep, reqs, arrivals, bar)
+            records, duration = run_load(ep, reqs, arrivals, bar, args.max_concurrency)
         summary = summarize(records, duration, rate_value, args.slo_ttft, args.slo_tpot, before,
                             settled_metrics(ep))
         tl = ep.timeline(len(reqs))  # pdserve: the server's own per-request spans
@@ -145,7 +147,8 @@ def run(args) -> dict:
               (f", errors: {summary['errors']}" if summary["errors"] else ""), flush=True)
     return {"label": args.label or ep.model, "model": ep.model, "url": args.url,
             "config": {"workload": args.workload, "workload_desc": desc, "ttft_slo": args.slo_ttft,
-                       "tpot_slo": args.slo_tpot, "num_requests": args.num_requests, "seed": args.seed},
+                       "tpot_slo": args.slo_tpot, "num_requests": args.num_requests, "seed": args.seed,
+                       "max_concurrency": args.max_concurrency},
             "runs": runs, "goodput": goodput(runs)}
 
 

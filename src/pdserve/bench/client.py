@@ -164,18 +164,25 @@ class Endpoint:
 
 
 def run_load(endpoint: Endpoint, requests: list[BenchRequest], arrivals: list[float],
-             progress=None) -> tuple[list[Record], float]:
-    """Sends request i at arrivals[i] seconds (open loop). Returns the records, in request
-    order, and the wall time from the first send to the last completion."""
+             progress=None, max_concurrency: int | None = None) -> tuple[list[Record], float]:
+    """Sends request i at arrivals[i] seconds (open loop), or once one of `max_concurrency`
+    slots frees up if it is later. Returns the records, in request order, and the wall time
+    from the first send to the last completion."""
     if len(arrivals) != len(requests):
         raise ValueError("one arrival time per request")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    slots = threading.BoundedSemaphore(max_concurrency or len(requests) or 1)
     records = [Record(len(r.prompt), r.max_tokens) for r in requests]
     threads = []
     t_start = time.perf_counter()
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
 
     def one(i: int) -> None:
-        endpoint.complete(requests[i], records[i], t_start)
+        try:
+            endpoint.complete(requests[i], records[i], t_start)
+        finally:
+            slots.release()
         if progress is not None:
             progress.update(1)
 
@@ -183,6 +190,7 @@ def run_load(endpoint: Endpoint, requests: list[BenchRequest], arrivals: list[fl
         delay = arrivals[i] - (time.perf_counter() - t_start)
         if delay > 0:
             time.sleep(delay)
+        slots.acquire()
         th = threading.Thread(target=one, args=(i,), daemon=True)
         th.start()
         threads.append(th)
