@@ -94,7 +94,7 @@ class Handoff:
     # sender: the payload to deliver with the KV; receiver: what arrived (set when DONE)
     meta: dict | None = None
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
-    _ready: object = field(default=None, repr=False)  # CUDA event: the blocks are written
+    _ready: object = field(default=None, repr=False)  # CUDA event: no step before it touches the blocks any more
     # when the pair's thread took it up and when all its messages were posted (monotonic)
     t_started: float | None = None
     t_first_post: float | None = None

@@ -130,11 +130,14 @@ class C10dConnector(KVConnector):
                heads=None) -> Handoff:
         h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s,
                     meta=meta, heads=None if heads is None else tuple(heads))
-        if is_sender and self.stream is not None:
+        if self.stream is not None:
+            # on the caller's stream: a sender's blocks are written by the steps before it; a
+            # receiver's blocks may still be written by the step in flight (a request that ended
+            # while its next step was queued, engine/overlap.py, left them free under it)
             h._ready = ready
             if ready is None:
                 h._ready = torch.cuda.Event()
-                h._ready.record()  # on the caller's stream, after the step that wrote the blocks
+                h._ready.record()
         with self._lock:
             if request_id in self._handoffs:
                 raise ValueError(f"a handoff for request {request_id!r} is already in flight")

@@ -276,7 +276,7 @@ class Pair:
         try:
             with torch.cuda.stream(stream) if stream is not None else _nullctx():
                 if h._ready is not None:
-                    stream.wait_event(h._ready)  # the step that wrote these blocks
+                    stream.wait_event(h._ready)  # steps that wrote (sender) or may write (receiver) them
                 posted: list = []
                 # one index tensor for the whole message (one pinned copy; the chunks slice it):
                 # the fewer calls this thread makes, the fewer times it waits for the GIL

@@ -63,13 +63,13 @@ class TestTwoByTwo:
         assert len({o.decode_worker for o in outs if o.decode_worker.startswith("decode")}) == 2
         no_request_blocks(cluster)
 
-    def test_seeded_sampled_outputs_equal_colocated(self, cluster):
+    def test_seeded_sampled_outputs_equal_colocated(self, cluster, tiny_models):
         """Sampled with a seed (temperature, top-k, min-p, a presence penalty, log-probs, n = 2):
         prefilled on one worker and decoded on another, each copy's tokens and log-probs equal
         the colocated engine's."""
         sp = SamplingParams(temperature=0.9, top_k=40, min_p=0.02, presence_penalty=0.4, logprobs=2, n=2,
                             max_tokens=16, seed=2024, ignore_eos=True)
-        ref = LLM(max_model_len=512).generate(PROMPTS[:4], sp)
+        ref = LLM(tiny_models["llama"], max_model_len=512).generate(PROMPTS[:4], sp)
         copies = sp.samples()  # the cluster takes one sequence per request, as the HTTP server sends them
         outs = cluster.generate([p for p in PROMPTS[:4] for _ in copies], copies * 4)
         got = [o.outputs[0] for o in outs]
@@ -101,8 +101,9 @@ class TestTwoByTwo:
     def test_stream_equals_non_stream(self, cluster):
         p = "Write a sentence about the ocean."
         final = cluster.generate(p, GREEDY)[0].outputs[0]
-        chunks = list(cluster.stream(p, GREEDY))
-        assert chunks[-1].finished and len(chunks) == len(final.token_ids)
+        chunks = list(cluster.stream(p, GREEDY))  # outputs a slow consumer missed come merged
+        assert chunks[-1].finished and 1 < len(chunks) <= len(final.token_ids)
+        assert [t for c in chunks for t in c.delta_token_ids] == final.token_ids
         assert "".join(c.delta_text for c in chunks) == final.text == chunks[-1].outputs[0].text
         assert chunks[-1].outputs[0].token_ids == final.token_ids
 
@@ -161,7 +162,11 @@ class TestScalingAndFailures:
         # routing never sees it again
         cluster.generate("A prompt long enough to fill a few blocks of the prefix cache. " * 3, GREEDY)
         d = next(w for w in cluster.workers.values() if w.role == "decode")
-        held = {w["worker_id"]: w["num_cached_blocks"] for w in cluster.registry_workers()}
+        for _ in range(50):  # a heartbeat carries the new blocks to the registry
+            held = {w["worker_id"]: w["num_cached_blocks"] for w in cluster.registry_workers()}
+            if held[d.worker_id] >= 3:
+                break
+            time.sleep(0.1)
         assert held[d.worker_id] >= 3
         assert ray.get(cluster.registry.unregister.remote(d.worker_id))
         for _ in range(100):

@@ -211,3 +211,20 @@ def test_a_generic_tokenizer_loads_without_auto_tokenizer_and_is_the_same(defaul
     cfg = json.loads((other / "tokenizer_config.json").read_text())
     (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
     assert not _generic(str(other)) and load_tokenizer(str(other)).encode("Hello world") == auto.encode("Hello world")
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_incremental_detokenizing_equals_decoding_the_whole_output(default_model_dir, skip_special):
+    """Pushed one token at a time (straight to the Rust tokenizer), the pieces add up to what
+    transformers' decode of the whole output gives: multi-byte characters split across tokens,
+    special tokens, spaces after the prompt."""
+    from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    prompt = tok.encode("Say it in three languages:")
+    out = tok.encode(" Grüße, 你好 — naïve café 🎉🎉 ok") + [tok.eos_token_id] + tok.encode(" end")
+    det = IncrementalDetokenizer(tok, prompt, skip_special)
+    assert det._raw is not None  # the direct path, for a tokenizer without clean-up of spaces
+    text = "".join(det.push(t) for t in out)
+    full = tok.decode(prompt + out, skip_special_tokens=skip_special)
+    assert full.endswith(text) and text == tok.decode(out, skip_special_tokens=skip_special)

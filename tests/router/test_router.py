@@ -606,6 +606,30 @@ def test_a_grammar_at_a_dead_end_fails_its_request_not_the_worker(client, cluste
     wait_no_request_blocks(cluster)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tool_choices_the_server_cannot_serve_are_400s_naming_the_field(client):
+    """Without a tool-call parser, "auto" (the default with tools) is a 400, as are a tool_choice
+    without tools, an unknown tool, tools with json_object, and a tool whose schema does not
+    compile (the calls themselves: test_openai_parity.py)."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for bad in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"},
+                {"tool_choice": "required"},
+                {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model_id(client), messages=ask, max_tokens=4, **bad)
+        assert e.value.body["param"] == "tool_choice", bad
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(("}}}}}
+    with pytest.raises(openai.BadRequestError, match="does not compile") as e:
+        client.chat.completions.create(model=model_id(client), messages=ask, max_tokens=4, tools=[broken],
+                                       tool_choice="required")
+    assert e.value.body["param"] == "tools"
+
+
 def raw_http(url: str, data: bytes, timeout: float = 30.0) -> bytes:
     """Sends bytes as they are (headers httpx would refuse to send) and reads the answer."""
     import socket
