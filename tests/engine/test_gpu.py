@@ -198,8 +198,10 @@ def test_seeded_sampling_is_the_same_across_the_handoff_on_cuda(tiny_models):
     path = tiny_models["llama"]
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=24, seed=7, ignore_eos=True)
     prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]
-    kw = dict(model=path, dtype="bfloat16", gpu_memory_utilization=0.15)
-    llm = LLM(path, dtype="bfloat16", gpu_memory_utilization=0.15)
+    # three engines in one process: a fixed KV budget each (a utilization counts the others'
+    # memory as taken: the third found none left on an 80 GB GPU)
+    kw = dict(model=path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20)
+    llm = LLM(**kw)
     want = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]  # one at a time
     del llm
     hub = LoopbackHub()
