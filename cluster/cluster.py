@@ -71,6 +71,14 @@ class _AutoscaleLatency(RequestObserver):
             window.add(seconds)
 
 
+def ray_init_options() -> dict:
+    """`ray.init` options of a Ray that pdserve starts: the workers inherit the settings that
+    the environment gives pdserve (loopback gloo, auth mode, cache, threads)."""
+    env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
+                                      "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL") if k in os.environ}
+    return dict(include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+
+
 class Cluster:
     def __init__(self, model: str | None, prefill: int | None, decode: int | None, address: str | None,
                  namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
@@ -110,13 +118,11 @@ class Cluster:
         self.tokenizer = load_tokenizer(self.model_path)
         say(f"model {self.model_path}: config and tokenizer read (max_model_len {self.max_model_len})")
         self._owns_ray = not ray.is_initialized()
+        self.namespace = namespace
         if self._owns_ray:
-            env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
-                                              "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL") if k in os.environ}
             # no address: a Ray of our own ("local"), never one that happens to run on this machine
             say(f"joining the Ray cluster at {address}" if address else "starting a local Ray cluster")
-            ray.init(address=address or "local", namespace=namespace, include_dashboard=False,
-                     runtime_env={"env_vars": env}, log_to_driver=False)
+            ray.init(address=address or "local", namespace=namespace, **ray_init_options())
         # a Ray of our own is this machine only: the workers' KV stores listen on loopback
         bind_host = "127.0.0.1" if self._owns_ray and address is None else None
         try:
@@ -373,6 +379,14 @@ class Cluster:
             self._aloop.call_soon_threadsafe(self._aloop.stop)
             if self._owns_ray:
                 ray.shutdown()
+            else:  # the Ray stays: the namespace is free for the next cluster once the registry's name is
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    try:
+                        ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+                    except ValueError:
+                        break
+                    time.sleep(0.05)
 
     def __enter__(self) -> Cluster:
         return self

@@ -32,15 +32,13 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     device, dtype = config.torch_device, config.torch_dtype
     with torch.device("meta"):
         model = LlamaForCausalLM(mc, config.max_model_len, config.use_triton, fused=config.fused_ops, tp=tp)
+    rope = model.rotary.cos, model.rotary.sin  # float32 host tables (to_empty below wipes buffers)
     # cast on meta (free) so that the real allocation is already in the model's dtype: a
     # float32 staging copy would need twice a bf16 model's memory (141 GB per GPU for 70B at TP 2)
     model = model.to(dtype=dtype).to_empty(device=device)
     if mc.tie_word_embeddings and tp.size == 1:  # to_empty from meta makes new Parameters: tie again
         model.lm_head.weight = model.embed_tokens.weight
-    # rope tables are buffers computed at construction: rebuild them for real
-    rot = model.rotary
-    fresh = type(rot)(mc.head_dim, config.max_model_len, mc.rope_theta, mc.rope_scaling)
-    rot.cos, rot.sin = fresh.cos.to(device), fresh.sin.to(device)
+    model.rotary.cos, model.rotary.sin = (t.to(device) for t in rope)
     params = dict(model.named_parameters())
     for p in params.values():
         if p.dtype != dtype:

@@ -33,6 +33,26 @@ def tiny_models(tmp_path_factory, request) -> dict[str, str]:
     return {k: save_tiny(k, str(root / k), tok_dir) for k in ("llama", "qwen2", "mistral")}
 
 
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One local Ray per test process (an xdist worker), started on first use and left running:
+    a Ray start and stop costs ~5 s on 2 cores, and ~25 cluster tests each paid it. A
+    `Cluster` joins the Ray its process runs and leaves it running when it shuts down."""
+    import ray
+
+    from pdserve.cluster.cluster import ray_init_options
+
+    if not ray.is_initialized():
+        ray.init(address="local", namespace="pdserve", **ray_init_options())
+
+
+@pytest.fixture
+def own_ray():
+    """For tests of how a `Cluster` starts or joins a Ray: none runs in this process."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 # The longest files first (seconds each on 2 idle cores, `--durations`): `-n 2 --dist loadfile`

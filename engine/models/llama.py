@@ -70,9 +70,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        # computed on the host even under `torch.device("meta")` (the loader moves them): math on
+        # meta goes through torch._refs, whose first use imports torch._dynamo (1.7 s of every start)
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+            freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -191,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp = tp or TPGroup()
         self.fused = fused
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # `_weight`: no random init (the loader fills it; on meta, `normal_` imports torch._dynamo)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, use_triton, fused, i, tp)

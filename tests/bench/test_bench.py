@@ -129,7 +129,7 @@ def test_statistics_and_goodput():
 
 
 @pytest.fixture(scope="module")
-def colocated():
+def colocated(shared_ray):
     c = Cluster.start(mode="colocated", decode=2, max_model_len=512)
     s = Server(build_app(c))
     yield c, s

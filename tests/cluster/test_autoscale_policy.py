@@ -86,14 +86,14 @@ def test_latency_window_forgets_old_samples():
 
 
 @pytest.mark.slow
-def test_cluster_rejects_manual_sizes_outside_bounds():
+def test_cluster_rejects_manual_sizes_outside_bounds(shared_ray):
     cfg = ServingConfig.from_dict({"decode": {"min": 1, "max": 2}, "autoscale": {"enabled": True}})
     with pytest.raises(ValueError, match=r"replicas=3 is outside"):
         Cluster.start(decode=3, serving_config=cfg)
 
 
 @pytest.mark.slow
-def test_policy_scales_the_right_pool_under_synthetic_load():
+def test_policy_scales_the_right_pool_under_synthetic_load(shared_ray):
     cfg = ServingConfig.from_dict({
         "prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 2},
         "autoscale": {"enabled": True, "prefill_queue": 1.0, "ttft_p90_s": 1000, "kv_usage": 0.5,

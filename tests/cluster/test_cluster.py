@@ -16,7 +16,7 @@ from pdserve.engine.hashing import hash_block_tokens
 
 from helpers import PROMPTS, RayHead
 
-pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 PROMPTS16 = PROMPTS[:8] + [p + " Explain." for p in PROMPTS[:8]]
@@ -37,14 +37,14 @@ def no_request_blocks(cluster: Cluster) -> None:
 
 
 @pytest.fixture(scope="class")
-def cluster22(tiny_models):
+def cluster22(tiny_models, shared_ray):
     c = Cluster.start(tiny_models["llama"], prefill=2, decode=2, max_model_len=512)
     yield c
     c.shutdown()
 
 
 @pytest.fixture(scope="class")
-def cluster11(tiny_models):
+def cluster11(tiny_models, shared_ray):
     c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, max_model_len=512)
     yield c
     c.shutdown()
@@ -247,27 +247,27 @@ class TestScalingAndFailures:
         no_request_blocks(cluster)
 
 
-def test_own_ray_without_an_address_and_joining_one_with_it():
+def test_own_ray_without_an_address_and_joining_one_with_it(own_ray, tiny_models):
     """A Ray already running on the machine is neither joined nor touched without an address;
     given its address, the cluster joins it, and a second pdserve in its namespace is refused."""
     port = 6391
+    model = tiny_models["llama"]
     head = RayHead(port, "--num-cpus=2")
     try:
-        c = Cluster.start(decode=1, mode="colocated", max_model_len=256)
+        c = Cluster.start(model, decode=1, mode="colocated", max_model_len=256)
         try:
             assert not ray.get_runtime_context().gcs_address.endswith(f":{port}")
-            assert c.generate("Hi", GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
+            want = c.generate("The capital of France is", GREEDY)[0].outputs[0].token_ids
         finally:
             c.shutdown()
         assert head.proc.poll() is None  # the other Ray still runs
-        c = Cluster.start(prefill=1, decode=1, address=f"127.0.0.1:{port}", max_model_len=256)
+        c = Cluster.start(model, prefill=1, decode=1, address=f"127.0.0.1:{port}", max_model_len=256)
         try:
-            out = c.generate("The capital of France is", GREEDY)[0]
-            assert "Paris" in out.outputs[0].text
+            assert c.generate("The capital of France is", GREEDY)[0].outputs[0].token_ids == want
             assert ray.get_runtime_context().gcs_address.endswith(str(port))
             with pytest.raises(RuntimeError, match="another pdserve cluster serves namespace 'pdserve'"):
-                Cluster.start(prefill=1, decode=1, address=f"127.0.0.1:{port}", max_model_len=256)
-            assert "Paris" in c.generate("The capital of France is", GREEDY)[0].outputs[0].text  # untouched
+                Cluster.start(model, prefill=1, decode=1, address=f"127.0.0.1:{port}", max_model_len=256)
+            assert c.generate("The capital of France is", GREEDY)[0].outputs[0].token_ids == want  # untouched
         finally:
             c.shutdown()
     finally:

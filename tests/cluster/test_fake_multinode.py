@@ -38,7 +38,7 @@ def nodes_offering(role: str) -> set[str]:
 
 
 @pytest.fixture
-def fake_cluster():
+def fake_cluster(own_ray):
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", PORT)) == 0:
             pytest.fail(f"port {PORT} is in use; the fake multi-node provider needs it for the head's GCS")

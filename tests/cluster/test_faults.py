@@ -20,7 +20,7 @@ from pdserve.router.app import build_app
 
 from helpers import Server
 
-pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, frequency_penalty=0.3, repetition_penalty=1.1,

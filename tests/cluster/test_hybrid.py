@@ -105,7 +105,7 @@ def reference(prompts):
 
 
 @pytest.fixture(scope="module")
-def hybrid():
+def hybrid(shared_ray):
     cfg = ServingConfig.from_dict({"slo": {"ttft_s": 0.4, "tpot_s": 0.5}, "decode": {"replicas": 2}})
     c = Cluster.start(mode="hybrid", prefill=1, serving_config=cfg, max_model_len=512)
     yield c

@@ -19,10 +19,7 @@ SHARED = list(range(100, 164))
 
 
 @pytest.mark.slow
-def test_registry_scores_holders_by_tier():
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(namespace="tier-test", include_dashboard=False, log_to_driver=False)
+def test_registry_scores_holders_by_tier(shared_ray):
     reg = BlockRegistry.options(name="tier-test-registry", namespace="tier-test").remote()
     try:
         hs = [f"{i:064x}" for i in range(4)]
@@ -41,12 +38,11 @@ def test_registry_scores_holders_by_tier():
         assert (rows["b"]["num_host_blocks"], rows["c"]["num_cached_blocks"]) == (2, 1)
     finally:
         ray.kill(reg)
-        if owns:
-            ray.shutdown()
 
 
 @pytest.mark.slow
-def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models, tmp_path, mode="disaggregated"):
+def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models, tmp_path, shared_ray,
+                                                                     mode="disaggregated"):
     model = tiny_models["llama"]
     prompts = [SHARED + [7, 8, 9], SHARED + [17, 18]]
     with LLM(model, max_model_len=256) as llm:

@@ -14,7 +14,7 @@ from pdserve.cluster import Cluster
 from pdserve.engine.loader import resolve_model_path
 from pdserve.router.metrics import RouterMetrics
 
-pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
 PROMPTS = ["Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,", "Say it twice: the cat sat on the mat. the cat sat"]

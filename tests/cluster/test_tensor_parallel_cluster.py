@@ -15,7 +15,7 @@ from pdserve.cluster import Cluster
 
 from helpers import PROMPTS
 
-pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS8 = PROMPTS[:4] + [p + " And then, in more words than before, explain." for p in PROMPTS[:4]]
@@ -32,7 +32,7 @@ def no_request_blocks(cluster: Cluster) -> None:
 
 
 @pytest.fixture(scope="module")
-def p1_d2(tiny_models):
+def p1_d2(tiny_models, shared_ray):
     c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, prefill_tp=1, decode_tp=2, max_model_len=512)
     yield c
     c.shutdown()

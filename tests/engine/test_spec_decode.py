@@ -116,19 +116,20 @@ def test_seeded_requests_sample_the_same_tokens_with_speculation():
 @pytest.mark.slow
 def test_sampled_output_keeps_the_target_distribution():
     """The default model sampled (temperature 1, top_k 3) on a counting prompt, where ngram
-    drafts are often accepted: the tokens at output positions 1-4, over 250 seeded requests
+    drafts are often accepted: the tokens at output positions 1-4, over 150 seeded requests
     each way, come from the same distribution with and without speculation (chi-square
-    homogeneity test)."""
+    homogeneity test; test_rejection_sampling_keeps_the_target_distribution tests the sampler
+    itself on 20,000 draws)."""
     prompt = "Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=5, seed=i, ignore_eos=True) for i in range(250)]
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=5, seed=i, ignore_eos=True) for i in range(150)]
     counts = []
     for spec in (None, NGRAM):
         with LLM(max_model_len=128, speculative_config=spec) as llm:
-            outs = [o.outputs[0].token_ids for i in range(0, 250, 50)
+            outs = [o.outputs[0].token_ids for i in range(0, 150, 50)
                     for o in llm.generate([prompt] * 50, params[i:i + 50])]
             if spec:
                 st = llm.engine.stats()
-                assert st["spec_decode_num_accepted_tokens"] > 180 and st["spec_decode_steps_off"] == 0, st
+                assert st["spec_decode_num_accepted_tokens"] > 105 and st["spec_decode_steps_off"] == 0, st
         counts.append(collections.Counter((pos, o[pos]) for o in outs for pos in (1, 2, 3, 4)))
     keys = [k for k in set(counts[0]) | set(counts[1]) if counts[0][k] + counts[1][k] >= 5]
     chi2 = sum((counts[0][k] - counts[1][k]) ** 2 / (counts[0][k] + counts[1][k]) for k in keys)

@@ -24,7 +24,7 @@ from pdserve.router.app import build_app
 
 from helpers import Server
 
-pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
 # tool_choice auto's call format, per server
@@ -34,7 +34,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated", "hybrid"])
-def served(request):
+def served(request, shared_ray):
     kw = dict(decode=1, mode=request.param, **({} if request.param == "colocated" else {"prefill": 1}))
     c = Cluster.start(max_model_len=512, **kw)
     s = Server(build_app(c, tool_call_parser=PARSER[request.param]))

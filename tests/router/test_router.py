@@ -23,14 +23,14 @@ from pdserve.router.app import build_app
 
 from helpers import Server
 
-pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
 KEY = "sk-test-key"
 ADMIN = "sk-test-admin"
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models):
+def cluster(tiny_models, shared_ray):
     # the HTTP API, not the model, is under test: a tiny random model with the default model's
     # tokenizer and chat template (the real model ran this module in 208 s on 2 cores)
     c = Cluster.start(tiny_models["llama"], prefill=2, decode=1, max_model_len=512)

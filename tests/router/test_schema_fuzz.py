@@ -16,14 +16,14 @@ from pdserve.router.app import build_app
 
 from helpers import Server
 
-pytestmark = pytest.mark.slow  # a real-model or multi-actor cluster per module
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
 OPERATIONS = r"^/(v1/|tokenize|detokenize|version|health)"
 MAX_EXAMPLES = 25
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models):
+def cluster(tiny_models, shared_ray):
     # The HTTP layer is what is fuzzed: a tiny model keeps a generated n=16 x max_tokens request
     # under a second on CPU (the default model took 10-30 s for one, past any sane read timeout).
     # Disaggregated, so the handoff carries the first token's log-probs, grammar and penalties.
