@@ -85,8 +85,9 @@ class LLM:
         return [merge([final[r.request_id] for r in g]) for g in groups]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template, then generates."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template, then generates (one conversation or a list;
+        one SamplingParams for all or one per conversation, as `generate`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,

@@ -112,7 +112,7 @@ def test_policy_scales_the_right_pool_under_synthetic_load(shared_ray):
     watcher.start()
     try:
         # phase 1: a queue of long prompts, one token each (the decode pool never sees them)
-        long_prompts = [[(7 * i + j) % 5000 + 100 for j in range(400)] for i in range(24)]
+        long_prompts = [[(7 * i + j) % 5000 + 100 for j in range(200)] for i in range(24)]
         outs = c.generate(long_prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
         events = list(c.counters["autoscale"])

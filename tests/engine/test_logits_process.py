@@ -94,10 +94,10 @@ def test_structured_outputs_hold_their_grammar():
               "required": ["name", "age"], "additionalProperties": False}
     ask = [{"role": "user", "content": "Describe a person as JSON."}]
     with LLM(max_model_len=256) as llm:
-        def run(spec, n=3):
-            outs = [llm.chat(ask, SamplingParams(temperature=0.8, seed=s, max_tokens=80, structured_outputs=spec))
-                    for s in range(n)]
-            return [o[0].outputs[0] for o in outs]
+        def run(spec, n=3):  # n seeds in one batch
+            outs = llm.chat([ask] * n, [SamplingParams(temperature=0.8, seed=s, max_tokens=80, structured_outputs=spec)
+                                        for s in range(n)])
+            return [o.outputs[0] for o in outs]
 
         for o in run({"json": schema}):
             doc = json.loads(o.text)
