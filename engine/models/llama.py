@@ -130,11 +130,12 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.fused:
+        if self.fused:  # q and k are neighbours in qkv's rows: one launch rotates both
             self.rope_(q, k, positions, self.rotary.cos, self.rotary.sin)
         else:
             q, k = self.rotary(positions, q, k)
-        return q, k, v.contiguous()
+        # v stays a view of qkv: the KV store reads it by its strides (a copy was one more launch a layer)
+        return q, k, v
 
 
 class MLP(nn.Module):

@@ -7,7 +7,8 @@ microseconds of launch and tail, ~1,300 per step for 32 layers. These three kern
 make it ~10 per layer:
 
     add_rmsnorm(x, residual, weight, eps)  residual += x (model dtype), then RMSNorm
-    rope_(q, k, positions, cos, sin)       rotary embedding in place (rotate-half form)
+    rope_(q, k, positions, cos, sin)       rotary embedding in place (rotate-half form), q's and
+                                           k's heads in one launch when they are neighbours
     silu_mul(gate_up)                      SiLU(gate) * up over the fused projection
 
 Each reproduces the torch path's rounding (fp32 statistics, a round to the model dtype
@@ -98,12 +99,19 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     if D % 2:
         raise ValueError(f"rope_: head_dim must be even, got {D}")
     if T:
-        for x in (q, k):
-            H = x.shape[1]
+        for x, H in _rope_launches(q, k):
             _rope_kernel[(T,)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0), H,
                                HALF=D // 2, H_PAD=triton.next_power_of_2(H),
                                HALF_PAD=triton.next_power_of_2(D // 2))
     return q, k
+
+
+def _rope_launches(q: torch.Tensor, k: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """One launch over q's and k's heads together when k's heads follow q's in memory with
+    q's strides (q and k views of one qkv projection, as the model makes them), else one each."""
+    follows = (q.dtype == k.dtype and q.stride() == k.stride() and q.stride(1) == q.shape[2]
+               and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
+    return [(q, q.shape[1] + k.shape[1])] if follows else [(q, q.shape[1]), (k, k.shape[1])]
 
 
 @triton.jit

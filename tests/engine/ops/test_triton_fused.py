@@ -65,6 +65,24 @@ def test_rope_in_place_on_qkv_views_matches_rotary(H, KVH, D, dtype):
         assert torch.equal(q, want_q) and torch.equal(k, want_k)
 
 
+def test_rope_takes_one_launch_for_neighbouring_q_and_k_and_two_otherwise():
+    from pdserve.engine.ops.triton_fused import _rope_launches
+
+    H, KVH, D, T = 4, 2, 32, 3
+    rot = RotaryEmbedding(D, 64, 10000.0, None).to(DEV)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=torch.Generator().manual_seed(1)).to(DEV)
+    q, k, v = (x.view(T, -1, D) for x in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+    assert [h for _, h in _rope_launches(q, k)] == [H + KVH]
+    assert [h for _, h in _rope_launches(k, v)] == [2 * KVH]  # any neighbours
+    assert [h for _, h in _rope_launches(q, v)] == [H, KVH]  # k lies between them
+    q2, k2 = q.clone(), k.clone()  # separate tensors: one launch each, the same result
+    assert [h for _, h in _rope_launches(q2, k2)] == [H, KVH]
+    pos = torch.tensor([3, 9, 60], device=DEV)
+    rope_(q, k, pos, rot.cos, rot.sin)
+    rope_(q2, k2, pos, rot.cos, rot.sin)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,N", [(1, 80), (4, 1536), (2, 3000)])
 def test_silu_mul_matches_torch(T, N, dtype):
