@@ -109,7 +109,9 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
 def _rope_launches(q: torch.Tensor, k: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     """One launch over q's and k's heads together when k's heads follow q's in memory with
     q's strides (q and k views of one qkv projection, as the model makes them), else one each."""
-    follows = (q.dtype == k.dtype and q.stride() == k.stride() and q.stride(1) == q.shape[2]
+    # one token: view() gives q and k different row strides, which the kernel never uses
+    rows_alike = q.shape[0] == 1 or q.stride(0) == k.stride(0)
+    follows = (q.dtype == k.dtype and rows_alike and q.stride(1) == k.stride(1) == q.shape[2]
                and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
     return [(q, q.shape[1] + k.shape[1])] if follows else [(q, q.shape[1]), (k, k.shape[1])]
 

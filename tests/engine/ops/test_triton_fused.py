@@ -75,6 +75,9 @@ def test_rope_takes_one_launch_for_neighbouring_q_and_k_and_two_otherwise():
     assert [h for _, h in _rope_launches(q, k)] == [H + KVH]
     assert [h for _, h in _rope_launches(k, v)] == [2 * KVH]  # any neighbours
     assert [h for _, h in _rope_launches(q, v)] == [H, KVH]  # k lies between them
+    one = qkv[:1].split([H * D, KVH * D, KVH * D], dim=-1)  # a decode step of one token: view()
+    q1, k1 = one[0].view(1, H, D), one[1].view(1, KVH, D)  # gives q and k different row strides
+    assert q1.stride(0) != k1.stride(0) and [h for _, h in _rope_launches(q1, k1)] == [H + KVH]
     q2, k2 = q.clone(), k.clone()  # separate tensors: one launch each, the same result
     assert [h for _, h in _rope_launches(q2, k2)] == [H, KVH]
     pos = torch.tensor([3, 9, 60], device=DEV)
