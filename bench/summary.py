@@ -264,11 +264,11 @@ def seeded_sampling() -> dict:
 
 def overlap() -> dict:
     """The overlapped step (engine/overlap.py): whole LLMEngine.step() calls against the HBM floor."""
-    res = load("overlap", "decode_overlap_gpu.json")
+    res = load("overlap", "h200", "decode_overlap_gpu.json")  # the device the goals name
     rows = {r["batch"]: r for r in res["rows"]}
     served = load("overlap", "served", "served_tpot_gpu.json")
     cmd = ("python3 bench/decode_overlap_gpu.py --tokenizer TOKENIZER_DIR --batches 1,16,64 "
-           "--out bench/results/overlap  # one H100")
+           "--out bench/results/overlap/h200  # one H200")
     wl = (f"Llama-3-8B config, random bf16, context 1024, {res['device']}, whole LLMEngine.step() (scheduling, "
           "inputs, model, sampling, outputs) with the overlapped step")
 
@@ -279,7 +279,15 @@ def overlap() -> dict:
                                  f"{r['ratio_off']:.2f}x)"}
 
     on = served["served"]["on"]
+    fus = load("fusions", "decode_fusions_gpu.json")
+    last = {r["variant"]: r for r in fus["rows"] if r["batch"] == 64}  # the later run of "all"
+    fcmd = "python3 bench/decode_fusions_gpu.py --tokenizer TOKENIZER_DIR --out bench/results/fusions  # one H200"
     return {
+        "decode_fusions_speedup_b64": {
+            "value": round(last["none"]["step_ms"] / last["all"]["step_ms"], 3), "command": fcmd,
+            "workload": wl.replace(res["device"], fus["device"]) + f", batch 64: without the fusions "
+                        f"{last['none']['step_ms']:.3f} ms, {last['none']['launches']} launches; with them "
+                        f"{last['all']['step_ms']:.3f} ms, {last['all']['launches']} launches"},
         "decode_floor_ratio_b1": ratio(1), "decode_floor_ratio_b64": ratio(64),
         "decode_gpu_idle_b64": {"value": round(rows[64]["gpu_idle_on"], 3), "command": cmd,
                                 "workload": wl + f", batch 64: 1 - kernel time / wall time (in turn: "
