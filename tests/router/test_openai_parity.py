@@ -28,12 +28,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
 # tool_choice auto's call format, per server
-PARSER = {"disaggregated": "hermes", "colocated": "mistral", "hybrid": "llama3_json"}
+PARSER = {"disaggregated": "hermes", "colocated": "mistral"}
+MORE_PARSERS = {"colocated": ("llama3_json",)}  # on a second router over the same cluster
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated", "hybrid"])
+# hybrid mode serves each prompt by one of these two paths (its placement: test_hybrid.py)
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def served(request, shared_ray):
     kw = dict(decode=1, mode=request.param, **({} if request.param == "colocated" else {"prefill": 1}))
     c = Cluster.start(max_model_len=512, **kw)
@@ -317,12 +319,21 @@ def test_refusals_vllm_makes(served):
 
 
 def test_auto_tool_choice_parses_the_models_call_format(served):
-    """tool_choice "auto" (the default once tools are given) with the server's parser: a reply in
-    the model's call format (forced here by a regex, since the default model rarely calls) comes
-    back as tool_calls and its text as content, streamed as content deltas then a tool_calls
-    delta; a reply without a call is plain content."""
+    """tool_choice "auto" (the default once tools are given) with each call-format parser: a
+    reply in the model's call format (forced here by a regex, since the default model rarely
+    calls) comes back as tool_calls and its text as content, streamed as content deltas then a
+    tool_calls delta; a reply without a call is plain content."""
     cluster, _, client = served
-    fmt = PARSER[cluster.mode]
+    check_auto_tool_choice(client, PARSER[cluster.mode])
+    for fmt in MORE_PARSERS.get(cluster.mode, ()):
+        s = Server(build_app(cluster, tool_call_parser=fmt))
+        try:
+            check_auto_tool_choice(openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0), fmt)
+        finally:
+            s.stop()
+
+
+def check_auto_tool_choice(client, fmt: str) -> None:
     call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     text = {"hermes": f"Checking.\n<tool_call>\n{call}\n</tool_call>", "mistral": f"Checking.[TOOL_CALLS][{call}]",
             "llama3_json": call.replace("arguments", "parameters")}[fmt]
@@ -332,7 +343,7 @@ def test_auto_tool_choice_parses_the_models_call_format(served):
               tools=[WEATHER], extra_body={"structured_outputs": {"regex": regex_literal(text)}})
     r = client.chat.completions.create(**kw)
     msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and msg.content == said
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == said, fmt
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
         [("get_weather", {"city": "Paris"})]
     chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
