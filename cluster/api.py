@@ -55,6 +55,9 @@ class FinishedRequest:
     queue_s: float | None  # arrival here -> a worker's step first took it
     prefill_s: float | None  # that step -> the first token here
     decode_s: float | None  # the first token -> the last
+    priority: int = 0  # SamplingParams.priority
+    ttft_s: float | None = None  # arrival here -> the first token here
+    num_preemptions: int = 0  # times a worker preempted it (the last attempt's)
 
     @property
     def inference_s(self) -> float | None:

@@ -55,8 +55,9 @@ class _Progress:
     """What the client has seen of an attempt, and the prompt tokens it queued on workers
     (their `queued_tokens`, what placement predicts TTFT from) until its first token."""
 
-    def __init__(self, t0: float):
+    def __init__(self, t0: float, priority: int = 0):
         self.t0, self.last, self.first_at = t0, None, None
+        self.priority = priority
         self.tokens = 0
         self.placement: dict | None = None
         self.predicted: tuple[str, float | None] | None = None  # (worker, TTFT) placement expected
@@ -96,7 +97,7 @@ class Dispatcher:
         self.counters["requests"] += 1
         last_error = None
         for attempt in range(3):
-            progress = _Progress(time.monotonic())
+            progress = _Progress(time.monotonic(), params.priority)
             try:
                 await self._attempt(f"{rid}-{attempt}", rid, ids, hashes, params, sink, progress)
                 return
@@ -111,7 +112,8 @@ class Dispatcher:
             finally:
                 progress.settle()
         self.counters["failed"] += 1
-        self._finish(RequestOutput.error(rid, str(last_error)), ids, _Progress(time.monotonic()), sink, None, None)
+        self._finish(RequestOutput.error(rid, str(last_error)), ids, _Progress(time.monotonic(), params.priority),
+                     sink, None, None)
 
     async def _attempt(self, wire_id: str, rid: str, ids, hashes, params, sink, progress: _Progress):
         p, d, local = await self.placer.plan(hashes, ids, progress)
@@ -275,7 +277,10 @@ class Dispatcher:
             self._observe("e2e", now - progress.t0)
             done = FinishedRequest((c.finish_reason if c else None) or "abort", len(ids), progress.tokens,
                                    progress.queue_s, progress.prefill_s,
-                                   now - progress.first_at if progress.first_at is not None else None)
+                                   now - progress.first_at if progress.first_at is not None else None,
+                                   progress.priority,
+                                   progress.first_at - progress.t0 if progress.first_at is not None else None,
+                                   out.metrics.num_preemptions if out.metrics is not None else 0)
             for o in self.observers:
                 o.on_finish(done)
         sink(out)

@@ -78,10 +78,13 @@ class DecodeRole(Role):
     def _reserve(self) -> list[Event]:
         events: list[Event] = []
         waiting = collections.deque()
-        while self.backlog:
-            inc = self.backlog.popleft()
+        sched = self.engine.scheduler
+        by_priority = sched.policy == "priority"  # in (priority, arrival) order, none passing a blocked one
+        held = False
+        for inc in sorted(self.backlog, key=lambda i: sched.key(i.request)) if by_priority else self.backlog:
             req = inc.request
-            res = self.engine.kv.reserve_prompt(req)
+            res = None if held else self.engine.kv.reserve_prompt(req)
+            held = held or (by_priority and res is None)
             if res is None:
                 if time.monotonic() - inc.queued > self.handoff_timeout_s:
                     events.append(Emitted(RequestOutput.error(

@@ -163,6 +163,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # fcfs: arrival order | priority: SamplingParams.priority (lower first), then arrival; the
+    # queue order and the preemption victim (the last of that order) follow it (scheduler.py)
+    scheduling_policy: str = "fcfs"
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
@@ -212,6 +215,8 @@ class EngineConfig:
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

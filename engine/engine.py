@@ -61,7 +61,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, host=host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         # the one step-time model: the TPOT chunk, the advertised prefill rate, speculation's off-switch
         self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s,
                                     graphs=self.runner.graph_seconds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -48,7 +49,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """`priority`: one per prompt (vLLM's; lower first under scheduling_policy "priority"),
+        else each SamplingParams' own."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -59,6 +62,10 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+            params = [dataclasses.replace(sp, priority=pr) for sp, pr in zip(params, priority)]
         # validate all before queueing any, so a bad prompt leaves nothing behind; n > 1: the
         # copies wait for the first to prefill, then hit its prompt's blocks in the prefix cache
         groups = [[self.engine.make_request(p, c) for c in sp.samples()] for p, sp in zip(prompts, params)]

@@ -43,6 +43,9 @@ class SamplingParams:
     # {"json": schema} | {"json_object": True} | {"regex": r} | {"choice": [...]} | {"grammar": ebnf}
     # (engine/structured.py)
     structured_outputs: dict | None = None
+    # with scheduling_policy "priority": lower is served first, then earlier arrival (vLLM's);
+    # it orders every queue the request waits in and picks preemption victims (scheduler.py)
+    priority: int = 0
     stop_strs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +106,9 @@ class SamplingParams:
         self.structured_outputs = check_spec(self.structured_outputs)
         if self.structured_outputs and self.ignore_eos:
             raise ValueError("structured_outputs with ignore_eos: a complete grammar allows only EOS")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or \
+                not SEED_MIN <= self.priority <= SEED_MAX:
+            raise ValueError(f"priority must be an integer (lower is served first), got {self.priority!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")

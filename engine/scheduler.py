@@ -7,6 +7,9 @@ when decoding and by a chunk when prefilling. Order of a step:
   1. running requests, oldest first; if the pool is out of blocks, the newest
      running request is preempted (blocks freed, recomputed later) until it fits;
   2. waiting requests, FIFO, after a prefix-cache lookup, while budget and blocks last.
+With scheduling_policy "priority" both queues are kept in (priority, arrival) order instead:
+the victim is the last of that order, and a waiting request that finds no blocks preempts
+running ones that come after it.
 The scheduler holds integer block ids only, so it runs on CPU and in tests as is.
 """
 
@@ -119,8 +122,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
         self.kv = kv
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -131,13 +135,29 @@ class Scheduler:
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
 
     def add_running(self, request: Request) -> None:
         """Admits a request whose first `num_computed_tokens` are already in its blocks
         (decode role: the KV arrived from a prefill worker)."""
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._enqueue(self.running, request)
+
+    def key(self, request: Request) -> tuple:
+        """A request's place in every queue: arrival (fcfs), or priority then arrival."""
+        if self.policy == "priority":
+            return request.sampling_params.priority, request.arrival_time
+        return (request.arrival_time,)
+
+    def _enqueue(self, queue, request: Request, front: bool = False) -> None:
+        """fcfs: at the back (`front`: a preempted request, at the front); priority: in key order,
+        so `running[-1]` is always the preemption victim and `waiting[0]` the next admitted."""
+        if self.policy != "priority":
+            queue.appendleft(request) if front else queue.append(request)
+            return
+        k = self.key(request)
+        i = next((i for i, r in enumerate(queue) if self.key(r) > k), len(queue))
+        queue.insert(i, request)
 
     def finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
         """Removes a request wherever it is and (unless told not to) frees its blocks."""
@@ -218,8 +238,11 @@ class Scheduler:
                     break
                 num_new = min(budget, prefill_left)
             blocks = self.kv.allocate_slots(req, num_new, hits)
+            while blocks is None and self._make_room_for(req, out):
+                blocks = self.kv.allocate_slots(req, num_new, hits)
+                budget = self.max_num_batched_tokens - out.num_tokens
             if blocks is None:
-                break  # wait for blocks to free up; FIFO keeps fairness
+                break  # wait for blocks to free up; the queue's order keeps fairness
             self.waiting.popleft()
             self.kv.record_lookup(req.num_tokens, num_hit_tokens)
             req.num_computed_tokens += num_hit_tokens
@@ -227,7 +250,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit_tokens
             req.scheduled_at = req.scheduled_at or time.time()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._enqueue(self.running, req)
             out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in blocks]))
             budget -= num_new
             prefill_left -= num_new
@@ -245,6 +268,18 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(req, n, [b.block_id for b in blocks], list(req.spec_tokens)))
         return n
 
+    def _make_room_for(self, req: Request, out: SchedulerOutput) -> bool:
+        """priority: a waiting request that finds no blocks preempts the last running request
+        when that one comes after it (a larger priority value, or the same and a later arrival),
+        dropping it from this step. Whether a victim was found."""
+        if self.policy != "priority" or not self.running or self.key(self.running[-1]) <= self.key(req):
+            return False
+        victim = self.running[-1]
+        out.scheduled = [s for s in out.scheduled if s.request is not victim]
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return True
+
     def _preempt(self, req: Request) -> None:
         req.spec_tokens = []
         self.running.remove(req)
@@ -253,7 +288,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(self.waiting, req, front=True)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advances progress and publishes newly full blocks to the prefix cache. A step with

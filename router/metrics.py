@@ -132,6 +132,13 @@ class RouterMetrics(RequestObserver):
             "prefill": seconds("vllm:request_prefill_time_seconds", "That step to the first token"),
             "decode": seconds("vllm:request_decode_time_seconds", "The first token to the last"),
             "inference": seconds("vllm:request_inference_time_seconds", "The first step to the last token")}
+        # per SamplingParams.priority (--scheduling-policy priority): who waits, who is preempted
+        self.priority_ttft = hist("pdserve:time_to_first_token_by_priority_seconds", "Time to first token per "
+                                  "request priority", ("priority",))
+        self.priority_requests = Counter("pdserve:requests_by_priority", "Finished requests per priority",
+                                         ["priority", *m], registry=r)
+        self.priority_preemptions = Counter("pdserve:request_preemptions_by_priority", "Preemptions of finished "
+                                            "requests per priority", ["priority", *m], registry=r)
         self.phase_seconds = hist("pdserve:request_phase_seconds", "Phases of a request before its first token "
                                   "(prefill, decode_reserve, kv_to_first_token, local_prefill, local_to_first_token, "
                                   "local_first_token)", ("phase",))
@@ -156,6 +163,11 @@ class RouterMetrics(RequestObserver):
         self.generation_tokens.labels(self.model).inc(done.num_output_tokens)
         self.request_prompt_tokens.labels(self.model).observe(done.num_prompt_tokens)
         self.request_generation_tokens.labels(self.model).observe(done.num_output_tokens)
+        prio = str(done.priority)
+        self.priority_requests.labels(prio, self.model).inc()
+        self.priority_preemptions.labels(prio, self.model).inc(done.num_preemptions)
+        if done.ttft_s is not None:
+            self.priority_ttft.labels(prio, self.model).observe(done.ttft_s)
         for kind, sec in (("queue", done.queue_s), ("prefill", done.prefill_s), ("decode", done.decode_s),
                           ("inference", done.inference_s)):
             if sec is not None:

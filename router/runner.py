@@ -34,7 +34,7 @@ from .schemas import screen
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "prompt_logprobs", "logprobs",
-                   "allowed_token_ids", "response_format", "structured_outputs", "tool_choice")
+                   "allowed_token_ids", "response_format", "structured_outputs", "tool_choice", "priority")
 
 
 log = logging.getLogger(__name__)

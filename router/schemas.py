@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 
@@ -107,6 +107,8 @@ class _Sampling(BaseModel):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt's, in the response
     return_token_ids: bool = False  # the prompt's and each choice's token ids, in the response
+    # lower is served first under --scheduling-policy priority (ignored under fcfs)
+    priority: StrictInt = Field(0, ge=SEED_MIN, le=SEED_MAX)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -150,7 +152,7 @@ class _Sampling(BaseModel):
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, logit_bias=self.logit_bias, logprobs=self.num_logprobs(),
                               prompt_logprobs=self.num_prompt_logprobs(), allowed_token_ids=self.allowed_token_ids,
-                              structured_outputs=self.structured())
+                              structured_outputs=self.structured(), priority=self.priority)
 
 
 class CompletionRequest(_Sampling):

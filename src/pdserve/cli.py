@@ -39,6 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: a request's `priority` (lower first) orders the queues and picks "
+                        "preemption victims")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule and build step n+1 while step n runs (engine/overlap.py)")
     p.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
@@ -62,7 +65,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
            "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
            "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
-           "async_scheduling": args.async_scheduling,
+           "async_scheduling": args.async_scheduling, "scheduling_policy": args.scheduling_policy,
            "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size,
            "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
            "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config}

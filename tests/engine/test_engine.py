@@ -228,3 +228,24 @@ def test_incremental_detokenizing_equals_decoding_the_whole_output(default_model
     text = "".join(det.push(t) for t in out)
     full = tok.decode(prompt + out, skip_special_tokens=skip_special)
     assert full.endswith(text) and text == tok.decode(out, skip_special_tokens=skip_special)
+
+
+def test_priority_policy_serves_high_priority_first_with_the_same_tokens(tiny_models):
+    """Two sequences at a time and KV for about two: four priority-5 requests arrive before two
+    priority-0 ones. Under "priority" the two come back first (their first tokens before any
+    priority-5 request's first token); under fcfs last. Every request's tokens equal its tokens
+    run alone, preempted or not."""
+    model = tiny_models["llama"]
+    prompts = [[(13 * i + j) % 900 + 100 for j in range(20)] for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(model, max_model_len=128).generate(prompts, sp)]
+    for policy in ("fcfs", "priority"):
+        llm = LLM(model, max_model_len=128, max_num_seqs=2, num_gpu_blocks_override=7, scheduling_policy=policy)
+        outs = llm.generate(prompts, sp, priority=[5, 5, 5, 5, 0, 0])
+        assert [o.outputs[0].token_ids for o in outs] == want, policy
+        first = [o.metrics.first_token_time for o in outs]
+        high_first = max(first[4:]) < min(first[2:4])  # before the requests queued with them
+        assert high_first == (policy == "priority"), (policy, first)
+        llm.engine.kv.check_all_free()
+    with pytest.raises(ValueError, match="6 prompts but 2 priorities"):
+        llm.generate(prompts, sp, priority=[0, 1])

@@ -20,6 +20,9 @@ def reqs(params, ids):
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"seed": 1 << 63}, "seed must be an integer in"),  # a torch.Generator overflowed: the step raised
+    ({"priority": "1"}, "priority must be an integer"),
+    ({"priority": 1.0}, "priority must be an integer"),
+    ({"priority": True}, "priority must be an integer"),
 ])
 def test_invalid_params_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -7,13 +7,13 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 
-def make(num_blocks=64, budget=32, max_seqs=8, chunked=True):
+def make(num_blocks=64, budget=32, max_seqs=8, chunked=True, policy="fcfs"):
     kv = KVCacheManager(num_blocks, 4)
-    return kv, Scheduler(kv, max_seqs, budget, chunked)
+    return kv, Scheduler(kv, max_seqs, budget, chunked, policy)
 
 
-def req(rid, n, base=0):
-    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=8), max_tokens=8)
+def req(rid, n, base=0, priority=0):
+    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=8, priority=priority), max_tokens=8)
 
 
 def fake_step(s):
@@ -98,3 +98,62 @@ def test_a_step_carries_the_host_tiers_copies_and_an_empty_one_leaves_them_queue
     out = s.schedule()
     assert [x.request.request_id for x in out.scheduled] == ["a"]
     assert out.tier_ops.offloads == [(5, 0)] and kv.host.take() is None
+
+
+def test_priority_orders_admission_and_fcfs_keeps_arrival_order():
+    for policy, want in (("fcfs", ["low", "mid"]), ("priority", ["high", "mid"])):
+        kv, s = make(max_seqs=2, policy=policy)
+        for rid, p in (("low", 5), ("mid", 1), ("high", -2)):
+            s.add(req(rid, 3, base=10 * p + 50, priority=p))
+        out = fake_step(s)
+        assert [x.request.request_id for x in out.scheduled] == want, policy
+
+
+def test_priority_preempts_the_lowest_priority_latest_arrival_and_a_high_arrival_takes_its_blocks():
+    """4 blocks of 4 slots. Running: a (priority 1), b (priority 3), c (priority 1, after a).
+    A priority-0 arrival that finds no blocks preempts b (the lowest priority), not c (the
+    latest); under fcfs it waits."""
+    for policy in ("fcfs", "priority"):
+        kv, s = make(num_blocks=4, budget=64, policy=policy)
+        a, b, c = req("a", 3, priority=1), req("b", 3, base=100, priority=3), req("c", 3, base=200, priority=1)
+        for r in (a, b, c):
+            s.add(r)
+        fake_step(s)  # a, b, c hold a block each
+        assert [r.request_id for r in s.running] == (["a", "b", "c"] if policy == "fcfs" else ["a", "c", "b"])
+        hi = req("hi", 6, base=300, priority=0)  # needs 2 blocks, 1 is free
+        s.add(hi)
+        out = fake_step(s)
+        if policy == "fcfs":
+            assert out.preempted == [] and s.waiting[0] is hi
+            assert [x.request.request_id for x in out.scheduled] == ["a", "b", "c"]
+            continue
+        assert [r.request_id for r in out.preempted] == ["b"] and b.status == RequestStatus.PREEMPTED
+        assert [x.request.request_id for x in out.scheduled] == ["a", "c", "hi"]  # b's row left the step
+        assert kv.block_ids("b") == [] and len(kv.block_ids("hi")) == 2
+        assert [r.request_id for r in s.running] == ["hi", "a", "c"] and list(s.waiting) == [b]
+        for r in (a, c, hi):
+            s.finish(r, RequestStatus.FINISHED_STOPPED)
+        out = fake_step(s)
+        assert [x.request.request_id for x in out.scheduled] == ["b"]
+        s.finish(b, RequestStatus.FINISHED_STOPPED)
+        kv.check_all_free()
+
+
+def test_priority_never_preempts_for_an_equal_or_lower_priority_arrival():
+    kv, s = make(num_blocks=2, budget=64, policy="priority")
+    a = req("a", 7, priority=0)
+    s.add(a)
+    fake_step(s)  # a holds both blocks
+    late = req("late", 3, base=100, priority=0)
+    s.add(late)
+    out = fake_step(s)
+    assert out.preempted == [] and s.waiting[0] is late and a.status == RequestStatus.RUNNING
+
+
+def test_an_unknown_scheduling_policy_is_refused():
+    import pytest
+
+    from pdserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority, got 'lifo'"):
+        EngineConfig(scheduling_policy="lifo")

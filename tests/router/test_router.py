@@ -238,7 +238,7 @@ def test_metrics_parse_and_move(client, server):
 
     before = scrape()
     client.completions.create(model=model_id(client), prompt="Metrics test: write a line about bees.", max_tokens=5,
-                              temperature=0, extra_body={"ignore_eos": True})
+                              temperature=0, extra_body={"ignore_eos": True, "priority": 7})
     time.sleep(1.5)  # worker stats refresh every second
     after = scrape()
 
@@ -253,6 +253,10 @@ def test_metrics_parse_and_move(client, server):
     assert total(after, "pdserve:routing_decisions_total") > total(before, "pdserve:routing_decisions_total")
     assert any(k.startswith("vllm:kv_cache_usage_perc{") for k in after)
     assert total(after, "vllm:inter_token_latency_seconds_count") > 0
+    by7 = json.dumps({"model_name": model_id(client), "priority": "7"}, sort_keys=True)
+    assert after["pdserve:requests_by_priority_total" + by7] == before.get("pdserve:requests_by_priority_total" + by7,
+                                                                           0) + 1
+    assert after["pdserve:time_to_first_token_by_priority_seconds_count" + by7] >= 1
     name = model_id(client)
     for phase in ("prefill", "decode_reserve", "kv_to_first_token"):
         key = "pdserve:request_phase_seconds_count" + json.dumps({"model_name": name, "phase": phase}, sort_keys=True)
@@ -402,6 +406,8 @@ def test_conditional_disaggregation(client, cluster):
     ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"prompt": "hi", "min_p": 2}, "min_p"),
     ({"prompt": "hi", "seed": 1 << 70}, "seed"),
+    ({"prompt": "hi", "priority": "high"}, "priority"),
+    ({"prompt": "hi", "priority": 1.5}, "priority"),
     ({"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids"),
 ])
 def test_nothing_is_silently_ignored(server, body, param):
@@ -410,7 +416,7 @@ def test_nothing_is_silently_ignored(server, body, param):
     h = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=h)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    ok = {"prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1, "user": "u7",
+    ok = {"prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1, "user": "u7", "priority": -3,
           "metadata": {"k": "v"}, "response_format": {"type": "text"}}
     assert httpx.post(server.url + "/v1/completions", json=ok, headers=h).status_code == 200
 
