@@ -70,11 +70,15 @@ class _Progress:
 
     def charge(self, w: WorkerRecord, tokens: int) -> None:
         w.queued_tokens += tokens
+        w.queued_by_priority[self.priority] += tokens
         self._charged.append((w, tokens))
 
     def settle(self) -> None:
         for w, n in self._charged:
             w.queued_tokens -= n
+            w.queued_by_priority[self.priority] -= n
+            if not w.queued_by_priority[self.priority]:
+                del w.queued_by_priority[self.priority]
         self._charged = []
 
 

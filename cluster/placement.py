@@ -82,10 +82,10 @@ class Placer:
                                                       self.registry.longest_prefix.remote(hashes, "decode"))
         else:
             ph, pd, dh, dd = None, 0, None, 0
-        decodes = self.pools.candidates("decode")
+        decodes = self.pools.candidates("decode", progress.priority)
         for c in decodes:
             c.cached_tokens = dd * self.block_size if c.worker_id == dh else 0
-        prefills = self.pools.candidates("prefill")
+        prefills = self.pools.candidates("prefill", progress.priority)
         if not prefills:  # the pool lost its workers: the decode workers prefill until it refills
             d = self.pools.worker(pick_decode(decodes))
             self.count("no_prefill_worker")

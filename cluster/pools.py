@@ -16,6 +16,7 @@ in flight on it (`load`), whether it drains, and its last stats.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -44,6 +45,7 @@ class WorkerRecord:
     info: dict = field(default_factory=dict)
     load: int = 0
     queued_tokens: int = 0  # prompt tokens placed on it that have no first token yet
+    queued_by_priority: collections.Counter = field(default_factory=collections.Counter)  # the same, per priority
     draining: bool = False
     switching_to: str | None = None  # draining to change role: counted in that pool, placed in none
     stats: dict = field(default_factory=dict)
@@ -82,14 +84,22 @@ class Pools:
     def pool_sizes(self) -> dict:
         return {r: len(self.members(r)) for r in ROLES}
 
-    def candidates(self, role: str) -> list[Candidate]:
+    def ahead_of(self, w: WorkerRecord, priority: int | None) -> int:
+        """The prompt tokens queued on w that a request of `priority` waits behind: all of them,
+        or under scheduling_policy "priority" those of its priority or a more urgent one."""
+        if priority is None or self.role_engine_args.get(w.role, {}).get("scheduling_policy") != "priority":
+            return w.queued_tokens
+        return sum(n for p, n in w.queued_by_priority.items() if p <= priority)
+
+    def candidates(self, role: str, priority: int | None = None) -> list[Candidate]:
+        """`priority`: the request's, so that the queue it is predicted to wait in is what runs ahead of it."""
         out = []
         for w in self.workers.values():
             if w.role == role and not w.draining and w.switching_to is None:
                 st = w.stats
                 total = st.get("kv_blocks_total", w.info.get("capacity_blocks", 1))
                 out.append(Candidate(w.worker_id, w.load, total - st.get("kv_blocks_used", 0), total,
-                                     w.queued_tokens, st.get("prefill_tok_s"), st.get("prefill_chunk", 0),
+                                     self.ahead_of(w, priority), st.get("prefill_tok_s"), st.get("prefill_chunk", 0),
                                      st.get("step_s", 0.0), 0,
                                      st.get("max_num_seqs", 1 << 30) - st.get("num_running", 0) - 4))
         return out

@@ -213,3 +213,21 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
     local, progress = place()
     assert not local and progress.placement["reason"] == "prefill_pool"
     assert placer.error("decode-1") > 20
+
+
+def test_placement_predicts_a_wait_behind_the_queued_tokens_of_its_priority_or_a_more_urgent_one():
+    from pdserve.cluster.dispatch import _Progress
+
+    stats = {"prefill_tok_s": 1000.0, "prefill_chunk": 8192, "kv_blocks_total": 100}
+    for policy, want_high in (("priority", 100), ("fcfs", 700)):
+        pools = Pools(ServingConfig.from_dict({}), "hybrid", {"prefill": {"scheduling_policy": policy}, "decode": {}},
+                      {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+        w = pools.workers["prefill-0"] = WorkerRecord("prefill-0", "prefill", None, stats=dict(stats))
+        low, high = _Progress(0.0, priority=5), _Progress(0.0, priority=0)
+        low.charge(w, 600)
+        high.charge(w, 100)
+        assert pools.ahead_of(w, 0) == want_high and pools.ahead_of(w, 5) == pools.ahead_of(w, None) == 700
+        assert [c.queued_tokens for c in pools.candidates("prefill", 0)] == [want_high]
+        low.settle()
+        high.settle()
+        assert w.queued_tokens == 0 and not w.queued_by_priority
