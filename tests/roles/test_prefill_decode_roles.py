@@ -141,3 +141,23 @@ def test_first_token_can_end_at_prefill(pair):
     outs, sent = run_disagg(pw, dw, ["Hello"], SamplingParams(temperature=0, max_tokens=1))
     assert len(outs[0].outputs[0].token_ids) == 1 and not sent
     pw.engine.kv.check_all_free()
+
+
+def test_a_priority_decode_worker_reserves_for_handoffs_in_priority_order(tiny_models):
+    """Handoffs waiting for 6 free blocks on a decode worker, arriving big (priority 5, 5
+    blocks), small (5, 1 block), urgent (0, 3 blocks): fcfs reserves big and small and leaves
+    urgent waiting; priority reserves urgent first, then big does not fit, and small, behind
+    it, does not pass it."""
+    ids = {"big": list(range(100, 180)), "small": list(range(200, 216)), "urgent": list(range(300, 340))}
+    prio = {"big": 5, "small": 5, "urgent": 0}
+    for policy, want in (("fcfs", ["big", "small"]), ("priority", ["urgent"])):
+        eng = LLMEngine(EngineConfig(model=tiny_models["llama"], max_model_len=128, num_gpu_blocks_override=6,
+                                     scheduling_policy=policy))
+        dw = DecodeRole(eng, LoopbackConnector("decode-0", eng.runner.kv, LoopbackHub()))
+        for rid in ("big", "small", "urgent"):
+            dw.add(rid, ids[rid], SamplingParams(max_tokens=4, priority=prio[rid]), "prefill-0")
+        got = [ev.request_id for ev in dw._reserve() if isinstance(ev, Reserved)]
+        assert got == want, policy
+        for rid in list(dw.receiving) + [i.request.request_id for i in dw.backlog]:
+            dw.abort(rid)
+        eng.kv.check_all_free()
