@@ -304,6 +304,20 @@ def overlap() -> dict:
     }
 
 
+def priority() -> dict:
+    """Priority scheduling at 1.5x overload (bench/priority_cpu.py, CPU)."""
+    res = load("priority", "priority_cpu.json")
+    p90 = {pol: [round(r["high"]["ttft_p90_s"], 2) for r in res["runs"] if r["policy"] == pol]
+           for pol in ("fcfs", "priority")}
+    return {"priority_high_ttft_p90_fcfs_over_priority": {
+        "value": round(min(f / p for f, p in zip(p90["fcfs"], p90["priority"])), 1),
+        "command": "python bench/priority_cpu.py --out bench/results/priority",
+        "workload": f"{res['model']}, {res['device']}, {res['requests']} Poisson arrivals at {res['overload']}x "
+                    f"capacity ({res['rate_rps']:.2f} req/s), 20% priority 0: the high class's TTFT p90 under fcfs "
+                    f"over under priority, the lower of {len(p90['fcfs'])} repeats (fcfs {p90['fcfs']}, "
+                    f"priority {p90['priority']} s)"}}
+
+
 def main() -> None:
     eng = load("engine_gpu_b64.json")
     dec = {r["batch"]: r for r in eng["decode"]}
@@ -337,6 +351,7 @@ def main() -> None:
     summary.update(colocated_one())
     summary.update(seeded_sampling())
     summary.update(overlap())
+    summary.update(priority())
     with open(os.path.join(RES, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():
