@@ -13,6 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `-n 2` on 2 cores: each test process one torch thread. Two processes of two threads each
+# (torch's default) made engine tests 10-20x slower than alone (OpenMP threads spinning on a
+# core the other process holds): test_seeded_sampling_is_reproducible took 36 s instead of 2 s.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from helpers import save_tiny
 
