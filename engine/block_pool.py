@@ -48,6 +48,7 @@ class BlockPool:
         # the host tier (offload.py) watches cached blocks being freed and blocks reallocated
         self.on_free = None  # (block) -> None: a cached block's last reference went
         self.on_realloc = None  # (block) -> None: a free block is about to be overwritten
+        self.num_evicted = 0  # cached blocks reused for other tokens (their prefix is gone from this tier)
 
     # ---- queries -----------------------------------------------------------------
     @property
@@ -75,6 +76,7 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             if self.on_realloc is not None:
                 self.on_realloc(block)
+            self.num_evicted += block.block_hash is not None
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

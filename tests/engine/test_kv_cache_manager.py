@@ -92,10 +92,11 @@ def test_eviction_drops_hash_and_allocation_failure_changes_nothing():
     a = req("a", range(8))
     admit(kv, a)
     kv.free(a)
-    assert len(kv.pool.cached) == 2
+    assert len(kv.pool.cached) == 2 and kv.pool.num_evicted == 0
     big = req("big", range(100, 112))
     admit(kv, big)  # takes all 3 blocks, evicting a's cached blocks
     assert len(kv.pool.cached) == 3 and kv.get_computed_blocks(req("x", range(9)))[1] == 0
+    assert kv.pool.num_evicted == 2  # the never-cached third block is not an eviction
     other = req("o", range(200, 204))
     assert kv.allocate_slots(other, 4) is None
     assert kv.num_free_blocks == 0 and "o" not in kv.req_blocks

@@ -22,6 +22,7 @@ from pdserve.engine.hashing import hash_block_tokens
 from pdserve.router.app import build_app
 
 from helpers import Server
+from monitoring import Prometheus, dashboard_exprs, exposition_names, prometheus_bin, rule_exprs
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
@@ -265,6 +266,43 @@ def test_metrics_parse_and_move(client, server):
     text = httpx.get(server.url + "/metrics", headers=h).text
     samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
     assert samples and all(s.labels.get("model_name") == name for s in samples)
+
+
+def test_dashboard_and_alert_expressions_on_live_metrics(client, server, tmp_path):
+    """Every expression of configs/monitoring/ names series this router exports, and runs on a
+    real Prometheus (scripts/start_prometheus.sh, with the API key) scraping it: each rule is
+    loaded and evaluates cleanly, and each dashboard query whose series all carry samples
+    returns data (a wrong label value or a typo returns none)."""
+    bin_dir = prometheus_bin()
+    if bin_dir is None:
+        pytest.skip("no Debian apt to fetch prometheus (scripts/test.sh installs it)")
+    for prio in (0, 3, 3):  # a repeated prompt: prefix-cache hits; two priorities
+        client.completions.create(model=model_id(client), prompt="Dashboards: the same prompt twice over.",
+                                  max_tokens=4, temperature=0, extra_body={"ignore_eos": True, "priority": prio})
+    time.sleep(1.5)  # worker stats refresh every second
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    declared, sampled = exposition_names(text)
+    exprs = dashboard_exprs() + rule_exprs()
+    for title, expr in exprs:
+        assert set(re.findall(r"\b(?:vllm|pdserve):\w+", expr)) <= declared, (title, expr)
+    prom = Prometheus(server.url.removeprefix("http://"), tmp_path, api_key=KEY)
+    try:
+        prom.wait_scrapes(4)
+        rules = prom.rules()
+        assert sorted(r["name"] for r in rules) == sorted(name for name, _ in rule_exprs())
+        assert all(r["health"] == "ok" and not r.get("lastError") for r in rules), rules
+        answered = 0
+        for title, expr in exprs:
+            res = prom.query(expr)
+            assert res["status"] == "success", (title, expr, res)
+            if title in {name for name, _ in rule_exprs()}:
+                continue  # an alert's expression is empty below its threshold
+            if set(re.findall(r"\b(?:vllm|pdserve):\w+", expr)) <= sampled:
+                assert res["data"]["result"], (title, expr)
+                answered += 1
+        assert answered >= 20
+    finally:
+        prom.stop()
 
 
 def test_unknown_routes_and_model_retrieve_are_openai_shaped(client, server):
