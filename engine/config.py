@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kv_quant import check_head_dim
 from .tp import check_tp
 
 SUPPORTED_ARCHITECTURES = {
@@ -30,7 +31,9 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
 # int8 / fp8: 1-byte values with a float32 scale per token and head (kv_quant.py)
-_KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# int4: two values a byte with a float16 scale per 32 (kv_quant.py); its storage dtype
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "int4": torch.uint8}
 
 
 @dataclass
@@ -263,6 +266,7 @@ class EngineConfig:
         self.model = model_path
         self.model_config = mc = ModelConfig.from_dir(model_path)
         check_tp(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, self.tensor_parallel_size)
+        check_head_dim(self.kv_cache_dtype, mc.head_dim)
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:

@@ -7,7 +7,8 @@ into a contiguous staging buffer and sends it as one message (docs/architecture.
 with layer-major storage the same gather would touch num_layers x 2 strided regions
 per block. The attention kernels read per-layer strided views kv[:, l, 0] / kv[:, l, 1]
 of shape [num_blocks, block_size, num_kv_heads, head_dim]. Quantized KV ("int8", "fp8")
-stores each row's float32 scale after it in the same slab (kv_quant.py).
+stores each row's float32 scale after it in the same slab, "int4" packed nibbles and a float16
+scale per 32 values (kv_quant.py).
 """
 
 from __future__ import annotations
@@ -29,20 +30,23 @@ class KVLayout:
     """The one description of a KV cache's bytes: what two workers must agree on to exchange
     KV blocks (the wire check, transfer/base.py), what the persisted host tier records
     (persist.py), per rank under tensor parallelism. `dtype` is the values' dtype (int8,
-    float8_e4m3fn for a quantized cache, whose slab is uint8), `scale_bytes` the float32 scale
-    each (token, head) row carries after them (kv_quant.py)."""
+    float8_e4m3fn or int4 for a quantized cache, whose slab is uint8), `scale_bytes` the bytes of
+    scale each (token, head) row carries after them (kv_quant.py)."""
 
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
-    scale_bytes: int = 0  # per (token, head) row: a quantized cache's scale (kv_quant.py)
+    scale_bytes: int = 0  # per (token, head) row: a quantized cache's scale(s) (kv_quant.py)
 
     @property
     def block_bytes(self) -> int:
-        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * (self.head_dim * elem + self.scale_bytes)
+        if self.dtype == "int4":
+            values = self.head_dim // 2
+        else:
+            values = self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * (values + self.scale_bytes)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,8 +54,8 @@ class KVLayout:
     @classmethod
     def of(cls, kv: torch.Tensor, kv_cache_dtype: str = "auto") -> KVLayout:
         """The layout of a block-major KV tensor [num_blocks, layers, 2, block_size, kv_heads,
-        head_dim]; a quantized cache's uint8 slab (kv_cache_dtype int8 / fp8) holds head_dim
-        values and the row's scale, described as such (the same as kv_layout(config))."""
+        head_dim]; a quantized cache's uint8 slab (kv_cache_dtype int8 / fp8 / int4) holds each row's
+        values and scale(s), described as such (the same as kv_layout(config))."""
         if kv.dim() != 6 or kv.shape[2] != 2:
             raise ValueError("KV cache must be [num_blocks, layers, 2, block_size, kv_heads, head_dim], "
                              f"got {tuple(kv.shape)}")
@@ -59,9 +63,9 @@ class KVLayout:
         if kv_quant.is_scaled(kv_cache_dtype):
             if kv.dtype != torch.uint8:
                 raise ValueError(f"a {kv_cache_dtype} KV cache is a uint8 slab, got {kv.dtype}")
-            value = kv_quant.SCALED[kv_cache_dtype][0]
-            return cls(bs, layers, heads, dim - kv_quant.SCALE_BYTES, str(value).removeprefix("torch."),
-                       kv_quant.SCALE_BYTES)
+            head_dim = kv_quant.head_dim_of(kv_cache_dtype, dim)
+            return cls(bs, layers, heads, head_dim, _value_dtype(kv_cache_dtype),
+                       kv_quant.row_bytes(kv_cache_dtype, head_dim) - _value_bytes(kv_cache_dtype, head_dim))
         return cls(bs, layers, heads, dim, str(kv.dtype).removeprefix("torch."))
 
 
@@ -71,11 +75,21 @@ def local_kv_heads(config: EngineConfig) -> int:
     return hi - lo
 
 
+def _value_dtype(kv_cache_dtype: str) -> str:
+    return "int4" if kv_cache_dtype == "int4" else str(kv_quant.SCALED[kv_cache_dtype][0]).removeprefix("torch.")
+
+
+def _value_bytes(kv_cache_dtype: str, head_dim: int) -> int:
+    return head_dim // 2 if kv_cache_dtype == "int4" else head_dim
+
+
 def kv_layout(config: EngineConfig) -> KVLayout:
-    mc = config.model_config
-    scale = kv_quant.SCALE_BYTES if kv_quant.is_scaled(config.kv_cache_dtype) else 0
+    mc, c = config.model_config, config.kv_cache_dtype
+    if kv_quant.is_scaled(c):
+        return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), mc.head_dim, _value_dtype(c),
+                        kv_quant.row_bytes(c, mc.head_dim) - _value_bytes(c, mc.head_dim))
     return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), mc.head_dim,
-                    str(config.kv_dtype).removeprefix("torch."), scale)
+                    str(config.kv_dtype).removeprefix("torch."))
 
 
 def activation_bytes(config: EngineConfig, graph_tokens: int = 0) -> int:
@@ -121,8 +135,8 @@ def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
     mc = config.model_config
     shape = (num_blocks, mc.num_layers, 2, config.block_size, local_kv_heads(config))
-    if kv_quant.is_scaled(config.kv_cache_dtype):  # 1-byte values, then the row's scale
-        shape, dtype = (*shape, mc.head_dim + kv_quant.SCALE_BYTES), torch.uint8
+    if kv_quant.is_scaled(config.kv_cache_dtype):  # the row's values, then its scale(s)
+        shape, dtype = (*shape, kv_quant.row_bytes(config.kv_cache_dtype, mc.head_dim)), torch.uint8
     else:
         shape, dtype = (*shape, mc.head_dim), config.kv_dtype
     if config.torch_device.type == "cpu":
@@ -142,7 +156,7 @@ def zeros_on_demand(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 def layer_views(kv: torch.Tensor, kv_cache_dtype: str = "auto") -> list[tuple]:
     """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]
-    (a quantized cache's: kv_quant.QuantKV pairs of values and scales)."""
+    (a quantized cache's: kv_quant.QuantKV or Int4KV pairs of values and scales)."""
     if kv_quant.is_scaled(kv_cache_dtype):
         return [(kv_quant.views(kv[:, layer, 0], kv_cache_dtype), kv_quant.views(kv[:, layer, 1], kv_cache_dtype))
                 for layer in range(kv.shape[1])]

@@ -68,7 +68,7 @@ def fingerprint(config: EngineConfig, load_format: str) -> str:
 
 def _meta(config: EngineConfig, load_format: str) -> dict:
     return {"format": FORMAT, "fingerprint": fingerprint(config, load_format),
-            "kv_cache_dtype": str(config.kv_dtype).removeprefix("torch."), "block_size": config.block_size,
+            "kv_cache_dtype": kv_layout(config).dtype, "block_size": config.block_size,
             "layout": kv_layout(config).as_dict()}
 
 

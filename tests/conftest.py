@@ -35,7 +35,7 @@ def tiny_models(tmp_path_factory, request) -> dict[str, str]:
     # cannot convert the default model (no gguf package)
     tok_dir = os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
     root = tmp_path_factory.mktemp("tiny")
-    return {k: save_tiny(k, str(root / k), tok_dir) for k in ("llama", "qwen2", "mistral")}
+    return {k: save_tiny(k, str(root / k), tok_dir) for k in ("llama", "qwen2", "mistral", "llama_hd32")}
 
 
 @pytest.fixture(scope="module")

@@ -61,9 +61,11 @@ def save_tiny(kind: str, out_dir: str, tokenizer_dir: str) -> str:
         cfg = dict(common, num_key_value_heads=1, tie_word_embeddings=True)
     elif kind == "mistral":  # a sliding window shorter than the sequences
         cfg = dict(common, num_key_value_heads=2, sliding_window=24)
+    elif kind == "llama_hd32":  # head_dim 32: what int4 KV packs (groups of 32), GQA 4:2
+        cfg = dict(common, hidden_size=128, num_key_value_heads=2)
     else:
         raise ValueError(kind)
-    save_hf(kind, cfg, out_dir, tokenizer_dir)
+    save_hf(kind.removesuffix("_hd32"), cfg, out_dir, tokenizer_dir)
     return out_dir
 
 

@@ -3,7 +3,8 @@ Triton kernels are tested against.
 
 Cache views, one layer: k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
 (strided views into the block-major KV tensor, see engine/kv_cache.py); a quantized
-cache's are kv_quant.QuantKV (values + per-token, per-head scales), dequantized on read.
+cache's are kv_quant.QuantKV (values + per-token, per-head scales) or kv_quant.Int4KV (packed
+nibbles + per-group scales), dequantized on read.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .. import kv_quant
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """Writes k, v [num_tokens, num_kv_heads, head_dim] to their slots (-1 = skip)."""
-    if isinstance(k_cache, kv_quant.QuantKV):
+    if isinstance(k_cache, (kv_quant.QuantKV, kv_quant.Int4KV)):
         kv_quant.store(k, v, k_cache, v_cache, slot_mapping)
         return
     bs = k_cache.shape[1]
@@ -32,10 +33,8 @@ def gather_kv(cache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype |
     """One sequence's keys or values, [seq_len, num_kv_heads, head_dim] (in `dtype`)."""
     bs = cache.shape[1]
     nb = -(-seq_len // bs)
-    if isinstance(cache, kv_quant.QuantKV):
-        vals = cache.values[block_ids[:nb]].flatten(0, 1)[:seq_len]
-        scales = cache.scales[block_ids[:nb]].flatten(0, 1)[:seq_len]
-        return kv_quant.dequantize(vals, scales, dtype or torch.float32)
+    if isinstance(cache, (kv_quant.QuantKV, kv_quant.Int4KV)):
+        return kv_quant.dequantize_cache(cache, block_ids[:nb], dtype or torch.float32).flatten(0, 1)[:seq_len]
     out = cache[block_ids[:nb]].flatten(0, 1)[:seq_len]
     return out if dtype is None else out.to(dtype)
 

@@ -9,12 +9,14 @@ they work on the strided per-layer views of the block-major KV tensor.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..kv_quant import QuantKV
+from ..kv_quant import INT4_GROUP, Int4KV, QuantKV
+from .triton_int4 import int4_rows, store_kv_int4
 
 
 @triton.jit
@@ -83,17 +85,27 @@ def _store_kv_quant_kernel(
 def kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, offs_n, in_seq, valid, kvh, offs_d, mask_d,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-            PAGE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
+            PAGE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr, INT4: tl.constexpr):
     """One tile of keys `offs_n` of a sequence (its block-table row at `table_ptr`), kv head `kvh`:
     K and V [BLOCK_N, D_PAD] in COMPUTE_DTYPE (zero where not `valid`) and, for a quantized cache,
-    each token's K and V scale (else K and V again, unused). Shared by the decode and prefill kernels."""
+    each token's K and V scale (else K and V again, unused). INT4 (the group size, 0 = off): packed
+    rows and their group scales, dequantized here (triton_int4.py). Shared by the decode and
+    prefill kernels."""
     blk = tl.load(table_ptr + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
     tok = offs_n % PAGE
     kv_mask = valid[:, None] & mask_d[None, :]
-    k = tl.load(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
-                + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-    v = tl.load(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
-                + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+    if INT4:
+        k = int4_rows(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh,
+                      ks_ptr + blk[:, None] * stride_ksb + tok[:, None] * stride_kst + kvh * stride_ksh,
+                      offs_d, kv_mask, INT4).to(COMPUTE_DTYPE)
+        v = int4_rows(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh,
+                      vs_ptr + blk[:, None] * stride_vsb + tok[:, None] * stride_vst + kvh * stride_vsh,
+                      offs_d, kv_mask, INT4).to(COMPUTE_DTYPE)
+    else:
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
     ks = k
     vs = v
     if SCALED:
@@ -118,7 +130,7 @@ def _paged_decode_kernel(
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    SPLITS, SPLIT: tl.constexpr, NUM_HEADS: tl.constexpr, SCALED: tl.constexpr,
+    SPLITS, SPLIT: tl.constexpr, NUM_HEADS: tl.constexpr, SCALED: tl.constexpr, INT4: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -153,7 +165,7 @@ def _paged_decode_kernel(
         k, v, ks, vs = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_bt, offs_n, in_seq, valid, kvh,
                                offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                               PAGE, COMPUTE_DTYPE, SCALED)
+                               PAGE, COMPUTE_DTYPE, SCALED, INT4)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -223,12 +235,28 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> 
 MAX_SPLITS = 32
 
 
-def _scale_args(k_cache, v_cache) -> tuple:
-    """(K values, V values, K scales, V scales, their 6 strides, scaled?) of a layer's caches."""
-    if isinstance(k_cache, QuantKV):
+class CacheArgs(NamedTuple):
+    """A layer's caches as the kernels take them: K and V values, K and V scales (the values
+    again when there are none), the scales' 6 strides, per-row scales?, the int4 group (0: not
+    int4), and the logical [num_blocks, block_size, kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    ks: torch.Tensor
+    vs: torch.Tensor
+    sstrides: tuple
+    scaled: bool
+    int4: int
+    shape: torch.Size
+
+
+def cache_args(k_cache, v_cache) -> CacheArgs:
+    if isinstance(k_cache, (QuantKV, Int4KV)):
         ks, vs = k_cache.scales, v_cache.scales
-        return (k_cache.values, v_cache.values, ks, vs, *ks.stride(), *vs.stride(), True)
-    return (k_cache, v_cache, k_cache, v_cache, 0, 0, 0, 0, 0, 0, False)
+        int4 = INT4_GROUP if isinstance(k_cache, Int4KV) else 0
+        return CacheArgs(k_cache.values, v_cache.values, ks, vs, (*ks.stride()[:3], *vs.stride()[:3]), not int4,
+                         int4, k_cache.shape)
+    return CacheArgs(k_cache, v_cache, k_cache, v_cache, (0,) * 6, False, 0, k_cache.shape)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -244,12 +272,12 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
     """k, v [num_tokens, num_kv_heads, head_dim] -> their slots; slot -1 is skipped. A
-    quantized cache (kv_quant.QuantKV) gets each row's values and its scale."""
-    k_cache, v_cache, ks, vs, *sstrides, scaled = _scale_args(k_cache, v_cache)
-    _check_cache(k_cache, v_cache)
+    quantized cache (kv_quant.QuantKV, Int4KV) gets each row's values and its scale(s)."""
+    c = cache_args(k_cache, v_cache)
+    _check_cache(c.k, c.v)
     T, H, D = k.shape
-    if v.shape != k.shape or k_cache.shape[2:] != (H, D):
-        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match cache {tuple(k_cache.shape)}")
+    if v.shape != k.shape or c.shape[2:] != (H, D):
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match cache {tuple(c.shape)}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must have a contiguous last dimension")
     if slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -257,12 +285,16 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                          f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if T == 0:
         return
-    if scaled:
+    if c.int4:
+        store_kv_int4(k, v, k_cache, v_cache, slot_mapping)
+        return
+    k_cache, v_cache = c.k, c.v
+    if c.scaled:
         _store_kv_quant_kernel[(T,)](
-            k, v, k_cache, v_cache, ks, vs, slot_mapping,
+            k, v, k_cache, v_cache, c.ks, c.vs, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sstrides,
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *c.sstrides,
             QMAX=127.0 if k_cache.dtype == torch.int8 else 448.0, INT8=k_cache.dtype == torch.int8,
             NUM_KV_HEADS=H, HEAD_DIM=D, PAGE=k_cache.shape[1],
             H_PAD=triton.next_power_of_2(H), D_PAD=triton.next_power_of_2(D),
@@ -294,11 +326,12 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     splits: pieces each context is cut into (flash-decoding), combined by a second launch;
     None picks by shape (num_splits), 1 on CPU. A quantized cache's scales are applied to
-    the scores (K) and the probabilities (V)."""
-    k_cache, v_cache, ks, vs, *sstrides, scaled = _scale_args(k_cache, v_cache)
+    the scores (K) and the probabilities (V); an int4 cache's rows are unpacked in the tile loader."""
+    c = cache_args(k_cache, v_cache)
+    k_cache, v_cache = c.k, c.v
     _check_cache(k_cache, v_cache)
     B, H, D = q.shape
-    _, page, KVH, Dc = k_cache.shape
+    _, page, KVH, Dc = c.shape
     if Dc != D or H % KVH:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)} "
                          "(GQA needs num_heads % num_kv_heads == 0)")
@@ -332,15 +365,15 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         part_acc = part_ml = out  # unused
     _paged_decode_kernel[(B, KVH, splits)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, part_acc, part_ml, ks, vs,
+        q, k_cache, v_cache, out, block_tables, seq_lens, part_acc, part_ml, c.ks, c.vs,
         scale * log2e, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *sstrides,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *c.sstrides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, SPLIT=splits > 1, NUM_HEADS=H,
-        SCALED=scaled, num_warps=4,
+        SCALED=c.scaled, INT4=c.int4, num_warps=4,
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](

@@ -5,7 +5,8 @@ One program = BLOCK_M query tokens of one sequence x one KV head; the GROUP quer
 that share the KV head are rows of the same tile (rows = BLOCK_M x GROUP_PAD), so each K/V
 element a tile needs is read once for all of them: GQA without repeating K/V. The program
 walks the sequence's block table up to its last query's position (causal; a sliding window
-starts it later), with an online softmax in base 2. A quantized cache (kv_quant.QuantKV)
+starts it later), with an online softmax in base 2. An int4 cache's rows are unpacked in the tile
+loader (triton_int4.py). A quantized cache (kv_quant.QuantKV)
 multiplies each token's K scale into its column of scores and its V scale into its row of
 probabilities, as the decode kernel does.
 
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _COMPUTE, MAX_SPLITS, _check_cache, _scale_args, _sm_count, kv_tile
+from .triton_attention import _COMPUTE, MAX_SPLITS, _check_cache, _sm_count, cache_args, kv_tile
 
 
 @triton.jit
@@ -80,7 +81,8 @@ def _paged_prefill_kernel(
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr, INT4: tl.constexpr, SPLIT: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -124,7 +126,7 @@ def _paged_prefill_kernel(
             k, v, ks, vs = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_bt, offs_n, in_seq, in_seq,
                                    kvh, offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                    stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                                   PAGE, COMPUTE_DTYPE, SCALED)
+                                   PAGE, COMPUTE_DTYPE, SCALED, INT4)
             seen = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if window > 0:
                 seen = seen & (q_pos[:, None] - offs_n[None, :] < window)
@@ -242,10 +244,11 @@ def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.
     last `query_len` positions of its context (the new K/V already stored) -> same shape.
     The tile settings are the plan's (`plan.launch`). splits: pieces each tile's keys are cut
     into (combined by a second launch); None: by shape (prefill_splits), 1 on CPU."""
-    k_cache, v_cache, ks, vs, *sstrides, scaled = _scale_args(k_cache, v_cache)
+    c = cache_args(k_cache, v_cache)
+    k_cache, v_cache = c.k, c.v
     _check_cache(k_cache, v_cache)
     T, H, D = q.shape
-    _, page, KVH, Dc = k_cache.shape
+    _, page, KVH, Dc = c.shape
     if Dc != D or H % KVH:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)} "
                          "(GQA needs num_heads % num_kv_heads == 0)")
@@ -271,14 +274,15 @@ def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.
         part_acc = torch.empty(tiles * KVH * splits * rows, d_pad, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(tiles * KVH * splits * rows, 2, dtype=torch.float32, device=q.device)
     _paged_prefill_kernel[(tiles, KVH, splits)](
-        q, k_cache, v_cache, out, block_tables, plan.tiles, plan.seqs, ks, vs, part_acc, part_ml,
+        q, k_cache, v_cache, out, block_tables, plan.tiles, plan.seqs, c.ks, c.vs, part_acc, part_ml,
         scale * 1.4426950408889634, sliding_window or 0, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *sstrides,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *c.sstrides,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
         PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=plan.launch.block_n,
-        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SCALED=scaled, SPLIT=splits > 1, NUM_KV_HEADS=KVH,
+        IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SCALED=c.scaled, INT4=c.int4, SPLIT=splits > 1,
+        NUM_KV_HEADS=KVH,
         num_warps=plan.launch.warps, num_stages=plan.launch.stages,
     )
     if splits > 1:

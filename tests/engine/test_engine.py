@@ -154,6 +154,28 @@ def test_quantized_kv_cache(llm, fmt):
     q.engine.kv.check_all_free()
 
 
+@pytest.mark.slow
+def test_int4_kv_cache(llm, tiny_models):
+    """int4 KV: 32 bytes of codes + two float16 (scale, min) pairs per 64-value row of SmolLM2
+    (40 bytes against float32's 256); greedy output agrees with the full-precision cache's on
+    most tokens. A head_dim that is not a multiple of 32 is refused by name."""
+    from helpers import PROMPTS
+
+    q = LLM(max_model_len=256, kv_cache_dtype="int4")
+    kv = q.engine.runner.kv
+    assert kv.dtype == torch.uint8 and kv.shape[-1] == 32 + 8
+    assert q.engine.runner.layout.block_bytes * 256 == llm.engine.runner.layout.block_bytes * 40
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in q.generate(PROMPTS, sp)]
+    b = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+    assert sum(x[0] == y[0] for x, y in zip(a, b)) >= len(b) - 1
+    agree = sum(x == y for u, w in zip(a, b) for x, y in zip(u, w)) / sum(map(len, b))
+    assert agree >= 0.6, agree
+    q.engine.kv.check_all_free()
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*head_dim 16 is not a multiple of 32"):
+        LLM(tiny_models["llama"], kv_cache_dtype="int4")
+
+
 def test_delta_outputs_accumulate_to_the_cumulative_ones(llm):
     """Workers stream delta outputs (no prompt ids, no whole text per token); merged when a
     consumer falls behind and accumulated once at the edge, they equal the engine's own

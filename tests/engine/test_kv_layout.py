@@ -13,15 +13,18 @@ from pdserve.engine.kv_cache import KVLayout, kv_layout
 from pdserve.transfer.base import LayoutMismatch, check_layouts, wire_layout
 
 
-@pytest.mark.parametrize("dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["auto", "int8", "fp8", "int4"])
 def test_the_engine_the_wire_and_the_tier_describe_a_cache_one_way(dtype, tiny_models):
-    eng = LLMEngine(EngineConfig(model=tiny_models["llama"], kv_cache_dtype=dtype, max_model_len=128,
-                                 num_gpu_blocks_override=8))
+    model = tiny_models["llama_hd32" if dtype == "int4" else "llama"]
+    eng = LLMEngine(EngineConfig(model=model, kv_cache_dtype=dtype, max_model_len=128, num_gpu_blocks_override=8))
     lay = kv_layout(eng.config)
     assert KVLayout.of(eng.runner.kv, dtype) == lay == eng.runner.layout
     wire = wire_layout(eng.runner.kv, 0, kv_cache_dtype=dtype)
     assert {k: wire[k] for k in lay.as_dict()} == lay.as_dict() and "kv_cache_dtype" not in wire
-    if dtype != "auto":  # a uint8 slab: head_dim values of the value dtype, then the row's scale
+    if dtype == "int4":  # head_dim / 2 bytes of codes, then a float16 (scale, min) per 32 values
+        assert (lay.dtype, lay.head_dim, lay.scale_bytes, eng.runner.kv.shape[-1]) == ("int4", 32, 4, 20)
+        assert lay.block_bytes == eng.runner.kv[0].numel()
+    elif dtype != "auto":  # a uint8 slab: head_dim values of the value dtype, then the row's scale
         assert lay.dtype == {"int8": "int8", "fp8": "float8_e4m3fn"}[dtype] and lay.scale_bytes == 4
         assert lay.head_dim == eng.runner.kv.shape[-1] - 4
         assert lay.block_bytes == eng.runner.kv[0].numel()
@@ -38,6 +41,11 @@ def test_peers_are_refused_by_the_field_that_differs():
         check_layouts(fp8, bf16, "peer")
     with pytest.raises(LayoutMismatch, match="'block_size': \\(16, 8\\)"):
         check_layouts(bf16, wire_layout(torch.zeros(8, 2, 2, 8, 2, 32, dtype=torch.bfloat16), 0), "peer")
+    int4 = wire_layout(torch.zeros(4, 2, 2, 16, 2, 20, dtype=torch.uint8), 0, kv_cache_dtype="int4")
+    assert (int4["dtype"], int4["head_dim"], int4["scale_bytes"]) == ("int4", 32, 4)
+    with pytest.raises(LayoutMismatch, match="dtypes differ"):  # 20-byte rows: int8 of 16 values, or int4 of 32
+        check_layouts(int4, wire_layout(torch.zeros(4, 2, 2, 16, 2, 20, dtype=torch.uint8), 0,
+                                        kv_cache_dtype="int8"), "peer")
     with pytest.raises(ValueError, match="a int8 KV cache is a uint8 slab"):
         KVLayout.of(torch.zeros(4, 2, 2, 16, 2, 32), "int8")
 

@@ -109,6 +109,27 @@ def test_int8_kv_and_its_scales_go_through_the_host_tier_and_tp_shards(tiny_mode
         assert llm.engine.stats()["prefix_cache_host_hits"] > 0
 
 
+@pytest.mark.slow
+def test_int4_kv_goes_through_the_host_tier_tp_shards_and_the_persisted_file(tiny_models, tmp_path):
+    """int4's packed codes and (scale, min) pairs live in the slab (kv_quant.py): offloaded,
+    loaded back, split by head under TP=2, written to disk and restored, they give the tokens of
+    an unbounded int4 cache."""
+    model = tiny_models["llama_hd32"]
+    with LLM(model, max_model_len=256, kv_cache_dtype="int4") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=2, kv_offloading_size=0.001,
+              kv_cache_dtype="int4")
+    with LLM(model, tensor_parallel_size=2, **kw) as llm:
+        assert churn(llm, PROMPTS) == want
+        assert llm.engine.stats()["prefix_cache_host_hits"] > 0
+    with LLM(model, kv_persist_dir=str(tmp_path), **kw) as llm:
+        assert churn(llm, PROMPTS[:2]) == want[:2]
+    with LLM(model, kv_persist_dir=str(tmp_path), **kw) as llm:
+        assert llm.engine.persist_status.startswith("restored ") and "refused" not in llm.engine.persist_status
+        out = llm.generate([PROMPTS[5]], PARAMS)[0]
+        assert out.outputs[0].token_ids == want[5] and out.num_cached_tokens == 64
+
+
 def test_persisted_tier_serves_a_known_prefix_after_restart(tiny_models, reference, tmp_path):
     kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
     with LLM(tiny_models["llama"], **kw) as llm:

@@ -70,6 +70,25 @@ def test_disaggregated_equals_colocated(pair):
 
 
 @pytest.mark.slow
+def test_int4_kv_travels_with_its_scales_in_the_handoff(tiny_models):
+    """An int4 slab's packed codes and (scale, min) pairs move as its bytes: the disaggregated
+    tokens equal a colocated int4 engine's, through preemption on the small decode side."""
+    hub, model = LoopbackHub(), tiny_models["llama_hd32"]
+    kw = dict(model=model, max_model_len=256, kv_cache_dtype="int4")
+    pe, de = LLMEngine(EngineConfig(**kw)), LLMEngine(EngineConfig(**kw, num_gpu_blocks_override=10))
+    pw = PrefillRole(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub))
+    dw = DecodeRole(de, LoopbackConnector("decode-0", de.runner.kv, hub))
+    with LLM(model, max_model_len=256, kv_cache_dtype="int4") as llm:
+        ref = llm.generate(PROMPTS[:6], SP)
+    outs, sent = run_disagg(pw, dw, PROMPTS[:6], SP)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
+    row = 32 // 2 + 4  # 16 bytes of codes + one (scale, min) pair per (token, head) row
+    assert all(b % (16 * 2 * 2 * 2 * row) == 0 and b > 0 for b, _ in sent.values())  # whole blocks of 2 layers
+    for w in (pw, dw):
+        w.engine.kv.check_all_free()
+
+
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_across_the_handoff_and_preemption(pair):
     """A seeded, sampled request gives the colocated engine's tokens when one worker prefills it
     and another decodes it (whose small pool also preempts and recomputes): its noise is a

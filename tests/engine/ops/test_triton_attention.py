@@ -133,7 +133,7 @@ def quant_cache(num_blocks, layers, page, kvh, d, fmt):
     """A quantized block-major cache (engine/kv_quant.py) filled through the reference store."""
     from pdserve.engine import kv_quant
 
-    kv = torch.zeros(num_blocks, layers, 2, page, kvh, d + kv_quant.SCALE_BYTES, dtype=torch.uint8, device=DEV)
+    kv = torch.zeros(num_blocks, layers, 2, page, kvh, kv_quant.row_bytes(fmt, d), dtype=torch.uint8, device=DEV)
     kc, vc = kv_quant.views(kv[:, 1, 0], fmt), kv_quant.views(kv[:, 1, 1], fmt)
     return kv, kc, vc
 
@@ -174,3 +174,43 @@ def test_quantized_store_and_decode_match_reference(fmt):
         out = paged_decode_triton(q, ka, va, tables, lens, D ** -0.5, splits=splits)
         ref = paged_attention_ref(q.double(), ka, va, tables, seq_lens, [1] * len(seq_lens), D ** -0.5)
         assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_int4_store_and_decode_match_reference(D):
+    """int4 KV: the store packs two 4-bit codes a byte with a float16 (scale, min) per 32 values,
+    as kv_quant.quantize_int4 does; the decode kernel unpacks them in its tile loader and
+    matches the reference's attention over the same bytes."""
+    from pdserve.engine import kv_quant
+
+    H, KVH, page = 8, 2, 16
+    seq_lens = [1, 15, 16, 40]
+    max_blocks = -(-max(seq_lens) // page)
+    num_blocks = len(seq_lens) * max_blocks + 2
+    kv_a, ka, va = quant_cache(num_blocks, 3, page, KVH, D, "int4")
+    kv_b, kb, vb = quant_cache(num_blocks, 3, page, KVH, D, "int4")
+    assert ka.shape == (num_blocks, page, KVH, D) and ka.values.shape[-1] == D // 2 and ka.scales.shape[-1] == D // 16
+    slots = torch.arange(num_blocks * page, device=DEV)
+    k = torch.randn(len(slots), KVH, D, device=DEV) * torch.linspace(0.1, 3.0, D, device=DEV) + 0.5  # uneven, offset
+    v = torch.randn(len(slots), KVH, D, device=DEV)
+    slots[5] = -1  # skipped: stays zero
+    store_kv_triton(k, v, ka, va, slots)
+    store_kv_ref(k, v, kb, vb, slots)
+    assert torch.equal(ka.scales, kb.scales) and ka.scales[0, 5].eq(0).all()
+    codes = [torch.stack((c.values & 15, c.values >> 4), -1).float() for c in (ka, kb)]
+    assert (codes[0] - codes[1]).abs().max() <= 1 and (codes[0] != codes[1]).float().mean() < 0.01  # rounding ties
+    assert kv_a[:, [0, 2]].eq(0).all()  # other layers untouched
+    # the round trip: within half a step (plus float16's rounding of the minimum) of each value
+    back = kv_quant.dequantize_int4(kb.values, kb.scales, torch.float32).flatten(0, 1)
+    step = kb.scales.float().flatten(0, 1)[..., 0::2].repeat_interleave(kv_quant.INT4_GROUP, -1)
+    err = (back - k.view(num_blocks * page, KVH, D)).abs()
+    live = torch.arange(len(slots), device=DEV) != 5
+    assert (err <= 0.5 * step + 2e-3 * k.view(-1, KVH, D).abs().amax(-1, keepdim=True))[live].all()
+    g = torch.Generator(device="cpu").manual_seed(3)
+    tables = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * max_blocks].view(len(seq_lens), -1)
+    tables = tables.to(torch.int32).to(DEV)
+    q = torch.randn(len(seq_lens), H, D, device=DEV)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    ref = paged_attention_ref(q.double(), ka, va, tables, seq_lens, [1] * len(seq_lens), D ** -0.5)
+    for splits in (1, 3):
+        assert rel_err(paged_decode_triton(q, ka, va, tables, lens, D ** -0.5, splits=splits), ref) < 1e-4

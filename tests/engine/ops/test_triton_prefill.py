@@ -55,14 +55,14 @@ def test_paged_prefill_matches_reference(H, KVH, D, page, dtype):
         assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2), (window, splits)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
 def test_paged_prefill_reads_quantized_kv(fmt):
     if fmt == "fp8" and DEV == "cpu":
         pytest.skip("Triton 3.9's interpreter rounds to fp8 without carrying into the exponent; checked on GPU")
     H, KVH, D, page = 8, 2, 64, 16
     seq_lens, q_lens = [c for c, _ in BATCH], [n for _, n in BATCH]
     tables, num_blocks = layout(seq_lens, page, 5)
-    kv = torch.zeros(num_blocks, 3, 2, page, KVH, D + kv_quant.SCALE_BYTES, dtype=torch.uint8, device=DEV)
+    kv = torch.zeros(num_blocks, 3, 2, page, KVH, kv_quant.row_bytes(fmt, D), dtype=torch.uint8, device=DEV)
     kc, vc = kv_quant.views(kv[:, 1, 0], fmt), kv_quant.views(kv[:, 1, 1], fmt)
     slots = torch.arange(num_blocks * page, device=DEV)
     store_kv_ref(torch.randn(len(slots), KVH, D, device=DEV), torch.randn(len(slots), KVH, D, device=DEV),
