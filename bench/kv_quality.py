@@ -1,4 +1,4 @@
-"""Quality of quantized KV (`kv_cache_dtype` auto / fp8 / int8) on the default model's real
+"""Quality of quantized KV (`kv_cache_dtype` auto / fp8 / int8 / int4) on the default model's real
 weights: perplexity on a text shipped with the repository and greedy agreement with the
 unquantized cache.
 
@@ -79,13 +79,14 @@ def main() -> None:
     ap.add_argument("--max-text-tokens", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--formats", default="auto,fp8,int8,int4", help="kv_cache_dtype values, auto first")
     ap.add_argument("--out", default="bench/results/kv_quality")
     args = ap.parse_args()
     model = resolve_model_path(args.model)
     with open(args.text) as f:
         tokens = load_tokenizer(model).encode(f.read())[: args.max_text_tokens]
     rows, base = [], None
-    for fmt in tqdm(("auto", "fp8", "int8"), desc="kv_cache_dtype"):
+    for fmt in tqdm(args.formats.split(","), desc="kv_cache_dtype"):
         cfg = EngineConfig(model=model, dtype=args.dtype, device=args.device, kv_cache_dtype=fmt)
         cfg.resolve(model)
         ppl = perplexity(model, fmt, args.dtype, args.device, tokens, args.chunk)

@@ -56,14 +56,17 @@ def test_engine_bf16_agrees_with_hf(name, tiny_models):
     torch.cuda.empty_cache()
 
 
-def test_cuda_graph_decode_equals_eager(tiny_models):
+@pytest.mark.parametrize("kv", ["auto", "int4"])
+def test_cuda_graph_decode_equals_eager(tiny_models, kv):
+    """int4: the packed store and the tile loader's unpack inside the captured graphs."""
     from pdserve import LLM, SamplingParams
 
     prompts = [f"Request {i}: tell me about the number {i * 7}" for i in range(13)]  # pads to 16
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
+    model = tiny_models["llama_hd32" if kv == "int4" else "llama"]
     for eager in (False, True):
-        llm = LLM(tiny_models["llama"], dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=eager)
+        llm = LLM(model, dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=eager, kv_cache_dtype=kv)
         assert bool(llm.engine.runner.graphs) != eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         llm.engine.kv.check_all_free()
