@@ -318,6 +318,29 @@ def priority() -> dict:
                     f"priority {p90['priority']} s)"}}
 
 
+def kv_int4() -> dict:
+    """int4 KV: quality on the default model (bench/kv_quality.py, CPU) and the decode kernel's
+    cost against bf16 (bench/kv_int4_gpu.py)."""
+    q = {r["kv_cache_dtype"]: r for r in load("kv_quality", "kv_quality_cpu.json")["rows"]}
+    k = load("kv_int4", "kv_int4_gpu.json")
+    dec = {r["kv_cache_dtype"]: r["us"] for r in k["rows"] if (r.get("batch"), r["context"]) == (64, 4096)
+           and r["case"] == "decode"}
+    quality = {"command": "python bench/kv_quality.py --out bench/results/kv_quality",
+               "workload": "SmolLM2-135M (bf16 weights, CPU), perplexity on docs/architecture.md (4096 tokens) "
+                           f"with kv_cache_dtype int4 over auto ({q['int4']['perplexity']:.2f} vs "
+                           f"{q['auto']['perplexity']:.2f})"}
+    return {
+        "kv_int4_blocks_per_byte_vs_bf16": {"value": round(q["auto"]["block_bytes"] / q["int4"]["block_bytes"], 2),
+                                            **quality},
+        "kv_int4_perplexity_ratio": {"value": round(q["int4"]["perplexity"] / q["auto"]["perplexity"], 3), **quality},
+        "kv_int4_decode_kernel_vs_bf16": {
+            "value": round(dec["int4"] / dec["auto"], 2),
+            "command": "python3 bench/kv_int4_gpu.py --out bench/results/kv_int4",
+            "workload": f"paged decode attention, one Llama-3-8B layer, batch 64 x context 4096, {k['gpu']}: int4 "
+                        f"{dec['int4']:.0f} us over bf16 {dec['auto']:.0f} us (int8 {dec['int8']:.0f} us)"},
+    }
+
+
 def main() -> None:
     eng = load("engine_gpu_b64.json")
     dec = {r["batch"]: r for r in eng["decode"]}
@@ -352,6 +375,7 @@ def main() -> None:
     summary.update(seeded_sampling())
     summary.update(overlap())
     summary.update(priority())
+    summary.update(kv_int4())
     with open(os.path.join(RES, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():

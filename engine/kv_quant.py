@@ -91,9 +91,12 @@ def head_dim_of(kv_cache_dtype: str, row: int) -> int:
 
 
 def check_head_dim(kv_cache_dtype: str, head_dim: int) -> None:
-    if kv_cache_dtype == "int4" and head_dim % INT4_GROUP:
-        raise ValueError(f"kv_cache_dtype='int4' packs each row in groups of {INT4_GROUP} values with a scale "
-                         f"and a minimum each: this model's head_dim {head_dim} is not a multiple of {INT4_GROUP}")
+    """int4 packs each row in groups of INT4_GROUP with a (scale, min) each, and its kernels take
+    a row as whole power-of-two tiles (ops/triton_int4.py)."""
+    if kv_cache_dtype == "int4" and (head_dim < INT4_GROUP or head_dim & (head_dim - 1)):
+        raise ValueError(f"kv_cache_dtype='int4' packs each row in groups of {INT4_GROUP} values with a scale and a "
+                         f"minimum each and needs a power-of-two head_dim >= {INT4_GROUP}: this model's head_dim "
+                         f"{head_dim} is not one")
 
 
 def views(raw: torch.Tensor, kv_cache_dtype: str) -> QuantKV | Int4KV:

@@ -97,10 +97,10 @@ def kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, offs_n, in_seq, valid, kvh,
     if INT4:
         k = int4_rows(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh,
                       ks_ptr + blk[:, None] * stride_ksb + tok[:, None] * stride_kst + kvh * stride_ksh,
-                      offs_d, kv_mask, INT4).to(COMPUTE_DTYPE)
+                      valid, offs_d.shape[0], INT4).to(COMPUTE_DTYPE)
         v = int4_rows(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh,
                       vs_ptr + blk[:, None] * stride_vsb + tok[:, None] * stride_vst + kvh * stride_vsh,
-                      offs_d, kv_mask, INT4).to(COMPUTE_DTYPE)
+                      valid, offs_d.shape[0], INT4).to(COMPUTE_DTYPE)
     else:
         k = tl.load(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)

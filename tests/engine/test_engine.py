@@ -158,7 +158,7 @@ def test_quantized_kv_cache(llm, fmt):
 def test_int4_kv_cache(llm, tiny_models):
     """int4 KV: 32 bytes of codes + two float16 (scale, min) pairs per 64-value row of SmolLM2
     (40 bytes against float32's 256); greedy output agrees with the full-precision cache's on
-    most tokens. A head_dim that is not a multiple of 32 is refused by name."""
+    most tokens. A head_dim int4 cannot pack (16) is refused by name."""
     from helpers import PROMPTS
 
     q = LLM(max_model_len=256, kv_cache_dtype="int4")
@@ -172,7 +172,7 @@ def test_int4_kv_cache(llm, tiny_models):
     agree = sum(x == y for u, w in zip(a, b) for x, y in zip(u, w)) / sum(map(len, b))
     assert agree >= 0.6, agree
     q.engine.kv.check_all_free()
-    with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*head_dim 16 is not a multiple of 32"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*power-of-two head_dim >= 32: .* head_dim 16 is not"):
         LLM(tiny_models["llama"], kv_cache_dtype="int4")
 
 
