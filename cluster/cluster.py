@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 import ray
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_window import check_window_mode
 from pdserve.engine.loader import resolve_model_path
 from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -98,6 +99,7 @@ class Cluster:
         # validate names and values here, not in an actor
         self.engine_config = EngineConfig.from_kwargs(**{**engine_args, "model": self.model_path})
         self.engine_config.resolve(self.model_path)
+        check_window_mode(self.engine_config, mode)
         self.max_model_len, self.block_size = self.engine_config.max_model_len, self.engine_config.block_size
         self.vocab_size = self.engine_config.model_config.vocab_size
         engine_args = {**engine_args, "model": self.model_path}
@@ -222,7 +224,8 @@ class Cluster:
     def validate(self, ids: list[int], params: SamplingParams) -> int:
         """The one validation (engine/validation.py) against this cluster's model; returns
         max_tokens. Raises InvalidRequest (a ValueError) naming the field."""
-        return check_request(ids, params, self.max_model_len, self.vocab_size)
+        return check_request(ids, params, self.max_model_len, self.vocab_size,
+                             bounded=self.engine_config.kv_window_tokens is None)
 
     def _prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
         if params.n != 1:

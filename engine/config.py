@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_quant import check_head_dim
+from .kv_window import KVWindow, check_window
 from .tp import check_tp
 
 SUPPORTED_ARCHITECTURES = {
@@ -198,6 +199,10 @@ class EngineConfig:
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
     # "prompt_lookup_min": n} (spec_decode.py); None: off
     speculative_config: dict | None = None
+    # StreamingLLM's eviction for long sessions (engine/kv_window.py): each request keeps its first
+    # kv_sink_tokens (whole blocks) and its last kv_window_tokens; None: off
+    kv_sink_tokens: int = 0
+    kv_window_tokens: int | None = None
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)
 
@@ -243,6 +248,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        check_window(self)
+        if self.kv_window_tokens is not None:  # a block's keys move with the window: never shared
+            self.enable_prefix_caching = self.async_scheduling = False
 
     def _check_tiers(self, tp: int) -> None:
         off = self.kv_offloading_size
@@ -284,6 +292,12 @@ class EngineConfig:
                 f"must be >= max_model_len ({self.max_model_len})")
         if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        window = KVWindow.of(self)
+        if window and window.max_cache_tokens + self.max_num_batched_tokens > self.max_model_len:
+            raise ValueError(f"kv_window_tokens {self.kv_window_tokens}: a request's cache positions reach "
+                             f"{window.max_cache_tokens} (sinks, window, eviction chunk) + a step's "
+                             f"{self.max_num_batched_tokens} tokens, past max_model_len {self.max_model_len}; "
+                             "lower kv_window_tokens or max_num_batched_tokens")
         return self
 
     @property

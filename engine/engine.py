@@ -20,6 +20,7 @@ from . import persist
 from .config import EngineConfig
 from .iteration_stats import TokenHistogram
 from .kv_cache_manager import KVCacheManager
+from .kv_window import KVWindow
 from .loader import resolve_model_path
 from .model_runner import ModelRunner
 from .offload import HostIndex
@@ -61,7 +62,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, host=host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy, KVWindow.of(config))
         # the one step-time model: the TPOT chunk, the advertised prefill rate, speculation's off-switch
         self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s,
                                     graphs=self.runner.graph_seconds)
@@ -111,7 +112,8 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         max_tokens = check_request(token_ids, params, self.config.max_model_len, self.model_config.vocab_size,
-                                   self.kv.num_blocks * self.config.block_size)
+                                   self.kv.num_blocks * self.config.block_size,
+                                   bounded=self.config.kv_window_tokens is None)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

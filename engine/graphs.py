@@ -240,7 +240,7 @@ def decode_inputs(batch: list, padded: int, block_size: int,
         p = s.request.num_computed_tokens
         ids = [s.request.all_token_ids[p]] + s.draft_token_ids
         n = len(ids)
-        pos = np.arange(p, p + n)
+        pos = np.arange(p, p + n) - s.request.kv_shift  # cache positions (kv_window.py)
         blocks = np.asarray(s.block_ids, dtype=np.int64)
         cols[0, i:i + n] = ids
         cols[1, i:i + n] = pos

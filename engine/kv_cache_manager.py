@@ -116,7 +116,7 @@ class KVCacheManager:
         """
         blocks = self.req_blocks.get(request.request_id, [])
         new_computed_blocks = new_computed_blocks or []
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = request.num_computed_tokens - request.kv_shift + len(new_computed_blocks) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_fresh = needed - len(blocks) - len(new_computed_blocks)
         # hits sitting in the free queue are taken out of it by touch(): they count

@@ -33,6 +33,7 @@ from .config import EngineConfig
 from .graphs import StepGraphs, decode_inputs, piece_tokens
 from .host_to_device import to_device
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
+from .kv_window import rotate_keys
 from .loader import load_model
 from .offload import HostCache, TierOps, host_slots
 from .request import PENDING, Request
@@ -61,6 +62,7 @@ class StepInputs:
     sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
     prompt_rows: np.ndarray | None = None  # int64 rows whose logits score a prompt token (after sample_rows)
     tier_ops: TierOps | None = None  # host-tier copies to apply first (offload.py)
+    kv_shifts: list | None = None  # keys to rotate back first (kv_window.py)
     # rows whose input token is still on the device (request.PENDING), and each one's row in
     # the previous launch's sampled tokens (overlap.py); rank 0 only
     pending: tuple[np.ndarray, np.ndarray] | None = None
@@ -157,10 +159,11 @@ class ModelRunner:
         for i, s in enumerate(batch):
             req, start, k = s.request, s.request.num_computed_tokens, s.num_new_tokens
             input_ids += req.all_token_ids[start : start + k - len(s.draft_token_ids)] + s.draft_token_ids
-            pos = range(start, start + k)
+            c = start - req.kv_shift  # the cache position of the first (kv_window.py)
+            pos = range(c, c + k)
             positions += pos
             slots += [s.block_ids[p // bs] * bs + p % bs for p in pos]
-            seq_lens.append(start + k)
+            seq_lens.append(c + k)
             query_lens.append(k)
             tables[i, : len(s.block_ids)] = s.block_ids
             first = len(input_ids) - k
@@ -182,6 +185,8 @@ class ModelRunner:
         """Every rank: runs the step; the logits of its sampling rows (None if none)."""
         if inp.tier_ops is not None:
             self.host.apply(self.kv, inp.tier_ops)
+        if inp.kv_shifts:
+            rotate_keys(self.kv_views, self.model.rotary, inp.kv_shifts)
         patch = self._patcher(inp.pending)
         if inp.path == "decode":
             logits = self.graphs.run_decode(inp, patch)
@@ -222,7 +227,7 @@ class ModelRunner:
         self.sampler.logprobs, self.sampler.prompt_logprobs = {}, {}
         batch = self.order(step.scheduled)
         inp = self.host_inputs(batch)
-        inp.tier_ops = step.tier_ops
+        inp.tier_ops, inp.kv_shifts = step.tier_ops, step.kv_shifts
         ids = inp.cols[0] if inp.path == "decode" else inp.ids
         dst, src, row = [], [], 0
         for s in batch:  # only a request's newest token can be pending: its one decode row
@@ -245,7 +250,7 @@ class ModelRunner:
         self.sampler.logprobs, self.sampler.prompt_logprobs = {}, {}
         batch = self.order(step.scheduled)
         inp = self.host_inputs(batch)
-        inp.tier_ops = step.tier_ops
+        inp.tier_ops, inp.kv_shifts = step.tier_ops, step.kv_shifts
         self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
         logits = self.forward(inp)
         samplers = [s for s in batch if s.samples]

@@ -60,6 +60,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens evicted between the sinks and the window (kv_window.py): a computed token's cache
+    # position is its sequence index minus this (after the sinks)
+    kv_shift: int = 0
     # prompt tokens found in the prefix cache when last admitted
     num_cached_tokens: int = 0
     num_preemptions: int = 0

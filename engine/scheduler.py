@@ -25,6 +25,7 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from .kv_window import KVShift, KVWindow
     from .offload import TierOps
 
 
@@ -107,6 +108,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     tier_ops: TierOps | None = None  # host-tier copies queued up to this step (offload.py)
+    kv_shifts: list[KVShift] = field(default_factory=list)  # keys to rotate first (kv_window.py)
 
     @functools.cached_property
     def shape(self) -> StepShape:
@@ -122,8 +124,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs", window: KVWindow | None = None):
         self.kv = kv
+        self.window = window  # sink + window eviction before each step (kv_window.py)
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -210,6 +213,8 @@ class Scheduler:
                 budget -= used
                 i += 1
                 continue
+            if self.window is not None and (shift := self.window.trim(self.kv, req)) is not None:
+                out.kv_shifts.append(shift)
             while True:
                 blocks = self.kv.allocate_slots(req, num_new)
                 if blocks is not None:
@@ -284,7 +289,7 @@ class Scheduler:
         req.spec_tokens = []
         self.running.remove(req)
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.kv_shift = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -17,9 +17,11 @@ class InvalidRequest(ValueError):
 
 
 def check_request(token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                  kv_capacity_tokens: int | None = None) -> int:
+                  kv_capacity_tokens: int | None = None, bounded: bool = True) -> int:
     """Raises InvalidRequest naming the problem; returns the request's max_tokens (the
-    rest of max_model_len when params.max_tokens is None)."""
+    rest of max_model_len when params.max_tokens is None). `bounded` False (kv_window_tokens,
+    engine/kv_window.py): a request's length is not bounded by max_model_len or the KV cache;
+    max_tokens defaults to max_model_len."""
     if not token_ids:
         raise InvalidRequest("prompt is empty (no tokens)", "prompt")
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
@@ -31,6 +33,11 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
         if far:
             raise InvalidRequest(f"{name} token ids out of range [0, {vocab_size}): {far[:5]}", name)
     n = len(token_ids)
+    if not bounded:
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+        return max_tokens
     if n >= max_model_len:
         raise InvalidRequest(f"prompt has {n} tokens; max_model_len is {max_model_len} "
                              "(at least one token must be left to generate)", "prompt")

@@ -32,6 +32,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-persist-dir", default=None,
                    help="write the host tier here on shutdown and every --kv-persist-interval s; read it on start")
     p.add_argument("--kv-persist-interval", type=float, default=60.0)
+    p.add_argument("--kv-window-tokens", type=int, default=None,
+                   help="StreamingLLM eviction: each request keeps its last N tokens (and the sinks) in the KV "
+                        "cache, so sessions longer than the cache or max_model_len go on (colocated mode)")
+    p.add_argument("--kv-sink-tokens", type=int, default=0,
+                   help="with --kv-window-tokens: the first tokens every request keeps (whole blocks)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights of the config's shape)")
@@ -68,7 +73,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
            "async_scheduling": args.async_scheduling, "scheduling_policy": args.scheduling_policy,
            "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size,
            "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
-           "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config}
+           "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config,
+           "kv_window_tokens": args.kv_window_tokens, "kv_sink_tokens": args.kv_sink_tokens}
     for name in ("max_num_seqs", "max_num_batched_tokens"):  # None: the engine's default
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)

@@ -272,3 +272,21 @@ def test_own_ray_without_an_address_and_joining_one_with_it(own_ray, tiny_models
             c.shutdown()
     finally:
         head.stop()
+
+
+def test_a_colocated_cluster_serves_a_session_past_max_model_len_with_a_window(tiny_models):
+    """kv_window_tokens (engine/kv_window.py): a 300-token prompt and 200 new tokens on
+    max_model_len 128 give the tokens of a local engine with the same window; the
+    disaggregated mode is refused by name before anything starts."""
+    model = tiny_models["llama"]
+    kw = dict(max_model_len=128, max_num_batched_tokens=16, kv_window_tokens=64, kv_sink_tokens=4)
+    with pytest.raises(ValueError, match="kv_window_tokens runs in colocated mode"):
+        Cluster.start(model, prefill=1, decode=1, namespace="pdserve-window", **kw)
+    prompt, sp = list(range(500, 800)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with LLM(model, **kw) as llm:
+        want = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    c = Cluster.start(model, decode=1, mode="colocated", namespace="pdserve-window", **kw)
+    try:
+        assert c.generate([prompt], sp)[0].outputs[0].token_ids == want
+    finally:
+        c.shutdown()

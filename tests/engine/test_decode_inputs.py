@@ -46,3 +46,13 @@ def test_a_request_with_drafts_takes_a_row_per_query_token():
     assert cols[2, :5].tolist() == [7 * bs + 3, 2 * bs + 0, 2 * bs + 1, 9 * bs + 1, -1]
     assert cols[3, :4].tolist() == [4, 5, 6, 2]  # row j attends to the first p + j + 1 tokens
     assert tables[:4].tolist() == [[7, 2], [7, 2], [7, 2], [9, 0]] and rows.tolist() == [0, 1, 2, 3]
+
+
+def test_a_request_past_its_window_takes_its_cache_position():
+    """kv_window_tokens (kv_window.py): after 8 tokens were evicted, sequence index 13 sits at
+    cache position 5 (block 2 of the kept list [7, 2], offset 1) and attends to 6 tokens."""
+    bs = 4
+    s = _decoding("a", list(range(100, 114)), [7, 2])
+    s.request.kv_shift = 8
+    cols, tables, _ = decode_inputs([s], padded=1, block_size=bs, max_blocks=2)
+    assert cols[:, 0].tolist() == [113, 5, 2 * bs + 1, 6] and tables.tolist() == [[7, 2]]
