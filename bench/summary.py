@@ -341,6 +341,18 @@ def kv_int4() -> dict:
     }
 
 
+def kv_window() -> dict:
+    """Sink + window eviction against full attention (bench/kv_window_quality.py, CPU)."""
+    res = load("kv_window", "kv_window_quality.json")
+    ppl = {(r["window"], r["sink_tokens"]): r["perplexity"] for r in res["rows"]}
+    return {"kv_window_1024_perplexity_vs_full": {
+        "value": round(ppl[(1024, 4)] / ppl[(None, 0)], 3),
+        "command": "python bench/kv_window_quality.py --out bench/results/kv_window",
+        "workload": f"{res['model']}, {res['device']}, {res['tokens']} tokens of the docs prefilled in {res['chunk']}-"
+                    f"token steps: a 1024-token window + sinks over full attention (no sinks: "
+                    f"{ppl[(1024, 0)] / ppl[(None, 0)]:.2f}x)"}}
+
+
 def main() -> None:
     eng = load("engine_gpu_b64.json")
     dec = {r["batch"]: r for r in eng["decode"]}
@@ -376,6 +388,7 @@ def main() -> None:
     summary.update(overlap())
     summary.update(priority())
     summary.update(kv_int4())
+    summary.update(kv_window())
     with open(os.path.join(RES, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():
