@@ -1,16 +1,21 @@
 """Quantized KV with scales: `kv_cache_dtype` "int8" and "fp8" (e4m3), and "int4".
 
 Each (token, KV head) row of K and of V is stored as head_dim 1-byte values and its own
-float32 scale (dynamic: amax / 127 for int8, amax / 448 for fp8), the scale in the 4
-bytes right after the row inside the same block-major KV tensor:
+float32 scale (dynamic: amax / 127 for int8, amax / 448 for fp8), the scale in the 16
+bytes right after the row inside the same block-major KV tensor (4 of them; 12 pad the row
+to a multiple of 16 bytes):
 
-    kv  uint8 [num_blocks, layers, 2, block_size, kv_heads, head_dim + 4]
-        row = head_dim values (int8 / fp8 bits) | float32 scale
+    kv  uint8 [num_blocks, layers, 2, block_size, kv_heads, head_dim + 16]
+        row = head_dim values (int8 / fp8 bits) | float32 scale | 12 bytes of padding
 
 Why a scale per token and head, not per block: a decode step appends one token at a
 time, so a block's scale fixed by its first tokens would clip later outliers (or the
-block would be requantized on every step); a per-token scale costs 4 bytes per 128
-(3%: 1.94x bf16's blocks instead of 2x) and is written once. Why inside the slab: the
+block would be requantized on every step); a per-token scale is written once. Why the
+padding: with 132-byte rows (head_dim 128 + 4) the attention kernels could not vectorize
+their loads, and the paged decode kernel took 1.36 ms at batch 64 x 4096 context on an H100,
+3x bf16's 0.44 ms; 136-byte rows took the same; 144-byte rows took 0.44 ms. It costs 12
+bytes a row: 1.78x bf16's blocks for head_dim 128 instead of 1.94x
+(bench/results/kv_int4/README.md). Why inside the slab: the
 scales then travel with the blocks everywhere a block goes (the handoff, tensor-parallel
 head slices, the host tier, the persisted file) with no second tensor to keep in step.
 
@@ -32,7 +37,7 @@ Why groups with a minimum: measured on the default model (perplexity on docs/arc
 bytes a row; per 16 gave 87.61 for 8 more; per 64 gave 92.68. K has outlier channels (KIVI
 and KVQuant quantize K per channel for that reason), which flatten the rest of a group that
 shares one symmetric scale. The row is 5/8 of head_dim bytes: 3.2x bf16's blocks per byte
-(int8: 1.94x).
+(int8 / fp8: 1.78x at head_dim 128).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-SCALE_BYTES = 4
+SCALE_BYTES = 16  # after an int8 / fp8 row's values: its float32 scale, then padding to 16 bytes
 # value dtype, the largest magnitude it holds
 SCALED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0),
           "fp8_e4m3": (torch.float8_e4m3fn, 448.0)}
@@ -105,7 +110,7 @@ def views(raw: torch.Tensor, kv_cache_dtype: str) -> QuantKV | Int4KV:
     d = head_dim_of(kv_cache_dtype, raw.shape[-1])
     if kv_cache_dtype == "int4":
         return Int4KV(raw[..., : d // 2], raw[..., d // 2 :].view(torch.float16))
-    return QuantKV(raw[..., :d].view(SCALED[kv_cache_dtype][0]), raw[..., d:].view(torch.float32).squeeze(-1))
+    return QuantKV(raw[..., :d].view(SCALED[kv_cache_dtype][0]), raw[..., d:d + 4].view(torch.float32).squeeze(-1))
 
 
 def quantize(x: torch.Tensor, value_dtype: torch.dtype, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -137,14 +137,15 @@ def test_bad_model_paths(tmp_path):
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_quantized_kv_cache(llm, fmt):
     """KV quantized to 1-byte values with a float32 scale per (token, head) row, in the same
-    slab (kv_quant.py): 64 + 4 bytes per row of SmolLM2 against float32's 256; greedy output
-    agrees with the full-precision cache's on the first tokens of every prompt."""
+    slab (kv_quant.py): 64 + 16 bytes per row of SmolLM2 (values, scale, padding to 16 bytes)
+    against float32's 256; greedy output agrees with the full-precision cache's on the first
+    tokens of every prompt."""
     from helpers import PROMPTS
 
     q = LLM(max_model_len=256, kv_cache_dtype=fmt)
     kv = q.engine.runner.kv
-    assert kv.dtype == torch.uint8 and kv.shape[-1] == 64 + 4
-    assert q.engine.runner.layout.block_bytes * 256 == llm.engine.runner.layout.block_bytes * 68
+    assert kv.dtype == torch.uint8 and kv.shape[-1] == 64 + 16
+    assert q.engine.runner.layout.block_bytes * 256 == llm.engine.runner.layout.block_bytes * 80
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a = [o.outputs[0].token_ids for o in q.generate(PROMPTS, sp)]
     b = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]

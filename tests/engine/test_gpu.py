@@ -76,6 +76,24 @@ def test_cuda_graph_decode_equals_eager(tiny_models, kv):
     assert outs[False] == outs[True]
 
 
+def test_a_window_past_its_evictions_in_graphs_equals_eager(tiny_models):
+    """kv_window_tokens (kv_window.py): decode graphs read cache positions and the rotated keys;
+    a 150-token prompt and 200 new tokens on a 64-token window give eager's tokens."""
+    from pdserve import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(tiny_models["llama"], dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=eager,
+                  max_model_len=256, max_num_batched_tokens=32, kv_window_tokens=64, kv_sink_tokens=4)
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate([list(range(300, 450))] * 3, sp)]
+        llm.engine.kv.check_all_free()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
+
+
 def test_piecewise_graphs_for_mixed_steps_equal_eager(tiny_models):
     """Mixed steps (prefill chunks beside decodes, chunks over cached prefixes) replay the
     piecewise graphs of their token bucket with attention between; float32 output equals the

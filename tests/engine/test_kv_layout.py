@@ -24,26 +24,26 @@ def test_the_engine_the_wire_and_the_tier_describe_a_cache_one_way(dtype, tiny_m
     if dtype == "int4":  # head_dim / 2 bytes of codes, then a float16 (scale, min) per 32 values
         assert (lay.dtype, lay.head_dim, lay.scale_bytes, eng.runner.kv.shape[-1]) == ("int4", 32, 4, 20)
         assert lay.block_bytes == eng.runner.kv[0].numel()
-    elif dtype != "auto":  # a uint8 slab: head_dim values of the value dtype, then the row's scale
-        assert lay.dtype == {"int8": "int8", "fp8": "float8_e4m3fn"}[dtype] and lay.scale_bytes == 4
-        assert lay.head_dim == eng.runner.kv.shape[-1] - 4
+    elif dtype != "auto":  # a uint8 slab: head_dim values of the value dtype, the row's scale, padding to 16
+        assert lay.dtype == {"int8": "int8", "fp8": "float8_e4m3fn"}[dtype] and lay.scale_bytes == 16
+        assert lay.head_dim == eng.runner.kv.shape[-1] - 16 and eng.runner.kv.shape[-1] % 16 == 0
         assert lay.block_bytes == eng.runner.kv[0].numel()
 
 
 def test_peers_are_refused_by_the_field_that_differs():
-    slab = torch.zeros(4, 2, 2, 16, 2, 36, dtype=torch.uint8)
+    slab = torch.zeros(4, 2, 2, 16, 2, 48, dtype=torch.uint8)
     fp8 = wire_layout(slab, 0, kv_cache_dtype="fp8")
     check_layouts(fp8, wire_layout(slab, 0, kv_cache_dtype="fp8_e4m3"), "peer")  # two names, the same bytes
     with pytest.raises(LayoutMismatch, match="dtypes differ: ours 'float8_e4m3fn', peer 'peer''s 'int8'"):
         check_layouts(fp8, wire_layout(slab, 0, kv_cache_dtype="int8"), "peer")
     bf16 = wire_layout(torch.zeros(4, 2, 2, 16, 2, 32, dtype=torch.bfloat16), 0)
-    with pytest.raises(LayoutMismatch, match="dtypes differ.*'bfloat16'.*scale bytes 4 vs 0"):
+    with pytest.raises(LayoutMismatch, match="dtypes differ.*'bfloat16'.*scale bytes 16 vs 0"):
         check_layouts(fp8, bf16, "peer")
     with pytest.raises(LayoutMismatch, match="'block_size': \\(16, 8\\)"):
         check_layouts(bf16, wire_layout(torch.zeros(8, 2, 2, 8, 2, 32, dtype=torch.bfloat16), 0), "peer")
     int4 = wire_layout(torch.zeros(4, 2, 2, 16, 2, 20, dtype=torch.uint8), 0, kv_cache_dtype="int4")
     assert (int4["dtype"], int4["head_dim"], int4["scale_bytes"]) == ("int4", 32, 4)
-    with pytest.raises(LayoutMismatch, match="dtypes differ"):  # 20-byte rows: int8 of 16 values, or int4 of 32
+    with pytest.raises(LayoutMismatch, match="dtypes differ"):  # 20-byte rows: int4 of 32 values, or int8 of 4
         check_layouts(int4, wire_layout(torch.zeros(4, 2, 2, 16, 2, 20, dtype=torch.uint8), 0,
                                         kv_cache_dtype="int8"), "peer")
     with pytest.raises(ValueError, match="a int8 KV cache is a uint8 slab"):

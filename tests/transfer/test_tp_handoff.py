@@ -127,7 +127,7 @@ def test_a_failing_route_fails_the_handoff_and_aborts_the_rest():
 
 def test_different_kv_cache_dtypes_are_refused_at_pairing():
     """int8 and fp8 slabs have the same bytes (engine/kv_quant.py): the layouts name the dtype."""
-    raw = torch.zeros(NB, LAYERS, 2, BS, 2, DIM + 4, dtype=torch.uint8)
+    raw = torch.zeros(NB, LAYERS, 2, BS, 2, DIM + 16, dtype=torch.uint8)
     src = C10dConnector("pre", raw.clone(), kv_cache_dtype="int8", default_timeout_s=10)
     dst = C10dConnector("dec", raw.clone(), kv_cache_dtype="fp8", default_timeout_s=10)
     try:
