@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
+import prefill_attention_gpu
 import torch
 
 from pdserve.engine import kv_quant
@@ -31,18 +31,8 @@ H, KVH, D, PAGE = 32, 8, 128, 16
 FORMATS = ("auto", "fp8", "int8", "int4")
 
 
-def timed(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times) * 1000  # us
+def timed(fn) -> float:
+    return prefill_attention_gpu.timed(fn, reps=50, warmup=5) * 1000  # us
 
 
 def row_bytes(fmt: str) -> int:

@@ -47,8 +47,9 @@ def launch(c: dict) -> PrefillLaunch:
     return PrefillLaunch(c["rows"], c["block_n"], c["num_warps"], c["num_stages"], c["per_sm"])
 
 
-def timed(fn, reps: int = 20) -> float:
-    for _ in range(3):
+def timed(fn, reps: int = 20, warmup: int = 3) -> float:
+    """The median of `reps` timed calls of `fn` (CUDA events), in ms, after `warmup` untimed ones."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
