@@ -38,7 +38,7 @@ from pdserve.engine.validation import check_request
 from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
 from .pools import Pools
-from .registry import REGISTRY_NAME, BlockRegistry
+from .registry import REGISTRY_NAME, RegistryLink
 from .serving_config import ROLES, ServingConfig
 
 MODES = ("disaggregated", "hybrid", "colocated")
@@ -136,7 +136,8 @@ class Cluster:
                 ray.shutdown()
             raise RuntimeError(f"another pdserve cluster serves namespace {namespace!r} on this Ray cluster: "
                                "pick another namespace (--namespace), or stop that one")
-        self.registry = BlockRegistry.options(name=REGISTRY_NAME, namespace=namespace).remote()
+        self.registry = RegistryLink(namespace)
+        self.registry.create()
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever, name="pdserve-cluster", daemon=True)
         self._thread.start()
@@ -353,7 +354,13 @@ class Cluster:
         return self._run(collect(), 60)
 
     def registry_workers(self) -> list[dict]:
-        return ray.get(self.registry.list_workers.remote())
+        """The registry's view of the workers; [] while it is away."""
+        return self._run(self.registry.list_workers(), 30) or []
+
+    def health(self) -> dict:
+        """What /health reports: the pools and the block registry ("restarting" while it is
+        away: placement then runs without prefix hints)."""
+        return {"pools": self.pool_sizes(), "registry": self.registry.state(), "monitor": self.pools.monitor_state()}
 
     def closing(self) -> None:
         """The process is going down (a signal that its workers got too): the monitor stops
@@ -375,10 +382,7 @@ class Cluster:
                 self._monitor.cancel()
             self._run(stop_all(), 60)
         finally:
-            try:
-                ray.kill(self.registry)
-            except Exception:  # noqa: BLE001
-                pass
+            self.registry.kill()
             self._aloop.call_soon_threadsafe(self._aloop.stop)
             if self._owns_ray:
                 ray.shutdown()

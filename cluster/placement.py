@@ -78,8 +78,8 @@ class Placer:
         """The prefill worker p, the decode worker d, and whether d prefills the prompt itself
         (routing.place_prompt, from live queues, corrected rates and cached prefixes)."""
         if hashes:
-            (ph, pd), (dh, dd) = await asyncio.gather(self.registry.longest_prefix.remote(hashes, "prefill"),
-                                                      self.registry.longest_prefix.remote(hashes, "decode"))
+            (ph, pd), (dh, dd) = await asyncio.gather(self.registry.longest_prefix(hashes, "prefill"),
+                                                      self.registry.longest_prefix(hashes, "decode"))
         else:
             ph, pd, dh, dd = None, 0, None, 0
         decodes = self.pools.candidates("decode", progress.priority)
@@ -139,7 +139,7 @@ class Placer:
     async def _pick_prefill(self, hashes: list[str], ids: list[int], role: str) -> WorkerRecord:
         """The worker to run this prompt's prefill: of the prefill pool, or (colocated mode)
         of the decode pool: longest cached prefix, else consistent hash, bounded load."""
-        cached = await self.registry.longest_prefix.remote(hashes, role) if hashes else (None, 0)
+        cached = await self.registry.longest_prefix(hashes, role)
         key = hashes[0] if hashes else str(ids[: self.block_size])
         wid, reason = pick_prefill(self.pools.candidates(role), key, tuple(cached), role=role)
         self.count(reason)
@@ -151,7 +151,7 @@ class Placer:
             return self.pools.worker(pick_decode(self.pools.candidates("decode"))), "local_short"
         if hashes and self.local_cached_fraction <= 1.0 and \
                 self.local_cached_fraction * len(ids) <= len(hashes) * self.block_size:
-            holder, depth = await self.registry.longest_prefix.remote(hashes, "decode")
+            holder, depth = await self.registry.longest_prefix(hashes, "decode")
             w = self.pools.workers.get(holder)
             if w is not None and not w.draining and depth * self.block_size >= self.local_cached_fraction * len(ids):
                 return w, "local_cached"

@@ -3,9 +3,10 @@ Runs on the cluster's event loop thread.
 
     scale(want)   set pool targets; growth is awaited, the surplus drains (no new
                   requests, in-flight ones finish) and then stops
-    monitor()     every second: each worker's stats (or, if it does not answer, purge it
-                  from the registry, tell its peers to drop their process groups with it,
-                  and refill the pool); then one autoscaling decision when it is on
+    monitor()     every second: the registry's probe (registry.RegistryLink.check), each
+                  worker's stats (or, if it does not answer, purge it from the registry,
+                  tell its peers to drop their process groups with it, and refill the
+                  pool); then one autoscaling decision when it is on
     candidates()  snapshots of the live, non-draining workers of a pool for placement
 
 A worker's record (`WorkerRecord`) is the cluster's view of one `WorkerActor`: its
@@ -71,6 +72,7 @@ class Pools:
         self._pool_state = {role: PoolState() for role in ROLES}
         self._scaling = asyncio.Lock()
         self.closed = False
+        self.monitor_error: str | None = None  # the last monitor pass's failure, if it failed
         self.start_s = 10.0  # EWMA of a worker's start (actor to serving): a 503's Retry-After
 
     # ---- views ------------------------------------------------------------------------------
@@ -275,29 +277,45 @@ class Pools:
             pass
         if w.placement_group is not None:  # its shard actors go with it
             remove_placement_group(w.placement_group)
-        await self.registry.unregister.remote(w.worker_id)
+        await self.registry.unregister(w.worker_id)
 
     # ---- health and autoscaling ---------------------------------------------------------------
     async def monitor(self) -> None:
+        """Every second: the registry's probe, each worker's stats (one that does not answer is
+        purged and replaced), the refill, the autoscaler. One pass that raises is logged and the
+        next runs: health, refills and the registry's return all hang on this loop."""
         while not self.closed:
             await asyncio.sleep(1.0)
-            for w in list(self.workers.values()):
+            try:
+                await self._monitor_pass()
+                self.monitor_error = None
+            except Exception as e:  # noqa: BLE001
+                self.monitor_error = f"{type(e).__name__}: {e}"[:300]
+                log.exception("pool monitor pass failed; the next one runs in 1 s")
+
+    def monitor_state(self) -> dict:
+        return {"status": "ok" if self.monitor_error is None else "error",
+                **({"error": self.monitor_error} if self.monitor_error else {})}
+
+    async def _monitor_pass(self) -> None:
+        await self.registry.check()
+        for w in list(self.workers.values()):
+            try:
+                w.stats = await asyncio.wait_for(w.actor.stats.remote(), 5)
+            except (RayError, asyncio.TimeoutError) as e:
+                await asyncio.sleep(0.5)  # a signal that ended the worker ends this process too: closed by then
+                if w.worker_id in self.workers and not self.closed:
+                    why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+                    log.warning("worker %s cannot serve (%s): purging and replacing it", w.worker_id, why)
+                    await self.remove(w, graceful=False)
+        if not self.closed and not self._scaling.locked():
+            async with self._scaling:
                 try:
-                    w.stats = await asyncio.wait_for(w.actor.stats.remote(), 5)
-                except (RayError, asyncio.TimeoutError) as e:
-                    await asyncio.sleep(0.5)  # a signal that ended the worker ends this process too: closed by then
-                    if w.worker_id in self.workers and not self.closed:
-                        why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-                        log.warning("worker %s cannot serve (%s): purging and replacing it", w.worker_id, why)
-                        await self.remove(w, graceful=False)
-            if not self.closed and not self._scaling.locked():
-                async with self._scaling:
-                    try:
-                        await self._reconcile()  # drains it starts run on their own
-                    except RayError as e:
-                        log.warning("refilling pools failed: %s", e)
-            if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():
-                self._autoscale_step(time.monotonic())
+                    await self._reconcile()  # drains it starts run on their own
+                except RayError as e:
+                    log.warning("refilling pools failed: %s", e)
+        if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():
+            self._autoscale_step(time.monotonic())
 
     def _switch_instead(self, want: dict) -> dict | None:
         """The policy wants a pool to grow and no worker can be added: move one worker from

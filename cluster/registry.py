@@ -12,13 +12,25 @@ again with all its cached blocks.
 Hashes travel as hex strings (sha256 chain, engine/hashing.py). In-flight handoffs are
 not tracked here: each has its own deadline on both workers (transfer/pair.py), which
 is what reaps a stuck one.
+
+The registry holds only what the workers can tell it again, so it is restartable: Ray
+restarts it when its process dies, a restarted (empty) registry refuses the workers'
+heartbeats and they register again with every block they cache. `RegistryLink` is the
+cluster's side of it: placement asks through it and gets "no hint" instead of an error
+while the registry is away.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 import time
 
 import ray
+from ray.exceptions import RayError
+
+log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "pdserve-registry"
 # a host-tier block's worth against a GPU block: Llama-3-8B on H100 prefills 16 tokens in
@@ -34,6 +46,10 @@ class BlockRegistry:
         self.blocks: dict[str, set[str]] = {}  # worker -> hashes it holds on its GPU
         self.holders: dict[str, set[str]] = {}  # hash -> workers (GPU)
         self.host_blocks: dict[str, set[str]] = {}  # worker -> hashes in its host tier
+
+    def ping(self) -> int:
+        """The registry's process id (the cluster's liveness probe; tests kill it by pid)."""
+        return os.getpid()
 
     # ---- membership ----------------------------------------------------------------------
     def register(self, worker_id: str, info: dict) -> None:
@@ -122,3 +138,144 @@ class BlockRegistry:
 
     def holders_of(self, block_hash: str) -> list[str]:
         return sorted(self.holders.get(block_hash, ()))
+
+
+class RegistryLink:
+    """The cluster's handle on the registry, for a registry that may die.
+
+    Lifecycle: `create()` starts the named actor with unlimited restarts. `longest_prefix`
+    answers from it within `call_timeout_s`; a call that fails or times out marks the
+    registry down, and while it is down placement gets (None, 0) at once (consistent hash
+    with bounded load) without asking. The pools' monitor calls `check()` every second: a
+    registry that answers is up again; one whose name is gone (killed for good) is created
+    anew under the same name (the workers look it up again); one that has not answered
+    for `frozen_s` is killed so that Ray restarts it. `state()` is what /health reports."""
+
+    def __init__(self, namespace: str, call_timeout_s: float = 1.0, frozen_s: float = 10.0):
+        self.namespace, self.call_timeout_s, self.frozen_s = namespace, call_timeout_s, frozen_s
+        self.actor = None
+        self.down_since: float | None = None  # monotonic time of the first failure of this outage
+        self.reason: str | None = None
+        self.outages = 0  # outages seen since the cluster started
+        self.recreated = 0  # times the registry was created anew (its name was gone)
+        self.closed = False
+
+    def create(self):
+        self.actor = BlockRegistry.options(name=REGISTRY_NAME, namespace=self.namespace, max_restarts=-1).remote()
+        return self.actor
+
+    @property
+    def up(self) -> bool:
+        return self.down_since is None
+
+    def state(self) -> dict:
+        out = {"status": "ok" if self.up else "restarting", "outages": self.outages, "recreated": self.recreated}
+        if not self.up:
+            out.update(down_s=round(time.monotonic() - self.down_since, 1), reason=self.reason)
+        return out
+
+    def _down(self, why: str) -> None:
+        if self.up:
+            self.down_since, self.outages = time.monotonic(), self.outages + 1
+            log.warning("block registry unavailable (%s): placing without prefix hints until it is back", why)
+        self.reason = why
+
+    def _up(self) -> None:
+        if not self.up:
+            log.warning("block registry back after %.1f s", time.monotonic() - self.down_since)
+        self.down_since, self.reason = None, None
+
+    async def _call(self, ref, timeout: float):
+        try:
+            return await asyncio.wait_for(ref, timeout)
+        except asyncio.TimeoutError:
+            self._down(f"no answer within {timeout:g} s")
+        except RayError as e:
+            self._down(type(e).__name__)
+        return None
+
+    async def longest_prefix(self, hashes: list[str], role: str | None) -> tuple[str | None, int]:
+        """The registry's (holder, depth) for these hashes; (None, 0) while it is away."""
+        if not hashes or not self.up:
+            return None, 0
+        res = await self._call(self.actor.longest_prefix.remote(hashes, role), self.call_timeout_s)
+        return (None, 0) if res is None else tuple(res)
+
+    async def unregister(self, worker_id: str) -> None:
+        if self.up:
+            await self._call(self.actor.unregister.remote(worker_id), 5.0)
+
+    async def list_workers(self) -> list[dict] | None:
+        return await self._call(self.actor.list_workers.remote(), 10.0)
+
+    async def check(self) -> None:
+        """The monitor's probe (every second): up, restarting, frozen (kill: Ray restarts it)
+        or gone (create it again)."""
+        if self.closed:
+            return
+        if await self._call(self.actor.ping.remote(), 2.0) is not None:
+            self._up()
+            return
+        try:
+            ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+        except ValueError:  # dead for good (its restarts spent, or killed without restart)
+            if not self.closed:
+                log.warning("block registry gone: creating it again")
+                self.create()
+                self.recreated += 1
+            return
+        if time.monotonic() - self.down_since > self.frozen_s:
+            log.warning("block registry frozen for %.0f s: killing it so that Ray restarts it",
+                        time.monotonic() - self.down_since)
+            ray.kill(self.actor, no_restart=False)
+            self.down_since = time.monotonic()  # give the restart its own time
+
+    def kill(self) -> None:
+        self.closed = True
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class Membership:
+    """A worker's side of the registry, driven by its engine thread (`beat`, every second) and
+    its actor (`join`, at start and after a role switch).
+
+    A beat sends the worker's stats and the prefix caches' news. A registry that refused the
+    last beat (it purged us, or came back empty after a restart) or died under it gets a full
+    registration with every cached block instead; one that died for good is looked up again
+    by name (the cluster creates a new one). Nothing here raises into the engine thread."""
+
+    def __init__(self, worker_id: str, namespace: str):
+        self.worker_id, self.namespace = worker_id, namespace
+        self.actor = ray.get_actor(REGISTRY_NAME, namespace=namespace)
+        self._beat = None  # the last beat's reply: False means the registry does not know us
+        self._rejoin = False  # the next beat registers again, with every cached block
+
+    async def join(self, info: dict) -> None:
+        """Registers now, or (the registry is away) at a beat once it is back."""
+        try:
+            await asyncio.wait_for(self.actor.register.remote(self.worker_id, info), 5)
+        except (RayError, asyncio.TimeoutError) as e:
+            log.warning("%s: the registry is away (%s): joining at a later heartbeat", self.worker_id,
+                        type(e).__name__)
+            self._rejoin = True
+
+    def beat(self, info, stats: dict, news: list[tuple[str, str]], everything) -> None:
+        """`info()`: the registration; `everything()`: events announcing every cached block."""
+        try:
+            rejoin = self._rejoin
+            if self._beat is not None and ray.wait([self._beat], timeout=0)[0]:
+                try:
+                    rejoin = ray.get(self._beat) is False or rejoin
+                except RayError:  # it died under the call: maybe a new actor by now
+                    rejoin = True
+                    self.actor = ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+            if rejoin:
+                self.actor.register.remote(self.worker_id, info())
+                news = everything()
+            self._beat = self.actor.heartbeat.remote(self.worker_id, stats, news)
+            self._rejoin = False
+        except Exception:  # noqa: BLE001 - the registry restarting must not stop the engine
+            self._beat, self._rejoin = None, True

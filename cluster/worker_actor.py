@@ -44,7 +44,7 @@ from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import TPConnector
 
-from .registry import REGISTRY_NAME
+from .registry import Membership
 from .shard_actor import RayShards
 
 ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
@@ -119,7 +119,7 @@ class WorkerActor:
         self.connector = TPConnector(local, self.engine.shards.links() if self.engine.shards else [], kv_heads)
         self.handoff_timeout_s = handoff_timeout_s
         self.role = self._make_role(role)
-        self.registry = ray.get_actor(REGISTRY_NAME, namespace=namespace)
+        self.membership = Membership(worker_id, namespace)
         self.inbox: collections.deque = collections.deque()
         self.wake = threading.Event()
         self.stopped = False
@@ -127,7 +127,6 @@ class WorkerActor:
         self.done: dict[str, asyncio.Future] = {}  # prefill(): resolved by Sent / Emitted / Failed
         self.streams: dict[str, asyncio.Queue] = {}  # generate(): delta outputs
         self.peers: dict[str, object] = {}  # prefill actors this decode worker sends targets to
-        self._beat = None  # the last heartbeat's reply: False means the registry dropped us
         self.thread: threading.Thread | None = None
         self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
 
@@ -139,7 +138,7 @@ class WorkerActor:
     async def start(self) -> dict:
         self.aloop = asyncio.get_running_loop()
         info = self.info()
-        await self.registry.register.remote(self.worker_id, info)
+        await self.membership.join(info)
         self.thread = threading.Thread(target=self._loop, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
         if self.engine.shards is not None:
@@ -256,7 +255,7 @@ class WorkerActor:
         done = asyncio.get_running_loop().create_future()
         self._post(SwitchRole(role, engine_kwargs, done))
         info = await done
-        await self.registry.register.remote(self.worker_id, info)
+        await self.membership.join(info)
         return info
 
     async def retune(self, slo_tpot_s: float | None) -> None:
@@ -386,15 +385,6 @@ class WorkerActor:
 
     def _heartbeat(self) -> None:
         pool, host = self.engine.kv.pool, self.engine.kv.host
-        events = [(k, h.hex()) for k, h in pool.drain_events() + (host.drain_events() if host else [])]
-        try:
-            if self._beat is not None and ray.wait([self._beat], timeout=0)[0] and ray.get(self._beat) is False:
-                # the registry purged us (no heartbeat within its stale_s, e.g. a long stall):
-                # join again and announce every cached block, not just the news
-                self.registry.register.remote(self.worker_id, self.info())
-                events = [("stored", h.hex()) for h in pool.cached] + \
-                    [("host_stored", h.hex()) for h, _ in (host.entries() if host else [])]
-            self._beat = self.registry.heartbeat.remote(self.worker_id, self._stats(), events)
-        except Exception:  # noqa: BLE001 - the registry restarting must not stop the engine
-            self._beat = None
-
+        news = [(k, h.hex()) for k, h in pool.drain_events() + (host.drain_events() if host else [])]
+        self.membership.beat(self.info, self._stats(), news, lambda: [("stored", h.hex()) for h in pool.cached] + [
+            ("host_stored", h.hex()) for h, _ in (host.entries() if host else [])])

@@ -330,9 +330,14 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
 
     @app.get("/health")
     async def health():
-        pools = cluster.pool_sizes()
-        ok = pools["decode"] > 0 and (pools["prefill"] > 0 or cluster.mode == "colocated")
-        return JSONResponse({"status": "ok" if ok else "degraded", "pools": pools}, status_code=200 if ok else 503)
+        """200 while requests can be served, 503 when a pool they need is empty; "degraded" names
+        what is missing (an empty pool, the block registry away, the monitor failing)."""
+        h = cluster.health()
+        pools = h["pools"]
+        serving = pools["decode"] > 0 and (pools["prefill"] > 0 or cluster.mode in ("colocated", "hybrid"))
+        whole = pools["decode"] > 0 and (pools["prefill"] > 0 or cluster.mode == "colocated") and \
+            h["registry"]["status"] == "ok" and h["monitor"]["status"] == "ok"
+        return JSONResponse({"status": "ok" if whole else "degraded", **h}, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def prom():
@@ -362,6 +367,7 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
         rows = await asyncio.get_running_loop().run_in_executor(None, cluster.status)
         snap = cluster.snapshot()
         return {"pools": snap.pool_sizes, "workers": rows, "routing": snap.routing,
+                "registry": cluster.health()["registry"],
                 "autoscale": {"enabled": snap.autoscale_enabled, "events": snap.autoscale_events}}
 
     @app.post("/admin/slo")

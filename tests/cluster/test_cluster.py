@@ -116,7 +116,7 @@ class TestTwoByTwo:
         time.sleep(2.5)  # a heartbeat carries the new blocks to the registry
         holder = first.prefill_worker
         hashes = [h.hex() for h in hash_block_tokens(tok.encode(prefix), 16)]
-        assert holder in ray.get(cluster.registry.holders_of.remote(hashes[0]))
+        assert holder in ray.get(cluster.registry.actor.holders_of.remote(hashes[0]))
         hits0 = {r["worker_id"]: r["prefix_cache_hits"] for r in cluster.status()}
         outs = [cluster.generate(prefix + f"Question {i}?", GREEDY)[0] for i in range(1, 7)]
         assert all(o.prefill_worker == holder for o in outs)
@@ -168,7 +168,7 @@ class TestScalingAndFailures:
                 break
             time.sleep(0.1)
         assert held[d.worker_id] >= 3
-        assert ray.get(cluster.registry.unregister.remote(d.worker_id))
+        assert ray.get(cluster.registry.actor.unregister.remote(d.worker_id))
         for _ in range(100):
             back = {w["worker_id"]: w["num_cached_blocks"] for w in cluster.registry_workers()}
             if back.get(d.worker_id, 0) >= held[d.worker_id]:

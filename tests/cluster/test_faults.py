@@ -233,3 +233,94 @@ def test_a_worker_lost_mid_generation_reports_no_ray_internals(tiny_models):
             assert word not in final.stop_reason
     finally:
         c.shutdown()
+
+
+def _wait(cond, timeout: float, what: str, step: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(step)
+
+
+def _registry_pid(c: Cluster) -> int | None:
+    try:
+        return ray.get(c.registry.actor.ping.remote(), timeout=10)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def test_the_registry_killed_or_frozen_under_load_comes_back_and_no_request_fails(tiny_models):
+    """8 streams of prompts with full blocks through the HTTP router of a hybrid cluster while
+    the block registry is SIGKILLed (Ray restarts it), frozen (SIGSTOP: the cluster kills it
+    so that Ray restarts it) and killed for good (the cluster creates it again): every request
+    is a 200 that runs to its length, /health says degraded while the registry is away and ok
+    after, and each new registry learns the workers' cached blocks again."""
+    import os
+    import signal
+
+    c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, max_model_len=256, mode="hybrid")
+    c.registry.frozen_s = 3.0
+    server = Server(build_app(c))
+    stop, results, healths = threading.Event(), [], []
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=120) as h:
+            k = 0
+            while not stop.is_set():
+                prompt = [10 + (i % 3) * 50 + j for j in range(36)] + [300 + k % 7]  # 2 full blocks, shared
+                r = h.post(server.url + "/v1/completions",
+                           json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+                results.append((r.status_code, r.json()["choices"][0]["finish_reason"] if r.status_code == 200
+                                else r.text))
+                k += 1
+
+    def watch() -> None:
+        while not stop.is_set():
+            healths.append(httpx.get(server.url + "/health", timeout=30).json())
+            time.sleep(0.05)
+
+    def cached_again() -> bool:
+        rows = c.registry_workers()
+        return len(rows) == 2 and any(r["num_cached_blocks"] for r in rows)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)] + [threading.Thread(target=watch)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: len(results) >= 16 and cached_again(), 120, "no load before the kill")
+        pid = _registry_pid(c)
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: _registry_pid(c) not in (None, pid), 60, "never restarted")
+        n = len(results)
+        _wait(lambda: cached_again() and len(results) >= n + 16, 60, "the workers never announced their blocks again")
+
+        pid = _registry_pid(c)
+        os.kill(pid, signal.SIGSTOP)  # frozen: calls time out, the probe too
+        try:
+            _wait(lambda: healths and healths[-1]["registry"]["status"] == "restarting", 30, "health never said so")
+            assert healths[-1]["status"] == "degraded"
+            n = len(results)
+            _wait(lambda: len(results) >= n + 16, 60, "requests stopped while the registry was frozen")
+            _wait(lambda: c.health()["registry"]["status"] == "ok", 60, "the frozen registry was never replaced")
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        _wait(cached_again, 60, "the restarted registry never learnt the blocks")
+
+        ray.kill(c.registry.actor)  # for good: no restart
+        _wait(lambda: c.health()["registry"]["recreated"] == 1 and c.health()["registry"]["status"] == "ok", 60,
+              "the registry was never created again")
+        n = len(results)
+        _wait(lambda: cached_again() and len(results) >= n + 16, 60, "workers never joined the new registry")
+        _wait(lambda: healths[-1]["status"] == "ok", 30, "health stayed degraded")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        server.stop()
+        c.shutdown()
+    bad = [r for r in results if r != (200, "length")]
+    assert not bad, f"{len(bad)} of {len(results)} failed: {bad[:3]}"
+    assert c.registry.state()["outages"] >= 2

@@ -57,8 +57,8 @@ def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models
         for i in range(3):  # unrelated prompts push the prefix out of its 12 GPU blocks
             c.generate([list(range(1000 + 200 * i, 1150 + 200 * i))], PARAMS)
         deadline = time.monotonic() + 10
-        while ray.get(c.registry.tiers_of.remote(holder, hashes)) != ["host"] * 4:
-            assert time.monotonic() < deadline, ray.get(c.registry.tiers_of.remote(holder, hashes))
+        while ray.get(c.registry.actor.tiers_of.remote(holder, hashes)) != ["host"] * 4:
+            assert time.monotonic() < deadline, ray.get(c.registry.actor.tiers_of.remote(holder, hashes))
             time.sleep(0.2)
         out = c.generate([prompts[1]], PARAMS)[0]
         assert out.outputs[0].token_ids == want[1] and out.prefill_worker == holder
@@ -83,7 +83,7 @@ def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models
     c = Cluster.start(model, **kw)  # the same worker slots read their files back
     try:
         deadline = time.monotonic() + 10
-        while not any(set(ray.get(c.registry.tiers_of.remote(w, hashes))) == {"host"} for w in c.workers):
+        while not any(set(ray.get(c.registry.actor.tiers_of.remote(w, hashes))) == {"host"} for w in c.workers):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         out = c.generate([prompts[1]], PARAMS)[0]

@@ -411,7 +411,7 @@ def test_conditional_disaggregation(client, cluster):
     hashes = [h.hex() for h in hash_block_tokens(ids, cluster.block_size)]
     deadline, seen = time.time() + 20, None
     while time.time() < deadline:
-        seen = ray.get(cluster.registry.longest_prefix.remote(hashes, "decode"))
+        seen = ray.get(cluster.registry.actor.longest_prefix.remote(hashes, "decode"))
         if seen[0] == first.headers["x-pdserve-decode"] and seen[1] * cluster.block_size >= 0.7 * len(ids):
             break
         time.sleep(0.2)
