@@ -149,6 +149,9 @@ class Dispatcher:
                     d.actor.abort.remote(wire_id)  # prefill worker): the decode worker's reservation goes
                     self._finish(prefill.result(), ids, progress, sink, p, None, rid)
                     return
+                elif _send_failed(prefill.result()) and not progress.streamed:
+                    # the decode worker's receive would wait out its deadline: retry now (aborted below)
+                    raise WorkerLost(f"handoff from {p.worker_id} failed: {prefill.result().get('error')}")
             try:
                 await relay
             except (RayActorError, WorkerLost) as e:
@@ -337,6 +340,10 @@ def public_cause(e: BaseException) -> str:
             return type(e).__name__
         e = cause
     return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
+
+def _send_failed(result) -> bool:
+    return isinstance(result, dict) and result.get("state") not in (None, "DONE")
 
 
 class _Ended(Exception):

@@ -14,9 +14,13 @@ its own 2-rank c10d group, built directly from a store (never init_process_group
               large messages; receiver receives and scatters them into its blocks
   failure     an error, timeout or abort of a handoff on the wire kills the pair: its
               group is aborted and set aside, its queued handoffs fail, and the receiver
-              moves the pair to a new `gen`, so the next handoff builds a fresh group. A
-              handoff aborted or overdue before it reached the wire is just dropped. A dead
-              peer surfaces as an error on the pending op (gloo) or as a timeout.
+              moves the pair to a new `gen`, so the next handoff builds a fresh group. The
+              sender marks the gen dead in the receiver's store; the receiver's pair thread
+              sees the mark while it waits for orders and fails the receives posted on that
+              gen at once (a channel handed out just before the sender retired it would
+              otherwise wait out its deadline). A handoff aborted or overdue before it
+              reached the wire is just dropped. A dead peer surfaces as an error on the
+              pending op (gloo) or as a timeout.
 """
 
 from __future__ import annotations
@@ -81,12 +85,15 @@ class C10dConnector(KVConnector):
             return Channel(self._recv_gen.get(peer, 0))
 
     # ---- called by pairs ------------------------------------------------------------------------
-    def mark_dead(self, peer_address: str, gen: int) -> None:
-        store = self._clients.get(peer_address)
-        if store is None:
-            return
+    def mark_dead(self, peer_address: str, gen: int, connect: bool = False) -> None:
+        """Marks this sender's `gen` dead in the receiver's store. `connect`: reach a receiver this
+        connector never talked to (it is alive: it just gave us a target); a dying pair only
+        tells one it reached (a store client to a gone receiver would wait out its timeout)."""
         try:
-            store.set(f"pd/{self.name}/{gen}/dead", "1")
+            store = self._clients.get(peer_address) or \
+                (self.client_store(peer_address, time.monotonic() + 5) if connect else None)
+            if store is not None:
+                store.set(f"pd/{self.name}/{gen}/dead", "1")
         except Exception:  # noqa: BLE001 - the receiver may be gone too
             pass
 
@@ -145,6 +152,8 @@ class C10dConnector(KVConnector):
         pair = self._pair(peer, peer_address, channel.gen, is_sender)
         if isinstance(pair, str):
             h._finish(TransferState.FAILED, pair)
+            if is_sender:  # a channel of a gen we retired: say so again, so that the receive
+                self.mark_dead(peer_address, channel.gen, connect=True)  # fails now and the next channel moves on
         else:
             pair.submit(h)
         return h

@@ -16,7 +16,9 @@ receiver's store (the pair's PrefixStore "pd/<sender>/<gen>"):
               into a scratch buffer, so the pair stays in step.
     failure   an error on a posted message kills the pair: its group is aborted and set
               aside (never destroyed from a worker thread; NCCL may hang there), its queued
-              handoffs fail, and the connector moves the receiver to a new `gen`
+              handoffs fail, and the connector moves the receiver to a new `gen`; a receiver
+              waiting for orders also dies when the sender marks the gen dead (every 50 ms
+              it looks), failing what was posted on it
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class Pair:
         self.recvs: dict[str, Handoff] = {}  # receiver: posted, waiting for their order
         self.orphans: dict[str, float] = {}  # receiver: aborted here, maybe still ordered (-> deadline)
         self.next_seq = 0
+        self._dead_check_at = 0.0  # receiver: when to look for the sender's dead mark next
         self.current: Handoff | None = None  # the one on the wire
         self.dead = False
         self.error: str | None = None
@@ -230,6 +233,11 @@ class Pair:
         k = self.next_seq
         key = f"order/{k}"
         if not ps.check([key]):  # the sender has not started its k-th send yet (~25 us a check)
+            now = time.monotonic()
+            if now >= self._dead_check_at:  # the sender retired this gen: no order will come
+                self._dead_check_at = now + 0.05
+                if ps.check(["dead"]):
+                    raise RuntimeError(f"sender {self.peer} closed gen {self.gen}")
             with self.cond:
                 self.cond.wait(0.0005)
             return

@@ -324,3 +324,44 @@ def test_the_registry_killed_or_frozen_under_load_comes_back_and_no_request_fail
     bad = [r for r in results if r != (200, "length")]
     assert not bad, f"{len(bad)} of {len(results)} failed: {bad[:3]}"
     assert c.registry.state()["outages"] >= 2
+
+
+def retires_its_pair_once():
+    """A prefill worker whose pair with the decode worker is retired (as a send aborted on the
+    wire retires it) just after the decode worker handed out the channel of the first
+    request: the race a burst of client disconnects left behind. (A local class: Ray ships
+    it by value.)"""
+
+    class RetiresItsPairOnce(WorkerActor):
+        async def target(self, request_id, target):
+            if not getattr(self, "_retired", False):
+                self._retired = True
+                conn = self.connector.local
+                with conn._lock:
+                    conn._dead_send_gen[target.peer] = max(conn._dead_send_gen.get(target.peer, -1),
+                                                           target.channel.gen)
+            await super().target(request_id, target)
+
+    return RetiresItsPairOnce
+
+
+def test_a_send_refused_on_a_retired_pair_is_retried_at_once(tiny_models):
+    """The send is refused at once (a stale channel); the request is retried at once, on a new
+    gen of the pair, instead of waiting out the decode worker's 30 s receive deadline, and it
+    answers what the same prompt answers afterwards."""
+    c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, max_model_len=256, worker_cls=retires_its_pair_once())
+    server = Server(build_app(c))
+    try:
+        body = {"prompt": list(range(100, 150)), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        t = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        took = time.monotonic() - t
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        assert took < 15, f"{took:.1f} s: the attempt waited out the handoff deadline"
+        assert c.counters["retries"] == 1
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        assert again["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        assert c.counters["retries"] == 1  # the pair's new gen carries the next one
+    finally:
+        server.stop()
+        c.shutdown()

@@ -230,6 +230,31 @@ def test_sender_side_abort_moves_the_pair_to_a_new_generation(peers):
     assert torch.equal(blocks["next"], make_kv(81)[[5, 6]])
 
 
+def test_a_receive_on_a_gen_the_sender_retired_fails_at_once_and_the_next_channel_moves_on(peers):
+    """The race after a burst of aborts: the receiver hands out a channel (gen 0), then the
+    sender retires gen 0 (a send aborted on the wire). The send on that channel is refused
+    at once; the receive posted on it fails within a second (it waited out its 20 s deadline
+    before), and the next channel is a new gen that carries the retry."""
+    p, d = peers("prefill-0", 83), peers("decode-0", 84)
+    handoff(p, d, "warm", [1], [1])
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    (ch,) = d.ask("channel", (p.name, 1), "channels")  # handed out before the sender retires the gen
+    out = p.ask("send_abort", (d.name, d.address, "gone", list(range(300)), ch, 30.0), "results")
+    assert out["gone"][:2] == ("FAILED", "aborted")
+    t = time.monotonic()
+    d.call("recv", {"ops": [(p.name, "", "next", [7, 8], ch, 20.0)]})
+    p.call("send", {"ops": [(d.name, d.address, "next", [5, 6], ch, 20.0)]})
+    sent = p.get("results")["next"]
+    assert sent[0] == "FAILED" and "stale channel" in sent[1]
+    out, _ = d.get("results", timeout=30)
+    assert out["next"][0] == "FAILED" and time.monotonic() - t < 5, out
+    ch2 = handoff(p, d, "retry", [5, 6], [7, 8])
+    assert ch2.gen == ch.gen + 1
+    assert p.get("results")["retry"][0] == "DONE"
+    out, blocks = d.get("results")
+    assert out["retry"][0] == "DONE" and torch.equal(blocks["retry"], make_kv(83)[[5, 6]])
+
+
 def test_layout_mismatch_is_refused_on_both_sides(peers):
     p, d = peers("prefill-0", 61, head_dim=16), peers("decode-0", 62)
     handoff(p, d, "r", [1], [1], timeout=20)
