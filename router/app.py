@@ -120,7 +120,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         """Both endpoints: run the request's sequences (its prompts x n), render them as the
         endpoint's OpenAI shape: choice index = prompt i x n + copy j, usage summed."""
         seqs = sequences(prompts, params)
-        runner.admit(len(seqs))
+        runner.admit(len(seqs), len(prompts))
         for p in params:
             app.state.metrics.on_params(p.n, p.max_tokens)
         prefix = "chatcmpl" if chat else "cmpl"

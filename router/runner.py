@@ -4,6 +4,7 @@
     params()      sampling values + the one validation of the request against the model
                   (cluster.validate -> engine/validation.py)    -> 400 naming the field
     admit()       a slot of the bounded queue per sequence      -> 429 + Retry-After
+                  (a request larger than the whole queue: 400)
     outputs()     the cluster's delta outputs as an async generator; stopping early
                   (a client that went away) cancels the request on every worker
     merged()      the sequences of a request (its prompts x n), tagged with their index
@@ -158,8 +159,14 @@ class RequestRunner:
             raise HTTPError(400, str(e), param=grammar_param(req)) from None
         return dataclasses.replace(params, max_tokens=max_tokens)
 
-    def admit(self, n: int = 1) -> None:
-        """Takes n slots of the bounded queue (one per sequence); merged() gives them back."""
+    def admit(self, n: int = 1, prompts: int = 1) -> None:
+        """Takes n slots of the bounded queue (one per sequence: `prompts` x the request's n);
+        merged() gives them back. A request larger than the whole queue is a 400 naming what
+        to cut (a 429 would be retried forever)."""
+        if n > self.max_queue:
+            param = "prompt" if prompts > self.max_queue else "n"
+            raise HTTPError(400, f"{param}: {prompts} prompt(s) x n = {n} sequences, more than this server ever runs "
+                                 f"for one request at once (--max-queue {self.max_queue}): send fewer", param=param)
         if self.inflight + n > self.max_queue:
             raise HTTPError(429, f"server busy: {self.inflight} requests in flight (limit {self.max_queue})",
                             "rate_limit_error", headers={"Retry-After": "1"})

@@ -178,6 +178,15 @@ def test_transport_level_errors(server, cluster):
         assert sorted(r.status_code for r in results) == [200, 429]
         r429 = next(r for r in results if r.status_code == 429)
         assert r429.headers["retry-after"] == "1" and r429.json()["error"]["type"] == "rate_limit_error"
+        # a request that could never be admitted, on an idle server: a 400 naming what to cut, not a 429
+        for body, param in (({"prompt": ["a", "b"], "max_tokens": 1}, "prompt"),
+                            ({"prompt": "a", "max_tokens": 1, "n": 2}, "n")):
+            r = httpx.post(busy.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "--max-queue 1" in r.json()["error"]["message"]
+        r = httpx.post(busy.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     finally:
         busy.stop()
 
