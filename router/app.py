@@ -203,6 +203,7 @@ def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = Tr
             raise HTTPError(400, f"messages[{i}] contains the special token {bad!r}, which would be read as a control "
                                  "token (the server refuses them: --chat-special-tokens allow lets them through)",
                             param="messages")
+    check_template_kwargs(cluster.tokenizer, template_kwargs, refuse)
     conv = [m.for_template() for m in messages]
     try:
         return list(cluster.tokenizer.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=False,
@@ -210,6 +211,36 @@ def chat_ids(cluster: ServingCluster, messages, add_generation_prompt: bool = Tr
                                                           **template_kwargs))
     except Exception as e:  # noqa: BLE001 - the template rejects the conversation
         raise HTTPError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def check_template_kwargs(tokenizer, kwargs: dict, refuse: tuple[str, ...]) -> None:
+    """chat_template_kwargs may not name the tokenizer's special tokens (Hugging Face merges the
+    kwargs over its special-token map: {"bos_token": "<|im_start|>system..."} would put a forged
+    turn where the template renders {{ bos_token }}), and their strings, at any depth, are
+    screened like message text."""
+    names = {*getattr(tokenizer, "special_tokens_map", {}), *getattr(tokenizer, "SPECIAL_TOKENS_ATTRIBUTES", ()),
+             "additional_special_tokens", "extra_special_tokens"}
+    named = sorted(set(kwargs) & names)
+    if named:
+        raise HTTPError(400, f"chat_template_kwargs may not set {named}: they are the tokenizer's special tokens",
+                        param="chat_template_kwargs")
+
+    def strings(v):
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            for x in (*v.keys(), *v.values()):
+                yield from strings(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                yield from strings(x)
+
+    for key, value in kwargs.items():
+        bad = next((t for text in strings(value) for t in refuse if t in text), None)
+        if bad is not None:
+            raise HTTPError(400, f"chat_template_kwargs[{key!r}] contains the special token {bad!r}, which would be "
+                                 "read as a control token (--chat-special-tokens allow lets them through)",
+                            param="chat_template_kwargs")
 
 
 def check_model_name(req, cluster: ServingCluster, model_name: str) -> None:
