@@ -86,8 +86,10 @@ class ServingCluster(Protocol):
     def validate(self, ids: list[int], params: SamplingParams) -> int:
         """Raises InvalidRequest (a ValueError with .param) or returns max_tokens."""
 
-    def submit(self, prompt: str | None, ids: list[int], params: SamplingParams, sink) -> Future:
-        """Runs a request; sink(out) gets its delta outputs. Cancel the future to abort it."""
+    def submit(self, prompt: str | None, ids: list[int], params: SamplingParams, sink, stream: bool = True) -> Future:
+        """Runs a request; sink(out) gets its delta outputs (stream=False: all at its end, and a
+        token-less one at its first token; a worker lost in between is retried). Cancel the
+        future to abort it."""
 
     def scale(self, prefill: int | None = None, decode: int | None = None, switch_roles: bool = False) -> dict:
         """Sets pool sizes (raises ValueError when refused); returns the sizes. switch_roles:

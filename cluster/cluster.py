@@ -236,11 +236,12 @@ class Cluster:
         self.validate(ids, params)
         return text, ids
 
-    def submit(self, prompt: str | None, ids: list[int], params: SamplingParams, sink):
+    def submit(self, prompt: str | None, ids: list[int], params: SamplingParams, sink, stream: bool = True):
         """Starts one request on the cluster's loop; `sink(out)` gets its delta outputs (from
-        that loop's thread). Returns a concurrent future; cancelling it aborts the request on
-        every worker and frees its blocks."""
-        return self._submit(self.dispatcher.request(ids, params, sink))
+        that loop's thread; with stream=False all at the end, so that a worker lost after the
+        first token is retried). Returns a concurrent future; cancelling it aborts the request
+        on every worker and frees its blocks."""
+        return self._submit(self.dispatcher.request(ids, params, sink, stream))
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -254,7 +255,7 @@ class Cluster:
 
         async def one(text, ids, sp):
             acc, final = Accumulator(text, ids), []
-            await self.dispatcher.request(ids, sp, lambda out: final.append(acc.add(out)))
+            await self.dispatcher.request(ids, sp, lambda out: final.append(acc.add(out)), stream=False)
             return final[-1]
 
         async def all_():

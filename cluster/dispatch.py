@@ -2,8 +2,10 @@
 Runs on the cluster's event loop thread.
 
     request()   block hashes; up to 3 attempts (a worker lost before the client saw a
-                token: try elsewhere); a request that fails for good ends with an error
-                output (finish_reason "error", the cause as stop_reason)
+                token, or a handoff that failed: try elsewhere; a non-streamed request's
+                outputs are held until its last, so it is retried after its first token
+                too); a request that fails for good ends with an error output
+                (finish_reason "error", the cause as stop_reason)
     attempt     placement (placement.py: pools + registry + routing.py; an empty pool is
                 NoWorker, the router's 503) and one of:
       disaggregated  the prefill worker p and the decode worker d are asked AT ONCE:
@@ -55,18 +57,19 @@ class _Progress:
     """What the client has seen of an attempt, and the prompt tokens it queued on workers
     (their `queued_tokens`, what placement predicts TTFT from) until its first token."""
 
-    def __init__(self, t0: float, priority: int = 0):
+    def __init__(self, t0: float, priority: int = 0, hold: bool = False):
         self.t0, self.last, self.first_at = t0, None, None
         self.priority = priority
+        # a client that reads the whole reply at once (JSON): the outputs wait here until the
+        # last one, so a worker lost after the first token is still retried (nothing was shown)
+        self.held: list[RequestOutput] | None = [] if hold else None
+        self.shown = False  # the sink has had a token: the request can no longer be retried
         self.tokens = 0
         self.placement: dict | None = None
         self.predicted: tuple[str, float | None] | None = None  # (worker, TTFT) placement expected
         self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
         self._charged: list[tuple[WorkerRecord, int]] = []
 
-    @property
-    def streamed(self) -> bool:
-        return self.first_at is not None
 
     def charge(self, w: WorkerRecord, tokens: int) -> None:
         w.queued_tokens += tokens
@@ -94,14 +97,17 @@ class Dispatcher:
         self._early_spans: dict[str, dict] = {}
 
     # ---- one request ---------------------------------------------------------------------------
-    async def request(self, ids: list[int], params: SamplingParams, sink) -> None:
-        """Runs one request; `sink(out)` gets its delta outputs, the last one finished."""
+    async def request(self, ids: list[int], params: SamplingParams, sink, stream: bool = True) -> None:
+        """Runs one request; `sink(out)` gets its delta outputs, the last one finished. With
+        stream=False the sink gets them all when the last one comes (and, at the first token, one
+        output without tokens: the request runs), so a worker lost after the first token is
+        retried like one lost before it."""
         rid = uuid.uuid4().hex[:16]
         hashes = [h.hex() for h in hash_block_tokens(ids, self.block_size)]
         self.counters["requests"] += 1
         last_error = None
         for attempt in range(3):
-            progress = _Progress(time.monotonic(), params.priority)
+            progress = _Progress(time.monotonic(), params.priority, hold=not stream)
             try:
                 await self._attempt(f"{rid}-{attempt}", rid, ids, hashes, params, sink, progress)
                 return
@@ -149,7 +155,7 @@ class Dispatcher:
                     d.actor.abort.remote(wire_id)  # prefill worker): the decode worker's reservation goes
                     self._finish(prefill.result(), ids, progress, sink, p, None, rid)
                     return
-                elif _send_failed(prefill.result()) and not progress.streamed:
+                elif _send_failed(prefill.result()) and not progress.shown:
                     # the decode worker's receive would wait out its deadline: retry now (aborted below)
                     raise WorkerLost(f"handoff from {p.worker_id} failed: {prefill.result().get('error')}")
             try:
@@ -206,7 +212,7 @@ class Dispatcher:
             err = WorkerLost(f"{w.role} worker {w.worker_id} died", dead=True)
         if getattr(err, "dead", False):
             w.draining = True  # no more placements on it; the monitor purges and replaces it
-        if progress.streamed:
+        if progress.shown:
             self._finish(RequestOutput.error(rid, f"{w.worker_id} failed mid-generation: {public_cause(err)}"), ids,
                          progress,
                          sink, None, d)
@@ -244,7 +250,7 @@ class Dispatcher:
                     wire_id, ids, params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else ())):
                 out: RequestOutput = await ref
                 c = out.outputs[0] if out.outputs else None
-                if c is not None and c.finish_reason == "error" and not progress.streamed:
+                if c is not None and c.finish_reason == "error" and not progress.shown:
                     raise WorkerLost(f"request {rid} failed on {d.worker_id}: {c.stop_reason}")
                 self._finish(out, ids, progress, sink, p, d, rid)
                 if out.finished:
@@ -290,6 +296,16 @@ class Dispatcher:
                                    out.metrics.num_preemptions if out.metrics is not None else 0)
             for o in self.observers:
                 o.on_finish(done)
+        if progress.held is not None and not out.finished:
+            if n and not progress.held:
+                sink(RequestOutput(out.request_id, None, [], [], False, prefill_worker=out.prefill_worker,
+                                   decode_worker=out.decode_worker))
+            progress.held.append(out)
+            return
+        for o in progress.held or ():
+            sink(o)
+        progress.shown = progress.shown or bool(n) or bool(progress.held)
+        progress.held = [] if progress.held is not None else None
         sink(out)
 
     def _observe(self, kind: str, seconds: float) -> None:

@@ -172,7 +172,7 @@ class RequestRunner:
                             "rate_limit_error", headers={"Retry-After": "1"})
         self.inflight += n
 
-    async def merged(self, seqs: list[Sequence]):
+    async def merged(self, seqs: list[Sequence], stream: bool = True):
         """(index, delta output) of a request's sequences (its prompts x n) as they come. A
         prompt's first copy starts at once, its other copies once that one has its first
         output, so they find the prompt's blocks in the prefix cache. Gives back the queue
@@ -183,7 +183,7 @@ class RequestRunner:
         async def pump(i: int) -> None:
             s = seqs[i]
             try:
-                async for out in self.outputs(s.text, s.ids, s.params):
+                async for out in self.outputs(s.text, s.ids, s.params, stream):
                     q.put_nowait((i, out))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 q.put_nowait((i, e))
@@ -209,12 +209,14 @@ class RequestRunner:
                 t.cancel()  # a sequence still running is cancelled on every worker (outputs())
             self.inflight -= len(seqs)
 
-    async def outputs(self, text, ids, params):
-        """Yields the request's delta outputs as the cluster produces them; cancels the
-        request if the consumer stops early (client disconnect)."""
+    async def outputs(self, text, ids, params, stream: bool = True):
+        """Yields the request's delta outputs as the cluster produces them (stream=False: at its
+        end; ServingCluster.submit); cancels the request if the consumer stops early (client
+        disconnect)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        fut = self.cluster.submit(text, ids, params, lambda out: loop.call_soon_threadsafe(q.put_nowait, out))
+        fut = self.cluster.submit(text, ids, params, lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
+                                  stream)
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(q.put_nowait, _Done(f)))
         finished = False
         try:
@@ -244,7 +246,7 @@ class RequestRunner:
         accs, final = [Accumulator(s.text, s.ids) for s in seqs], {}
 
         async def consume():
-            async for i, out in self.merged(seqs):
+            async for i, out in self.merged(seqs, stream=False):
                 out = accs[i].add(out)
                 if out.finished:
                     final[i] = out

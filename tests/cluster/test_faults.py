@@ -365,3 +365,46 @@ def test_a_send_refused_on_a_retired_pair_is_retried_at_once(tiny_models):
     finally:
         server.stop()
         c.shutdown()
+
+
+def dies_after_three_tokens(flag: str):
+    """A worker that ends its process once its stream of some request has passed three tokens;
+    the first worker of the cluster to get there claims `flag` (a file), so only one dies."""
+
+    class DiesAfterThreeTokens(WorkerActor):
+        async def generate(self, *args, **kwargs):
+            import os
+
+            n = 0
+            async for out in super().generate(*args, **kwargs):
+                yield out
+                n += len(out.delta_token_ids)
+                if n >= 3:
+                    try:
+                        os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+                    except FileExistsError:
+                        continue
+                    os._exit(1)
+
+    return DiesAfterThreeTokens
+
+
+def test_a_json_request_whose_worker_dies_after_its_first_tokens_is_retried_with_the_same_tokens(tiny_models,
+                                                                                                   tmp_path):
+    """The client of a JSON reply has seen nothing when its worker dies after three tokens: the
+    request is retried on the other worker and, seeded, answers what it answers undisturbed."""
+    c = Cluster.start(tiny_models["llama"], decode=2, mode="colocated", max_model_len=256,
+                      worker_cls=dies_after_three_tokens(str(tmp_path / "died")))
+    server = Server(build_app(c))
+    try:
+        body = {"prompt": list(range(100, 140)), "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert (tmp_path / "died").exists()
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        assert c.counters["retries"] == 1
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        assert again.json()["usage"]["completion_tokens"] == r.json()["usage"]["completion_tokens"] == 24
+    finally:
+        server.stop()
+        c.shutdown()
