@@ -45,10 +45,11 @@ def shared_ray():
     `Cluster` joins the Ray its process runs and leaves it running when it shuts down."""
     import ray
 
-    from pdserve.cluster.cluster import ray_init_options
+    from pdserve.cluster.cluster import ray_init_options, ray_on_loopback
 
     if not ray.is_initialized():
-        ray.init(address="local", namespace="pdserve", **ray_init_options())
+        with ray_on_loopback():  # as pdserve starts its own: nothing listens beyond this machine
+            ray.init(address="local", namespace="pdserve", **ray_init_options())
 
 
 @pytest.fixture

@@ -174,7 +174,7 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
     import signal
     import time
 
-    from helpers import free_port
+    from helpers import free_port, listening_sockets
 
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", tiny_models["llama"], "--mode",
@@ -186,6 +186,10 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
         while "pdserve: serving" not in (line := proc.stdout.readline()):
             assert line and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(3)  # the monitor has seen the worker
+        if sig == "SIGINT":  # the Ray it started for itself, its workers and the router: on loopback only
+            listening = listening_sockets(proc.pid)
+            assert {"gcs_server", "raylet"} <= {name for _, _, name in listening}, listening
+            assert all(ip == "127.0.0.1" for ip, _, _ in listening), listening
         os.killpg(proc.pid, getattr(signal, sig)) if sig == "SIGINT" else proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
