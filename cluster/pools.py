@@ -65,6 +65,7 @@ class Pools:
         self.workers: dict[str, WorkerRecord] = {}
         self.targets = {"prefill": 0, "decode": 0}
         self._ids = itertools.count()
+        self._persist_slots: set[str] = set()  # kv_persist_dir subfolders of live workers
         window = serving.autoscale.window_s
         self.ttft, self.itl = LatencyWindow(window), LatencyWindow(window)  # fed by the dispatcher
         self.autoscale_events: list[dict] = []
@@ -192,8 +193,11 @@ class Pools:
         wid = f"{label}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
         opts, tp = dict(self.actor_options[role]), self.tp(role)
         args = self.engine_args(role)
-        if args.get("kv_persist_dir"):  # one file per worker slot, found again after a restart
-            args = {**args, "kv_persist_dir": os.path.join(args["kv_persist_dir"], wid.rsplit("-", 1)[0])}
+        if args.get("kv_persist_dir"):  # one file per worker slot, found again after a restart or by a
+            # replacement: the lowest slot no live worker of this kind holds
+            slot = next(f"{label}-{i}" for i in itertools.count() if f"{label}-{i}" not in self._persist_slots)
+            self._persist_slots.add(slot)  # taken now: workers start concurrently
+            args = {**args, "kv_persist_dir": os.path.join(args["kv_persist_dir"], slot)}
         pg = shard_opts = None
         if tp > 1:
             pg = await self._placement_group(wid, role, tp)
@@ -207,12 +211,16 @@ class Pools:
             info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
         except (asyncio.TimeoutError, RayError) as e:
             ray.kill(actor)
+            if args.get("kv_persist_dir"):
+                self._persist_slots.discard(os.path.basename(args["kv_persist_dir"]))
             if pg is not None:
                 remove_placement_group(pg)
             if isinstance(e, RayError):
                 raise
             raise RuntimeError(f"{role} worker did not start within {self.start_timeout:.0f} s: no node offers "
                                f"{self.actor_options[role]} (is the autoscaler at its node type's max?)") from None
+        if args.get("kv_persist_dir"):
+            info = {**info, "persist_slot": os.path.basename(args["kv_persist_dir"])}
         w = WorkerRecord(wid, role, actor, info, placement_group=pg)
         self.workers[wid] = w
         self.start_s = 0.7 * self.start_s + 0.3 * (time.monotonic() - t0)
@@ -278,6 +286,7 @@ class Pools:
         if w.placement_group is not None:  # its shard actors go with it
             remove_placement_group(w.placement_group)
         await self.registry.unregister(w.worker_id)
+        self._persist_slots.discard(w.info.get("persist_slot"))  # stopped: a replacement takes its tier over
 
     # ---- health and autoscaling ---------------------------------------------------------------
     async def monitor(self) -> None:

@@ -316,6 +316,8 @@ class WorkerActor:
             if now - last_beat >= self.heartbeat_s:
                 last_beat = now
                 self._heartbeat()
+                if not self.role.has_work():  # busy, the steps keep the interval; idle, this does
+                    self.engine.persist_if_due()
             if not self.role.has_work() and not self.inbox:
                 self.wake.wait(0.005 if self.role.num_inflight else 0.2)
 

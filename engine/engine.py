@@ -72,6 +72,7 @@ class LLMEngine:
         self.persist_status: str | None = None  # what restoring the host tier said
         self._persisted_at = time.monotonic()
         self._checksums = persist.Checksums()
+        self._persisted_entries: list | None = None  # the host tier's index as last written
         if config.kv_persist_dir:
             self._restore_host_tier()
         self.requests: dict[str, Request] = {}
@@ -244,8 +245,21 @@ class LLMEngine:
         return tokens
 
     def _persist_on_interval(self) -> None:
-        if self.config.kv_persist_dir and time.monotonic() - self._persisted_at >= self.config.kv_persist_interval_s:
-            self.persist_host_tier()
+        self.persist_if_due()
+
+    def persist_if_due(self) -> bool:
+        """Writes the host tier when kv_persist_interval_s has passed since the last write and it
+        changed since (or copies are queued). Called after every step and, idle, by the loop that
+        owns the engine (the worker's engine thread), so that a crash after a burst loses at most
+        one interval. True if it wrote."""
+        if not self.config.kv_persist_dir or self.kv.host is None or \
+                time.monotonic() - self._persisted_at < self.config.kv_persist_interval_s:
+            return False
+        self._persisted_at = time.monotonic()
+        if not self.kv.host.ops.offloads and self.kv.host.entries() == self._persisted_entries:
+            return False
+        self.persist_host_tier()
+        return True
 
     # ---- the host tier on disk (persist.py) ------------------------------------------------
     def _restore_host_tier(self) -> None:
@@ -266,7 +280,9 @@ class LLMEngine:
         ops = self.kv.host.take()
         if ops is not None:
             self.runner.host.apply(self.runner.kv, ops)
-        return persist.save(self.config, self.load_format, self.kv.host, self.runner.host, self._checksums)
+        path = persist.save(self.config, self.load_format, self.kv.host, self.runner.host, self._checksums)
+        self._persisted_entries = self.kv.host.entries()
+        return path
 
     def retune(self, slo_tpot_s: float | None, max_num_batched_tokens: int | None = None) -> None:
         """Changes the TPOT target and the step budget at run time (a worker switching role).

@@ -1,6 +1,7 @@
 """The host tier on disk (`kv_persist_dir`): hot KV survives a restart.
 
-    save(dir)   on close and every kv_persist_interval_s: the host buffer and its index
+    save(dir)   on close and every kv_persist_interval_s (a timer on the engine's thread, idle
+                or not; skipped while the tier is as last saved): the used blocks and their index
                 (hash -> slot, LRU order), one checksum per block (blake2b over the block's
                 hash and bytes), with what the blocks depend on: the model's fingerprint,
                 KV dtype, block size and block layout. The caller first applies the copies
@@ -129,7 +130,9 @@ def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
     slots = torch.tensor([s for _, s in entries], dtype=torch.int64)
     payload = {**_meta(config, load_format), "hashes": [h for h, _ in entries],
                "checksums": (checksums or Checksums()).of(entries, cache.buf),
-               "blocks": cache.buf.index_select(0, slots) if len(entries) else cache.buf[:0]}
+               # the used blocks only, in a tensor of their own: torch.save of a view writes its
+               # whole storage (an empty tier was once saved as the whole host buffer)
+               "blocks": cache.buf.index_select(0, slots)}
     tmp = path + ".tmp"
     torch.save(payload, tmp)
     os.replace(tmp, path)
