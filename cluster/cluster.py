@@ -18,9 +18,7 @@ the workers) and the registry actor (registry.py). Pools are described by a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import os
 import queue
 import threading
 import time
@@ -38,14 +36,13 @@ from pdserve.engine.validation import check_request
 
 from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
+from .local_ray import start_or_join_ray
 from .pools import Pools
 from .registry import REGISTRY_NAME, RegistryLink
 from .serving_config import ROLES, ServingConfig
 
 MODES = ("disaggregated", "hybrid", "colocated")
 MODE_ALIASES = {"disagg": "disaggregated"}
-
-LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's switch: "0" puts a new local Ray on 127.0.0.1
 
 # the prefill pool's default chunk budget (the decode / colocated engines keep the
 # engine's 2048, which bounds how long a prefill chunk stalls the running decodes)
@@ -73,35 +70,6 @@ class _AutoscaleLatency(RequestObserver):
         window = {"ttft": self.pools.ttft, "itl": self.pools.itl}.get(kind)
         if window is not None:
             window.add(seconds)
-
-
-def ray_init_options() -> dict:
-    """`ray.init` options of a Ray that pdserve starts: the workers inherit the settings that
-    the environment gives pdserve (loopback gloo, auth mode, cache, threads)."""
-    env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
-                                      "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL") if k in os.environ}
-    return dict(include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
-
-
-@contextlib.contextmanager
-def ray_on_loopback():
-    """A Ray started inside is this machine's only: its node IP is 127.0.0.1, so GCS, raylet,
-    workers and agents listen on loopback, not on every interface. (`ray.init` turns a loopback
-    `_node_ip_address` into the host's address; Ray's own single-machine switch, the one it uses
-    on macOS and Windows, keeps it: its constant in this process, its variable in the processes
-    Ray starts. Both are restored after: this process may join another Ray later.)"""
-    from ray._private import ray_constants
-
-    saved = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[LOOPBACK_VAR], ray_constants.ENABLE_RAY_CLUSTER = "0", False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
-        if saved[0] is None:
-            os.environ.pop(LOOPBACK_VAR, None)
-        else:
-            os.environ[LOOPBACK_VAR] = saved[0]
 
 
 class Cluster:
@@ -148,8 +116,7 @@ class Cluster:
         if self._owns_ray:
             # no address: a Ray of our own ("local"), never one that happens to run on this machine
             say(f"joining the Ray cluster at {address}" if address else "starting a local Ray cluster")
-            with ray_on_loopback() if address is None else contextlib.nullcontext():
-                ray.init(address=address or "local", namespace=namespace, **ray_init_options())
+            start_or_join_ray(address, namespace)
         # a Ray of our own is this machine only: the workers' KV stores listen on loopback
         bind_host = "127.0.0.1" if self._owns_ray and address is None else None
         try:

@@ -216,7 +216,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched)
         launched.placeholders()
         self.pending = launched
-        self._persist_on_interval()
+        self.persist_if_due()
         return outputs
 
     def _resolve(self) -> list[RequestOutput]:
@@ -241,17 +241,13 @@ class LLMEngine:
         self.drafter.settle(sched.scheduled, tokens)
         self.drafter.observe(sched.shape)
         self.scheduler.update_after_step(sched)
-        self._persist_on_interval()
-        return tokens
-
-    def _persist_on_interval(self) -> None:
         self.persist_if_due()
+        return tokens
 
     def persist_if_due(self) -> bool:
         """Writes the host tier when kv_persist_interval_s has passed since the last write and it
-        changed since (or copies are queued). Called after every step and, idle, by the loop that
-        owns the engine (the worker's engine thread), so that a crash after a burst loses at most
-        one interval. True if it wrote."""
+        changed since. Called after every step and, idle, by the loop that owns the engine (the
+        worker's engine thread): a crash loses at most one interval. True if it wrote."""
         if not self.config.kv_persist_dir or self.kv.host is None or \
                 time.monotonic() - self._persisted_at < self.config.kv_persist_interval_s:
             return False

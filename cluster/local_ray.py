@@ -1,0 +1,47 @@
+"""The Ray that pdserve starts for itself (`pdserve serve` without `--address`, the tests'):
+what its processes inherit, and that it listens on this machine only."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import ray
+
+LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's switch: "0" puts a new local Ray on 127.0.0.1
+
+
+def ray_init_options() -> dict:
+    """`ray.init` options of a Ray that pdserve starts: the workers inherit the settings that
+    the environment gives pdserve (loopback gloo, auth mode, cache, threads)."""
+    env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
+                                      "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL") if k in os.environ}
+    return dict(include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+
+
+@contextlib.contextmanager
+def ray_on_loopback():
+    """A Ray started inside is this machine's only: its node IP is 127.0.0.1, so GCS, raylet,
+    workers and agents listen on loopback, not on every interface. (`ray.init` turns a loopback
+    `_node_ip_address` into the host's address; Ray's own single-machine switch, the one it uses
+    on macOS and Windows, keeps it: its constant in this process, its variable in the processes
+    Ray starts. Both are restored after: this process may join another Ray later.)"""
+    from ray._private import ray_constants
+
+    saved = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_VAR], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+        if saved[0] is None:
+            os.environ.pop(LOOPBACK_VAR, None)
+        else:
+            os.environ[LOOPBACK_VAR] = saved[0]
+
+
+def start_or_join_ray(address: str | None, namespace: str) -> None:
+    """Joins the Ray at `address`, or starts one of our own on loopback (never one that happens
+    to run on this machine)."""
+    with ray_on_loopback() if address is None else contextlib.nullcontext():
+        ray.init(address=address or "local", namespace=namespace, **ray_init_options())
