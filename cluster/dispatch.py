@@ -70,7 +70,6 @@ class _Progress:
         self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
         self._charged: list[tuple[WorkerRecord, int]] = []
 
-
     def charge(self, w: WorkerRecord, tokens: int) -> None:
         w.queued_tokens += tokens
         w.queued_by_priority[self.priority] += tokens
