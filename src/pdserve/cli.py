@@ -41,6 +41,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights of the config's shape)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="the KV cache's size itself, in place of what the memory share leaves (CPU default: 1 GiB)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -75,7 +77,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
            "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
            "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config,
            "kv_window_tokens": args.kv_window_tokens, "kv_sink_tokens": args.kv_sink_tokens}
-    for name in ("max_num_seqs", "max_num_batched_tokens"):  # None: the engine's default
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):  # None: the engine's default
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     return out
