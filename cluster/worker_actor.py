@@ -4,8 +4,10 @@ role-agnostic: it feeds the role commands and forwards the role's events.
 Threads: the engine is owned by one thread (the engine loop); the actor's async methods
 only post commands to it (small dataclasses on `inbox`) and await futures or queues
 that the loop resolves through the actor's event loop, so an engine step never blocks
-a Ray call and no lock is needed around the engine. The loop also heartbeats to the
-registry with the worker's stats and the prefix-cache events.
+a Ray call and no lock is needed around the engine (worker_commands.py names the commands).
+A request with a grammar is posted once its grammar has compiled on the actor's compile
+thread, so a new grammar never holds up a step. The loop also heartbeats to the registry
+with the worker's stats and the prefix-cache events.
 
 A disaggregated request touches two actors, each once, at the same time (the cluster
 calls both; nothing goes back through the cluster before the first token):
@@ -22,13 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import os
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import ray
 
@@ -46,40 +48,11 @@ from pdserve.transfer.tp import TPConnector
 
 from .registry import Membership
 from .shard_actor import RayShards
+from .worker_commands import Abort, Aborted, Add, ForgetPeer, SwitchRole
 
 ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
 
 log = logging.getLogger(__name__)
-
-
-class Aborted(RuntimeError):
-    """A request the dispatcher aborted (a client gone, a failed attempt): its prefill() fails
-    with it; its generate() stream just ends."""
-
-
-@dataclass
-class Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    peer: str | None
-
-
-@dataclass
-class Abort:
-    request_id: str
-
-
-@dataclass
-class ForgetPeer:
-    peer: str
-
-
-@dataclass
-class SwitchRole:
-    role: str
-    engine_kwargs: dict  # the new pool's slo_tpot_s and max_num_batched_tokens
-    done: object  # a future on the actor's loop: the new info, or the error
 
 
 class WorkerActor:
@@ -128,6 +101,9 @@ class WorkerActor:
         self.streams: dict[str, asyncio.Queue] = {}  # generate(): delta outputs
         self.peers: dict[str, object] = {}  # prefill actors this decode worker sends targets to
         self.thread: threading.Thread | None = None
+        # a request's grammar compiles here before the engine thread sees the request (compiled())
+        self.compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compile_aborted: dict[str, bool] = {}  # requests compiling now -> aborted meanwhile
         self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
 
     def _make_role(self, role: str):
@@ -170,6 +146,7 @@ class WorkerActor:
         self.wake.set()
         if self.thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10)
+        self.compiling.shutdown(wait=False, cancel_futures=True)
         self.connector.close()
         self.engine.close()  # a TP worker's shards stop
 
@@ -206,8 +183,9 @@ class WorkerActor:
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
         self.done[request_id] = fut
-        self._post(Add(request_id, prompt_token_ids, params, decode_id))
-        return await fut
+        if await self._compiled(request_id, params):
+            self._post(Add(request_id, prompt_token_ids, params, decode_id))
+        return await fut  # aborted while compiling: the abort resolves it
 
     async def target(self, request_id: str, target: HandoffTarget) -> None:
         """Prefill role: the decode worker's reservation for a request. Applied here, not on
@@ -224,7 +202,8 @@ class WorkerActor:
         q = self.streams[request_id] = asyncio.Queue()
         if prefill_id is not None:
             self.connector.peer_tp[prefill_id] = prefill_tp
-        self._post(Add(request_id, prompt_token_ids, params, prefill_id))
+        if await self._compiled(request_id, params):  # aborted while compiling: the abort ends the stream
+            self._post(Add(request_id, prompt_token_ids, params, prefill_id))
         try:
             while True:
                 out = await q.get()
@@ -245,7 +224,22 @@ class WorkerActor:
         finally:
             self.streams.pop(request_id, None)
 
+    async def _compiled(self, request_id: str, params: SamplingParams) -> bool:
+        """Compiles the request's grammar on this worker's compile thread (the engine thread
+        then finds it cached); False if the request was aborted meanwhile."""
+        if not params.structured_outputs:
+            return True
+        self.compile_aborted[request_id] = False
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.compiling, self.engine.grammars.warm,
+                                                       params.structured_outputs)
+        finally:
+            aborted = self.compile_aborted.pop(request_id)
+        return not aborted
+
     async def abort(self, request_id: str) -> None:
+        if request_id in self.compile_aborted:
+            self.compile_aborted[request_id] = True
         self._post(Abort(request_id))
 
     async def switch_role(self, role: str, engine_kwargs: dict) -> dict:

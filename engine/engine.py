@@ -57,7 +57,7 @@ class LLMEngine:
             self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
             self.tp.connect(config.torch_device)
         self.runner = ModelRunner(config, load_format, self.tp)
-        self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, host=host)
@@ -101,7 +101,7 @@ class LLMEngine:
         problem. Nothing is queued."""
         params = params or SamplingParams()
         if params.structured_outputs:
-            self.runner.sampler.grammars.check(params.structured_outputs)  # a bad grammar: refused now
+            self.grammars.check(params.structured_outputs)  # a bad grammar: refused now
         if params.n != 1:
             raise ValueError(f"n={params.n}: an engine request is one sequence; LLM.generate and the HTTP server "
                              "run n of them (SamplingParams.samples())")

@@ -17,10 +17,11 @@
 
 Budget (`GrammarBudget`, one home for its limits): a spec over 128 KiB or a JSON schema nested
 deeper than 32 levels is refused by name before compiling; the router compiles off its event
-loop and refuses a grammar that takes longer than 5 s (measured on CPU: a 760 KB
-guided_choice held the router's loop ~2 min, a schema nested 400 deep took 18 s and then could
-not be pickled to a worker). The compiler's cache is bounded (64 MiB: ~2.25 MiB per distinct
-schema on the default model's vocabulary, kept forever before).
+loop and refuses a grammar that takes longer than 5 s. The compiler's cache is bounded (64 MiB),
+and so is the process: what a compile frees goes back to the OS (give_back_heap()), and a
+worker compiles a request's grammar on a thread of its own before the engine thread sees the
+request (warm()), so a new grammar never stalls a step
+(bench/results/grammar/grammar_memory.md: memory over hundreds of distinct schemas).
 
 The matcher is made when the request first samples on this engine, replaying the outputs it
 already has: a decode worker gets the first token (sampled under the same grammar on the
@@ -30,6 +31,9 @@ default model's tokenizer (bench/results/grammar/): 6-7 us per token to fill the
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import functools
 import json
 import re
@@ -104,6 +108,23 @@ def check_spec(spec) -> dict | None:
     return spec
 
 
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: its allocator is left as it is
+        return None
+
+
+def give_back_heap() -> None:
+    """Returns the free pages of the C heap to the OS (glibc's malloc_trim; elsewhere nothing).
+    A compile's scratch is freed into the arenas of the compiler's threads, which glibc keeps:
+    without this, every distinct grammar left some behind for the life of the process."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 class Grammars:
     """The engine's grammars: compiled specs (cached) and one matcher per constrained request."""
 
@@ -127,6 +148,7 @@ class Grammars:
         check_spec(spec)  # the budget first: size and depth
         (key, value), = spec.items()
         c = self._compiler
+        cached = c.get_cache_size_bytes()
         try:
             if key == "json":
                 return c.compile_json_schema(value if isinstance(value, str) else json.dumps(value))
@@ -140,6 +162,17 @@ class Grammars:
         except Exception as e:  # noqa: BLE001 - the library's own errors name the problem
             why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e))  # the library's time and source line
             raise ValueError(f"structured_outputs {key!r} does not compile: {why}") from None
+        finally:
+            if c.get_cache_size_bytes() != cached:  # a compile, not a cache hit: its scratch goes back
+                give_back_heap()
+
+    def warm(self, spec: dict | None) -> None:
+        """compile() into the cache, where check() and the request's matcher then find it; safe
+        on any thread (a worker calls it off the engine thread, so a new grammar never holds up
+        a step). A grammar that does not compile is left for check() to refuse."""
+        if spec:
+            with contextlib.suppress(ValueError):
+                self.compile(spec)
 
     def check(self, spec: dict) -> None:
         """compile(), and a grammar some token of this vocabulary can begin; else ValueError."""
