@@ -6,6 +6,7 @@ after it is what the grammars leave behind (`--no-grammar` runs the same request
 
     python bench/grammar_memory.py --label after          # one run: grammar_memory_after.json
     python bench/grammar_memory.py --plot before after    # the table and plot of runs already made
+    python bench/grammar_memory.py --ship 20              # in one process: compile vs shipping compiled
 
 The schemas are generated from their index (a seeded mix of strings with lengths, integer
 ranges, enums, patterns, arrays and nested objects, 4-14 top-level fields), so every run sends
@@ -181,19 +182,25 @@ def report(labels: list[str]) -> None:
 
     runs = [json.load(open(os.path.join(OUT, f"grammar_memory_{label}.json"))) for label in labels]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    lines = ["| run | schemas | errors | router MiB (start -> end) | router growth MiB / schema (last 200) "
-             "| workers MiB (start -> end, each) |", "| --- | --- | --- | --- | --- | --- |"]
-    for run_ in runs:
+    marks = sorted({0, 339, runs[0]["rows"][-1]["schemas"]})
+    head = " / ".join(str(m) for m in marks)
+    lines = [f"| run | errors | router MiB at {head} schemas | workers MiB at {head} (each) "
+             "| router, workers MiB / schema over the last 500 |", "| --- | --- | --- | --- | --- |"]
+    for n, run_ in enumerate(runs):
         rows = run_["rows"]
         xs = [r["schemas"] for r in rows]
-        ax[0].plot(xs, [r["router"] for r in rows], label=run_["label"])
+        ax[0].plot(xs, [r["router"] for r in rows], color=f"C{n}", label=run_["label"])
         for k in range(len(rows[0]["workers"])):
-            ax[1].plot(xs, [r["workers"][k] for r in rows], label=f"{run_['label']}: worker {k}")
-        tail = [r for r in rows if r["schemas"] >= rows[-1]["schemas"] - 200]
-        slope = growth(tail, "router") / max(1, tail[-1]["schemas"] - tail[0]["schemas"])
-        ws = ", ".join(f"{a:.0f} -> {b:.0f}" for a, b in zip(rows[0]["workers"], rows[-1]["workers"]))
-        lines.append(f"| {run_['label']} | {run_['schemas']} | {run_['errors']} | {rows[0]['router']:.0f} -> "
-                     f"{rows[-1]['router']:.0f} | {slope:.3f} | {ws} |")
+            ax[1].plot(xs, [r["workers"][k] for r in rows], color=f"C{n}", linestyle=("-", "--", ":")[k % 3],
+                       label=f"{run_['label']}: worker {k}")
+        at = [min(rows, key=lambda r, m=m: abs(r["schemas"] - m)) for m in marks]
+        tail = [r for r in rows if r["schemas"] >= rows[-1]["schemas"] - 500]
+        span = max(1, tail[-1]["schemas"] - tail[0]["schemas"])
+        slopes = [growth(tail, "router") / span, growth(tail, "workers") / len(rows[0]["workers"]) / span]
+        workers = " / ".join(", ".join(f"{w:.0f}" for w in r["workers"]) for r in at)
+        router = " / ".join(f"{r['router']:.0f}" for r in at)
+        per = f"{slopes[0]:.3f}, {slopes[1]:.3f}"
+        lines.append(f"| {run_['label']} | {run_['errors']} | {router} | {workers} | {per} |")
     for a, title in zip(ax, ("router process", "worker processes")):
         a.set_xlabel("distinct JSON schemas served")
         a.set_ylabel("RSS (MiB)")
@@ -208,6 +215,50 @@ def report(labels: list[str]) -> None:
     print(md)
 
 
+def ship(n: int) -> None:
+    """Would shipping a compiled grammar (one compile for the cluster) beat compiling it on each
+    worker? Per schema: a compile (fresh compiler, no cache), xgrammar's serialization (JSON,
+    the one format it has), its size, and the deserialization a worker would run."""
+    import statistics
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.default_model import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    rows = []
+    for i in range(n):
+        compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        t0 = time.perf_counter()
+        cg = compiler.compile_json_schema(json.dumps(schema(i)))
+        t1 = time.perf_counter()
+        text = cg.serialize_json()
+        t2 = time.perf_counter()
+        xgr.CompiledGrammar.deserialize_json(text, info)
+        t3 = time.perf_counter()
+        rows.append({"schema": i, "compile_s": t1 - t0, "serialize_s": t2 - t1, "deserialize_s": t3 - t2,
+                     "serialized_mb": len(text) / 1e6, "in_memory_mb": cg.memory_size_bytes / 1e6})
+    keys = ("compile_s", "serialize_s", "deserialize_s", "serialized_mb", "in_memory_mb")
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
+    top = {k: max(r[k] for r in rows) for k in keys}
+    from importlib.metadata import version
+
+    out = {"command": f"python bench/grammar_memory.py --ship {n}", "machine": f"CPU (2 cores), xgrammar "
+           f"{version('xgrammar')}, the default model's tokenizer", "median": med, "max": top, "rows": rows}
+    with open(os.path.join(OUT, "grammar_ship.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    md = ["# Shipping a compiled grammar vs compiling it again", "", f"`{out['command']}`; {out['machine']}.", "",
+          "| per schema | compile s | serialize s | deserialize s | serialized MB | in memory MB |",
+          "| --- | --- | --- | --- | --- | --- |",
+          *(f"| {name} | " + " | ".join(f"{d[k]:.3f}" for k in keys) + " |" for name, d in (("median", med),
+                                                                                       ("max", top))), ""]
+    with open(os.path.join(OUT, "grammar_ship.md"), "w") as f:
+        f.write("\n".join(md))
+    print("\n".join(md))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="run")
@@ -215,10 +266,13 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--no-grammar", action="store_true", help="the control: the same requests, unconstrained")
+    ap.add_argument("--ship", type=int, default=0, help="compile vs serialize / deserialize for N schemas")
     ap.add_argument("--plot", nargs="*", help="labels of runs already made: write the table and plot only")
     args = ap.parse_args()
     if args.plot:
         return report(args.plot)
+    if args.ship:
+        return ship(args.ship)
     os.makedirs(OUT, exist_ok=True)
     result = run(args)
     with open(os.path.join(OUT, f"grammar_memory_{args.label}.json"), "w") as f:
