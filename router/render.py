@@ -183,25 +183,28 @@ class Renderer:
         reason = c.finish_reason if out.finished else None
         lp = self.logprobs(c.logprobs, out.delta_token_ids, self._offset) if out.delta_token_ids else None
         self._offset += len(out.delta_text)
+        # every id reaches the client once, in order, whatever the text does (the bytes of a
+        # character not complete yet, a stop token that adds no text): a chunk carries them
         ids = {"token_ids": list(out.delta_token_ids)} if self.token_ids else {}
         if not self.chat:
-            if not (out.delta_text or out.finished or lp):
+            if not (out.delta_text or out.finished or lp or ids.get("token_ids")):
                 return []
             return [{"index": self.index, "text": out.delta_text, "logprobs": lp, "finish_reason": reason, **ids}]
         if self.tools is not None:
-            return self._tool_choices(out, lp, reason)
+            return self._tool_choices(out, lp, reason, ids)
         choices = [{"index": self.index, "delta": {"content": out.delta_text}, "logprobs": lp, "finish_reason": None,
-                    **ids}] if out.delta_text or lp else []
+                    **ids}] if out.delta_text or lp or ids.get("token_ids") else []
         if out.finished:
             choices.append({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return choices
 
-    def _tool_choices(self, out: RequestOutput, lp, reason) -> list[dict]:
+    def _tool_choices(self, out: RequestOutput, lp, reason, ids: dict) -> list[dict]:
         """Tool mode: log-probs as they come; content as far as no call may have begun (auto);
         the calls (or, cut short, the text) at the end, each call whole in one delta (clients
         join a call's argument deltas by index)."""
         self._held += out.delta_text
-        choices = [{"index": self.index, "delta": {}, "logprobs": lp, "finish_reason": None}] if lp else []
+        choices = [{"index": self.index, "delta": {}, "logprobs": lp, "finish_reason": None, **ids}] \
+            if lp or ids.get("token_ids") else []
         safe = self.tools.streamable(self._held) if not out.finished else self._sent
         if safe > self._sent:
             choices.append({"index": self.index, "delta": {"content": self._held[self._sent:safe]}, "logprobs": None,

@@ -204,6 +204,30 @@ class Person(BaseModel):
     home: Address
 
 
+def test_streamed_token_ids_are_every_id_once_in_order(served):
+    """vLLM's return_token_ids in a stream: the chunks carry every id once, in order, as the whole
+    answer has them, also where the text holds a character's first bytes back or a stop token
+    adds no text."""
+    _, _, client = served
+    m = model_of(client)
+    body = {"structured_outputs": {"choice": ["\U0001f4a1\U0001f4ac\U0001f4b0"]}, "return_token_ids": True}
+    ask = [{"role": "user", "content": "Three emoji, please."}]
+    for chat in (False, True):
+        kw = dict(model=m, max_tokens=16, temperature=0, extra_body=body)
+        create = (lambda **k: client.chat.completions.create(messages=ask, **k)) if chat else \
+            (lambda **k: client.completions.create(prompt=PROMPTS[0], **k))
+        whole = create(**kw).choices[0]
+        want = whole.model_extra["token_ids"]
+        text = whole.message.content if chat else whole.text
+        assert text == "\U0001f4a1\U0001f4ac\U0001f4b0" and len(want) > 3, (text, want)
+        chunks = [c for ch in create(stream=True, **kw) for c in ch.choices]
+        got = [t for c in chunks for t in (c.model_extra or {}).get("token_ids") or []]
+        assert got == want, (chat, got, want)
+        silent = [c for c in chunks if (c.model_extra or {}).get("token_ids") and
+                  not (c.delta.content if chat else c.text)]
+        assert silent, chunks  # ids without text: what lost them before
+
+
 def test_structured_output_with_the_openai_client(served, request):
     """response_format json_schema / json_object and vLLM's guided_choice / guided_regex, across
     the handoff (the prefill worker samples the first token under the grammar, the decode worker
