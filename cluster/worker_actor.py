@@ -101,7 +101,7 @@ class WorkerActor:
         self.streams: dict[str, asyncio.Queue] = {}  # generate(): delta outputs
         self.peers: dict[str, object] = {}  # prefill actors this decode worker sends targets to
         self.thread: threading.Thread | None = None
-        # a request's grammar compiles here before the engine thread sees the request (compiled())
+        # a request's grammar compiles here before the engine thread sees the request (_compiled())
         self.compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compile_aborted: dict[str, bool] = {}  # requests compiling now -> aborted meanwhile
         self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
