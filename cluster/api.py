@@ -98,6 +98,9 @@ class ServingCluster(Protocol):
     def set_slo(self, ttft_s: float | None = None, tpot_s: float | None = None) -> dict:
         """Changes the SLO placement serves (raises ValueError on a bad value); returns it."""
 
+    def slo(self) -> dict:
+        """The SLO placement serves now: {"ttft_s", "tpot_s", ...}."""
+
     def pool_sizes(self) -> dict: ...
 
     def health(self) -> dict:

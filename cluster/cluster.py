@@ -312,6 +312,9 @@ class Cluster:
             self._run(self.pools.retune("decode", slo.tpot_s), 60)
         return dataclasses.asdict(slo)
 
+    def slo(self) -> dict:
+        return dataclasses.asdict(self.serving.slo)
+
     def pool_sizes(self) -> dict:
         return self.pools.pool_sizes()
 
@@ -328,7 +331,8 @@ class Cluster:
 
     def snapshot(self) -> ClusterSnapshot:
         """What the monitor last saw (no call into the workers): for metrics scrapes."""
-        rows = [{"worker_id": w.worker_id, "role": w.role, **w.stats} for w in list(self.pools.workers.values())]
+        rows = [{"worker_id": w.worker_id, "role": w.role, **w.stats, "load": w.load}
+                for w in list(self.pools.workers.values())]
         return ClusterSnapshot(rows, self.pool_sizes(), dict(self.dispatcher.counters["routing"]),
                                self.serving.autoscale.enabled, list(self.pools.autoscale_events[-20:]))
 

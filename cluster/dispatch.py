@@ -280,8 +280,11 @@ class Dispatcher:
                 self._observe("ttft", now - progress.t0)
                 self.placer.observe_first_token(progress.predicted, now - progress.t0)
                 self._record(out, progress, now)
+                for _ in range(n - 1):  # tokens that came with the first: no time between them
+                    self._observe("itl", 0.0)
             elif progress.last is not None:
-                self._observe("itl", now - progress.last)
+                for _ in range(n):  # per token, as vLLM counts: the chunk's wait shared by its tokens
+                    self._observe("itl", (now - progress.last) / n)
             progress.last = now
             progress.tokens += n
         if out.finished:

@@ -169,6 +169,7 @@ class WorkerActor:
                  held_for_handoff=len(self.engine.held),
                  waiting_for_kv=len(getattr(self.role, "receiving", ())) + len(getattr(self.role, "backlog", ())),
                  request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks)
+        s["num_deferred"] = s["waiting_for_kv"] + len(self.compile_aborted)  # waiting on KV or a grammar
         return s
 
     @property

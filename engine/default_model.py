@@ -43,6 +43,17 @@ def _gguf_path() -> str:
     return path
 
 
+def model_name(path: str) -> str:
+    """The name a model directory is served under: its folder's name; the default model's
+    converted copy (`SmolLM2-135M-Instruct-v1` in the cache) by the model's own name."""
+    path = os.path.normpath(path)
+    base = os.path.basename(path)
+    converted = f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}"
+    if base == converted and os.path.dirname(path) == os.path.normpath(cache_root()):
+        return DEFAULT_MODEL_NAME
+    return base
+
+
 def default_model_path() -> str:
     """The cached HF directory of the default model, converting it on first use."""
     target = os.path.join(cache_root(), f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}")

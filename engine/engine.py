@@ -18,7 +18,7 @@ import time
 
 from . import persist
 from .config import EngineConfig
-from .iteration_stats import TokenHistogram
+from .iteration_stats import TokenHistogram, step_tokens
 from .kv_cache_manager import KVCacheManager
 from .kv_window import KVWindow
 from .loader import resolve_model_path
@@ -212,7 +212,7 @@ class LLMEngine:
             rows = self.pending.rows if self.pending is not None else {}
             launched = PendingStep.start(sched, *self.runner.launch(sched, rows))
             outputs = self._resolve()
-        self.iteration_tokens.observe(sched.num_tokens)
+        self.iteration_tokens.observe(step_tokens(sched.scheduled))
         self.scheduler.update_after_step(sched)
         launched.placeholders()
         self.pending = launched
@@ -237,7 +237,7 @@ class LLMEngine:
         (rolling back rejected drafts) and, on its interval, the host tier to disk."""
         with self.step_model.timed(sched.shape):
             tokens = self.runner.execute(sched)
-        self.iteration_tokens.observe(sum(s.num_new_tokens for s in sched.scheduled))
+        self.iteration_tokens.observe(step_tokens(sched.scheduled, tokens))
         self.drafter.settle(sched.scheduled, tokens)
         self.drafter.observe(sched.shape)
         self.scheduler.update_after_step(sched)
@@ -362,7 +362,7 @@ class LLMEngine:
 
     # ---- counters for metrics ----------------------------------------------------------------
     def stats(self) -> dict:
-        kv = self.kv
+        kv, c = self.kv, self.config
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -382,9 +382,9 @@ class LLMEngine:
             "max_num_seqs": self.scheduler.max_num_seqs,
             "tensor_parallel_size": self.tp.size,
             "iteration_tokens": self.iteration_tokens.snapshot(),
-            "cache_config": {"block_size": self.config.block_size, "cache_dtype": self.config.kv_cache_dtype,
+            "cache_config": {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,
                              "num_gpu_blocks": kv.num_blocks, "num_cpu_blocks": kv.host.num_slots if kv.host else 0,
-                             "enable_prefix_caching": self.config.enable_prefix_caching},
+                             "enable_prefix_caching": c.enable_prefix_caching, "max_model_len": c.max_model_len},
             **({"kv_persist_status": self.persist_status} if self.persist_status else {}),
             **self._host_stats(),
             **self.drafter.stats(),

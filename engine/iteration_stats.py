@@ -26,3 +26,22 @@ class TokenHistogram:
             cum += n
             out.append((le, cum))
         return {"buckets": out, "sum": self.sum}
+
+
+def step_tokens(scheduled: list, sampled: dict | None = None) -> int:
+    """The tokens one step carried, as vLLM's iteration_tokens_total counts them: the prompt
+    tokens each prefill chunk computed, plus each token the step sampled (a prefill's first
+    token, a decode's token and its accepted drafts). `sampled`: the step's {request id:
+    token or verified tokens}; None (an overlapped step, before its ids are known): one token
+    per row that samples."""
+    n = 0
+    for s in scheduled:
+        req = s.request
+        if req.num_computed_tokens < req.num_prompt_tokens:  # before the step's update
+            n += s.num_new_tokens
+        if sampled is None:
+            n += int(s.samples)
+        else:
+            got = sampled.get(req.request_id)
+            n += 0 if got is None else len(got) if isinstance(got, list) else 1
+    return n

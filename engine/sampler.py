@@ -104,6 +104,10 @@ class Sampler:
             for t, v in zip(top_i[j][:n], top_v[j][:n]):
                 if v != float("-inf"):  # a token the request may not sample (a ban, a grammar) is no candidate
                     entry.setdefault(t, v)
+            asked = reqs[i].sampling_params.logprob_token_ids
+            if asked:  # the ids the request names, whatever their rank (-inf where it may not sample them)
+                for t, v in zip(asked, lp[j, asked].tolist()):
+                    entry.setdefault(t, v)
             out[reqs[i].request_id] = entry
         return out
 

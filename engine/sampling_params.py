@@ -39,6 +39,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100)
     logprobs: int | None = None  # per output token: the sampled token's log-probability and the top N
     prompt_logprobs: int | None = None  # per prompt token after the first: its log-probability and the top N
+    logprob_token_ids: list[int] | None = None  # with logprobs: these ids' log-probs too, at every token
     allowed_token_ids: list[int] | None = None  # sample only these (vLLM's)
     # {"json": schema} | {"json_object": True} | {"regex": r} | {"choice": [...]} | {"grammar": ebnf}
     # (engine/structured.py)
@@ -88,6 +89,14 @@ class SamplingParams:
                     any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got {ids!r}")
             self.allowed_token_ids = sorted(set(ids))
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_LOGPROBS or \
+                    any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(f"logprob_token_ids must be 1 to {MAX_LOGPROBS} token ids >= 0, got {ids!r}")
+            if self.logprobs is None:
+                raise ValueError("logprob_token_ids needs logprobs (the sampled token's log-prob comes with theirs)")
+            self.logprob_token_ids = list(dict.fromkeys(ids))
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:

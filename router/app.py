@@ -2,7 +2,8 @@
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE, `data: [DONE]`)
     POST /tokenize, /detokenize (vLLM's);  GET /version, /docs (OpenAPI)
-    GET  /v1/models, /v1/models/{id}, /health, /metrics, /admin/status, /admin/timeline;  POST /admin/scale, /admin/slo
+    GET  /v1/models, /v1/models/{id}, /health, /metrics, /admin/status, /admin/slo, /admin/timeline, /tokenizer_info
+    POST /admin/scale, /admin/slo
 
 A request is validated (body size, JSON, fields, n, sampling values, prompt +
 max_tokens against max_model_len) before anything is queued, so every refusal is an
@@ -16,7 +17,6 @@ aborts it on every worker and frees its blocks. The app uses the cluster only th
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__
 from pdserve.cluster.api import ServingCluster
+from pdserve.engine.default_model import model_name as served_name
 
 from .chat import chat_ids, special_tokens
 from .errors import GuardMiddleware, HTTPError, error_response
@@ -35,7 +36,8 @@ from .metrics import RouterMetrics
 from .openapi import install as install_openapi
 from .render import Renderer, headers_of, sse, usage
 from .runner import RequestRunner, decode_json, first_copies, sequences
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .schemas import ChatCompletionRequest, CompletionRequest, error_body
+from .tokens import add_token_routes, check_model_name
 from .tool_parsers import PARSERS
 
 
@@ -52,7 +54,7 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {tool_call_parser!r}")
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)  # /docs: openapi.py
-    model_name = served_model_name or os.path.basename(os.path.normpath(cluster.model_path))
+    model_name = served_model_name or served_name(cluster.model_path)
     metrics = RouterMetrics(cluster, model_name)
     runner = RequestRunner(cluster, max_body_bytes, max_queue)
     if chat_special_tokens == "refuse":
@@ -62,7 +64,7 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
 
     @app.exception_handler(HTTPError)
     async def _http_error(_request, exc: HTTPError):
-        metrics.refused(exc.status)
+        metrics.refused(exc.status, exc.admission)
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -99,7 +101,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
     async def completions(request: Request):
         req = await runner.parse(request, CompletionRequest)
         check_model(req)
-        prompts = completion_prompts(req, cluster.tokenizer)
+        prompts = [(text if req.truncate_prompt_tokens is None else None, truncated(req, ids))
+                   for text, ids in completion_prompts(req, cluster.tokenizer)]
         return await serve(request, req, prompts, [await runner.params(req, ids, 16) for _, ids in prompts],
                            chat=False)
 
@@ -112,10 +115,17 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             req.max_tokens = req.max_completion_tokens
         ids = chat_ids(cluster, req.messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None,
                        refuse=runner.chat_specials, **req.template_kwargs())
+        ids = truncated(req, ids)
         return await serve(request, req, [(None, ids)], [await runner.params(req, ids, None)], chat=True)
 
     def check_model(req) -> None:
         check_model_name(req, cluster, model_name)
+
+    def truncated(req, ids: list[int]) -> list[int]:
+        try:
+            return req.truncated(ids, cluster.max_model_len)
+        except ValueError as e:
+            raise HTTPError(400, str(e), param="truncate_prompt_tokens") from None
 
     async def serve(request: Request, req, prompts: list[tuple[str | None, list[int]]], params: list, chat: bool):
         """Both endpoints: run the request's sequences (its prompts x n), render them as the
@@ -126,20 +136,16 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             app.state.metrics.on_params(p.n, p.max_tokens)
         prefix = "chatcmpl" if chat else "cmpl"
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        tools = req.tool_calls() if chat else None  # params() has refused a bad tool_choice
         n_prompt = sum(len(ids) for _, ids in prompts)
-        renders = [Renderer(chat, rid, created, model_name, cluster.tokenizer, top_n=s.params.logprobs or 0,
-                            echo=echo_text(req, chat, s, cluster.tokenizer), index=i, tools=tools, prompt_ids=s.ids,
-                            vllm_prompt_logprobs=req.prompt_logprobs is not None, token_ids=req.return_token_ids,
-                            scores_only=getattr(req, "scores_only", False))
-                   for i, s in enumerate(seqs)]
+        renders = renderers(req, chat, seqs, rid, created, model_name, cluster.tokenizer)
         if not req.stream:
             outs = await runner.run_to_end(seqs, request)
             for out in outs:
                 check_final(out)
             share_prompt_logprobs(seqs, outs)
             cached = sum(outs[i].num_cached_tokens for i in first_copies(seqs))
-            extra = renders[0].extras(outs[0]) if chat else None  # chat: at the top level
+            extra = renders[0].extras(outs[0], unasked=True) if chat else {}  # chat: at the top level
+            extra["kv_transfer_params"] = handoff_facts(outs[0]) if req.kv_transfer_params is not None else None
             return JSONResponse(renders[0].body([r.final(o) for r, o in zip(renders, outs)],
                                                 usage(n_prompt, generated(renders, outs), cached), extra),
                                 headers=headers_of(outs[0]))
@@ -149,8 +155,9 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             await gen.aclose()
             check_final(first[1])
         opts = req.stream_options
-        return StreamingResponse(stream_body(gen, first, renders, seqs, n_prompt, bool(opts and opts.include_usage),
-                                             bool(opts and opts.continuous_usage_stats)),
+        include_usage = bool(opts and opts.include_usage)  # continuous usage only with it (vLLM's)
+        return StreamingResponse(stream_body(gen, first, renders, seqs, n_prompt, include_usage,
+                                             include_usage and opts.continuous_usage_stats),
                                  media_type="text/event-stream", headers=headers_of(first[1]))
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
@@ -167,6 +174,17 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             raise HTTPError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}",
                             param="model")
         return card
+
+
+def renderers(req, chat: bool, seqs, rid: str, created: int, model_name: str, tokenizer) -> list[Renderer]:
+    """One renderer per sequence (choice index i), with what the request asked of its replies."""
+    tools = req.tool_calls() if chat else None  # params() has refused a bad tool_choice
+    return [Renderer(chat, rid, created, model_name, tokenizer, top_n=s.params.logprobs or 0,
+                     echo=echo_text(req, chat, s, tokenizer), index=i, tools=tools, prompt_ids=s.ids,
+                     vllm_prompt_logprobs=req.prompt_logprobs is not None, token_ids=req.return_token_ids,
+                     scores_only=getattr(req, "scores_only", False), asked_ids=tuple(req.logprob_token_ids or ()),
+                     as_ids=bool(req.return_tokens_as_token_ids))
+            for i, s in enumerate(seqs)]
 
 
 def completion_prompts(req, tokenizer) -> list[tuple[str | None, list[int]]]:
@@ -187,38 +205,12 @@ def echo_text(req, chat: bool, s, tokenizer) -> str:
     return s.text if s.text is not None else tokenizer.decode(s.ids)
 
 
-def check_model_name(req, cluster: ServingCluster, model_name: str) -> None:
-    if req.model not in (None, model_name, cluster.model_path):
-        raise HTTPError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
-                        param="model")
-
-
-def add_token_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunner, model_name: str) -> None:
-    """vLLM's /tokenize and /detokenize."""
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        """vLLM's: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
-        req = await runner.parse(request, TokenizeRequest)
-        check_model_name(req, cluster, model_name)
-        if (req.prompt is None) == (req.messages is None):
-            raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
-        tok = cluster.tokenizer
-        if req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            ids = chat_ids(cluster, req.messages, req.add_generation_prompt, refuse=runner.chat_specials)
-        return {"count": len(ids), "max_model_len": cluster.max_model_len, "tokens": list(ids)}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = await runner.parse(request, DetokenizeRequest)
-        check_model_name(req, cluster, model_name)
-        vocab = len(cluster.tokenizer)
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-        return {"prompt": cluster.tokenizer.decode(req.tokens)}
+def handoff_facts(out) -> dict:
+    """What pdserve did with a request's KV, returned in vLLM's kv_transfer_params (a PD proxy
+    sends that field; pdserve moves KV itself, so it accepts the proxy's and answers with its own)."""
+    return {"prefill_worker": out.prefill_worker, "decode_worker": out.decode_worker,
+            "kv_handoff": out.prefill_worker is not None and out.prefill_worker != out.decode_worker,
+            "num_cached_tokens": out.num_cached_tokens}
 
 
 def failure(out) -> HTTPError | None:
@@ -262,7 +254,8 @@ async def stream_body(gen, first, renders: list[Renderer], seqs, n_prompt: int, 
     from the first (already awaited) one. A sequence's opening chunk (chat's role, an echoed
     prompt, vLLM's extras) goes out with its first output; the prompt's log-probs come with its
     first copy's, which starts before the others (runner.merged). continuous: every chunk
-    carries the usage so far (vLLM's continuous_usage_stats)."""
+    carries the usage so far (vLLM's continuous_usage_stats): the tokens its choices carry and
+    those before them, none on an opening chunk."""
     (i, out), n_out, left = first, 0, len(renders)
     opened, scored = set(), {}
     try:
@@ -272,6 +265,7 @@ async def stream_body(gen, first, renders: list[Renderer], seqs, n_prompt: int, 
                 if err.status != 499:
                     yield sse(error_body(err.message, err.type, err.param, err.status))
                 break
+            before = n_out  # the opening chunk counts none of this output's tokens
             n_out += 0 if renders[i].scores_only else len(out.delta_token_ids)
             so_far = {"usage": usage(n_prompt, n_out)} if continuous else {}
             r = renders[i]
@@ -282,7 +276,8 @@ async def stream_body(gen, first, renders: list[Renderer], seqs, n_prompt: int, 
                 out.prompt_logprobs, out.prompt_ranks = scored.get(seqs[i].prompt, (None, None))
                 opening = r.opening(out)
                 if opening is not None:
-                    yield r.chunk([opening], **so_far, **(r.extras(out) if r.chat and not opened - {i} else {}))
+                    yield r.chunk([opening], **({"usage": usage(n_prompt, before)} if continuous else {}),
+                                  **(r.extras(out) if r.chat and not opened - {i} else {}))
             for choice in r.choices(out):
                 yield r.chunk([choice], **so_far)
             left -= out.finished
@@ -344,6 +339,11 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
         return {"pools": snap.pool_sizes, "workers": rows, "routing": snap.routing,
                 "registry": cluster.health()["registry"],
                 "autoscale": {"enabled": snap.autoscale_enabled, "events": snap.autoscale_events}}
+
+    @app.get("/admin/slo")
+    async def current_slo():
+        """The SLO placement serves now (what `pdserve bench` measures attainment against)."""
+        return {"slo": cluster.slo()}
 
     @app.post("/admin/slo")
     async def slo(request: Request):

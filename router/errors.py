@@ -12,14 +12,24 @@ from .schemas import error_body
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, admission: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+        self.admission = admission  # why the request was not admitted (queue_full, no_worker): metrics
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, status), status_code=status, headers=headers)
+
+
+def route_path(scope) -> str:
+    """The path the routes match: below the root path (--root-path, behind a proxy) when the
+    request carries it, as Starlette's router reads it (the guard must see what the router sees)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
 
 
 class GuardMiddleware:
@@ -47,7 +57,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        refusal = self._refusal(scope["path"], headers)
+        refusal = self._refusal(route_path(scope), headers)
         if refusal is not None:
             self.on_refuse(refusal[0])
             return await error_response(*refusal)(scope, receive, send)

@@ -23,6 +23,16 @@ REQUEST_SECONDS_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
+def settled(w: dict) -> dict:
+    """A worker's row with its running and waiting counts bounded by the requests this router
+    has on it now (`load`): the monitor's stats are up to a second old, the router's count
+    drops the moment a request finishes, so the gauges settle then."""
+    if w.get("load") is None or w.get("num_running") is None:
+        return w
+    running = min(w["num_running"], w["load"])
+    return {**w, "num_running": running, "num_waiting": min(w.get("num_waiting") or 0, w["load"] - running)}
+
+
 class _WorkerCollector:
     def __init__(self, cluster, model_name: str):
         self.cluster, self.model = cluster, model_name
@@ -54,6 +64,7 @@ class _WorkerCollector:
             "pdserve:spec_decode_steps_off": ("Steps the off-switch ran without drafts", "spec_decode_steps_off"),
         }
         snap = self.cluster.snapshot()
+        snap.workers = [settled(w) for w in snap.workers]
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, key) in table.items():
                 m = family(name, doc, labels=["worker", "role", "model_name"])
@@ -62,11 +73,13 @@ class _WorkerCollector:
                         m.add_metric([w["worker_id"], w["role"], self.model], float(w[key]))
                 yield m
         yield from self._cluster_wide(snap)
+        yield self._waiting_by_reason(snap)
         steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step",
                                       labels=["worker", "role", "model_name"])
         info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (value 1)",
                                  labels=["worker", "role", "model_name", "block_size", "cache_dtype", "num_gpu_blocks",
-                                         "num_cpu_blocks", "enable_prefix_caching"])
+                                         "num_cpu_blocks", "enable_prefix_caching", "kv_cache_size_tokens",
+                                         "kv_cache_max_concurrency"])
         for w in snap.workers:
             if w.get("iteration_tokens"):
                 h = w["iteration_tokens"]
@@ -75,7 +88,8 @@ class _WorkerCollector:
                 c = w["cache_config"]
                 info.add_metric([w["worker_id"], w["role"], self.model, str(c["block_size"]), str(c["cache_dtype"]),
                                  str(c["num_gpu_blocks"]), str(c["num_cpu_blocks"]),
-                                 str(c["enable_prefix_caching"])], 1.0)
+                                 str(c["enable_prefix_caching"]), str(c["num_gpu_blocks"] * c["block_size"]),
+                                 f'{c["num_gpu_blocks"] * c["block_size"] / c["max_model_len"]:.2f}'], 1.0)
         yield steps
         yield info
         routing = CounterMetricFamily("pdserve:routing_decisions", "Placement decisions by reason",
@@ -87,6 +101,18 @@ class _WorkerCollector:
         for role, n in snap.pool_sizes.items():
             pools.add_metric([role, self.model], float(n))
         yield pools
+
+    def _waiting_by_reason(self, snap):
+        """vLLM's: the waiting requests of each worker by what they wait for: "capacity" (room
+        in the batch or the KV cache) or "deferred" (their KV from a prefill worker, their
+        grammar's compile)."""
+        m = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Waiting requests by reason",
+                              labels=["worker", "role", "reason", "model_name"])
+        for w in snap.workers:
+            if w.get("num_waiting") is not None:
+                m.add_metric([w["worker_id"], w["role"], "capacity", self.model], float(w["num_waiting"]))
+                m.add_metric([w["worker_id"], w["role"], "deferred", self.model], float(w.get("num_deferred") or 0))
+        return m
 
     def _cluster_wide(self, snap):
         """The running and waiting requests of the whole cluster (one series each; vLLM's are
@@ -117,6 +143,11 @@ class RouterMetrics(RequestObserver):
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", m, registry=r)
         self.http_errors = Counter("pdserve:http_errors", "Requests refused by status code", ["code", *m], registry=r)
+        self.admission_rejections = Counter("vllm:admission_rejections", "Requests refused at admission: the "
+                                            "queue full (429) or no worker to serve them (503)", ["reason", *m],
+                                            registry=r)
+        self.request_preemptions = Histogram("vllm:request_num_preemptions", "Preemptions per finished request", m,
+                                             buckets=(0, 1, 2, 5, 10, 20, 50), registry=r)
         self.handoff_bytes = Counter("pdserve:kv_handoff_bytes", "KV bytes moved prefill -> decode", m, registry=r)
         self.handoff_seconds = hist("pdserve:kv_handoff_seconds", "KV handoff latency")
         def counts(name: str, doc: str) -> Histogram:
@@ -168,6 +199,7 @@ class RouterMetrics(RequestObserver):
         prio = str(done.priority)
         self.priority_requests.labels(prio, self.model).inc()
         self.priority_preemptions.labels(prio, self.model).inc(done.num_preemptions)
+        self.request_preemptions.labels(self.model).observe(done.num_preemptions)
         if done.ttft_s is not None:
             self.priority_ttft.labels(prio, self.model).observe(done.ttft_s)
         for kind, sec in (("queue", done.queue_s), ("prefill", done.prefill_s), ("decode", done.decode_s),
@@ -180,8 +212,12 @@ class RouterMetrics(RequestObserver):
         self.params_n.labels(self.model).observe(n)
         self.params_max_tokens.labels(self.model).observe(max_tokens)
 
-    def refused(self, status: int) -> None:
+    def refused(self, status: int, admission: str | None = None) -> None:
+        """A request answered with an error; `admission`: why it was not admitted (queue_full,
+        no_worker), None for any other refusal."""
         self.http_errors.labels(str(status), self.model).inc()
+        if admission is not None:
+            self.admission_rejections.labels(admission, self.model).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -49,41 +49,50 @@ class Renderer:
     vllm_prompt_logprobs: bool = False  # the request asked for vLLM's prompt_logprobs field
     token_ids: bool = False  # vLLM's return_token_ids
     scores_only: bool = False  # completions' max_tokens 0 with echo: the generated token is dropped
+    asked_ids: tuple[int, ...] = ()  # vLLM's logprob_token_ids: in each token's top log-probs too
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: a log-prob's token is "token_id:<id>"
+
+    def token(self, t: int) -> str:
+        """A token as log-probs name it."""
+        return f"token_id:{t}" if self.as_ids else self.tokenizer.decode([t])
+
+    def tops(self, e: dict[int, float]) -> list[tuple[int, float]]:
+        """A token's top log-probs: its top N, best first, then the ids the request named."""
+        top = sorted(e.items(), key=lambda kv: -kv[1])[:self.top_n]
+        shown = {t for t, _ in top}
+        return top + [(t, e[t]) for t in self.asked_ids if t in e and t not in shown]
 
     def logprobs(self, entries: list[dict[int, float]] | None, token_ids: list[int], offset: int = 0):
         """OpenAI's log-probs object for these tokens (None when the request asked for none).
         An entry is {sampled id: log-prob, top ids: log-probs}; its top N, best first."""
         if entries is None:
             return None
-        text = self.tokenizer.decode
-        tops = [sorted(e.items(), key=lambda kv: -kv[1])[:self.top_n] for e in entries]
+        name, tops = self.token, [self.tops(e) for e in entries]
         if self.chat:
             def item(t: int, v: float) -> dict:
-                s = text([t])
-                return {"token": s, "logprob": v, "bytes": list(s.encode())}
+                return {"token": name(t), "logprob": v, "bytes": list(self.tokenizer.decode([t]).encode())}
 
             return {"content": [{**item(t, e[t]), "top_logprobs": [item(u, w) for u, w in top]}
                                 for t, e, top in zip(token_ids, entries, tops)]}
-        tokens = [text([t]) for t in token_ids]
+        tokens = [name(t) for t in token_ids]
         offsets = []
-        for s in tokens:
+        for t in token_ids:
             offsets.append(offset)
-            offset += len(s)
+            offset += len(self.tokenizer.decode([t]))
         return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{s: e[t], **{text([u]): w for u, w in top}}  # the sampled token too (vLLM)
+                "top_logprobs": [{s: e[t], **{name(u): w for u, w in top}}  # the sampled token too (vLLM)
                                  for s, t, e, top in zip(tokens, token_ids, entries, tops)], "text_offset": offsets}
 
     def prompt_logprobs(self, entries: list[dict[int, float] | None]) -> dict:
         """Completions' echo with logprobs: the prompt's part of the log-probs object (its first
         token has none, as OpenAI's legacy API gives it)."""
-        text = self.tokenizer.decode
-        tokens = [text([t]) for t in self.prompt_ids]
         offsets, at = [], 0
-        for s in tokens:
+        for t in self.prompt_ids:
             offsets.append(at)
-            at += len(s)
-        return {"tokens": tokens, "token_logprobs": [e and e[t] for t, e in zip(self.prompt_ids, entries)],
-                "top_logprobs": [e and {text([u]): w for u, w in sorted(e.items(), key=lambda kv: -kv[1])}
+            at += len(self.tokenizer.decode([t]))
+        return {"tokens": [self.token(t) for t in self.prompt_ids],
+                "token_logprobs": [e and e[t] for t, e in zip(self.prompt_ids, entries)],
+                "top_logprobs": [e and {self.token(u): w for u, w in sorted(e.items(), key=lambda kv: -kv[1])}
                                  for e in entries], "text_offset": offsets}
 
     def vllm_logprobs(self, out: RequestOutput) -> list | None:
@@ -105,10 +114,11 @@ class Renderer:
                                  "decoded_token": self.tokenizer.decode([u])} for u, v in e.items()})
         return res
 
-    def extras(self, out: RequestOutput) -> dict:
+    def extras(self, out: RequestOutput, unasked: bool = False) -> dict:
         """vLLM's extra fields asked for: prompt_logprobs, prompt_token_ids (a completion's
-        choice carries them; chat puts them at the top level: app.serve, stream_body)."""
-        extra = {}
+        choice carries them; chat puts them at the top level: app.serve, stream_body).
+        `unasked`: a whole (non-streamed) reply has both keys, null where not asked, as vLLM's."""
+        extra = {"prompt_logprobs": None, "prompt_token_ids": None} if unasked else {}
         if self.vllm_prompt_logprobs:
             extra["prompt_logprobs"] = self.vllm_logprobs(out)
         if self.token_ids:
@@ -134,7 +144,7 @@ class Renderer:
                 choice["message"]["tool_calls"], choice["finish_reason"] = calls, "tool_calls"
         else:
             choice["text"] = self.echo + c.text
-            choice.update(self.extras(out))
+            choice.update(self.extras(out, unasked=True))
         if self.token_ids:
             choice["token_ids"] = list(c.token_ids)
         return choice
@@ -192,11 +202,13 @@ class Renderer:
             return [{"index": self.index, "text": out.delta_text, "logprobs": lp, "finish_reason": reason, **ids}]
         if self.tools is not None:
             return self._tool_choices(out, lp, reason, ids)
-        choices = [{"index": self.index, "delta": {"content": out.delta_text}, "logprobs": lp, "finish_reason": None,
-                    **ids}] if out.delta_text or lp or ids.get("token_ids") else []
-        if out.finished:
-            choices.append({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason})
-        return choices
+        said = out.delta_text or lp or ids.get("token_ids")
+        if not (said or out.finished):
+            return []
+        # the last tokens and the finish reason in one chunk, as vLLM sends them (a client
+        # counting continuous usage sees each chunk with choices add tokens)
+        return [{"index": self.index, "delta": {"content": out.delta_text} if said else {}, "logprobs": lp,
+                 "finish_reason": reason, **ids}]
 
     def _tool_choices(self, out: RequestOutput, lp, reason, ids: dict) -> list[dict]:
         """Tool mode: log-probs as they come; content as far as no call may have begun (auto);

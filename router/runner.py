@@ -35,7 +35,8 @@ from .schemas import screen
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "prompt_logprobs", "logprobs",
-                   "allowed_token_ids", "response_format", "structured_outputs", "tool_choice", "priority")
+                   "allowed_token_ids", "logprob_token_ids", "response_format", "structured_outputs", "tool_choice",
+                   "priority", "truncate_prompt_tokens")
 
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class RequestRunner:
                                  f"for one request at once (--max-queue {self.max_queue}): send fewer", param=param)
         if self.inflight + n > self.max_queue:
             raise HTTPError(429, f"server busy: {self.inflight} requests in flight (limit {self.max_queue})",
-                            "rate_limit_error", headers={"Retry-After": "1"})
+                            "rate_limit_error", headers={"Retry-After": "1"}, admission="queue_full")
         self.inflight += n
 
     async def merged(self, seqs: list[Sequence], stream: bool = True):
@@ -227,7 +228,7 @@ class RequestRunner:
                     if isinstance(exc, ValueError):
                         raise HTTPError(400, str(exc), param=getattr(exc, "param", None))
                     if isinstance(exc, NoWorker):
-                        raise HTTPError(503, str(exc), "server_error",
+                        raise HTTPError(503, str(exc), "server_error", admission="no_worker",
                                         headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
                     if exc is not None:  # a bug: the details go to the log, not to the client
                         log.error("request failed", exc_info=exc)

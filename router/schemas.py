@@ -94,7 +94,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, ge=0.01, le=10)
     min_p: float = Field(0.0, ge=0, le=1)
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # keys: SamplingParams
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's, the same as response_format's
     guided_json: dict | str | None = None  # vLLM's older names of the same
@@ -107,6 +107,10 @@ class _Sampling(BaseModel):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt's, in the response
     return_token_ids: bool = False  # the prompt's and each choice's token ids, in the response
+    logprob_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGPROBS)] | None = None
+    return_tokens_as_token_ids: bool | None = None  # log-probs name tokens "token_id:<id>"
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: max_model_len)
+    kv_transfer_params: dict[str, Any] | None = None  # a PD proxy's: accepted; the reply carries pdserve's
     # lower is served first under --scheduling-policy priority (ignored under fcfs)
     priority: StrictInt = Field(0, ge=SEED_MIN, le=SEED_MAX)
 
@@ -139,6 +143,22 @@ class _Sampling(BaseModel):
     def num_logprobs(self) -> int | None:
         return None
 
+    def asked_logprobs(self) -> int | None:
+        """The top N per token; logprob_token_ids alone asks for the sampled token's and theirs."""
+        n = self.num_logprobs()
+        return 0 if n is None and self.logprob_token_ids else n
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt after truncate_prompt_tokens (vLLM's: its last k tokens, -1 for
+        max_model_len's worth); raises ValueError naming the field when k is past max_model_len."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == 0 or k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, max_model_len {max_model_len}], got {k}")
+        k = max_model_len if k == -1 else k
+        return ids[-k:]
+
     def num_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
@@ -150,7 +170,8 @@ class _Sampling(BaseModel):
                               min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p, logit_bias=self.logit_bias, logprobs=self.num_logprobs(),
+                              min_p=self.min_p, logit_bias=self.logit_bias, logprobs=self.asked_logprobs(),
+                              logprob_token_ids=self.logprob_token_ids,
                               prompt_logprobs=self.num_prompt_logprobs(), allowed_token_ids=self.allowed_token_ids,
                               structured_outputs=self.structured(), priority=self.priority)
 
@@ -227,18 +248,10 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self):
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message: set add_generation_prompt to false with it")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be the assistant's")
-        reserved = set(self.chat_template_kwargs or {}) & TEMPLATE_ARGS
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)} (the request's own fields)")
-        return self
+        return check_chat_template_fields(self)
 
     def template_kwargs(self) -> dict:
-        return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
+        return template_kwargs(self)
 
     _tool_parser: ToolParser | None = PrivateAttr(None)  # the server's, for tool_choice auto (app.py)
 
@@ -260,14 +273,45 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def check_chat_template_fields(req):
+    """The chat fields that end the prompt agree, and chat_template_kwargs sets none of the
+    request's own (a chat completion's and /tokenize's)."""
+    if req.messages and req.continue_final_message:
+        if req.add_generation_prompt:
+            raise ValueError("continue_final_message: set add_generation_prompt to false with it")
+        if req.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+    reserved = set(req.chat_template_kwargs or {}) & TEMPLATE_ARGS
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)} (the request's own fields)")
+    return req
+
+
+def template_kwargs(req) -> dict:
+    return {"add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message, **(req.chat_template_kwargs or {})}
+
+
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template (with the chat
+    options a chat completion takes)."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False  # the tokens' strings too, as the tokenizer spells them
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self):
+        return check_chat_template_fields(self)
+
+    def template_kwargs(self) -> dict:
+        return template_kwargs(self)
 
 
 class DetokenizeRequest(BaseModel):

@@ -17,7 +17,9 @@
 
 The tools are given to the chat template in every case (as vLLM does), and earlier turns'
 `tool_calls` and `tool` messages go to it as they came. A reply cut short by max_tokens
-(finish_reason "length") is returned as text: a truncated call is not a call.
+(finish_reason "length") is neither: with tool_choice named or "required", no tool_calls and empty
+content (the grammar's partial JSON is not an answer, as OpenAI and vLLM return it); with
+"auto", the text as content.
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class ToolCalls:
         """A finished reply as (content, OpenAI's tool_calls or None). Auto: the parser's calls
         to known tools (the first only without parallel_tool_calls) and the text around them."""
         if self.auto is None:
+            if finish_reason == "length":  # a call cut short is no call, and its JSON no content
+                return "", None
             calls = self.calls(text, finish_reason)
             return (text, None) if calls is None else (None, calls)
         content, pairs = self.auto.parse(text) if finish_reason == "stop" else (text, [])

@@ -21,7 +21,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 def admin_call(args: argparse.Namespace, path: str, body: dict | None = None, timeout: float = 60) -> dict:
     """GET (or POST `body` to) `path` on the server; its refusals and absence as CliError."""
-    url = args.url.rstrip("/")
+    url = args.url.rstrip("/").removesuffix("/v1")  # the OpenAI base URL names the same server
     key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     data = None

@@ -130,6 +130,11 @@ class _Parser(argparse.ArgumentParser):
         kwargs["formatter_class"] = HelpFormatter
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str):
+        """A refused command line: one line naming the problem and where the options are
+        (argparse's own prints the whole usage first)."""
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
@@ -157,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="apply the model's chat template (default: when it has one)")
-    g.add_argument("--no-chat", dest="chat", action="store_false")
+    g.add_argument("--no-chat", dest="chat", action="store_false", default=argparse.SUPPRESS,
+                   help="prompts as plain text, without the chat template")
     g.set_defaults(func=cmd_generate)
     from pdserve.serve_cli import add_serve_parser  # argparse only; the cluster loads on use
 

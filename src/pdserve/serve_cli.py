@@ -115,7 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
               f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
               f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
-        server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level))
+        server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, root_path=args.root_path))
         stop = server.handle_exit
 
         def on_signal(sig, frame):  # Ctrl-C reaches the workers too: they end, they are not replaced
@@ -169,6 +169,8 @@ def add_serve_parser(sub, add_engine_args) -> None:
                              "--tensor-parallel-size)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--root-path", default="",
+                    help="the path prefix a proxy serves this server under (e.g. /llm): routes answer below it too")
     sv.add_argument("--address", default=None, help="join this Ray cluster (auto | host:port); default: start one")
     sv.add_argument("--namespace", default="pdserve", help="the Ray namespace of this server's actors")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or env PDSERVE_API_KEY)")

@@ -85,10 +85,10 @@ def test_streaming_deltas_add_up(llm):
 @pytest.mark.parametrize("prompt, kwargs, match", [
     ("", {}, "empty"),
     ([], {}, "empty"),
-    ([10**9], {}, "out of range"),
+    ([10**9], {}, "out of vocabulary"),
     ("hello " * 300, {"max_tokens": 4}, "max_model_len"),
     ("hello", {"max_tokens": 256}, "max_model_len"),
-    ("hello", {"stop_token_ids": [10**6], "min_tokens": 2}, "stop_token_ids token ids out of range"),  # fuzz
+    ("hello", {"stop_token_ids": [10**6], "min_tokens": 2}, "stop_token_ids token ids out of vocabulary"),  # fuzz
 ])
 def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, kwargs, match):
     with pytest.raises(ValueError, match=match):

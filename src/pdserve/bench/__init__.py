@@ -58,8 +58,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--rates", default=None, help="sweep: comma-separated rates, or 'trace' (trace timestamps)")
     b.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight: a request due while all are busy waits for one")
-    b.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
-    b.add_argument("--slo-tpot", type=float, default=0.1, help="seconds per output token after the first")
+    b.add_argument("--slo-ttft", type=float, default=None,
+                   help="seconds (default: the pdserve server's own SLO, else `pdserve serve`'s default)")
+    b.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token after the first "
+                   "(default: the pdserve server's own SLO, else `pdserve serve`'s default)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--label", default=None, help="name of the system under test (legend, file names)")
     b.add_argument("--out", default=None, help="directory for JSON, markdown and PNG (default: print only)")
@@ -108,6 +110,16 @@ def _workload(args, salt: int):
     return reqs, desc
 
 
+def slo_targets(args, server: dict | None) -> tuple[float, float]:
+    """The SLO attainment is measured against: the flags, else the server's own (a pdserve
+    server), else `pdserve serve`'s default (its one home: SloConfig)."""
+    from pdserve.cluster.serving_config import SloConfig
+
+    default = server or {"ttft_s": SloConfig.ttft_s, "tpot_s": SloConfig.tpot_s}
+    return (args.slo_ttft if args.slo_ttft is not None else default["ttft_s"],
+            args.slo_tpot if args.slo_tpot is not None else default["tpot_s"])
+
+
 def run(args) -> dict:
     from tqdm import tqdm
 
@@ -117,6 +129,7 @@ def run(args) -> dict:
     from .workloads import poisson_arrivals
 
     ep = Endpoint(args.url, args.model, args.api_key, admin_key=args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"))
+    args.slo_ttft, args.slo_tpot = slo_targets(args, ep.slo())
     runs, desc = [], ""
     for i, rate in enumerate(_rates(args)):
         reqs, desc = _workload(args, salt=args.seed * 1000 + i)

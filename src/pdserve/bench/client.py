@@ -109,6 +109,14 @@ class Endpoint:
                 out[full] = v
         return out
 
+    def slo(self) -> dict | None:
+        """A pdserve server's SLO ({"ttft_s", "tpot_s"}: GET /admin/slo); None elsewhere."""
+        try:
+            status, body = self.get("/admin/slo")
+        except OSError:
+            return None
+        return json.loads(body).get("slo") if status == 200 else None
+
     def timeline(self, n: int) -> list[dict] | None:
         """A pdserve server's last `n` request timelines (GET /admin/timeline); None elsewhere."""
         try:
