@@ -31,11 +31,16 @@ def build_model(out_dir: str, tokenizer_dir: str) -> str:
     return out_dir
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", default="bench/results")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from pdserve import LLM, SamplingParams

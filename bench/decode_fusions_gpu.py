@@ -89,14 +89,19 @@ def bench(model_dir: str, tokenizer: str, batches: list[int], ctx: int, steps: i
     return rows
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/fusions")
     ap.add_argument("--tokenizer", required=True, help="a directory with tokenizer files (any model's)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--steps", type=int, default=100)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     os.makedirs(args.out, exist_ok=True)
     ceil = ceilings()

@@ -82,7 +82,8 @@ def bench(model_dir: str, tokenizer: str, batches: list[int], ctx: int, steps: i
     return rows
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/overlap")
     ap.add_argument("--tokenizer", required=True, help="a directory with tokenizer files (any model's)")
@@ -91,7 +92,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--vocab", type=int, default=LLAMA3_8B["vocab_size"],
                     help="the model's vocabulary (49152: SmolLM2's tokenizer, the served benchmark's model)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     os.makedirs(args.out, exist_ok=True)
     ceil = ceilings()

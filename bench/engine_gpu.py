@@ -210,7 +210,8 @@ def bench_hf(cfg: dict, ctx: int, hf_batches: list[int], new_tokens: int, prefil
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--ctx", type=int, default=1024)
@@ -222,7 +223,11 @@ def main() -> None:
     ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
                     help="the engine's fused Triton elementwise kernels (default: the engine's, on for CUDA)")
     ap.add_argument("--profile", action="store_true", help="kernel time by kind of each decode step (torch profiler)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     prefill_lens = [int(n) for n in args.prefill.split(",")]
     os.makedirs(args.out, exist_ok=True)

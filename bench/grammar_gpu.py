@@ -83,7 +83,8 @@ def plot(path: str) -> str:
                            f"Structured output (xgrammar), Llama-3-8B shape, {res['device']}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer")
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
@@ -91,7 +92,11 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/grammar")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     cuda, rows, rng = torch.cuda.is_available(), [], random.Random(0)
     with tempfile.TemporaryDirectory() as d:
         if args.shape == "tiny":  # a check of the script on CPU, not a result

@@ -152,7 +152,8 @@ def restart(model: str, cuda: bool, host_gib: float) -> dict:
             "restore": status, "file_bytes": size, "engine_start_s": start_s, "host_hit_tokens": hits}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
@@ -161,7 +162,11 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=3.0, help="trace replay speed-up")
     ap.add_argument("--parts", default="concurrency,host,restart")
     ap.add_argument("--gpu-blocks", type=int, default=800, help="each engine's GPU cache in part 2")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     parts = args.parts.split(",")
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as d:

@@ -126,12 +126,17 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--out", default="bench/results/kv_int4")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     rows = []
     for b in map(int, args.batches.split(",")):
         for c in map(int, args.contexts.split(",")):

@@ -44,12 +44,20 @@ def ids(n: int) -> list[int]:
     return [random.randrange(100, 40000) for _ in range(n)]
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run_step(engine: LLMEngine, cap: int) -> tuple[list, float]:
+    """One step this bench schedules itself, timed: after the engine's own overlapped steps the
+    step in flight is resolved first (its requests' newest tokens reach the host)."""
+    engine.resolve()
     sched = engine.scheduler.schedule(prefill_cap=cap)
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     tokens = engine.runner.execute(sched)
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t
     scheduled = list(sched.scheduled)
     engine.scheduler.update_after_step(sched)
@@ -223,7 +231,8 @@ def plot_variants(out_dir: str, tag: str = "_variants") -> str:
                  f"attention variants for mixed steps, Llama-3-8B shape, {res['device']}", 7)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=None, help="a directory with the tokenizer files (required unless --plot)")
     ap.add_argument("--out", default="bench/results/hybrid")
@@ -237,7 +246,11 @@ def main() -> None:
                     help="cuda_graph_max_tokens: every chunk up to it is measured through the piecewise graphs too")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--plot", action="store_true", help="only plot mixed_step{tag}.json in --out")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.plot:
         print(plot_variants(args.out, args.tag) if args.tag == "_variants" else plot(args.out, args.tag))
         return

@@ -160,11 +160,16 @@ def plot_sweep(out_dir: str) -> str:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/attention")
     ap.add_argument("--sweep", action="store_true", help="the kernel's tile settings on every case")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.sweep:
         os.makedirs(args.out, exist_ok=True)
         sweep(args.out)

@@ -65,12 +65,17 @@ def step_ms(sampler: Sampler, rows: int, kind: str, device: str, reps: int) -> f
     return statistics.median(times)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (a check of the script, not a result)"
     bits = bits_match(device)

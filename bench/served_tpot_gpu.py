@@ -43,7 +43,8 @@ def serve_and_measure(model: str, args, overlap: bool) -> dict:
         stop(proc)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--engine-json", required=True, help="decode_overlap_gpu.py's result for the same model")
@@ -52,7 +53,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
     with open(args.engine_json) as f:
         engine = json.load(f)

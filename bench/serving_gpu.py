@@ -159,7 +159,8 @@ def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None) -> t
     return wl, name, g["rps"], g["lower_bound"], time.time() - t
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--systems", default="disagg,colocated,hf",
@@ -174,7 +175,11 @@ def main() -> None:
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--tpot-slos", default="40",
                     help="TPOT SLOs (ms) a hybrid server runs at in turn: MS (every workload) or WL:MS")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
     url = f"http://127.0.0.1:{args.port}"

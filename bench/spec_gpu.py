@@ -128,7 +128,8 @@ def plot(path: str) -> str:
                            f"Speculative decoding, k={res['k']}, Llama-3-8B shape, {res['device']}", fontsize=7, ncol=2)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer")
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
@@ -142,7 +143,11 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--target", choices=("chain", "random"), default="chain")
     ap.add_argument("--plot", metavar="JSON", help="only draw the plot of a saved result")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.plot:
         print(plot(args.plot))
         return

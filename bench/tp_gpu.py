@@ -86,7 +86,8 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
         engine.close()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-70b")
     ap.add_argument("--tp", default="2", help="comma-separated TP sizes")
@@ -96,7 +97,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--out", default="bench/results/tp")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
     cfg = SHAPES[args.shape] if args.rank_of == 1 else rank_shape(SHAPES[args.shape], args.rank_of)
     ceil = ceilings()

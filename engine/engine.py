@@ -3,12 +3,10 @@
     step():  schedule -> run -> postprocess
              (overlapped: schedule -> launch -> resolve the previous step -> advance; overlap.py)
 
-add_request() validates and queues; step() schedules a batch under the token
-budget, runs it, appends sampled tokens, detokenizes, applies stop conditions and
-frees the blocks of finished requests. Prefill and decode workers are roles of
-this engine (pdserve.prefill / pdserve.decode): they drive the same step with
-different request settings and a KV handoff around it.
-"""
+add_request() validates and queues; step() schedules a batch under the token budget, runs it, appends
+sampled tokens, detokenizes, applies stop conditions and frees the blocks of finished requests. Prefill
+and decode workers are roles of this engine (pdserve.prefill / pdserve.decode): the same step, with
+other request settings and a KV handoff around it."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, load_format, self.tp)
         self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, host=host)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, host=host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy, KVWindow.of(config))
         # the one step-time model: the TPOT chunk, the advertised prefill rate, speculation's off-switch
@@ -192,35 +189,38 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        overlap = self.overlaps
-        done = [] if overlap else self._resolve()  # a step that cannot overlap waits for the one in flight
+        drafting = self.drafter.decide(self.scheduler.running)  # a step with drafts verifies on the host
+        overlap = self.overlaps and not drafting
+        done = [] if overlap else self.resolve()  # a step that cannot overlap waits for the one in flight
         sched = self._schedule()
         return done + ((self._launch(sched) if overlap else self._postprocess(sched, self._execute(sched)))
-                       if sched else self._resolve())
+                       if sched else self.resolve())
 
     @property
     def overlaps(self) -> bool:
-        """Whether the next step runs while the one in flight finishes (overlap.py): one rank, no
-        speculation, every live request plain, not a prefill worker (its KV handoff starts at
-        the end of the step that wrote the KV, not one step later)."""
-        return self.config.async_scheduling and self.tp.size == 1 and self.drafter.config is None \
-            and not self._in_turn and not self.hold_blocks_on_finish
+        """Whether the next step may run while the one in flight finishes (overlap.py): one rank,
+        every live request plain, no drafts in it (step()), not a prefill worker (its KV handoff
+        starts at the end of the step that wrote the KV, not one step later)."""
+        return self.config.async_scheduling and self.tp.size == 1 and not self._in_turn \
+            and not self.hold_blocks_on_finish
 
     def _launch(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Overlapped (overlap.py): queues `sched`, then finishes the step before it."""
         with self.step_model.timed(sched.shape):
             rows = self.pending.rows if self.pending is not None else {}
             launched = PendingStep.start(sched, *self.runner.launch(sched, rows))
-            outputs = self._resolve()
+            outputs = self.resolve()
         self.iteration_tokens.observe(step_tokens(sched.scheduled))
+        self.drafter.observe(sched.shape)
         self.scheduler.update_after_step(sched)
         launched.placeholders()
         self.pending = launched
         self.persist_if_due()
         return outputs
 
-    def _resolve(self) -> list[RequestOutput]:
-        """The launched step's outputs once its ids reach the host (none in flight: [])."""
+    def resolve(self) -> list[RequestOutput]:
+        """The outputs of the step in flight once its ids reach the host ([] when none); a caller
+        that drives the scheduler and runner itself resolves first (the runner refuses PENDING)."""
         step, self.pending = self.pending, None
         if step is None:
             return []

@@ -248,6 +248,10 @@ class ModelRunner:
         """Runs the step (after the host tier's copies it carries); returns the sampled token (a
         list: the verified drafts) of each request that samples."""
         self.sampler.logprobs, self.sampler.prompt_logprobs = {}, {}
+        stale = next((s.request.request_id for s in step.scheduled if s.request.all_token_ids[-1] == PENDING), None)
+        if stale is not None:  # its id is still on the device: a step of the engine's is in flight
+            raise RuntimeError(f"request {stale}'s newest token is not known yet (an overlapped step is in flight): "
+                               "call LLMEngine.resolve() before running a step the engine did not schedule itself")
         batch = self.order(step.scheduled)
         inp = self.host_inputs(batch)
         inp.tier_ops, inp.kv_shifts = step.tier_ops, step.kv_shifts

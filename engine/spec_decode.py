@@ -130,9 +130,31 @@ class Drafter:
         self.draft_seconds = 0.0  # in propose(): ngram lookup or the draft model's steps
         self.switch = SpecSwitch()  # the off-switch; the engine gives it its step-time model
         self._probe_from = 0  # the next probe's first request (probes rotate over the batch)
+        self._drafting = False  # decide()'s answer for the coming step
+
+    def decide(self, running: list) -> bool:
+        """Before a step, before its schedule: whether it carries drafts (the batch cap and the
+        off-switch's plan, spec_switch.py, before any proposal's host time). A step without
+        drafts is a plain step: the engine may overlap it (overlap.py) as it would without
+        speculation. propose() follows the decision."""
+        self._drafting = False
+        if self.config is None:
+            return False
+        cfg = self.config
+        decodes = [r for r in running if r.is_decoding]
+        context = sum(r.num_tokens for r in decodes) / max(1, len(decodes))
+        if len(decodes) > cfg.disable_by_batch_size or \
+                (decodes and not self.switch.plan(len(decodes), cfg.num_speculative_tokens, context)):
+            self.steps_off += 1
+            for r in decodes:  # drafts from an earlier step that did not run them go too
+                r.spec_tokens = []
+            return False
+        self._drafting = bool(decodes)
+        return self._drafting
 
     def propose(self, running: list) -> None:
-        if self.config is None:
+        """The drafts of a step decide() said carries them (its newest tokens known by now)."""
+        if self.config is None or not self._drafting:
             return
         t0 = time.perf_counter()
         self._propose(running)
@@ -142,12 +164,6 @@ class Drafter:
         cfg = self.config
         decodes = [r for r in running if r.is_decoding]
         context = sum(r.num_tokens for r in decodes) / max(1, len(decodes))
-        if len(decodes) > cfg.disable_by_batch_size or \
-                (decodes and not self.switch.plan(len(decodes), cfg.num_speculative_tokens, context)):
-            self.steps_off += 1  # the off-switch (spec_switch.py), before any proposal's host time
-            for r in decodes:  # drafts from an earlier step that did not run them go too
-                r.spec_tokens = []
-            return
         rooms = [0 if one_token_steps(r) else  # bias, bans, penalties, log-probs: logits_process.py
                  min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
                      self.max_model_len - r.num_tokens - 1) for r in decodes]
