@@ -214,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
     """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="engine_gpu", help="file stem of the results")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--prefill", default="2048,4096,8192")
@@ -242,7 +243,7 @@ def main() -> None:
                                            args.hf_new_tokens, prefill_lens)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fused_ops": fused,
               "ceilings": ceil, "decode": decode, "prefill": prefill, "hf": hf}
-    with open(os.path.join(args.out, "engine_gpu.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# Engine on {result['device']} (Llama-3-8B config, random bf16 weights, "
              f"fused elementwise kernels {'on' if fused else 'off'})", "",
@@ -276,7 +277,7 @@ def main() -> None:
             lines += profile_lines(f"Prefill of {r['tokens']} tokens", r["profile"],
                                    f"{r['TFLOPs']:.0f} TFLOP/s overall")
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "engine_gpu.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write(md)
     try:
         import matplotlib
@@ -298,7 +299,7 @@ def main() -> None:
         ax[1].set(xlabel="prompt tokens", ylabel="TFLOP/s", title="prefill")
         ax[1].legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "engine_gpu.png"), dpi=110)
+        fig.savefig(os.path.join(args.out, f"{args.name}.png"), dpi=110)
     except ImportError:
         pass
     print(md)

@@ -143,6 +143,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--target", choices=("chain", "random"), default="chain")
     ap.add_argument("--plot", metavar="JSON", help="only draw the plot of a saved result")
+    ap.add_argument("--name", default=None, help="file stem after spec_ (default: SHAPE_TARGET[_DTYPE])")
     return ap
 
 
@@ -186,7 +187,7 @@ def main() -> None:
         eng.close()
     device = torch.cuda.get_device_name() if cuda else "CPU"
     os.makedirs(args.out, exist_ok=True)
-    tag = f"{args.shape}_{args.target}" + (f"_{args.dtype}" if args.dtype else "")
+    tag = args.name or f"{args.shape}_{args.target}" + (f"_{args.dtype}" if args.dtype else "")
     with open(os.path.join(args.out, f"spec_{tag}.json"), "w") as f:
         json.dump({"device": device, "k": args.k, "out_len": args.out_len, "target": args.target, "rows": rows,
                    "graph_seconds": graph_seconds}, f, indent=2)

@@ -7,6 +7,7 @@ Every value is {"value", "workload", "command"}; goodput entries add the sweep t
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 
@@ -138,8 +139,8 @@ def speculative() -> dict:
     second = load("spec", "spec_llama3-8b_chain_offswitch2.json")["rows"]  # the off-switch's second version
     merged = load("spec", "spec_llama3-8b_chain_stepmodel.json")["rows"]  # asking the engine's one step model
     cmd = "python3 bench/spec_gpu.py --tokenizer TOKENIZER_DIR  # one H100"
-    cmd2 = ("python3 bench/spec_gpu.py --tokenizer TOKENIZER_DIR --batches 1,8,32,64 --acceptance 0.3 "
-            "--auto-acceptance 0,0.3,0.7 --repeats 3  # one H100")
+    cmd2 = ("python3 bench/spec_gpu.py --tokenizer TOKENIZER_DIR --batches 1,8,32,64 --acceptance 0,0.7 "
+            "--auto-acceptance 0,0.3,0.7 --repeats 3 --name llama3-8b_chain_stepmodel  # bench/gpu_suite.sh spec")
 
     def mean(rows: list, batch: int, acc: float, auto: bool) -> float:
         g = [r["speedup"] for r in rows if r["batch"] == batch and r["acceptance_target"] == acc and r["auto"] == auto]
@@ -150,11 +151,15 @@ def speculative() -> dict:
                    for a in {r["acceptance_target"] for r in rows if r["auto"]})
 
     (w1, b1, a1), (w2, b2, a2), (w3, b3, a3) = worst(first), worst(second), worst(merged)
+    latest = load("spec", "spec_llama3-8b_chain_stepmodel.json")
+    if any(r["batch"] == 1 and r["acceptance_target"] == 0.7 and not r["auto"] for r in merged):
+        first, cmd = merged, cmd2  # bench/gpu_suite.sh measures both keys in one run
+    dev = {"device": latest["device"]}
     return {
-        "spec_speedup_b1_accept70": {"value": mean(first, 1, 0.7, False), "command": cmd,
+        "spec_speedup_b1_accept70": {"value": mean(first, 1, 0.7, False), "command": cmd, **dev,
                                      "workload": "batch 1, per-token draft acceptance 70%, k=4, 128 tokens, "
                                                  "mean of 3 runs"},
-        "spec_off_switch_worst": {"value": w3, "command": cmd2,
+        "spec_off_switch_worst": {"value": w3, "command": cmd2, **dev,
                                   "workload": f"the off-switch's worst mean over batches 1/8/32/64 x acceptance "
                                               f"0/30/70% (batch {b3}, acceptance {a3:.0%}), asking the engine's "
                                               "one step-time model (spec/spec_llama3-8b_chain_stepmodel.md)",
@@ -199,6 +204,7 @@ def mixed_step() -> dict:
     for chunk, goal in ((64, 2), (256, 5), (1024, 26)):
         out[f"mixed_step_overhead_ms_{chunk}"] = {
             "value": round(extra(var["variants"], chunk, BY_SHAPE[chunk]), 1), "goal": goal, "command": cmd,
+            "device": var["device"],
             "workload": f"16 decodes at ~4K context + the last {chunk} tokens of an 8K prompt (the rest cached), "
                         f"Llama-3-8B shape, bf16, median of 5, piecewise graphs, attention: {BY_SHAPE[chunk]}; "
                         f"the --tag _graphs run of the same build before the by-shape choice: "
@@ -208,11 +214,12 @@ def mixed_step() -> dict:
     pp = load("attention", "prefill_prefix.json")
     pp_cmd = pp["command"] + "  # " + pp["device"]
     out["prefix_hit_prefill_ratio"] = {
-        "value": round(pp["prefix_hit_prefill_ratio"], 2), "goal": 0.55, "command": pp_cmd,
+        "value": round(pp["prefix_hit_prefill_ratio"], 2), "goal": 0.55, "command": pp_cmd, "device": pp["device"],
         "workload": f"2048 new tokens over a 2048-token cached prefix ({pp['hit_2048_over_2048_ms']:.1f} ms) / a fresh "
                     f"4096-token prompt ({pp['fresh_4096_ms']:.1f} ms), one step each, Llama-3-8B shape, bf16"}
     out["chunked_prefill_last_over_first"] = {
         "value": round(pp["chunked_prefill_last_over_first"], 2), "goal": 1.2, "command": pp_cmd,
+        "device": pp["device"],
         "workload": f"an 8K prompt alone in 1024-token chunks: last {pp['chunk_last_ms']:.1f} ms / first "
                     f"{pp['chunk_first_ms']:.1f} ms. The first chunk is a fresh prompt alone (torch's flash "
                     "kernel); the last one's attention over 7K cached keys (~4.1 TFLOP) adds ~12 ms: ~350 "
@@ -353,6 +360,28 @@ def kv_window() -> dict:
                     f"{ppl[(1024, 0)] / ppl[(None, 0)]:.2f}x)"}}
 
 
+def device_of(command: str) -> str:
+    """The machine a command's note names (`... # one H100`), else CPU for a CPU script."""
+    note = command.rsplit("#", 1)[1].split("(")[0].split(";")[0].strip() if "#" in command else ""
+    return note or ("CPU" if "_gpu.py" not in command else "unknown GPU")
+
+
+def provenance(summary: dict, previous: dict) -> dict:
+    """Every key names the machine and the date of its measurement. A key whose value is what
+    the committed summary says keeps that entry's device and date; a new or changed value takes
+    its own device (the result file's), else the one its command names, and today's date. Keys
+    the committed summary has that no function here makes (entered by hand with their result)
+    stay as they are."""
+    out = {}
+    for k, v in summary.items():
+        old = previous.get(k, {})
+        same = old.get("value") == v["value"] and "date" in old
+        v["device"] = old["device"] if same else v.get("device") or device_of(v["command"])
+        v["date"] = old["date"] if same else datetime.date.today().isoformat()
+        out[k] = v
+    return {**out, **{k: v for k, v in previous.items() if k not in out}}
+
+
 def main() -> None:
     eng = load("engine_gpu_b64.json")
     dec = {r["batch"]: r for r in eng["decode"]}
@@ -389,7 +418,11 @@ def main() -> None:
     summary.update(priority())
     summary.update(kv_int4())
     summary.update(kv_window())
-    with open(os.path.join(RES, "summary.json"), "w") as f:
+    path = os.path.join(RES, "summary.json")
+    with open(path) as f:
+        previous = json.load(f)
+    summary = provenance(summary, previous)
+    with open(path, "w") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary.items():
         print(f"{k:24s} {v['value']}")
