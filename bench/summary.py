@@ -254,16 +254,16 @@ def colocated_one() -> dict:
 def seeded_sampling() -> dict:
     res = load("sampling", "sampling_gpu.json")
     t = {r["rows"]: r for r in res["sampler_ms"]}
-    cmd = "python3 bench/sampling_gpu.py --out bench/results/sampling  # one H100"
+    cmd = "python3 bench/sampling_gpu.py --out bench/results/sampling  # bench/gpu_suite.sh sampling"
     wl = f"sampler call over {res['vocab']:,}-token float32 logits, temperature 0.8, top-p 0.95, {res['device']}"
     b = res["bits"]
     return {
         "seeded_sampler_extra_ms_64": {
-            "value": round(t[64]["seeded"] - t[64]["unseeded"], 3), "command": cmd,
+            "value": round(t[64]["seeded"] - t[64]["unseeded"], 3), "command": cmd, "device": res["device"],
             "workload": wl + f"; 64 seeded rows vs 64 unseeded ({t[64]['unseeded']:.2f} ms); 1 row: "
                              f"+{t[1]['seeded'] - t[1]['unseeded']:.2f} ms"},
         "seeded_noise_bits_equal_cuda_cpu": {
-            "value": round(b["bitwise_equal"] / b["values"], 3), "command": cmd,
+            "value": round(b["bitwise_equal"] / b["values"], 3), "command": cmd, "device": res["device"],
             "workload": f"{b['pairs']} (seed, index) pairs x 2 rows x the vocabulary, float32 Exp(1) draws on CUDA vs "
                         "CPU (the hash and the uniforms are integer-exact; -log rounds differently by device)"},
     }
@@ -342,7 +342,7 @@ def kv_int4() -> dict:
         "kv_int4_perplexity_ratio": {"value": round(q["int4"]["perplexity"] / q["auto"]["perplexity"], 3), **quality},
         "kv_int4_decode_kernel_vs_bf16": {
             "value": round(dec["int4"] / dec["auto"], 2),
-            "command": "python3 bench/kv_int4_gpu.py --out bench/results/kv_int4",
+            "command": "python3 bench/kv_int4_gpu.py --out bench/results/kv_int4", "device": k["gpu"],
             "workload": f"paged decode attention, one Llama-3-8B layer, batch 64 x context 4096, {k['gpu']}: int4 "
                         f"{dec['int4']:.0f} us over bf16 {dec['auto']:.0f} us (int8 {dec['int8']:.0f} us)"},
     }
@@ -369,13 +369,14 @@ def device_of(command: str) -> str:
 def provenance(summary: dict, previous: dict) -> dict:
     """Every key names the machine and the date of its measurement. A key whose value is what
     the committed summary says keeps that entry's device and date; a new or changed value takes
-    its own device (the result file's), else the one its command names, and today's date. Keys
+    its own device (the result file's), else the one its command names, and today's date (a key
+    measured again by another command is new). Keys
     the committed summary has that no function here makes (entered by hand with their result)
     stay as they are."""
     out = {}
     for k, v in summary.items():
         old = previous.get(k, {})
-        same = old.get("value") == v["value"] and "date" in old
+        same = old.get("value") == v["value"] and old.get("command") == v["command"] and "date" in old
         v["device"] = old["device"] if same else v.get("device") or device_of(v["command"])
         v["date"] = old["date"] if same else datetime.date.today().isoformat()
         out[k] = v

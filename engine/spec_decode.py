@@ -163,6 +163,8 @@ class Drafter:
     def _propose(self, running: list) -> None:
         cfg = self.config
         decodes = [r for r in running if r.is_decoding]
+        if not decodes:  # the step decide() saw in flight finished them all
+            return
         context = sum(r.num_tokens for r in decodes) / max(1, len(decodes))
         rooms = [0 if one_token_steps(r) else  # bias, bans, penalties, log-probs: logits_process.py
                  min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,

@@ -97,3 +97,24 @@ def test_a_manual_step_over_an_overlapped_engine(engine):
     while engine.has_unfinished_requests():
         engine.step()
     engine.kv.check_all_free()
+
+
+def test_every_headline_key_names_its_device_and_date():
+    """bench/results/summary.json: each key says where and when it was measured (bench/summary.py
+    keeps both while a value stands)."""
+    import json
+    import re
+
+    summary = json.loads((BENCH / "results" / "summary.json").read_text())
+    for key, entry in summary.items():
+        assert entry.get("device") and re.fullmatch(r"\d{4}-\d{2}-\d{2}", entry.get("date", "")), key
+
+
+def test_gpu_suite_names_its_groups(tmp_path):
+    """bench/gpu_suite.sh parses, and refuses a group it does not have (exit 1, naming it)."""
+    import subprocess
+
+    script = BENCH / "gpu_suite.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    r = subprocess.run(["bash", str(script), str(tmp_path), "nosuch"], capture_output=True, text=True)
+    assert r.returncode == 1 and "nosuch (unknown)" in r.stderr, r.stderr

@@ -315,3 +315,17 @@ def test_a_probe_while_off_drafts_for_a_rotating_few():
     width = -(-16 // PROBE_SHARE)
     assert probes == [[f"r{i}" for i in range(width)], [f"r{i}" for i in range(width, 2 * width)]], drafted
     assert drafted.index(probes[0]) == PROBE_EVERY and d.steps_off == len(drafted) - 2
+
+
+def test_a_step_decided_with_drafts_whose_decodes_then_finish():
+    """decide() sees the decodes of a step still in flight; once it resolves they may all have
+    finished: propose() then drafts for none (it divided by their count: a ZeroDivisionError
+    on an H200 at batch 1)."""
+    d = Drafter(SpeculativeConfig.from_dict(NGRAM))
+    d.proposer = lambda req, room: [7] * room
+    r = Request("r0", [1, 2, 3], SamplingParams(max_tokens=100))
+    r.num_computed_tokens = 3
+    r.append_token(5)
+    assert d.decide([r])
+    d.propose([])
+    assert r.spec_tokens == []
