@@ -43,12 +43,14 @@ from .tool_parsers import PARSERS
 
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               max_queue: int = 256, served_model_name: str | None = None, admin_key: str | None = None,
-              chat_special_tokens: str = "refuse", tool_call_parser: str | None = None) -> FastAPI:
+              chat_special_tokens: str = "refuse", tool_call_parser: str | None = None, root_path: str = "") -> FastAPI:
     """`api_key` guards the inference routes, `admin_key` the /admin routes (errors.py).
     `chat_special_tokens`: "refuse" (400) a chat message whose text spells one of the
     tokenizer's special tokens (it would be read as a control token: a forged turn), or
     "allow" it (vLLM's default). `tool_call_parser`: the model's call format, which serves
-    tool_choice "auto" (tool_parsers.py; vLLM's --tool-call-parser)."""
+    tool_choice "auto" (tool_parsers.py; vLLM's --tool-call-parser). `root_path`: the prefix a
+    proxy serves the app under (--root-path): routes answer with it and without it (a proxy that
+    strips it)."""
     if chat_special_tokens not in ("refuse", "allow"):
         raise ValueError(f"chat_special_tokens must be refuse or allow, got {chat_special_tokens!r}")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -89,7 +91,7 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
     add_token_routes(app, cluster, runner, model_name)
     add_operations_routes(app, cluster, metrics)
     app.add_middleware(GuardMiddleware, api_key=api_key, admin_key=admin_key, max_body_bytes=max_body_bytes,
-                       on_refuse=metrics.refused)
+                       on_refuse=metrics.refused, root_path=root_path.rstrip("/"))
     install_openapi(app)
     return app
 

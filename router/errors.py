@@ -49,13 +49,16 @@ class GuardMiddleware:
     OPEN = ("/health", "/version", "/docs", "/openapi.json")
     OPEN_UNDER = "/docs/static/"  # Swagger UI's own files
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_refuse, admin_key: str | None = None):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_refuse, admin_key: str | None = None,
+                 root_path: str = ""):
         self.app, self.api_key, self.admin_key = app, api_key, admin_key
-        self.max_body_bytes, self.on_refuse = max_body_bytes, on_refuse
+        self.max_body_bytes, self.on_refuse, self.root_path = max_body_bytes, on_refuse, root_path
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.root_path:  # --root-path: the routes match below it, with or without it in the path
+            scope = {**scope, "root_path": self.root_path}
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refusal = self._refusal(route_path(scope), headers)
         if refusal is not None:

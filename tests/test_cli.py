@@ -200,3 +200,21 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
     for stage in ("config and tokenizer read (max_model_len 128)", "starting a local Ray cluster",
                   "starting 1 decode worker(s); each loads the model", "decode worker colocated-0-"):
         assert stage in err, err[-2000:]
+
+
+def test_argparse_refusals_are_one_line():
+    """argparse's own refusals (a bad choice, a missing value, an unknown option): one line naming
+    the problem and where the options are, not the whole usage first."""
+    for args, expect in ((("serve", "--mode", "hybird"), "invalid choice: 'hybird'"),
+                         (("serve", "--port"), "expected one argument"),
+                         (("generate", "hi", "--no-such-flag"), "unrecognized arguments: --no-such-flag")):
+        out = pdserve(*args)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and expect in lines[0], (args, out.stderr)
+        assert "--help" in lines[0]
+
+
+def test_generate_help_names_no_default_for_no_chat():
+    opts = [" ".join(o.split()) for o in pdserve("generate", "--help").stdout.split("\n  -")]
+    no_chat = next(o for o in opts if o.startswith("-no-chat"))
+    assert no_chat == "-no-chat prompts as plain text, without the chat template", no_chat

@@ -106,7 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,
-                        chat_special_tokens=args.chat_special_tokens, tool_call_parser=args.tool_call_parser)
+                        chat_special_tokens=args.chat_special_tokens, tool_call_parser=args.tool_call_parser,
+                        root_path=args.root_path)
         pools = cluster.pool_sizes()
         tp = {r: f"{pools[r]} x TP{cluster.pools.tp(r)}" for r in pools}
         sizes = f"colocated={tp['decode']}" if cluster.mode == "colocated" else \
@@ -115,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
               f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
               f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
-        server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, root_path=args.root_path))
+        server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level))
         stop = server.handle_exit
 
         def on_signal(sig, frame):  # Ctrl-C reaches the workers too: they end, they are not replaced
