@@ -51,6 +51,10 @@ class WorkerRecord:
     switching_to: str | None = None  # draining to change role: counted in that pool, placed in none
     stats: dict = field(default_factory=dict)
     placement_group: object = None  # a tensor-parallel worker's GPUs (one bundle per rank)
+    first_role: str = ""  # the pool it was started for (switching back goes to such workers first)
+
+    def __post_init__(self) -> None:
+        self.first_role = self.first_role or self.role
 
 
 class Pools:
@@ -138,7 +142,7 @@ class Pools:
             extra = sizes[donor] - new[donor]
             # a worker started for the target pool first (back to its first role), then the least loaded
             idle_first = sorted((w for w in self.members(donor) if w.switching_to is None),
-                                key=lambda w: (not w.worker_id.startswith(to), w.load, w.worker_id))
+                                key=lambda w: (w.first_role != to, w.load, w.worker_id))
             moves += [(w, to) for w in idle_first[:max(0, extra)]]
         return moves
 
@@ -189,8 +193,8 @@ class Pools:
         return drains
 
     async def _add_worker(self, role: str) -> WorkerRecord:
-        label = "colocated" if self.mode == "colocated" else role
-        wid = f"{label}-{next(self._ids)}-{uuid.uuid4().hex[:4]}"
+        label = "colocated" if self.mode == "colocated" else role  # its persistence slot's kind
+        wid = f"w{next(self._ids)}-{uuid.uuid4().hex[:4]}"  # the worker, whatever role it has now or later
         opts, tp = dict(self.actor_options[role]), self.tp(role)
         args = self.engine_args(role)
         if args.get("kv_persist_dir"):  # one file per worker slot, found again after a restart or by a

@@ -197,3 +197,10 @@ def listening_sockets(pgid: int) -> list[tuple[str, int, str]]:
         except (ProcessLookupError, FileNotFoundError, PermissionError):
             continue
     return sorted(set(out))
+
+
+def role_of(cluster, worker_id: str) -> str | None:
+    """The pool a worker of `cluster` serves in now (worker ids do not name a role: a worker
+    may switch); None for a worker that is gone."""
+    w = cluster.workers.get(worker_id)
+    return w.role if w is not None else None

@@ -198,7 +198,7 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
     assert proc.returncode == 0 and "purging and replacing" not in err and "Traceback" not in err, err[-2000:]
     # the start showed its stages, each worker as it became ready
     for stage in ("config and tokenizer read (max_model_len 128)", "starting a local Ray cluster",
-                  "starting 1 decode worker(s); each loads the model", "decode worker colocated-0-"):
+                  "starting 1 decode worker(s); each loads the model", "decode worker w0-"):
         assert stage in err, err[-2000:]
 
 

@@ -27,7 +27,7 @@ from pdserve.bench.workloads import (
 from pdserve.cluster import Cluster
 from pdserve.router.app import build_app
 
-from helpers import PROMPTS, Server
+from helpers import PROMPTS, Server, role_of
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -145,7 +145,7 @@ def test_colocated_mode_equals_the_engine(colocated):
     want = [o.outputs[0].token_ids for o in LLM(max_model_len=512).generate(PROMPTS, params)]
     outs = c.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert all(o.prefill_worker == o.decode_worker and o.decode_worker.startswith("colocated") for o in outs)
+    assert all(o.prefill_worker == o.decode_worker and role_of(c, o.decode_worker) == "decode" for o in outs)
     assert len({o.decode_worker for o in outs}) == 2
     with pytest.raises(ValueError, match="no prefill pool"):
         c.scale(prefill=1)

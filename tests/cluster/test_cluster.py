@@ -14,7 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.engine.hashing import hash_block_tokens
 
-from helpers import PROMPTS, RayHead
+from helpers import PROMPTS, RayHead, role_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
@@ -58,9 +58,9 @@ class TestTwoByTwo:
     def test_outputs_equal_colocated(self, cluster, reference):
         outs = cluster.generate(PROMPTS16, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS16]
-        assert {o.prefill_worker for o in outs} <= {w for w in cluster.workers if w.startswith("prefill")}
+        assert {o.prefill_worker for o in outs} <= {w for w in cluster.workers if role_of(cluster, w) == "prefill"}
         # both decode workers took requests (a request that ends on its first token never leaves prefill)
-        assert len({o.decode_worker for o in outs if o.decode_worker.startswith("decode")}) == 2
+        assert len({o.decode_worker for o in outs if role_of(cluster, o.decode_worker) == "decode"}) == 2
         no_request_blocks(cluster)
 
     def test_seeded_sampled_outputs_equal_colocated(self, cluster, tiny_models):
@@ -77,7 +77,7 @@ class TestTwoByTwo:
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         for c, rc in zip(got, want):
             assert [sorted(d) for d in c.logprobs] == [sorted(d) for d in rc.logprobs]
-        assert any(o.decode_worker.startswith("decode") for o in outs)
+        assert any(role_of(cluster, o.decode_worker) == "decode" for o in outs)
         assert len({tuple(c.token_ids) for o in ref for c in o.outputs}) == 8  # sampled: all differ
         no_request_blocks(cluster)
 
@@ -96,7 +96,8 @@ class TestTwoByTwo:
             assert s["decode_queued"] <= s["reserved"] <= s["send_start"]  # reserved before the send, never after
             assert s["target_known"] <= s["send_start"]
             assert set(t["phases"]) == {"prefill", "decode_reserve", "kv_to_first_token"}
-            assert t["prefill_worker"].startswith("prefill") and t["decode_worker"].startswith("decode")
+            roles = (role_of(cluster, t["prefill_worker"]), role_of(cluster, t["decode_worker"]))
+            assert roles == ("prefill", "decode")
 
     def test_stream_equals_non_stream(self, cluster):
         p = "Write a sentence about the ocean."

@@ -18,7 +18,7 @@ from pdserve.cluster.pools import WorkerRecord
 from pdserve.cluster.worker_actor import WorkerActor
 from pdserve.router.app import build_app
 
-from helpers import Server
+from helpers import Server, role_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
@@ -170,7 +170,7 @@ def test_a_seeded_request_retried_after_its_prefill_worker_died_samples_the_same
         t.join(150)
         out, = got
         assert out.outputs[0].finish_reason == "length", out.outputs[0].stop_reason
-        assert out.prefill_worker != busy[0] and out.prefill_worker.startswith("prefill")
+        assert out.prefill_worker != busy[0] and role_of(c, out.prefill_worker) == "prefill"
         assert out.outputs[0].token_ids == want
     finally:
         c.shutdown()

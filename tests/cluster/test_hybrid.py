@@ -173,6 +173,8 @@ def test_switch_roles_under_load(hybrid, prompts, reference):
     assert len(moved) == 1 and moved[0] in decode_ids and hybrid.workers[moved[0]].role == "prefill"
     roles = {w["worker_id"]: w["role"] for w in hybrid.registry_workers()}
     assert roles[moved[0]] == "prefill"  # registered again under its new role
+    # an id names the worker, not a role it may leave (it was `decode-1-xxxx` serving as prefill)
+    assert not any(w.startswith(("prefill", "decode", "colocated")) for w in hybrid.workers)
     outs = hybrid.generate(prompts, GREEDY)  # the switched worker serves as a prefill worker
     assert [o.outputs[0].token_ids for o in outs] == reference
     no_request_blocks(hybrid)

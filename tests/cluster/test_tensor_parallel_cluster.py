@@ -13,7 +13,7 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 
-from helpers import PROMPTS
+from helpers import PROMPTS, role_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
 
@@ -41,18 +41,19 @@ def p1_d2(tiny_models, shared_ray):
 def test_prefill_tp1_to_decode_tp2_equals_llm(p1_d2, tiny_models):
     outs = p1_d2.generate(PROMPTS8, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference(tiny_models["llama"])
-    assert all(o.decode_worker.startswith("decode") and o.prefill_worker.startswith("prefill") for o in outs)
+    assert all(role_of(p1_d2, o.decode_worker) == "decode" and role_of(p1_d2, o.prefill_worker) == "prefill"
+               for o in outs)
     rows = {r["worker_id"]: r for r in p1_d2.status()}
     assert sorted(r["tensor_parallel_size"] for r in rows.values()) == [1, 2]
     # the registry and routing see one worker per TP group, its ranks are its own actors
     assert {w["worker_id"] for w in p1_d2.registry_workers()} == set(rows)
-    dec = next(w for w in rows if w.startswith("decode"))
+    dec = next(w for w in rows if rows[w]["role"] == "decode")
     assert ray.get(ray.get_actor(f"{dec}#1", namespace="pdserve").address.remote())
     no_request_blocks(p1_d2)
 
 
 def test_a_killed_rank_takes_its_worker_out_and_it_is_replaced(p1_d2):
-    dec = next(w for w in p1_d2.workers if w.startswith("decode"))
+    dec = next(w for w in p1_d2.workers if role_of(p1_d2, w) == "decode")
     long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     outs: list = []
 
@@ -87,7 +88,7 @@ def test_a_killed_rank_takes_its_worker_out_and_it_is_replaced(p1_d2):
         time.sleep(0.2)
     assert dec not in p1_d2.workers and dec not in {w["worker_id"] for w in p1_d2.registry_workers()}
     assert time.monotonic() - t_kill < 60
-    new = next(w for w in p1_d2.workers if w.startswith("decode"))
+    new = next(w for w in p1_d2.workers if role_of(p1_d2, w) == "decode")
     out = p1_d2.generate(PROMPTS8[:2], GREEDY)
     assert all(o.decode_worker == new and len(o.outputs[0].token_ids) == 12 for o in out)
     assert next(r for r in p1_d2.status() if r["worker_id"] == new)["tensor_parallel_size"] == 2
@@ -102,7 +103,7 @@ def test_prefill_tp2_replicated_kv_head_to_decode_tp1_equals_llm(tiny_models):
     try:
         outs = c.generate(PROMPTS8, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference(tiny_models["qwen2"], kv_cache_dtype="int8")
-        assert all(o.prefill_worker.startswith("prefill") for o in outs)
+        assert all(role_of(c, o.prefill_worker) == "prefill" for o in outs)
         no_request_blocks(c)
     finally:
         c.shutdown()

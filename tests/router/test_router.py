@@ -21,7 +21,7 @@ from pdserve.cluster import Cluster
 from pdserve.engine.hashing import hash_block_tokens
 from pdserve.router.app import build_app
 
-from helpers import Server
+from helpers import Server, role_of
 from monitoring import Prometheus, dashboard_exprs, exposition_names, prometheus_bin, rule_exprs
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
@@ -115,7 +115,7 @@ def test_prefix_affinity_and_bounded_spread(client, server, cluster):
         raw = client.completions.with_raw_response.create(model=model_id(client), prompt=f"{prefix} q{i}",
                                                           max_tokens=2, temperature=0)
         shared.append(raw.headers["x-pdserve-prefill"])
-        assert raw.headers["x-pdserve-decode"].startswith("decode")
+        assert role_of(cluster, raw.headers["x-pdserve-decode"]) == "decode"
         if i == 0:
             time.sleep(2.5)  # the registry learns the prefix from the next heartbeat
     top = max(set(shared), key=shared.count)
@@ -408,13 +408,13 @@ def test_conditional_disaggregation(client, cluster):
         raw = client.completions.with_raw_response.create(model=model_id(client), prompt="Hi", max_tokens=4,
                                                           temperature=0)
         assert raw.headers["x-pdserve-prefill"] == raw.headers["x-pdserve-decode"]
-        assert raw.headers["x-pdserve-decode"].startswith("decode")
+        assert role_of(cluster, raw.headers["x-pdserve-decode"]) == "decode"
     finally:
         cluster.dispatcher.placer.local_prefill_tokens = 0
     doc = "The history of the lighthouse keepers of the northern coast, told in order. " * 4
     first = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 1.",
                                                         max_tokens=2, temperature=0)
-    assert first.headers["x-pdserve-prefill"].startswith("prefill")
+    assert role_of(cluster, first.headers["x-pdserve-prefill"]) == "prefill"
     # the decode worker's received blocks reach the registry with its next heartbeat
     ids = cluster.tokenizer.encode(doc + "Part 2.")
     hashes = [h.hex() for h in hash_block_tokens(ids, cluster.block_size)]
