@@ -64,28 +64,31 @@ def test_serve_refuses_a_bad_serving_config(tmp_path):
 
 
 def test_prefill_pool_chunk_budget():
-    from pdserve.cli import _engine_kwargs, _prefill_engine_kwargs, build_parser
+    from pdserve.cli import build_parser
+    from pdserve.cli_common import engine_kwargs
     from pdserve.cluster.cluster import PREFILL_CHUNK_TOKENS, prefill_pool_args
+    from pdserve.serve_cli import prefill_engine_kwargs
 
     args = build_parser().parse_args(["serve"])
-    assert prefill_pool_args(_engine_kwargs(args), _prefill_engine_kwargs(args))["max_num_batched_tokens"] == \
+    assert prefill_pool_args(engine_kwargs(args), prefill_engine_kwargs(args))["max_num_batched_tokens"] == \
         PREFILL_CHUNK_TOKENS == 8192
     args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024"])  # both pools
-    assert prefill_pool_args(_engine_kwargs(args), _prefill_engine_kwargs(args))["max_num_batched_tokens"] == 1024
+    assert prefill_pool_args(engine_kwargs(args), prefill_engine_kwargs(args))["max_num_batched_tokens"] == 1024
     args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024",
                                       "--prefill-max-num-batched-tokens", "4096"])
-    assert _engine_kwargs(args)["max_num_batched_tokens"] == 1024  # the decode pool keeps its own
-    assert prefill_pool_args(_engine_kwargs(args), _prefill_engine_kwargs(args))["max_num_batched_tokens"] == 4096
+    assert engine_kwargs(args)["max_num_batched_tokens"] == 1024  # the decode pool keeps its own
+    assert prefill_pool_args(engine_kwargs(args), prefill_engine_kwargs(args))["max_num_batched_tokens"] == 4096
 
 
 def test_fused_ops_flag_defaults_to_the_engine(default_model_dir):
-    from pdserve.cli import _engine_kwargs, build_parser
+    from pdserve.cli import build_parser
+    from pdserve.cli_common import engine_kwargs
     from pdserve.engine.config import EngineConfig
 
     parse = build_parser().parse_args
-    assert _engine_kwargs(parse(["serve"]))["fused_ops"] is None  # auto: the engine decides
-    assert _engine_kwargs(parse(["serve", "--fused-ops"]))["fused_ops"] is True
-    assert _engine_kwargs(parse(["serve", "--no-fused-ops"]))["fused_ops"] is False
+    assert engine_kwargs(parse(["serve"]))["fused_ops"] is None  # auto: the engine decides
+    assert engine_kwargs(parse(["serve", "--fused-ops"]))["fused_ops"] is True
+    assert engine_kwargs(parse(["serve", "--no-fused-ops"]))["fused_ops"] is False
     # auto is on only where Triton runs on CUDA: off on CPU, even with the interpreter's Triton backend
     assert EngineConfig(device="cpu").resolve(default_model_dir).fused_ops is False
     assert EngineConfig(device="cpu", attention_backend="triton").resolve(default_model_dir).fused_ops is False
@@ -131,7 +134,8 @@ def test_help_shows_defaults():
 
 
 def test_tensor_parallel_flags_and_config_keys(tmp_path):
-    from pdserve.cli import _engine_kwargs, build_parser
+    from pdserve.cli import build_parser
+    from pdserve.cli_common import engine_kwargs
     from pdserve.cluster.serving_config import ServingConfig
     from pdserve.serve_cli import serving_config
 
@@ -140,7 +144,7 @@ def test_tensor_parallel_flags_and_config_keys(tmp_path):
     args = build_parser().parse_args(["serve", "--config", str(cfg_file), "--decode-tp", "2", "-tp", "8"])
     cfg = serving_config(args).validate()
     assert (cfg.prefill.tensor_parallel_size, cfg.decode.tensor_parallel_size) == (4, 2)
-    assert _engine_kwargs(args)["tensor_parallel_size"] == 8  # what a pool without its own size takes
+    assert engine_kwargs(args)["tensor_parallel_size"] == 8  # what a pool without its own size takes
     try:
         ServingConfig.from_dict({"decode": {"tensor_parallel_size": 0}})
     except ValueError as e:

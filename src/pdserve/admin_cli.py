@@ -14,7 +14,7 @@ import os
 import urllib.error
 import urllib.request
 
-from pdserve.cli import CliError
+from pdserve.cli_common import CliError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

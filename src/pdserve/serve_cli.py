@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli import CliError, _engine_kwargs, _prefill_engine_kwargs
+from pdserve.cli_common import CliError, add_engine_args, engine_kwargs
 
 AUTOSCALE_FLAGS = {"target_prefill_queue": "prefill_queue", "target_ttft_p90": "ttft_p90_s",
                    "target_kv_usage": "kv_usage", "target_itl_p90": "itl_p90_s", "autoscale_cooldown": "cooldown_s",
@@ -86,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     admin_key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
-    kwargs = _engine_kwargs(args)
+    kwargs = engine_kwargs(args)
     kwargs.pop("model", None)
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
@@ -101,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             namespace=args.namespace,
                             local_prefill_tokens=args.local_prefill_tokens,
                             local_cached_fraction=args.local_cached_fraction, serving_config=config,
-                            mode=args.mode, prefill_engine_args=_prefill_engine_kwargs(args), progress=progress,
+                            mode=args.mode, prefill_engine_args=prefill_engine_kwargs(args), progress=progress,
                             **kwargs)
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
@@ -134,7 +134,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_serve_parser(sub, add_engine_args) -> None:
+def prefill_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The prefill pool's overrides of the engine flags."""
+    n = args.prefill_max_num_batched_tokens
+    return {} if n is None else {"max_num_batched_tokens": n}
+
+
+def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="start a cluster and its OpenAI-compatible HTTP router")
     add_engine_args(sv)
     sv.add_argument("--prefill", type=int, default=None, help="prefill workers (default: config's, else 1)")
