@@ -11,6 +11,15 @@ MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat lim
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a torch.Generator seed (n copies add up to n - 1)
 
+
+class InvalidParam(ValueError):
+    """A request parameter out of its range or shape; `param` names it (the router's 400 does)."""
+
+    def __init__(self, param: str, message: str):
+        """`message` says what is wrong with it, after its name (added when it does not begin so)."""
+        super().__init__(message if message.startswith(param) else f"{param} {message}")
+        self.param = param
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
@@ -51,19 +60,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+            raise InvalidParam("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidParam("temperature", f"must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParam("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
+            raise InvalidParam("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+            raise InvalidParam("max_tokens", f"must be an integer >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            raise InvalidParam("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
+            raise InvalidParam("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         if self.stop is None:
             self.stop_strs = []
         elif isinstance(self.stop, str):
@@ -71,56 +80,60 @@ class SamplingParams:
         else:
             self.stop_strs = list(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop_strs):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise InvalidParam("stop", f"must be non-empty strings, got {self.stop!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+                raise InvalidParam(name, f"must be in [-2, 2], got {v!r}")
         if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) \
                 or not 0.01 <= self.repetition_penalty <= 10.0:  # below: logits / p overflow float32
-            raise ValueError(f"repetition_penalty must be in [0.01, 10], got {self.repetition_penalty!r}")
+            raise InvalidParam("repetition_penalty", f"must be in [0.01, 10], got {self.repetition_penalty!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+                raise InvalidParam(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not ids or \
                     any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got {ids!r}")
+                raise InvalidParam("allowed_token_ids", f"must be a non-empty list of token ids >= 0, got {ids!r}")
             self.allowed_token_ids = sorted(set(ids))
         if self.logprob_token_ids is not None:
             ids = self.logprob_token_ids
             if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_LOGPROBS or \
                     any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-                raise ValueError(f"logprob_token_ids must be 1 to {MAX_LOGPROBS} token ids >= 0, got {ids!r}")
+                raise InvalidParam("logprob_token_ids", f"must be 1 to {MAX_LOGPROBS} token ids >= 0, got {ids!r}")
             if self.logprobs is None:
-                raise ValueError("logprob_token_ids needs logprobs (the sampled token's log-prob comes with theirs)")
+                raise InvalidParam("logprob_token_ids", "needs logprobs (the sampled token's comes with theirs)")
             self.logprob_token_ids = list(dict.fromkeys(ids))
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidParam("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
+                raise InvalidParam("logit_bias", f"must map token ids to biases, got {type(self.logit_bias).__name__}")
             bias = {}
             for t, b in self.logit_bias.items():
                 try:
                     tok = int(t)  # OpenAI's JSON keys are strings
                 except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias keys must be token ids, got {t!r}") from None
+                    raise InvalidParam("logit_bias", f"keys must be token ids, got {t!r}") from None
                 if tok < 0 or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-                    raise ValueError(f"logit_bias must map token ids >= 0 to values in [-100, 100], got {t!r}: {b!r}")
+                    raise InvalidParam("logit_bias",
+                                       f"must map token ids >= 0 to values in [-100, 100], got {t!r}: {b!r}")
                 bias[tok] = float(b)
             self.logit_bias = bias
-        self.structured_outputs = check_spec(self.structured_outputs)
+        try:
+            self.structured_outputs = check_spec(self.structured_outputs)
+        except ValueError as e:
+            raise InvalidParam("structured_outputs", str(e)) from None
         if self.structured_outputs and self.ignore_eos:
-            raise ValueError("structured_outputs with ignore_eos: a complete grammar allows only EOS")
+            raise InvalidParam("structured_outputs", "with ignore_eos: a complete grammar allows only EOS")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool) or \
                 not SEED_MIN <= self.priority <= SEED_MAX:
-            raise ValueError(f"priority must be an integer (lower is served first), got {self.priority!r}")
+            raise InvalidParam("priority", f"must be an integer (lower is served first), got {self.priority!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+            raise InvalidParam("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids}")
 
     def samples(self) -> list[SamplingParams]:
         """The n sequences as n single ones (the engine runs one sequence per request); a

@@ -33,12 +33,6 @@ from pdserve.engine.validation import InvalidRequest
 from .errors import HTTPError
 from .schemas import screen
 
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "prompt_logprobs", "logprobs",
-                   "allowed_token_ids", "logprob_token_ids", "response_format", "structured_outputs", "tool_choice",
-                   "priority", "truncate_prompt_tokens")
-
-
 log = logging.getLogger(__name__)
 MAX_JSON_DEPTH = 64  # a body nested deeper is refused (1000 deep once ended in a RecursionError: a 500)
 
@@ -141,10 +135,9 @@ class RequestRunner:
     async def params(self, req, ids: list[int], default_max: int | None):
         try:
             params = req.sampling_params(default_max)
-        except ValueError as e:
-            msg = str(e)
-            param = next((f for f in SAMPLING_FIELDS if msg.startswith(f)), None)
-            raise HTTPError(400, msg, param=grammar_param(req) if param == "structured_outputs" else param) from None
+        except ValueError as e:  # InvalidParam names the field; a grammar's is the field it came from
+            param = getattr(e, "param", None)
+            raise HTTPError(400, str(e), param=grammar_param(req) if param == "structured_outputs" else param) from None
         try:
             max_tokens = self.cluster.validate(ids, params)
             if params.structured_outputs:  # a grammar that does not compile: refused before queueing

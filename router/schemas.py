@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, InvalidParam, SamplingParams
 
 from .tool_parsers import ToolParser
 from .tools import Tool, ToolCalls, ToolChoice
@@ -131,12 +131,12 @@ class _Sampling(BaseModel):
         if rf is not None and rf.type != "text":
             given["response_format"] = True
         if len(given) > 1:
-            raise ValueError(f"response_format: give one constraint, got {sorted(given)}")
+            raise InvalidParam("response_format", f"give one constraint, got {sorted(given)}")
         if rf is not None and rf.type == "json_object":
             return {"json_object": True}
         if rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
-                raise ValueError("response_format: type 'json_schema' needs 'json_schema': {'name', 'schema'}")
+                raise InvalidParam("response_format", "type 'json_schema' needs 'json_schema': {'name', 'schema'}")
             return {"json": rf.json_schema.schema_ or {"type": "object"}}
         return dict(given) or None
 
@@ -163,7 +163,7 @@ class _Sampling(BaseModel):
         return self.prompt_logprobs
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """Raises ValueError naming the bad field."""
+        """Raises InvalidParam naming the bad field."""
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed,
                               max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
@@ -192,7 +192,7 @@ class CompletionRequest(_Sampling):
         if not self.scores_only:
             return super().sampling_params(default_max_tokens)
         if not self.echo:
-            raise ValueError("max_tokens must be >= 1 (0 only with echo: the prompt alone, scored)")
+            raise InvalidParam("max_tokens", "must be >= 1 (0 only with echo: the prompt alone, scored)")
         return _Sampling.sampling_params(self.model_copy(update={"max_tokens": 1}), default_max_tokens)
 
     def num_logprobs(self) -> int | None:
@@ -264,12 +264,13 @@ class ChatCompletionRequest(_Sampling):
         if calls is not None and calls.auto is not None:
             return other  # the reply is free text (a grammar the request gives still holds)
         if calls is not None and other is not None:
-            raise ValueError("tool_choice: a tool call's grammar and response_format / guided_* are two constraints")
+            raise InvalidParam("tool_choice", "a tool call's grammar and response_format / guided_* are two "
+                                              "constraints")
         return calls.spec() if calls is not None else other
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("logprobs must be true when top_logprobs is set")
+            raise InvalidParam("logprobs", "must be true when top_logprobs is set")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 

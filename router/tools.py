@@ -30,6 +30,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.engine.sampling_params import InvalidParam
+
 from .tool_parsers import PARSERS, ToolParser
 
 
@@ -70,7 +72,7 @@ class ToolCalls:
         self.schemas = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in self.schemas:
-                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one of the tools "
+                raise InvalidParam("tool_choice", f"names {choice.function.name!r}, which is not one of the tools "
                                  f"{sorted(self.schemas)}")
             self.named: str | None = choice.function.name
         else:
@@ -80,14 +82,14 @@ class ToolCalls:
     @classmethod
     def of(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool,
            parser: ToolParser | None = None) -> ToolCalls | None:
-        """The request's tool mode, None when its reply is plain text; raises ValueError
-        beginning with the parameter it names. `parser`: the server's (tool_choice auto)."""
+        """The request's tool mode, None when its reply is plain text; raises InvalidParam
+        naming tool_choice. `parser`: the server's (tool_choice auto)."""
         if not tools:
             if choice not in (None, "none"):
-                raise ValueError("tool_choice needs tools")
+                raise InvalidParam("tool_choice", "needs tools")
             return None
         if (choice is None or choice == "auto") and parser is None:
-            raise ValueError("tool_choice 'auto' (the default when tools are given) needs the server started with "
+            raise InvalidParam("tool_choice", "'auto' (the default when tools are given) needs the server started with "
                              "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format: "
                              f"{', '.join(PARSERS)}); or give tool_choice 'required', a named function, or 'none'")
         return None if choice == "none" else cls(tools, choice, parallel, parser)

@@ -11,6 +11,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.logits_process import process
 from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import InvalidParam
 from pdserve.engine.sampler import Sampler
 
 
@@ -59,8 +60,14 @@ def test_min_p_and_the_sampler():
     ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
     ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"), ({"prompt_logprobs": 21}, "prompt_logprobs must be")])
 def test_bad_values_are_refused(bad, match):
-    with pytest.raises(ValueError, match=match):
+    """Each refusal names its parameter as data (InvalidParam.param), not only in its text: the
+    router's 400 reads it (it matched message prefixes)."""
+    with pytest.raises(InvalidParam, match=match) as e:
         SamplingParams(**bad)
+    assert e.value.param == next(iter(bad))
+    with pytest.raises(InvalidParam) as e:
+        SamplingParams(structured_outputs={"regex": 3})
+    assert e.value.param == "structured_outputs"
 
 
 @pytest.mark.slow
