@@ -11,8 +11,8 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.logits_process import process
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import InvalidParam
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import InvalidParam
 
 
 def req(rid="r", prompt=(1, 2), out=(), **sp) -> Request:
