@@ -34,7 +34,8 @@ from serving_gpu import build_model, save_ratio_plot  # noqa: E402
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.spec_switch import DISABLE_BY_BATCH_SIZE, SpecSwitch  # noqa: E402
+from pdserve.engine.spec_config import DISABLE_BY_BATCH_SIZE  # noqa: E402
+from pdserve.engine.spec_switch import SpecSwitch  # noqa: E402
 from pdserve.engine.step_model import StepModel  # noqa: E402
 
 

@@ -12,6 +12,7 @@ import torch
 
 from .kv_quant import check_head_dim
 from .kv_window import KVWindow, check_window
+from .spec_config import SpeculativeConfig
 from .tp import check_tp
 
 SUPPORTED_ARCHITECTURES = {
@@ -235,8 +236,6 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         self._check_tiers(tp)
-        from .spec_decode import SpeculativeConfig
-
         self.spec = SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")

@@ -17,7 +17,7 @@ from .host_to_device import to_device
 from .logits_process import process
 from .request import Request
 from .sampling_params import SamplingParams
-from .spec_decode import verify_greedy, verify_sampled
+from .spec_verify import verify_greedy, verify_sampled
 
 
 class Sampler:

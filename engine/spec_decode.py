@@ -22,53 +22,10 @@ Off-switch: a batch-size cap and, on CUDA, the engine's step-time model (spec_sw
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
-import torch
 
 from .logits_process import one_token_steps
-from .spec_switch import DISABLE_BY_BATCH_SIZE, SpecSwitch
-
-METHODS = ("ngram", "draft_model")
-
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-    disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE
-    model: str | None = None  # draft_model: a Hugging Face directory with the target's vocabulary
-    draft_kv_cache_memory_bytes: int = 1 << 30  # the draft model's own KV cache (spec_draft.py)
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
-        if d is None:
-            return None
-        if not isinstance(d, dict):
-            raise ValueError(f"speculative_config must be a mapping, got {type(d).__name__}")
-        method = d.get("method")
-        if method not in METHODS:
-            raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size", "model", "draft_kv_cache_memory_bytes"}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        cfg = cls(**d)
-        if method == "draft_model" and not isinstance(cfg.model, str):
-            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft's directory")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-                     "draft_kv_cache_memory_bytes"):
-            v = getattr(cfg, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
-        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
-            raise ValueError(f"speculative_config prompt_lookup_min {cfg.prompt_lookup_min} > "
-                             f"prompt_lookup_max {cfg.prompt_lookup_max}")
-        return cfg
+from .spec_config import SpeculativeConfig
+from .spec_switch import SpecSwitch
 
 
 def ngram_propose(tokens: list[int], k: int, nmax: int, nmin: int) -> list[int]:
@@ -81,30 +38,6 @@ def ngram_propose(tokens: list[int], k: int, nmax: int, nmin: int) -> list[int]:
             if tokens[start:start + n] == tail:
                 return tokens[start + n:start + n + k]
     return []
-
-
-def verify_greedy(target: list[int], drafts: list[int]) -> list[int]:
-    """The target's argmax at [last token, d1..dk] (k+1 ids) -> the tokens the step produces."""
-    out = []
-    for i, d in enumerate(drafts):
-        out.append(target[i])
-        if target[i] != d:
-            return out
-    out.append(target[len(drafts)])
-    return out
-
-
-def verify_sampled(probs: torch.Tensor, drafts: list[int], noise: torch.Tensor) -> list[int]:
-    """probs [k+1, vocab]: the target's (after temperature / top-k / top-p); noise [k+1, vocab]:
-    Exp(1) draws, row j the request's draw for the token at that row (sampler.Sampler.noise).
-    Each row draws its token by the exponential race (argmax p / E), as plain sampling would at
-    that index; d_j is kept while the draw equals it, and the first draw that differs ends the
-    step (after k acceptances, row k's draw is the bonus token). Against one-hot drafts this is
-    rejection sampling: d_j survives with probability p_j(d_j), and a rejected row's token is
-    distributed as p_j without d_j, renormalized. A seeded request draws the same tokens as it
-    would without speculation."""
-    draws = (probs / noise).argmax(dim=-1).tolist()
-    return verify_greedy(draws, drafts)
 
 
 class Drafter:

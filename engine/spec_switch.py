@@ -2,7 +2,7 @@
 
 Per step, two rules (engine/spec_decode.py's Drafter asks before each step):
   - a hard cap: no drafts while the running decodes exceed `disable_by_batch_size`
-    (vLLM's `speculative_disable_by_batch_size`; default DISABLE_BY_BATCH_SIZE, the largest
+    (vLLM's `speculative_disable_by_batch_size`; default spec_config.DISABLE_BY_BATCH_SIZE, the largest
     batch measured, bench/results/spec/);
   - on CUDA, a cost model. A verifying request takes 1 + d rows of the decode graph
     (model_runner.py), so a step with drafts costs t(B + sum d) against plain decoding's
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from .step_model import StepModel
 
-DISABLE_BY_BATCH_SIZE = 64
 PRIOR_ACCEPTED, PRIOR_DRAFTS = 1, 2  # the acceptance estimate before any verification: 1/2
 PROBE_EVERY = 16
 PROBE_SHARE = 8

@@ -99,3 +99,38 @@ def test_files_and_functions_stay_small(pkg):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 assert n <= 80, f"{f}:{node.lineno} {node.name} is {n} lines"
+
+
+def runtime_imports(path: pathlib.Path) -> set[str]:
+    """The engine modules a module imports when it runs, at its top or inside a function (an
+    import under `if TYPE_CHECKING` is for annotations only)."""
+    tree, pkg = ast.parse(path.read_text()), list(path.relative_to(ROOT / "engine").with_suffix("").parts[:-1])
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level >= 1 and id(node) not in typing_only:
+            base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+            names = [node.module] if node.module else [a.name for a in node.names]
+            out.update(".".join([*base, *n.split(".")]) for n in names)
+    return out
+
+
+def test_the_engine_has_no_import_circle_at_run_time():
+    """No engine module reaches itself through the imports it runs, lazy ones included (the
+    configuration reached speculative decoding's machinery, and through the draft model the
+    runner and the sampler, which imported speculative decoding again)."""
+    graph = {".".join(f.relative_to(ROOT / "engine").with_suffix("").parts): runtime_imports(f)
+             for f in (ROOT / "engine").rglob("*.py")}
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for m in graph.get(todo.pop(), ()):
+                if m in graph and m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        return seen
+
+    circles = sorted(m for m in graph if m in reach(m))
+    assert not circles, f"engine modules in an import circle: {circles}"

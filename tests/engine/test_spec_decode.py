@@ -14,7 +14,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledRequest, StepShape
-from pdserve.engine.spec_decode import Drafter, SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
+from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.engine.spec_decode import Drafter, ngram_propose
+from pdserve.engine.spec_verify import verify_greedy, verify_sampled
 
 from helpers import PROMPTS
 
