@@ -8,21 +8,12 @@ to a multiple of 16 bytes):
     kv  uint8 [num_blocks, layers, 2, block_size, kv_heads, head_dim + 16]
         row = head_dim values (int8 / fp8 bits) | float32 scale | 12 bytes of padding
 
-Why a scale per token and head, not per block: a decode step appends one token at a
-time, so a block's scale fixed by its first tokens would clip later outliers (or the
-block would be requantized on every step); a per-token scale is written once. Why the
-padding: with 132-byte rows (head_dim 128 + 4) the attention kernels could not vectorize
-their loads, and the paged decode kernel took 1.36 ms at batch 64 x 4096 context on an H100,
-3x bf16's 0.44 ms; 136-byte rows took the same; 144-byte rows took 0.44 ms. It costs 12
-bytes a row: 1.78x bf16's blocks for head_dim 128 instead of 1.94x
-(bench/results/kv_int4/README.md). Why inside the slab: the
-scales then travel with the blocks everywhere a block goes (the handoff, tensor-parallel
-head slices, the host tier, the persisted file) with no second tensor to keep in step.
-
-The kernels (ops/triton_attention.py on GPU, ops/attention_ref.py on CPU and for prefill
-chunks) read a layer's `QuantKV` views: `values` [num_blocks, block_size, kv_heads,
-head_dim] in the value dtype and `scales` [num_blocks, block_size, kv_heads] float32,
-both strided views of the same bytes.
+A scale per token and head is written once, as a decode step appends its token; inside the
+slab it travels with the blocks everywhere a block goes (the handoff, tensor-parallel head
+slices, the host tier, the persisted file). The kernels (ops/triton_attention.py on GPU,
+ops/attention_ref.py on CPU and for prefill chunks) read a layer's `QuantKV` views: `values`
+[num_blocks, block_size, kv_heads, head_dim] in the value dtype and `scales` [num_blocks,
+block_size, kv_heads] float32, both strided views of the same bytes.
 
 "int4" (`Int4KV`): each row is head_dim / 2 bytes of packed 4-bit codes (element 2i in the
 low nibble, 2i+1 in the high one) and then, per group of INT4_GROUP = 32 elements, a float16
@@ -31,13 +22,8 @@ x ~ code x scale + min:
 
     row = head_dim / 2 bytes | (scale, min) float16 per 32 values      (head_dim 64: 32 + 8 bytes)
 
-Why groups with a minimum: measured on the default model (perplexity on docs/architecture.md,
-2048 tokens, bf16 weights, full cache 83.96): one symmetric scale per group of 32 (amax / 7,
-15 levels) gave 96.18 (+14.5%); a minimum and a scale per 32 gave 88.16 (+5.0%) for 4 more
-bytes a row; per 16 gave 87.61 for 8 more; per 64 gave 92.68. K has outlier channels (KIVI
-and KVQuant quantize K per channel for that reason), which flatten the rest of a group that
-shares one symmetric scale. The row is 5/8 of head_dim bytes: 3.2x bf16's blocks per byte
-(int8 / fp8: 1.78x at head_dim 128).
+The row is 5/8 of head_dim bytes: 3.2x bf16's blocks per byte (int8 / fp8: 1.78x at head_dim
+128). Why these layouts, with the measurements: docs/design/kv_quant.md.
 """
 
 from __future__ import annotations

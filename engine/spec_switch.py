@@ -1,9 +1,8 @@
 """Speculation's off-switch: whether a step's drafts are expected to pay for themselves.
 
-Per step, two rules (engine/spec_decode.py's Drafter asks before each step):
+Per step, two rules (the Drafter asks before the schedule, spec_decode.Drafter.decide):
   - a hard cap: no drafts while the running decodes exceed `disable_by_batch_size`
-    (vLLM's `speculative_disable_by_batch_size`; default spec_config.DISABLE_BY_BATCH_SIZE, the largest
-    batch measured, bench/results/spec/);
+    (vLLM's `speculative_disable_by_batch_size`; default spec_config.DISABLE_BY_BATCH_SIZE);
   - on CUDA, a cost model. A verifying request takes 1 + d rows of the decode graph
     (model_runner.py), so a step with drafts costs t(B + sum d) against plain decoding's
     t(B). It carries its drafts only if the tokens they are expected to yield per second
@@ -13,25 +12,16 @@ Per step, two rules (engine/spec_decode.py's Drafter asks before each step):
 
     with a the per-token acceptance seen lately (accepted / (accepted + misses): a
     geometric fit, decayed by DECAY per verifying step; prior PRIOR_ACCEPTED of
-    PRIOR_DRAFTS). At small batch a step reads all the weights whatever its rows, so any
-    acceptance pays; at large batch the matmuls turn compute-bound and only high
-    acceptance does. The decision is taken before proposing (with full drafts: an ngram
-    lookup over 64 long requests is milliseconds of host time) and again with the drafts
-    proposed. Probes: after PROBE_EVERY steps one way, one step goes the other way, so the
-    acceptance estimate follows the text and the step-time fit sees both sizes. A probe while
-    speculation is off drafts for 1 in PROBE_SHARE of the decodes only (rotating): probing
-    the whole batch cost batch 64 at 0% acceptance 8% of its tokens (H100, Llama-3-8B
-    shape: 8 of 127 steps at ~2x a plain step's time; bench/results/spec/).
+    PRIOR_DRAFTS). The decision is taken before proposing (with full drafts) and again with
+    the drafts proposed. Probes: after PROBE_EVERY steps one way, one step goes the other
+    way, so the acceptance estimate follows the text and the step-time fit sees both sizes;
+    a probe while speculation is off drafts for 1 in PROBE_SHARE of the decodes (rotating).
 
 t(rows, kv) is the engine's one step-time model (step_model.StepModel.decode_seconds): the
 decode-graph time the runner measures at start for each captured size (every row attending to
-512 tokens: with 1-token rows the table missed the KV reads; H100, Llama-3-8B shape, 160 rows
-cost 1.39x 32 rows, not that table's 1.17x) until steps are fitted, then the fit over every
-step the engine ran, which carries that table as its `graph` feature and adds the host's work
-and the KV the contexts read. One model for every question a step's cost answers (this
-switch, the TPOT chunk, the advertised prefill rate) prices a verifying request the same way
-everywhere (1 + d rows, each reading its context: scheduler.StepShape); with a model of its
-own this switch and the chunk disagreed. Drafts beyond the largest decode graph never pay.
+512 tokens) until steps are fitted, then the fit over every step the engine ran. Drafts beyond
+the largest decode graph never pay. Why it is built so, with the measurements:
+docs/design/spec_switch.md.
 """
 
 from __future__ import annotations

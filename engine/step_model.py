@@ -10,35 +10,24 @@ tokens, so the GPU's time is in it) and kept with its shape:
 
 (`scheduler.StepShape`: a request verifying d drafts is 1 + d decode rows, each reading its
 context.) g is the start-up time of the decode graph the rows replay (`graphs`, timed by the
-runner when speculation is configured; 0 otherwise): it carries what is not linear in the rows,
-the matmuls turning compute-bound at large batch. This is the engine's one step-cost model:
-the TPOT chunk (prefill_cap, chunk_at), the prefill rate placement reads (rate_at) and
-speculation's off-switch (decode_seconds; spec_switch.py) are queries on it.
+runner when speculation is configured; 0 otherwise). `mixed` is what a step with prefill
+tokens costs beyond a decode-only one. The coefficients are a non-negative least-squares fit
+over the last 256 decode-only and the last 256 steps with prefill tokens, refitted every 16
+steps; its prefill terms count once 8 steps with prefill are in it. This is the engine's one
+step-cost model: the TPOT chunk (prefill_cap, chunk_at), the prefill rate placement reads
+(rate_at) and speculation's off-switch (decode_seconds; spec_switch.py) are queries on it.
 
-`mixed` is what a step with prefill tokens costs beyond a decode-only one: ~20 ms when
-mixed steps ran eagerly beside a decode step's CUDA graph, next to nothing since they
-replay piecewise graphs (graphs.py). The coefficients are
-a least-squares fit (non-negative) over the last 256 decode-only and the last 256 steps
-with prefill tokens, refitted every 16 steps; its prefill terms count once 8 steps with
-prefill are in it (a decode worker's fit serves the off-switch before any prefill).
-
-With a target (`slo_tpot_s`), the decodes must average at most margin x target per
-output token (TPOT is a mean: DistServe's and vLLM's definition). Measured on H200
-(Llama-3-8B shape, bench/results/hybrid/mixed_step_paged.md) an eager step that carries
-any prefill costs ~20 ms more than the decode-only graph step it replaces, whatever its
-chunk: a small chunk in every step would break a 20-40 ms target for little prefill.
-So, while the fit sees such a fixed cost, decode-only steps bank the time they leave under the target (`slack`, at most
-BANK_STEPS targets) and a step carries a prefill chunk only when the banked slack pays
-for one of at least MIN_CHUNK tokens: the largest that fits target + slack. The mean
-stays inside the target; one gap may reach (1 + BANK_STEPS) x target. This is what lets
-a decode worker take prompts from a deep prefill queue (hybrid placement,
-cluster/routing.py). Until the fit has seen 8 steps with prefill tokens the chunk is a
-probe of PROBE_TOKENS; a decode-only step banks at least MIN_ROOM of the target, so a
-prompt placed on a worker whose decodes alone take the target still progresses (and
-placement sees the small rate and sends no more there); when the decodes alone take
-target + a full bank, a prompt already there gets a MIN_CHUNK step each time the bank is
-full (it waited for ever before: a TTFT of 41 s was seen). With no decodes running there
-is nothing to protect: the step budget (`max_num_batched_tokens`) applies.
+With a target (`slo_tpot_s`), the decodes average at most margin x target per output token
+(TPOT is a mean). While the fit sees a fixed cost for a step with prefill, decode-only steps
+bank the time they leave under the target (`slack`, at most BANK_STEPS targets) and a step
+carries a prefill chunk only when the banked slack pays for one of at least MIN_CHUNK tokens:
+the largest that fits target + slack. The mean stays inside the target; one gap may reach
+(1 + BANK_STEPS) x target. Until the fit has seen 8 steps with prefill tokens the chunk is a
+probe of PROBE_TOKENS; a decode-only step banks at least MIN_ROOM of the target, so a prompt
+on a worker whose decodes alone take the target still progresses; when the decodes alone take
+target + a full bank, a prompt already there gets a MIN_CHUNK step each time the bank is full.
+With no decodes running the step budget (`max_num_batched_tokens`) applies.
+Why it is built so, with the measurements: docs/design/step_model.md.
 """
 
 from __future__ import annotations

@@ -12,21 +12,19 @@
     dead end a row where nothing may be sampled (the grammar needs characters this tokenizer
              cannot spell, or it only allows EOS while min_tokens bans it) samples EOS and the
              engine ends the request with finish_reason "invalid" naming why (dead_ends()). A
-             grammar that cannot even begin is refused up front (check()); the schema fuzz
-             found both, and before this the sampler raised and stopped the engine thread.
+             grammar that cannot even begin is refused up front (check()).
 
 Budget (`GrammarBudget`, one home for its limits): a spec over 128 KiB or a JSON schema nested
 deeper than 32 levels is refused by name before compiling; the router compiles off its event
 loop and refuses a grammar that takes longer than 5 s. The compiler's cache is bounded (64 MiB),
 and so is the process: what a compile frees goes back to the OS (give_back_heap()), and a
 worker compiles a request's grammar on a thread of its own before the engine thread sees the
-request (warm()), so a new grammar never stalls a step
-(bench/results/grammar/grammar_memory.md: memory over hundreds of distinct schemas).
+request (warm()), so a new grammar never stalls a step.
 
 The matcher is made when the request first samples on this engine, replaying the outputs it
 already has: a decode worker gets the first token (sampled under the same grammar on the
-prefill worker) with the handoff. Library: xgrammar, measured against llguidance on the
-default model's tokenizer (bench/results/grammar/): 6-7 us per token to fill the mask vs 17-37.
+prefill worker) with the handoff. Why xgrammar, and the memory and cost measurements:
+docs/design/structured.md.
 """
 
 from __future__ import annotations
