@@ -58,10 +58,9 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)  # /docs: openapi.py
     model_name = served_model_name or served_name(cluster.model_path)
     metrics = RouterMetrics(cluster, model_name)
-    runner = RequestRunner(cluster, max_body_bytes, max_queue)
-    if chat_special_tokens == "refuse":
-        runner.chat_specials = special_tokens(cluster.tokenizer)
-    runner.tool_parser = PARSERS.get(tool_call_parser)
+    runner = RequestRunner(cluster, max_body_bytes, max_queue,
+                           chat_specials=special_tokens(cluster.tokenizer) if chat_special_tokens == "refuse" else (),
+                           tool_parser=PARSERS.get(tool_call_parser))
     app.state.cluster, app.state.metrics = cluster, metrics
 
     @app.exception_handler(HTTPError)

@@ -93,11 +93,13 @@ class _Done:
 
 
 class RequestRunner:
-    def __init__(self, cluster, max_body_bytes: int, max_queue: int):
+    def __init__(self, cluster, max_body_bytes: int, max_queue: int, chat_specials: tuple[str, ...] = (),
+                 tool_parser=None):
+        """`chat_specials`: the special tokens a chat message may not spell (none: allowed);
+        `tool_parser`: the tool_parsers.ToolParser that serves tool_choice auto (None: refused)."""
         self.cluster, self.max_body_bytes, self.max_queue = cluster, max_body_bytes, max_queue
         self.inflight = 0
-        self.chat_specials: tuple[str, ...] = ()  # special tokens a chat message may not spell (app.py)
-        self.tool_parser = None  # tool_parsers.ToolParser serving tool_choice auto (app.py)
+        self.chat_specials, self.tool_parser = chat_specials, tool_parser
         self.grammars = Grammars(cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached (bounded)
         # grammars compile here, off the event loop (xgrammar releases the GIL): one slow
         # grammar never stalls /health or other requests, and two threads bound what they take
