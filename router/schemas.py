@@ -70,8 +70,8 @@ class StructuredOutputs(BaseModel):
         if self.json_object:
             given["json_object"] = True
         if len(given) != 1:
-            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
-                             f"got {sorted(given) or 'none'}")
+            raise InvalidParam("structured_outputs", "give exactly one of json, regex, choice, grammar, "
+                                                     f"json_object; got {sorted(given) or 'none'}")
         return given
 
 
