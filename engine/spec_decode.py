@@ -40,6 +40,12 @@ def ngram_propose(tokens: list[int], k: int, nmax: int, nmin: int) -> list[int]:
     return []
 
 
+def decoding(running: list) -> tuple[list, float]:
+    """The decoding requests of a batch and their mean context, in tokens."""
+    decodes = [r for r in running if r.is_decoding]
+    return decodes, sum(r.num_tokens for r in decodes) / max(1, len(decodes))
+
+
 class Drafter:
     """The engine's side of speculation: proposes drafts before a step, counts what the
     verification kept after it. A no-op without a config."""
@@ -74,8 +80,7 @@ class Drafter:
         if self.config is None:
             return False
         cfg = self.config
-        decodes = [r for r in running if r.is_decoding]
-        context = sum(r.num_tokens for r in decodes) / max(1, len(decodes))
+        decodes, context = decoding(running)
         if len(decodes) > cfg.disable_by_batch_size or \
                 (decodes and not self.switch.plan(len(decodes), cfg.num_speculative_tokens, context)):
             self.steps_off += 1
@@ -95,10 +100,9 @@ class Drafter:
 
     def _propose(self, running: list) -> None:
         cfg = self.config
-        decodes = [r for r in running if r.is_decoding]
+        decodes, context = decoding(running)
         if not decodes:  # the step decide() saw in flight finished them all
             return
-        context = sum(r.num_tokens for r in decodes) / max(1, len(decodes))
         rooms = [0 if one_token_steps(r) else  # bias, bans, penalties, log-probs: logits_process.py
                  min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
                      self.max_model_len - r.num_tokens - 1) for r in decodes]

@@ -125,8 +125,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
     def truncated(req, ids: list[int]) -> list[int]:
         try:
             return req.truncated(ids, cluster.max_model_len)
-        except ValueError as e:
-            raise HTTPError(400, str(e), param="truncate_prompt_tokens") from None
+        except ValueError as e:  # InvalidParam
+            raise HTTPError(400, str(e), param=e.param) from None
 
     async def serve(request: Request, req, prompts: list[tuple[str | None, list[int]]], params: list, chat: bool):
         """Both endpoints: run the request's sequences (its prompts x n), render them as the

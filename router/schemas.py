@@ -150,12 +150,13 @@ class _Sampling(BaseModel):
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt after truncate_prompt_tokens (vLLM's: its last k tokens, -1 for
-        max_model_len's worth); raises ValueError naming the field when k is past max_model_len."""
+        max_model_len's worth); raises InvalidParam when k is 0 or past max_model_len."""
         k = self.truncate_prompt_tokens
         if k is None:
             return ids
         if k == 0 or k > max_model_len:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, max_model_len {max_model_len}], got {k}")
+            raise InvalidParam("truncate_prompt_tokens", f"must be -1 or in [1, {max_model_len}] (max_model_len), "
+                                                         f"got {k}")
         k = max_model_len if k == -1 else k
         return ids[-k:]
 
@@ -256,7 +257,7 @@ class ChatCompletionRequest(_Sampling):
     _tool_parser: ToolParser | None = PrivateAttr(None)  # the server's, for tool_choice auto (app.py)
 
     def tool_calls(self) -> ToolCalls | None:
-        """The request's tool mode (tools.py); raises ValueError naming tool_choice."""
+        """The request's tool mode (tools.py); raises InvalidParam naming tool_choice."""
         return ToolCalls.of(self.tools, self.tool_choice, self.parallel_tool_calls, self._tool_parser)
 
     def structured(self) -> dict | None:

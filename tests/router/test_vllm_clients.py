@@ -229,17 +229,20 @@ def test_the_metrics_a_vllm_dashboard_reads(served):
                                                                               abs=0.01) for i in info)
     busy = Server(build_app(cluster, max_queue=1))
     try:
-        hold = threading.Thread(target=lambda: httpx.post(busy.url + "/v1/completions", timeout=60, json={
-            "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}))
-        hold.start()
-        deadline = time.monotonic() + 20
-        while True:
-            r = httpx.post(busy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            if r.status_code == 429 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert r.status_code == 429
-        hold.join(60)
+        admitted = threading.Event()
+
+        def hold():  # one streamed request holds the only slot from its first chunk to its end
+            with httpx.stream("POST", busy.url + "/v1/completions", timeout=60, json={
+                    "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}) as resp:
+                for _ in resp.iter_lines():
+                    admitted.set()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert admitted.wait(30)
+        r = httpx.post(busy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 429, r.text
+        holder.join(60)
         rej = scrape(busy.url)
         key = "vllm:admission_rejections_total" + json.dumps({"model_name": "SmolLM2-135M-Instruct",
                                                               "reason": "queue_full"}, sort_keys=True)
