@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import gc
 import math
+import mmap
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from . import kv_quant
@@ -145,13 +145,11 @@ def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
 
 
 def zeros_on_demand(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor whose pages the OS commits on first write (calloc, through numpy).
-
-    torch.zeros writes every byte: a 1 GiB CPU cache cost 0.4-1.7 s and 1 GiB of resident
-    memory per worker before its first request, though a test or a small deployment touches a
-    few MiB of it. calloc's pages read as zero and cost nothing until written."""
+    """A zeroed host tensor on an anonymous memory mapping of its own, whose pages the kernel
+    commits on first write: a large CPU cache costs resident memory as it fills, whatever the
+    process allocated and freed before (docs/design/kv_cache.md)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def layer_views(kv: torch.Tensor, kv_cache_dtype: str = "auto") -> list[tuple]:

@@ -69,3 +69,32 @@ def test_a_host_cache_costs_memory_as_it_fills_not_up_front(dtype, tiny_models):
     assert not kv[-1].any() and not kv[0].any()
     kv[3].fill_(7)
     assert (kv[3] == 7).all() and not kv[2].any() and not kv[4].any()
+
+
+_FREED_HEAP_THEN_CACHE = """
+import ctypes, torch
+from pdserve.engine.kv_cache import zeros_on_demand
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+libc.free(libc.malloc(30 << 20))  # glibc now serves blocks under 30 MiB from its heap
+chunks = [libc.malloc(25 << 20) for _ in range(24)]  # 600 MiB of heap, never written
+held = libc.malloc(5 << 20)  # keeps the heap's top, so the freed chunks stay in it
+for c in chunks:
+    libc.free(c)
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+before = resident()
+kv = zeros_on_demand((512 << 20,), torch.uint8)
+print(resident() - before)
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_host_cache_stays_lazy_in_a_process_whose_heap_holds_freed_memory():
+    """A heap with a large free chunk (a process that allocated and freed many tensors of a few
+    MiB, as a CI worker has after other engine tests) does not make the cache commit its pages."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FREED_HEAP_THEN_CACHE], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert float(out) < 64, f"a 512 MiB cache committed {out.strip()} MiB up front"
