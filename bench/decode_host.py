@@ -14,10 +14,10 @@ import time
 
 from tqdm import tqdm
 
-from pdserve.engine.graphs import decode_inputs
-from pdserve.engine.request import Request
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.scheduler import ScheduledRequest
+from pdserve.engine.exec.graphs import decode_inputs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledRequest
 
 
 def batch_of(n: int, ctx: int, block_size: int) -> list[ScheduledRequest]:

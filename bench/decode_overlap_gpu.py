@@ -1,4 +1,4 @@
-"""The engine's decode step with and without the overlapped step (engine/overlap.py), on one
+"""The engine's decode step with and without the overlapped step (engine/core/overlap.py), on one
 GPU: whole LLMEngine.step() calls (scheduling, inputs, the model, sampling, outputs,
 detokenizing), per step in steady decode, against the HBM floor; and the GPU's idle share of
 a step (torch profiler: kernel time over wall time).

@@ -121,10 +121,10 @@ def model_bytes(cfg: dict) -> tuple[int, int]:
 def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefill_lens: list[int],
                  ceil: dict, fused_ops: bool | None = None, profile: bool = False) -> tuple[list, list, bool]:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model_runner import ModelRunner
-    from pdserve.engine.request import Request
+    from pdserve.engine.core.request import Request
+    from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+    from pdserve.engine.exec.model_runner import ModelRunner
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
     bs = 16
     blocks_per_seq = ctx // bs + 1

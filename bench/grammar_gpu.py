@@ -1,6 +1,6 @@
 """What structured output costs a decode step on one GPU (Llama-3-8B shape, bf16, random
 weights): decode tokens/s at batch 1..64 with every request unconstrained, under a regex, or
-under any-JSON (json_object), through the engine (engine/structured.py: xgrammar fills each
+under any-JSON (json_object), through the engine (engine/sample/structured.py: xgrammar fills each
 constrained row's bitmask on the host, then one masked copy on the device).
 
 The regex `[a-z ]{4000}` cannot complete within the run, so its requests produce exactly as

@@ -64,7 +64,7 @@ def walk_llguidance(tok, vocab: int, schema: dict | None) -> tuple[float, list[f
 
 
 def main() -> None:
-    from pdserve.engine.loader import resolve_model_path
+    from pdserve.engine.exec.loader import resolve_model_path
     from pdserve.engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)

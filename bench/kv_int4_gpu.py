@@ -21,8 +21,8 @@ import os
 import prefill_attention_gpu
 import torch
 
-from pdserve.engine import kv_quant
-from pdserve.engine.kv_cache import layer_views
+from pdserve.engine.exec.kv_cache import layer_views
+from pdserve.engine.ops import kv_quant
 from pdserve.engine.ops.attention_ref import paged_attention_ref
 from pdserve.engine.ops.triton_attention import paged_decode_triton, store_kv_triton
 from pdserve.engine.ops.triton_prefill import PrefillPlan, paged_prefill_triton

@@ -32,9 +32,9 @@ TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "a
 
 
 def perplexity(model: str, fmt: str, dtype: str, device: str, tokens: list[int], chunk: int) -> float:
-    from pdserve.engine.attention import AttentionMetadata
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.exec.attention import AttentionMetadata
+    from pdserve.engine.exec.model_runner import ModelRunner
 
     n = len(tokens)
     cfg = EngineConfig(model=model, dtype=dtype, device=device, kv_cache_dtype=fmt, max_model_len=n + 16,
@@ -67,8 +67,8 @@ def greedy(model: str, fmt: str, dtype: str, device: str, max_tokens: int) -> li
 
 def main() -> None:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.kv_cache import kv_layout
-    from pdserve.engine.loader import resolve_model_path
+    from pdserve.engine.exec.kv_cache import kv_layout
+    from pdserve.engine.exec.loader import resolve_model_path
     from pdserve.engine.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser()

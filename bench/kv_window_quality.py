@@ -1,4 +1,4 @@
-"""Quality of sink + window eviction (`kv_window_tokens`, `kv_sink_tokens`; engine/kv_window.py)
+"""Quality of sink + window eviction (`kv_window_tokens`, `kv_sink_tokens`; engine/core/kv_window.py)
 on the default model's real weights: perplexity of a long text against full attention over
 the same tokens.
 
@@ -63,7 +63,7 @@ def plot(rows: list[dict], full: float, path: str, title: str) -> None:
 
 
 def main() -> None:
-    from pdserve.engine.loader import resolve_model_path
+    from pdserve.engine.exec.loader import resolve_model_path
     from pdserve.engine.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser()

@@ -1,8 +1,8 @@
 """What a decode worker's step costs when it also carries a prefill chunk (hybrid placement),
 on one GPU: decode-only steps (a decode graph) vs the same decodes plus a prefill chunk of c
-tokens, run either through the piecewise CUDA graphs of its token bucket (engine/graphs.py)
+tokens, run either through the piecewise CUDA graphs of its token bucket (engine/exec/graphs.py)
 or eagerly (the same kernels launched from Python). From these the step-time model
-(engine/step_model.py) is fitted and its chunk for a TPOT target checked against what was
+(engine/core/step_model.py) is fitted and its chunk for a TPOT target checked against what was
 measured.
 
     python bench/mixed_step_gpu.py --tokenizer DIR --out bench/results/hybrid
@@ -30,11 +30,11 @@ sys.path.insert(0, HERE)
 from serving_gpu import build_model  # noqa: E402
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core.scheduler import StepShape  # noqa: E402
+from pdserve.engine.core.step_model import StepModel  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
 from pdserve.engine.ops.triton_prefill import MIXED, PREFILL  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.engine.scheduler import StepShape  # noqa: E402
-from pdserve.engine.step_model import StepModel  # noqa: E402
 
 CHUNKS = (0, 64, 256, 512, 1024, 2048)
 PIECES = 0  # the engine's largest piecewise-graph bucket (eager mode sets it to 0)
@@ -127,7 +127,7 @@ def profile(engine: LLMEngine, chunks=(64, 256)) -> dict:
     return out
 
 
-VARIANTS = {  # PagedAttention's settings for steps that are not all decodes (engine/attention.py)
+VARIANTS = {  # PagedAttention's settings for steps that are not all decodes (engine/exec/attention.py)
     "one launch, mixed tiles": dict(decodes_apart=False, prefill_launch=MIXED),
     "one launch, prefill tiles": dict(decodes_apart=False, prefill_launch=PREFILL),
     "decodes apart, mixed tiles": dict(decodes_apart=True, prefill_launch=MIXED),
@@ -138,7 +138,7 @@ VARIANTS = {  # PagedAttention's settings for steps that are not all decodes (en
 def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512, 1024, 2048)) -> list[dict]:
     """The mixed step (graphs mode) under each attention variant, alternating within each
     repetition, the chunk at the end of an 8K prompt as in measure()."""
-    from pdserve.engine.attention import PagedAttention
+    from pdserve.engine.exec.attention import PagedAttention
 
     default = {k: getattr(PagedAttention, k) for k in VARIANTS["one launch, mixed tiles"]}
     prompt = ids(8192)

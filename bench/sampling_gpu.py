@@ -3,7 +3,7 @@ costs with seeded rows, unseeded rows and greedy rows (Llama-3's 128,256-token v
 float32 logits, temperature 0.8 and top-p 0.95 so the sort runs too).
 
 A seeded row's noise is a pure function of (seed, output index, token id)
-(engine/sampling_noise.py): the same bits on CPU and CUDA are what lets a request sample the
+(engine/sample/sampling_noise.py): the same bits on CPU and CUDA are what lets a request sample the
 same tokens wherever it runs. Its cost is about 30 int64 operations per [row, token].
 
     python bench/sampling_gpu.py --out bench/results/sampling        # table last
@@ -19,9 +19,9 @@ import statistics
 import torch
 
 from pdserve import SamplingParams
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_noise import seeded_exponentials
+from pdserve.engine.core.request import Request
+from pdserve.engine.sample.sampler import Sampler
+from pdserve.engine.sample.sampling_noise import seeded_exponentials
 
 VOCAB = 128256
 

@@ -1,6 +1,6 @@
 """Speculative decoding on one GPU (Llama-3-8B shape, bf16): decode tokens/s at batch
 1..32 with and without speculation, against the acceptance rate, and with the engine's own
-off-switch (cost model, engine/spec_decode.py).
+off-switch (cost model, engine/spec/decode.py).
 
 Random weights make acceptance meaningless, so the draft is controlled: each request's own
 greedy continuation (from the run without speculation), each draft token replaced by a
@@ -33,10 +33,10 @@ from serving_gpu import build_model, save_ratio_plot  # noqa: E402
 
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core.step_model import StepModel  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.spec_config import DISABLE_BY_BATCH_SIZE  # noqa: E402
-from pdserve.engine.spec_switch import SpecSwitch  # noqa: E402
-from pdserve.engine.step_model import StepModel  # noqa: E402
+from pdserve.engine.spec.config import DISABLE_BY_BATCH_SIZE  # noqa: E402
+from pdserve.engine.spec.switch import SpecSwitch  # noqa: E402
 
 
 def run(eng: LLMEngine, prompts: list[list[int]], out_len: int) -> tuple[list[list[int]], float]:

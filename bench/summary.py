@@ -191,7 +191,7 @@ BY_SHAPE = {64: "one launch, mixed tiles", 256: "one launch, mixed tiles", 1024:
 
 def mixed_step() -> dict:
     """The step with a prefill chunk minus the same 16 decodes alone, with attention as the
-    engine picks it by shape (engine/attention.py: one paged-prefill launch in mixed tiles up
+    engine picks it by shape (engine/exec/attention.py: one paged-prefill launch in mixed tiles up
     to 256 chunk tokens, decode rows apart and the chunk in prefill tiles from 512), from the
     variants run (piecewise graphs up to 2048 tokens); the graphs/eager table and the torch
     reference path it replaced (gather, mask, SDPA; an earlier call) for comparison."""
@@ -274,7 +274,7 @@ def seeded_sampling() -> dict:
 
 
 def overlap() -> dict:
-    """The overlapped step (engine/overlap.py): whole LLMEngine.step() calls against the HBM floor."""
+    """The overlapped step (engine/core/overlap.py): whole LLMEngine.step() calls against the HBM floor."""
     res = load("overlap", "h200", "decode_overlap_gpu.json")  # the device the goals name
     rows = {r["batch"]: r for r in res["rows"]}
     served = load("overlap", "served", "served_tpot_gpu.json")

@@ -21,10 +21,10 @@ import os
 from tqdm import tqdm
 
 from pdserve.bench.workloads import DEFAULT_TRACE
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.offload import HostIndex
-from pdserve.engine.request import Request
+from pdserve.engine.core.kv_cache_manager import KVCacheManager
+from pdserve.engine.core.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiers.offload import HostIndex
 
 BLOCK = 512
 PARAMS = SamplingParams(max_tokens=1)

@@ -6,7 +6,7 @@ rank's FLOPs (random bf16 weights: speed does not depend on the values).
     python bench/tp_gpu.py --shape llama3-8b --tp 1,2 --tokenizer TOK --out bench/results/tp
     python bench/tp_gpu.py --shape llama3-70b --rank-of 2 ...   # one GPU: one rank's shapes
                                                                 # (no all-reduce: the compute part)
-Ranks 1..N-1 run as child processes (engine/shard.py), one GPU each; rank 0 is this
+Ranks 1..N-1 run as child processes (engine/exec/shard.py), one GPU each; rank 0 is this
 process. Prints a table last; writes tp_gpu_<shape>.{json,md,png} under --out.
 """
 
@@ -40,10 +40,10 @@ def rank_shape(cfg: dict, n: int) -> dict:
 
 def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefill: int, ceil: dict) -> dict:
     from pdserve.engine.config import EngineConfig
+    from pdserve.engine.core.request import Request
+    from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.request import Request
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
     bs, per_seq = 16, ctx // 16 + 1
     with tempfile.TemporaryDirectory() as d:

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Sequence
 import ray
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_window import check_window_mode
-from pdserve.engine.loader import resolve_model_path
+from pdserve.engine.core.kv_window import check_window_mode
+from pdserve.engine.exec.loader import resolve_model_path
 from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer

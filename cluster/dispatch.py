@@ -33,7 +33,7 @@ import uuid
 
 from ray.exceptions import RayActorError, RayError
 
-from pdserve.engine.hashing import hash_block_tokens
+from pdserve.engine.core.hashing import hash_block_tokens
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 

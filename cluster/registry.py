@@ -4,12 +4,12 @@ It knows the workers (id, role, node, address, capacity, epoch, last heartbeat, 
 stats they report) and which prefix-block hashes each one holds, kept current by
 batched (stored, removed) events that ride on heartbeats. The router asks it for
 the worker holding the longest cached prefix of a prompt, scored by tier: a block in a
-worker's host tier (its KV offloaded to host memory, engine/offload.py) counts
+worker's host tier (its KV offloaded to host memory, engine/tiers/offload.py) counts
 HOST_HIT_WEIGHT of a GPU block: it saves the prefill but costs a PCIe load-back. Workers whose heartbeat
 is older than `stale_s` (or that re-register with a new epoch) are purged; a purged
 worker that is still alive sees its next heartbeat refused (False) and registers
 again with all its cached blocks.
-Hashes travel as hex strings (sha256 chain, engine/hashing.py). In-flight handoffs are
+Hashes travel as hex strings (sha256 chain, engine/core/hashing.py). In-flight handoffs are
 not tracked here: each has its own deadline on both workers (transfer/pair.py), which
 is what reaps a stuck one.
 

@@ -117,7 +117,7 @@ def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo
     """Hybrid placement of one prompt. The prefill pool's worker `p` predicts
     TTFT = (its queued tokens + the uncached prompt) / its prefill rate + the handoff; each
     decode worker predicts the same at the rate its TPOT-bounded chunks allow (its step
-    model's, engine/step_model.py), with no handoff; decode workers whose engine admits no
+    model's, engine/core/step_model.py), with no handoff; decode workers whose engine admits no
     more requests (max_num_seqs) are skipped. The prompt is prefilled on the best decode worker when
 
       fits_decode_step  its uncached tokens fit one TPOT-bounded step there and that is no

@@ -24,7 +24,7 @@
 Pools: sizes and bounds, and the Ray resources each pool's actors request. The
 autoscaling targets are what the policy (autoscale.py) compares its signals with. The
 SLO is what hybrid placement (routing.place_prompt) and the decode workers' step budget
-(engine/step_model.py) hold to.
+(engine/core/step_model.py) hold to.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A worker of TP=N is N actors in one STRICT_PACK placement group (one bundle per GPU,
 pools.py): the `WorkerActor` on bundle 0 (rank 0: scheduler, block tables, sampling,
 the registry's view of the worker) and one `ShardActor` per other bundle. Each shard
-runs the model shard in lockstep with rank 0 (engine/shard.py) and holds a transfer
+runs the model shard in lockstep with rank 0 (engine/exec/shard.py) and holds a transfer
 connector over its own slice of the KV cache, so a handoff goes rank to rank
 (transfer/tp.py) with nothing gathered on rank 0.
 
@@ -35,7 +35,7 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.shard import Shards, run_shard, shard_config
+from pdserve.engine.exec.shard import Shards, run_shard, shard_config
 from pdserve.transfer.base import Channel
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import RankLink, rank_name, start_part

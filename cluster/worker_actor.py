@@ -37,10 +37,10 @@ import ray
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.exec.tp import TPError
 from pdserve.engine.outputs import RequestOutput, merge_outputs
 from pdserve.engine.role import Emitted, Failed, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tp import TPError
 from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector

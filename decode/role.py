@@ -2,7 +2,7 @@
 continuous batch. It also prefills requests itself when the cluster sends them with
 no prefill peer (hybrid placement, the explicit local rules, colocated mode); with a TPOT
 target the engine sizes those prompts' chunks to keep its decodes inside it
-(engine/step_model.py).
+(engine/core/step_model.py).
 
 One handed-off request's way through this role (queues named as in `step()`):
 
@@ -24,9 +24,9 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.transfer.base import KVConnector, TransferState

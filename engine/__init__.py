@@ -4,7 +4,7 @@ Nothing here imports Ray, FastAPI or the other pdserve packages.
 """
 
 from .config import EngineConfig, ModelConfig
-from .request import Request, RequestStatus
+from .core.request import Request, RequestStatus
 from .sampling_params import SamplingParams
 
 __all__ = ["EngineConfig", "ModelConfig", "Request", "RequestStatus", "SamplingParams"]

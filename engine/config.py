@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_quant import check_head_dim
-from .kv_window import KVWindow, check_window
-from .spec_config import SpeculativeConfig
-from .tp import check_tp
+from .core.kv_window import KVWindow, check_window
+from .exec.tp import check_tp
+from .ops.kv_quant import check_head_dim
+from .spec.config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -32,8 +32,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
-# int8 / fp8: 1-byte values with a float32 scale per token and head (kv_quant.py)
-# int4: two values a byte with a float16 scale per 32 (kv_quant.py); its storage dtype
+# int8 / fp8: 1-byte values with a float32 scale per token and head (ops/kv_quant.py)
+# int4: two values a byte with a float16 scale per 32 (ops/kv_quant.py); its storage dtype
 _KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
               "int4": torch.uint8}
 
@@ -169,17 +169,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # fcfs: arrival order | priority: SamplingParams.priority (lower first), then arrival; the
-    # queue order and the preemption victim (the last of that order) follow it (scheduler.py)
+    # queue order and the preemption victim (the last of that order) follow it (core/scheduler.py)
     scheduling_policy: str = "fcfs"
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
     # the host's work for step n+1 (scheduling, inputs, step n's outputs) while step n runs, the
-    # sampled tokens feeding step n+1 on the device (engine/overlap.py); steps with requests that
+    # sampled tokens feeding step n+1 on the device (engine/core/overlap.py); steps with requests that
     # need the host between steps (log-probs, grammars, penalties, speculation, TP) run in turn
     async_scheduling: bool = True
     # steps of up to this many tokens that are not all decodes replay piecewise CUDA graphs
-    # (engine/graphs.py); larger ones run eagerly
+    # (engine/exec/graphs.py); larger ones run eagerly
     cuda_graph_max_tokens: int = 512
     # Triton kernels for RMSNorm + residual, rope and SiLU * gate (engine/ops/triton_fused.py).
     # None (auto): on where Triton runs on CUDA (H200, Llama-3-8B shape: decode step 7.64 -> 5.76 ms
@@ -188,19 +188,19 @@ class EngineConfig:
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random values (benchmarks)
     seed: int = 0
     # a time-per-output-token target in seconds: while requests decode, a step carries only the
-    # prefill chunk that keeps it inside this (engine/step_model.py); None: the step budget only
+    # prefill chunk that keeps it inside this (engine/core/step_model.py); None: the step budget only
     slo_tpot_s: float | None = None
-    # ranks (GPUs) one engine spans, Megatron-style (engine/tp.py); rank 0 schedules and samples
+    # ranks (GPUs) one engine spans, Megatron-style (engine/exec/tp.py); rank 0 schedules and samples
     tensor_parallel_size: int = 1
-    # the host-memory tier of the prefix cache, GiB per rank (engine/offload.py); 0: off
+    # the host-memory tier of the prefix cache, GiB per rank (engine/tiers/offload.py); 0: off
     kv_offloading_size: float = 0.0
     # the host tier written here on close (and every kv_persist_interval_s), read back on start
     kv_persist_dir: str | None = None
     kv_persist_interval_s: float = 60.0
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
-    # "prompt_lookup_min": n} (spec_decode.py); None: off
+    # "prompt_lookup_min": n} (spec/decode.py); None: off
     speculative_config: dict | None = None
-    # StreamingLLM's eviction for long sessions (engine/kv_window.py): each request keeps its first
+    # StreamingLLM's eviction for long sessions (engine/core/kv_window.py): each request keeps its first
     # kv_sink_tokens (whole blocks) and its last kv_window_tokens; None: off
     kv_sink_tokens: int = 0
     kv_window_tokens: int | None = None

@@ -1,7 +1,7 @@
 """LLMEngine: requests in, outputs out, one step at a time.
 
     step():  schedule -> run -> postprocess
-             (overlapped: schedule -> launch -> resolve the previous step -> advance; overlap.py)
+             (overlapped: schedule -> launch -> resolve the previous step -> advance; core/overlap.py)
 
 add_request() validates and queues; step() schedules a batch under the token budget, runs it, appends
 sampled tokens, detokenizes, applies stop conditions and frees the blocks of finished requests. Prefill
@@ -14,25 +14,25 @@ import itertools
 import logging
 import time
 
-from . import persist
 from .config import EngineConfig
-from .iteration_stats import TokenHistogram, step_tokens
-from .kv_cache_manager import KVCacheManager
-from .kv_window import KVWindow
-from .loader import resolve_model_path
-from .model_runner import ModelRunner
-from .offload import HostIndex
+from .core.iteration_stats import TokenHistogram, step_tokens
+from .core.kv_cache_manager import KVCacheManager
+from .core.kv_window import KVWindow
+from .core.overlap import PendingStep, plain
+from .core.request import Request, RequestStatus
+from .core.scheduler import Scheduler, SchedulerOutput
+from .core.step_model import StepModel
+from .exec.loader import resolve_model_path
+from .exec.model_runner import ModelRunner
+from .exec.shard import ProcessShards
+from .exec.tp import TPGroup
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .overlap import PendingStep, plain
-from .request import Request, RequestStatus
+from .sample.structured import Grammars
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
-from .shard import ProcessShards
-from .spec_decode import Drafter
-from .step_model import StepModel
-from .structured import Grammars
+from .spec.decode import Drafter
+from .tiers import persist
+from .tiers.offload import HostIndex
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
-from .tp import TPGroup
 from .validation import check_request
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class LLMEngine:
         self.stream_deltas = False
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        self.pending: PendingStep | None = None  # the launched step not yet resolved (overlap.py)
+        self.pending: PendingStep | None = None  # the launched step not yet resolved (core/overlap.py)
         self._in_turn: set[str] = set()  # live requests that are not overlap.plain
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -198,14 +198,14 @@ class LLMEngine:
 
     @property
     def overlaps(self) -> bool:
-        """Whether the next step may run while the one in flight finishes (overlap.py): one rank,
+        """Whether the next step may run while the one in flight finishes (core/overlap.py): one rank,
         every live request plain, no drafts in it (step()), not a prefill worker (its KV handoff
         starts at the end of the step that wrote the KV, not one step later)."""
         return self.config.async_scheduling and self.tp.size == 1 and not self._in_turn \
             and not self.hold_blocks_on_finish
 
     def _launch(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Overlapped (overlap.py): queues `sched`, then finishes the step before it."""
+        """Overlapped (core/overlap.py): queues `sched`, then finishes the step before it."""
         with self.step_model.timed(sched.shape):
             rows = self.pending.rows if self.pending is not None else {}
             launched = PendingStep.start(sched, *self.runner.launch(sched, rows))
@@ -257,7 +257,7 @@ class LLMEngine:
         self.persist_host_tier()
         return True
 
-    # ---- the host tier on disk (persist.py) ------------------------------------------------
+    # ---- the host tier on disk (tiers/persist.py) ------------------------------------------------
     def _restore_host_tier(self) -> None:
         try:
             done = persist.load(self.config, self.load_format, self.kv.host, self.runner.host)
@@ -310,7 +310,7 @@ class LLMEngine:
                 outputs.append(self._output(req, "", []))
                 continue
             lp = self.runner.sampler.logprobs.get(req.request_id)
-            if lp is not None:  # one token per step for these (no drafts: logits_process.py)
+            if lp is not None:  # one token per step for these (no drafts: sample/logits_process.py)
                 req.output_logprobs.append(lp)
             for token in got if isinstance(got, list) else [got]:  # a list: verified drafts
                 req.append_token(token)
@@ -373,7 +373,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_hits,
             "kv_evicted_blocks": kv.pool.num_evicted,
             "num_preemptions": self.scheduler.num_preemptions,
-            # the step-time model (step_model.py): what placement reads
+            # the step-time model (core/step_model.py): what placement reads
             "step_s": self.step_model.step_s,
             "slo_tpot_s": self.step_model.slo_tpot_s,
             "prefill_tok_s": self.step_model.prefill_rate(self.scheduler.running),

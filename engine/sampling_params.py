@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .structured import check_spec
+from .sample.structured import check_spec
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat limit; vLLM's default)
@@ -51,10 +51,10 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = None  # with logprobs: these ids' log-probs too, at every token
     allowed_token_ids: list[int] | None = None  # sample only these (vLLM's)
     # {"json": schema} | {"json_object": True} | {"regex": r} | {"choice": [...]} | {"grammar": ebnf}
-    # (engine/structured.py)
+    # (engine/sample/structured.py)
     structured_outputs: dict | None = None
     # with scheduling_policy "priority": lower is served first, then earlier arrival (vLLM's);
-    # it orders every queue the request waits in and picks preemption victims (scheduler.py)
+    # it orders every queue the request waits in and picks preemption victims (core/scheduler.py)
     priority: int = 0
     stop_strs: list[str] = field(init=False, repr=False)
 
@@ -146,7 +146,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the request changes its logits before sampling (logits_process.py)."""
+        """Whether the request changes its logits before sampling (sample/logits_process.py)."""
         return bool(self.logit_bias) or self.penalized or self.allowed_token_ids is not None
 
     @property

@@ -26,8 +26,8 @@ from pydantic import ValidationError
 
 from pdserve.cluster.api import NoWorker
 from pdserve.engine.outputs import Accumulator, RequestOutput
+from pdserve.engine.sample.structured import BUDGET, Grammars, nesting_depth
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import BUDGET, Grammars, nesting_depth
 from pdserve.engine.validation import InvalidRequest
 
 from .errors import HTTPError

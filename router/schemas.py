@@ -121,7 +121,7 @@ class _Sampling(BaseModel):
         return self
 
     def structured(self) -> dict | None:
-        """structured_outputs (engine/structured.py) from response_format, vLLM's
+        """structured_outputs (engine/sample/structured.py) from response_format, vLLM's
         structured_outputs or its older guided_*."""
         given = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}

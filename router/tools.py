@@ -1,4 +1,4 @@
-"""Tool calling for chat completions, through the grammar (engine/structured.py), not a parser:
+"""Tool calling for chat completions, through the grammar (engine/sample/structured.py), not a parser:
 
     tool_choice={"type": "function", "function": {"name": f}}
                  the reply is constrained to f's `parameters` JSON schema; it becomes one

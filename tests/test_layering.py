@@ -103,7 +103,8 @@ def test_files_and_functions_stay_small(pkg):
 
 def runtime_imports(path: pathlib.Path) -> set[str]:
     """The engine modules a module imports when it runs, at its top or inside a function (an
-    import under `if TYPE_CHECKING` is for annotations only)."""
+    import under `if TYPE_CHECKING` is for annotations only), as engine-relative dotted names:
+    `from ..ops import kv_quant` in exec/kv_cache.py yields "ops.kv_quant"."""
     tree, pkg = ast.parse(path.read_text()), list(path.relative_to(ROOT / "engine").with_suffix("").parts[:-1])
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
@@ -111,17 +112,63 @@ def runtime_imports(path: pathlib.Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level >= 1 and id(node) not in typing_only:
             base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
-            names = [node.module] if node.module else [a.name for a in node.names]
-            out.update(".".join([*base, *n.split(".")]) for n in names)
-    return out
+            module = [*base, *node.module.split(".")] if node.module else base
+            for a in node.names:  # a name that is a module is that module; else one of `module`'s
+                out.add(".".join([*module, a.name]) if _is_module([*module, a.name]) else ".".join(module))
+    return {f"{m}.__init__" if (ROOT / "engine" / m.replace(".", "/")).is_dir() else m or "__init__" for m in out}
+
+
+def _is_module(parts: list[str]) -> bool:
+    path = ROOT / "engine" / "/".join(parts)
+    return path.is_dir() or path.with_suffix(".py").exists()
+
+
+def engine_graph() -> dict[str, set[str]]:
+    """Each engine module (dotted, engine-relative) and the engine modules it imports at run time."""
+    graph = {".".join(f.relative_to(ROOT / "engine").with_suffix("").parts): runtime_imports(f)
+             for f in (ROOT / "engine").rglob("*.py")}
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+# The engine's modules, bottom up: each imports, when it runs, only modules above it in this list
+# (an import under TYPE_CHECKING is free). docs/architecture.md, section 2, has a row per subpackage.
+ENGINE_ORDER = [
+    "core.__init__", "exec.__init__", "sample.__init__", "spec.__init__", "tiers.__init__",
+    # kernels and the formats they read
+    "ops.kv_quant", "ops.triton_int4", "ops.triton_attention", "ops.triton_prefill", "ops.triton_fused",
+    "ops.attention_ref", "ops.__init__",
+    # leaves: settings and helpers that import no engine module of their own rank
+    "spec.config", "spec.verify", "exec.stores", "exec.tp", "exec.host_to_device", "core.hashing",
+    "core.kv_window", "core.iteration_stats", "outputs", "tokenizer", "default_model", "sample.structured",
+    # what a caller hands the engine
+    "sampling_params", "validation", "role", "config",
+    # requests, the block pool and the scheduler
+    "core.request", "core.block_pool", "tiers.offload", "core.kv_cache_manager", "core.scheduler",
+    "core.overlap", "core.step_model",
+    # executing a step: attention, graphs, the KV tensor, the model, sampling, the runner
+    "exec.attention", "exec.graphs", "exec.kv_cache", "models.llama", "exec.loader",
+    "sample.sampling_noise", "sample.logits_process", "sample.sampler", "exec.model_runner", "exec.shard",
+    "tiers.persist",
+    # speculative decoding drives a runner of its own
+    "spec.switch", "spec.draft", "spec.decode",
+    # the assembly
+    "engine", "llm", "__init__",
+]
+
+
+def test_the_engine_imports_in_its_declared_order():
+    graph, rank = engine_graph(), {m: i for i, m in enumerate(ENGINE_ORDER)}
+    assert sorted(graph) == sorted(ENGINE_ORDER), "a new or removed engine module: give it its place in ENGINE_ORDER"
+    for module, deps in graph.items():
+        for dep in deps:
+            assert rank[dep] < rank[module], f"engine/{module} imports {dep}, which comes after it in ENGINE_ORDER"
 
 
 def test_the_engine_has_no_import_circle_at_run_time():
     """No engine module reaches itself through the imports it runs, lazy ones included (the
     configuration reached speculative decoding's machinery, and through the draft model the
     runner and the sampler, which imported speculative decoding again)."""
-    graph = {".".join(f.relative_to(ROOT / "engine").with_suffix("").parts): runtime_imports(f)
-             for f in (ROOT / "engine").rglob("*.py")}
+    graph = engine_graph()
 
     def reach(start: str) -> set[str]:
         seen, todo = set(), [start]

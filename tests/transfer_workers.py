@@ -31,8 +31,8 @@ def _wait_all(conn, handoffs):
 
 def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_dim"]) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from pdserve.engine.kv_cache_manager import KVCacheManager
-    from pdserve.engine.request import Request
+    from pdserve.engine.core.kv_cache_manager import KVCacheManager
+    from pdserve.engine.core.request import Request
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.transfer import HandoffTarget
     from pdserve.transfer.c10d import C10dConnector

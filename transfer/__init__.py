@@ -6,7 +6,7 @@
     loopback.py  an in-process backend for unit tests
 
 The block accounting around a handoff (what to reserve, what to send) is the KV-cache
-manager's (engine/kv_cache_manager.py).
+manager's (engine/core/kv_cache_manager.py).
 """
 
 from .base import Channel, Handoff, HandoffTarget, KVConnector, LayoutMismatch, TransferError, TransferState

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.exec.kv_cache import KVLayout
 
 
 class TransferState(enum.IntEnum):

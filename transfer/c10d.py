@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.stores import BoundStore
+from pdserve.engine.exec.stores import BoundStore
 
 from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, TransferState, wire_layout
 from .pair import Pair, td
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class C10dConnector(KVConnector):
-    """One per worker. `kv` is the worker's block-major KV tensor (engine/kv_cache.py)."""
+    """One per worker. `kv` is the worker's block-major KV tensor (engine/exec/kv_cache.py)."""
 
     def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0,
                  min_chunk_bytes: int = 64 << 20, tp: int = 1, kv_heads_total: int | None = None,
@@ -56,7 +56,7 @@ class C10dConnector(KVConnector):
         self.staging = StagingPool(kv, min_chunk_bytes)
         self.default_timeout_s = default_timeout_s
         self.host = host
-        # peers reach it at `host`, and only there (engine/stores.py)
+        # peers reach it at `host`, and only there (engine/exec/stores.py)
         self.bound = BoundStore(host, default_timeout_s)
         self.store, self.address = self.bound.store, self.bound.address
         # high priority: the handoff's gather / NCCL / scatter kernels get SMs as soon as
@@ -140,7 +140,7 @@ class C10dConnector(KVConnector):
         if self.stream is not None:
             # on the caller's stream: a sender's blocks are written by the steps before it; a
             # receiver's blocks may still be written by the step in flight (a request that ended
-            # while its next step was queued, engine/overlap.py, left them free under it)
+            # while its next step was queued, engine/core/overlap.py, left them free under it)
             h._ready = ready
             if ready is None:
                 h._ready = torch.cuda.Event()

@@ -10,7 +10,7 @@ Hugging Face tensors into the fused weights. Numerics follow HF's modeling code
 `fused=True` runs the elementwise parts through Triton kernels (engine/ops/triton_fused.py):
 the residual travels beside the hidden states, and each RMSNorm adds it first.
 
-With a tensor-parallel group of N (engine/tp.py) each rank builds its shard: its q and KV
+With a tensor-parallel group of N (engine/exec/tp.py) each rank builds its shard: its q and KV
 heads, its ff/N of gate/up, o and down reading only those, an all-reduce after each of
 o and down (their biases added once, after it), its ceil(V/N) rows of the LM head.
 """
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, PagedAttention
 from ..config import ModelConfig
-from ..tp import TPGroup, kv_head_range, vocab_range
+from ..exec.attention import AttentionMetadata, PagedAttention
+from ..exec.tp import TPGroup, kv_head_range, vocab_range
 
 
 def _fused_ops():
@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]: the pieces with each layer's
-        attention between them (the piecewise CUDA graphs replay the same pieces, graphs.py)."""
+        attention between them (the piecewise CUDA graphs replay the same pieces, exec/graphs.py)."""
         out = self.piece(0, positions, input_ids)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches), 1):
             q, k, v, residual = out

@@ -2,7 +2,7 @@
 Triton kernels are tested against.
 
 Cache views, one layer: k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
-(strided views into the block-major KV tensor, see engine/kv_cache.py); a quantized
+(strided views into the block-major KV tensor, see engine/exec/kv_cache.py); a quantized
 cache's are kv_quant.QuantKV (values + per-token, per-head scales) or kv_quant.Int4KV (packed
 nibbles + per-group scales), dequantized on read.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kv_quant
+from . import kv_quant
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_quant import INT4_GROUP, Int4KV, QuantKV
+from .kv_quant import INT4_GROUP, Int4KV, QuantKV
 from .triton_int4 import int4_rows, store_kv_int4
 
 
@@ -53,7 +53,7 @@ def _store_kv_quant_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     H_PAD: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    # quantized KV (engine/kv_quant.py): each (token, head) row gets scale = amax / QMAX
+    # quantized KV (engine/ops/kv_quant.py): each (token, head) row gets scale = amax / QMAX
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // PAGE
@@ -120,7 +120,7 @@ def kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, offs_n, in_seq, valid, kvh,
 # unnormalized partial (acc, max, sum) for _combine_splits_kernel. SPLITS is a runtime
 # value, never specialized: eager mixed batches vary it from step to step, and a new
 # constant would compile a new kernel in the middle of serving. SCALED: a quantized cache
-# (engine/kv_quant.py) with a float32 scale per (token, head) row.
+# (engine/ops/kv_quant.py) with a float32 scale per (token, head) row.
 @triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr,

@@ -1,4 +1,4 @@
-"""int4 KV in Triton (engine/kv_quant.py, "int4"): the store packs each (token, head) row into
+"""int4 KV in Triton (engine/ops/kv_quant.py, "int4"): the store packs each (token, head) row into
 head_dim / 2 bytes of 4-bit codes with a float16 (scale, minimum) per group of 32 values; the
 attention kernels' tile loader (triton_attention.kv_tile) unpacks a tile of rows with `int4_rows`.
 head_dim is a power of two (kv_quant.check_head_dim): rows and groups are whole tiles, no padding.
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_quant import INT4_GROUP, Int4KV
+from .kv_quant import INT4_GROUP, Int4KV
 
 
 @triton.jit

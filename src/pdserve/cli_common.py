@@ -67,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="priority: a request's `priority` (lower first) orders the queues and picks "
                         "preemption victims")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule and build step n+1 while step n runs (engine/overlap.py)")
+                   help="schedule and build step n+1 while step n runs (engine/core/overlap.py)")
     p.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
                    help="Triton kernels for RMSNorm + residual, rope and SiLU * gate "
                         "(default: on where Triton runs on CUDA)")

@@ -7,7 +7,7 @@ output lengths, or the Mooncake trace's):
     KV bytes per token       per rank and for the whole model
     weights per rank         from the model built on the meta device (exact parameter bytes)
     KV blocks per worker     the engine's own budget: memory x utilization - weights - the
-                             activation bound (engine/kv_cache.py), or kv_cache_memory_bytes
+                             activation bound (engine/exec/kv_cache.py), or kv_cache_memory_bytes
     max concurrent requests  paged: blocks / blocks a request ends with (prompt + output - 1
                              tokens, 16 per block); contiguous: each reserves max_model_len
     prefill:decode ratio     prefill workers per decode worker so that both keep up: a
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import activation_bytes, kv_layout
+from pdserve.engine.exec.kv_cache import activation_bytes, kv_layout
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ DECODE_OVER_FLOOR = 1.25  # step time / HBM floor (Llama-3-8B: 1.25-1.28x on H10
 
 def weight_bytes(config: EngineConfig) -> int:
     """One rank's parameter and buffer bytes, from the model built on the meta device."""
+    from pdserve.engine.exec.tp import TPGroup
     from pdserve.engine.models.llama import LlamaForCausalLM
-    from pdserve.engine.tp import TPGroup
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config.model_config, config.max_model_len, False, fused=False,

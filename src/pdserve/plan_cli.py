@@ -10,7 +10,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import os
 
     from pdserve.bench.workloads import DEFAULT_TRACE
-    from pdserve.engine.loader import resolve_model_path
+    from pdserve.engine.exec.loader import resolve_model_path
     from pdserve.plan import plan, render, workload_lengths
 
     trace = (DEFAULT_TRACE if args.trace == "default" else args.trace) if args.trace else None

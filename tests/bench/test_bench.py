@@ -154,7 +154,7 @@ def test_colocated_mode_equals_the_engine(colocated):
 @pytest.mark.slow
 def test_colocated_engines_keep_the_tpot_target(colocated):
     """Colocated engines prefill beside their decodes, so their step budget follows the serving
-    TPOT target (step_model.py), also after POST /admin/slo changes it (set by the engine
+    TPOT target (core/step_model.py), also after POST /admin/slo changes it (set by the engine
     thread between steps)."""
     c, _ = colocated
     assert {row["slo_tpot_s"] for row in c.status()} == {c.serving.slo.tpot_s}

@@ -12,7 +12,7 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.cluster.registry import HOST_HIT_WEIGHT, BlockRegistry
-from pdserve.engine.hashing import hash_block_tokens
+from pdserve.engine.core.hashing import hash_block_tokens
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SHARED = list(range(100, 164))

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.engine.loader import resolve_model_path
+from pdserve.engine.exec.loader import resolve_model_path
 from pdserve.router.metrics import RouterMetrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # a real-model or multi-actor cluster per module
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_decode_pool_speculates_with_llms_tokens(method):
     """draft_model: the default model drafts for itself; on the decode worker the draft model
-    prefills the handed-off prompt into its own KV cache first (spec_draft.py)."""
+    prefills the handed-off prompt into its own KV cache first (spec/draft.py)."""
     spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": resolve_model_path(None),
                                             "num_speculative_tokens": 3, "disable_by_batch_size": 64}
     with LLM(max_model_len=256) as llm:

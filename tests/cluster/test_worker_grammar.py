@@ -12,7 +12,7 @@ import ray
 
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.engine.structured import Grammars
+from pdserve.engine.sample.structured import Grammars
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 

@@ -137,7 +137,7 @@ def test_bad_model_paths(tmp_path):
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_quantized_kv_cache(llm, fmt):
     """KV quantized to 1-byte values with a float32 scale per (token, head) row, in the same
-    slab (kv_quant.py): 64 + 16 bytes per row of SmolLM2 (values, scale, padding to 16 bytes)
+    slab (ops/kv_quant.py): 64 + 16 bytes per row of SmolLM2 (values, scale, padding to 16 bytes)
     against float32's 256; greedy output agrees with the full-precision cache's on the first
     tokens of every prompt."""
     from helpers import PROMPTS

@@ -77,7 +77,7 @@ def test_cuda_graph_decode_equals_eager(tiny_models, kv):
 
 
 def test_a_window_past_its_evictions_in_graphs_equals_eager(tiny_models):
-    """kv_window_tokens (kv_window.py): decode graphs read cache positions and the rotated keys;
+    """kv_window_tokens (core/kv_window.py): decode graphs read cache positions and the rotated keys;
     a 150-token prompt and 200 new tokens on a 64-token window give eager's tokens."""
     from pdserve import LLM, SamplingParams
 
@@ -153,7 +153,7 @@ def test_speculative_verification_replays_the_decode_graphs(tiny_models):
     the captured decode graphs (a row per query token): output equals plain decoding's, the
     kept drafts are accepted, the cost table covers the verification rows, nothing leaks."""
     from pdserve import LLM, SamplingParams
-    from pdserve.engine.spec_switch import SpecSwitch
+    from pdserve.engine.spec.switch import SpecSwitch
 
     prompts = [f"Request {i}: tell me about the number {i * 7}" for i in range(5)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -207,7 +207,7 @@ def test_chunks_over_cached_context_through_the_paged_prefill_kernel_equal_the_r
 def test_seeded_sampling_is_the_same_across_the_handoff_on_cuda(tiny_models):
     """On CUDA too a seeded, sampled request gives the colocated engine's tokens when one
     engine prefills it and another decodes it (loopback KV copy): the noise's bits are the
-    CPU's (sampling_noise.py), and each request runs alone so both sides see equal logits."""
+    CPU's (sample/sampling_noise.py), and each request runs alone so both sides see equal logits."""
     from pdserve import LLM, SamplingParams
     from pdserve.decode.role import DecodeRole
     from pdserve.engine.config import EngineConfig
@@ -251,7 +251,7 @@ def test_seeded_sampling_is_the_same_across_the_handoff_on_cuda(tiny_models):
 
 
 def test_overlapped_steps_equal_steps_in_turn_with_cuda_graphs(tiny_models):
-    """engine/overlap.py on CUDA: the pending ids patched into the graphs' buffers on the
+    """engine/core/overlap.py on CUDA: the pending ids patched into the graphs' buffers on the
     device, the sampled ids copied back behind the next step; greedy and seeded requests of
     different lengths (no EOS: the batches' shapes match step for step) give the same tokens."""
     from pdserve import LLM, SamplingParams

@@ -1,4 +1,4 @@
-"""The CUDA graphs' layouts on CPU (graphs.py, without capturing): every step takes the one
+"""The CUDA graphs' layouts on CPU (exec/graphs.py, without capturing): every step takes the one
 path decision, mixed and prefill steps run as the model's pieces over padded static buffers
 with attention between, all-decode steps as padded decode rows; greedy output equals the
 plain eager run's token for token, with chunked prefill, prefix hits and a sliding window."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.attention import PagedAttention
-from pdserve.engine.graphs import piece_buckets
+from pdserve.engine.exec.attention import PagedAttention
+from pdserve.engine.exec.graphs import piece_buckets
 
 from helpers import PROMPTS
 

@@ -3,9 +3,9 @@ prefix hits; every block free at the end."""
 
 import pytest
 
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request
+from pdserve.engine.core.block_pool import BlockPool
+from pdserve.engine.core.kv_cache_manager import KVCacheManager
+from pdserve.engine.core.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_cache import KVLayout, kv_layout
+from pdserve.engine.exec.kv_cache import KVLayout, kv_layout
 from pdserve.transfer.base import LayoutMismatch, check_layouts, wire_layout
 
 
@@ -73,7 +73,7 @@ def test_a_host_cache_costs_memory_as_it_fills_not_up_front(dtype, tiny_models):
 
 _FREED_HEAP_THEN_CACHE = """
 import ctypes, torch
-from pdserve.engine.kv_cache import zeros_on_demand
+from pdserve.engine.exec.kv_cache import zeros_on_demand
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 libc.free(libc.malloc(30 << 20))  # glibc now serves blocks under 30 MiB from its heap

@@ -1,4 +1,4 @@
-"""Per-request logit adjustments (logits_process.py) and min-p, exactly on small tensors, then
+"""Per-request logit adjustments (sample/logits_process.py) and min-p, exactly on small tensors, then
 their effect through the engine: penalties cut repetition, logit_bias forces a token."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.logits_process import process
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.core.request import Request
+from pdserve.engine.sample.logits_process import process
+from pdserve.engine.sample.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidParam
 
 

@@ -1,4 +1,4 @@
-"""The host tier (offload.py) and its persistence (persist.py), on CPU with tiny models:
+"""The host tier (tiers/offload.py) and its persistence (tiers/persist.py), on CPU with tiny models:
 exact slots of the LRU index, outputs identical to an unbounded GPU cache, tensor-parallel
 shards following rank 0's copies, a restart that finds its prefix on disk, and refusals."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import persist
-from pdserve.engine.hashing import hash_block_tokens
-from pdserve.engine.offload import HostIndex
+from pdserve.engine.core.hashing import hash_block_tokens
+from pdserve.engine.tiers import persist
+from pdserve.engine.tiers.offload import HostIndex
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -99,7 +99,7 @@ def test_offload_under_preemption_and_tensor_parallel_shards(tiny_models):
 
 @pytest.mark.slow
 def test_int8_kv_and_its_scales_go_through_the_host_tier_and_tp_shards(tiny_models):
-    """Scales live in the slab (kv_quant.py): offloaded, loaded back and split by head with
+    """Scales live in the slab (ops/kv_quant.py): offloaded, loaded back and split by head with
     the values. TP=2 with a small GPU cache and the tier gives TP=1's unbounded tokens."""
     with LLM(tiny_models["llama"], max_model_len=256, kv_cache_dtype="int8") as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -111,7 +111,7 @@ def test_int8_kv_and_its_scales_go_through_the_host_tier_and_tp_shards(tiny_mode
 
 @pytest.mark.slow
 def test_int4_kv_goes_through_the_host_tier_tp_shards_and_the_persisted_file(tiny_models, tmp_path):
-    """int4's packed codes and (scale, min) pairs live in the slab (kv_quant.py): offloaded,
+    """int4's packed codes and (scale, min) pairs live in the slab (ops/kv_quant.py): offloaded,
     loaded back, split by head under TP=2, written to disk and restored, they give the tokens of
     an unbounded int4 cache."""
     model = tiny_models["llama_hd32"]

@@ -1,4 +1,4 @@
-"""The overlapped step (engine/overlap.py): with async_scheduling on, the engine queues step
+"""The overlapped step (engine/core/overlap.py): with async_scheduling on, the engine queues step
 n+1 before it reads step n's tokens, and its outputs are token for token those of the step
 in turn: greedy and seeded sampling, EOS, stop strings, length limits, chunked prefill,
 prefix hits, preemption, aborts, the graphs' layouts; requests that need the host between
@@ -12,8 +12,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.request import PENDING
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.request import PENDING
 
 from helpers import PROMPTS
 

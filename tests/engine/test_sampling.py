@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.core.request import Request
+from pdserve.engine.sample.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -104,7 +104,7 @@ def test_seeded_noise_is_a_pure_function_with_exponential_marginals():
     import collections
     import math
 
-    from pdserve.engine.sampling_noise import exponentials, seeded_exponentials, stream_keys
+    from pdserve.engine.sample.sampling_noise import exponentials, seeded_exponentials, stream_keys
 
     a = seeded_exponentials(-5, 3, 4, 5000, "cpu")
     assert torch.equal(a[1:3], seeded_exponentials(-5, 4, 2, 5000, "cpu"))
@@ -124,7 +124,7 @@ def test_seeded_noise_is_never_zero_so_a_masked_token_is_never_drawn():
     """Every 32-bit hash maps to a uniform strictly inside (0, 1), so E > 0 everywhere: with
     E = 0 a token the grammar masked (p = 0) became 0 / 0 = NaN and won the argmax (a
     json_object request at seed 0 sampled ' clone' after '{' and ended 'invalid')."""
-    from pdserve.engine.sampling_noise import uniform
+    from pdserve.engine.sample.sampling_noise import uniform
 
     h = torch.tensor([0, 1, 511, 512, (1 << 31), (1 << 32) - 512, (1 << 32) - 1], dtype=torch.int64)
     u = uniform(h)

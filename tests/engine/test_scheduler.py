@@ -1,10 +1,10 @@
 """Scheduler on CPU with integer block ids only: token budget, chunked prefill,
 max_num_seqs, preemption by recompute."""
 
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.core.kv_cache_manager import KVCacheManager
+from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
 
 
 def make(num_blocks=64, budget=32, max_seqs=8, chunked=True, policy="fcfs"):
@@ -87,7 +87,7 @@ def test_preemption_frees_newest_and_recomputes():
 def test_a_step_carries_the_host_tiers_copies_and_an_empty_one_leaves_them_queued():
     """The step object (SchedulerOutput) holds what the runner applies before the forward: the
     host tier's queued copies go with the first step that runs, never with an empty one."""
-    from pdserve.engine.offload import HostIndex
+    from pdserve.engine.tiers.offload import HostIndex
 
     kv = KVCacheManager(16, 4, host=HostIndex(4))
     s = Scheduler(kv, 8, 32)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledRequest, StepShape
-from pdserve.engine.spec_config import SpeculativeConfig
-from pdserve.engine.spec_decode import Drafter, ngram_propose
-from pdserve.engine.spec_verify import verify_greedy, verify_sampled
+from pdserve.engine.core.kv_cache_manager import KVCacheManager
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.scheduler import ScheduledRequest, StepShape
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.decode import Drafter, ngram_propose
+from pdserve.engine.spec.verify import verify_greedy, verify_sampled
 
 from helpers import PROMPTS
 
@@ -47,7 +47,7 @@ def test_greedy_verification_keeps_drafts_up_to_the_first_miss():
 def test_rejection_sampling_keeps_the_target_distribution():
     """One-hot drafts: whatever is drafted, the first token is distributed as p (unseeded
     noise), and a seeded request's step equals what it samples without drafts."""
-    from pdserve.engine.sampling_noise import seeded_exponentials
+    from pdserve.engine.sample.sampling_noise import seeded_exponentials
 
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     probs = p.repeat(2, 1)
@@ -141,7 +141,7 @@ def test_sampled_output_keeps_the_target_distribution():
 
 def test_steps_with_speculation_off_overlap_like_plain_steps():
     """A step the off-switch runs without drafts is a plain step: it overlaps with the one
-    before (overlap.py), as without speculation (it ran in turn: at batch 64 on an H200 the
+    before (core/overlap.py), as without speculation (it ran in turn: at batch 64 on an H200 the
     switched-off engine made 0.67x the tokens of one without speculation); the tokens are the
     same, and once drafts pay again the step in flight is resolved first."""
     prompts = REPEATS + PROMPTS[:2]
@@ -176,10 +176,10 @@ def test_large_batches_turn_speculation_off():
 
 @pytest.mark.slow
 def test_draft_model_proposals(tiny_models):
-    """The draft model keeps its own paged KV per request (spec_draft.py). Drafting with the
+    """The draft model keeps its own paged KV per request (spec/draft.py). Drafting with the
     target itself is accepted in full; an unrelated random draft rarely is; both give the
     target's greedy tokens, and every draft block is freed when requests end."""
-    from pdserve.engine.loader import resolve_model_path
+    from pdserve.engine.exec.loader import resolve_model_path
 
     prompts = REPEATS + PROMPTS[:3]
     with LLM(max_model_len=256) as llm:
@@ -230,8 +230,8 @@ def test_verification_in_the_decode_graph_layout(backend, tiny_models):
 
 def switch_on(graphs: dict[int, float]):
     """A spec off-switch over a fresh step-time model with this start-up decode-graph table."""
-    from pdserve.engine.spec_switch import SpecSwitch
-    from pdserve.engine.step_model import StepModel
+    from pdserve.engine.core.step_model import StepModel
+    from pdserve.engine.spec.switch import SpecSwitch
 
     return SpecSwitch(StepModel(8192, graphs=graphs))
 
@@ -246,13 +246,13 @@ def decode_step(switch, b: int, drafts: int, context: int = 100) -> None:
 
 
 def test_the_step_model_turns_speculation_off_when_it_does_not_pay():
-    """The off-switch (spec_switch.py) asks the engine's one step-time model, on start-up
+    """The off-switch (spec/switch.py) asks the engine's one step-time model, on start-up
     tables like the ones the runner measures on CUDA: flat (weight-bound) pays at any
     acceptance; steep (compute-bound) pays only at high acceptance; drafts beyond the largest
     graph never; a probe every PROBE_EVERY steps; the fit of measured steps replaces what the
     start-up table misses, and the chunk and the switch read the same fit."""
-    from pdserve.engine.spec_switch import PROBE_EVERY, SpecSwitch
-    from pdserve.engine.step_model import StepModel
+    from pdserve.engine.core.step_model import StepModel
+    from pdserve.engine.spec.switch import PROBE_EVERY, SpecSwitch
 
     sizes = (1, 2, 4, 8, 16)
     assert SpecSwitch().pays([4, 4], 100) and SpecSwitch(StepModel(8192)).pays([4, 4], 100)  # no table (CPU)
@@ -295,7 +295,7 @@ def test_a_probe_while_off_drafts_for_a_rotating_few():
     """While the cost model keeps speculation off, a probe (one step in PROBE_EVERY) drafts for
     ceil(B / PROBE_SHARE) of the B decodes, the next ones each time: the acceptance estimate
     needs a sample, and a probe of the whole batch cost batch 64 8% of its tokens (H100)."""
-    from pdserve.engine.spec_switch import PROBE_EVERY, PROBE_SHARE
+    from pdserve.engine.spec.switch import PROBE_EVERY, PROBE_SHARE
 
     d = Drafter(SpeculativeConfig.from_dict(NGRAM))
     d.switch = switch_on({b: 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64, 128)})  # compute-bound: off

@@ -1,4 +1,4 @@
-"""The step-time model (engine/step_model.py) on its own: the fit recovers a known cost,
+"""The step-time model (engine/core/step_model.py) on its own: the fit recovers a known cost,
 chunks wait for the banked slack, the TPOT target bounds what a step carries; then a real
 engine under a TPOT target keeps its decodes' mean step inside it while it prefills."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.scheduler import ScheduledRequest, StepShape
-from pdserve.engine.step_model import MIN_CHUNK, PROBE_TOKENS, StepModel
+from pdserve.engine.core.scheduler import ScheduledRequest, StepShape
+from pdserve.engine.core.step_model import MIN_CHUNK, PROBE_TOKENS, StepModel
 
 
 class R:  # the three fields the model reads of a request

@@ -1,4 +1,4 @@
-"""Structured output's dead ends (engine/structured.py), on the engine itself: a grammar that
+"""Structured output's dead ends (engine/sample/structured.py), on the engine itself: a grammar that
 no token of the vocabulary can begin is refused before anything is queued; one that comes to a
 dead end later ends only its own request (finish_reason "invalid", the reason as stop_reason),
 frees its blocks, and the engine serves the next request. Found by the schema fuzz: the sampler

@@ -10,9 +10,9 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.exec.loader import load_model
+from pdserve.engine.exec.tp import TPError, TPGroup, check_tp, kv_head_range, vocab_range
 from pdserve.engine.llm import LLM
-from pdserve.engine.loader import load_model
-from pdserve.engine.tp import TPError, TPGroup, check_tp, kv_head_range, vocab_range
 
 from helpers import save_hf
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.engine.structured import regex_literal
+from pdserve.engine.sample.structured import regex_literal
 from pdserve.router.app import build_app
 
 from helpers import Server

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.tp import kv_head_range
+from pdserve.engine.exec.tp import kv_head_range
 from pdserve.transfer.base import TransferState
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import LocalRankLink, Route, TPConnector, rank_name, routes
@@ -126,7 +126,7 @@ def test_a_failing_route_fails_the_handoff_and_aborts_the_rest():
 
 
 def test_different_kv_cache_dtypes_are_refused_at_pairing():
-    """int8 and fp8 slabs have the same bytes (engine/kv_quant.py): the layouts name the dtype."""
+    """int8 and fp8 slabs have the same bytes (engine/ops/kv_quant.py): the layouts name the dtype."""
     raw = torch.zeros(NB, LAYERS, 2, BS, 2, DIM + 16, dtype=torch.uint8)
     src = C10dConnector("pre", raw.clone(), kv_cache_dtype="int8", default_timeout_s=10)
     dst = C10dConnector("dec", raw.clone(), kv_cache_dtype="fp8", default_timeout_s=10)

@@ -130,8 +130,8 @@ def test_num_splits_fills_the_gpu_from_shapes_only():
 
 
 def quant_cache(num_blocks, layers, page, kvh, d, fmt):
-    """A quantized block-major cache (engine/kv_quant.py) filled through the reference store."""
-    from pdserve.engine import kv_quant
+    """A quantized block-major cache (engine/ops/kv_quant.py) filled through the reference store."""
+    from pdserve.engine.ops import kv_quant
 
     kv = torch.zeros(num_blocks, layers, 2, page, kvh, kv_quant.row_bytes(fmt, d), dtype=torch.uint8, device=DEV)
     kc, vc = kv_quant.views(kv[:, 1, 0], fmt), kv_quant.views(kv[:, 1, 1], fmt)
@@ -181,7 +181,7 @@ def test_int4_store_and_decode_match_reference(D):
     """int4 KV: the store packs two 4-bit codes a byte with a float16 (scale, min) per 32 values,
     as kv_quant.quantize_int4 does; the decode kernel unpacks them in its tile loader and
     matches the reference's attention over the same bytes."""
-    from pdserve.engine import kv_quant
+    from pdserve.engine.ops import kv_quant
 
     H, KVH, page = 8, 2, 16
     seq_lens = [1, 15, 16, 40]

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pdserve.engine import kv_quant  # noqa: E402
+from pdserve.engine.ops import kv_quant  # noqa: E402
 from pdserve.engine.ops.attention_ref import paged_attention_ref, store_kv_ref  # noqa: E402
 from pdserve.engine.ops.triton_prefill import MIXED, PREFILL, PrefillLaunch, PrefillPlan, paged_prefill_triton  # noqa: E402
 
@@ -100,7 +100,7 @@ def test_both_tile_settings_and_the_mask_free_keys_match_the_reference():
 def test_warm_up_runs_every_variant_and_writes_nothing():
     """PagedAttention.warm_up (the runner calls it on CUDA before serving, so no step waits
     for Triton to compile a variant) runs each launch and leaves the cache as it was."""
-    from pdserve.engine.attention import PagedAttention
+    from pdserve.engine.exec.attention import PagedAttention
 
     kv = torch.randn(70, 2, 16, 2, 32, device=DEV)
     before = kv.clone()

@@ -8,7 +8,7 @@ with layer-major storage the same gather would touch num_layers x 2 strided regi
 per block. The attention kernels read per-layer strided views kv[:, l, 0] / kv[:, l, 1]
 of shape [num_blocks, block_size, num_kv_heads, head_dim]. Quantized KV ("int8", "fp8")
 stores each row's float32 scale after it in the same slab, "int4" packed nibbles and a float16
-scale per 32 values (kv_quant.py).
+scale per 32 values (ops/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import kv_quant
-from .config import EngineConfig
+from ..config import EngineConfig
+from ..ops import kv_quant
 from .tp import kv_head_range
 
 
@@ -29,16 +29,16 @@ from .tp import kv_head_range
 class KVLayout:
     """The one description of a KV cache's bytes: what two workers must agree on to exchange
     KV blocks (the wire check, transfer/base.py), what the persisted host tier records
-    (persist.py), per rank under tensor parallelism. `dtype` is the values' dtype (int8,
+    (tiers/persist.py), per rank under tensor parallelism. `dtype` is the values' dtype (int8,
     float8_e4m3fn or int4 for a quantized cache, whose slab is uint8), `scale_bytes` the bytes of
-    scale each (token, head) row carries after them (kv_quant.py)."""
+    scale each (token, head) row carries after them (ops/kv_quant.py)."""
 
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
-    scale_bytes: int = 0  # per (token, head) row: a quantized cache's scale(s) (kv_quant.py)
+    scale_bytes: int = 0  # per (token, head) row: a quantized cache's scale(s) (ops/kv_quant.py)
 
     @property
     def block_bytes(self) -> int:

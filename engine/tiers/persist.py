@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineConfig
-from .kv_cache import kv_layout
+from ..config import EngineConfig
+from ..exec.kv_cache import kv_layout
 from .offload import HostCache, HostIndex
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from ..tiers.offload import TierOps
     from .kv_window import KVShift, KVWindow
-    from .offload import TierOps
 
 
 @dataclass
@@ -34,7 +34,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # draft tokens included
     block_ids: list[int]
-    draft_token_ids: list[int] = field(default_factory=list)  # verified this step (spec_decode.py)
+    draft_token_ids: list[int] = field(default_factory=list)  # verified this step (spec/decode.py)
     num_accepted: int = 0  # of the drafts, set after the step
 
     @property
@@ -88,7 +88,7 @@ class StepShape:
         attn = 0.0
         for s in scheduled:
             r = s.request
-            if s.decode_rows:  # one known token (+ drafts): rows of the decode layout (graphs.py)
+            if s.decode_rows:  # one known token (+ drafts): rows of the decode layout (exec/graphs.py)
                 decodes += 1
                 drafts += len(s.draft_token_ids)
                 kv += r.num_tokens * (1 + len(s.draft_token_ids))
@@ -107,7 +107,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    tier_ops: TierOps | None = None  # host-tier copies queued up to this step (offload.py)
+    tier_ops: TierOps | None = None  # host-tier copies queued up to this step (tiers/offload.py)
     kv_shifts: list[KVShift] = field(default_factory=list)  # keys to rotate first (kv_window.py)
 
     @functools.cached_property
@@ -262,7 +262,7 @@ class Scheduler:
         return out
 
     def _with_drafts(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """Schedules a decode with its draft tokens (verified in this step, spec_decode.py)
+        """Schedules a decode with its draft tokens (verified in this step, spec/decode.py)
         when they fit the budget and the pool without preempting; else drops the drafts
         (0: schedule it plainly)."""
         n = 1 + len(req.spec_tokens)

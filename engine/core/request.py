@@ -12,7 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 # A sampled token still on the device (the overlapped step, overlap.py): the last output token
 # of a request between the step that samples it and the next, never seen outside the engine.
@@ -73,7 +73,7 @@ class Request:
     # the top N ids: log-probs} given the tokens before it; filled as its chunks run
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank (1: the likeliest)
-    # draft tokens proposed for this step (speculative decoding, spec_decode.py)
+    # draft tokens proposed for this step (speculative decoding, spec/decode.py)
     spec_tokens: list[int] = field(default_factory=list)
     # detokenizer state (owned by the engine's output processor)
     output_text: str = ""

@@ -1,5 +1,5 @@
 """Speculative decoding's settings (vLLM's `speculative_config`): a leaf module, so the engine's
-configuration reads it without importing the machinery (spec_decode.py)."""
+configuration reads it without importing the machinery (decode.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE
     model: str | None = None  # draft_model: a Hugging Face directory with the target's vocabulary
-    draft_kv_cache_memory_bytes: int = 1 << 30  # the draft model's own KV cache (spec_draft.py)
+    draft_kv_cache_memory_bytes: int = 1 << 30  # the draft model's own KV cache (draft.py)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:

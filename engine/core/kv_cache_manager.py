@@ -10,16 +10,16 @@ Lifecycle of a request's blocks:
 A KV handoff: the receiver reserve_prompt()s (its own hits pinned, fresh blocks for
 the rest, the number of hits tells the sender what to skip); the sender sends
 prompt_blocks_after(skip); both free() when the handoff is over.
-With a host tier (offload.py): freed cached blocks are offloaded, and a lookup goes on
+With a host tier (tiers/offload.py): freed cached blocks are offloaded, and a lookup goes on
 past the GPU hits into the host tier, loading those blocks back into fresh GPU blocks.
 Counters for metrics: prefix-cache queries/hits in tokens (host hits included), host hits.
 """
 
 from __future__ import annotations
 
+from ..tiers.offload import HostIndex
 from .block_pool import Block, BlockPool
 from .hashing import ROOT_HASH, BlockHash, hash_block
-from .offload import HostIndex
 from .request import Request
 
 

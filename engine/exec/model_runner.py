@@ -16,7 +16,7 @@ Which path a step takes is one decision (graphs.StepGraphs.route): an all-decode
 larger steps, and every step without graphs, run eagerly. On CPU,
 `use_graph_layouts()` runs both graph layouts without capturing (tests).
 
-Tensor parallel (engine/tp.py): rank 0's runner builds a step's host inputs (`StepInputs`:
+Tensor parallel (engine/exec/tp.py): rank 0's runner builds a step's host inputs (`StepInputs`:
 numpy arrays, cheap to pickle), sends them to the shards and runs `forward` on them; each
 shard's runner receives them and runs the same `forward` (shard.py). Only rank 0 samples.
 """
@@ -28,18 +28,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import EngineConfig
+from ..core.kv_window import rotate_keys
+from ..core.request import PENDING, Request
+from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..sample.sampler import Sampler
+from ..sampling_params import SamplingParams
+from ..tiers.offload import HostCache, TierOps, host_slots
 from .attention import AttentionMetadata
-from .config import EngineConfig
 from .graphs import StepGraphs, decode_inputs, piece_tokens
 from .host_to_device import to_device
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
-from .kv_window import rotate_keys
 from .loader import load_model
-from .offload import HostCache, TierOps, host_slots
-from .request import PENDING, Request
-from .sampler import Sampler
-from .sampling_params import SamplingParams
-from .scheduler import ScheduledRequest, SchedulerOutput
 from .tp import TPGroup
 
 
@@ -61,10 +61,10 @@ class StepInputs:
     padded: int = 0
     sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
     prompt_rows: np.ndarray | None = None  # int64 rows whose logits score a prompt token (after sample_rows)
-    tier_ops: TierOps | None = None  # host-tier copies to apply first (offload.py)
-    kv_shifts: list | None = None  # keys to rotate back first (kv_window.py)
+    tier_ops: TierOps | None = None  # host-tier copies to apply first (tiers/offload.py)
+    kv_shifts: list | None = None  # keys to rotate back first (core/kv_window.py)
     # rows whose input token is still on the device (request.PENDING), and each one's row in
-    # the previous launch's sampled tokens (overlap.py); rank 0 only
+    # the previous launch's sampled tokens (core/overlap.py); rank 0 only
     pending: tuple[np.ndarray, np.ndarray] | None = None
 
 
@@ -88,7 +88,7 @@ class ModelRunner:
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
         self.kv_views = layer_views(self.kv, config.kv_cache_dtype)
         self.layout = kv_layout(config)
-        self.host = None  # the host tier's buffer on this rank (offload.py)
+        self.host = None  # the host tier's buffer on this rank (tiers/offload.py)
         if config.kv_offloading_size:
             self.host = HostCache(self.kv, self.num_host_slots)
         self.sampler = Sampler(self.device)
@@ -106,7 +106,7 @@ class ModelRunner:
     @property
     def graph_seconds(self) -> dict[int, float]:
         """Rows -> seconds per decode-graph replay (timed at start when speculation is configured;
-        step_model.py)."""
+        core/step_model.py)."""
         return self.graphs.decode_seconds if self.graphs else {}
 
     @torch.inference_mode()
@@ -159,7 +159,7 @@ class ModelRunner:
         for i, s in enumerate(batch):
             req, start, k = s.request, s.request.num_computed_tokens, s.num_new_tokens
             input_ids += req.all_token_ids[start : start + k - len(s.draft_token_ids)] + s.draft_token_ids
-            c = start - req.kv_shift  # the cache position of the first (kv_window.py)
+            c = start - req.kv_shift  # the cache position of the first (core/kv_window.py)
             pos = range(c, c + k)
             positions += pos
             slots += [s.block_ids[p // bs] * bs + p % bs for p in pos]
@@ -220,7 +220,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, step: SchedulerOutput, pending_rows: dict[str, int]) -> tuple[torch.Tensor | None, list]:
-        """The overlapped step (overlap.py): runs `step` without waiting for it. Returns the
+        """The overlapped step (core/overlap.py): runs `step` without waiting for it. Returns the
         sampled token ids on the device and the requests they belong to, in order. A row whose
         input is PENDING reads it from the previous launch's tokens (`pending_rows`: request id
         -> its row there). Requests here need nothing from the host between steps (overlap.plain)."""

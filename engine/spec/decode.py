@@ -16,16 +16,16 @@
               rejected drafts' KV slots took beyond that are freed, and only accepted full
               blocks get prefix-cache hashes (the rejected tokens never join the request)
 
-Off-switch: a batch-size cap and, on CUDA, the engine's step-time model (spec_switch.py).
+Off-switch: a batch-size cap and, on CUDA, the engine's step-time model (switch.py).
 """
 
 from __future__ import annotations
 
 import time
 
-from .logits_process import one_token_steps
-from .spec_config import SpeculativeConfig
-from .spec_switch import SpecSwitch
+from ..sample.logits_process import one_token_steps
+from .config import SpeculativeConfig
+from .switch import SpecSwitch
 
 
 def ngram_propose(tokens: list[int], k: int, nmax: int, nmin: int) -> list[int]:
@@ -56,7 +56,7 @@ class Drafter:
         self.max_model_len = target.max_model_len if target is not None else 1 << 30
         self.draft = None
         if config is not None and config.method == "draft_model":
-            from .spec_draft import DraftModelProposer
+            from .draft import DraftModelProposer
 
             self.draft = DraftModelProposer(config.model, target, config.draft_kv_cache_memory_bytes)
         # (request, room) -> draft tokens, instead of ngram lookup (benchmarks: a draft whose
@@ -73,8 +73,8 @@ class Drafter:
 
     def decide(self, running: list) -> bool:
         """Before a step, before its schedule: whether it carries drafts (the batch cap and the
-        off-switch's plan, spec_switch.py, before any proposal's host time). A step without
-        drafts is a plain step: the engine may overlap it (overlap.py) as it would without
+        off-switch's plan, switch.py, before any proposal's host time). A step without
+        drafts is a plain step: the engine may overlap it (core/overlap.py) as it would without
         speculation. propose() follows the decision."""
         self._drafting = False
         if self.config is None:
@@ -103,7 +103,7 @@ class Drafter:
         decodes, context = decoding(running)
         if not decodes:  # the step decide() saw in flight finished them all
             return
-        rooms = [0 if one_token_steps(r) else  # bias, bans, penalties, log-probs: logits_process.py
+        rooms = [0 if one_token_steps(r) else  # bias, bans, penalties, log-probs: sample/logits_process.py
                  min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
                      self.max_model_len - r.num_tokens - 1) for r in decodes]
         width = self.switch.probe_width(len(decodes))

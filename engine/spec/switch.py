@@ -1,10 +1,10 @@
 """Speculation's off-switch: whether a step's drafts are expected to pay for themselves.
 
-Per step, two rules (the Drafter asks before the schedule, spec_decode.Drafter.decide):
+Per step, two rules (the Drafter asks before the schedule, decode.Drafter.decide):
   - a hard cap: no drafts while the running decodes exceed `disable_by_batch_size`
-    (vLLM's `speculative_disable_by_batch_size`; default spec_config.DISABLE_BY_BATCH_SIZE);
+    (vLLM's `speculative_disable_by_batch_size`; default config.DISABLE_BY_BATCH_SIZE);
   - on CUDA, a cost model. A verifying request takes 1 + d rows of the decode graph
-    (model_runner.py), so a step with drafts costs t(B + sum d) against plain decoding's
+    (exec/model_runner.py), so a step with drafts costs t(B + sum d) against plain decoding's
     t(B). It carries its drafts only if the tokens they are expected to yield per second
     beat plain decoding's:
 
@@ -26,7 +26,7 @@ docs/design/spec_switch.md.
 
 from __future__ import annotations
 
-from .step_model import StepModel
+from ..core.step_model import StepModel
 
 PRIOR_ACCEPTED, PRIOR_DRAFTS = 1, 2  # the acceptance estimate before any verification: 1/2
 PROBE_EVERY = 16

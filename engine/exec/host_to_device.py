@@ -3,7 +3,7 @@
 A copy from pageable host memory may first synchronize with the stream (CUDA's "API
 synchronization behavior"; `torch.tensor(list, device="cuda")` is a synchronous copy that
 does), so a step's input built while the previous step runs would wait for it: the overlapped
-step (overlap.py) would overlap nothing. Every host array a step sends to the GPU goes through
+step (core/overlap.py) would overlap nothing. Every host array a step sends to the GPU goes through
 pinned memory instead; on CPU these are plain tensors.
 """
 

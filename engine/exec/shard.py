@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .tp import TPError, TPGroup
 
 log = logging.getLogger(__name__)
@@ -73,14 +73,14 @@ class Shards(ABC):
 
 
 class ProcessShards(Shards):
-    """One child process per rank on this host (`python -m pdserve.engine.shard`, the
+    """One child process per rank on this host (`python -m pdserve.engine.exec.shard`, the
     config pickled on its stdin: no `if __name__ == "__main__"` needed in the caller's
     script, unlike multiprocessing's spawn)."""
 
     def __init__(self, config: EngineConfig, load_format: str, address: str):
         self.procs = []
         for rank in range(1, config.tensor_parallel_size):
-            p = subprocess.Popen([sys.executable, "-m", "pdserve.engine.shard"], stdin=subprocess.PIPE)
+            p = subprocess.Popen([sys.executable, "-m", "pdserve.engine.exec.shard"], stdin=subprocess.PIPE)
             p.stdin.write(pickle.dumps((shard_config(config, rank, True), load_format, rank, address)))
             p.stdin.close()
             self.procs.append(p)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .host_to_device import to_device
+from ..exec.host_to_device import to_device
 
 M32 = 0xFFFFFFFF
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..ops.attention_ref import paged_attention_ref, store_kv_ref
 from .host_to_device import to_device
-from .ops.attention_ref import paged_attention_ref, store_kv_ref
 
 
 @dataclass
@@ -78,8 +78,8 @@ class PagedAttention:
         self.sliding_window = sliding_window
         self.use_triton = use_triton
         if use_triton:
-            from .ops.triton_attention import paged_decode_triton, store_kv_triton
-            from .ops.triton_prefill import PrefillPlan, paged_prefill_triton
+            from ..ops.triton_attention import paged_decode_triton, store_kv_triton
+            from ..ops.triton_prefill import PrefillPlan, paged_prefill_triton
 
             self._store, self._decode, self._prefill = store_kv_triton, paged_decode_triton, paged_prefill_triton
             self._plan = PrefillPlan.build
@@ -96,7 +96,7 @@ class PagedAttention:
         5.3 s. Reads block 0 only and writes nothing to the cache."""
         if self._prefill is None:
             return
-        from .ops.triton_prefill import MIXED, PREFILL, PrefillPlan
+        from ..ops.triton_prefill import MIXED, PREFILL, PrefillPlan
 
         page = k_cache.shape[1]
         device = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache.values).device  # or a QuantKV

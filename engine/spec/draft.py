@@ -17,23 +17,23 @@ Each target request has a shadow request in the draft model's own paged KV cache
 Cost per target step: one small batched step plus k - 1 draft decode steps; per request, one
 draft-model prefill of its prompt (for a 135M draft of an 8B target, ~1/50 of the target's
 prefill FLOPs). Drafts are greedy (deterministic), so the target's rejection sampling
-(spec_decode.verify_sampled) keeps its distribution exactly.
+(verify.verify_sampled) keeps its distribution exactly.
 """
 
 from __future__ import annotations
 
-from .config import EngineConfig
-from .kv_cache_manager import KVCacheManager
-from .request import Request
-from .sampling_params import SamplingParams
-from .scheduler import ScheduledRequest, SchedulerOutput
+from ..config import EngineConfig
+from ..core.kv_cache_manager import KVCacheManager
+from ..core.request import Request
+from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
 
 
 class DraftModelProposer:
     def __init__(self, model: str, target: EngineConfig, kv_cache_memory_bytes: int):
-        from .model_runner import ModelRunner
+        from ..exec.model_runner import ModelRunner
 
         cfg = EngineConfig(model=model, dtype=target.dtype, device=target.device, max_model_len=target.max_model_len,
                            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=target.max_num_seqs,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .hashing import BlockHash
+from ..core.hashing import BlockHash
 
 
 @dataclass

@@ -9,9 +9,9 @@ import os
 import torch
 from tqdm import tqdm
 
-from .config import EngineConfig
-from .default_model import default_model_path
-from .models.llama import LlamaForCausalLM
+from ..config import EngineConfig
+from ..default_model import default_model_path
+from ..models.llama import LlamaForCausalLM
 from .tp import TPGroup
 
 

@@ -56,7 +56,7 @@ class StepGraphs:
         self.max_piece_tokens = self.piece_sizes[-1]
         self.decode: dict[int, tuple] = {}  # rows -> (graph, logits)
         self.pieces: dict[int, list] = {}  # tokens -> [graph per piece]
-        self.decode_seconds: dict[int, float] = {}  # rows -> seconds per replay (step_model.py's `graph` feature)
+        self.decode_seconds: dict[int, float] = {}  # rows -> seconds per replay (core/step_model.py's `graph` feature)
         self._buffers(next(model.parameters()).device)
         if capture:
             self._capture()
@@ -143,7 +143,7 @@ class StepGraphs:
 
     def time_decode(self, reps: int = 5, context: int = 512) -> dict[int, float]:
         """Seconds one replay of each decode graph takes (the step-time model's `graph` feature,
-        which speculation's off-switch reads: spec_switch.py), every row attending to `context`
+        which speculation's off-switch reads: spec/switch.py), every row attending to `context`
         tokens (capped by max_model_len): the weights', activations' and a typical row's KV
         cost by row count. With 1-token rows the table missed the KV reads, so until the
         step-time fit had seen both sizes it priced a speculative step too low: batch 32-64
@@ -240,7 +240,7 @@ def decode_inputs(batch: list, padded: int, block_size: int,
         p = s.request.num_computed_tokens
         ids = [s.request.all_token_ids[p]] + s.draft_token_ids
         n = len(ids)
-        pos = np.arange(p, p + n) - s.request.kv_shift  # cache positions (kv_window.py)
+        pos = np.arange(p, p + n) - s.request.kv_shift  # cache positions (core/kv_window.py)
         blocks = np.asarray(s.block_ids, dtype=np.int64)
         cols[0, i:i + n] = ids
         cols[1, i:i + n] = pos

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from ..core.request import Request
+from ..exec.host_to_device import to_device
+from ..sampling_params import SamplingParams
+from ..spec.verify import verify_greedy, verify_sampled
 from . import sampling_noise
-from .host_to_device import to_device
 from .logits_process import process
-from .request import Request
-from .sampling_params import SamplingParams
-from .spec_verify import verify_greedy, verify_sampled
 
 
 class Sampler:
@@ -57,7 +57,7 @@ class Sampler:
     @torch.no_grad()
     def sample_on_device(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The token ids as a device tensor, without waiting for them (the overlapped step,
-        overlap.py): for requests whose sampling needs no host round trip (overlap.plain)."""
+        core/overlap.py): for requests whose sampling needs no host round trip (overlap.plain)."""
         process(logits, reqs)
         return self._draw(logits, reqs)
 
@@ -143,7 +143,7 @@ class Sampler:
     def verify(self, logits: torch.Tensor, drafts: list[int], request: Request,
                argmax: list[int] | None = None) -> list[int]:
         """logits [k+1, vocab] at a request's [last token, d1..dk]: the tokens its step
-        produces (accepted drafts, then one from the target; spec_decode.py). Row j draws the
+        produces (accepted drafts, then one from the target; spec/decode.py). Row j draws the
         request's output token num_output_tokens + j. `argmax`: the rows' argmax if the caller
         has it (one device sync for the whole batch)."""
         params = request.sampling_params

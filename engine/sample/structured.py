@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .request import Request
+    from ..core.request import Request
 
 KEYS = ("json", "json_object", "regex", "choice", "grammar")
 JSON_OBJECT = '{"type": "object"}'

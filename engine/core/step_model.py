@@ -15,7 +15,7 @@ tokens costs beyond a decode-only one. The coefficients are a non-negative least
 over the last 256 decode-only and the last 256 steps with prefill tokens, refitted every 16
 steps; its prefill terms count once 8 steps with prefill are in it. This is the engine's one
 step-cost model: the TPOT chunk (prefill_cap, chunk_at), the prefill rate placement reads
-(rate_at) and speculation's off-switch (decode_seconds; spec_switch.py) are queries on it.
+(rate_at) and speculation's off-switch (decode_seconds; spec/switch.py) are queries on it.
 
 With a target (`slo_tpot_s`), the decodes average at most margin x target per output token
 (TPOT is a mean). While the fit sees a fixed cost for a step with prefill, decode-only steps
@@ -58,7 +58,7 @@ class StepModel:
         self.slo_tpot_s = slo_tpot_s
         self.margin = margin
         # decode-graph rows -> seconds per replay, every row at 512 tokens of context, timed by the
-        # runner at start (graphs.py; empty without graphs): the `graph` feature, and the spec
+        # runner at start (exec/graphs.py; empty without graphs): the `graph` feature, and the spec
         # off-switch's prior until steps are fitted
         self.graphs = dict(graphs or {})
         self.decode_steps: collections.deque = collections.deque(maxlen=256)
@@ -96,7 +96,7 @@ class StepModel:
 
     def decode_seconds(self, rows: int, kv: int) -> float | None:
         """An all-decode step of `rows` rows (decodes and draft rows) reading `kv` context tokens
-        (the spec off-switch's query, spec_decode.SpecSwitch): the fit, or the start-up graph time
+        (the spec off-switch's query, spec/switch.py): the fit, or the start-up graph time
         before it; None beyond the largest decode graph."""
         g = self.graph_seconds(rows)
         if g is None:

@@ -45,7 +45,7 @@ class BlockPool:
         # registry of the cluster subscribes through it
         self.events: list[tuple[str, BlockHash]] = []
         self.record_events = False
-        # the host tier (offload.py) watches cached blocks being freed and blocks reallocated
+        # the host tier (tiers/offload.py) watches cached blocks being freed and blocks reallocated
         self.on_free = None  # (block) -> None: a cached block's last reference went
         self.on_realloc = None  # (block) -> None: a free block is about to be overwritten
         self.num_evicted = 0  # cached blocks reused for other tokens (their prefix is gone from this tier)

@@ -1,5 +1,5 @@
 """Verifying draft tokens against the target's distribution at their positions (the
-sampler's part of speculative decoding, spec_decode.py)."""
+sampler's part of speculative decoding, decode.py)."""
 
 from __future__ import annotations
 

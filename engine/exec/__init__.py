@@ -1,0 +1,2 @@
+"""Running a scheduled step on a device: the model runner, attention metadata, graphs, the KV
+tensor, weights loading and tensor parallelism."""

@@ -1,0 +1,1 @@
+"""From logits to tokens: the sampler, seeded noise, logits processors and grammar masks."""

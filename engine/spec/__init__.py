@@ -1,0 +1,1 @@
+"""Speculative decoding: its settings (a leaf), drafters, verification and the off-switch."""
