@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdserve.engine.role import HandoffResult
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -36,8 +37,8 @@ class RequestObserver:
         local_prefill (queue + chunked prefill on a decode worker: hybrid placement) and
         local_to_first_token, local_first_token (a request served by one worker, no spans)."""
 
-    def on_handoff(self, result: dict) -> None:
-        """A finished send: state, error, bytes, seconds."""
+    def on_handoff(self, result: HandoffResult) -> None:
+        """A finished send (its state, error, bytes, seconds and spans)."""
 
     def on_finish(self, done: FinishedRequest) -> None:
         """A request ended."""

@@ -35,6 +35,7 @@ from ray.exceptions import RayActorError, RayError
 
 from pdserve.engine.core.hashing import hash_block_tokens
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.role import HandoffResult
 from pdserve.engine.sampling_params import SamplingParams
 
 from .api import FinishedRequest, NoWorker, RequestObserver
@@ -154,9 +155,9 @@ class Dispatcher:
                     d.actor.abort.remote(wire_id)  # prefill worker): the decode worker's reservation goes
                     self._finish(prefill.result(), ids, progress, sink, p, None, rid)
                     return
-                elif _send_failed(prefill.result()) and not progress.shown:
+                elif isinstance(prefill.result(), HandoffResult) and not prefill.result().ok and not progress.shown:
                     # the decode worker's receive would wait out its deadline: retry now (aborted below)
-                    raise WorkerLost(f"handoff from {p.worker_id} failed: {prefill.result().get('error')}")
+                    raise WorkerLost(f"handoff from {p.worker_id} failed: {prefill.result().error}")
             try:
                 await relay
             except (RayActorError, WorkerLost) as e:
@@ -191,9 +192,9 @@ class Dispatcher:
             if isinstance(e.cause, ValueError):
                 raise e.cause from None
             raise WorkerLost(f"prefill on {p.worker_id} failed: {public_cause(e)}") from e
-        if isinstance(res, dict):
-            self._late_spans(rid, res.get("spans") or {})
-            if res.get("state") == "DONE":
+        if isinstance(res, HandoffResult):
+            self._late_spans(rid, res.spans)
+            if res.ok:
                 for o in self.observers:
                     o.on_handoff(res)
             else:
@@ -358,10 +359,6 @@ def public_cause(e: BaseException) -> str:
             return type(e).__name__
         e = cause
     return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-
-
-def _send_failed(result) -> bool:
-    return isinstance(result, dict) and result.get("state") not in (None, "DONE")
 
 
 class _Ended(Exception):

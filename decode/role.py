@@ -29,7 +29,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.transfer.base import KVConnector, TransferState
+from pdserve.transfer.base import HandoffMeta, KVConnector, TransferState
 
 
 @dataclass
@@ -115,15 +115,15 @@ class DecodeRole(Role):
                 req.status = RequestStatus.FINISHED_ERROR
                 events.append(Emitted(RequestOutput.error(req.request_id, f"KV handoff failed: {h.error}")))
                 continue
-            req.append_token(h.meta["first_token"])
-            if "first_logprobs" in h.meta:
-                req.output_logprobs.append({int(t): v for t, v in h.meta["first_logprobs"]})
-            if "prompt_logprobs" in h.meta:
-                req.prompt_logprobs = [e and {int(t): v for t, v in e} for e in h.meta["prompt_logprobs"]]
-                req.prompt_ranks = list(h.meta["prompt_ranks"])
+            meta = HandoffMeta.from_wire(h.meta)
+            req.append_token(meta.first_token)
+            if meta.first_logprobs is not None:
+                req.output_logprobs.append(meta.first_logprobs)
+            if meta.prompt_logprobs is not None:
+                req.prompt_logprobs, req.prompt_ranks = meta.prompt_logprobs, meta.prompt_ranks
             self.engine.kv.cache_blocks(req, req.num_prompt_tokens)
             out = self.engine.admit_prefilled(req)
-            out.metrics.spans = {**h.meta.get("spans", {}), **inc.spans, **h.wall_spans("recv"),
+            out.metrics.spans = {**meta.spans, **inc.spans, **h.wall_spans("recv"),
                                  "kv_landed": time.time()}
             events.append(Emitted(out))
         return events

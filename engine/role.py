@@ -12,8 +12,8 @@ Events (what the driver forwards; nothing else leaves a role):
     Emitted(output)             a delta output for the request's stream
     Reserved(rid, peer, target) decode: blocks are reserved and the receive posted; the
                                 prefill worker `peer` must learn the target
-    Sent(rid, result)           prefill: the request's handoff is over (result: state,
-                                error, bytes, seconds, spans); its blocks are released
+    Sent(rid, result)           prefill: the request's handoff is over (a HandoffResult);
+                                its blocks are released
     Failed(rid, error)          the request could not go on here (error names why)
 
 Roles: pdserve.prefill.role.PrefillRole, pdserve.decode.role.DecodeRole.
@@ -22,7 +22,7 @@ Roles: pdserve.prefill.role.PrefillRole, pdserve.decode.role.DecodeRole.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -40,10 +40,26 @@ class Reserved:
     target: object  # pdserve.transfer.HandoffTarget (engine/ does not import transfer/)
 
 
+@dataclass(frozen=True)
+class HandoffResult:
+    """A prefill worker's report of one finished send, what its caller (the dispatcher) and the
+    metrics read: its state ("DONE" or "FAILED"), the error, bytes moved, seconds from the start
+    of the send to its end, and the prefill side's spans (wall-clock times by name)."""
+    state: str
+    error: str | None = None
+    nbytes: int = 0
+    seconds: float | None = None
+    spans: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "DONE"
+
+
 @dataclass
 class Sent:
     request_id: str
-    result: dict
+    result: HandoffResult
 
 
 @dataclass

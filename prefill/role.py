@@ -28,9 +28,9 @@ import torch
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.role import Emitted, Event, Failed, Role, Sent
+from pdserve.engine.role import Emitted, Event, Failed, HandoffResult, Role, Sent
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.transfer.base import HandoffTarget, KVConnector
+from pdserve.transfer.base import HandoffMeta, HandoffTarget, KVConnector
 
 
 @dataclasses.dataclass
@@ -134,8 +134,7 @@ class PrefillRole(Role):
             if p is None:
                 continue
             p.spans.update(h.wall_spans("send"))
-            events.append(Sent(h.request_id, {"state": h.state.name, "error": h.error, "bytes": h.nbytes,
-                                              "seconds": h.seconds, "spans": p.spans}))
+            events.append(Sent(h.request_id, HandoffResult(h.state.name, h.error, h.nbytes, h.seconds, p.spans)))
         return events
 
     def _send(self, request_id: str, p: _Pending) -> None:
@@ -148,15 +147,16 @@ class PrefillRole(Role):
             return  # aborted between the two
         c = p.output.outputs[0]
         p.spans["send_start"] = time.time()
-        meta = {"first_token": c.token_ids[0], "spans": p.spans}
-        if c.logprobs:  # the first token's log-probs travel with it (the decode worker emits it)
-            meta["first_logprobs"] = list(c.logprobs[0].items())  # pairs: the meta is JSON
-        if p.output.prompt_logprobs:  # scored here, where the prompt ran; emitted there
-            meta["prompt_logprobs"] = [e and list(e.items()) for e in p.output.prompt_logprobs]
-            meta["prompt_ranks"] = p.output.prompt_ranks
+        meta = HandoffMeta(c.token_ids[0], p.spans,
+                           # the first token's log-probs travel with it (the decode worker emits it)
+                           first_logprobs=dict(c.logprobs[0]) if c.logprobs else None,
+                           # the prompt's: scored here, where the prompt ran; emitted there
+                           prompt_logprobs=p.output.prompt_logprobs or None,
+                           prompt_ranks=p.output.prompt_ranks if p.output.prompt_logprobs else None)
         blocks = self.engine.kv.prompt_blocks_after(req, p.target.num_skip)
         try:
-            self.connector.start_send(p.target, request_id, blocks, self.handoff_timeout_s, p.ready, meta)
+            self.connector.start_send(p.target, request_id, blocks, self.handoff_timeout_s, p.ready,
+                                      meta.to_wire())
         except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: reported like a failed handoff
             self.pending.pop(request_id, None)
             self.engine.release(request_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from pdserve.cluster.api import FinishedRequest, RequestObserver
+from pdserve.cluster.api import FinishedRequest, HandoffResult, RequestObserver
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -185,10 +185,10 @@ class RouterMetrics(RequestObserver):
     def on_phase(self, name: str, seconds: float) -> None:
         self.phase_seconds.labels(name, self.model).observe(seconds)
 
-    def on_handoff(self, result: dict) -> None:
-        self.handoff_bytes.labels(self.model).inc(result.get("bytes") or 0)
-        if result.get("seconds") is not None:
-            self.handoff_seconds.labels(self.model).observe(result["seconds"])
+    def on_handoff(self, result: HandoffResult) -> None:
+        self.handoff_bytes.labels(self.model).inc(result.nbytes)
+        if result.seconds is not None:
+            self.handoff_seconds.labels(self.model).observe(result.seconds)
 
     def on_finish(self, done: FinishedRequest) -> None:
         self.requests.labels(done.reason, self.model).inc()

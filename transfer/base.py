@@ -78,6 +78,36 @@ class HandoffTarget:
         return max(1, len(self.ranks))
 
 
+@dataclass
+class HandoffMeta:
+    """What rides with a request's KV from its prefill worker to its decode worker: the first
+    sampled token, its log-probs and the prompt's where they were asked for, and the prefill
+    side's spans. A connector carries it as JSON: `to_wire()` writes it (log-prob maps as
+    [token, value] pairs, since JSON keys are strings), `from_wire()` reads it back."""
+    first_token: int
+    spans: dict[str, float] = field(default_factory=dict)
+    first_logprobs: dict[int, float] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int] | None = None
+
+    def to_wire(self) -> dict:
+        out: dict = {"first_token": int(self.first_token), "spans": self.spans}
+        if self.first_logprobs is not None:
+            out["first_logprobs"] = [[int(t), v] for t, v in self.first_logprobs.items()]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [e and [[int(t), v] for t, v in e.items()] for e in self.prompt_logprobs]
+            out["prompt_ranks"] = self.prompt_ranks
+        return out
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> HandoffMeta:
+        prompt = wire.get("prompt_logprobs")
+        return cls(int(wire["first_token"]), dict(wire.get("spans") or {}),
+                   None if wire.get("first_logprobs") is None else {int(t): v for t, v in wire["first_logprobs"]},
+                   None if prompt is None else [e and {int(t): v for t, v in e} for e in prompt],
+                   None if wire.get("prompt_ranks") is None else list(wire["prompt_ranks"]))
+
+
 @dataclass(eq=False)
 class Handoff:
     request_id: str
@@ -91,7 +121,8 @@ class Handoff:
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     nbytes: int = 0
-    # sender: the payload to deliver with the KV; receiver: what arrived (set when DONE)
+    # sender: the payload to deliver with the KV; receiver: what arrived (set when DONE); JSON
+    # (a PD handoff's is HandoffMeta.to_wire())
     meta: dict | None = None
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
     _ready: object = field(default=None, repr=False)  # CUDA event: no step before it touches the blocks any more

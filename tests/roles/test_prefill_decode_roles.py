@@ -49,8 +49,8 @@ def run_disagg(pw: PrefillRole, dw: DecodeRole, prompts, params):
                 skips[ev.request_id] = ev.target.num_skip
                 pw.target(ev.request_id, ev.target)
             elif isinstance(ev, Sent):
-                assert ev.result["state"] == "DONE", ev.result
-                sent[ev.request_id] = (ev.result["bytes"], skips[ev.request_id])
+                assert ev.result.ok, ev.result
+                sent[ev.request_id] = (ev.result.nbytes, skips[ev.request_id])
             elif isinstance(ev, Emitted) and ev.output.finished:
                 finals[ev.output.request_id] = ev.output
     return [finals[f"r{i}"] for i in range(len(prompts))], sent

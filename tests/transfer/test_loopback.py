@@ -37,3 +37,17 @@ def test_loopback_timeout_and_abort():
     assert d.poll() == [r] and r.state == TransferState.FAILED and "timed out" in r.error
     r = d.start_recv("p", "b", [1], d.new_channel("p"))
     assert d.abort("b") and r.error == "aborted" and not d.abort("b")
+
+
+def test_a_handoff_meta_survives_the_json_a_connector_carries():
+    """Log-prob maps keyed by token id come back keyed by int (JSON keys would be strings), a
+    prompt position without log-probs stays None, and absent fields stay absent."""
+    import json
+
+    from pdserve.transfer.base import HandoffMeta
+    full = HandoffMeta(42, {"send_start": 1.5}, first_logprobs={42: -0.1, 7: -2.5},
+                       prompt_logprobs=[None, {3: -1.0, 9: -4.0}], prompt_ranks=[1, 2])
+    assert HandoffMeta.from_wire(json.loads(json.dumps(full.to_wire()))) == full
+    bare = HandoffMeta(5)
+    assert bare.to_wire() == {"first_token": 5, "spans": {}}
+    assert HandoffMeta.from_wire(json.loads(json.dumps(bare.to_wire()))) == bare
