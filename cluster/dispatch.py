@@ -6,8 +6,9 @@ Runs on the cluster's event loop thread.
                 outputs are held until its last, so it is retried after its first token
                 too); a request that fails for good ends with an error output
                 (finish_reason "error", the cause as stop_reason)
-    attempt     placement (placement.py: pools + registry + routing.py; an empty pool is
-                NoWorker, the router's 503) and one of:
+    attempt     an Attempt (attempt.py: its wire id, what the client has seen, its charges),
+                placed (placement.py's Placement: pools + registry + routing.py; an empty pool
+                is NoWorker, the router's 503) and run one of three ways:
       disaggregated  the prefill worker p and the decode worker d are asked AT ONCE:
                          p.prefill(rid, ids, params, d)       -> the handoff's result
                          d.generate(rid, ids, params, p)      -> the stream of outputs
@@ -39,6 +40,7 @@ from pdserve.engine.role import HandoffResult
 from pdserve.engine.sampling_params import SamplingParams
 
 from .api import FinishedRequest, NoWorker, RequestObserver
+from .attempt import Attempt
 from .placement import Placer
 from .pools import Pools, WorkerRecord
 
@@ -52,37 +54,6 @@ class WorkerLost(RuntimeError):
     def __init__(self, message: str, dead: bool = False):
         super().__init__(message)
         self.dead = dead
-
-
-class _Progress:
-    """What the client has seen of an attempt, and the prompt tokens it queued on workers
-    (their `queued_tokens`, what placement predicts TTFT from) until its first token."""
-
-    def __init__(self, t0: float, priority: int = 0, hold: bool = False):
-        self.t0, self.last, self.first_at = t0, None, None
-        self.priority = priority
-        # a client that reads the whole reply at once (JSON): the outputs wait here until the
-        # last one, so a worker lost after the first token is still retried (nothing was shown)
-        self.held: list[RequestOutput] | None = [] if hold else None
-        self.shown = False  # the sink has had a token: the request can no longer be retried
-        self.tokens = 0
-        self.placement: dict | None = None
-        self.predicted: tuple[str, float | None] | None = None  # (worker, TTFT) placement expected
-        self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
-        self._charged: list[tuple[WorkerRecord, int]] = []
-
-    def charge(self, w: WorkerRecord, tokens: int) -> None:
-        w.queued_tokens += tokens
-        w.queued_by_priority[self.priority] += tokens
-        self._charged.append((w, tokens))
-
-    def settle(self) -> None:
-        for w, n in self._charged:
-            w.queued_tokens -= n
-            w.queued_by_priority[self.priority] -= n
-            if not w.queued_by_priority[self.priority]:
-                del w.queued_by_priority[self.priority]
-        self._charged = []
 
 
 class Dispatcher:
@@ -106,10 +77,10 @@ class Dispatcher:
         hashes = [h.hex() for h in hash_block_tokens(ids, self.block_size)]
         self.counters["requests"] += 1
         last_error = None
-        for attempt in range(3):
-            progress = _Progress(time.monotonic(), params.priority, hold=not stream)
+        for n in range(3):
+            a = Attempt(rid, n, ids, hashes, params, sink, stream)
             try:
-                await self._attempt(f"{rid}-{attempt}", rid, ids, hashes, params, sink, progress)
+                await self._attempt(a)
                 return
             except _Ended:
                 return
@@ -120,55 +91,54 @@ class Dispatcher:
                 last_error = e
                 self.counters["retries"] += 1
             finally:
-                progress.settle()
+                a.charges.settle()
         self.counters["failed"] += 1
-        self._finish(RequestOutput.error(rid, str(last_error)), ids, _Progress(time.monotonic(), params.priority),
-                     sink, None, None)
+        self._finish(Attempt(rid, 3, ids, hashes, params, sink), RequestOutput.error(rid, str(last_error)), None, None)
 
-    async def _attempt(self, wire_id: str, rid: str, ids, hashes, params, sink, progress: _Progress):
-        p, d, local = await self.placer.plan(hashes, ids, progress)
-        if local:
-            return await self._single(wire_id, rid, ids, params, sink, progress, d)
-        if params.max_tokens == 1:
-            return await self._prefill_only(wire_id, rid, ids, params, sink, progress, p)
-        return await self._disaggregated(wire_id, rid, ids, params, sink, progress, p, d)
+    async def _attempt(self, a: Attempt):
+        a.placement = placed = await self.placer.plan(a.hashes, a.ids, a.charges)
+        if placed.local:
+            return await self._single(a, placed.decode)
+        if a.params.max_tokens == 1:
+            return await self._prefill_only(a, placed.prefill)
+        return await self._disaggregated(a, placed.prefill, placed.decode)
 
-    async def _disaggregated(self, wire_id, rid, ids, params, sink, progress, p: WorkerRecord,
-                             d: WorkerRecord) -> None:
+    async def _disaggregated(self, a: Attempt, p: WorkerRecord, d: WorkerRecord) -> None:
         p.load += 1
         d.load += 1
-        prefill = asyncio.ensure_future(self._await_prefill(p, p.actor.prefill.remote(wire_id, ids, params,
-                                                                                        d.worker_id), rid))
-        relay = asyncio.ensure_future(self._relay(d, wire_id, rid, ids, params, sink, progress, p))
+        prefill = asyncio.ensure_future(self._await_prefill(p, p.actor.prefill.remote(a.wire_id, a.ids, a.params,
+                                                                                        d.worker_id), a.rid))
+        relay = asyncio.ensure_future(self._relay(a, d, p))
         try:
             done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
             if relay not in done:  # the prefill side ended first: failed, or the request ended there
                 err = prefill.exception()
+                result = prefill.result() if err is None else None
                 if getattr(err, "dead", False):
                     # the prefill worker died: whether its KV landed is the decode worker's to say.
                     # If it did, the request goes on there; if not, the receive fails (the monitor
                     # makes the peers forget the dead worker) and the relay's WorkerLost retries
                     p.draining = True
                 elif err is not None:
-                    raise self._lost(err, p, progress, sink, rid, ids, d)
-                elif isinstance(prefill.result(), RequestOutput):  # nothing to hand off (an error on the
-                    d.actor.abort.remote(wire_id)  # prefill worker): the decode worker's reservation goes
-                    self._finish(prefill.result(), ids, progress, sink, p, None, rid)
+                    raise self._lost(a, err, p, d)
+                elif isinstance(result, RequestOutput):  # nothing to hand off (an error on the
+                    d.actor.abort.remote(a.wire_id)  # prefill worker): the decode worker's reservation goes
+                    self._finish(a, result, p, None)
                     return
-                elif isinstance(prefill.result(), HandoffResult) and not prefill.result().ok and not progress.shown:
+                elif not result.ok and not a.shown:
                     # the decode worker's receive would wait out its deadline: retry now (aborted below)
-                    raise WorkerLost(f"handoff from {p.worker_id} failed: {prefill.result().error}")
+                    raise WorkerLost(f"handoff from {p.worker_id} failed: {result.error}")
             try:
                 await relay
             except (RayActorError, WorkerLost) as e:
-                raise self._lost(e, d, progress, sink, rid, ids, d) from None
+                raise self._lost(a, e, d, d) from None
             try:  # the client has its last output; the request is over once its prefill side is
                 await asyncio.wait_for(asyncio.shield(prefill), 60)
             except (RayError, WorkerLost, asyncio.TimeoutError):
                 pass
         except BaseException:  # failed, or the client went away: free the blocks everywhere
-            p.actor.abort.remote(wire_id)
-            d.actor.abort.remote(wire_id)
+            p.actor.abort.remote(a.wire_id)
+            d.actor.abort.remote(a.wire_id)
             raise
         finally:
             d.load -= 1
@@ -180,7 +150,7 @@ class Dispatcher:
     def _release(w: WorkerRecord) -> None:
         w.load -= 1
 
-    async def _await_prefill(self, p: WorkerRecord, ref, rid: str | None = None):
+    async def _await_prefill(self, p: WorkerRecord, ref, rid: str | None = None) -> HandoffResult | RequestOutput:
         """The prefill side of a handoff: its result (observed), or the output of a request
         that ended there; a dead worker or bad input raises."""
         try:
@@ -201,8 +171,7 @@ class Dispatcher:
                 log.warning("handoff from %s reported %s", p.worker_id, res)
         return res
 
-    def _lost(self, err: BaseException, w: WorkerRecord, progress: _Progress, sink, rid, ids,
-              d: WorkerRecord | None) -> BaseException:
+    def _lost(self, a: Attempt, err: BaseException, w: WorkerRecord, d: WorkerRecord | None) -> BaseException:
         """The exception that ends a failed attempt: WorkerLost (retried elsewhere) while
         the client has seen nothing; once it has, the request ends with an error output."""
         if isinstance(err, ValueError):
@@ -212,50 +181,48 @@ class Dispatcher:
             err = WorkerLost(f"{w.role} worker {w.worker_id} died", dead=True)
         if getattr(err, "dead", False):
             w.draining = True  # no more placements on it; the monitor purges and replaces it
-        if progress.shown:
-            self._finish(RequestOutput.error(rid, f"{w.worker_id} failed mid-generation: {public_cause(err)}"), ids,
-                         progress,
-                         sink, None, d)
+        if a.shown:
+            self._finish(a, RequestOutput.error(a.rid, f"{w.worker_id} failed mid-generation: {public_cause(err)}"),
+                         None, d)
             return _Ended()
         return err if isinstance(err, WorkerLost) else WorkerLost(f"{w.worker_id} failed: {public_cause(err)}")
 
-    async def _single(self, wire_id, rid, ids, params, sink, progress, w: WorkerRecord) -> None:
+    async def _single(self, a: Attempt, w: WorkerRecord) -> None:
         w.load += 1
         try:
-            await self._relay(w, wire_id, rid, ids, params, sink, progress, None)
+            await self._relay(a, w, None)
         except (RayActorError, WorkerLost) as e:
-            raise self._lost(e, w, progress, sink, rid, ids, w) from None
+            raise self._lost(a, e, w, w) from None
         except asyncio.CancelledError:
-            w.actor.abort.remote(wire_id)
+            w.actor.abort.remote(a.wire_id)
             raise
         finally:
             w.load -= 1
 
-    async def _prefill_only(self, wire_id, rid, ids, params, sink, progress, p: WorkerRecord) -> None:
+    async def _prefill_only(self, a: Attempt, p: WorkerRecord) -> None:
         p.load += 1
         try:
-            out = await self._await_prefill(p, p.actor.prefill.remote(wire_id, ids, params, None))
-            self._finish(out, ids, progress, sink, p, None, rid)
+            out = await self._await_prefill(p, p.actor.prefill.remote(a.wire_id, a.ids, a.params, None))
+            self._finish(a, out, p, None)
         except asyncio.CancelledError:
-            p.actor.abort.remote(wire_id)
+            p.actor.abort.remote(a.wire_id)
             raise
         finally:
             p.load -= 1
 
-    async def _relay(self, d: WorkerRecord, wire_id, rid, ids, params, sink, progress: _Progress,
-                     p: WorkerRecord | None) -> None:
-        """Passes the worker's stream to `sink` until the last output."""
+    async def _relay(self, a: Attempt, d: WorkerRecord, p: WorkerRecord | None) -> None:
+        """Passes the worker's stream to the attempt's sink until the last output."""
         try:
             async for ref in d.actor.generate.options(num_returns="streaming").remote(
-                    wire_id, ids, params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else ())):
+                    a.wire_id, a.ids, a.params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else ())):
                 out: RequestOutput = await ref
                 c = out.outputs[0] if out.outputs else None
-                if c is not None and c.finish_reason == "error" and not progress.shown:
-                    raise WorkerLost(f"request {rid} failed on {d.worker_id}: {c.stop_reason}")
-                self._finish(out, ids, progress, sink, p, d, rid)
+                if c is not None and c.finish_reason == "error" and not a.shown:
+                    raise WorkerLost(f"request {a.rid} failed on {d.worker_id}: {c.stop_reason}")
+                self._finish(a, out, p, d)
                 if out.finished:
                     return
-            raise WorkerLost(f"{d.worker_id}: the stream of {rid} ended before its last output")  # aborted
+            raise WorkerLost(f"{d.worker_id}: the stream of {a.rid} ended before its last output")  # aborted
         except RayError as e:
             if isinstance(e, RayActorError):
                 raise
@@ -265,51 +232,50 @@ class Dispatcher:
             raise WorkerLost(f"{d.worker_id}: {public_cause(e)}") from e
 
     # ---- outputs, latencies, the timeline ------------------------------------------------------
-    def _finish(self, out: RequestOutput, ids, progress: _Progress, sink, p, d, rid=None) -> None:
-        """Tags one delta output, observes its latencies (and the timeline on the first
-        token), and hands it to the sink."""
+    def _finish(self, a: Attempt, out: RequestOutput, p: WorkerRecord | None, d: WorkerRecord | None) -> None:
+        """Tags one delta output of `a` with its workers, observes its latencies (and the
+        timeline on the first token), and hands it to the attempt's sink."""
         now = time.monotonic()
-        if rid is not None:
-            out.request_id = rid
+        out.request_id = a.rid
         out.prefill_worker = p.worker_id if p is not None else (d.worker_id if d is not None else None)
         out.decode_worker = d.worker_id if d is not None else out.prefill_worker
         n = len(out.delta_token_ids)
         if n:
-            if progress.first_at is None:
-                progress.first_at = now
-                progress.settle()
-                self._observe("ttft", now - progress.t0)
-                self.placer.observe_first_token(progress.predicted, now - progress.t0)
-                self._record(out, progress, now)
+            if a.first_at is None:
+                a.first_at = now
+                a.charges.settle()
+                self._observe("ttft", now - a.t0)
+                self.placer.observe_first_token(a.placement and a.placement.predicted, now - a.t0)
+                self._record(a, out, now)
                 for _ in range(n - 1):  # tokens that came with the first: no time between them
                     self._observe("itl", 0.0)
-            elif progress.last is not None:
+            elif a.last is not None:
                 for _ in range(n):  # per token, as vLLM counts: the chunk's wait shared by its tokens
-                    self._observe("itl", (now - progress.last) / n)
-            progress.last = now
-            progress.tokens += n
+                    self._observe("itl", (now - a.last) / n)
+            a.last = now
+            a.tokens += n
         if out.finished:
             c = out.outputs[0] if out.outputs else None
-            self._observe("e2e", now - progress.t0)
-            done = FinishedRequest((c.finish_reason if c else None) or "abort", len(ids), progress.tokens,
-                                   progress.queue_s, progress.prefill_s,
-                                   now - progress.first_at if progress.first_at is not None else None,
-                                   progress.priority,
-                                   progress.first_at - progress.t0 if progress.first_at is not None else None,
+            self._observe("e2e", now - a.t0)
+            done = FinishedRequest((c.finish_reason if c else None) or "abort", len(a.ids), a.tokens,
+                                   a.queue_s, a.prefill_s,
+                                   now - a.first_at if a.first_at is not None else None,
+                                   a.params.priority,
+                                   a.first_at - a.t0 if a.first_at is not None else None,
                                    out.metrics.num_preemptions if out.metrics is not None else 0)
             for o in self.observers:
                 o.on_finish(done)
-        if progress.held is not None and not out.finished:
-            if n and not progress.held:
-                sink(RequestOutput(out.request_id, None, [], [], False, prefill_worker=out.prefill_worker,
-                                   decode_worker=out.decode_worker))
-            progress.held.append(out)
+        if a.held is not None and not out.finished:
+            if n and not a.held:
+                a.sink(RequestOutput(out.request_id, None, [], [], False, prefill_worker=out.prefill_worker,
+                                     decode_worker=out.decode_worker))
+            a.held.append(out)
             return
-        for o in progress.held or ():
-            sink(o)
-        progress.shown = progress.shown or bool(n) or bool(progress.held)
-        progress.held = [] if progress.held is not None else None
-        sink(out)
+        for o in a.held or ():
+            a.sink(o)
+        a.shown = a.shown or bool(n) or bool(a.held)
+        a.held = [] if a.held is not None else None
+        a.sink(out)
 
     def _observe(self, kind: str, seconds: float) -> None:
         for o in self.observers:
@@ -326,16 +292,16 @@ class Dispatcher:
         while len(self._early_spans) > 4096:
             self._early_spans.pop(next(iter(self._early_spans)))
 
-    def _record(self, out: RequestOutput, progress: _Progress, now: float) -> None:
+    def _record(self, a: Attempt, out: RequestOutput, now: float) -> None:
         """The request's timeline (wall clock, the workers' spans + the edge's) and phases."""
         wall = time.time()
         spans = {**self._early_spans.pop(out.request_id, {}),
                  **((out.metrics.spans if out.metrics is not None else None) or {})}
-        spans["arrival"] = wall - (now - progress.t0)
+        spans["arrival"] = wall - (now - a.t0)
         spans["first_token_at_edge"] = wall
         if spans.get("scheduled") is not None:  # the worker's step first took it
-            progress.queue_s = max(0.0, spans["scheduled"] - spans["arrival"])
-            progress.prefill_s = max(0.0, wall - spans["scheduled"])
+            a.queue_s = max(0.0, spans["scheduled"] - spans["arrival"])
+            a.prefill_s = max(0.0, wall - spans["scheduled"])
         phases = timeline_phases(spans)
         for name, sec in phases.items():
             for o in self.observers:
@@ -344,8 +310,8 @@ class Dispatcher:
             self.placer.observe_handoff(phases["kv_to_first_token"])
         entry = {"request_id": out.request_id, "prefill_worker": out.prefill_worker,
                  "decode_worker": out.decode_worker, "spans": spans, "phases": phases}
-        if progress.placement is not None:
-            entry["placement"] = progress.placement
+        if a.placement is not None and a.placement.explain is not None:
+            entry["placement"] = a.placement.explain
         self.timeline.append(entry)
 
 def public_cause(e: BaseException) -> str:

@@ -2,7 +2,8 @@
 block registry's cached prefixes and the pure rules of routing.py, and a check of its own
 predictions against what happened.
 
-    plan(hashes, ids, progress) -> (p, d, local)
+    plan(hashes, ids, charges) -> Placement (decode alone, or prefill sending to decode); the
+        prompt tokens it places are charged to the workers' queues until charges.settle()
         colocated    the engine with the prompt's cached prefix, else its consistent hash
         explicit     local rules (short prompt, mostly cached on a decode worker): d alone
         hybrid       routing.place_prompt: d prefills it (local) or p does and sends to d;
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from .api import NoWorker
 from .pools import Pools, WorkerRecord
@@ -31,6 +33,45 @@ from .routing import pick_decode, pick_prefill, place_prompt
 FLOOR_S = 0.05  # added to both sides of observed / predicted: a few ms of overhead is no error
 ERROR_BOUNDS = (0.05, 1000.0)
 HALF_LIFE_S = 30.0  # an error not observed again fades toward 1: a worker placement stopped using gets retried
+
+
+@dataclass
+class Placement:
+    """Where one attempt runs: `decode` alone when `prefill` is None (it prefills the prompt
+    itself), else `prefill` computes the prompt and sends its KV to `decode`. A hybrid placement
+    says why (`explain`, the timeline's `placement` entry) and predicts its first token
+    (`predicted`: the chosen worker and its TTFT, checked by Placer.observe_first_token)."""
+    decode: WorkerRecord
+    prefill: WorkerRecord | None = None
+    explain: dict | None = None
+    predicted: tuple[str, float | None] | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.prefill is None
+
+
+class Charges:
+    """The prompt tokens one attempt has queued on workers (their `queued_tokens` and
+    `queued_by_priority`, what placement predicts TTFT from), released by settle() at its first
+    token or its end."""
+
+    def __init__(self, priority: int = 0):
+        self.priority = priority
+        self._charged: list[tuple[WorkerRecord, int]] = []
+
+    def charge(self, w: WorkerRecord, tokens: int) -> None:
+        w.queued_tokens += tokens
+        w.queued_by_priority[self.priority] += tokens
+        self._charged.append((w, tokens))
+
+    def settle(self) -> None:
+        for w, n in self._charged:
+            w.queued_tokens -= n
+            w.queued_by_priority[self.priority] -= n
+            if not w.queued_by_priority[self.priority]:
+                del w.queued_by_priority[self.priority]
+        self._charged = []
 
 
 class Placer:
@@ -52,46 +93,44 @@ class Placer:
         (POST /admin/slo replaces it there; a copy kept here went stale)."""
         return self.pools.serving.slo
 
-    async def plan(self, hashes: list[str], ids: list[int], progress) -> tuple[WorkerRecord | None, WorkerRecord, bool]:
-        """(p, d, local): local -> d serves the request alone; else p prefills and sends to d."""
+    async def plan(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
         try:
             if self.pools.mode == "colocated":
                 w = await self._pick_prefill(hashes, ids, "decode")
-                progress.charge(w, len(ids))
-                return None, w, True
+                charges.charge(w, len(ids))
+                return Placement(w)
             local, reason = await self._local_decode(hashes, ids)
             if local is not None:
                 self.count(reason)
-                progress.charge(local, len(ids))
-                return None, local, True
+                charges.charge(local, len(ids))
+                return Placement(local)
             if self.pools.mode == "hybrid":
-                return await self._hybrid(hashes, ids, progress)
+                return await self._hybrid(hashes, ids, charges)
             p = await self._pick_prefill(hashes, ids, "prefill")
             d = self.pools.worker(pick_decode(self.pools.candidates("decode")))
-            progress.charge(p, len(ids))
-            return p, d, False
+            charges.charge(p, len(ids))
+            return Placement(d, p)
         except NoWorker as e:
             e.retry_after_s = self.pools.start_s
             raise
 
-    async def _hybrid(self, hashes: list[str], ids: list[int], progress):
-        """The prefill worker p, the decode worker d, and whether d prefills the prompt itself
-        (routing.place_prompt, from live queues, corrected rates and cached prefixes)."""
+    async def _hybrid(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
+        """The decode worker, and the prefill worker unless the decode worker prefills the prompt
+        itself (routing.place_prompt, from live queues, corrected rates and cached prefixes)."""
         if hashes:
             (ph, pd), (dh, dd) = await asyncio.gather(self.registry.longest_prefix(hashes, "prefill"),
                                                       self.registry.longest_prefix(hashes, "decode"))
         else:
             ph, pd, dh, dd = None, 0, None, 0
-        decodes = self.pools.candidates("decode", progress.priority)
+        decodes = self.pools.candidates("decode", charges.priority)
         for c in decodes:
             c.cached_tokens = dd * self.block_size if c.worker_id == dh else 0
-        prefills = self.pools.candidates("prefill", progress.priority)
+        prefills = self.pools.candidates("prefill", charges.priority)
         if not prefills:  # the pool lost its workers: the decode workers prefill until it refills
             d = self.pools.worker(pick_decode(decodes))
             self.count("no_prefill_worker")
-            progress.placement = {"local": True, "reason": "no_prefill_worker", "decode": d.worker_id}
-            progress.charge(d, len(ids) - next(c.cached_tokens for c in decodes if c.worker_id == d.worker_id))
-            return None, d, True
+            charges.charge(d, len(ids) - next(c.cached_tokens for c in decodes if c.worker_id == d.worker_id))
+            return Placement(d, explain={"local": True, "reason": "no_prefill_worker", "decode": d.worker_id})
         key = hashes[0] if hashes else str(ids[: self.block_size])
         pid, why = pick_prefill(prefills, key, (ph, pd))
         p = next(c for c in prefills if c.worker_id == pid)
@@ -103,18 +142,19 @@ class Placer:
                 c.prefill_tok_s = base / self.error(c.worker_id)
         pl = place_prompt(len(ids), p, decodes, self.slo.ttft_s, self.slo.spill_at, self.handoff_s)
         self.count(pl.reason)
-        progress.placement = {**pl.explain(), "prefill": pid}
         chosen = pl.decode if pl.local else pid
-        progress.predicted = (chosen, pl.ttft_local_s if pl.local else pl.ttft_pool_s)
+        placed = Placement(self.pools.worker(pl.decode), explain={**pl.explain(), "prefill": pid},
+                           predicted=(chosen, pl.ttft_local_s if pl.local else pl.ttft_pool_s))
         if chosen in self._error:
-            progress.placement["correction"] = round(self.error(chosen), 3)
-        d = self.pools.worker(pl.decode)
+            placed.explain["correction"] = round(self.error(chosen), 3)
         if pl.local:
-            progress.charge(d, len(ids) - next(c.cached_tokens for c in decodes if c.worker_id == pl.decode))
-            return None, d, True
+            charges.charge(placed.decode, len(ids) - next(c.cached_tokens for c in decodes
+                                                          if c.worker_id == pl.decode))
+            return placed
         self.count(why)
-        progress.charge(self.pools.worker(pid), len(ids) - p.cached_tokens)
-        return self.pools.worker(pid), d, False
+        placed.prefill = self.pools.worker(pid)
+        charges.charge(placed.prefill, len(ids) - p.cached_tokens)
+        return placed
 
     def observe_first_token(self, predicted: tuple[str, float | None] | None, seconds: float) -> None:
         """A placed prompt's first token came after `seconds`: fold observed / predicted into

@@ -190,8 +190,7 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
     and the prompts go to the prefill pool again."""
     import asyncio
 
-    from pdserve.cluster.dispatch import _Progress
-    from pdserve.cluster.placement import Placer
+    from pdserve.cluster.placement import Charges, Placer
 
     cfg = ServingConfig.from_dict({"slo": {"ttft_s": 1.0}})
     pools = Pools(cfg, "hybrid", {}, {"prefill": {}, "decode": {}}, "ns", None, 1.0)
@@ -203,29 +202,29 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
     placer = Placer(pools, None, 16)
 
     def place():
-        progress = _Progress(time.monotonic())
-        p, d, local = asyncio.run(placer.plan([], list(range(400)), progress))
-        progress.settle()
-        return local, progress
+        charges = Charges()
+        placed = asyncio.run(placer.plan([], list(range(400)), charges))
+        charges.settle()
+        return placed
 
-    local, progress = place()
-    assert local and progress.placement["reason"] == "decode_spare" and progress.predicted[0] == "decode-1"
+    placed = place()
+    assert placed.local and placed.explain["reason"] == "decode_spare" and placed.predicted[0] == "decode-1"
     for _ in range(6):  # what happened: 12 s, not the ~0.07 s predicted
-        placer.observe_first_token(progress.predicted, 12.0)
-    local, progress = place()
-    assert not local and progress.placement["reason"] == "prefill_pool"
+        placer.observe_first_token(placed.predicted, 12.0)
+    placed = place()
+    assert not placed.local and placed.explain["reason"] == "prefill_pool"
     assert placer.error("decode-1") > 20
 
 
 def test_placement_predicts_a_wait_behind_the_queued_tokens_of_its_priority_or_a_more_urgent_one():
-    from pdserve.cluster.dispatch import _Progress
+    from pdserve.cluster.placement import Charges
 
     stats = {"prefill_tok_s": 1000.0, "prefill_chunk": 8192, "kv_blocks_total": 100}
     for policy, want_high in (("priority", 100), ("fcfs", 700)):
         pools = Pools(ServingConfig.from_dict({}), "hybrid", {"prefill": {"scheduling_policy": policy}, "decode": {}},
                       {"prefill": {}, "decode": {}}, "ns", None, 1.0)
         w = pools.workers["prefill-0"] = WorkerRecord("prefill-0", "prefill", None, stats=dict(stats))
-        low, high = _Progress(0.0, priority=5), _Progress(0.0, priority=0)
+        low, high = Charges(priority=5), Charges(priority=0)
         low.charge(w, 600)
         high.charge(w, 100)
         assert pools.ahead_of(w, 0) == want_high and pools.ahead_of(w, 5) == pools.ahead_of(w, None) == 700

@@ -1,0 +1,35 @@
+"""One try at serving a request, and what the dispatcher knows of it.
+
+Lifecycle: `Dispatcher.request` makes an `Attempt` for each try (up to 3) with a wire id of
+its own (`<rid>-<n>`, so a retry never meets the blocks of the try before it); placement
+sets `placement` and charges the prompt's tokens to the workers it picked (`charges`); the
+dispatcher runs it one of three ways and hands each output to `Dispatcher._finish(a, ...)`,
+which tracks what the client has seen (`first_at`, `last`, `tokens`, `shown`) and holds a
+non-streamed reply's outputs (`held`) until its last; `charges.settle()` runs at the first
+token or when the try ends, whatever way."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+from .placement import Charges, Placement
+
+
+class Attempt:
+    def __init__(self, rid: str, n: int, ids: list[int], hashes: list[str], params: SamplingParams,
+                 sink: Callable[[RequestOutput], None], stream: bool = True):
+        self.rid, self.wire_id = rid, f"{rid}-{n}"
+        self.ids, self.hashes, self.params, self.sink = ids, hashes, params, sink
+        self.t0, self.last, self.first_at = time.monotonic(), None, None
+        # a client that reads the whole reply at once (JSON): the outputs wait here until the
+        # last one, so a worker lost after the first token is still retried (nothing was shown)
+        self.held: list[RequestOutput] | None = None if stream else []
+        self.shown = False  # the sink has had a token: the request can no longer be retried
+        self.tokens = 0
+        self.placement: Placement | None = None
+        self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
+        self.charges = Charges(params.priority)
