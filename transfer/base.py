@@ -138,8 +138,16 @@ class Handoff:
     def deadline(self) -> float:
         return self.created + self.timeout_s
 
-    def _finish(self, state: TransferState, error: str | None = None) -> bool:
-        """First finisher wins (a worker thread racing an abort or a timeout)."""
+    def complete(self) -> bool:
+        """DONE: the blocks moved (the receiver's `meta` is set first). False if it had ended."""
+        return self._end(TransferState.DONE)
+
+    def fail(self, error: str) -> bool:
+        """FAILED with `error`; False if it had ended. The first to end it wins (a connector's
+        thread racing an abort or a timeout)."""
+        return self._end(TransferState.FAILED, error)
+
+    def _end(self, state: TransferState, error: str | None = None) -> bool:
         if self.state.finished:
             return False
         self.error = error

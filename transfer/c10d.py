@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from pdserve.engine.exec.stores import BoundStore
 
-from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, TransferState, wire_layout
+from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, wire_layout
 from .pair import Pair, td
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class C10dConnector(KVConnector):
             self._handoffs[request_id] = h
         pair = self._pair(peer, peer_address, channel.gen, is_sender)
         if isinstance(pair, str):
-            h._finish(TransferState.FAILED, pair)
+            h.fail(pair)
             if is_sender:  # a channel of a gen we retired: say so again, so that the receive
                 self.mark_dead(peer_address, channel.gen, connect=True)  # fails now and the next channel moves on
         else:
@@ -175,7 +175,7 @@ class C10dConnector(KVConnector):
         for rid, h in items:
             if not h.state.finished and now > h.deadline:
                 state = h.state.name
-                if h._finish(TransferState.FAILED, f"timed out after {h.timeout_s:.1f} s ({state} on pair)"):
+                if h.fail(f"timed out after {h.timeout_s:.1f} s ({state} on pair)"):
                     self._drop(h)
             if h.state.finished:
                 done.append(h)
@@ -193,7 +193,7 @@ class C10dConnector(KVConnector):
     def abort(self, request_id: str) -> bool:
         with self._lock:
             h = self._handoffs.get(request_id)
-        if h is None or not h._finish(TransferState.FAILED, "aborted"):
+        if h is None or not h.fail("aborted"):
             return False
         self._drop(h)
         return True

@@ -15,7 +15,6 @@ from .base import (
     HandoffTarget,
     KVConnector,
     LayoutMismatch,
-    TransferState,
     check_layouts,
     gather_blocks,
     scatter_blocks,
@@ -63,7 +62,7 @@ class LoopbackConnector(KVConnector):
                 raise ValueError(f"sender offers {len(send.block_ids)} blocks, receiver expects {len(recv.block_ids)}")
         except (LayoutMismatch, ValueError) as e:
             for x in (send, recv):
-                x._finish(TransferState.FAILED, str(e))
+                x.fail(str(e))
             return h
         if send.block_ids:
             buf = gather_blocks(src.kv, send.block_ids)
@@ -75,8 +74,8 @@ class LoopbackConnector(KVConnector):
                 dst.kv[:, :, :, :, dlo:dhi].index_copy_(0, torch.tensor(recv.block_ids), buf)
             send.nbytes = recv.nbytes = buf.numel() * buf.element_size()
         recv.meta = send.meta
-        send._finish(TransferState.DONE)
-        recv._finish(TransferState.DONE)
+        send.complete()
+        recv.complete()
         return h
 
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
@@ -92,14 +91,14 @@ class LoopbackConnector(KVConnector):
         done = []
         for rid, h in list(self._handoffs.items()):
             if not h.state.finished and now > h.deadline:
-                h._finish(TransferState.FAILED, f"timed out after {h.timeout_s:.1f} s")
+                h.fail(f"timed out after {h.timeout_s:.1f} s")
             if h.state.finished:
                 done.append(self._handoffs.pop(rid))
         return done
 
     def abort(self, request_id: str) -> bool:
         h = self._handoffs.get(request_id)
-        return h is not None and h._finish(TransferState.FAILED, "aborted")
+        return h is not None and h.fail("aborted")
 
     @property
     def num_pending(self) -> int:
@@ -108,8 +107,8 @@ class LoopbackConnector(KVConnector):
     def forget_peer(self, peer: str) -> None:
         for h in list(self._handoffs.values()):
             if h.peer == peer:
-                h._finish(TransferState.FAILED, f"peer {peer} left")
+                h.fail(f"peer {peer} left")
 
     def close(self) -> None:
         for h in list(self._handoffs.values()):
-            h._finish(TransferState.FAILED, "connector closed")
+            h.fail("connector closed")

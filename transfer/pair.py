@@ -28,12 +28,14 @@ import datetime
 import json
 import threading
 import time
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from .base import (
     Handoff,
+    StagingPool,
     TransferState,
     block_index,
     check_layouts,
@@ -82,8 +84,32 @@ class _nullctx:
         return False
 
 
+class PairHost(Protocol):
+    """What a pair uses of the connector that owns it (c10d.C10dConnector): its KV slab and
+    wire layout, its staging ring and side stream, its stores, and the calls that report a
+    pair's end. Nothing else of the connector is read."""
+    name: str
+    host: str
+    device: torch.device
+    kv: torch.Tensor
+    layout: dict
+    block_bytes: int
+    min_chunk_bytes: int
+    default_timeout_s: float
+    staging: StagingPool
+    stream: torch.cuda.Stream | None
+    store: dist.TCPStore
+    graveyard: list  # aborted process groups, destroyed by the owner's thread, never a pair's
+
+    def client_store(self, address: str, deadline: float) -> dist.TCPStore: ...
+
+    def mark_dead(self, peer_address: str, gen: int, connect: bool = False) -> None: ...
+
+    def pair_died(self, pair: Pair) -> None: ...
+
+
 class Pair:
-    def __init__(self, conn, peer: str, peer_address: str, gen: int, is_sender: bool):
+    def __init__(self, conn: PairHost, peer: str, peer_address: str, gen: int, is_sender: bool):
         self.conn, self.peer, self.peer_address = conn, peer, peer_address
         self.gen, self.is_sender = gen, is_sender
         self.rank = 0 if is_sender else 1
@@ -105,7 +131,7 @@ class Pair:
     def submit(self, h: Handoff) -> None:
         with self.cond:
             if self.dead:
-                h._finish(TransferState.FAILED, f"pair with {self.peer} is closed: {self.error}")
+                h.fail(f"pair with {self.peer} is closed: {self.error}")
                 return
             if self.is_sender:
                 self.sends.append(h)
@@ -136,7 +162,7 @@ class Pair:
             self.recvs.clear()
             self.cond.notify_all()
         for h in pending:
-            h._finish(TransferState.FAILED, reason)
+            h.fail(reason)
         if self.is_sender:
             # tell the receiver, through its store, that this gen is dead: its next channel
             # for us moves to a new gen instead of meeting a group we no longer run
@@ -169,7 +195,7 @@ class Pair:
                 if h is not None:
                     if time.monotonic() >= h.deadline - 0.1:
                         why = f"timed out after {h.timeout_s:.1f} s ({why})"
-                    h._finish(TransferState.FAILED, why)
+                    h.fail(why)
                 self.kill(why)
                 return
 
@@ -327,7 +353,7 @@ class Pair:
                 conn.staging.release(ring)
         if scratch:
             return
-        if not h._finish(TransferState.DONE):
+        if not h.complete():
             # aborted or overdue while in flight: the data moved, but the owner gave up
             raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
 

@@ -212,7 +212,7 @@ class TPConnector(KVConnector):
             items = list(self._open.items())
         for rid, comp in items:
             if not comp.state.finished and comp.timed_out():
-                comp._finish(TransferState.FAILED, f"timed out after {comp.timeout_s:.1f} s")
+                comp.fail(f"timed out after {comp.timeout_s:.1f} s")
             if comp.state == TransferState.FAILED and comp.waiting:
                 self._abort_parts(comp)
             if comp.state.finished:
@@ -233,7 +233,7 @@ class TPConnector(KVConnector):
     def abort(self, request_id: str) -> bool:
         with self._lock:
             comp = self._open.get(request_id)
-        if comp is None or not comp._finish(TransferState.FAILED, "aborted"):
+        if comp is None or not comp.fail("aborted"):
             return False
         self._abort_parts(comp)
         return True
@@ -277,7 +277,7 @@ class _Composite(Handoff):
         if self.state.finished:
             return
         if state != "DONE":
-            self._finish(TransferState.FAILED, f"route {route}: {error}")
+            self.fail(f"route {route}: {error}")
             return
         if not self.is_sender:
             self.meta = next((h.meta for h in self.local if h.meta is not None), self.meta)
@@ -287,4 +287,4 @@ class _Composite(Handoff):
                 for k in ("t_started", "t_first_post", "t_posted"):
                     if getattr(self, k) is None:
                         setattr(self, k, getattr(h, k))
-            self._finish(TransferState.DONE)
+            self.complete()
