@@ -39,6 +39,7 @@ from .runner import RequestRunner, decode_json, first_copies, sequences
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body
 from .tokens import add_token_routes, check_model_name
 from .tool_parsers import PARSERS
+from .tools import ToolCalls
 
 
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
@@ -110,7 +111,6 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await runner.parse(request, ChatCompletionRequest)
-        req._tool_parser = runner.tool_parser
         check_model(req)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
@@ -138,7 +138,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         prefix = "chatcmpl" if chat else "cmpl"
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         n_prompt = sum(len(ids) for _, ids in prompts)
-        renders = renderers(req, chat, seqs, rid, created, model_name, cluster.tokenizer)
+        tools = req.tool_calls(runner.tool_parser) if chat else None  # params() has refused a bad tool_choice
+        renders = renderers(req, chat, seqs, rid, created, model_name, cluster.tokenizer, tools)
         if not req.stream:
             outs = await runner.run_to_end(seqs, request)
             for out in outs:
@@ -177,9 +178,10 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         return card
 
 
-def renderers(req, chat: bool, seqs, rid: str, created: int, model_name: str, tokenizer) -> list[Renderer]:
-    """One renderer per sequence (choice index i), with what the request asked of its replies."""
-    tools = req.tool_calls() if chat else None  # params() has refused a bad tool_choice
+def renderers(req, chat: bool, seqs, rid: str, created: int, model_name: str, tokenizer,
+              tools: ToolCalls | None) -> list[Renderer]:
+    """One renderer per sequence (choice index i), with what the request asked of its replies
+    (`tools`: a chat request's tool mode)."""
     return [Renderer(chat, rid, created, model_name, tokenizer, top_n=s.params.logprobs or 0,
                      echo=echo_text(req, chat, s, tokenizer), index=i, tools=tools, prompt_ids=s.ids,
                      vllm_prompt_logprobs=req.prompt_logprobs is not None, token_ids=req.return_token_ids,

@@ -136,7 +136,7 @@ class RequestRunner:
 
     async def params(self, req, ids: list[int], default_max: int | None):
         try:
-            params = req.sampling_params(default_max)
+            params = req.sampling_params(default_max, self.tool_parser)
         except ValueError as e:  # InvalidParam names the field; a grammar's is the field it came from
             param = getattr(e, "param", None)
             raise HTTPError(400, str(e), param=grammar_param(req) if param == "structured_outputs" else param) from None

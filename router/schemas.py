@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, InvalidParam, SamplingParams
 
@@ -120,9 +120,9 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def structured(self) -> dict | None:
+    def structured(self, tool_parser: ToolParser | None = None) -> dict | None:
         """structured_outputs (engine/sample/structured.py) from response_format, vLLM's
-        structured_outputs or its older guided_*."""
+        structured_outputs or its older guided_* (a chat request's tools too, through `tool_parser`)."""
         given = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
         if self.structured_outputs is not None:
@@ -163,8 +163,9 @@ class _Sampling(BaseModel):
     def num_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """Raises InvalidParam naming the bad field."""
+    def sampling_params(self, default_max_tokens: int | None, tool_parser: ToolParser | None = None) -> SamplingParams:
+        """Raises InvalidParam naming the bad field. `tool_parser`: the server's, for a chat
+        request's tool_choice auto (None: refused)."""
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed,
                               max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
@@ -174,7 +175,7 @@ class _Sampling(BaseModel):
                               min_p=self.min_p, logit_bias=self.logit_bias, logprobs=self.asked_logprobs(),
                               logprob_token_ids=self.logprob_token_ids,
                               prompt_logprobs=self.num_prompt_logprobs(), allowed_token_ids=self.allowed_token_ids,
-                              structured_outputs=self.structured(), priority=self.priority)
+                              structured_outputs=self.structured(tool_parser), priority=self.priority)
 
 
 class CompletionRequest(_Sampling):
@@ -189,7 +190,7 @@ class CompletionRequest(_Sampling):
         score text). One token is generated and dropped."""
         return self.max_tokens == 0
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int | None, tool_parser: ToolParser | None = None) -> SamplingParams:
         if not self.scores_only:
             return super().sampling_params(default_max_tokens)
         if not self.echo:
@@ -254,14 +255,13 @@ class ChatCompletionRequest(_Sampling):
     def template_kwargs(self) -> dict:
         return template_kwargs(self)
 
-    _tool_parser: ToolParser | None = PrivateAttr(None)  # the server's, for tool_choice auto (app.py)
+    def tool_calls(self, tool_parser: ToolParser | None) -> ToolCalls | None:
+        """The request's tool mode (tools.py), `tool_parser` serving tool_choice auto (None:
+        refused); raises InvalidParam naming tool_choice."""
+        return ToolCalls.of(self.tools, self.tool_choice, self.parallel_tool_calls, tool_parser)
 
-    def tool_calls(self) -> ToolCalls | None:
-        """The request's tool mode (tools.py); raises InvalidParam naming tool_choice."""
-        return ToolCalls.of(self.tools, self.tool_choice, self.parallel_tool_calls, self._tool_parser)
-
-    def structured(self) -> dict | None:
-        calls, other = self.tool_calls(), super().structured()
+    def structured(self, tool_parser: ToolParser | None = None) -> dict | None:
+        calls, other = self.tool_calls(tool_parser), super().structured()
         if calls is not None and calls.auto is not None:
             return other  # the reply is free text (a grammar the request gives still holds)
         if calls is not None and other is not None:
