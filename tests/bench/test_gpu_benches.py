@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import pathlib
 import sys
 
@@ -38,6 +39,24 @@ def required_args(ap: argparse.ArgumentParser) -> list[str]:
 
 def test_every_gpu_bench_is_covered():
     assert len(GPU_BENCHES) >= 15, GPU_BENCHES
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_what_a_bench_imports_of_pdserve_exists_even_where_it_imports_late(script):
+    """The imports inside a bench's functions run only on a GPU: each `from pdserve... import
+    name` of every bench script names a module and an attribute that exist (a moved module is
+    caught here, not on a lent GPU)."""
+    import ast
+    for node in ast.walk(ast.parse((BENCH / script).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("pdserve"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), \
+                    f"bench/{script}: from {node.module} import {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("pdserve"):
+                    importlib.import_module(alias.name)
 
 
 @pytest.mark.parametrize("name", GPU_BENCHES)
