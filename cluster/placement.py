@@ -15,9 +15,7 @@ Checking itself: each hybrid placement predicts the time to the first token on t
 picks; when the first token comes, `observe_first_token` keeps an EWMA of observed /
 predicted per worker and divides that worker's advertised prefill rate by it at the next
 placement; an error not observed again fades toward 1 (half-life 30 s), so a worker placement
-stopped choosing is tried again. Measured on CPU before this check: a decode worker advertised 6,024 prefill tok/s
-against the prefill worker's 177, and the prompts it took waited 12 s median for their
-prefill against 4 s on the prefill pool, for the whole run.
+stopped choosing is tried again (why: docs/design/placement.md).
 """
 
 from __future__ import annotations

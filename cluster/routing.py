@@ -30,7 +30,7 @@ class Candidate:
 
 
 @dataclass
-class Placement:
+class PromptPlacement:
     """Where a prompt is prefilled, and why (counted by reason, kept in the timeline)."""
 
     local: bool  # True: on the decode worker `decode`; False: on the prefill pool, sent to `decode`
@@ -113,7 +113,7 @@ def local_rate(c: Candidate, pool_rate: float | None) -> float | None:
 
 
 def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo_ttft_s: float,
-                 spill_at: float, handoff_s: float) -> Placement:
+                 spill_at: float, handoff_s: float) -> PromptPlacement:
     """Hybrid placement of one prompt. The prefill pool's worker `p` predicts
     TTFT = (its queued tokens + the uncached prompt) / its prefill rate + the handoff; each
     decode worker predicts the same at the rate its TPOT-bounded chunks allow (its step
@@ -138,10 +138,10 @@ def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo
         if t is not None and (best_t is None or t < best_t):
             best, best_t = d, t
     if best is None or ttft_pool is None:
-        return Placement(False, "prefill_pool", recv, ttft_pool, best_t)
+        return PromptPlacement(False, "prefill_pool", recv, ttft_pool, best_t)
     uncached = prompt_tokens - best.cached_tokens
     if best_t <= ttft_pool and best.queued_tokens + uncached <= best.prefill_chunk:
-        return Placement(True, "fits_decode_step", best.worker_id, ttft_pool, best_t)
+        return PromptPlacement(True, "fits_decode_step", best.worker_id, ttft_pool, best_t)
     if ttft_pool > spill_at * slo_ttft_s and best_t < ttft_pool:
-        return Placement(True, "decode_spare", best.worker_id, ttft_pool, best_t)
-    return Placement(False, "prefill_pool", recv, ttft_pool, best_t)
+        return PromptPlacement(True, "decode_spare", best.worker_id, ttft_pool, best_t)
+    return PromptPlacement(False, "prefill_pool", recv, ttft_pool, best_t)

@@ -6,8 +6,7 @@
 
 Step n's sampled ids stay on the device and feed step n+1 there (model_runner.launch); the
 host sees them through a pinned copy only after step n+1 is queued, so scheduling, input
-building and step n's outputs no longer leave the GPU idle between steps (measured on one
-H200, Llama-3-8B shape, batch 64: ~1.35 ms of a 8.43 ms decode step was such host work).
+building and step n's outputs leave the GPU busy (docs/design/overlap.md).
 Until its id arrives, a request's newest token is `request.PENDING`: it counts for lengths,
 block slots and seeded sampling's token index, and no one reads its value.
 

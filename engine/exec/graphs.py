@@ -1,10 +1,8 @@
 """CUDA graphs: a step's kernel launches leave Python.
 
-A step of an 8B model launches ~800 kernels when it only decodes and ~2,100 when it also
-carries a prefill chunk; launched one by one from Python they cost more than they run
-(16 decodes at ~4K context on an H100: 10.6 ms in a graph; with a 64-token chunk 35.3 ms
-eager, 13.1 ms through the pieces below). Two kinds
-of graph, captured at start (CUDA, Triton, not `enforce_eager`), sharing one memory pool:
+A step's kernels are launched from graphs rather than one by one from Python (why:
+docs/design/graphs.md). Two kinds of graph, captured at start (CUDA, Triton, not
+`enforce_eager`), sharing one memory pool:
 
 - decode graphs: a whole all-decode step, one graph per padded row count (1, 2, 4, 8, 16,
   32, ...). Rows are decodes and speculative verification rows (a request verifying

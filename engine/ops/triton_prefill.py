@@ -10,11 +10,6 @@ loader (triton_int4.py). A quantized cache (kv_quant.QuantKV)
 multiplies each token's K scale into its column of scores and its V scale into its row of
 probabilities, as the decode kernel does.
 
-Before it, a chunk over cached context went through the torch reference: it gathered the
-sequence's whole context out of the cache, repeated K/V heads for GQA, built a mask and ran
-SDPA, per sequence and layer (11.5 ms of SDPA plus ~10 ms of copies, masks and elementwise
-kernels in one 16-decode + 256-token step on an H200: issue "one attention path").
-
 `PrefillPlan` is built once per step (the tiles: which sequence and first token each
 program takes, and each sequence's first query row and lengths) and shared by every layer.
 """

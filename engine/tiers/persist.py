@@ -12,12 +12,9 @@
                 starts with an empty tier) if it is corrupt, malformed or any of those differ;
                 each block whose checksum does not verify, or whose values are not finite, is
                 refused alone. `Restored` says what came back and what was refused, and why.
-
-Before checksums, a graceful restart served wrong answers: blocks freed after a worker's
-last step were saved under their hashes with contents never copied, and flipped bytes or NaN
-blocks in the file were loaded and served. Checksums of unchanged slots are kept between saves
-(a slot is rewritten only when it is given to another hash), so the periodic save hashes only
-the blocks offloaded since the previous one.
+Checksums of unchanged slots are kept between
+saves (a slot is rewritten only when it is given to another hash), so the periodic save hashes
+only the blocks offloaded since the previous one (why checksums: docs/design/persist.md).
 
 The fingerprint is a hash of the model's config.json and, per safetensors file, its name,
 size and its first and last MiB (a fine-tune of the same shapes differs there; hashing
