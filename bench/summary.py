@@ -352,6 +352,20 @@ def kv_int4() -> dict:
     }
 
 
+def attention_core() -> dict:
+    """All-decode steps through the paged-prefill kernel against the decode kernel
+    (bench/attention_core_gpu.py): whether one kernel could serve both."""
+    a = load("attention", "attention_core.json")
+    rows = {(r["batch"], r["context"]): r for r in a["rows"]}
+    r = rows[(64, 4096)]
+    worst = max(a["rows"], key=lambda x: x["ratio"])
+    return {"attention_prefill_kernel_on_decodes_b64_4k": {
+        "value": round(r["ratio"], 2), "command": a["command"], "device": a["device"],
+        "workload": f"one Llama-3-8B attention layer, 64 decode rows x 4096 context, {a['device']}: paged-prefill "
+                    f"kernel {r['prefill_kernel_ms']:.3f} ms over decode kernel {r['decode_ms']:.3f} ms; worst of "
+                    f"batch 1-128 x context 1K-32K {worst['ratio']:.2f}x at {worst['batch']} x {worst['context']}"}}
+
+
 def kv_window() -> dict:
     """Sink + window eviction against full attention (bench/kv_window_quality.py, CPU)."""
     res = load("kv_window", "kv_window_quality.json")
@@ -423,6 +437,7 @@ def main() -> None:
     summary.update(priority())
     summary.update(kv_int4())
     summary.update(kv_window())
+    summary.update(attention_core())
     path = os.path.join(RES, "summary.json")
     with open(path) as f:
         previous = json.load(f)
