@@ -56,12 +56,12 @@ def run_step(engine: LLMEngine, cap: int) -> tuple[list, float]:
     sched = engine.scheduler.schedule(prefill_cap=cap)
     sync()
     t = time.perf_counter()
-    tokens = engine.runner.execute(sched)
+    result = engine.runner.execute(sched)
     sync()
     dt = time.perf_counter() - t
     scheduled = list(sched.scheduled)
     engine.scheduler.update_after_step(sched)
-    engine._postprocess(sched, tokens)
+    engine._postprocess(sched, result)
     return scheduled, dt
 
 

@@ -25,6 +25,7 @@ from .core.step_model import StepModel
 from .exec.loader import resolve_model_path
 from .exec.model_runner import ModelRunner
 from .exec.shard import ProcessShards
+from .exec.step_result import StepResult
 from .exec.tp import TPGroup
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sample.structured import Grammars
@@ -225,24 +226,24 @@ class LLMEngine:
         if step is None:
             return []
         tokens = step.tokens()
-        return self._postprocess(step.sched, {k: v for k, v in tokens.items() if k in self.requests})
+        return self._postprocess(step.sched, StepResult({k: v for k, v in tokens.items() if k in self.requests}))
 
     def _schedule(self) -> SchedulerOutput:
         """Drafts (speculative decoding), then the scheduler's batch under the step budget."""
         self.drafter.propose(self.scheduler.running)
         return self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
 
-    def _execute(self, sched: SchedulerOutput) -> dict:
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
         """The host tier's copies and the forward pass; then the drafts' verdicts, progress
         (rolling back rejected drafts) and, on its interval, the host tier to disk."""
         with self.step_model.timed(sched.shape):
-            tokens = self.runner.execute(sched)
-        self.iteration_tokens.observe(step_tokens(sched.scheduled, tokens))
-        self.drafter.settle(sched.scheduled, tokens)
+            result = self.runner.execute(sched)
+        self.iteration_tokens.observe(step_tokens(sched.scheduled, result.tokens))
+        self.drafter.settle(sched.scheduled, result.tokens)
         self.drafter.observe(sched.shape)
         self.scheduler.update_after_step(sched)
         self.persist_if_due()
-        return tokens
+        return result
 
     def persist_if_due(self) -> bool:
         """Writes the host tier when kv_persist_interval_s has passed since the last write and it
@@ -288,28 +289,27 @@ class LLMEngine:
         budget = min(max_num_batched_tokens or self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
         self.scheduler.max_num_batched_tokens = self.step_model.max_tokens = budget
 
-    def _postprocess(self, sched: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
-            for entry, rank in self.runner.sampler.prompt_logprobs.get(req.request_id, ()):
+            for entry, rank in result.prompt_logprobs.get(req.request_id, ()):
                 req.prompt_logprobs.append(entry)
                 req.prompt_ranks.append(rank)
-            got = tokens.get(req.request_id)
+            got = result.tokens.get(req.request_id)
             if got is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if req.first_token_time is None:
                 req.first_token_time = now
             text, ids = "", []
-            dead = self.runner.sampler.grammars.dead_ends(req.request_id) if req.sampling_params.structured_outputs \
-                else None
+            dead = result.dead_ends.get(req.request_id)
             if dead is not None:  # nothing the grammar allows could be sampled: the request ends here
                 req.stop_reason = dead
                 self._finish(req, RequestStatus.FINISHED_INVALID)
                 outputs.append(self._output(req, "", []))
                 continue
-            lp = self.runner.sampler.logprobs.get(req.request_id)
+            lp = result.logprobs.get(req.request_id)
             if lp is not None:  # one token per step for these (no drafts: sample/logits_process.py)
                 req.output_logprobs.append(lp)
             for token in got if isinstance(got, list) else [got]:  # a list: verified drafts

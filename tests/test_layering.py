@@ -140,7 +140,7 @@ ENGINE_ORDER = [
     "ops.kv_quant", "ops.triton_int4", "ops.triton_attention", "ops.triton_prefill", "ops.triton_fused",
     "ops.attention_ref", "ops.__init__",
     # leaves: settings and helpers that import no engine module of their own rank
-    "spec.config", "spec.verify", "exec.stores", "exec.tp", "exec.host_to_device", "core.hashing",
+    "spec.config", "spec.verify", "exec.step_result", "exec.stores", "exec.tp", "exec.host_to_device", "core.hashing",
     "core.kv_window", "core.iteration_stats", "outputs", "tokenizer", "default_model", "sample.structured",
     # what a caller hands the engine
     "sampling_params", "validation", "role", "config",

@@ -16,13 +16,14 @@ docs/design/graphs.md). Two kinds of graph, captured at start (CUDA, Triton, not
   (two when its keys are split). Padding rows compute garbage that no real row reads
   (every op outside attention is row-wise).
 
-`route` is the one decision every step goes through: "decode" (a decode graph), "pieces"
-or "eager". On CPU, `StepGraphs(capture=False)` runs both layouts without capturing, so
+`route` is the one decision every step goes through (a StepPath): DECODE (a decode graph),
+PIECES or EAGER. On CPU, `StepGraphs(capture=False)` runs both layouts without capturing, so
 the tests exercise the padding and the static buffers the graphs read.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 
 import numpy as np
@@ -30,6 +31,14 @@ import torch
 
 from .attention import AttentionMetadata
 from .host_to_device import pinned
+
+
+class StepPath(enum.StrEnum):
+    """How a step runs (StepGraphs.route decides it once per step)."""
+
+    DECODE = "decode"  # a decode graph: every row a decode or verification row
+    PIECES = "pieces"  # the piecewise graphs of its token bucket, attention launched between them
+    EAGER = "eager"  # kernel by kernel: larger steps, and every step without graphs
 
 
 def piece_buckets(top: int) -> list[int]:
@@ -60,16 +69,16 @@ class StepGraphs:
             self._capture()
 
     # ---- the one decision ------------------------------------------------------------------
-    def route(self, batch) -> str:
-        """'decode' (every scheduled request is decode rows, within the largest decode graph),
-        'pieces' (within the largest token bucket) or 'eager'."""
+    def route(self, batch) -> StepPath:
+        """DECODE (every scheduled request is decode rows, within the largest decode graph),
+        PIECES (within the largest token bucket) or EAGER."""
         rows = sum(s.num_new_tokens for s in batch)
         if all(s.decode_rows and not s.prompt_positions for s in batch) and rows <= self.decode_sizes[-1]:
-            return "decode"
-        return "pieces" if rows <= self.max_piece_tokens else "eager"
+            return StepPath.DECODE
+        return StepPath.PIECES if rows <= self.max_piece_tokens else StepPath.EAGER
 
-    def padded(self, path: str, rows: int) -> int:
-        sizes = self.decode_sizes if path == "decode" else self.piece_sizes
+    def padded(self, path: StepPath, rows: int) -> int:
+        sizes = self.decode_sizes if path == StepPath.DECODE else self.piece_sizes
         return next(b for b in sizes if b >= rows)
 
     @property

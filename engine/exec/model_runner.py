@@ -6,9 +6,11 @@ sequences are ordered first so attention sends them through the paged-decode ker
 one launch, the rest through the paged-prefill kernel. Only sequences whose chunk
 reaches the end of their known tokens produce logits.
 
-    execute(step):       order -> host_inputs (StepInputs, with the step's path)
+    execute(step):       _prepare (order -> host_inputs: StepInputs, with the step's path)
                          -> forward (decode graph | pieces | eager) -> sample / verify
                          (and score the prompt tokens of requests that ask: prompt_logprobs)
+                         -> StepResult (step_result.py)
+    launch(step, rows):  the same _prepare and forward, sampled on the device (core/overlap.py)
 
 Which path a step takes is one decision (graphs.StepGraphs.route): an all-decode step
 (speculative verification rows included) replays a decode graph; any other step up to
@@ -36,20 +38,21 @@ from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
 from ..tiers.offload import HostCache, TierOps, host_slots
 from .attention import AttentionMetadata
-from .graphs import StepGraphs, decode_inputs, piece_tokens
+from .graphs import StepGraphs, StepPath, decode_inputs, piece_tokens
 from .host_to_device import to_device
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
+from .step_result import StepResult
 from .tp import TPGroup
 
 
 @dataclass
 class StepInputs:
     """A step's host-side inputs, the same on every rank. `path` (graphs.StepGraphs.route):
-    'decode': the rows padded to a decode graph's size (cols = decode_inputs' rows); 'pieces'
-    or 'eager': the flat batch (`padded`: the token bucket whose piecewise graphs run it)."""
+    DECODE: the rows padded to a decode graph's size (cols = decode_inputs' rows); PIECES or
+    EAGER: the flat batch (`padded`: the token bucket whose piecewise graphs run it)."""
 
-    path: str
+    path: StepPath
     num_rows: int  # real rows (decode) / sequences (flat)
     tables: np.ndarray  # int32 [rows, max_blocks]
     cols: np.ndarray | None = None  # decode: int64 [4, padded] ids, positions, slots, context lengths
@@ -144,9 +147,9 @@ class ModelRunner:
 
     def host_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
         """Rank 0: the step's path and its inputs as numpy arrays."""
-        path = self.graphs.route(batch) if self.graphs else "eager"
+        path = self.graphs.route(batch) if self.graphs else StepPath.EAGER
         rows = sum(s.num_new_tokens for s in batch)
-        if path == "decode":
+        if path == StepPath.DECODE:
             padded = self.graphs.padded(path, rows)
             cols, tables, sample_rows = decode_inputs(batch, padded, self.block_size, self.graphs.table_width)
             return StepInputs(path, rows, tables, cols=cols, sample_rows=sample_rows)
@@ -171,9 +174,10 @@ class ModelRunner:
             if s.samples:  # a step with drafts needs the logits at each of its k + 1 tokens
                 sample_rows += range(len(input_ids) - 1 - len(s.draft_token_ids), len(input_ids))
         i64 = np.int64
+        padded = self.graphs.padded(path, rows) if path == StepPath.PIECES else 0
         return StepInputs(path, len(batch), tables, ids=np.array(input_ids, i64),
                           positions=np.array(positions, i64), slots=np.array(slots, i64), seq_lens=seq_lens,
-                          query_lens=query_lens, padded=self.graphs.padded(path, rows) if path == "pieces" else 0,
+                          query_lens=query_lens, padded=padded,
                           sample_rows=np.array(sample_rows, i64), prompt_rows=np.array(prompt_rows, i64))
 
     @property
@@ -188,13 +192,13 @@ class ModelRunner:
         if inp.kv_shifts:
             rotate_keys(self.kv_views, self.model.rotary, inp.kv_shifts)
         patch = self._patcher(inp.pending)
-        if inp.path == "decode":
+        if inp.path == StepPath.DECODE:
             logits = self.graphs.run_decode(inp, patch)
             if len(inp.sample_rows) == inp.num_rows:
                 return logits
             return logits[to_device(inp.sample_rows, logits.device)] if len(inp.sample_rows) else None
         meta = AttentionMetadata.build(inp.slots, inp.tables, inp.seq_lens, inp.query_lens, self.device)
-        if inp.path == "pieces":
+        if inp.path == StepPath.PIECES:
             hidden = self.graphs.run_pieces(inp, meta, patch)
         else:
             ids, positions = (to_device(a, self.device) for a in (inp.ids, inp.positions))
@@ -224,11 +228,8 @@ class ModelRunner:
         sampled token ids on the device and the requests they belong to, in order. A row whose
         input is PENDING reads it from the previous launch's tokens (`pending_rows`: request id
         -> its row there). Requests here need nothing from the host between steps (overlap.plain)."""
-        self.sampler.logprobs, self.sampler.prompt_logprobs = {}, {}
-        batch = self.order(step.scheduled)
-        inp = self.host_inputs(batch)
-        inp.tier_ops, inp.kv_shifts = step.tier_ops, step.kv_shifts
-        ids = inp.cols[0] if inp.path == "decode" else inp.ids
+        batch, inp = self._prepare(step)
+        ids = inp.cols[0] if inp.path == StepPath.DECODE else inp.ids
         dst, src, row = [], [], 0
         for s in batch:  # only a request's newest token can be pending: its one decode row
             row += s.num_new_tokens
@@ -243,18 +244,24 @@ class ModelRunner:
         self.last_tokens = self.sampler.sample_on_device(logits, reqs) if reqs else None
         return self.last_tokens, reqs
 
-    @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[str, int]:
-        """Runs the step (after the host tier's copies it carries); returns the sampled token (a
-        list: the verified drafts) of each request that samples."""
+    def _prepare(self, step: SchedulerOutput) -> tuple[list[ScheduledRequest], StepInputs]:
+        """The preparation execute and launch share: the batch in kernel order, its host inputs
+        with the host tier's copies and the key rotations the step carries, the sampler's
+        per-step records cleared."""
         self.sampler.logprobs, self.sampler.prompt_logprobs = {}, {}
+        batch = self.order(step.scheduled)
+        inp = self.host_inputs(batch)
+        inp.tier_ops, inp.kv_shifts = step.tier_ops, step.kv_shifts
+        return batch, inp
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        """Runs the step (after the host tier's copies it carries) and samples; its StepResult."""
         stale = next((s.request.request_id for s in step.scheduled if s.request.all_token_ids[-1] == PENDING), None)
         if stale is not None:  # its id is still on the device: a step of the engine's is in flight
             raise RuntimeError(f"request {stale}'s newest token is not known yet (an overlapped step is in flight): "
                                "call LLMEngine.resolve() before running a step the engine did not schedule itself")
-        batch = self.order(step.scheduled)
-        inp = self.host_inputs(batch)
-        inp.tier_ops, inp.kv_shifts = step.tier_ops, step.kv_shifts
+        batch, inp = self._prepare(step)
         self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
         logits = self.forward(inp)
         samplers = [s for s in batch if s.samples]
@@ -263,11 +270,16 @@ class ModelRunner:
             self.sampler.score_prompts(logits[n:], [s for s in batch if s.prompt_positions])
             logits = logits[:n] if n else None
         if logits is None:
-            return {}
-        if any(s.draft_token_ids for s in samplers):
-            return self._verify(logits, samplers)
-        reqs = [s.request for s in samplers]
-        return dict(zip([r.request_id for r in reqs], self.sampler(logits, reqs)))
+            tokens = {}
+        elif any(s.draft_token_ids for s in samplers):
+            tokens = self._verify(logits, samplers)
+        else:
+            reqs = [s.request for s in samplers]
+            tokens = dict(zip([r.request_id for r in reqs], self.sampler(logits, reqs)))
+        dead = {s.request.request_id: self.sampler.grammars.dead_ends(s.request.request_id) for s in samplers
+                if s.request.sampling_params.structured_outputs and s.request.request_id in tokens}
+        return StepResult(tokens, self.sampler.logprobs, self.sampler.prompt_logprobs,
+                          {rid: why for rid, why in dead.items() if why is not None})
 
     def _verify(self, logits: torch.Tensor, samplers: list[ScheduledRequest]) -> dict:
         """A batch with draft tokens: plain rows sample as usual; each request with drafts gets

@@ -81,7 +81,7 @@ class DraftModelProposer:
                 batch.append(ScheduledRequest(sh, n, [b.block_id for b in blocks]))
             if not batch:
                 break
-            tokens = self.runner.execute(SchedulerOutput(batch))
+            tokens = self.runner.execute(SchedulerOutput(batch)).tokens
             for s in batch:
                 s.request.num_computed_tokens += s.num_new_tokens
                 token = tokens[s.request.request_id]
