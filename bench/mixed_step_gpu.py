@@ -29,11 +29,10 @@ sys.path.insert(0, HERE)
 
 from serving_gpu import build_model  # noqa: E402
 
-from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.config import AttentionTuning, EngineConfig  # noqa: E402
 from pdserve.engine.core.scheduler import StepShape  # noqa: E402
 from pdserve.engine.core.step_model import StepModel  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.ops.triton_prefill import MIXED, PREFILL  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 CHUNKS = (0, 64, 256, 512, 1024, 2048)
@@ -127,29 +126,26 @@ def profile(engine: LLMEngine, chunks=(64, 256)) -> dict:
     return out
 
 
-VARIANTS = {  # PagedAttention's settings for steps that are not all decodes (engine/exec/attention.py)
-    "one launch, mixed tiles": dict(decodes_apart=False, prefill_launch=MIXED),
-    "one launch, prefill tiles": dict(decodes_apart=False, prefill_launch=PREFILL),
-    "decodes apart, mixed tiles": dict(decodes_apart=True, prefill_launch=MIXED),
-    "decodes apart, prefill tiles": dict(decodes_apart=True, prefill_launch=PREFILL),
+VARIANTS = {  # AttentionTuning for steps that are not all decodes (engine/config.py, exec/attention.py)
+    "one launch, mixed tiles": AttentionTuning(decodes_apart=False, prefill_tiles="mixed"),
+    "one launch, prefill tiles": AttentionTuning(decodes_apart=False, prefill_tiles="prefill"),
+    "decodes apart, mixed tiles": AttentionTuning(decodes_apart=True, prefill_tiles="mixed"),
+    "decodes apart, prefill tiles": AttentionTuning(decodes_apart=True, prefill_tiles="prefill"),
 }
 
 
 def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512, 1024, 2048)) -> list[dict]:
     """The mixed step (graphs mode) under each attention variant, alternating within each
     repetition, the chunk at the end of an 8K prompt as in measure()."""
-    from pdserve.engine.exec.attention import PagedAttention
-
-    default = {k: getattr(PagedAttention, k) for k in VARIANTS["one launch, mixed tiles"]}
+    default = engine.runner.config.attention_tuning
     prompt = ids(8192)
     cache_prefixes(engine, prompt, chunks)
     rows = []
     for c in (0, *chunks):
         times = {name: [] for name in VARIANTS}
         for i in range(reps + 1):
-            for name, attrs in VARIANTS.items():
-                for k, v in attrs.items():
-                    setattr(PagedAttention, k, v)
+            for name, tuning in VARIANTS.items():
+                engine.runner.config.attention_tuning = tuning
                 if c:
                     engine.add_request(prompt[: 8192 - c] + ids(c), SamplingParams(max_tokens=1, temperature=0))
                 _, dt = run_step(engine, c)
@@ -157,8 +153,7 @@ def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512, 1024, 2
                     times[name].append(dt)
         rows.append({"chunk": c, **{name: 1000 * statistics.median(t) for name, t in times.items()}})
         print(rows[-1], flush=True)
-    for k, v in default.items():
-        setattr(PagedAttention, k, v)
+    engine.runner.config.attention_tuning = default
     return rows
 
 

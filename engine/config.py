@@ -151,6 +151,24 @@ def _layer_windows(kind: str, cfg: dict) -> tuple[int | None, ...]:
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
+@dataclass(frozen=True)
+class AttentionTuning:
+    """How a CUDA step that is not all decodes runs attention (exec/attention.AttentionPlan):
+    `decodes_apart` sends its decode rows through the paged-decode kernel and the rest through
+    paged-prefill, False runs every row through one paged-prefill launch, None decides by shape
+    (apart from `apart_from_tokens` prefill tokens on); `prefill_tiles` picks the paged-prefill
+    kernel's tile settings ("mixed" or "prefill"; None: by the step's rows). The defaults come
+    from bench/mixed_step_gpu.py --variants (docs/design/graphs.md)."""
+
+    decodes_apart: bool | None = None
+    apart_from_tokens: int = 512
+    prefill_tiles: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_tiles not in (None, "mixed", "prefill"):
+            raise ValueError(f"attention prefill_tiles must be 'mixed', 'prefill' or None, got {self.prefill_tiles!r}")
+
+
 @dataclass
 class EngineConfig:
     """Engine arguments; names follow vLLM's where vLLM has one."""
@@ -204,6 +222,8 @@ class EngineConfig:
     # kv_sink_tokens (whole blocks) and its last kv_window_tokens; None: off
     kv_sink_tokens: int = 0
     kv_window_tokens: int | None = None
+    # how mixed steps run attention on CUDA (benchmarks compare the variants through it)
+    attention_tuning: AttentionTuning = field(default_factory=AttentionTuning)
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)
 

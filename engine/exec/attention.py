@@ -3,10 +3,11 @@
 On CUDA a step of decodes only (and speculative verification rows, one per query token)
 runs the Triton paged-decode kernel; any other step runs one Triton paged-prefill launch
 over every sequence, decodes included as chunks of one token, each chunk on top of the
-context its sequence has cached (ops/triton_prefill.py; its plan is built by the step's
-first layer and shared by the others); a single fresh prompt alone runs torch's causal flash
-kernel. On CPU everything goes through the torch reference (ops/attention_ref.py), which
-stays the oracle the kernels are tested against.
+context its sequence has cached (ops/triton_prefill.py); a single fresh prompt alone runs
+torch's causal flash kernel. Which of these a step takes is its AttentionPlan, decided once per
+step by the runner from the step's shape and the config's AttentionTuning. On CPU everything
+goes through the torch reference (ops/attention_ref.py), which stays the oracle the kernels are
+tested against.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import AttentionTuning
 from ..ops.attention_ref import paged_attention_ref, store_kv_ref
 from .host_to_device import to_device
 
@@ -31,7 +33,7 @@ class AttentionMetadata:
     num_decodes: int  # leading sequences with one query token (all of them in a decode graph)
     seq_lens: list[int] | None = None  # host copies (None: a decode graph's device buffers)
     query_lens: list[int] | None = None  # new tokens per sequence (None: one each)
-    prefill_plan: object = None  # the prefill kernel's tiles (triton_prefill.PrefillPlan), made once per step
+    plan: AttentionPlan | None = None  # how every layer runs this step (the runner's; None: the defaults')
 
     @classmethod
     def build(cls, slots, tables, seq_lens, query_lens: list[int] | None, device=None) -> AttentionMetadata:
@@ -57,18 +59,54 @@ class AttentionMetadata:
         return self.block_tables.shape[0]
 
 
-class PagedAttention:
-    # How a step that is not all decodes runs on CUDA: its decode rows through the paged-decode
-    # kernel and the rest through paged-prefill (decodes apart), or everything through one
-    # paged-prefill launch (a decode is a chunk of one token). None: by shape, measured by
-    # `bench/mixed_step_gpu.py --variants` (H100, 16 decodes at 4K + a chunk at 8K): one launch
-    # is fastest up to 256 chunk tokens (13.1 vs 13.6 ms at 64); decodes apart, the chunk in
-    # prefill tiles, from 512 (43.3 vs 45.1 ms at 1024). prefill_launch: paged-prefill's tile
-    # settings (None: by the launch's rows, PrefillLaunch.for_step).
-    decodes_apart: bool | None = None
-    apart_from_tokens = 512
-    prefill_launch = None
+@dataclass
+class AttentionPlan:
+    """How every layer runs one step's attention, decided once per step (`of`, by the runner):
+    `decode_only`: every row through the paged-decode kernel; else the first `apart` rows
+    (decodes) through the paged-decode kernel and the rest through one paged-prefill launch,
+    whose tiles (`prefill_tiles`) are built by the first layer that launches it and shared by
+    the rest; `fresh`: one fresh prompt alone, which a layer without a sliding window runs
+    through torch's causal flash kernel (one launch, faster there than the paged kernel).
+    Without kernels (CPU, the torch backend) every row goes through the torch reference."""
 
+    kernels: bool
+    decode_only: bool = False
+    apart: int = 0
+    fresh: bool = False
+    launch: object = None  # triton_prefill.PrefillLaunch (None: by the step's rows)
+    tiles: object = None  # triton_prefill.PrefillPlan, once built
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, tuning: AttentionTuning, kernels: bool) -> AttentionPlan:
+        if not kernels:
+            return cls(False)
+        if meta.num_decodes == meta.num_seqs:
+            return cls(True, decode_only=True)
+        query_lens, seq_lens, nd = meta.query_lens, meta.seq_lens, meta.num_decodes
+        apart = tuning.decodes_apart
+        if apart is None:
+            apart = len(query_lens) > nd and sum(query_lens[nd:]) >= tuning.apart_from_tokens
+        apart = nd if apart else 0
+        fresh = meta.num_seqs - apart == 1 and query_lens[-1] == seq_lens[-1]
+        launch = None
+        if tuning.prefill_tiles is not None:
+            from ..ops.triton_prefill import MIXED, PREFILL
+            launch = MIXED if tuning.prefill_tiles == "mixed" else PREFILL
+        return cls(True, apart=apart, fresh=fresh, launch=launch)
+
+    def prefill_plan(self, meta: AttentionMetadata, group: int, device):
+        """The paged-prefill kernel's tiles for the rows after `apart`, built once per step."""
+        if self.tiles is None:
+            from ..ops.triton_prefill import PrefillPlan
+            self.tiles = PrefillPlan.build(meta.query_lens[self.apart:], meta.seq_lens[self.apart:], group, device,
+                                           self.launch)
+        return self.tiles
+
+
+DEFAULT_TUNING = AttentionTuning()
+
+
+class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None, use_triton: bool):
         self.num_heads = num_heads
@@ -79,10 +117,9 @@ class PagedAttention:
         self.use_triton = use_triton
         if use_triton:
             from ..ops.triton_attention import paged_decode_triton, store_kv_triton
-            from ..ops.triton_prefill import PrefillPlan, paged_prefill_triton
+            from ..ops.triton_prefill import paged_prefill_triton
 
             self._store, self._decode, self._prefill = store_kv_triton, paged_decode_triton, paged_prefill_triton
-            self._plan = PrefillPlan.build
         else:
             self._store, self._decode, self._prefill = store_kv_ref, None, None
 
@@ -123,28 +160,22 @@ class PagedAttention:
         [num_blocks, block_size, KVH, D]; out: where to write (like q)."""
         if k is not None:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
-        if self._decode is not None and meta.num_decodes == meta.num_seqs:
+        plan = meta.plan
+        if plan is None:  # a caller that built the metadata itself: the default tuning
+            plan = meta.plan = AttentionPlan.of(meta, DEFAULT_TUNING, self._decode is not None)
+        if plan.decode_only:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
                                 self.scale, self.sliding_window, out=out)
         out = torch.empty_like(q) if out is None else out
         seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()  # CPU layouts
         query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
-        apart = self.decodes_apart
-        if apart is None:
-            apart = len(query_lens) > meta.num_decodes and \
-                sum(query_lens[meta.num_decodes:]) >= self.apart_from_tokens
-        nd = meta.num_decodes if apart and self._decode is not None else 0
+        nd = plan.apart
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
                          self.scale, self.sliding_window, out=out[:nd])
-        # one fresh prompt alone: torch's causal flash kernel (one launch) is faster than the paged
-        # kernel there (0.56 vs 0.87 ms a layer for 4096 tokens on an H100)
-        one_fresh = meta.num_seqs - nd == 1 and query_lens[-1] == seq_lens[-1] and self.sliding_window is None
-        if self._prefill is not None and not one_fresh:
-            if meta.prefill_plan is None:
-                meta.prefill_plan = self._plan(query_lens[nd:], seq_lens[nd:], self.num_heads // self.num_kv_heads,
-                                               q.device, self.prefill_launch)
-            self._prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_plan, self.scale,
+        if plan.kernels and not (plan.fresh and self.sliding_window is None):
+            tiles = plan.prefill_plan(meta, self.num_heads // self.num_kv_heads, q.device)
+            self._prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], tiles, self.scale,
                           self.sliding_window, out=out[nd:])
             return out
         out[nd:] = paged_attention_ref(q[nd:], k_cache, v_cache, meta.block_tables[nd:], seq_lens[nd:],

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, AttentionPlan
 from .host_to_device import pinned
 
 
@@ -107,6 +107,7 @@ class StepGraphs:
 
     def _decode_step(self, b: int) -> torch.Tensor:
         meta = AttentionMetadata.build(self.slots[:b], self.tables[:b], self.lens[:b], None)
+        meta.plan = AttentionPlan.of(meta, self.config.attention_tuning, self.config.use_triton)
         return self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], self.kv_views, meta))
 
     def _piece(self, t: int, i: int) -> None:

@@ -37,7 +37,7 @@ from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
 from ..tiers.offload import HostCache, TierOps, host_slots
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, AttentionPlan
 from .graphs import StepGraphs, StepPath, decode_inputs, piece_tokens
 from .host_to_device import to_device
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
@@ -198,6 +198,7 @@ class ModelRunner:
                 return logits
             return logits[to_device(inp.sample_rows, logits.device)] if len(inp.sample_rows) else None
         meta = AttentionMetadata.build(inp.slots, inp.tables, inp.seq_lens, inp.query_lens, self.device)
+        meta.plan = AttentionPlan.of(meta, self.config.attention_tuning, self.config.use_triton)
         if inp.path == StepPath.PIECES:
             hidden = self.graphs.run_pieces(inp, meta, patch)
         else:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.exec.attention import PagedAttention
+from pdserve.engine.config import AttentionTuning
 from pdserve.engine.exec.graphs import piece_buckets
 
 from helpers import PROMPTS
@@ -28,19 +28,18 @@ def test_piece_buckets_pad_by_at_most_an_eighth():
                                                        ("mistral", "triton", True, False),
                                                        ("mistral", "triton", True, True)])
 @pytest.mark.slow
-def test_graph_layouts_equal_eager(model, backend, fused, apart, tiny_models, monkeypatch):
+def test_graph_layouts_equal_eager(model, backend, fused, apart, tiny_models):
     """apart: a mixed step's decode rows through the paged-decode kernel, the chunks through
     paged-prefill (else one paged-prefill launch over every sequence)."""
     if backend == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setattr(PagedAttention, "decodes_apart", apart)
     shared = "The history of the city begins with a small village by the river, and then "
     prompts = [shared + p for p in PROMPTS[:3]] + [PROMPTS[3]]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     # a 24-token step budget: prompts arrive in chunks beside decodes (mixed steps), the shared
     # prefix is a cache hit for the later ones (chunks over cached context)
     kw = dict(model=tiny_models[model], max_model_len=256, attention_backend=backend, fused_ops=fused,
-              max_num_batched_tokens=24, max_num_seqs=4)
+              max_num_batched_tokens=24, max_num_seqs=4, attention_tuning=AttentionTuning(decodes_apart=apart))
     with LLM(**kw) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     with LLM(**kw) as llm:
