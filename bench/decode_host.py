@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import ScheduledRequest
-from pdserve.engine.exec.graphs import decode_inputs
+from pdserve.engine.exec.step_inputs import decode_inputs
 from pdserve.engine.sampling_params import SamplingParams
 
 

@@ -148,7 +148,7 @@ ENGINE_ORDER = [
     "core.request", "core.block_pool", "tiers.offload", "core.kv_cache_manager", "core.scheduler",
     "core.overlap", "core.step_model",
     # executing a step: attention, graphs, the KV tensor, the model, sampling, the runner
-    "exec.attention", "exec.graphs", "exec.kv_cache", "models.llama", "exec.loader",
+    "exec.attention", "exec.step_inputs", "exec.graphs", "exec.kv_cache", "models.llama", "exec.loader",
     "sample.sampling_noise", "sample.logits_process", "sample.sampler", "exec.model_runner", "exec.shard",
     "tiers.persist",
     # speculative decoding drives a runner of its own

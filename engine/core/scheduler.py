@@ -57,7 +57,7 @@ class ScheduledRequest:
     @property
     def decode_rows(self) -> bool:
         """One known token plus any drafts: each a row of the paged-decode kernel (the
-        decode graphs' layout, graphs.decode_inputs)."""
+        decode graphs' layout, exec/step_inputs.decode_inputs)."""
         return self.num_new_tokens - len(self.draft_token_ids) == 1
 
 

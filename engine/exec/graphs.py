@@ -23,7 +23,6 @@ the tests exercise the padding and the static buffers the graphs read.
 
 from __future__ import annotations
 
-import enum
 import time
 
 import numpy as np
@@ -31,14 +30,7 @@ import torch
 
 from .attention import AttentionMetadata, AttentionPlan
 from .host_to_device import pinned
-
-
-class StepPath(enum.StrEnum):
-    """How a step runs (StepGraphs.route decides it once per step)."""
-
-    DECODE = "decode"  # a decode graph: every row a decode or verification row
-    PIECES = "pieces"  # the piecewise graphs of its token bucket, attention launched between them
-    EAGER = "eager"  # kernel by kernel: larger steps, and every step without graphs
+from .step_inputs import StepPath
 
 
 def piece_buckets(top: int) -> list[int]:
@@ -231,32 +223,3 @@ def decode_sizes(config) -> list[int]:
         top = max(top, min(rows, config.max_num_batched_tokens))
     sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
     return sorted(set(sizes + [top]))
-
-
-def decode_inputs(batch: list, padded: int, block_size: int,
-                  max_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The host side of a decode-graph step: ([4, padded] int64 rows of token ids, positions,
-    KV slots and context lengths; [padded, max_blocks] int32 block tables; the rows whose
-    logits are sampled). A request with drafts takes a row per query token, each with the
-    request's table and its own context length. Padding rows store nothing (slot -1) and
-    attend to one token of block 0. Built in numpy: a per-row torch tensor costs tens of
-    microseconds on the host, per step, while the GPU waits."""
-    cols = np.zeros((4, padded), dtype=np.int64)
-    tables = np.zeros((padded, max_blocks), dtype=np.int32)
-    sample_rows, i = [], 0
-    for s in batch:
-        p = s.request.num_computed_tokens
-        ids = [s.request.all_token_ids[p]] + s.draft_token_ids
-        n = len(ids)
-        pos = np.arange(p, p + n) - s.request.kv_shift  # cache positions (core/kv_window.py)
-        blocks = np.asarray(s.block_ids, dtype=np.int64)
-        cols[0, i:i + n] = ids
-        cols[1, i:i + n] = pos
-        cols[2, i:i + n] = blocks[pos // block_size] * block_size + pos % block_size
-        tables[i:i + n, : len(s.block_ids)] = s.block_ids
-        if s.samples:
-            sample_rows += range(i, i + n)
-        i += n
-    cols[2, i:] = -1
-    cols[3] = cols[1] + 1
-    return cols, tables, np.array(sample_rows, dtype=np.int64)

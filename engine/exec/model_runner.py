@@ -25,8 +25,6 @@ shard's runner receives them and runs the same `forward` (shard.py). Only rank 0
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -36,39 +34,16 @@ from ..core.request import PENDING, Request
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
-from ..tiers.offload import HostCache, TierOps, host_slots
+from ..tiers.offload import HostCache, host_slots
+from . import step_inputs
 from .attention import AttentionMetadata, AttentionPlan
-from .graphs import StepGraphs, StepPath, decode_inputs, piece_tokens
+from .graphs import StepGraphs, piece_tokens
 from .host_to_device import to_device
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
+from .step_inputs import StepInputs, StepPath
 from .step_result import StepResult
 from .tp import TPGroup
-
-
-@dataclass
-class StepInputs:
-    """A step's host-side inputs, the same on every rank. `path` (graphs.StepGraphs.route):
-    DECODE: the rows padded to a decode graph's size (cols = decode_inputs' rows); PIECES or
-    EAGER: the flat batch (`padded`: the token bucket whose piecewise graphs run it)."""
-
-    path: StepPath
-    num_rows: int  # real rows (decode) / sequences (flat)
-    tables: np.ndarray  # int32 [rows, max_blocks]
-    cols: np.ndarray | None = None  # decode: int64 [4, padded] ids, positions, slots, context lengths
-    ids: np.ndarray | None = None  # flat: int64 [T] each
-    positions: np.ndarray | None = None
-    slots: np.ndarray | None = None
-    seq_lens: list | None = None
-    query_lens: list | None = None
-    padded: int = 0
-    sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
-    prompt_rows: np.ndarray | None = None  # int64 rows whose logits score a prompt token (after sample_rows)
-    tier_ops: TierOps | None = None  # host-tier copies to apply first (tiers/offload.py)
-    kv_shifts: list | None = None  # keys to rotate back first (core/kv_window.py)
-    # rows whose input token is still on the device (request.PENDING), and each one's row in
-    # the previous launch's sampled tokens (core/overlap.py); rank 0 only
-    pending: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class ModelRunner:
@@ -146,39 +121,11 @@ class ModelRunner:
         return sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
 
     def host_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
-        """Rank 0: the step's path and its inputs as numpy arrays."""
+        """Rank 0: the step's path and its inputs as numpy arrays (step_inputs.py)."""
         path = self.graphs.route(batch) if self.graphs else StepPath.EAGER
-        rows = sum(s.num_new_tokens for s in batch)
-        if path == StepPath.DECODE:
-            padded = self.graphs.padded(path, rows)
-            cols, tables, sample_rows = decode_inputs(batch, padded, self.block_size, self.graphs.table_width)
-            return StepInputs(path, rows, tables, cols=cols, sample_rows=sample_rows)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens, query_lens, sample_rows, prompt_rows = [], [], [], []
-        tables = np.zeros((len(batch), max(len(s.block_ids) for s in batch)), dtype=np.int32)
-        for i, s in enumerate(batch):
-            req, start, k = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            input_ids += req.all_token_ids[start : start + k - len(s.draft_token_ids)] + s.draft_token_ids
-            c = start - req.kv_shift  # the cache position of the first (core/kv_window.py)
-            pos = range(c, c + k)
-            positions += pos
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in pos]
-            seq_lens.append(c + k)
-            query_lens.append(k)
-            tables[i, : len(s.block_ids)] = s.block_ids
-            first = len(input_ids) - k
-            prompt_rows += [first + p - start for p in s.prompt_positions]
-            if s.samples:  # a step with drafts needs the logits at each of its k + 1 tokens
-                sample_rows += range(len(input_ids) - 1 - len(s.draft_token_ids), len(input_ids))
-        i64 = np.int64
-        padded = self.graphs.padded(path, rows) if path == StepPath.PIECES else 0
-        return StepInputs(path, len(batch), tables, ids=np.array(input_ids, i64),
-                          positions=np.array(positions, i64), slots=np.array(slots, i64), seq_lens=seq_lens,
-                          query_lens=query_lens, padded=padded,
-                          sample_rows=np.array(sample_rows, i64), prompt_rows=np.array(prompt_rows, i64))
+        padded = self.graphs.padded(path, sum(s.num_new_tokens for s in batch)) if path != StepPath.EAGER else 0
+        return step_inputs.build(batch, path, padded, self.block_size,
+                                 self.graphs.table_width if path == StepPath.DECODE else 0)
 
     @property
     def num_host_slots(self) -> int:

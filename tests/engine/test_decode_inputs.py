@@ -7,7 +7,7 @@ import numpy as np
 
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import ScheduledRequest
-from pdserve.engine.exec.graphs import decode_inputs
+from pdserve.engine.exec.step_inputs import decode_inputs
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -56,3 +56,22 @@ def test_a_request_past_its_window_takes_its_cache_position():
     s.request.kv_shift = 8
     cols, tables, _ = decode_inputs([s], padded=1, block_size=bs, max_blocks=2)
     assert cols[:, 0].tolist() == [113, 5, 2 * bs + 1, 6] and tables.tolist() == [[7, 2]]
+
+
+def test_the_flat_layout_gives_the_same_tokens_positions_and_slots_as_the_graph_rows():
+    """One arithmetic for both layouts (step_inputs.token_rows): drafts, a KV window's shift and
+    plain decodes come out the same as a decode graph's real rows and as a flat batch."""
+    from pdserve.engine.exec.step_inputs import StepPath, flat_inputs
+    bs = 4
+    drafted = _decoding("a", [11, 12, 13, 14], [7, 2])
+    drafted.draft_token_ids, drafted.num_new_tokens = [40, 41], 3
+    shifted = _decoding("b", list(range(100, 114)), [7, 2])
+    shifted.request.kv_shift = 8
+    batch = [drafted, shifted, _decoding("c", [21, 22], [9])]
+    cols, _, rows = decode_inputs(batch, padded=8, block_size=bs, max_blocks=2)
+    flat = flat_inputs(batch, StepPath.EAGER, 0, bs)
+    assert flat.ids.tolist() == cols[0, :5].tolist() == [14, 40, 41, 113, 22]
+    assert flat.positions.tolist() == cols[1, :5].tolist() == [3, 4, 5, 5, 1]
+    assert flat.slots.tolist() == cols[2, :5].tolist() == [7 * bs + 3, 2 * bs, 2 * bs + 1, 2 * bs + 1, 9 * bs + 1]
+    assert flat.seq_lens == [6, 6, 2] and flat.query_lens == [3, 1, 1]
+    assert flat.sample_rows.tolist() == rows.tolist() == [0, 1, 2, 3, 4]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.exec.graphs import StepPath
+from pdserve.engine.exec.step_inputs import StepPath
 from pdserve.engine.exec.step_result import StepResult
 from pdserve.engine.sampling_params import SamplingParams
 

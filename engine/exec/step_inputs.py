@@ -1,0 +1,123 @@
+"""A step's host-side inputs, built once on rank 0 in numpy and sent as they are to tensor-parallel
+shards (cheap to pickle).
+
+`token_rows` owns the arithmetic of a scheduled request's new tokens: their ids (the tokens
+after its computed ones, then its drafts), their cache positions (shifted back by the tokens a
+KV window dropped: core/kv_window.py) and their KV slots. `build` lays those out for the step's
+path: DECODE as a decode graph's padded rows (one row per query token, each with its request's
+block table), PIECES and EAGER as the flat batch (one block table per sequence). Built in numpy:
+a per-row torch tensor costs tens of microseconds on the host, per step, while the GPU waits.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..core.scheduler import ScheduledRequest
+    from ..tiers.offload import TierOps
+
+
+class StepPath(enum.StrEnum):
+    """How a step runs (graphs.StepGraphs.route decides it once per step)."""
+
+    DECODE = "decode"  # a decode graph: every row a decode or verification row
+    PIECES = "pieces"  # the piecewise graphs of its token bucket, attention launched between them
+    EAGER = "eager"  # kernel by kernel: larger steps, and every step without graphs
+
+
+@dataclass
+class StepInputs:
+    """DECODE: the rows padded to a decode graph's size (`cols`: decode_inputs' rows); PIECES or
+    EAGER: the flat batch (`padded`: the token bucket whose piecewise graphs run it)."""
+
+    path: StepPath
+    num_rows: int  # real rows (decode) / sequences (flat)
+    tables: np.ndarray  # int32 [rows, max_blocks]
+    cols: np.ndarray | None = None  # decode: int64 [4, padded] ids, positions, slots, context lengths
+    ids: np.ndarray | None = None  # flat: int64 [T] each
+    positions: np.ndarray | None = None
+    slots: np.ndarray | None = None
+    seq_lens: list | None = None
+    query_lens: list | None = None
+    padded: int = 0
+    sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
+    prompt_rows: np.ndarray | None = None  # int64 rows whose logits score a prompt token (after sample_rows)
+    tier_ops: TierOps | None = None  # host-tier copies to apply first (tiers/offload.py)
+    kv_shifts: list | None = None  # keys to rotate back first (core/kv_window.py)
+    # rows whose input token is still on the device (request.PENDING), and each one's row in
+    # the previous launch's sampled tokens (core/overlap.py); rank 0 only
+    pending: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def token_rows(s: ScheduledRequest, block_size: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """A scheduled request's new tokens: (ids, cache positions, KV slots)."""
+    req, start, k = s.request, s.request.num_computed_tokens, s.num_new_tokens
+    ids = req.all_token_ids[start : start + k - len(s.draft_token_ids)] + s.draft_token_ids
+    pos = np.arange(start, start + k, dtype=np.int64) - req.kv_shift
+    blocks = np.asarray(s.block_ids, dtype=np.int64)
+    return ids, pos, blocks[pos // block_size] * block_size + pos % block_size
+
+
+def decode_inputs(batch: list[ScheduledRequest], padded: int, block_size: int,
+                  max_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host side of a decode-graph step: ([4, padded] int64 rows of token ids, positions,
+    KV slots and context lengths; [padded, max_blocks] int32 block tables; the rows whose
+    logits are sampled). A request with drafts takes a row per query token, each with the
+    request's table and its own context length. Padding rows store nothing (slot -1) and
+    attend to one token of block 0."""
+    cols = np.zeros((4, padded), dtype=np.int64)
+    tables = np.zeros((padded, max_blocks), dtype=np.int32)
+    sample_rows, i = [], 0
+    for s in batch:
+        ids, pos, slots = token_rows(s, block_size)
+        n = len(ids)
+        cols[0, i:i + n], cols[1, i:i + n], cols[2, i:i + n] = ids, pos, slots
+        tables[i:i + n, : len(s.block_ids)] = s.block_ids
+        if s.samples:
+            sample_rows += range(i, i + n)
+        i += n
+    cols[2, i:] = -1
+    cols[3] = cols[1] + 1
+    return cols, tables, np.array(sample_rows, dtype=np.int64)
+
+
+def flat_inputs(batch: list[ScheduledRequest], path: StepPath, padded: int, block_size: int) -> StepInputs:
+    """The flat batch of a PIECES or EAGER step: each sequence's new tokens back to back, with
+    its context length, its block table, the rows it samples from (its last, or each of its
+    k + 1 with drafts) and the rows that score its prompt (prompt_logprobs)."""
+    ids, positions, slots = [], [], []
+    seq_lens, query_lens, sample_rows, prompt_rows = [], [], [], []
+    tables = np.zeros((len(batch), max(len(s.block_ids) for s in batch)), dtype=np.int32)
+    row = 0
+    for i, s in enumerate(batch):
+        t, pos, sl = token_rows(s, block_size)
+        k, start = len(t), s.request.num_computed_tokens
+        ids += t
+        positions.append(pos)
+        slots.append(sl)
+        seq_lens.append(int(pos[-1]) + 1)
+        query_lens.append(k)
+        tables[i, : len(s.block_ids)] = s.block_ids
+        prompt_rows += [row + p - start for p in s.prompt_positions]
+        if s.samples:  # a step with drafts needs the logits at each of its k + 1 tokens
+            sample_rows += range(row + k - 1 - len(s.draft_token_ids), row + k)
+        row += k
+    i64 = np.int64
+    return StepInputs(path, len(batch), tables, ids=np.array(ids, i64), positions=np.concatenate(positions),
+                      slots=np.concatenate(slots), seq_lens=seq_lens, query_lens=query_lens, padded=padded,
+                      sample_rows=np.array(sample_rows, i64), prompt_rows=np.array(prompt_rows, i64))
+
+
+def build(batch: list[ScheduledRequest], path: StepPath, padded: int, block_size: int,
+          table_width: int = 0) -> StepInputs:
+    """The step's inputs for its path (`padded`: the decode graph's rows or the piecewise token
+    bucket; 0 for an eager step; `table_width`: a decode graph's block-table width)."""
+    if path == StepPath.DECODE:
+        cols, tables, sample_rows = decode_inputs(batch, padded, block_size, table_width)
+        return StepInputs(path, sum(s.num_new_tokens for s in batch), tables, cols=cols, sample_rows=sample_rows)
+    return flat_inputs(batch, path, padded, block_size)
