@@ -173,7 +173,7 @@ class PagedAttention:
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
                          self.scale, self.sliding_window, out=out[:nd])
-        if plan.kernels and not (plan.fresh and self.sliding_window is None):
+        if plan.kernels and self._prefill is not None and not (plan.fresh and self.sliding_window is None):
             tiles = plan.prefill_plan(meta, self.num_heads // self.num_kv_heads, q.device)
             self._prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], tiles, self.scale,
                           self.sliding_window, out=out[nd:])

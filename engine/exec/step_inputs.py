@@ -1,9 +1,9 @@
 """A step's host-side inputs, built once on rank 0 in numpy and sent as they are to tensor-parallel
 shards (cheap to pickle).
 
-`token_rows` owns the arithmetic of a scheduled request's new tokens: their ids (the tokens
-after its computed ones, then its drafts), their cache positions (shifted back by the tokens a
-KV window dropped: core/kv_window.py) and their KV slots. `build` lays those out for the step's
+`token_rows` owns the arithmetic of a batch's new tokens, vectorized over the batch: their ids
+(a request's tokens after its computed ones, then its drafts), their cache positions (shifted
+back by the tokens a KV window dropped: core/kv_window.py) and their KV slots. `build` lays those out for the step's
 path: DECODE as a decode graph's padded rows (one row per query token, each with its request's
 block table), PIECES and EAGER as the flat batch (one block table per sequence). Built in numpy:
 a per-row torch tensor costs tens of microseconds on the host, per step, while the GPU waits.
@@ -54,13 +54,30 @@ class StepInputs:
     pending: tuple[np.ndarray, np.ndarray] | None = None
 
 
-def token_rows(s: ScheduledRequest, block_size: int) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """A scheduled request's new tokens: (ids, cache positions, KV slots)."""
-    req, start, k = s.request, s.request.num_computed_tokens, s.num_new_tokens
-    ids = req.all_token_ids[start : start + k - len(s.draft_token_ids)] + s.draft_token_ids
-    pos = np.arange(start, start + k, dtype=np.int64) - req.kv_shift
-    blocks = np.asarray(s.block_ids, dtype=np.int64)
-    return ids, pos, blocks[pos // block_size] * block_size + pos % block_size
+def block_tables(batch: list[ScheduledRequest], width: int) -> np.ndarray:
+    """int32 [sequences, width]: each sequence's block ids, zero-padded."""
+    tables = np.zeros((len(batch), width), dtype=np.int32)
+    for i, s in enumerate(batch):
+        tables[i, : len(s.block_ids)] = s.block_ids
+    return tables
+
+
+def token_rows(batch: list[ScheduledRequest], block_size: int,
+               tables: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """The batch's new tokens back to back: (ids, cache positions, KV slots, each one's sequence).
+    A sequence's tokens are those after its computed ones, then its drafts; their cache positions
+    are shifted back by what a KV window dropped; slots read `tables` (block_tables)."""
+    ks = np.array([s.num_new_tokens for s in batch], dtype=np.int64)
+    ids: list[int] = []
+    for s in batch:
+        start = s.request.num_computed_tokens
+        ids += s.request.all_token_ids[start : start + s.num_new_tokens - len(s.draft_token_ids)] + s.draft_token_ids
+    cache_first = np.array([s.request.num_computed_tokens - s.request.kv_shift for s in batch], dtype=np.int64)
+    seq = np.repeat(np.arange(len(batch)), ks)
+    row_first = np.cumsum(ks) - ks
+    pos = np.arange(len(ids), dtype=np.int64) - (row_first - cache_first)[seq]
+    slots = tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    return ids, pos, slots, seq
 
 
 def decode_inputs(batch: list[ScheduledRequest], padded: int, block_size: int,
@@ -70,46 +87,38 @@ def decode_inputs(batch: list[ScheduledRequest], padded: int, block_size: int,
     logits are sampled). A request with drafts takes a row per query token, each with the
     request's table and its own context length. Padding rows store nothing (slot -1) and
     attend to one token of block 0."""
+    seq_tables = block_tables(batch, max_blocks)
+    ids, pos, slots, seq = token_rows(batch, block_size, seq_tables)
+    n = len(ids)
     cols = np.zeros((4, padded), dtype=np.int64)
-    tables = np.zeros((padded, max_blocks), dtype=np.int32)
-    sample_rows, i = [], 0
-    for s in batch:
-        ids, pos, slots = token_rows(s, block_size)
-        n = len(ids)
-        cols[0, i:i + n], cols[1, i:i + n], cols[2, i:i + n] = ids, pos, slots
-        tables[i:i + n, : len(s.block_ids)] = s.block_ids
-        if s.samples:
-            sample_rows += range(i, i + n)
-        i += n
-    cols[2, i:] = -1
+    cols[0, :n], cols[1, :n], cols[2, :n] = ids, pos, slots
+    cols[2, n:] = -1
     cols[3] = cols[1] + 1
-    return cols, tables, np.array(sample_rows, dtype=np.int64)
+    tables = np.zeros((padded, max_blocks), dtype=np.int32)
+    tables[:n] = seq_tables[seq]
+    samples = np.array([s.samples for s in batch], dtype=bool)
+    return cols, tables, np.flatnonzero(samples[seq]).astype(np.int64)
 
 
 def flat_inputs(batch: list[ScheduledRequest], path: StepPath, padded: int, block_size: int) -> StepInputs:
     """The flat batch of a PIECES or EAGER step: each sequence's new tokens back to back, with
     its context length, its block table, the rows it samples from (its last, or each of its
     k + 1 with drafts) and the rows that score its prompt (prompt_logprobs)."""
-    ids, positions, slots = [], [], []
+    tables = block_tables(batch, max(len(s.block_ids) for s in batch))
+    ids, pos, slots, _ = token_rows(batch, block_size, tables)
     seq_lens, query_lens, sample_rows, prompt_rows = [], [], [], []
-    tables = np.zeros((len(batch), max(len(s.block_ids) for s in batch)), dtype=np.int32)
     row = 0
-    for i, s in enumerate(batch):
-        t, pos, sl = token_rows(s, block_size)
-        k, start = len(t), s.request.num_computed_tokens
-        ids += t
-        positions.append(pos)
-        slots.append(sl)
-        seq_lens.append(int(pos[-1]) + 1)
+    for s in batch:
+        k, start = s.num_new_tokens, s.request.num_computed_tokens
+        seq_lens.append(start - s.request.kv_shift + k)
         query_lens.append(k)
-        tables[i, : len(s.block_ids)] = s.block_ids
         prompt_rows += [row + p - start for p in s.prompt_positions]
         if s.samples:  # a step with drafts needs the logits at each of its k + 1 tokens
             sample_rows += range(row + k - 1 - len(s.draft_token_ids), row + k)
         row += k
     i64 = np.int64
-    return StepInputs(path, len(batch), tables, ids=np.array(ids, i64), positions=np.concatenate(positions),
-                      slots=np.concatenate(slots), seq_lens=seq_lens, query_lens=query_lens, padded=padded,
+    return StepInputs(path, len(batch), tables, ids=np.array(ids, i64), positions=pos, slots=slots,
+                      seq_lens=seq_lens, query_lens=query_lens, padded=padded,
                       sample_rows=np.array(sample_rows, i64), prompt_rows=np.array(prompt_rows, i64))
 
 
