@@ -38,7 +38,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.exec.shard import Shards, run_shard, shard_config
 from pdserve.transfer.base import Channel
 from pdserve.transfer.c10d import C10dConnector
-from pdserve.transfer.tp import RankLink, rank_name, start_part
+from pdserve.transfer.tp import Part, RankLink, rank_name
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +110,14 @@ class ShardActor:
             for op, arg in todo:
                 try:
                     if op == "start":
-                        start_part(conn, arg)
+                        arg.start(conn)
                     elif op == "abort":
                         conn.abort(arg)
                     elif op == "forget":
                         conn.forget_peer(arg)
                 except Exception as e:  # noqa: BLE001 - reported as the route's failure
                     if op == "start":
-                        failed.append((arg["request_id"], "FAILED", f"{self.name}: {e}"))
+                        failed.append((arg.request_id, "FAILED", f"{self.name}: {e}"))
             finished = failed + [(h.request_id, h.state.name, h.error) for h in conn.poll()]
             with self.cv:
                 self.done += finished
@@ -141,9 +141,9 @@ class RayRankLink(RankLink):
     def _submit(self, op: str, arg) -> None:
         self.actor.submit.remote(next(self._seq), op, arg)
 
-    def start(self, specs: list[dict]) -> None:
-        for spec in specs:
-            self._submit("start", spec)
+    def start(self, parts: list[Part]) -> None:
+        for part in parts:
+            self._submit("start", part)
 
     def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)

@@ -19,6 +19,7 @@ from the target (`HandoffTarget.ranks`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -57,6 +58,53 @@ def routes(kv_heads: int, src_tp: int, dst_tp: int) -> list[Route]:
     return out
 
 
+@dataclass
+class RecvPart:
+    """One route's receive on one rank: the KV heads `heads` of `block_ids` from the sender
+    rank `peer`, on `channel`."""
+
+    request_id: str  # the route's id (route_id)
+    block_ids: list[int]
+    heads: tuple[int, int] | None
+    timeout_s: float | None
+    peer: str
+    channel: Channel
+
+    def start(self, conn: KVConnector) -> Handoff:
+        return conn.start_recv(self.peer, self.request_id, self.block_ids, self.channel, self.timeout_s,
+                               heads=self.heads)
+
+    def for_wire(self) -> RecvPart:
+        """What crosses to another process (a rank's actor): all of it."""
+        return self
+
+
+@dataclass
+class SendPart:
+    """One route's send on one rank: the KV heads `heads` of `block_ids` to `target`, with the
+    handoff's meta (JSON) and, on rank 0, the CUDA event the blocks are ready at."""
+
+    request_id: str
+    block_ids: list[int]
+    heads: tuple[int, int] | None
+    timeout_s: float | None
+    target: HandoffTarget
+    meta: dict | None = None
+    ready: object = None
+
+    def start(self, conn: KVConnector) -> Handoff:
+        return conn.start_send(self.target, self.request_id, self.block_ids, self.timeout_s, self.ready, self.meta,
+                               heads=self.heads)
+
+    def for_wire(self) -> SendPart:
+        """What crosses to another process: all but the CUDA event, which belongs to rank 0's
+        stream (another rank's blocks are ready when its own step ends)."""
+        return dataclasses.replace(self, ready=None)
+
+
+Part = RecvPart | SendPart
+
+
 class RankLink(ABC):
     """Rank r (>= 1) of this worker, as rank 0 reaches it: its connector's operations."""
 
@@ -67,9 +115,8 @@ class RankLink(ABC):
     def new_channels(self, peers: list[str]) -> list[Channel]: ...
 
     @abstractmethod
-    def start(self, specs: list[dict]) -> None:
-        """Starts handoffs: dicts of kind ("send"/"recv"), request_id, block_ids, heads,
-        timeout_s, and target (send) or peer + channel (recv)."""
+    def start(self, parts: list[Part]) -> None:
+        """Starts these routes' handoffs on the rank (each part as `Part.for_wire()` gives it)."""
 
     @abstractmethod
     def finished(self) -> list[tuple[str, str, str | None]]:
@@ -91,9 +138,9 @@ class LocalRankLink(RankLink):
     def new_channels(self, peers: list[str]) -> list[Channel]:
         return [self.connector.new_channel(p) for p in peers]
 
-    def start(self, specs: list[dict]) -> None:
-        for spec in specs:
-            start_part(self.connector, spec)
+    def start(self, parts: list[Part]) -> None:
+        for part in parts:
+            part.start(self.connector)
 
     def finished(self) -> list[tuple[str, str, str | None]]:
         return [(h.request_id, h.state.name, h.error) for h in self.connector.poll()]
@@ -147,9 +194,8 @@ class TPConnector(KVConnector):
                 (self.links[d - 1].new_channels(senders) if senders else [])
             ranks.append((rank_name(self.name, d), self._addr(d), {p: c.gen for p, c in zip(senders, chans)}))
             for r, c in zip(mine, chans):
-                self._start_part(comp, r.dst, dict(
-                    kind="recv", request_id=route_id(request_id, r, single), block_ids=list(block_ids),
-                    heads=r.dst_heads, timeout_s=timeout_s, peer=rank_name(peer, r.src), channel=c))
+                self._start_part(comp, r.dst, RecvPart(route_id(request_id, r, single), list(block_ids), r.dst_heads,
+                                                       timeout_s, rank_name(peer, r.src), c))
         self._track(comp)
         gen0 = next(iter(ranks[0][2].values()), 0)
         return comp, HandoffTarget(self.name, self.address, Channel(gen0), num_skip, tuple(ranks))
@@ -169,27 +215,25 @@ class TPConnector(KVConnector):
         for r in rs:
             name, address, gens = ranks[r.dst]
             gen = target.channel.gen if gens is None else gens[rank_name(self.name, r.src)]
-            self._start_part(comp, r.src, dict(
-                kind="send", request_id=route_id(request_id, r, single), block_ids=list(block_ids),
-                heads=r.src_heads, timeout_s=timeout_s, meta=meta, ready=ready,
-                target=HandoffTarget(name, address, Channel(gen), target.num_skip)))
+            to = HandoffTarget(name, address, Channel(gen), target.num_skip)
+            self._start_part(comp, r.src, SendPart(route_id(request_id, r, single), list(block_ids), r.src_heads,
+                                                   timeout_s, to, meta, ready))
         self._track(comp)
         return comp
 
     # ---- both --------------------------------------------------------------------------------------
-    def _start_part(self, comp: _Composite, rank: int, spec: dict) -> None:
-        rid = spec["request_id"]
+    def _start_part(self, comp: _Composite, rank: int, part: Part) -> None:
+        rid = part.request_id
         comp.waiting.add(rid)
         with self._lock:
             self._route_of[rid] = comp.request_id
         if rank == 0:
-            h = start_part(self.local, spec)
+            h = part.start(self.local)
             comp.local.append(h)
             if h.state == TransferState.FAILED:
                 comp.settle(rid, "FAILED", h.error)
         else:
-            spec.pop("ready", None)
-            self.links[rank - 1].start([spec])
+            self.links[rank - 1].start([part.for_wire()])
 
     def _track(self, comp: _Composite) -> None:
         with self._lock:
@@ -249,15 +293,6 @@ class TPConnector(KVConnector):
 
     def close(self) -> None:
         self.local.close()
-
-
-def start_part(conn: KVConnector, spec: dict) -> Handoff:
-    """Starts one route's handoff on a rank's own connector (a RankLink's `start` spec)."""
-    if spec["kind"] == "send":
-        return conn.start_send(spec["target"], spec["request_id"], spec["block_ids"], spec["timeout_s"],
-                               spec.get("ready"), spec.get("meta"), heads=spec["heads"])
-    return conn.start_recv(spec["peer"], spec["request_id"], spec["block_ids"], spec["channel"],
-                           spec["timeout_s"], heads=spec["heads"])
 
 
 class _Composite(Handoff):
