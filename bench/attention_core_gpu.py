@@ -7,7 +7,7 @@ key splits, as a mixed step launches it).
     python bench/attention_core_gpu.py --out bench/results/attention
 
 Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128, bf16), 16-token blocks in
-shuffled order; medians of 20 timed launches (CUDA events) after 3 warm-ups; the prefill
+shuffled order; medians of 20 timed launches (CUDA events, prefill_attention_gpu.timed) after 3 warm-ups; the prefill
 kernel's plan is built once per case, as a step builds it. Each case also gives the largest
 difference between the two kernels' outputs and each one's relative L2 error against the
 torch reference (fp32). HBM GB/s counts the K and V bytes the rows read once.
@@ -26,24 +26,12 @@ from pdserve.engine.ops.attention_ref import paged_attention_ref
 from pdserve.engine.ops.triton_attention import _sm_count, num_splits, paged_decode_triton
 from pdserve.engine.ops.triton_prefill import MIXED, PrefillPlan, paged_prefill_triton, prefill_splits
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prefill_attention_gpu import timed  # noqa: E402  (the same CUDA-event median)
+
 H, KVH, D, PAGE = 32, 8, 128, 16
 BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (1024, 4096, 16384, 32768)
-
-
-def timed(fn, reps: int = 20, warmup: int = 3) -> float:
-    """The median of `reps` timed calls of `fn` (CUDA events), in ms, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def case(batch: int, context: int, gen: torch.Generator, check: bool) -> dict:
