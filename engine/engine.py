@@ -272,7 +272,7 @@ class LLMEngine:
     def persist_host_tier(self) -> str:
         """Writes the host tier to kv_persist_dir now (also on close and every interval), after
         applying the copies still queued: blocks freed since the last forward have host slots
-        but no contents there yet (saving without them served wrong answers after a restart)."""
+        but no contents there yet (docs/design/persist.md)."""
         self._persisted_at = time.monotonic()
         ops = self.kv.host.take()
         if ops is not None:

@@ -128,9 +128,8 @@ class PagedAttention:
         mixed and in prefill tiles, each with and without key splits (and their combine), and
         paged decode with and without, each for block tables whose width has a factor of 16 and
         one whose width has not (Triton specializes an int argument on that). Triton compiles
-        a variant on first use, a second or more each on the serving host: in a colocated run
-        (H100, Llama-3-8B shape, 4096-token prompts at 2.5 req/s) the first request's TTFT was
-        5.3 s. Reads block 0 only and writes nothing to the cache."""
+        a variant on first use, a second or more each, which a first request would otherwise
+        wait for (docs/design/graphs.md). Reads block 0 only and writes nothing to the cache."""
         if self._prefill is None:
             return
         from ..ops.triton_prefill import MIXED, PREFILL, PrefillPlan

@@ -6,9 +6,7 @@ from here: a counter-based hash (as JAX's and cuRAND's Philox streams are keyed 
 of the request's seed, the index of the output token being drawn and the token id, so the
 same request draws the same noise for its i-th token wherever and whenever it is drawn:
 
-- after a prefill/decode handoff (the decode worker draws token 1 onward; a per-request
-  generator there restarted from the seed and replayed token 0's noise: issue "seeded
-  sampling across the handoff"),
+- after a prefill/decode handoff (the decode worker draws token 1 onward, at index 1),
 - in hybrid placement's local prefill or the prefill pool, on a retry on another worker,
   after a preemption and recompute, after a role switch,
 - in speculative verification, which draws row j of a request's step at index i + j and
