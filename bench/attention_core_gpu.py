@@ -22,9 +22,10 @@ import sys
 
 import torch
 
+from pdserve.engine.ops.attention_core import sm_count, split_count
 from pdserve.engine.ops.attention_ref import paged_attention_ref
-from pdserve.engine.ops.triton_attention import _sm_count, num_splits, paged_decode_triton
-from pdserve.engine.ops.triton_prefill import MIXED, PrefillPlan, paged_prefill_triton, prefill_splits
+from pdserve.engine.ops.triton_attention import DECODE_SPLITS, paged_decode_triton
+from pdserve.engine.ops.triton_prefill import MIXED, PrefillPlan, paged_prefill_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prefill_attention_gpu import timed  # noqa: E402  (the same CUDA-event median)
@@ -49,8 +50,8 @@ def case(batch: int, context: int, gen: torch.Generator, check: bool) -> dict:
     row = {"batch": batch, "context": context,
            "decode_ms": timed(lambda: paged_decode_triton(q, kc, vc, tables, lens, scale, out=dec)),
            "prefill_kernel_ms": timed(lambda: paged_prefill_triton(q, kc, vc, tables, plan, scale, out=pre)),
-           "decode_splits": num_splits(batch, KVH, width * PAGE, _sm_count(q.device)),
-           "prefill_splits": prefill_splits(plan.tiles.shape[0] * KVH, context, _sm_count(q.device), MIXED.per_sm),
+           "decode_splits": split_count(batch * KVH, width * PAGE, sm_count(q.device), **DECODE_SPLITS),
+           "prefill_splits": split_count(plan.tiles.shape[0] * KVH, context, sm_count(q.device), MIXED.per_sm),
            "max_abs_diff": (dec.float() - pre.float()).abs().max().item()}
     row["ratio"] = row["prefill_kernel_ms"] / row["decode_ms"]
     kv_bytes = 2 * batch * context * KVH * D * 2

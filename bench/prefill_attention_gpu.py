@@ -20,9 +20,9 @@ import sys
 
 import torch
 
+from pdserve.engine.ops.attention_core import sm_count, split_count
 from pdserve.engine.ops.attention_ref import paged_attention_ref
-from pdserve.engine.ops.triton_attention import _sm_count
-from pdserve.engine.ops.triton_prefill import PrefillLaunch, PrefillPlan, paged_prefill_triton, prefill_splits
+from pdserve.engine.ops.triton_prefill import PrefillLaunch, PrefillPlan, paged_prefill_triton
 
 H, KVH, D, PAGE = 32, 8, 128, 16
 # (name, [(context after the step, new tokens), ...])
@@ -83,7 +83,7 @@ def case(seqs: list[tuple[int, int]], gen: torch.Generator) -> dict:
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     triton_ms = timed(lambda: paged_prefill_triton(q, kc, vc, tables, plan, scale, out=out))
     ref_ms = timed(lambda: paged_attention_ref(q, kc, vc, tables, seq_lens, q_lens, scale))
-    splits = prefill_splits(plan.tiles.shape[0] * KVH, plan.max_context, _sm_count(q.device), plan.launch.per_sm)
+    splits = split_count(plan.tiles.shape[0] * KVH, plan.max_context, sm_count(q.device), plan.launch.per_sm)
     return {"triton_ms": triton_ms, "reference_ms": ref_ms, "speedup": ref_ms / triton_ms, "rel_err": err,
             "tokens": sum(q_lens), "splits": splits}
 

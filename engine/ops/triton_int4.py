@@ -1,6 +1,6 @@
 """int4 KV in Triton (engine/ops/kv_quant.py, "int4"): the store packs each (token, head) row into
 head_dim / 2 bytes of 4-bit codes with a float16 (scale, minimum) per group of 32 values; the
-attention kernels' tile loader (triton_attention.kv_tile) unpacks a tile of rows with `int4_rows`.
+attention kernels' tile loader (attention_core.kv_tile) unpacks a tile of rows with `int4_rows`.
 head_dim is a power of two (kv_quant.check_head_dim): rows and groups are whole tiles, no padding.
 
 Why unpack in the tile loader: the kernels read K and V once per step; unpacking there costs a

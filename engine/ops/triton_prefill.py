@@ -5,10 +5,9 @@ One program = BLOCK_M query tokens of one sequence x one KV head; the GROUP quer
 that share the KV head are rows of the same tile (rows = BLOCK_M x GROUP_PAD), so each K/V
 element a tile needs is read once for all of them: GQA without repeating K/V. The program
 walks the sequence's block table up to its last query's position (causal; a sliding window
-starts it later), with an online softmax in base 2. An int4 cache's rows are unpacked in the tile
-loader (triton_int4.py). A quantized cache (kv_quant.QuantKV)
-multiplies each token's K scale into its column of scores and its V scale into its row of
-probabilities, as the decode kernel does.
+starts it later). The tile loader, the online softmax, the key splits' partials and their
+combine are the attention core's (attention_core.py), shared with the decode kernel, so a
+decode row that a mixed step puts in a tile here gets the bits the decode kernel gives it.
 
 `PrefillPlan` is built once per step (the tiles: which sequence and first token each
 program takes, and each sequence's first query row and lengths) and shared by every layer.
@@ -22,49 +21,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _COMPUTE, MAX_SPLITS, _check_cache, _sm_count, cache_args, kv_tile
-
-
-@triton.jit
-def _tile_rows(tiles_ptr, seqs_ptr, tile, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A tile's rows: (their query rows in q, query heads within the group, live?, query length, context)."""
-    seq = tl.load(tiles_ptr + tile * 2)
-    m0 = tl.load(tiles_ptr + tile * 2 + 1)
-    q0 = tl.load(seqs_ptr + seq * 3)  # the sequence's first query row in q
-    q_len = tl.load(seqs_ptr + seq * 3 + 1)
-    ctx = tl.load(seqs_ptr + seq * 3 + 2)  # its context after this step (cached + new)
-    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
-    tok = m0 + rows // GROUP_PAD
-    g = rows % GROUP_PAD
-    return seq, m0, q0 + tok, g, (tok < q_len) & (g < GROUP), ctx - q_len + tok, ctx - q_len + m0, ctx
-
-
-@triton.jit
-def _attend(q, k, v, ks, vs, seen, acc, m_i, l_i, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr,
-            COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
-    """One tile of keys into the rows' online softmax (base 2): (acc, max, sum) updated. MASKED:
-    scores where not `seen` drop out (else every row sees every key of the tile)."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale
-    if SCALED:
-        s = s * ks[None, :]
-    if MASKED:
-        s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if SCALED:
-        p = p * vs[None, :]
-    if IEEE:
-        pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(COMPUTE_DTYPE), v)
-    return acc * alpha[:, None] + pv, m_new, l_i
+from .attention_core import (
+    _COMPUTE,
+    LOG2E,
+    Partials,
+    attend,
+    cache_args,
+    check_launch,
+    combine,
+    compute_dtype,
+    finish,
+    kv_tile,
+    sm_count,
+    split_count,
+    store_partial,
+    tile_rows,
+)
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
@@ -84,7 +56,7 @@ def _paged_prefill_kernel(
     split = tl.program_id(2)
     # q_pos: the rows' absolute positions; first: the tile's first query's. q is loaded unscaled (no
     # rounding of q x scale): the scale, with log2(e) folded in, goes on the fp32 scores
-    seq, m0, qrow, g, live, q_pos, first, ctx = _tile_rows(tiles_ptr, seqs_ptr, tile, GROUP, GROUP_PAD, BLOCK_M)
+    seq, m0, qrow, g, live, q_pos, first, ctx = tile_rows(tiles_ptr, seqs_ptr, tile, GROUP, GROUP_PAD, BLOCK_M)
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < HEAD_DIM
@@ -121,64 +93,25 @@ def _paged_prefill_kernel(
             k, v, ks, vs = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_bt, offs_n, in_seq, in_seq,
                                    kvh, offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                    stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                                   PAGE, COMPUTE_DTYPE, SCALED, INT4)
+                                   PAGE, COMPUTE_DTYPE, SCALED, INT4, IEEE)
             seen = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if window > 0:
                 seen = seen & (q_pos[:, None] - offs_n[None, :] < window)
-            acc, m_i, l_i = _attend(q, k, v, ks, vs, seen, acc, m_i, l_i, qk_scale, phase == 1,
-                                    IEEE, COMPUTE_DTYPE, SCALED)
-    if SPLIT:  # unnormalized partials [tile, kv head, split, row, D_PAD] and [..., row, 2] (max, sum), live
-        # rows only: a decode's tile has GROUP of its BLOCK_M x GROUP_PAD rows live, and writing the dead
-        # ones made the partials 16x the traffic they need (0.7 ms of combine in a 16-decode + 64 step)
-        base = (tile * NUM_KV_HEADS + kvh) * SPLITS + split
-        at = base * BLOCK_M * GROUP_PAD + rows
-        tl.store(part_acc_ptr + at[:, None] * D_PAD + offs_d[None, :], acc, mask=live[:, None])
-        tl.store(part_ml_ptr + at * 2, m_i, mask=live)
-        tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=live)
+            acc, m_i, l_i = attend(q, k, v, ks, vs, seen, acc, m_i, l_i, qk_scale, phase == 1,
+                                   IEEE, COMPUTE_DTYPE, SCALED)
+    if SPLIT:  # live rows only: a decode's tile has GROUP of its BLOCK_M x GROUP_PAD rows live
+        store_partial(part_acc_ptr, part_ml_ptr, tile * NUM_KV_HEADS + kvh, split, SPLITS, rows, live, offs_d,
+                      acc, m_i, l_i, BLOCK_M * GROUP_PAD, D_PAD)
     else:
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 acc.to(o_ptr.dtype.element_ty), mask=live[:, None] & mask_d[None, :])
-
-
-@triton.jit(do_not_specialize=["SPLITS"])
-def _combine_prefill_kernel(
-    part_acc_ptr, part_ml_ptr, o_ptr, tiles_ptr, seqs_ptr, stride_ot, stride_oh, SPLITS,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-):
-    # one program = one tile x one kv head: each split rescaled to the common max, then summed
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    seq, m0, qrow, g, live, q_pos, first, ctx = _tile_rows(tiles_ptr, seqs_ptr, tile, GROUP, GROUP_PAD, BLOCK_M)
-    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    m_all = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-    l_all = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
-    for sp in range(0, SPLITS):
-        at = ((tile * NUM_KV_HEADS + kvh) * SPLITS + sp) * BLOCK_M * GROUP_PAD + rows
-        m = tl.load(part_ml_ptr + at * 2, mask=live, other=float("-inf"))
-        lsum = tl.load(part_ml_ptr + at * 2 + 1, mask=live, other=0.0)
-        a = tl.load(part_acc_ptr + at[:, None] * D_PAD + offs_d[None, :], mask=live[:, None], other=0.0)
-        m_new = tl.maximum(m_all, m)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w_old = tl.exp2(m_all - m_use)
-        w_new = tl.exp2(m - m_use)
-        acc = acc * w_old[:, None] + a * w_new[:, None]
-        l_all = l_all * w_old + lsum * w_new
-        m_all = m_new
-    acc = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
-    heads = kvh * GROUP + g
-    tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             acc.to(o_ptr.dtype.element_ty), mask=live[:, None] & (offs_d < HEAD_DIM)[None, :])
+                 finish(acc, l_i).to(o_ptr.dtype.element_ty), mask=live[:, None] & mask_d[None, :])
 
 
 @dataclass(frozen=True)
 class PrefillLaunch:
     """A launch's tile settings: query rows per program (BLOCK_M tokens x the GQA group, padded
     to a power of 2), keys per iteration, warps, pipeline stages, and the programs per SM that
-    key splits aim for (prefill_splits)."""
+    key splits aim for (attention_core.split_count)."""
 
     rows: int
     block_n: int
@@ -238,64 +171,37 @@ def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.
     """q [num_tokens, num_heads, head_dim]: the sequences' new tokens, back to back, each the
     last `query_len` positions of its context (the new K/V already stored) -> same shape.
     The tile settings are the plan's (`plan.launch`). splits: pieces each tile's keys are cut
-    into (combined by a second launch); None: by shape (prefill_splits), 1 on CPU."""
+    into (combined by a second launch); None: by shape (split_count at the launch's per_sm), 1 on CPU."""
     c = cache_args(k_cache, v_cache)
-    k_cache, v_cache = c.k, c.v
-    _check_cache(k_cache, v_cache)
     T, H, D = q.shape
-    _, page, KVH, Dc = c.shape
-    if Dc != D or H % KVH:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)} "
-                         "(GQA needs num_heads % num_kv_heads == 0)")
-    if q.stride(-1) != 1 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError("q needs a contiguous last dimension and block_tables contiguous int32 rows")
-    if block_tables.shape[0] != plan.seqs.shape[0]:
-        raise ValueError(f"{block_tables.shape[0]} block tables for {plan.seqs.shape[0]} sequences")
-    out = torch.empty_like(q) if out is None else out
-    if T == 0 or plan.tiles.shape[0] == 0:
-        return out
-    group = H // KVH
-    cdt = q.dtype if q.dtype in _COMPUTE and q.is_cuda else torch.float32  # the interpreter: fp32
+    _, page, KVH, _ = c.shape
     tiles = plan.tiles.shape[0]
     if splits is None:
-        splits = prefill_splits(tiles * KVH, plan.max_context, _sm_count(q.device), plan.launch.per_sm) \
-            if q.is_cuda else 1
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
+        splits = 1
+        if q.is_cuda and tiles:
+            splits = split_count(tiles * KVH, plan.max_context, sm_count(q.device), plan.launch.per_sm)
+    check_launch(q, c, block_tables, plan.seqs.shape[0], splits)
+    out = torch.empty_like(q) if out is None else out
+    if T == 0 or tiles == 0:
+        return out
+    group = H // KVH
+    group_pad = triton.next_power_of_2(group)
+    cdt = compute_dtype(q)
     d_pad = max(16, triton.next_power_of_2(D))
-    rows = plan.block_m * triton.next_power_of_2(group)
-    part_acc = part_ml = out  # unused unless split
-    if splits > 1:
-        part_acc = torch.empty(tiles * KVH * splits * rows, d_pad, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(tiles * KVH * splits * rows, 2, dtype=torch.float32, device=q.device)
+    rows = plan.block_m * group_pad
+    part = Partials.empty(tiles * KVH, splits, rows, d_pad, q.device) if splits > 1 else Partials(out, out)
     _paged_prefill_kernel[(tiles, KVH, splits)](
-        q, k_cache, v_cache, out, block_tables, plan.tiles, plan.seqs, c.ks, c.vs, part_acc, part_ml,
-        scale * 1.4426950408889634, sliding_window or 0, splits,
+        q, c.k, c.v, out, block_tables, plan.tiles, plan.seqs, c.ks, c.vs, part.acc, part.ml,
+        scale * LOG2E, sliding_window or 0, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *c.sstrides,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
+        *c.strides(), block_tables.stride(0), *c.sstrides,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, D_PAD=d_pad,
         PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=plan.launch.block_n,
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SCALED=c.scaled, INT4=c.int4, SPLIT=splits > 1,
         NUM_KV_HEADS=KVH,
         num_warps=plan.launch.warps, num_stages=plan.launch.stages,
     )
     if splits > 1:
-        _combine_prefill_kernel[(tiles, KVH)](
-            part_acc, part_ml, out, plan.tiles, plan.seqs, out.stride(0), out.stride(1), splits,
-            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
-            BLOCK_M=plan.block_m, NUM_KV_HEADS=KVH, num_warps=plan.launch.warps,
-        )
+        combine(part, out, (tiles, KVH, rows), splits, group, group_pad, rows, KVH, plan.tiles, plan.seqs,
+                plan.block_m)
     return out
-
-
-def prefill_splits(programs: int, max_context: int, sms: int, per_sm: int = 8) -> int:
-    """Pieces to cut each tile's keys into so that a launch has about `per_sm` programs per SM
-    (each piece at least 256 keys): 1 when the tiles alone fill the GPU (long fresh prompts),
-    more for short chunks and decode rows over long contexts. A program walks its keys one
-    64-key tile after another, each a gather through the block table, so its time is latency,
-    not bandwidth: on an H100 (Llama-3-8B shape) a step of 16 decodes at 4K context + a 64-token
-    chunk at 8K spent 10.1 ms in this kernel at 2 programs per SM (320 programs)."""
-    if programs >= per_sm * sms:
-        return 1
-    return max(1, min(-(-per_sm * sms // programs), max_context // 256, MAX_SPLITS))

@@ -114,10 +114,15 @@ def test_split_context_decode_matches_reference(splits, dtype):
         assert rel_err(out, one) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_num_splits_fills_the_gpu_from_shapes_only():
-    from pdserve.engine.ops.triton_attention import num_splits
+def test_decode_splits_fill_the_gpu_from_shapes_only():
+    from pdserve.engine.ops.attention_core import split_count
+    from pdserve.engine.ops.triton_attention import DECODE_SPLITS
+
+    def num_splits(batch, kvh, context, sms):
+        return split_count(batch * kvh, context, sms, **DECODE_SPLITS)
 
     assert num_splits(64, 8, 8192, sms=132) == 1  # 512 programs already fill 132 SMs
+    assert num_splits(17, 8, 8192, sms=132) == 1  # 136: full at one program per SM
     assert num_splits(1, 8, 8192, sms=132) == 32  # 8 programs -> 2 per SM, capped at 32
     assert num_splits(4, 8, 8192, sms=132) == 9
     assert num_splits(1, 8, 1024, sms=132) == 4  # at least 256 tokens per split

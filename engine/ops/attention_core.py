@@ -1,0 +1,282 @@
+"""The attention core the paged-decode (triton_attention.py) and paged-prefill (triton_prefill.py)
+kernels share, so that a decode row gets the same bits whichever kernel a step sends it through:
+
+    kv_tile      one tile of a sequence's keys and values through its block table (bf16/fp32,
+                 int8/fp8 with a scale per row, int4 unpacked)
+    attend       one key tile into the rows' online softmax, base 2: fp32 scores scaled by
+                 softmax_scale x log2(e) after the dot (q is never rounded with the scale in it)
+    store_partial / _combine_kernel
+                 key splits (flash-decoding): each split writes its unnormalized (acc, max, sum)
+                 per live row; one combine rescales them to the common max. Partials are laid out
+                 [program (tile or sequence) x kv head, split, row, D_PAD] for both kernels.
+    split_count  the one planner of how many splits a launch cuts each program's keys into
+    check_launch the one check of q, the caches, block tables and splits before a launch
+
+A program's rows are query tokens x the GQA group of one kv head: the decode kernel's rows are
+one token's group (ROWS = its padded group), the prefill kernel's BLOCK_M tokens x the group.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_quant import INT4_GROUP, Int4KV, QuantKV
+from .triton_int4 import int4_rows
+
+MAX_SPLITS = 32
+LOG2E = 1.4426950408889634
+_COMPUTE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, offs_n, in_seq, valid, kvh, offs_d, mask_d,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+            PAGE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr, INT4: tl.constexpr,
+            K_COLUMNS: tl.constexpr):
+    """One tile of keys `offs_n` of a sequence (its block-table row at `table_ptr`), kv head `kvh`:
+    K transposed [D_PAD, BLOCK_N] and V [BLOCK_N, D_PAD] in COMPUTE_DTYPE (zero where not `valid`)
+    and, for a quantized cache, each token's K and V scale (else K and V again, unused). INT4 (the
+    group size, 0 = off): packed rows and their group scales, dequantized here (triton_int4.py).
+    K_COLUMNS: K is loaded as columns rather than transposed after the load; the interpreter's dot
+    is numpy's matmul, whose bits for a row depend on how many rows the tile has when its right
+    operand is a transposed view, and not when it is contiguous (set with IEEE: the fp32 path)."""
+    blk = tl.load(table_ptr + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
+    tok = offs_n % PAGE
+    kv_mask = valid[:, None] & mask_d[None, :]
+    if INT4:
+        k = int4_rows(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh,
+                      ks_ptr + blk[:, None] * stride_ksb + tok[:, None] * stride_kst + kvh * stride_ksh,
+                      valid, offs_d.shape[0], INT4).to(COMPUTE_DTYPE)
+        v = int4_rows(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh,
+                      vs_ptr + blk[:, None] * stride_vsb + tok[:, None] * stride_vst + kvh * stride_vsh,
+                      valid, offs_d.shape[0], INT4).to(COMPUTE_DTYPE)
+        k = tl.trans(k)
+    elif K_COLUMNS:
+        k = tl.load(k_ptr + blk[None, :] * stride_kb + tok[None, :] * stride_kt + kvh * stride_kh
+                    + offs_d[:, None], mask=tl.trans(kv_mask), other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+    else:
+        k = tl.trans(tl.load(k_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
+                             + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE))
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+    ks = k
+    vs = v
+    if SCALED:
+        ks = tl.load(ks_ptr + blk * stride_ksb + tok * stride_kst + kvh * stride_ksh, mask=valid, other=0.0)
+        vs = tl.load(vs_ptr + blk * stride_vsb + tok * stride_vst + kvh * stride_vsh, mask=valid, other=0.0)
+    return k, v, ks, vs
+
+
+@triton.jit
+def attend(q, k, v, ks, vs, seen, acc, m_i, l_i, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr,
+           COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
+    """One tile of keys (K transposed, as kv_tile gives it) into the rows' online softmax (base 2):
+    (acc, max, sum) updated. A quantized cache's K scale multiplies a token's column of scores, its
+    V scale its row of probabilities. MASKED: scores where not `seen` drop out (else every row sees
+    every key of the tile)."""
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * qk_scale
+    if SCALED:
+        s = s * ks[None, :]
+    if MASKED:
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if SCALED:
+        p = p * vs[None, :]
+    if IEEE:
+        pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(COMPUTE_DTYPE), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
+def finish(acc, l_i):
+    """The normalized output of a program's rows (rows that saw no key stay zero)."""
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
+def store_partial(part_acc_ptr, part_ml_ptr, program, split, SPLITS, rows, live, offs_d, acc, m_i, l_i,
+                  ROWS: tl.constexpr, D_PAD: tl.constexpr):
+    """A split's unnormalized (acc, max, sum) for the live rows of `program` (tile or sequence x kv head)."""
+    at = (program * SPLITS + split) * ROWS + rows
+    tl.store(part_acc_ptr + at[:, None] * D_PAD + offs_d[None, :], acc, mask=live[:, None])
+    tl.store(part_ml_ptr + at * 2, m_i, mask=live)
+    tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=live)
+
+
+@triton.jit
+def tile_rows(tiles_ptr, seqs_ptr, tile, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A prefill tile's rows: (sequence, first token, their query rows in q, query heads within the group,
+    live?, their absolute positions, the first query's position, the context after this step)."""
+    seq = tl.load(tiles_ptr + tile * 2)
+    m0 = tl.load(tiles_ptr + tile * 2 + 1)
+    q0 = tl.load(seqs_ptr + seq * 3)  # the sequence's first query row in q
+    q_len = tl.load(seqs_ptr + seq * 3 + 1)
+    ctx = tl.load(seqs_ptr + seq * 3 + 2)  # its context after this step (cached + new)
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    tok = m0 + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    return seq, m0, q0 + tok, g, (tok < q_len) & (g < GROUP), ctx - q_len + tok, ctx - q_len + m0, ctx
+
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _combine_kernel(
+    part_acc_ptr, part_ml_ptr, o_ptr, tiles_ptr, seqs_ptr, stride_ot, stride_oh, SPLITS,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    TILED: tl.constexpr,
+):
+    # one program = one row (a query token x head) of one program of the attention launch: its
+    # splits rescaled to their common max and summed. TILED: prefill tiles (rows through the plan);
+    # else a decode launch, whose program is a sequence and whose rows are its heads of the group
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    r = tl.program_id(2)
+    if TILED:
+        seq = tl.load(tiles_ptr + tile * 2)
+        tok = tl.load(tiles_ptr + tile * 2 + 1) + r // GROUP_PAD
+        g = r % GROUP_PAD
+        live = (tok < tl.load(seqs_ptr + seq * 3 + 1)) & (g < GROUP)
+        qrow = tl.load(seqs_ptr + seq * 3) + tok
+    else:
+        g = r
+        live = r < GROUP
+        qrow = tile
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    live_s = (offs_s * 0 + live.to(tl.int32)) > 0  # through a tensor: the interpreter rejects scalar masks
+    mask_s = (offs_s < SPLITS) & live_s
+    at = ((tile * NUM_KV_HEADS + kvh) * SPLITS + offs_s) * ROWS + r
+    m = tl.load(part_ml_ptr + at * 2, mask=mask_s, other=float("-inf"))
+    lsum = tl.load(part_ml_ptr + at * 2 + 1, mask=mask_s, other=0.0)
+    acc = tl.load(part_acc_ptr + at[:, None] * D_PAD + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)  # empty splits weigh nothing
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    head = kvh * GROUP + g
+    live_d = (offs_d * 0 + live.to(tl.int32)) > 0
+    tl.store(o_ptr + qrow * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+             mask=(offs_d < HEAD_DIM) & live_d)
+
+
+class Partials(NamedTuple):
+    """A split launch's scratch: acc [programs x splits x rows, D_PAD] and (max, sum) [..., 2], fp32."""
+
+    acc: torch.Tensor
+    ml: torch.Tensor
+
+    @classmethod
+    def empty(cls, programs: int, splits: int, rows: int, d_pad: int, device) -> Partials:
+        n = programs * splits * rows
+        return cls(torch.empty(n, d_pad, dtype=torch.float32, device=device),
+                   torch.empty(n, 2, dtype=torch.float32, device=device))
+
+
+def combine(part: Partials, out: torch.Tensor, grid: tuple, splits: int, group: int, group_pad: int, rows: int,
+            num_kv_heads: int, tiles: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
+            block_m: int = 1) -> None:
+    """The second launch of a split attention: `grid` (programs, kv heads, rows per program);
+    `tiles`/`seqs`: a prefill plan's (None: a decode launch, one program per sequence)."""
+    tiled = tiles is not None
+    D = out.shape[-1]
+    _combine_kernel[grid](
+        part.acc, part.ml, out, tiles if tiled else out, seqs if tiled else out, out.stride(0), out.stride(1),
+        splits, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=D,
+        D_PAD=part.acc.shape[1], S_PAD=MAX_SPLITS, NUM_KV_HEADS=num_kv_heads, TILED=tiled,
+    )
+
+
+def split_count(programs: int, max_context: int, sms: int, per_sm: int, full_at: int | None = None) -> int:
+    """Pieces to cut each program's keys into so that a launch on `sms` SMs has about `per_sm`
+    programs per SM: 1 when the programs alone reach `full_at` per SM (default `per_sm`), and each
+    piece at least 256 keys (below that the combine costs more than it saves). Depends on shapes
+    only, so a CUDA graph captures a fixed grid."""
+    if programs >= (per_sm if full_at is None else full_at) * sms:
+        return 1
+    return max(1, min(-(-per_sm * sms // programs), max_context // 256, MAX_SPLITS))
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the dots run in: the model's on CUDA (bf16/fp16 tensor cores; fp8 caches are
+    upcast). The CPU interpreter's tl.dot mishandles bf16 operands (Triton 3.9): fp32 there."""
+    return q.dtype if q.dtype in _COMPUTE and q.is_cuda else torch.float32
+
+
+class CacheArgs(NamedTuple):
+    """A layer's caches as the kernels take them: K and V values, K and V scales (the values
+    again when there are none), the scales' 6 strides, per-row scales?, the int4 group (0: not
+    int4), and the logical [num_blocks, block_size, kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    ks: torch.Tensor
+    vs: torch.Tensor
+    sstrides: tuple
+    scaled: bool
+    int4: int
+    shape: torch.Size
+
+    def strides(self) -> tuple:
+        """The values' strides (block, token, head) of K, then of V, as the kernels take them."""
+        return (*self.k.stride()[:3], *self.v.stride()[:3])
+
+
+def cache_args(k_cache, v_cache) -> CacheArgs:
+    if isinstance(k_cache, (QuantKV, Int4KV)):
+        ks, vs = k_cache.scales, v_cache.scales
+        int4 = INT4_GROUP if isinstance(k_cache, Int4KV) else 0
+        return CacheArgs(k_cache.values, v_cache.values, ks, vs, (*ks.stride()[:3], *vs.stride()[:3]), not int4,
+                         int4, k_cache.shape)
+    return CacheArgs(k_cache, v_cache, k_cache, v_cache, (0,) * 6, False, 0, k_cache.shape)
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("cache head_dim must be contiguous (stride 1)")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k/v cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
+
+
+def check_launch(q: torch.Tensor, c: CacheArgs, block_tables: torch.Tensor, num_seqs: int, splits: int) -> None:
+    """What both attention launchers require: q [rows, heads, head_dim] fits the cache (GQA), q and
+    the block tables' rows contiguous, int32 tables one per sequence, splits in [1, MAX_SPLITS]."""
+    check_cache(c.k, c.v)
+    D = q.shape[-1]
+    kvh, dc = c.shape[2], c.shape[3]
+    if q.dim() != 3 or dc != D or q.shape[1] % kvh:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(c.shape)} "
+                         "(GQA needs num_heads % num_kv_heads == 0)")
+    if q.stride(-1) != 1:
+        raise ValueError("q must have a contiguous last dimension")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_blocks], "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")

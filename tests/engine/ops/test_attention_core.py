@@ -1,0 +1,91 @@
+"""The one attention core the decode and paged-prefill kernels share (ops/attention_core.py):
+a decode row's output does not depend on the step it runs in, whichever kernel takes it;
+one split planner; one launch check. On CUDA when present, else under Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pdserve.engine.config import AttentionTuning  # noqa: E402
+from pdserve.engine.exec.attention import AttentionMetadata, AttentionPlan, PagedAttention  # noqa: E402
+from pdserve.engine.ops.attention_core import MAX_SPLITS, split_count  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE = 16
+
+
+def step(layer, q, kc, vc, tables, seq_lens, query_lens, tuning):
+    meta = AttentionMetadata.build(torch.full((q.shape[0],), -1), tables, seq_lens, query_lens, DEV)
+    meta.plan = AttentionPlan.of(meta, tuning, kernels=True)
+    return layer(q, None, None, kc, vc, meta), meta.plan
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_row_gives_identical_output_in_an_all_decode_step_and_in_a_mixed_step(dtype, window):
+    """The decodes of a mixed step run in the paged-prefill kernel's tiles (a short chunk beside
+    them) or apart in the decode kernel (a long one); every route gives the decode rows the
+    same bits as the all-decode step: the same scores (fp32 scaling), softmax and key tiles."""
+    if DEV == "cpu" and dtype != torch.float32:
+        pytest.skip("the interpreter computes in fp32 whatever the dtype")
+    H, KVH, D = 8, 2, 64
+    decode_lens = [1, 17, 64, 65, 150, 300]  # contexts across one, two and five 64-key tiles
+    chunk_ctx, chunk_len = 120, 24  # a prefill chunk over 96 cached tokens
+    seq_lens = decode_lens + [chunk_ctx]
+    width = -(-max(seq_lens) // PAGE)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    num_blocks = len(seq_lens) * width + 1
+    tables = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * width].view(len(seq_lens), width)
+    tables = tables.to(torch.int32).to(DEV)
+    kv = torch.randn(num_blocks, 2, PAGE, KVH, D, generator=g).to(dtype).to(DEV)
+    kc, vc = kv[:, 0], kv[:, 1]
+    nd = len(decode_lens)
+    q = torch.randn(nd + chunk_len, H, D, generator=g).to(dtype).to(DEV)
+    layer = PagedAttention(H, KVH, D, D ** -0.5, window, use_triton=True)
+
+    alone, plan = step(layer, q[:nd].clone(), kc, vc, tables[:nd], decode_lens, [1] * nd, AttentionTuning())
+    assert plan.decode_only
+    for apart in (False, True):
+        mixed, plan = step(layer, q.clone(), kc, vc, tables, seq_lens, [1] * nd + [chunk_len],
+                           AttentionTuning(decodes_apart=apart))
+        assert plan.apart == (nd if apart else 0)
+        assert torch.equal(mixed[:nd], alone), (apart, (mixed[:nd].float() - alone.float()).abs().max().item())
+
+
+def test_one_split_planner_for_both_kernels():
+    """Pieces per sequence (decode) or tile (prefill) so that a launch has about `per_sm`
+    programs per SM; 1 once `full_at` programs per SM are there; at least 256 keys a piece."""
+    assert split_count(512, 8192, sms=132, per_sm=2, full_at=1) == 1  # 64 decodes x 8 kv heads fill 132 SMs
+    assert split_count(8, 8192, sms=132, per_sm=2, full_at=1) == MAX_SPLITS  # 33 wanted, capped
+    assert split_count(32, 8192, sms=132, per_sm=2, full_at=1) == 9
+    assert split_count(8, 1024, sms=132, per_sm=2, full_at=1) == 4  # at least 256 keys per split
+    assert split_count(8, 100, sms=132, per_sm=2, full_at=1) == 1
+    assert split_count(200, 8192, sms=132, per_sm=8) == 6  # prefill: 8 per SM wanted, not yet full
+    assert split_count(8 * 132, 8192, sms=132, per_sm=8) == 1
+
+
+def test_one_launch_check_names_what_is_wrong():
+    from pdserve.engine.ops.triton_attention import paged_decode_triton
+    from pdserve.engine.ops.triton_prefill import PrefillPlan, paged_prefill_triton
+
+    kv = torch.randn(4, 2, PAGE, 2, 32, device=DEV)
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=DEV)
+    lens = torch.ones(1, dtype=torch.int32, device=DEV)
+    plan = PrefillPlan.build([1], [1], 2, DEV)
+    bad = torch.randn(1, 3, 32, device=DEV)  # 3 heads over 2 kv heads
+    for call in (lambda: paged_decode_triton(bad, kv[:, 0], kv[:, 1], tables, lens, 1.0),
+                 lambda: paged_prefill_triton(bad, kv[:, 0], kv[:, 1], tables, plan, 1.0)):
+        with pytest.raises(ValueError, match="GQA"):
+            call()
+    q = torch.randn(1, 4, 32, device=DEV)
+    for call in (lambda: paged_decode_triton(q, kv[:, 0], kv[:, 1], tables.long(), lens, 1.0),
+                 lambda: paged_prefill_triton(q, kv[:, 0], kv[:, 1], tables.long(), plan, 1.0)):
+        with pytest.raises(ValueError, match="block_tables"):
+            call()
+    for call in (lambda: paged_decode_triton(q, kv[:, 0], kv[:, 1], tables, lens, 1.0, splits=MAX_SPLITS + 1),
+                 lambda: paged_prefill_triton(q, kv[:, 0], kv[:, 1], tables, plan, 1.0, splits=0)):
+        with pytest.raises(ValueError, match="splits must be in"):
+            call()
