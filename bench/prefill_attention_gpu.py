@@ -62,6 +62,32 @@ def timed(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def timed_graph(fn, reps: int = 20, calls: int = 10) -> float:
+    """The median GPU time of one call of `fn` in ms, `calls` of them captured in a CUDA graph and
+    replayed `reps` times: kernel time without the host's launch work (as the engine's decode
+    graphs run), which `timed` includes when a call is shorter than its launch."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return statistics.median(times)
+
+
 def layout(seqs: list[tuple[int, int]], gen: torch.Generator):
     """A case's paged cache with random contents and shuffled blocks: (context lengths, query
     lengths, K cache, V cache, block tables, q)."""

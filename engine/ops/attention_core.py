@@ -7,7 +7,8 @@ kernels share, so that a decode row gets the same bits whichever kernel a step s
                  softmax_scale x log2(e) after the dot (q is never rounded with the scale in it)
     store_partial / _combine_kernel
                  key splits (flash-decoding): each split writes its unnormalized (acc, max, sum)
-                 per live row; one combine rescales them to the common max. Partials are laid out
+                 per live row; one combine kernel rescales them to the common max (per row for
+                 decode launches, per tile for prefill ones). Partials are laid out
                  [program (tile or sequence) x kv head, split, row, D_PAD] for both kernels.
     split_count  the one planner of how many splits a launch cuts each program's keys into
     check_launch the one check of q, the caches, block tables and splits before a launch
@@ -136,44 +137,71 @@ def tile_rows(tiles_ptr, seqs_ptr, tile, GROUP: tl.constexpr, GROUP_PAD: tl.cons
     return seq, m0, q0 + tok, g, (tok < q_len) & (g < GROUP), ctx - q_len + tok, ctx - q_len + m0, ctx
 
 
-@triton.jit(do_not_specialize=["SPLITS"])
-def _combine_kernel(
-    part_acc_ptr, part_ml_ptr, o_ptr, tiles_ptr, seqs_ptr, stride_ot, stride_oh, SPLITS,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    TILED: tl.constexpr,
-):
-    # one program = one row (a query token x head) of one program of the attention launch: its
-    # splits rescaled to their common max and summed. TILED: prefill tiles (rows through the plan);
-    # else a decode launch, whose program is a sequence and whose rows are its heads of the group
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    r = tl.program_id(2)
+@triton.jit
+def combine_rows(tiles_ptr, seqs_ptr, tile, r, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILED: tl.constexpr):
+    """Rows `r` of an attention program as the output holds them: (query row in q, head within
+    the group, live?). TILED: a prefill tile (through the plan); else a decode program, whose
+    sequence is its query row and whose rows are the heads of its group."""
     if TILED:
         seq = tl.load(tiles_ptr + tile * 2)
         tok = tl.load(tiles_ptr + tile * 2 + 1) + r // GROUP_PAD
         g = r % GROUP_PAD
-        live = (tok < tl.load(seqs_ptr + seq * 3 + 1)) & (g < GROUP)
-        qrow = tl.load(seqs_ptr + seq * 3) + tok
+        return tl.load(seqs_ptr + seq * 3) + tok, g, (tok < tl.load(seqs_ptr + seq * 3 + 1)) & (g < GROUP)
     else:
-        g = r
-        live = r < GROUP
-        qrow = tile
-    offs_s = tl.arange(0, S_PAD)
+        return tile + r * 0, r, r < GROUP
+
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _combine_kernel(
+    part_acc_ptr, part_ml_ptr, o_ptr, tiles_ptr, seqs_ptr, stride_ot, stride_oh, SPLITS,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, S_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, TILED: tl.constexpr,
+    PER_ROW: tl.constexpr,
+):
+    # the splits of each row rescaled to their common max and summed, in one of two schedules:
+    # PER_ROW, one program per row with its splits as one [S_PAD, D_PAD] tile (decode: few rows,
+    # up to 32 splits); else one program per attention program, its ROWS rows a tile, walking the
+    # splits with a running max (prefill tiles: many rows, few splits)
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
     offs_d = tl.arange(0, D_PAD)
-    live_s = (offs_s * 0 + live.to(tl.int32)) > 0  # through a tensor: the interpreter rejects scalar masks
-    mask_s = (offs_s < SPLITS) & live_s
-    at = ((tile * NUM_KV_HEADS + kvh) * SPLITS + offs_s) * ROWS + r
-    m = tl.load(part_ml_ptr + at * 2, mask=mask_s, other=float("-inf"))
-    lsum = tl.load(part_ml_ptr + at * 2 + 1, mask=mask_s, other=0.0)
-    acc = tl.load(part_acc_ptr + at[:, None] * D_PAD + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)  # empty splits weigh nothing
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
-    head = kvh * GROUP + g
-    live_d = (offs_d * 0 + live.to(tl.int32)) > 0
-    tl.store(o_ptr + qrow * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
-             mask=(offs_d < HEAD_DIM) & live_d)
+    base = (tile * NUM_KV_HEADS + kvh) * SPLITS
+    if PER_ROW:
+        r = tl.program_id(2)
+        qrow, g, live = combine_rows(tiles_ptr, seqs_ptr, tile, r, GROUP, GROUP_PAD, TILED)
+        offs_s = tl.arange(0, S_PAD)
+        live_s = (offs_s * 0 + live.to(tl.int32)) > 0  # through a tensor: the interpreter rejects scalar masks
+        mask_s = (offs_s < SPLITS) & live_s
+        at = (base + offs_s) * ROWS + r
+        m = tl.load(part_ml_ptr + at * 2, mask=mask_s, other=float("-inf"))
+        lsum = tl.load(part_ml_ptr + at * 2 + 1, mask=mask_s, other=0.0)
+        acc = tl.load(part_acc_ptr + at[:, None] * D_PAD + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+        m_all = tl.max(m, axis=0)
+        w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)  # empty splits weigh nothing
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+        live_d = (offs_d * 0 + live.to(tl.int32)) > 0
+        tl.store(o_ptr + qrow * stride_ot + (kvh * GROUP + g) * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+                 mask=(offs_d < HEAD_DIM) & live_d)
+    else:
+        rows = tl.arange(0, ROWS)
+        qrow, g, live = combine_rows(tiles_ptr, seqs_ptr, tile, rows, GROUP, GROUP_PAD, TILED)
+        m_all = tl.full([ROWS], float("-inf"), tl.float32)
+        l_all = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D_PAD], tl.float32)
+        for sp in range(0, SPLITS):
+            at = (base + sp) * ROWS + rows
+            m = tl.load(part_ml_ptr + at * 2, mask=live, other=float("-inf"))
+            lsum = tl.load(part_ml_ptr + at * 2 + 1, mask=live, other=0.0)
+            a = tl.load(part_acc_ptr + at[:, None] * D_PAD + offs_d[None, :], mask=live[:, None], other=0.0)
+            m_new = tl.maximum(m_all, m)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far: weigh nothing, no NaN
+            w_old = tl.exp2(m_all - m_use)
+            w_new = tl.exp2(m - m_use)
+            acc = acc * w_old[:, None] + a * w_new[:, None]
+            l_all = l_all * w_old + lsum * w_new
+            m_all = m_new
+        tl.store(o_ptr + qrow[:, None] * stride_ot + (kvh * GROUP + g)[:, None] * stride_oh + offs_d[None, :],
+                 finish(acc, l_all).to(o_ptr.dtype.element_ty), mask=live[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 class Partials(NamedTuple):
@@ -189,17 +217,19 @@ class Partials(NamedTuple):
                    torch.empty(n, 2, dtype=torch.float32, device=device))
 
 
-def combine(part: Partials, out: torch.Tensor, grid: tuple, splits: int, group: int, group_pad: int, rows: int,
-            num_kv_heads: int, tiles: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
-            block_m: int = 1) -> None:
-    """The second launch of a split attention: `grid` (programs, kv heads, rows per program);
-    `tiles`/`seqs`: a prefill plan's (None: a decode launch, one program per sequence)."""
+def combine(part: Partials, out: torch.Tensor, programs: int, num_kv_heads: int, splits: int, group: int,
+            group_pad: int, rows: int, tiles: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
+            warps: int = 4) -> None:
+    """The second launch of a split attention over `programs` x `num_kv_heads` attention programs of
+    `rows` rows each. `tiles`/`seqs`: a prefill plan's, one program per tile x kv head walking the
+    splits; None: a decode launch (a program per sequence), one program per live row."""
     tiled = tiles is not None
-    D = out.shape[-1]
+    grid = (programs, num_kv_heads) if tiled else (programs, num_kv_heads, group)
     _combine_kernel[grid](
         part.acc, part.ml, out, tiles if tiled else out, seqs if tiled else out, out.stride(0), out.stride(1),
-        splits, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=D,
-        D_PAD=part.acc.shape[1], S_PAD=MAX_SPLITS, NUM_KV_HEADS=num_kv_heads, TILED=tiled,
+        splits, GROUP=group, GROUP_PAD=group_pad, ROWS=rows, HEAD_DIM=out.shape[-1], D_PAD=part.acc.shape[1],
+        S_PAD=MAX_SPLITS, NUM_KV_HEADS=num_kv_heads, TILED=tiled, PER_ROW=not tiled,
+        num_warps=warps,
     )
 
 

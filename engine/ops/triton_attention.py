@@ -239,5 +239,5 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         SCALED=c.scaled, INT4=c.int4, num_warps=4,
     )
     if splits > 1:
-        combine(part, out, (B, KVH, group), splits, group, group_pad, group_pad, KVH)
+        combine(part, out, B, KVH, splits, group, group_pad, group_pad)
     return out

@@ -202,6 +202,5 @@ def paged_prefill_triton(q: torch.Tensor, k_cache, v_cache, block_tables: torch.
         num_warps=plan.launch.warps, num_stages=plan.launch.stages,
     )
     if splits > 1:
-        combine(part, out, (tiles, KVH, rows), splits, group, group_pad, rows, KVH, plan.tiles, plan.seqs,
-                plan.block_m)
+        combine(part, out, tiles, KVH, splits, group, group_pad, rows, plan.tiles, plan.seqs, plan.launch.warps)
     return out

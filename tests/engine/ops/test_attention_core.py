@@ -28,7 +28,8 @@ def step(layer, q, kc, vc, tables, seq_lens, query_lens, tuning):
 def test_a_decode_row_gives_identical_output_in_an_all_decode_step_and_in_a_mixed_step(dtype, window):
     """The decodes of a mixed step run in the paged-prefill kernel's tiles (a short chunk beside
     them) or apart in the decode kernel (a long one); every route gives the decode rows the
-    same bits as the all-decode step: the same scores (fp32 scaling), softmax and key tiles."""
+    same bits as the all-decode step: the same scores (fp32 scaling), softmax and key tiles
+    (bf16 on CUDA, fp32 through the interpreter)."""
     if DEV == "cpu" and dtype != torch.float32:
         pytest.skip("the interpreter computes in fp32 whatever the dtype")
     H, KVH, D = 8, 2, 64
@@ -52,7 +53,11 @@ def test_a_decode_row_gives_identical_output_in_an_all_decode_step_and_in_a_mixe
         mixed, plan = step(layer, q.clone(), kc, vc, tables, seq_lens, [1] * nd + [chunk_len],
                            AttentionTuning(decodes_apart=apart))
         assert plan.apart == (nd if apart else 0)
-        assert torch.equal(mixed[:nd], alone), (apart, (mixed[:nd].float() - alone.float()).abs().max().item())
+        if DEV == "cuda" and dtype == torch.float32:
+            # fp32 on CUDA: tl.dot's IEEE path sums in an order that follows the tile's shape (1 ulp)
+            torch.testing.assert_close(mixed[:nd], alone, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(mixed[:nd], alone), (apart, (mixed[:nd].float() - alone.float()).abs().max().item())
 
 
 def test_one_split_planner_for_both_kernels():
