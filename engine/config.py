@@ -10,22 +10,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import architectures
+from .architectures import SUPPORTED_ARCHITECTURES, KVCacheSpec, MoEConfig
 from .core.kv_window import KVWindow, check_window
 from .exec.tp import check_tp
 from .ops.kv_quant import check_head_dim
 from .spec.config import SpeculativeConfig
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: serve past the model's max_position_embeddings anyway
 ALLOW_LONG = "PDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
-
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -40,7 +33,9 @@ _KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4
 
 @dataclass
 class ModelConfig:
-    """The parts of a Llama-family config.json the engine needs."""
+    """The parts of a config.json the engine needs, read through the architecture's rules
+    (engine/architectures.py): the family that builds it, its shape, its MoE layers, and the KV
+    cache it declares (`kv_cache_spec`)."""
 
     architecture: str
     vocab_size: int
@@ -62,6 +57,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     o_bias: bool = False  # the output projection carries a bias (Llama's attention_bias)
     mlp_bias: bool = False  # gate/up/down carry biases (Llama's mlp_bias)
+    family: str = "llama"  # the engine/models/<family>.py that builds it
+    qk_norm: bool = False  # an RMSNorm over each q and k head before rope (Qwen3)
+    moe: MoEConfig | None = None  # sparse expert layers (Qwen3-MoE, Mixtral)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What each layer caches per token (every layer alike)."""
+        return KVCacheSpec(self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
@@ -71,14 +74,13 @@ class ModelConfig:
         with open(cfg_path) as f:
             cfg = json.load(f)
         archs = cfg.get("architectures") or []
-        if not archs and cfg.get("model_type") in _MODEL_TYPES:
-            archs = [_MODEL_TYPES[cfg["model_type"]]]
+        if not archs and cfg.get("model_type") in architectures.MODEL_TYPES:
+            archs = [architectures.MODEL_TYPES[cfg["model_type"]]]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"model at {path!r} has architectures {archs} (model_type "
                 f"{cfg.get('model_type')!r}); supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        kind = SUPPORTED_ARCHITECTURES[arch]
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         # transformers >= 5 writes rope settings under rope_parameters
@@ -91,8 +93,8 @@ class ModelConfig:
                 raise ValueError(f"rope scaling type {rtype!r} is not supported (llama3, linear)")
             if rtype == "default":
                 scaling = None
-        biases = _biases(kind, cfg)
-        windows = _layer_windows(kind, cfg)
+        biases = architectures.biases(arch, cfg)
+        windows = architectures.layer_windows(arch, cfg)
         eos = cfg.get("eos_token_id")
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
@@ -119,36 +121,10 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             o_bias=biases[1],
             mlp_bias=biases[2],
+            family=SUPPORTED_ARCHITECTURES[arch],
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            moe=architectures.moe_config(arch, cfg),
         )
-
-
-def _biases(kind: str, cfg: dict) -> tuple[bool, bool, bool]:
-    """(q/k/v, o, mlp) biases as Hugging Face builds them: Qwen2 biases q/k/v only; Llama's
-    `attention_bias` covers q/k/v and o, `mlp_bias` gate/up/down; Mistral has none."""
-    if kind == "qwen2":
-        return True, False, False
-    if kind == "mistral":
-        return False, False, False
-    attn = bool(cfg.get("attention_bias", False))
-    return attn, attn, bool(cfg.get("mlp_bias", False))
-
-
-def _layer_windows(kind: str, cfg: dict) -> tuple[int | None, ...]:
-    """Each layer's attention window, as Hugging Face applies it. Qwen2: a window only with
-    `use_sliding_window`, and only on the layers `layer_types` marks "sliding_attention"
-    (by default those from `max_window_layers` on). Mistral: the window on every layer
-    (HF's MistralModel ignores `layer_types`). Llama: none."""
-    n = cfg["num_hidden_layers"]
-    window = cfg.get("sliding_window")
-    if kind == "mistral":
-        return (window,) * n
-    if kind != "qwen2" or not cfg.get("use_sliding_window") or window is None:
-        return (None,) * n
-    types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else
-                                       "full_attention" for i in range(n)]
-    if len(types) != n:
-        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
-    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 @dataclass(frozen=True)
@@ -293,7 +269,12 @@ class EngineConfig:
         self.model = model_path
         self.model_config = mc = ModelConfig.from_dir(model_path)
         check_tp(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, self.tensor_parallel_size)
+        if mc.moe is not None and mc.moe.intermediate_size % self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's expert "
+                             f"intermediate size {mc.moe.intermediate_size}")
         check_head_dim(self.kv_cache_dtype, mc.head_dim)
+        if mc.moe is not None and self.torch_device.type == "cuda":
+            self.enforce_eager = True  # the experts' torch path syncs with the host: no graph captures it
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:

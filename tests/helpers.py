@@ -25,7 +25,9 @@ PROMPTS = [
 
 
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "mistral": ("MistralConfig", "MistralForCausalLM")}
+              "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 
 
 def save_hf(kind: str, cfg_kwargs: dict, out_dir: str, tokenizer_dir: str, seed: int = 1234,
@@ -42,6 +44,10 @@ def save_hf(kind: str, cfg_kwargs: dict, out_dir: str, tokenizer_dir: str, seed:
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(0, bias_std)
+    with torch.no_grad():  # routers drawn wide enough that no two experts tie for a token
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+                p.normal_(0, 1.0)
     model.save_pretrained(out_dir, safe_serialization=True)
     for f in os.listdir(tokenizer_dir):
         if f.startswith("tokenizer") or f.endswith(".jinja") or f == "special_tokens_map.json":

@@ -71,13 +71,16 @@ def _load_safetensors(model: LlamaForCausalLM, path: str, params: dict) -> None:
         for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
             with safe_open(file, framework="pt") as f:
                 for hf_name in f.keys():
-                    for name, rows, dim, src in model.shard_targets(hf_name):
+                    for target, rows, dim, src in model.shard_targets(hf_name):
+                        name, _, index = target.partition("[")  # "w_down[3]": expert 3 of a fused tensor
                         if name not in params:
                             raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
-                        p = params[name]
+                        p = params[name].data
+                        if index:
+                            p = p[int(index.rstrip("]"))]
                         part = f.get_slice(hf_name)
                         t = part[:] if src is None else (part[src] if dim == 0 else part[:, src])
-                        dst = p.data if rows is None else p.data[rows]
+                        dst = p if rows is None else p[rows]
                         if dst.shape != t.shape:
                             raise ValueError(f"tensor {hf_name!r} gives {tuple(t.shape)} to {name} here, "
                                              f"expected {tuple(dst.shape)} (checkpoint shape "

@@ -1,11 +1,15 @@
-"""The Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral, Qwen2, SmolLM2).
+"""The Llama-shaped GQA decoders: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2, SmolLM2,
+Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral.
 
-They differ only in configuration: GQA ratio, biases (q/k/v: Qwen2; q/k/v/o and the
-MLP's where a Llama config says so), attention windows per layer (Mistral: every layer;
-Qwen2: the layers its `layer_types` marks sliding), tied embeddings (SmolLM2, small Qwen2). Projections are fused (qkv,
-gate_up) so that a layer runs 4 matmuls; checkpoints are loaded by slicing the
-Hugging Face tensors into the fused weights. Numerics follow HF's modeling code
-(fp32 RMSNorm statistics, rope tables built in fp32) so greedy outputs match it.
+They differ only in what their configuration declares (engine/architectures.py): GQA ratio,
+biases (q/k/v: Qwen2; q/k/v/o and the MLP's where a Llama or Qwen3 config says so), attention
+windows per layer (Mistral, Mixtral: every layer; Qwen2, Qwen3: the layers `layer_types` marks
+sliding), tied embeddings (SmolLM2, small Qwen2/Qwen3), an RMSNorm over each q and k head before
+rope (Qwen3), and which layers' MLP is a sparse block of experts (models/moe.py). Projections
+are fused (qkv, gate_up) so that a layer runs 4 matmuls; checkpoints are loaded by slicing the
+Hugging Face tensors into the fused weights, per-expert tensors into the experts' fused ones.
+Numerics follow HF's modeling code (fp32 RMSNorm statistics, rope tables built in fp32) so greedy
+outputs match it.
 
 `fused=True` runs the elementwise parts through Triton kernels (engine/ops/triton_fused.py):
 the residual travels beside the hidden states, and each RMSNorm adds it first.
@@ -18,6 +22,7 @@ o and down (their biases added once, after it), its ceil(V/N) rows of the LM hea
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +31,13 @@ from torch import nn
 from ..config import ModelConfig
 from ..exec.attention import AttentionMetadata, PagedAttention
 from ..exec.tp import TPGroup, kv_head_range, vocab_range
+from .moe import SparseMoE
+
+# a checkpoint's per-expert tensors: Qwen3-MoE's (mlp.experts.E.{gate,up,down}_proj) and Mixtral's
+# (block_sparse_moe.experts.E.{w1,w3,w2}); Mixtral's router is block_sparse_moe.gate
+_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def _fused_ops():
@@ -121,6 +133,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.rotary = rotary
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, cfg.layer_windows[layer], use_triton)
 
@@ -130,6 +146,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # new tensors: rope then takes two launches, one each
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:  # q and k are neighbours in qkv's rows: one launch rotates both
             self.rope_(q, k, positions, self.rotary.cos, self.rotary.sin)
         else:
@@ -162,7 +180,8 @@ class DecoderLayer(nn.Module):
         self.fused = fused
         self.add_rmsnorm = _fused_ops().add_rmsnorm if fused else None
         self.self_attn = Attention(cfg, rotary, use_triton, fused, layer, tp)
-        self.mlp = MLP(cfg, fused, tp)
+        sparse = cfg.moe is not None and cfg.moe.layers[layer]
+        self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, tp) if sparse else MLP(cfg, fused, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -250,6 +269,11 @@ class LlamaForCausalLM(nn.Module):
             return []
         if name == "lm_head.weight" and c.tie_word_embeddings:
             return []
+        expert = _EXPERT.match(name)
+        if expert:
+            layer, e, part = expert.groups()
+            return self.get_submodule(f"{layer}.mlp").expert_targets(f"{layer}.mlp", int(e), _EXPERT_PART[part])
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
         d, r = c.head_dim, tp.rank
         hq = c.num_heads // tp.size
         klo, khi = kv_head_range(c.num_kv_heads, tp.size, r)

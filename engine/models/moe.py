@@ -1,0 +1,52 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral; DeepSeek's routed experts build on it).
+
+A router (a linear map to one logit per expert) picks each token's top-k experts by softmax
+(engine/ops/moe_ref.route); every expert is a SiLU-gated MLP whose weights are fused across experts
+into two tensors, gate and up rows together (`w_gate_up` [E, 2 x I, hidden]) and `w_down`
+[E, hidden, I], filled from a checkpoint's per-expert tensors (`expert_targets`). The experts run
+through engine/ops/moe_ref.fused_moe_ref.
+
+With a tensor-parallel group of N each rank holds I/N of every expert's intermediate rows (its
+gate and up rows, the matching columns of down) and the whole router; the partial outputs are
+summed by one all-reduce after the combine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..architectures import MoEConfig
+from ..exec.tp import TPGroup
+from ..ops.moe_ref import fused_moe_ref, route
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup | None = None):
+        super().__init__()
+        self.tp = tp = tp or TPGroup()
+        self.moe = moe
+        inter = moe.intermediate_size // tp.size
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden_size))
+        self.w_down = nn.Parameter(torch.empty(moe.num_experts, hidden_size, inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)
+        weights, ids = route(logits, self.moe.top_k, self.moe.norm_topk_prob,
+                             x.dtype if self.moe.weights_in_model_dtype else torch.float32)
+        return self.tp.all_reduce(fused_moe_ref(x, self.w_gate_up, self.w_down, weights, ids))
+
+    def expert_targets(self, prefix: str, expert: int, part: str) -> list[tuple[str, slice | None, int, slice | None]]:
+        """Where expert `expert`'s checkpoint tensor `part` ("gate", "up" or "down") goes on this
+        rank, in the loader's form (our parameter + "[expert]", rows within it, the source dim
+        sliced, this rank's slice of it)."""
+        inter = self.w_down.shape[2]
+        r = self.tp.rank
+        mine = slice(r * inter, (r + 1) * inter)
+        if part == "gate":
+            return [(f"{prefix}.w_gate_up[{expert}]", slice(0, inter), 0, mine)]
+        if part == "up":
+            return [(f"{prefix}.w_gate_up[{expert}]", slice(inter, 2 * inter), 0, mine)]
+        return [(f"{prefix}.w_down[{expert}]", None, 1, mine)]

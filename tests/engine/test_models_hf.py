@@ -1,0 +1,71 @@
+"""Qwen3 (per-head q/k RMSNorm, explicit head_dim) and the mixture-of-experts Qwen3-MoE and
+Mixtral against Hugging Face's own classes (float32, CPU): the configuration read through
+engine/architectures.py, the per-expert checkpoint tensors loaded into fused experts, and greedy
+tokens equal to HF's generate with prefix-cache hits and prompts in small prefill chunks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import ModelConfig
+
+from helpers import hf_greedy, save_hf
+
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+MODELS = {
+    "qwen3": ("qwen3", dict(head_dim=32)),  # head_dim 32 > hidden / heads
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe_norm": ("qwen3_moe", dict(head_dim=16, num_experts=6, num_experts_per_tok=3,
+                                         moe_intermediate_size=24, decoder_sparse_step=2, norm_topk_prob=True)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+}
+PROMPTS = [[(37 * i + 11) % 500 + 3 for i in range(40)], [(37 * i + 11) % 500 + 3 for i in range(24)] + [7, 9],
+           [(13 * i + 5) % 500 + 3 for i in range(19)]]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(request):
+    return os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_dir(request, tmp_path_factory, tok_dir):
+    kind, kw = MODELS[request.param]
+    path = str(tmp_path_factory.mktemp(request.param))
+    save_hf(kind, {**BASE, **kw}, path, tok_dir, seed=3)
+    return request.param, path
+
+
+def test_the_configuration_declares_the_models_shape(model_dir):
+    name, path = model_dir
+    mc = ModelConfig.from_dir(path)
+    assert mc.qk_norm == name.startswith("qwen3")
+    assert mc.kv_cache_spec.num_heads == 2 and mc.kv_cache_spec.sharded
+    if name == "qwen3":
+        assert mc.moe is None and mc.head_dim == 32
+    elif name == "qwen3_moe":
+        assert mc.moe.layers == (True, False, True) and mc.moe.top_k == 2 and not mc.moe.norm_topk_prob
+        assert mc.moe.intermediate_size == 32 and mc.moe.weights_in_model_dtype
+    elif name == "qwen3_moe_norm":
+        assert mc.moe.layers == (False, True, False) and mc.moe.norm_topk_prob  # every second layer
+    else:
+        assert mc.moe.layers == (True,) * 3 and mc.moe.norm_topk_prob and not mc.moe.weights_in_model_dtype
+
+
+def test_greedy_tokens_equal_hf_generate_with_prefix_hits_and_chunks(model_dir):
+    name, path = model_dir
+    want = hf_greedy(path, PROMPTS, 8)
+    llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, enable_prefix_caching=True,
+              max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    again = llm.generate(PROMPTS[:2], params)  # their first blocks now come from the prefix cache
+    assert [o.outputs[0].token_ids for o in again] == want[:2]
+    assert sum(o.num_cached_tokens for o in again) >= 32
+    llm.engine.kv.check_all_free()
