@@ -72,7 +72,7 @@ class ShardActor:
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         mc = self.config.model_config
         self.connector = C10dConnector(self.name, runner.kv, host=host, default_timeout_s=self.handoff_timeout_s,
-                                       tp=self.config.tensor_parallel_size, kv_heads_total=mc.num_kv_heads,
+                                       tp=self.config.tensor_parallel_size, kv_heads_total=mc.kv_cache_spec.num_heads,
                                        kv_cache_dtype=self.config.kv_cache_dtype)
         threading.Thread(target=self._ops_loop, name=f"ops-{self.name}", daemon=True).start()
         self.ready.set()

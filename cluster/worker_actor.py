@@ -85,7 +85,7 @@ class WorkerActor:
             self.engine.kv.host.record_events = True
             self.engine.kv.host.events = [("host_stored", h) for h, _ in self.engine.kv.host.entries()]
         host = bind_host or (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
-        kv_heads = config.model_config.num_kv_heads
+        kv_heads = config.model_config.kv_cache_spec.num_heads
         local = C10dConnector(worker_id, self.engine.runner.kv, host=host, default_timeout_s=handoff_timeout_s,
                               tp=self.tp, kv_heads_total=kv_heads, kv_cache_dtype=config.kv_cache_dtype)
         # rank to rank handoffs with workers of any TP (transfer/tp.py); one route at TP 1 <-> 1

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# architecture -> the family (engine/models/<family>.py builds it)
+# architecture -> the family (engine/models/<family>.py builds it; exec/loader.MODEL_FAMILIES)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
+    "Qwen3ForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
 }
 
 # a config.json without `architectures`: its model_type

@@ -75,3 +75,25 @@ def test_plan_cli_on_the_trace(tiny_models):
     bad = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--model", tiny_models["llama"], "--gpu", "h100"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "give a workload" in bad.stderr
+
+
+def test_a_mixture_of_experts_model_is_sized_by_what_a_token_activates(tmp_path, default_model_dir):
+    """Weights: every expert's bytes (the engine's loaded model); prefill: the parameters a token
+    runs (top_k of 8 experts in each sparse layer); a decode step at batch 1 reads top_k experts."""
+    from helpers import save_hf
+
+    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+              mlp_only_layers=[1], max_position_embeddings=256)
+    save_hf("qwen3_moe", kw, str(tmp_path), default_model_dir)
+    with LLM(str(tmp_path), dtype="bfloat16", max_model_len=256) as llm:
+        weights = sum(t.numel() * t.element_size() for t in [*llm.engine.runner.model.parameters(),
+                                                              *llm.engine.runner.model.buffers()])
+    p = plan(str(tmp_path), [(100, 20)], gpu="h200", max_model_len=256, max_num_seqs=1)
+    assert p["weight_bytes_rank"] == weights
+    expert = 3 * 64 * 32 * 2  # gate, up and down of one expert, bf16
+    params = (weights - 6 * expert) / 2  # one sparse layer: 6 of its 8 experts idle for a token
+    assert p["prefill_tok_s"] == pytest.approx(0.8 * GPUS["h200"].matmul_flops / (2 * params))
+    kv_tok = p["kv_bytes_per_token_rank"]
+    floor = (weights - 6 * expert + (100 + 10) * kv_tok) / GPUS["h200"].copy_bytes_s
+    assert p["decode_step_ms"] == pytest.approx(1.25 * floor * 1e3)

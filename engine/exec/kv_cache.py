@@ -70,8 +70,12 @@ class KVLayout:
 
 
 def local_kv_heads(config: EngineConfig) -> int:
-    """KV heads one rank holds (the same count on every rank of a tensor-parallel group)."""
-    lo, hi = kv_head_range(config.model_config.num_kv_heads, config.tensor_parallel_size, 0)
+    """KV heads one rank holds (the same count on every rank of a tensor-parallel group): its share
+    of the model's declared heads, or all of them when the cache is not sharded by heads."""
+    spec = config.model_config.kv_cache_spec
+    if not spec.sharded:
+        return spec.num_heads
+    lo, hi = kv_head_range(spec.num_heads, config.tensor_parallel_size, 0)
     return hi - lo
 
 
@@ -84,11 +88,13 @@ def _value_bytes(kv_cache_dtype: str, head_dim: int) -> int:
 
 
 def kv_layout(config: EngineConfig) -> KVLayout:
+    """One rank's layout, from what the model declares it caches (ModelConfig.kv_cache_spec)."""
     mc, c = config.model_config, config.kv_cache_dtype
+    d = mc.kv_cache_spec.head_dim
     if kv_quant.is_scaled(c):
-        return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), mc.head_dim, _value_dtype(c),
-                        kv_quant.row_bytes(c, mc.head_dim) - _value_bytes(c, mc.head_dim))
-    return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), mc.head_dim,
+        return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), d, _value_dtype(c),
+                        kv_quant.row_bytes(c, d) - _value_bytes(c, d))
+    return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), d,
                     str(config.kv_dtype).removeprefix("torch."))
 
 
@@ -98,8 +104,8 @@ def activation_bytes(config: EngineConfig, graph_tokens: int = 0) -> int:
     mc, c = config.model_config, config
     elem = torch.empty((), dtype=c.torch_dtype).element_size()
     t = c.max_num_batched_tokens
-    per_token = (2 * mc.intermediate_size * 2 + mc.hidden_size * 6
-                 + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * 2)
+    ff = max(mc.intermediate_size, mc.moe.top_k * mc.moe.intermediate_size if mc.moe else 0)
+    per_token = (2 * ff * 2 + mc.hidden_size * 6 + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * 2)
     logits = c.max_num_seqs * mc.vocab_size * 4 * 3
     return int(1.2 * ((t + graph_tokens) * per_token * elem + logits)) + (256 << 20)
 
@@ -134,11 +140,12 @@ def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
 
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
     mc = config.model_config
+    d = mc.kv_cache_spec.head_dim
     shape = (num_blocks, mc.num_layers, 2, config.block_size, local_kv_heads(config))
     if kv_quant.is_scaled(config.kv_cache_dtype):  # the row's values, then its scale(s)
-        shape, dtype = (*shape, kv_quant.row_bytes(config.kv_cache_dtype, mc.head_dim)), torch.uint8
+        shape, dtype = (*shape, kv_quant.row_bytes(config.kv_cache_dtype, d)), torch.uint8
     else:
-        shape, dtype = (*shape, mc.head_dim), config.kv_dtype
+        shape, dtype = (*shape, d), config.kv_dtype
     if config.torch_device.type == "cpu":
         return zeros_on_demand(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=config.torch_device)

@@ -14,6 +14,16 @@ from ..default_model import default_model_path
 from ..models.llama import LlamaForCausalLM
 from .tp import TPGroup
 
+MODEL_FAMILIES = {"llama": LlamaForCausalLM}  # ModelConfig.family -> the class that builds it
+
+
+def build_on_meta(config: EngineConfig, tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """This rank's model of `config` on the meta device: its parameters' shapes, no memory."""
+    mc = config.model_config
+    with torch.device("meta"):
+        return MODEL_FAMILIES[mc.family](mc, config.max_model_len, config.use_triton, fused=config.fused_ops,
+                                         tp=tp or TPGroup())
+
 
 def resolve_model_path(model: str | None) -> str:
     if model is None:
@@ -30,8 +40,7 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     mc = config.model_config
     tp = tp or TPGroup()
     device, dtype = config.torch_device, config.torch_dtype
-    with torch.device("meta"):
-        model = LlamaForCausalLM(mc, config.max_model_len, config.use_triton, fused=config.fused_ops, tp=tp)
+    model = build_on_meta(config, tp)
     rope = model.rotary.cos, model.rotary.sin  # float32 host tables (to_empty below wipes buffers)
     # cast on meta (free) so that the real allocation is already in the model's dtype: a
     # float32 staging copy would need twice a bf16 model's memory (141 GB per GPU for 70B at TP 2)

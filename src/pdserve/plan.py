@@ -17,7 +17,9 @@ output lengths, or the Mooncake trace's):
 Rates: given (`prefill_tok_s`, `decode_step_ms`, e.g. from `bench/engine_gpu.py`), or
 estimated from the GPU preset's measured ceilings and this engine's measured efficiency
 on them (bench/results/engine_gpu*.md, bench/results/tp/): prefill at 80% of the bf16
-matmul ceiling, decode steps at 1.25x the HBM floor of one rank's bytes.
+matmul ceiling, decode steps at 1.25x the HBM floor of one rank's bytes. A mixture-of-experts
+model counts the parameters a token activates (top_k experts of each sparse layer) for prefill,
+and for a decode step the experts its batch is expected to touch under uniform routing.
 """
 
 from __future__ import annotations
@@ -50,15 +52,24 @@ DECODE_OVER_FLOOR = 1.25  # step time / HBM floor (Llama-3-8B: 1.25-1.28x on H10
 
 def weight_bytes(config: EngineConfig) -> int:
     """One rank's parameter and buffer bytes, from the model built on the meta device."""
+    from pdserve.engine.exec.loader import build_on_meta
     from pdserve.engine.exec.tp import TPGroup
-    from pdserve.engine.models.llama import LlamaForCausalLM
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config.model_config, config.max_model_len, False, fused=False,
-                                 tp=TPGroup(0, config.tensor_parallel_size))
+    model = build_on_meta(config, TPGroup(0, config.tensor_parallel_size))
     elem = torch.empty((), dtype=config.torch_dtype).element_size()
     params = sum(p.numel() for p in model.parameters()) * elem
     return params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def expert_bytes(config: EngineConfig) -> tuple[int, int, float]:
+    """A mixture-of-experts model's (sparse layers, experts per layer, bytes of one expert on one
+    rank: gate, up and down); (0, 0, 0) for a dense model."""
+    moe = config.model_config.moe
+    if moe is None:
+        return 0, 0, 0.0
+    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    one = 3 * config.model_config.hidden_size * moe.intermediate_size // config.tensor_parallel_size * elem
+    return sum(moe.layers), moe.num_experts, one
 
 
 def workload_lengths(prompt_len: int | None, output_len: int | None, trace: str | None,
@@ -116,11 +127,18 @@ def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu
     mean_p = sum(p for p, _ in lengths) / len(lengths)
     mean_o = sum(o for _, o in lengths) / len(lengths)
     kv_tok = layout.block_bytes // bs
-    params = weights / torch.empty((), dtype=cfg.torch_dtype).element_size()
+    # a token runs top_k experts of each sparse layer; a decode step reads the experts its batch touches
+    # (expected distinct experts under uniform routing), every other weight once
+    sparse, experts, one = expert_bytes(cfg)
+    top_k = cfg.model_config.moe.top_k if sparse else 0
+    active = weights - sparse * (experts - top_k) * one
+    params = active / torch.empty((), dtype=cfg.torch_dtype).element_size()
     if prefill_tok_s is None and spec is not None:
         prefill_tok_s = PREFILL_EFFICIENCY * spec.matmul_flops / (2 * params)
     if decode_step_ms is None and spec is not None:
-        floor = (weights + batch * (mean_p + mean_o / 2) * kv_tok) / spec.copy_bytes_s
+        touched = experts * (1 - (1 - top_k / experts) ** batch) if sparse else 0
+        step_weights = weights - sparse * (experts - touched) * one
+        floor = (step_weights + batch * (mean_p + mean_o / 2) * kv_tok) / spec.copy_bytes_s
         decode_step_ms = DECODE_OVER_FLOOR * floor * 1e3
     ratio = None
     if prefill_tok_s and decode_step_ms and batch:
