@@ -124,3 +124,31 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(tiny_models):
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # the aborted request freed its blocks
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_tp_shards_each_experts_intermediate_rows(tmp_path, default_model_dir, kind):
+    """TP=2 on gloo: each rank holds half of every expert's gate/up rows and down columns and the
+    whole router; one all-reduce after the combine gives TP=1's greedy tokens. Rank 1 loads
+    exactly its rows of expert 3."""
+    from safetensors import safe_open
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16) if kind == "qwen3_moe" \
+        else dict(num_local_experts=4, num_experts_per_tok=2)
+    save_hf(kind, dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=2, **moe),
+            str(tmp_path), default_model_dir)
+    assert _greedy(str(tmp_path), 2) == _greedy(str(tmp_path), 1)
+    cfg = EngineConfig(model=str(tmp_path), tensor_parallel_size=2).resolve(str(tmp_path))
+    model = load_model(cfg, tp=TPGroup(rank=1, size=2))
+    names = ("mlp.experts.3.gate_proj", "mlp.experts.3.up_proj", "mlp.experts.3.down_proj") \
+        if kind == "qwen3_moe" else ("block_sparse_moe.experts.3.w1", "block_sparse_moe.experts.3.w3",
+                                     "block_sparse_moe.experts.3.w2")
+    with safe_open(os.path.join(str(tmp_path), "model.safetensors"), framework="pt") as f:
+        gate, up, down = (f.get_tensor(f"model.layers.0.{n}.weight") for n in names)
+    half = gate.shape[0] // 2
+    moe_layer = model.layers[0].mlp
+    assert torch.equal(moe_layer.w_gate_up[3], torch.cat([gate[half:], up[half:]]))
+    assert torch.equal(moe_layer.w_down[3], down[:, half:])

@@ -1,0 +1,56 @@
+"""`pdserve serve --model DIR` for each new family (Qwen3, Qwen3-MoE, Mixtral): one prefill and one
+decode worker in a real Ray cluster, the KV handed off between them, answering through the
+`openai` client with Hugging Face's greedy tokens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import free_port, hf_greedy, save_hf
+
+openai = pytest.importorskip("openai")
+
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15, bos_token_id=1,
+            eos_token_id=2, pad_token_id=2)
+FAMILIES = {"qwen3": dict(head_dim=32), "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                                           moe_intermediate_size=32, norm_topk_prob=True),
+            "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_a_served_model_of_each_family_answers_through_the_handoff(tmp_path, default_model_dir, kind):
+    save_hf(kind, {**BASE, **FAMILIES[kind]}, str(tmp_path), default_model_dir)
+    prompt = [(29 * i + 7) % 40000 + 100 for i in range(40)]
+    want = hf_greedy(str(tmp_path), [prompt], 6)[0]
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", str(tmp_path), "--mode", "disagg",
+                             "--prefill", "1", "--decode", "1", "--max-model-len", "256", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own group: stopping it stops only what it started
+    try:
+        deadline = time.monotonic() + 300
+        while "pdserve: serving" not in (line := proc.stdout.readline()):
+            assert line and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                  "kv_transfer_params": {}})
+        assert r.choices[0].model_extra["token_ids"] == want
+        facts = r.model_extra["kv_transfer_params"]
+        assert facts["kv_handoff"] and facts["prefill_worker"] != facts["decode_worker"], facts
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
