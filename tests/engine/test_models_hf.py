@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig
@@ -69,3 +70,45 @@ def test_greedy_tokens_equal_hf_generate_with_prefix_hits_and_chunks(model_dir):
     assert [o.outputs[0].token_ids for o in again] == want[:2]
     assert sum(o.num_cached_tokens for o in again) >= 32
     llm.engine.kv.check_all_free()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+FEATURES = {
+    "preemption": dict(num_gpu_blocks_override=6, max_num_seqs=3),  # 3 prompts needing 3 + 3 + 2 blocks
+    "host tier": dict(num_gpu_blocks_override=4, max_num_seqs=1, kv_offloading_size=0.001),
+    "ngram speculation": dict(speculative_config=NGRAM),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_engine_features_keep_hf_tokens_on_moe_models(model_dir, feature):
+    """Preemption (recomputed prompts), the host tier (blocks evicted to host memory and loaded back
+    on a hit) and ngram speculation (drafts verified in one step) give HF's greedy tokens."""
+    name, path = model_dir
+    if name == "qwen3":
+        pytest.skip("the dense model: covered with Llama's tests")
+    want = hf_greedy(path, PROMPTS, 8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(path, dtype="float32", max_model_len=128, **FEATURES[feature]) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        stats = llm.engine.stats()
+    assert got == want and again == want
+    if feature == "preemption":
+        assert stats["num_preemptions"] > 0
+    if feature == "host tier":
+        assert stats["prefix_cache_host_hits"] > 0
+
+
+def test_int8_kv_on_a_moe_model_keeps_the_first_token(model_dir):
+    """int8 KV (a scale per token and head) on the MoE models: each prompt's first token, the one
+    the prefill computes over the quantized cache, is HF's. Later tokens may drift: a tiny random
+    model's logits are near-flat (the quality bound on a real model: tests/engine/test_engine.py)."""
+    name, path = model_dir
+    if name == "qwen3":
+        pytest.skip("the dense model: covered with Llama's tests")
+    want = hf_greedy(path, PROMPTS, 1)
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_dtype="int8") as llm:
+        assert llm.engine.runner.kv.dtype == torch.uint8
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1))]
+    assert got == want
