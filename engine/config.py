@@ -273,8 +273,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's expert "
                              f"intermediate size {mc.moe.intermediate_size}")
         check_head_dim(self.kv_cache_dtype, mc.head_dim)
-        if mc.moe is not None and self.torch_device.type == "cuda":
-            self.enforce_eager = True  # the experts' torch path syncs with the host: no graph captures it
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:

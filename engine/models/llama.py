@@ -181,7 +181,7 @@ class DecoderLayer(nn.Module):
         self.add_rmsnorm = _fused_ops().add_rmsnorm if fused else None
         self.self_attn = Attention(cfg, rotary, use_triton, fused, layer, tp)
         sparse = cfg.moe is not None and cfg.moe.layers[layer]
-        self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, tp) if sparse else MLP(cfg, fused, tp)
+        self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, tp, use_triton) if sparse else MLP(cfg, fused, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -4,7 +4,8 @@ A router (a linear map to one logit per expert) picks each token's top-k experts
 (engine/ops/moe_ref.route); every expert is a SiLU-gated MLP whose weights are fused across experts
 into two tensors, gate and up rows together (`w_gate_up` [E, 2 x I, hidden]) and `w_down`
 [E, hidden, I], filled from a checkpoint's per-expert tensors (`expert_targets`). The experts run
-through engine/ops/moe_ref.fused_moe_ref.
+through the fused Triton kernel (engine/ops/triton_moe.py: no host sync, so CUDA graphs capture
+it) when the model runs its Triton kernels, else through its torch reference (ops/moe_ref.py).
 
 With a tensor-parallel group of N each rank holds I/N of every expert's intermediate rows (its
 gate and up rows, the matching columns of down) and the whole router; the partial outputs are
@@ -23,8 +24,13 @@ from ..ops.moe_ref import fused_moe_ref, route
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup | None = None):
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup | None = None, use_triton: bool = False):
         super().__init__()
+        self.experts = fused_moe_ref
+        if use_triton:
+            from ..ops.triton_moe import fused_moe_triton  # imports Triton only when a model runs it
+
+            self.experts = fused_moe_triton
         self.tp = tp = tp or TPGroup()
         self.moe = moe
         inter = moe.intermediate_size // tp.size
@@ -36,7 +42,7 @@ class SparseMoE(nn.Module):
         logits = F.linear(x, self.gate.weight)
         weights, ids = route(logits, self.moe.top_k, self.moe.norm_topk_prob,
                              x.dtype if self.moe.weights_in_model_dtype else torch.float32)
-        return self.tp.all_reduce(fused_moe_ref(x, self.w_gate_up, self.w_down, weights, ids))
+        return self.tp.all_reduce(self.experts(x, self.w_gate_up, self.w_down, weights, ids))
 
     def expert_targets(self, prefix: str, expert: int, part: str) -> list[tuple[str, slice | None, int, slice | None]]:
         """Where expert `expert`'s checkpoint tensor `part` ("gate", "up" or "down") goes on this

@@ -112,3 +112,18 @@ def test_int8_kv_on_a_moe_model_keeps_the_first_token(model_dir):
         assert llm.engine.runner.kv.dtype == torch.uint8
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1))]
     assert got == want
+
+
+def test_the_triton_kernels_keep_hf_tokens_on_moe_models(model_dir):
+    """The model on its Triton kernels (the interpreter on CPU): paged attention, the fused
+    elementwise ops and the fused-MoE kernel in place of the experts' torch path."""
+    name, path = model_dir
+    if name == "qwen3":
+        pytest.skip("the dense model: covered with Llama's tests")
+    want = hf_greedy(path, PROMPTS[:2], 6)
+    with LLM(path, dtype="float32", max_model_len=128, attention_backend="triton", fused_ops=True) as llm:
+        sparse = [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "SparseMoE"]
+        assert sparse and all(m.experts.__name__ == "fused_moe_triton" for m in sparse)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6,
+                                                                                        ignore_eos=True))]
+    assert got == want

@@ -1,0 +1,190 @@
+"""The fused mixture-of-experts in Triton: every expert of a layer in two grouped-GEMM launches.
+
+    fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids) -> [T, hidden]
+
+Shapes and meaning as ops/moe_ref.fused_moe_ref, the oracle it is tested against. The steps:
+
+    align       the T x k (token, expert) assignments sorted by expert, each expert's run padded
+                to a multiple of BLOCK_M rows (`align`: torch ops only, no host sync, fixed sizes
+                for a given T, so a CUDA graph captures it)
+    gate/up     one launch: a program takes BLOCK_M rows of one expert and BLOCK_N of its
+                intermediate columns, gathers the rows' tokens from x, accumulates x @ gate^T and
+                x @ up^T over the hidden dim in fp32, and writes SiLU(gate) x up per assignment
+    down        one launch: the same rows times the expert's down projection, per assignment
+    combine     each token's k rows scaled by their top-k weights and summed in a fixed order
+
+Programs whose block lies past the padded rows return at once: the grid is sized for the worst
+case (every assignment on its own expert), so it depends on T only. Written for the GPU's Triton
+and for the CPU interpreter (TRITON_INTERPRET=1) that tests it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Assignments sorted by expert: `rows` [capacity] the assignment (token x k + slot) at each
+    padded row (padding: T x k), `experts` [capacity / BLOCK_M] each block's expert, `used` [1]
+    how many padded rows hold a run, `block_m` the block size."""
+
+    rows: torch.Tensor
+    experts: torch.Tensor
+    used: torch.Tensor
+    block_m: int
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The assignments of `topk_ids` [T, k] grouped by expert, each group padded to block_m rows."""
+    ids = topk_ids.flatten().to(torch.int64)
+    m = ids.numel()
+    capacity = (-(-m // block_m) + min(m, num_experts)) * block_m
+    counts = (ids[:, None] == torch.arange(num_experts, device=ids.device)[None, :]).sum(0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    first = counts.cumsum(0) - counts  # each expert's first position in the sorted order
+    rank = torch.arange(m, device=ids.device) - first[sorted_ids]
+    rows = torch.full((capacity,), m, dtype=torch.int32, device=ids.device)
+    rows[starts[sorted_ids] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=ids.device)
+    experts = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return Alignment(rows, experts, ends[-1:].to(torch.int32), block_m)
+
+
+@triton.jit
+def _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M: tl.constexpr):
+    """A block's (assignment per row, live?, expert, whether the block holds any run)."""
+    offs = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(rows_ptr + offs)
+    return rows, rows < M, tl.load(experts_ptr + block).to(tl.int64), block * BLOCK_M < tl.load(used_ptr)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
+                    stride_xt, stride_we, stride_wn, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    IEEE: tl.constexpr):
+    # w [E, 2 x inter, H]: gate rows [0, inter), up rows [inter, 2 x inter); out [M, inter]
+    block = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows, live, e, any_rows = _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M)
+    if any_rows:
+        tok = tl.where(live, rows // TOP_K, 0).to(tl.int64)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < inter
+        offs_k = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        w_e = w_ptr + e * stride_we
+        for k0 in range(0, H, BLOCK_K):
+            mask_k = k0 + offs_k < H
+            a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                        mask=live[:, None] & mask_k[None, :], other=0.0)
+            wmask = mask_k[:, None] & mask_n[None, :]
+            g = tl.load(w_e + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=wmask, other=0.0)
+            u = tl.load(w_e + (inter + offs_n)[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=wmask, other=0.0)
+            if IEEE:
+                acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, g, acc_g)
+                acc_u = tl.dot(a, u, acc_u)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) x up
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
+                 h.to(out_ptr.dtype.element_ty), mask=live[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
+                 stride_ht, stride_we, stride_wn, stride_ot,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    # w [E, H, inter]; h [M, inter] -> out [M, H], per assignment
+    block = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows, live, e, any_rows = _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M)
+    if any_rows:
+        r = tl.where(live, rows, 0).to(tl.int64)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < H
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        w_e = w_ptr + e * stride_we
+        for k0 in range(0, inter, BLOCK_K):
+            mask_k = k0 + offs_k < inter
+            a = tl.load(h_ptr + r[:, None] * stride_ht + (k0 + offs_k)[None, :],
+                        mask=live[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_e + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        tl.store(out_ptr + r[:, None] * stride_ot + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & mask_n[None, :])
+
+
+@dataclass(frozen=True)
+class MoETiles:
+    """A launch's tile settings: rows per block (assignments of one expert), output columns and
+    reduction depth per program, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+    @classmethod
+    def for_rows(cls, m: int) -> MoETiles:
+        """By the assignments a step has (T x k): small blocks when few tokens share an expert."""
+        if m <= 64:
+            return cls(16, 64, 128, 4, 4)
+        if m <= 1024:
+            return cls(32, 64, 64, 4, 4)
+        return cls(64, 128, 64, 8, 3)
+
+
+def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
+    T, H = x.shape
+    E, two_i, Hw = w_gate_up.shape
+    inter = two_i // 2
+    if Hw != H or w_down.shape != (E, H, inter) or two_i % 2:
+        raise ValueError(f"experts do not fit x {tuple(x.shape)}: w_gate_up {tuple(w_gate_up.shape)} "
+                         f"(want [E, 2 x I, {H}]), w_down {tuple(w_down.shape)} (want [E, {H}, I])")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+                         f"both be [{T}, k]")
+    if x.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
+        raise ValueError("x and the experts' weights need a contiguous last dimension")
+    k = topk_ids.shape[1]
+    m = T * k
+    if T == 0:
+        return torch.zeros_like(x)
+    tiles = tiles or MoETiles.for_rows(m)
+    al = align(topk_ids, E, tiles.block_m)
+    blocks = al.experts.shape[0]
+    ieee = x.dtype == torch.float32
+    h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
+        x, w_gate_up, h, al.rows, al.experts, al.used, m, H, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
+        num_warps=tiles.warps, num_stages=tiles.stages)
+    y = torch.empty(m, H, dtype=x.dtype, device=x.device)
+    _down_kernel[(blocks, triton.cdiv(H, tiles.block_n))](
+        h, w_down, y, al.rows, al.experts, al.used, m, H, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
+        num_warps=tiles.warps, num_stages=tiles.stages)
+    # the combine: each token's k rows scaled by their weights (in the weights' dtype, as the
+    # reference scales them) and summed in slot order
+    return (y.view(T, k, H) * topk_weights[..., None]).to(x.dtype).sum(1)

@@ -1,0 +1,59 @@
+"""The fused-MoE Triton kernel against the torch reference (ops/moe_ref.py): the alignment of
+assignments to expert blocks, and the two grouped GEMMs with the combine, on CUDA when present,
+else on CPU under Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pdserve.engine.ops.moe_ref import fused_moe_ref, route  # noqa: E402
+from pdserve.engine.ops.triton_moe import MoETiles, align, fused_moe_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_align_puts_every_assignment_once_in_a_block_of_its_expert():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3], [3, 0]], device=DEV)  # 5 tokens, top-2 of 4
+    al = align(ids, 4, block_m=4)
+    rows = al.rows.tolist()
+    m = ids.numel()
+    assert sorted(r for r in rows if r < m) == list(range(m))
+    flat = ids.flatten().tolist()
+    for b, e in enumerate(al.experts.tolist()[: int(al.used) // 4]):
+        block = [r for r in rows[4 * b: 4 * b + 4] if r < m]
+        assert block and all(flat[r] == e for r in block), (b, e, block)
+    # expert 0: 3 rows, 1: 1, 2: 1, 3: 5 -> 1 + 1 + 1 + 2 blocks of 4
+    assert int(al.used) == 20 and al.rows.shape[0] == (-(-m // 4) + 4) * 4
+    assert al.experts.tolist()[:5] == [0, 1, 2, 3, 3]
+
+
+@pytest.mark.parametrize("T,E,k,H,inter", [(1, 8, 2, 64, 32), (5, 4, 2, 32, 48), (37, 16, 4, 64, 96),
+                                           (130, 8, 2, 128, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_matches_the_reference(T, E, k, H, inter, dtype):
+    if DEV == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter computes in fp32")
+    g = torch.Generator().manual_seed(T * 100 + E)
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEV)
+    w1 = (torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5).to(dtype).to(DEV)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter ** 0.5).to(dtype).to(DEV)
+    logits = torch.randn(T, E, generator=g).to(DEV)
+    weights, ids = route(logits, k, renormalize=True, out_dtype=dtype)
+    ref = fused_moe_ref(x, w1, w2, weights, ids)
+    for tiles in (None, MoETiles(16, 32, 32, 4, 2), MoETiles(64, 64, 64, 4, 2)):
+        out = fused_moe_triton(x, w1, w2, weights, ids, tiles)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_fused_moe_refuses_shapes_that_do_not_fit():
+    x = torch.randn(3, 32, device=DEV)
+    w1, w2 = torch.randn(4, 64, 32, device=DEV), torch.randn(4, 32, 16, device=DEV)  # down's I is not 32
+    ids = torch.zeros(3, 2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="experts do not fit"):
+        fused_moe_triton(x, w1, w2, torch.ones(3, 2, device=DEV), ids)
+    with pytest.raises(ValueError, match="must both be"):
+        fused_moe_triton(x, w1, torch.randn(4, 32, 32, device=DEV), torch.ones(3, 1, device=DEV), ids)
