@@ -6,6 +6,7 @@ models may part after a near-tie; the test reports the agreement and bounds it."
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -270,3 +271,33 @@ def test_overlapped_steps_equal_steps_in_turn_with_cuda_graphs(tiny_models):
         gc.collect()
         torch.cuda.empty_cache()
     assert outs[True] == outs[False]
+
+
+def test_a_moe_model_in_cuda_graphs_equals_eager_and_its_torch_experts(tmp_path, request):
+    """Qwen3-MoE in bf16: the fused-MoE kernel inside the decode and piecewise graphs gives eager's
+    tokens, and the kernel's tokens agree with the experts' torch path (float32, eager) on most."""
+    from pdserve import LLM, SamplingParams
+
+    from helpers import save_hf
+
+    tok_dir = os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
+    save_hf("qwen3_moe", dict(vocab_size=49152, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, initializer_range=0.15,
+                              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+            str(tmp_path), tok_dir)
+    prompts = [[(31 * i + 7 * j) % 40000 + 100 for i in range(20 + 9 * j)] for j in range(13)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for name, kw in (("graphs", {}), ("eager", dict(enforce_eager=True)),
+                     ("torch", dict(enforce_eager=True, attention_backend="torch", dtype="float32"))):
+        llm = LLM(str(tmp_path), **{"dtype": "bfloat16", "gpu_memory_utilization": 0.3, **kw})
+        assert bool(llm.engine.runner.graphs) == (name == "graphs")
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        llm.engine.kv.check_all_free()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs["graphs"] == outs["eager"]
+    first = sum(a[:4] == b[:4] for a, b in zip(outs["eager"], outs["torch"]))
+    assert first >= 10, (outs["eager"], outs["torch"])
