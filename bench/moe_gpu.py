@@ -165,10 +165,12 @@ def parser() -> argparse.ArgumentParser:
 
 def report(res: dict) -> list[str]:
     lines = [f"Mixture-of-experts on {res['device']} (`python bench/moe_gpu.py`); copy "
-             f"{res['ceil']['copy_GBps']:.0f} GB/s, bf16 matmul {res['ceil']['matmul_TFLOPs']:.0f} TFLOP/s measured in the run.", "",
+             f"{res['ceil']['copy_GBps']:.0f} GB/s, bf16 matmul {res['ceil']['matmul_TFLOPs']:.0f} TFLOP/s "
+             "measured in the run.", "",
              "## The fused-MoE kernel (Qwen3-30B-A3B experts: 128 x 2048 x 768, top-8)", "",
              "| tokens | experts touched | fused, graph (ms) | fused, eager (ms) | per-expert torch (ms) | speed-up |"
-             " | weights floor (ms) | TFLOP/s | rel. error |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             " | weights floor (ms) | TFLOP/s | rel. error |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["kernel"]:
         lines.append(f"| {r['tokens']} | {r['experts_touched']} | {r['fused_graph_ms']:.3f} | {r['fused_eager_ms']:.3f}"
                      f" | {r['torch_ms']:.3f} | {r['speedup']:.1f}x | {r['weights_floor_ms']:.3f} | "
