@@ -73,6 +73,44 @@ def bench_kernel(tokens: list[int], copy_gbs: float) -> list[dict]:
     return rows
 
 
+def sweep(tokens: list[int]) -> list[dict]:
+    """Every tile setting of a grid on Qwen3-30B-A3B's experts at each token count: the fused
+    kernel's time replayed in a CUDA graph, fastest first per count."""
+    from pdserve.engine.ops.moe_ref import route
+    from pdserve.engine.ops.triton_moe import MoETiles, fused_moe_triton
+
+    c = QWEN3_30B_A3B
+    E, k, H, inter = c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1 = torch.randn(E, 2 * inter, H, device="cuda", generator=g, dtype=torch.bfloat16) / H ** 0.5
+    w2 = torch.randn(E, H, inter, device="cuda", generator=g, dtype=torch.bfloat16) / inter ** 0.5
+    out = []
+    for t in tokens:
+        x = torch.randn(t, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        weights, ids = route(torch.randn(t, E, device="cuda", generator=g), k, True, torch.bfloat16)
+        m = t * k
+        if m <= 64:
+            axes = (16,), (16, 32, 64), (64, 128, 256), (2, 4), (2, 4)
+        elif m <= 1024:
+            axes = (16, 32), (32, 64), (64, 128), (4,), (2, 4)
+        else:
+            axes = (64, 128), (64, 128), (32, 64), (4, 8), (3, 4)
+        grid = [MoETiles(bm, bn, bk, w, s) for bm in axes[0] for bn in axes[1] for bk in axes[2] for w in axes[3]
+                for s in axes[4]]
+        rows = []
+        for tiles in tqdm(grid, desc=f"sweep {t} tokens"):
+            try:
+                ms = timed_graph(lambda x=x, w=weights, i=ids, tl=tiles: fused_moe_triton(x, w1, w2, w, i, tl))
+            except Exception as e:  # a setting past the GPU's shared memory
+                print(f"{tiles}: {type(e).__name__}", flush=True)
+                continue
+            rows.append({"tokens": t, **tiles.__dict__, "ms": ms})
+        rows.sort(key=lambda r: r["ms"])
+        out += rows
+        print(f"{t} tokens: best {rows[0]} (by for_rows: {MoETiles.for_rows(t * k)})", flush=True)
+    return out
+
+
 def expert_counter(model):
     """Counts, per decode step, the distinct experts each sparse layer routes to (forward hooks)."""
     from pdserve.engine.models.moe import SparseMoE
@@ -160,6 +198,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--models", default="qwen3_moe,qwen3", help="qwen3_moe (30B-A3B shape), qwen3 (32B shape)")
+    ap.add_argument("--sweep", default="", help="token counts to sweep the kernel's tile settings at (alone)")
     return ap
 
 
@@ -209,6 +248,11 @@ def plot(res: dict, path: str) -> None:
 def main() -> None:
     args = parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.sweep:
+        rows = sweep([int(t) for t in args.sweep.split(",")])
+        with open(os.path.join(args.out, "moe_sweep.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        return
     ceil = ceilings()
     res = {"device": torch.cuda.get_device_name(), "ceil": ceil,
            "command": "python bench/moe_gpu.py " + " ".join(sys.argv[1:]),

@@ -274,8 +274,10 @@ def test_overlapped_steps_equal_steps_in_turn_with_cuda_graphs(tiny_models):
 
 
 def test_a_moe_model_in_cuda_graphs_equals_eager_and_its_torch_experts(tmp_path, request):
-    """Qwen3-MoE in bf16: the fused-MoE kernel inside the decode and piecewise graphs gives eager's
-    tokens, and the kernel's tokens agree with the experts' torch path (float32, eager) on most."""
+    """Qwen3-MoE in float32: the fused-MoE kernel inside the decode and piecewise graphs gives eager's
+    tokens, and the experts' torch path (eager) agrees on most. In bf16 a padded graph batch can
+    round a router logit differently (cuBLAS picks its kernel by the rows), and one ulp there
+    picks another expert: routing is discrete, so the comparison runs in float32."""
     from pdserve import LLM, SamplingParams
 
     from helpers import save_hf
@@ -290,8 +292,8 @@ def test_a_moe_model_in_cuda_graphs_equals_eager_and_its_torch_experts(tmp_path,
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for name, kw in (("graphs", {}), ("eager", dict(enforce_eager=True)),
-                     ("torch", dict(enforce_eager=True, attention_backend="torch", dtype="float32"))):
-        llm = LLM(str(tmp_path), **{"dtype": "bfloat16", "gpu_memory_utilization": 0.3, **kw})
+                     ("torch", dict(enforce_eager=True, attention_backend="torch"))):
+        llm = LLM(str(tmp_path), **{"dtype": "float32", "gpu_memory_utilization": 0.3, **kw})
         assert bool(llm.engine.runner.graphs) == (name == "graphs")
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         llm.engine.kv.check_all_free()
