@@ -4,14 +4,15 @@
 
 Shapes and meaning as ops/moe_ref.fused_moe_ref, the oracle it is tested against. The steps:
 
-    align       the T x k (token, expert) assignments sorted by expert, each expert's run padded
-                to a multiple of BLOCK_M rows (`align`: torch ops only, no host sync, fixed sizes
-                for a given T, so a CUDA graph captures it)
+    align       the T x k (token, expert) assignments grouped by expert, each expert's run padded
+                to a multiple of BLOCK_M rows (`align`: three small kernels, no host sync, fixed
+                sizes for a given T, so a CUDA graph captures it)
     gate/up     one launch: a program takes BLOCK_M rows of one expert and BLOCK_N of its
                 intermediate columns, gathers the rows' tokens from x, accumulates x @ gate^T and
                 x @ up^T over the hidden dim in fp32, and writes SiLU(gate) x up per assignment
     down        one launch: the same rows times the expert's down projection, per assignment
-    combine     each token's k rows scaled by their top-k weights and summed in a fixed order
+    combine     one launch: each token's k rows scaled by their top-k weights and summed in fp32,
+                in slot order
 
 Programs whose block lies past the padded rows return at once: the grid is sized for the worst
 case (every assignment on its own expert), so it depends on T only. Written for the GPU's Triton
@@ -39,24 +40,66 @@ class Alignment:
     block_m: int
 
 
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, M, BLOCK: tl.constexpr):
+    # each assignment's place among its expert's (the order within an expert is the atomics', and
+    # no row's result depends on it: each GEMM row is computed on its own)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M
+    e = tl.load(ids_ptr + offs, mask=mask, other=0)
+    rank = tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=mask)
+    tl.store(rank_ptr + offs, rank, mask=mask)
+
+
+@triton.jit
+def _blocks_kernel(counts_ptr, starts_ptr, experts_ptr, used_ptr, rows_ptr, M, CAPACITY,
+                   E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    # one program: each expert's first padded row, each block's expert, every row empty (M)
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + offs_e, ends - padded, mask=offs_e < E)
+    tl.store(used_ptr + offs_e * 0, ends, mask=offs_e == E - 1)
+    ends = tl.where(offs_e < E, ends, CAPACITY + BLOCK_M)  # padding experts end past every block
+    for b0 in range(0, CAPACITY // BLOCK_M, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        first = b * BLOCK_M
+        e = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(experts_ptr + b, tl.minimum(e, E - 1), mask=b < CAPACITY // BLOCK_M)
+    for r0 in range(0, CAPACITY, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + r, tl.full([CHUNK], 0, tl.int32) + M, mask=r < CAPACITY)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, rank_ptr, starts_ptr, rows_ptr, M, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M
+    e = tl.load(ids_ptr + offs, mask=mask, other=0)
+    at = tl.load(starts_ptr + e, mask=mask, other=0) + tl.load(rank_ptr + offs, mask=mask, other=0)
+    tl.store(rows_ptr + at, offs.to(tl.int32), mask=mask)
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """The assignments of `topk_ids` [T, k] grouped by expert, each group padded to block_m rows."""
-    ids = topk_ids.flatten().to(torch.int64)
+    """The assignments of `topk_ids` [T, k] grouped by expert, each group padded to block_m rows:
+    four launches (zeroed counters, ranks by atomics, the blocks, the rows), no host sync."""
+    ids = topk_ids.flatten().to(torch.int32)
     m = ids.numel()
     capacity = (-(-m // block_m) + min(m, num_experts)) * block_m
-    counts = (ids[:, None] == torch.arange(num_experts, device=ids.device)[None, :]).sum(0)
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    first = counts.cumsum(0) - counts  # each expert's first position in the sorted order
-    rank = torch.arange(m, device=ids.device) - first[sorted_ids]
-    rows = torch.full((capacity,), m, dtype=torch.int32, device=ids.device)
-    rows[starts[sorted_ids] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, capacity, block_m, device=ids.device)
-    experts = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return Alignment(rows, experts, ends[-1:].to(torch.int32), block_m)
+    dev = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    rank = torch.empty(m, dtype=torch.int32, device=dev)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
+    rows = torch.empty(capacity, dtype=torch.int32, device=dev)
+    experts = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
+    block = 256
+    _rank_kernel[(triton.cdiv(m, block),)](ids, counts, rank, m, BLOCK=block)
+    _blocks_kernel[(1,)](counts, starts, experts, used, rows, m, capacity, E=num_experts,
+                         E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=128)
+    _place_kernel[(triton.cdiv(m, block),)](ids, rank, starts, rows, m, BLOCK=block)
+    return Alignment(rows, experts, used, block_m)
 
 
 @triton.jit
@@ -131,6 +174,19 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, i
                  mask=live[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # a token's k rows of down outputs, each scaled by its top-k weight, summed in fp32 in slot order
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yt + offs, mask=mask, other=0.0).to(tl.float32) * w
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class MoETiles:
     """A launch's tile settings: rows per block (assignments of one expert), output columns and
@@ -145,11 +201,11 @@ class MoETiles:
     @classmethod
     def for_rows(cls, m: int) -> MoETiles:
         """By the assignments a step has (T x k): small blocks when few tokens share an expert."""
-        if m <= 64:
-            return cls(16, 64, 128, 4, 4)
+        if m <= 64:  # bench/moe_gpu.py --sweep on an H200 (bench/results/moe/moe_sweep.json)
+            return cls(16, 32, 128, 2, 4)
         if m <= 1024:
-            return cls(32, 64, 64, 4, 4)
-        return cls(64, 128, 64, 8, 3)
+            return cls(16, 64, 128, 4, 2)
+        return cls(128, 128, 64, 8, 3)
 
 
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
@@ -185,6 +241,7 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
         num_warps=tiles.warps, num_stages=tiles.stages)
-    # the combine: each token's k rows scaled by their weights (in the weights' dtype, as the
-    # reference scales them) and summed in slot order
-    return (y.view(T, k, H) * topk_weights[..., None]).to(x.dtype).sum(1)
+    out = torch.empty_like(x)
+    _combine_kernel[(T, triton.cdiv(H, 1024))](y, topk_weights.contiguous(), out, H, y.stride(0), out.stride(0),
+                                               TOP_K=k, BLOCK_H=1024)
+    return out
