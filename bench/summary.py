@@ -366,6 +366,37 @@ def attention_core() -> dict:
                     f"batch 1-128 x context 1K-32K {worst['ratio']:.2f}x at {worst['batch']} x {worst['context']}"}}
 
 
+def moe() -> dict:
+    """Qwen3-30B-A3B's and Qwen3-32B's shapes on the engine, and the fused-MoE kernel
+    (bench/moe_gpu.py); goals from the issue that added them."""
+    res = load("moe", "moe_gpu.json")
+    cmd, dev = res["command"].split(" --out")[0], res["device"]
+    models = {m["config"]: m for m in res["models"]}
+    moe_m, dense = models["Qwen3MoeForCausalLM"], models["Qwen3ForCausalLM"]
+    out = {}
+    for name, m, tag in (("moe", moe_m, "Qwen3-30B-A3B"), ("qwen3_32b", dense, "Qwen3-32B")):
+        dec = {r["batch"]: r for r in m["decode"]}
+        for b, goal in ((1, 1.5 if name == "moe" else None), (64, 1.3 if name == "moe" else None)):
+            r = dec[b]
+            out[f"{name}_decode_floor_ratio_b{b}"] = {
+                "value": round(r["ratio_to_floor"], 2), **({"goal": goal} if goal else {}), "command": cmd,
+                "device": dev, "workload": f"{tag} shape, random bf16, batch {b} at context {r['context']}: step "
+                f"{r['step_ms']:.2f} ms over the HBM floor {r['floor_ms']:.2f} ms of the bytes it reads"
+                + (f" ({r['experts_read']} experts over 48 layers)" if name == "moe" else "")}
+        p = m["prefill"][0]
+        out[f"{name}_prefill_mfu"] = {
+            "value": round(p["frac_of_matmul"], 3), **({"goal": 0.6} if name == "moe" else {}), "command": cmd,
+            "device": dev, "workload": f"{tag} shape, a {p['tokens']}-token prompt, {p['TFLOPs']:.0f} TFLOP/s on the "
+            f"activated FLOPs, of the measured bf16 matmul ceiling ({res['ceil']['matmul_TFLOPs']:.0f} TFLOP/s)"}
+    k = {r["tokens"]: r for r in res["kernel"]}
+    out["moe_kernel_speedup_over_torch_64"] = {
+        "value": round(k[64]["speedup"], 1), "command": cmd, "device": dev,
+        "workload": "Qwen3-30B-A3B's experts (128 x 2048 x 768, top-8), 64 tokens: the fused kernel in a CUDA graph "
+                    f"{k[64]['fused_graph_ms']:.3f} ms against per-expert torch {k[64]['torch_ms']:.2f} ms; 1-4096 "
+                    f"tokens: {min(r['speedup'] for r in k.values()):.0f}-{max(r['speedup'] for r in k.values()):.0f}x"}
+    return out
+
+
 def kv_window() -> dict:
     """Sink + window eviction against full attention (bench/kv_window_quality.py, CPU)."""
     res = load("kv_window", "kv_window_quality.json")
@@ -438,6 +469,7 @@ def main() -> None:
     summary.update(kv_int4())
     summary.update(kv_window())
     summary.update(attention_core())
+    summary.update(moe())
     path = os.path.join(RES, "summary.json")
     with open(path) as f:
         previous = json.load(f)
