@@ -20,17 +20,17 @@ from torch import nn
 
 from ..architectures import MoEConfig
 from ..exec.tp import TPGroup
-from ..ops.moe_ref import fused_moe_ref, route
+from ..ops.moe_ref import moe_ref
 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup | None = None, use_triton: bool = False):
         super().__init__()
-        self.experts = fused_moe_ref
+        self.experts = moe_ref
         if use_triton:
-            from ..ops.triton_moe import fused_moe_triton  # imports Triton only when a model runs it
+            from ..ops.triton_moe import moe_triton  # imports Triton only when a model runs it
 
-            self.experts = fused_moe_triton
+            self.experts = moe_triton
         self.tp = tp = tp or TPGroup()
         self.moe = moe
         inter = moe.intermediate_size // tp.size
@@ -40,9 +40,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)
-        weights, ids = route(logits, self.moe.top_k, self.moe.norm_topk_prob,
-                             x.dtype if self.moe.weights_in_model_dtype else torch.float32)
-        return self.tp.all_reduce(self.experts(x, self.w_gate_up, self.w_down, weights, ids))
+        out = self.experts(x, logits, self.w_gate_up, self.w_down, self.moe.top_k, self.moe.norm_topk_prob,
+                           x.dtype if self.moe.weights_in_model_dtype else torch.float32)
+        return self.tp.all_reduce(out)
 
     def expert_targets(self, prefix: str, expert: int, part: str) -> list[tuple[str, slice | None, int, slice | None]]:
         """Where expert `expert`'s checkpoint tensor `part` ("gate", "up" or "down") goes on this

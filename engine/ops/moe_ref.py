@@ -37,3 +37,10 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         y = F.linear(F.silu(gate) * up, w_down[e]) * topk_weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
+
+
+def moe_ref(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+            renormalize: bool, weights_dtype: torch.dtype) -> torch.Tensor:
+    """A sparse layer's experts from its router logits [T, E]: `route`, then `fused_moe_ref`."""
+    weights, ids = route(logits, top_k, renormalize, weights_dtype)
+    return fused_moe_ref(x, w_gate_up, w_down, weights, ids)

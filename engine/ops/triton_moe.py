@@ -1,6 +1,8 @@
 """The fused mixture-of-experts in Triton: every expert of a layer in two grouped-GEMM launches.
 
     fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids) -> [T, hidden]
+    moe_triton(x, logits, w_gate_up, w_down, top_k, renormalize, weights_dtype)
+                the same from the router's logits, routed in one launch (route_triton)
 
 Shapes and meaning as ops/moe_ref.fused_moe_ref, the oracle it is tested against. The steps:
 
@@ -81,21 +83,64 @@ def _place_kernel(ids_ptr, rank_ptr, starts_ptr, rows_ptr, M, BLOCK: tl.constexp
     tl.store(rows_ptr + at, offs.to(tl.int32), mask=mask)
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, E, stride_l,
+                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr):
+    # one program per token: softmax over the experts' logits in fp32, the top-k by repeated argmax
+    # (highest first), their weights (renormalized), and each assignment's rank among its expert's
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    total = 1.0
+    if RENORM:
+        q = p
+        total = 0.0
+        for _ in tl.static_range(TOP_K):
+            total += tl.max(q, 0)
+            q = tl.where(offs == tl.argmax(q, 0), -1.0, q)
+    for j in tl.static_range(TOP_K):
+        i = tl.argmax(p, 0)
+        tl.store(w_ptr + t * TOP_K + j, (tl.max(p, 0) / total).to(w_ptr.dtype.element_ty))
+        tl.store(ids_ptr + t * TOP_K + j, i.to(tl.int32))
+        tl.store(rank_ptr + t * TOP_K + j, tl.atomic_add(counts_ptr + i, 1))
+        p = tl.where(offs == i, -1.0, p)
+
+
+def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype):
+    """ops/moe_ref.route in one launch, which also ranks each assignment among its expert's:
+    (weights [T, k] in out_dtype, ids [T, k] int32, the Alignment's counts and ranks)."""
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    rank = torch.empty(T * top_k, dtype=torch.int32, device=logits.device)
+    counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits, weights, ids, rank, counts, E, logits.stride(0), TOP_K=top_k,
+                            E_PAD=triton.next_power_of_2(E), RENORM=renormalize)
+    return weights, ids, (counts, rank)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple | None = None) -> Alignment:
     """The assignments of `topk_ids` [T, k] grouped by expert, each group padded to block_m rows:
-    four launches (zeroed counters, ranks by atomics, the blocks, the rows), no host sync."""
+    ranks by atomics (`ranked`: the (counts, ranks) route_triton already made), the blocks, the
+    rows; a few launches, no host sync."""
     ids = topk_ids.flatten().to(torch.int32)
     m = ids.numel()
     capacity = (-(-m // block_m) + min(m, num_experts)) * block_m
     dev = ids.device
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    rank = torch.empty(m, dtype=torch.int32, device=dev)
+    block = 256
+    if ranked is None:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+        rank = torch.empty(m, dtype=torch.int32, device=dev)
+        _rank_kernel[(triton.cdiv(m, block),)](ids, counts, rank, m, BLOCK=block)
+    else:
+        counts, rank = ranked
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     used = torch.empty(1, dtype=torch.int32, device=dev)
     rows = torch.empty(capacity, dtype=torch.int32, device=dev)
     experts = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
-    block = 256
-    _rank_kernel[(triton.cdiv(m, block),)](ids, counts, rank, m, BLOCK=block)
     _blocks_kernel[(1,)](counts, starts, experts, used, rows, m, capacity, E=num_experts,
                          E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=128)
     _place_kernel[(triton.cdiv(m, block),)](ids, rank, starts, rows, m, BLOCK=block)
@@ -209,7 +254,8 @@ class MoETiles:
 
 
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, tiles: MoETiles | None = None,
+                     ranked: tuple | None = None) -> torch.Tensor:
     T, H = x.shape
     E, two_i, Hw = w_gate_up.shape
     inter = two_i // 2
@@ -226,7 +272,7 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     if T == 0:
         return torch.zeros_like(x)
     tiles = tiles or MoETiles.for_rows(m)
-    al = align(topk_ids, E, tiles.block_m)
+    al = align(topk_ids, E, tiles.block_m, ranked)
     blocks = al.experts.shape[0]
     ieee = x.dtype == torch.float32
     h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
@@ -245,3 +291,11 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     _combine_kernel[(T, triton.cdiv(H, 1024))](y, topk_weights.contiguous(), out, H, y.stride(0), out.stride(0),
                                                TOP_K=k, BLOCK_H=1024)
     return out
+
+
+def moe_triton(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+               renormalize: bool, weights_dtype: torch.dtype) -> torch.Tensor:
+    """A sparse layer's experts from its router logits [T, E]: routing and ranking in one launch,
+    then the fused experts (ops/moe_ref.moe_ref is the same in torch)."""
+    weights, ids, ranked = route_triton(logits, top_k, renormalize, weights_dtype)
+    return fused_moe_triton(x, w_gate_up, w_down, weights, ids, ranked=ranked)

@@ -57,3 +57,27 @@ def test_fused_moe_refuses_shapes_that_do_not_fit():
         fused_moe_triton(x, w1, w2, torch.ones(3, 2, device=DEV), ids)
     with pytest.raises(ValueError, match="must both be"):
         fused_moe_triton(x, w1, torch.randn(4, 32, 32, device=DEV), torch.ones(3, 1, device=DEV), ids)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_routing_in_one_launch_matches_the_reference_and_ranks_each_expert(renormalize):
+    """route_triton: the reference's experts and weights (highest first), and ranks that number
+    each expert's assignments 0..count-1; moe_triton from logits equals the reference path."""
+    from pdserve.engine.ops.moe_ref import moe_ref
+    from pdserve.engine.ops.triton_moe import moe_triton, route_triton
+
+    g = torch.Generator().manual_seed(5)
+    T, E, k, H, inter = 23, 12, 3, 32, 16
+    logits = torch.randn(T, E, generator=g).to(DEV)
+    weights, ids, (counts, rank) = route_triton(logits, k, renormalize, torch.float32)
+    ref_w, ref_ids = route(logits, k, renormalize, torch.float32)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+    assert counts.tolist() == torch.bincount(ref_ids.flatten(), minlength=E).tolist()
+    for e in range(E):
+        assert sorted(rank[ids.flatten() == e].tolist()) == list(range(int(counts[e])))
+    x = torch.randn(T, H, generator=g).to(DEV)
+    w1 = torch.randn(E, 2 * inter, H, generator=g).to(DEV) / H ** 0.5
+    w2 = torch.randn(E, H, inter, generator=g).to(DEV) / inter ** 0.5
+    torch.testing.assert_close(moe_triton(x, logits, w1, w2, k, renormalize, torch.float32),
+                               moe_ref(x, logits, w1, w2, k, renormalize, torch.float32), rtol=1e-5, atol=1e-5)
