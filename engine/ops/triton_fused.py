@@ -10,6 +10,8 @@ make it ~10 per layer:
     rope_(q, k, positions, cos, sin)       rotary embedding in place (rotate-half form), q's and
                                            k's heads in one launch when they are neighbours
     silu_mul(gate_up)                      SiLU(gate) * up over the fused projection
+    head_rmsnorm_(q, k, wq, wk, eps)       RMSNorm over each q and each k head in place (Qwen3),
+                                           both in one launch, on the views of qkv
 
 Each reproduces the torch path's rounding (fp32 statistics, a round to the model dtype
 wherever torch rounds), so greedy outputs stay those of the reference. Like the
@@ -40,6 +42,40 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, strid
     xn = (xf * tl.rsqrt(var + eps)).to(dt)  # torch.rsqrt, as the torch path
     w = tl.load(w_ptr + cols, mask=m, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * xn.to(tl.float32)).to(dt), mask=m)
+
+
+@triton.jit
+def _head_rmsnorm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, stride_qt, stride_qh, stride_kt, stride_kh, H, D, eps,
+                         BLOCK: tl.constexpr):
+    # one program = one head row of one token: q's heads first, then k's
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    if h < H:
+        ptr = q_ptr + t * stride_qt + h * stride_qh + cols
+        w = tl.load(wq_ptr + cols, mask=m, other=0.0)
+    else:
+        ptr = k_ptr + t * stride_kt + (h - H) * stride_kh + cols
+        w = tl.load(wk_ptr + cols, mask=m, other=0.0)
+    x = tl.load(ptr, mask=m, other=0.0)
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    xn = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)).to(dt)
+    tl.store(ptr, (w.to(tl.float32) * xn.to(tl.float32)).to(dt), mask=m)
+
+
+def head_rmsnorm_(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float) -> None:
+    """q [T, H, D] and k [T, KVH, D] (views with unit last stride): each head row replaced by its
+    RMSNorm with wq / wk [D], as torch's RMSNorm rounds it."""
+    T, H, D = q.shape
+    if k.shape[0] != T or k.shape[2] != D or q.stride(2) != 1 or k.stride(2) != 1 or wq.shape != (D,) \
+            or wk.shape != (D,):
+        raise ValueError(f"head_rmsnorm_ wants q [T, H, D], k [T, KVH, D] with unit last stride and weights [D]; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, {tuple(wq.shape)}, {tuple(wk.shape)}")
+    if T:
+        _head_rmsnorm_kernel[(T, H + k.shape[1])](q, k, wq, wk, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                                 H, D, eps, BLOCK=triton.next_power_of_2(D))
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

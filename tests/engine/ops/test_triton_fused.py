@@ -106,3 +106,27 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="does not fit"):
         rope_(torch.randn(3, 2, 8, device=DEV), torch.randn(3, 1, 6, device=DEV), torch.arange(3, device=DEV),
               cos, cos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_rmsnorm_in_place_on_qkv_views_matches_rmsnorm_per_head(dtype):
+    """Qwen3's q/k norm: every q and k head row of the qkv projection's views normalized in place,
+    one launch, as RMSNorm(head_dim) rounds it; v untouched."""
+    from pdserve.engine.ops.triton_fused import head_rmsnorm_
+
+    g = torch.Generator().manual_seed(1)
+    T, H, KVH, D = 7, 4, 2, 32
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype).to(DEV)
+    before = qkv.clone()
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    q, k = q.view(T, H, D), k.view(T, KVH, D)
+    nq, nk = RMSNorm(D, 1e-6).to(DEV), RMSNorm(D, 1e-6).to(DEV)
+    with torch.no_grad():
+        nq.weight.copy_(torch.randn(D, generator=g))
+        nk.weight.copy_(torch.randn(D, generator=g))
+        nq, nk = nq.to(dtype), nk.to(dtype)
+        want_q, want_k = nq(q.clone()), nk(k.clone())
+        head_rmsnorm_(q, k, nq.weight, nk.weight, 1e-6)
+    close(q, want_q, dtype)
+    close(k, want_k, dtype)
+    assert torch.equal(v, before[:, (H + KVH) * D:])
