@@ -54,9 +54,11 @@ def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, M, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _blocks_kernel(counts_ptr, starts_ptr, experts_ptr, used_ptr, rows_ptr, M, CAPACITY,
-                   E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    # one program: each expert's first padded row, each block's expert, every row empty (M)
+def _blocks_kernel(counts_ptr, starts_ptr, experts_ptr, used_ptr, rows_ptr, ids_ptr, rank_ptr, M, CAPACITY,
+                   E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                   PLACE: tl.constexpr):
+    # one program: each expert's first padded row, each block's expert, every row empty (M), and
+    # with PLACE (a small step) each assignment in its row too, saving _place_kernel's launch
     offs_e = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -72,6 +74,14 @@ def _blocks_kernel(counts_ptr, starts_ptr, experts_ptr, used_ptr, rows_ptr, M, C
     for r0 in range(0, CAPACITY, CHUNK):
         r = r0 + tl.arange(0, CHUNK)
         tl.store(rows_ptr + r, tl.full([CHUNK], 0, tl.int32) + M, mask=r < CAPACITY)
+    if PLACE:
+        tl.debug_barrier()  # the starts and the empty rows, written by every thread, before any row is placed
+        for a0 in range(0, M, CHUNK):
+            a = a0 + tl.arange(0, CHUNK)
+            mask = a < M
+            e = tl.load(ids_ptr + a, mask=mask, other=0)
+            at = tl.load(starts_ptr + e, mask=mask, other=0) + tl.load(rank_ptr + a, mask=mask, other=0)
+            tl.store(rows_ptr + at, a.to(tl.int32), mask=mask)
 
 
 @triton.jit
@@ -141,9 +151,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple 
     used = torch.empty(1, dtype=torch.int32, device=dev)
     rows = torch.empty(capacity, dtype=torch.int32, device=dev)
     experts = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
-    _blocks_kernel[(1,)](counts, starts, experts, used, rows, m, capacity, E=num_experts,
-                         E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=128)
-    _place_kernel[(triton.cdiv(m, block),)](ids, rank, starts, rows, m, BLOCK=block)
+    place = m <= 1024  # a decode step's few assignments: placed by the one program, one launch fewer
+    _blocks_kernel[(1,)](counts, starts, experts, used, rows, ids, rank, m, capacity, E=num_experts,
+                         E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=128, PLACE=place)
+    if not place:
+        _place_kernel[(triton.cdiv(m, block),)](ids, rank, starts, rows, m, BLOCK=block)
     return Alignment(rows, experts, used, block_m)
 
 
