@@ -44,15 +44,22 @@ QWEN3_32B = {
 }
 
 
-def bench_kernel(tokens: list[int], copy_gbs: float) -> list[dict]:
-    from pdserve.engine.ops.moe_ref import fused_moe_ref, route
-    from pdserve.engine.ops.triton_moe import fused_moe_triton
-
+def experts():
+    """Qwen3-30B-A3B's experts with random bf16 weights: (E, top_k, hidden, intermediate, the
+    generator the inputs are drawn from, w_gate_up, w_down)."""
     c = QWEN3_30B_A3B
     E, k, H, inter = c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
     g = torch.Generator(device="cuda").manual_seed(0)
     w1 = torch.randn(E, 2 * inter, H, device="cuda", generator=g, dtype=torch.bfloat16) / H ** 0.5
     w2 = torch.randn(E, H, inter, device="cuda", generator=g, dtype=torch.bfloat16) / inter ** 0.5
+    return E, k, H, inter, g, w1, w2
+
+
+def bench_kernel(tokens: list[int], copy_gbs: float) -> list[dict]:
+    from pdserve.engine.ops.moe_ref import fused_moe_ref, route
+    from pdserve.engine.ops.triton_moe import fused_moe_triton
+
+    E, k, H, inter, g, w1, w2 = experts()
     rows = []
     for t in tqdm(tokens, desc="fused MoE kernel"):
         x = torch.randn(t, H, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -79,11 +86,7 @@ def sweep(tokens: list[int]) -> list[dict]:
     from pdserve.engine.ops.moe_ref import route
     from pdserve.engine.ops.triton_moe import MoETiles, fused_moe_triton
 
-    c = QWEN3_30B_A3B
-    E, k, H, inter = c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w1 = torch.randn(E, 2 * inter, H, device="cuda", generator=g, dtype=torch.bfloat16) / H ** 0.5
-    w2 = torch.randn(E, H, inter, device="cuda", generator=g, dtype=torch.bfloat16) / inter ** 0.5
+    E, k, H, inter, g, w1, w2 = experts()
     out = []
     for t in tokens:
         x = torch.randn(t, H, device="cuda", generator=g, dtype=torch.bfloat16)
