@@ -44,7 +44,7 @@ QWEN3_32B = {
 }
 
 
-def experts():
+def qwen3_moe_experts():
     """Qwen3-30B-A3B's experts with random bf16 weights: (E, top_k, hidden, intermediate, the
     generator the inputs are drawn from, w_gate_up, w_down)."""
     c = QWEN3_30B_A3B
@@ -59,7 +59,7 @@ def bench_kernel(tokens: list[int], copy_gbs: float) -> list[dict]:
     from pdserve.engine.ops.moe_ref import fused_moe_ref, route
     from pdserve.engine.ops.triton_moe import fused_moe_triton
 
-    E, k, H, inter, g, w1, w2 = experts()
+    E, k, H, inter, g, w1, w2 = qwen3_moe_experts()
     rows = []
     for t in tqdm(tokens, desc="fused MoE kernel"):
         x = torch.randn(t, H, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -86,7 +86,7 @@ def sweep(tokens: list[int]) -> list[dict]:
     from pdserve.engine.ops.moe_ref import route
     from pdserve.engine.ops.triton_moe import MoETiles, fused_moe_triton
 
-    E, k, H, inter, g, w1, w2 = experts()
+    E, k, H, inter, g, w1, w2 = qwen3_moe_experts()
     out = []
     for t in tokens:
         x = torch.randn(t, H, device="cuda", generator=g, dtype=torch.bfloat16)
