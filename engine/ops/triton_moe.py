@@ -168,6 +168,14 @@ def _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b, exact fp32 products under IEEE (the fp32 path), tensor cores otherwise."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
                     stride_xt, stride_we, stride_wn, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -191,12 +199,8 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H
             wmask = mask_k[:, None] & mask_n[None, :]
             g = tl.load(w_e + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=wmask, other=0.0)
             u = tl.load(w_e + (inter + offs_n)[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=wmask, other=0.0)
-            if IEEE:
-                acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, g, acc_g)
-                acc_u = tl.dot(a, u, acc_u)
+            acc_g = _dot(a, g, acc_g, IEEE)
+            acc_u = _dot(a, u, acc_u, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) x up
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
                  h.to(out_ptr.dtype.element_ty), mask=live[:, None] & mask_n[None, :])
@@ -223,10 +227,7 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, i
                         mask=live[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_e + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
+            acc = _dot(a, w, acc, IEEE)
         tl.store(out_ptr + r[:, None] * stride_ot + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & mask_n[None, :])
 
