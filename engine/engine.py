@@ -170,7 +170,11 @@ class LLMEngine:
         return self._output(req, delta, [req.output_token_ids[-1]])
 
     def close(self) -> None:
-        """Persists the host tier (kv_persist_dir) and stops a tensor-parallel engine's shards."""
+        """Persists the host tier (kv_persist_dir) and stops a tensor-parallel engine's shards;
+        once: a later call (the LLM's finalizer after its `with` block) does nothing."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         if self.config.kv_persist_dir and self.kv.host is not None:
             try:
                 self.persist_host_tier()

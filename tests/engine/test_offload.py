@@ -144,6 +144,19 @@ def test_persisted_tier_serves_a_known_prefix_after_restart(tiny_models, referen
         assert out.num_cached_tokens == 64 and llm.engine.stats()["prefix_cache_host_hits"] == 64
 
 
+def test_an_engine_persists_once_when_closed_twice(tiny_models, tmp_path):
+    """`with LLM(...)` closes the engine and the LLM's finalizer closes it again later (after a
+    newer engine may have written the directory): only the first close writes the file."""
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
+    with LLM(tiny_models["llama"], **kw) as llm:
+        churn(llm, PROMPTS[:1])
+    path = tmp_path / "kv_host_tier.pt"
+    assert path.exists()
+    path.unlink()
+    llm.close()
+    assert not path.exists()
+
+
 def test_blocks_freed_after_the_last_step_are_copied_before_the_tier_is_saved(tiny_models, reference, tmp_path):
     """The prompt's blocks are freed by its last step; their offloads are only queued when
     the engine closes. Saving must copy them first, else the file holds their hashes over
