@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_gpu import ceilings, timed  # noqa: E402
+from engine_gpu import ceilings, profile_lines, profile_step, timed  # noqa: E402
 from prefill_attention_gpu import timed_graph  # noqa: E402
 
 QWEN3_30B_A3B = {
@@ -128,7 +128,7 @@ def expert_counter(model):
     return seen, handles
 
 
-def bench_model(cfg: dict, batches: list[int], ctx: int, prefill: int, ceil: dict) -> dict:
+def bench_model(cfg: dict, batches: list[int], ctx: int, prefill: int, ceil: dict, profile: bool = False) -> dict:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.core.request import Request
     from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -180,6 +180,8 @@ def bench_model(cfg: dict, batches: list[int], ctx: int, prefill: int, ceil: dic
         out["decode"].append({"batch": B, "context": ctx, "step_ms": t * 1e3, "floor_ms": floor * 1e3,
                               "ratio_to_floor": t / floor, "tokens_per_s": B / t, "experts_read": touched,
                               "bytes_read_GB": read / 1e9})
+        if profile:  # where the step's time goes: kernels by kind against the wall time
+            out["decode"][-1]["profile"] = profile_step(lambda s=sched: runner.execute(SchedulerOutput(s)), 10)
     toks = torch.randint(0, cfg["vocab_size"], (prefill,)).tolist()
     s = [ScheduledRequest(Request("p", toks, greedy, max_tokens=16), prefill, list(range(-(-prefill // bs))))]
     t = timed(lambda: runner.execute(SchedulerOutput(s)), 5, warmup=2)
@@ -189,6 +191,8 @@ def bench_model(cfg: dict, batches: list[int], ctx: int, prefill: int, ceil: dic
     flops = 2 * prefill * (active - cfg["vocab_size"] * h) + 2 * h * cfg["vocab_size"] + attn
     out["prefill"].append({"tokens": prefill, "ms": t * 1e3, "TFLOPs": flops / t / 1e12,
                            "frac_of_matmul": flops / t / 1e12 / ceil["matmul_TFLOPs"]})
+    if profile:
+        out["prefill"][-1]["profile"] = profile_step(lambda: runner.execute(SchedulerOutput(s)), 3)
     return out  # the runner, its weights and KV are freed with this frame
 
 
@@ -202,6 +206,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--models", default="qwen3_moe,qwen3", help="qwen3_moe (30B-A3B shape), qwen3 (32B shape)")
     ap.add_argument("--sweep", default="", help="token counts to sweep the kernel's tile settings at (alone)")
+    ap.add_argument("--profile", action="store_true", help="add each step's kernel time by kind (torch profiler)")
     return ap
 
 
@@ -226,6 +231,10 @@ def report(res: dict) -> list[str]:
         lines += ["", "| prefill tokens | ms | TFLOP/s (activated) | of matmul ceiling |", "| --- | --- | --- | --- |"]
         lines += [f"| {r['tokens']} | {r['ms']:.1f} | {r['TFLOPs']:.0f} | {r['frac_of_matmul']:.0%} |"
                   for r in m["prefill"]]
+        for r in m["decode"] + m["prefill"]:
+            if "profile" in r:
+                what = f"decode batch {r['batch']}" if "batch" in r else f"prefill {r['tokens']} tokens"
+                lines += profile_lines(f"{m['config']}, {what}", r["profile"], "runner.execute, 10 steps")
     return lines
 
 
@@ -264,7 +273,7 @@ def main() -> None:
     for name in args.models.split(","):
         if name:
             res["models"].append(bench_model(shapes[name], [int(b) for b in args.batches.split(",")], args.ctx,
-                                             args.prefill, ceil))
+                                             args.prefill, ceil, args.profile))
             gc.collect()
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "moe_gpu.json"), "w") as f:

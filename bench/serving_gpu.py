@@ -6,9 +6,9 @@ an OpenAI endpoint, all measured by `pdserve bench`.
     python bench/serving_gpu.py --tokenizer DIR --systems disagg,hybrid,colocated,hf \\
         --workloads long,trace --tpot-slos 20,40 --out bench/results/serving
 
-Model: Llama-3-8B's shape (32 layers, 4096 hidden, GQA 32:8, 14336 MLP) with random bf16
-weights; the vocabulary is the given tokenizer's (SmolLM2's 49,152 tokens, so outputs
-detokenize), not Llama 3's 128,256.
+Model (`--shape`): Llama-3-8B's shape (32 layers, 4096 hidden, GQA 32:8, 14336 MLP; the default)
+or Qwen3-30B-A3B's (mixture of experts) with random bf16 weights; the vocabulary is the given
+tokenizer's (SmolLM2's 49,152 tokens, so outputs detokenize), not the models' own.
 """
 
 from __future__ import annotations
@@ -41,14 +41,27 @@ WORKLOADS["trace-bursts"] = WORKLOADS["trace"] + ["--trace-bursts"]
 RATES = {"long": "4,6,8,10,12", "trace": "4,6,8,11,15", "trace-bursts": "4,8"}
 
 
-def build_model(out_dir: str, tokenizer_dir: str) -> str:
-    # Llama-3-8B's shapes; 16K positions so the 8K-prompt benches have room to decode (the engine
-    # refuses a max_model_len past max_position_embeddings)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 16384,
-           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 49152, "tie_word_embeddings": False,
-           "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "initializer_range": 0.02}
+# Model shapes served (random bf16 weights, the given tokenizer's vocabulary, so outputs detokenize);
+# 16K positions so the 8K-prompt benches have room to decode (the engine refuses a max_model_len
+# past max_position_embeddings)
+SHAPES = {
+    "llama3-8b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+                  "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
+    # Qwen3-30B-A3B: 48 layers, 128 experts of 768, top-8, per-head q/k norm
+    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                      "rope_theta": 1000000.0},
+}
+
+
+def build_model(out_dir: str, tokenizer_dir: str, shape: str = "llama3-8b") -> str:
+    cfg = {**SHAPES[shape], "vocab_size": 49152, "tie_word_embeddings": False, "bos_token_id": 1,
+           "eos_token_id": 2, "torch_dtype": "bfloat16", "initializer_range": 0.02}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -163,6 +176,7 @@ def parser() -> argparse.ArgumentParser:
     """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the served model's shape")
     ap.add_argument("--systems", default="disagg,colocated,hf",
                     help="comma-separated: disagg[:P:D], colocated[:N], hf[:GPUS] (e.g. disagg:2:1 on 3 GPUs)")
     ap.add_argument("--workloads", default="long,trace")
@@ -181,7 +195,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    model = build_model(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"), args.tokenizer)
+    model = build_model(os.path.join(tempfile.mkdtemp(), f"{args.shape}-shape"), args.tokenizer, args.shape)
     url = f"http://127.0.0.1:{args.port}"
     summary = []
     for system in args.systems.split(","):

@@ -43,7 +43,7 @@ class Alignment:
 
 
 @triton.jit
-def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, M, BLOCK: tl.constexpr):
+def _moe_rank_kernel(ids_ptr, counts_ptr, rank_ptr, M, BLOCK: tl.constexpr):
     # each assignment's place among its expert's (the order within an expert is the atomics', and
     # no row's result depends on it: each GEMM row is computed on its own)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -54,11 +54,11 @@ def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, M, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _blocks_kernel(counts_ptr, starts_ptr, experts_ptr, used_ptr, rows_ptr, ids_ptr, rank_ptr, M, CAPACITY,
+def _moe_blocks_kernel(counts_ptr, starts_ptr, experts_ptr, used_ptr, rows_ptr, ids_ptr, rank_ptr, M, CAPACITY,
                    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                    PLACE: tl.constexpr):
     # one program: each expert's first padded row, each block's expert, every row empty (M), and
-    # with PLACE (a small step) each assignment in its row too, saving _place_kernel's launch
+    # with PLACE (a small step) each assignment in its row too, saving _moe_place_kernel's launch
     offs_e = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -85,7 +85,7 @@ def _blocks_kernel(counts_ptr, starts_ptr, experts_ptr, used_ptr, rows_ptr, ids_
 
 
 @triton.jit
-def _place_kernel(ids_ptr, rank_ptr, starts_ptr, rows_ptr, M, BLOCK: tl.constexpr):
+def _moe_place_kernel(ids_ptr, rank_ptr, starts_ptr, rows_ptr, M, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M
     e = tl.load(ids_ptr + offs, mask=mask, other=0)
@@ -94,7 +94,7 @@ def _place_kernel(ids_ptr, rank_ptr, starts_ptr, rows_ptr, M, BLOCK: tl.constexp
 
 
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, E, stride_l,
+def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, E, stride_l,
                   TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr):
     # one program per token: softmax over the experts' logits in fp32, the top-k by repeated argmax
     # (highest first), their weights (renormalized), and each assignment's rank among its expert's
@@ -127,7 +127,7 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype:
     rank = torch.empty(T * top_k, dtype=torch.int32, device=logits.device)
     counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits, weights, ids, rank, counts, E, logits.stride(0), TOP_K=top_k,
+        _moe_route_kernel[(T,)](logits, weights, ids, rank, counts, E, logits.stride(0), TOP_K=top_k,
                             E_PAD=triton.next_power_of_2(E), RENORM=renormalize)
     return weights, ids, (counts, rank)
 
@@ -144,7 +144,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple 
     if ranked is None:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         rank = torch.empty(m, dtype=torch.int32, device=dev)
-        _rank_kernel[(triton.cdiv(m, block),)](ids, counts, rank, m, BLOCK=block)
+        _moe_rank_kernel[(triton.cdiv(m, block),)](ids, counts, rank, m, BLOCK=block)
     else:
         counts, rank = ranked
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
@@ -152,10 +152,10 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple 
     rows = torch.empty(capacity, dtype=torch.int32, device=dev)
     experts = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
     place = m <= 1024  # a decode step's few assignments: placed by the one program, one launch fewer
-    _blocks_kernel[(1,)](counts, starts, experts, used, rows, ids, rank, m, capacity, E=num_experts,
+    _moe_blocks_kernel[(1,)](counts, starts, experts, used, rows, ids, rank, m, capacity, E=num_experts,
                          E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=128, PLACE=place)
     if not place:
-        _place_kernel[(triton.cdiv(m, block),)](ids, rank, starts, rows, m, BLOCK=block)
+        _moe_place_kernel[(triton.cdiv(m, block),)](ids, rank, starts, rows, m, BLOCK=block)
     return Alignment(rows, experts, used, block_m)
 
 
@@ -176,7 +176,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
                     stride_xt, stride_we, stride_wn, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE: tl.constexpr):
@@ -207,7 +207,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
+def _moe_down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
                  stride_ht, stride_we, stride_wn, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     # w [E, H, inter]; h [M, inter] -> out [M, H], per assignment
@@ -233,7 +233,7 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, i
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     # a token's k rows of down outputs, each scaled by its top-k weight, summed in fp32 in slot order
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -289,19 +289,19 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     blocks = al.experts.shape[0]
     ieee = x.dtype == torch.float32
     h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
+    _moe_gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
         x, w_gate_up, h, al.rows, al.experts, al.used, m, H, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
         num_warps=tiles.warps, num_stages=tiles.stages)
     y = torch.empty(m, H, dtype=x.dtype, device=x.device)
-    _down_kernel[(blocks, triton.cdiv(H, tiles.block_n))](
+    _moe_down_kernel[(blocks, triton.cdiv(H, tiles.block_n))](
         h, w_down, y, al.rows, al.experts, al.used, m, H, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
         num_warps=tiles.warps, num_stages=tiles.stages)
     out = torch.empty_like(x)
-    _combine_kernel[(T, triton.cdiv(H, 1024))](y, topk_weights.contiguous(), out, H, y.stride(0), out.stride(0),
+    _moe_combine_kernel[(T, triton.cdiv(H, 1024))](y, topk_weights.contiguous(), out, H, y.stride(0), out.stride(0),
                                                TOP_K=k, BLOCK_H=1024)
     return out
 
