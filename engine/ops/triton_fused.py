@@ -45,24 +45,26 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, strid
 
 
 @triton.jit
-def _head_rmsnorm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, stride_qt, stride_qh, stride_kt, stride_kh, H, D, eps,
-                         BLOCK: tl.constexpr):
-    # one program = one head row of one token: q's heads first, then k's
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    m = cols < D
-    if h < H:
-        ptr = q_ptr + t * stride_qt + h * stride_qh + cols
-        w = tl.load(wq_ptr + cols, mask=m, other=0.0)
-    else:
-        ptr = k_ptr + t * stride_kt + (h - H) * stride_kh + cols
-        w = tl.load(wk_ptr + cols, mask=m, other=0.0)
-    x = tl.load(ptr, mask=m, other=0.0)
+def _norm_heads(ptr, w_ptr, stride_h, H, D, eps, HP: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.arange(0, HP)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    m = (rows < H) & (cols < D)
+    x = tl.load(ptr + rows * stride_h + cols, mask=m, other=0.0)
     dt = x.dtype
     xf = x.to(tl.float32)
-    xn = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)).to(dt)
-    tl.store(ptr, (w.to(tl.float32) * xn.to(tl.float32)).to(dt), mask=m)
+    xn = (xf * tl.rsqrt(tl.sum(xf * xf, axis=1)[:, None] / D + eps)).to(dt)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    tl.store(ptr + rows * stride_h + cols, (w.to(tl.float32) * xn.to(tl.float32)).to(dt), mask=m)
+
+
+@triton.jit
+def _head_rmsnorm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, stride_qt, stride_qh, stride_kt, stride_kh, H, KVH, D, eps,
+                         HP: tl.constexpr, KVHP: tl.constexpr, BLOCK: tl.constexpr):
+    # one program = one token: all its q heads, then all its k heads (a program per head row is
+    # launch-bound at prefill sizes)
+    t = tl.program_id(0).to(tl.int64)
+    _norm_heads(q_ptr + t * stride_qt, wq_ptr, stride_qh, H, D, eps, HP, BLOCK)
+    _norm_heads(k_ptr + t * stride_kt, wk_ptr, stride_kh, KVH, D, eps, KVHP, BLOCK)
 
 
 def head_rmsnorm_(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float) -> None:
@@ -74,8 +76,10 @@ def head_rmsnorm_(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.
         raise ValueError(f"head_rmsnorm_ wants q [T, H, D], k [T, KVH, D] with unit last stride and weights [D]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, {tuple(wq.shape)}, {tuple(wk.shape)}")
     if T:
-        _head_rmsnorm_kernel[(T, H + k.shape[1])](q, k, wq, wk, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                                 H, D, eps, BLOCK=triton.next_power_of_2(D))
+        kvh = k.shape[1]
+        _head_rmsnorm_kernel[(T,)](q, k, wq, wk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), H, kvh, D, eps,
+                                   HP=triton.next_power_of_2(H), KVHP=triton.next_power_of_2(kvh),
+                                   BLOCK=triton.next_power_of_2(D))
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

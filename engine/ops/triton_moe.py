@@ -95,27 +95,29 @@ def _moe_place_kernel(ids_ptr, rank_ptr, starts_ptr, rows_ptr, M, BLOCK: tl.cons
 
 @triton.jit
 def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, E, stride_l,
-                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr):
+                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr):
     # one program per token: softmax over the experts' logits in fp32, the top-k by repeated argmax
     # (highest first), their weights (renormalized), and each assignment's rank among its expert's
+    # (the k atomics issued together, not one round trip each)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
-    total = 1.0
-    if RENORM:
-        q = p
-        total = 0.0
-        for _ in tl.static_range(TOP_K):
-            total += tl.max(q, 0)
-            q = tl.where(offs == tl.argmax(q, 0), -1.0, q)
+    ks = tl.arange(0, K_PAD)
+    top_ids = tl.zeros([K_PAD], tl.int32)
+    top_p = tl.zeros([K_PAD], tl.float32)
     for j in tl.static_range(TOP_K):
         i = tl.argmax(p, 0)
-        tl.store(w_ptr + t * TOP_K + j, (tl.max(p, 0) / total).to(w_ptr.dtype.element_ty))
-        tl.store(ids_ptr + t * TOP_K + j, i.to(tl.int32))
-        tl.store(rank_ptr + t * TOP_K + j, tl.atomic_add(counts_ptr + i, 1))
+        top_ids = tl.where(ks == j, i.to(tl.int32), top_ids)
+        top_p = tl.where(ks == j, tl.max(p, 0), top_p)
         p = tl.where(offs == i, -1.0, p)
+    if RENORM:
+        top_p = top_p / tl.sum(top_p, 0)
+    live = ks < TOP_K
+    tl.store(w_ptr + t * TOP_K + ks, top_p.to(w_ptr.dtype.element_ty), mask=live)
+    tl.store(ids_ptr + t * TOP_K + ks, top_ids, mask=live)
+    tl.store(rank_ptr + t * TOP_K + ks, tl.atomic_add(counts_ptr + top_ids, 1, mask=live), mask=live)
 
 
 def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype):
@@ -128,7 +130,8 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype:
     counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
     if T:
         _moe_route_kernel[(T,)](logits, weights, ids, rank, counts, E, logits.stride(0), TOP_K=top_k,
-                            E_PAD=triton.next_power_of_2(E), RENORM=renormalize)
+                                K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
+                                RENORM=renormalize)
     return weights, ids, (counts, rank)
 
 
@@ -181,8 +184,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, 
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE: tl.constexpr):
     # w [E, 2 x inter, H]: gate rows [0, inter), up rows [inter, 2 x inter); out [M, inter]
-    block = tl.program_id(0)
-    nb = tl.program_id(1)
+    nb = tl.program_id(0)  # a block's column tiles run back to back: its rows and expert stay in L2
+    block = tl.program_id(1)
     rows, live, e, any_rows = _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M)
     if any_rows:
         tok = tl.where(live, rows // TOP_K, 0).to(tl.int64)
@@ -211,8 +214,8 @@ def _moe_down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, 
                  stride_ht, stride_we, stride_wn, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     # w [E, H, inter]; h [M, inter] -> out [M, H], per assignment
-    block = tl.program_id(0)
-    nb = tl.program_id(1)
+    nb = tl.program_id(0)  # a block's column tiles run back to back: its rows and expert stay in L2
+    block = tl.program_id(1)
     rows, live, e, any_rows = _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M)
     if any_rows:
         r = tl.where(live, rows, 0).to(tl.int64)
@@ -289,13 +292,13 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     blocks = al.experts.shape[0]
     ieee = x.dtype == torch.float32
     h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
+    _moe_gate_up_kernel[(triton.cdiv(inter, tiles.block_n), blocks)](
         x, w_gate_up, h, al.rows, al.experts, al.used, m, H, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
         num_warps=tiles.warps, num_stages=tiles.stages)
     y = torch.empty(m, H, dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(blocks, triton.cdiv(H, tiles.block_n))](
+    _moe_down_kernel[(triton.cdiv(H, tiles.block_n), blocks)](
         h, w_down, y, al.rows, al.experts, al.used, m, H, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
