@@ -394,6 +394,32 @@ def moe() -> dict:
         "workload": "Qwen3-30B-A3B's experts (128 x 2048 x 768, top-8), 64 tokens: the fused kernel in a CUDA graph "
                     f"{k[64]['fused_graph_ms']:.3f} ms against per-expert torch {k[64]['torch_ms']:.2f} ms; 1-4096 "
                     f"tokens: {min(r['speedup'] for r in k.values()):.0f}-{max(r['speedup'] for r in k.values()):.0f}x"}
+    out.update(moe_serving())
+    return out
+
+
+TRACE_SPLIT = " (7.5 and 9 in a second server start, the runs merged: moe/serving/README.md)"
+
+
+def moe_serving() -> dict:
+    """Qwen3-30B-A3B's shape served through the whole stack on one GPU, beside the same session's
+    Llama-3-8B-shape run (bench/results/moe/serving/)."""
+    cmd = ("python3 bench/serving_gpu.py --tokenizer TOK --systems colocated:1 --num-requests 200 --shape {shape} "
+           "--workloads {wl} --{wl}-rates {rates} --out bench/results/moe/serving  # one H200")
+    out = {}
+    for wl, what in (("long", "4096 in / 256 out, TTFT <= 1 s"),
+                     ("trace", "the Mooncake trace (lengths x0.25, outputs x0.5), TTFT <= 2 s")):
+        moe_r, llama = (load("moe", "serving", f"{m}_{wl}.json") for m in ("qwen3_30b_a3b", "llama3_8b"))
+        rates = ",".join(f"{r['rate']:g}" for r in moe_r["runs"])
+        by_rate = ", ".join(f"{r['rate']:g}: {r['slo_attainment']:.0%}" for r in moe_r["runs"])
+        out[f"moe_colocated1_goodput_{wl}"] = {
+            "value": round(moe_r["goodput"]["rps"], 2),
+            "command": cmd.format(shape="qwen3-30b-a3b", wl=wl, rates=rates),
+            "device": "one H200",
+            "workload": f"{what}, TPOT <= 40 ms, one engine on one GPU, Qwen3-30B-A3B shape (SmolLM2's vocabulary); "
+                        f"SLO attainment by rate: {by_rate}{TRACE_SPLIT if wl == 'trace' else ''}; the same session's "
+                        "Llama-3-8B shape: "
+                        f"{llama['goodput']['rps']:.2f} req/s (llama3_8b_{wl}.md)"}
     return out
 
 
