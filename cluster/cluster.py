@@ -109,6 +109,8 @@ class Cluster:
             if pool.tensor_parallel_size is not None:
                 role_engine_args[role] = {**role_engine_args[role], "tensor_parallel_size": pool.tensor_parallel_size}
             EngineConfig.from_kwargs(**role_engine_args[role]).resolve(self.model_path)
+        self.serving.check_gpu_shares({role: EngineConfig.from_kwargs(**role_engine_args[role]).gpu_memory_utilization
+                                       for role in (("decode",) if mode == "colocated" else ROLES)})
         self.tokenizer = load_tokenizer(self.model_path)
         say(f"model {self.model_path}: config and tokenizer read (max_model_len {self.max_model_len})")
         self._owns_ray = not ray.is_initialized()

@@ -3,6 +3,7 @@
     prefill: {replicas: 1, min: 1, max: 4, num_gpus: 1, resources: {pdserve_prefill: 1},
               tensor_parallel_size: 2}   # GPUs per worker (one Ray actor each, packed on one node)
     decode:  {replicas: 1, min: 1, max: 8, num_gpus: 1, resources: {pdserve_decode: 1}}
+                                 # num_gpus < 1: workers share a GPU (check_gpu_shares)
     autoscale:
       enabled: true
       prefill_queue: 4          # waiting prompts per prefill worker
@@ -29,6 +30,7 @@ SLO is what hybrid placement (routing.place_prompt) and the decode workers' step
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields
 
 ROLES = ("prefill", "decode")
@@ -147,6 +149,31 @@ class ServingConfig:
 
     def pool(self, role: str) -> PoolConfig:
         return getattr(self, role)
+
+    def check_gpu_shares(self, utilization: dict[str, float]) -> None:
+        """Refuses pools whose workers, packed onto one GPU as Ray may pack them (fractional
+        `num_gpus`), would together claim more than all of its memory: each worker's
+        `gpu_memory_utilization` is its own share of the GPU (`utilization`: per role, the roles
+        that run). Whole-GPU and CPU pools share nothing."""
+        def ranks(p: PoolConfig) -> int:  # the pool's processes at most: its workers' ranks
+            return (p.max if self.autoscale.enabled else p.replicas) * (p.tensor_parallel_size or 1)
+
+        sharing = {r: (self.pool(r).num_gpus, u, ranks(self.pool(r))) for r, u in utilization.items()
+                   if self.pool(r).num_gpus is not None and 0 < self.pool(r).num_gpus < 1}
+        if not sharing:
+            return
+        shares = list(sharing.values())
+        packs = [c for c in itertools.product(*(range(min(n, int(1 / g + 1e-9)) + 1) for g, _, n in shares))
+                 if sum(k * g for k, (g, _, _) in zip(c, shares)) <= 1 + 1e-9]
+        counts = max(packs, key=lambda c: sum(k * u for k, (_, u, _) in zip(c, shares)))
+        best = sum(k * u for k, (_, u, _) in zip(counts, shares))
+        pack = dict(zip(sharing, counts))
+        if best > 1 + 1e-9:
+            who = " + ".join(f"{n} {r} worker{'s' if n > 1 else ''} (num_gpus {sharing[r][0]:g}, "
+                             f"gpu_memory_utilization {sharing[r][1]:g})" for r, n in pack.items() if n)
+            raise ValueError(f"GPU memory shares add up past 1.0 on one GPU: {who} = {best:.2f} of its memory; "
+                             "gpu_memory_utilization is each worker's own share: lower it so the workers one GPU "
+                             "holds add up to at most 1")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> ServingConfig:

@@ -63,6 +63,21 @@ def test_serve_refuses_a_bad_serving_config(tmp_path):
     assert out.returncode == 2 and "kv_usage" in out.stderr
 
 
+def test_serve_refuses_pools_whose_memory_shares_overfill_a_gpu(tmp_path):
+    """Workers that share a GPU (fractional num_gpus) each claim gpu_memory_utilization of it:
+    shares past 1.0 are refused in one line before any worker starts."""
+    cfg_file = tmp_path / "serving.yaml"
+    cfg_file.write_text("prefill: {num_gpus: 0.5}\ndecode: {num_gpus: 0.5}\n")
+    out = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--config", str(cfg_file),
+                          "--gpu-memory-utilization", "0.6"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "pdserve: error: GPU memory shares add up past 1.0 on one GPU: 1 prefill worker (num_gpus 0.5, "
+        "gpu_memory_utilization 0.6) + 1 decode worker (num_gpus 0.5, gpu_memory_utilization 0.6) = 1.20 of its "
+        "memory; gpu_memory_utilization is each worker's own share: lower it so the workers one GPU holds add up "
+        "to at most 1"]
+
+
 def test_prefill_pool_chunk_budget():
     from pdserve.cli import build_parser
     from pdserve.cli_common import engine_kwargs

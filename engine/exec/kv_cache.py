@@ -110,6 +110,40 @@ def activation_bytes(config: EngineConfig, graph_tokens: int = 0) -> int:
     return int(1.2 * ((t + graph_tokens) * per_token * elem + logits)) + (256 << 20)
 
 
+# what this process holds on its GPU that torch's allocator does not see: the CUDA context,
+# NCCL's buffers, mapped modules
+NON_TORCH_BYTES = 1 << 30
+
+
+def share_budget(utilization: float, free: int, total: int, held: int, activation_bytes: int) -> int:
+    """The KV bytes of a process's share of its GPU: `utilization` x the GPU's `total` memory,
+    less what the process holds (`held`: torch's reserved memory; and NON_TORCH_BYTES) and its
+    forward-pass scratch. Other processes on the GPU (another worker sharing it) do not count
+    against it; a share that is not `free` is refused by name."""
+    share = int(total * utilization)
+    budget = share - held - NON_TORCH_BYTES - activation_bytes
+    if budget + activation_bytes > free:
+        gib = 1 << 30
+        raise ValueError(f"gpu_memory_utilization {utilization:g} gives this worker {share / gib:.1f} GiB of the "
+                         f"GPU's {total / gib:.1f} GiB; it holds {held / gib:.1f} GiB and needs "
+                         f"{(budget + activation_bytes) / gib:.1f} GiB more, but {free / gib:.1f} GiB are free "
+                         f"(other processes hold {max(0, total - free - held - NON_TORCH_BYTES) / gib:.1f} GiB): "
+                         "lower gpu_memory_utilization so the shares of the processes on this GPU add up to at most 1")
+    return budget
+
+
+def gpu_kv_budget(config: EngineConfig, activation_bytes: int) -> int:
+    """share_budget of this process on its GPU, as the driver and torch's allocator count it."""
+    dev = config.torch_device
+    # memory this process freed but its caching allocator still holds (an engine closed before
+    # this one) is given back first, so that it is not counted as this process's
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    return share_budget(config.gpu_memory_utilization, free, total, torch.cuda.memory_reserved(dev),
+                        activation_bytes)
+
+
 def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
     """How many blocks the budget buys: the override, a byte budget, or GPU memory."""
     layout = kv_layout(config)
@@ -118,16 +152,7 @@ def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
     elif config.torch_device.type == "cuda":
-        dev = config.torch_device
-        # memory this process freed but its caching allocator still holds (an engine closed
-        # before this one) reads as used by others: give it back first (on an 80 GB GPU a
-        # second engine in one process sized its cache at minus 13 GB)
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        used_by_others = total - free - torch.cuda.memory_allocated(dev)
-        budget = int(total * config.gpu_memory_utilization) - used_by_others \
-            - torch.cuda.memory_allocated(dev) - activation_bytes
+        budget = gpu_kv_budget(config, activation_bytes)
     else:
         budget = 1 << 30  # CPU default: 1 GiB
     n = budget // layout.block_bytes
