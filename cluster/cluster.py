@@ -37,6 +37,7 @@ from pdserve.engine.validation import check_request
 from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
 from .local_ray import start_or_join_ray
+from .pool_args import pool_engine_args
 from .pools import Pools
 from .registry import REGISTRY_NAME, RegistryLink
 from .serving_config import ROLES, ServingConfig
@@ -46,20 +47,6 @@ MODE_ALIASES = {"disagg": "disaggregated"}
 
 # the prefill pool's default chunk budget (the decode / colocated engines keep the
 # engine's 2048, which bounds how long a prefill chunk stalls the running decodes)
-PREFILL_CHUNK_TOKENS = 8192
-
-
-def prefill_pool_args(engine_args: dict, overrides: dict | None = None) -> dict:
-    """The prefill pool's engine arguments: the cluster's, then its own overrides; the
-    chunk budget defaults to PREFILL_CHUNK_TOKENS, so most prompts run as one chunk
-    (fewer chunks that re-read their prefix's KV; on the trace's lengths, one H200:
-    2048 -> 8192 cut prefill time 17.1 -> 11.6 s, bench/results/prefill_shapes.md)."""
-    out = {**engine_args, **(overrides or {})}
-    if out.get("max_num_batched_tokens") is None:
-        out["max_num_batched_tokens"] = PREFILL_CHUNK_TOKENS
-    return out
-
-
 class _AutoscaleLatency(RequestObserver):
     """Feeds the pools' latency windows (the autoscaler's TTFT and ITL p90)."""
 
@@ -94,23 +81,8 @@ class Cluster:
         check_window_mode(self.engine_config, mode)
         self.max_model_len, self.block_size = self.engine_config.max_model_len, self.engine_config.block_size
         self.vocab_size = self.engine_config.model_config.vocab_size
-        engine_args = {**engine_args, "model": self.model_path}
-        # the prefill pool's own engine settings (e.g. a larger chunk budget: a prefill
-        # worker runs no decodes whose inter-token latency a long chunk would hurt)
-        role_engine_args = {"decode": engine_args, "prefill": prefill_pool_args(engine_args, prefill_engine_args)}
-        # hybrid decode workers prefill what placement lends them, with the prefill pool's budget;
-        # they and colocated engines carry the TPOT target too (Pools.engine_args)
-        if mode == "hybrid":
-            role_engine_args["decode"] = dict(role_engine_args["prefill"])
-        # each pool's tensor-parallel size: the argument, else the serving config's, else the engine's
-        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-            pool = self.serving.pool(role)
-            pool.tensor_parallel_size = tp if tp is not None else pool.tensor_parallel_size
-            if pool.tensor_parallel_size is not None:
-                role_engine_args[role] = {**role_engine_args[role], "tensor_parallel_size": pool.tensor_parallel_size}
-            EngineConfig.from_kwargs(**role_engine_args[role]).resolve(self.model_path)
-        self.serving.check_gpu_shares({role: EngineConfig.from_kwargs(**role_engine_args[role]).gpu_memory_utilization
-                                       for role in (("decode",) if mode == "colocated" else ROLES)})
+        role_engine_args = pool_engine_args(self.serving, mode, {**engine_args, "model": self.model_path},
+                                            prefill_engine_args, prefill_tp, decode_tp)
         self.tokenizer = load_tokenizer(self.model_path)
         say(f"model {self.model_path}: config and tokenizer read (max_model_len {self.max_model_len})")
         self._owns_ray = not ray.is_initialized()

@@ -10,6 +10,7 @@ other request settings and a KV handoff around it."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -170,24 +171,18 @@ class LLMEngine:
         return self._output(req, delta, [req.output_token_ids[-1]])
 
     def close(self) -> None:
-        """Persists the host tier (kv_persist_dir) and stops a tensor-parallel engine's shards;
-        once: a later call (the LLM's finalizer after its `with` block) does nothing."""
-        if getattr(self, "_closed", False):
-            return
-        self._closed = True
-        if self.config.kv_persist_dir and self.kv.host is not None:
+        """Persists the host tier (kv_persist_dir), stops a TP engine's shards; a second call is a no-op."""
+        first, self._closed = not self.__dict__.get("_closed"), True
+        if first and self.config.kv_persist_dir and self.kv.host is not None:
             try:
                 self.persist_host_tier()
             except OSError as e:
                 log.warning("could not persist the host tier: %s", e)
         shards, self.shards = self.shards, None
-        if shards is None:
-            return
-        try:
-            self.tp.send(None)
-        except Exception:  # noqa: BLE001 - a rank already gone: kill the rest
-            pass
-        shards.close()
+        if shards is not None:
+            with contextlib.suppress(Exception):  # a rank already gone: kill the rest
+                self.tp.send(None)
+            shards.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0  # a request whose last token is in flight is still running

@@ -81,7 +81,7 @@ def test_serve_refuses_pools_whose_memory_shares_overfill_a_gpu(tmp_path):
 def test_prefill_pool_chunk_budget():
     from pdserve.cli import build_parser
     from pdserve.cli_common import engine_kwargs
-    from pdserve.cluster.cluster import PREFILL_CHUNK_TOKENS, prefill_pool_args
+    from pdserve.cluster.pool_args import PREFILL_CHUNK_TOKENS, prefill_pool_args
     from pdserve.serve_cli import prefill_engine_kwargs
 
     args = build_parser().parse_args(["serve"])

@@ -47,7 +47,8 @@ INTRA = {
         "placement": {"api", "pools", "routing"},
         "attempt": {"placement"},
         "dispatch": {"api", "attempt", "placement", "pools"},
-        "cluster": {"api", "dispatch", "local_ray", "pools", "registry", "serving_config"},
+        "pool_args": {"serving_config"},
+        "cluster": {"api", "dispatch", "local_ray", "pool_args", "pools", "registry", "serving_config"},
         "__init__": {"cluster"},
     },
     "router": {
@@ -60,8 +61,9 @@ INTRA = {
         "server": {"schemas"},
         "__init__": {"app"},
     },
-    "transfer": {"base": set(), "pair": {"base"}, "c10d": {"base", "pair"}, "loopback": {"base"}, "tp": {"base"},
-                 "__init__": {"base"}},
+    "transfer": {"base": set(), "shared": set(), "wire": {"base"}, "pull": {"base", "shared", "wire"},
+                 "pair": {"base", "pull", "wire"}, "c10d": {"base", "pair", "wire"}, "loopback": {"base"},
+                 "tp": {"base"}, "__init__": {"base"}},
 }
 
 
@@ -138,7 +140,7 @@ ENGINE_ORDER = [
     "core.__init__", "exec.__init__", "sample.__init__", "spec.__init__", "tiers.__init__",
     # kernels and the formats they read
     "ops.kv_quant", "ops.triton_int4", "ops.attention_core", "ops.triton_attention", "ops.triton_prefill",
-    "ops.triton_fused", "ops.moe_ref", "ops.triton_moe",
+    "ops.triton_fused", "ops.moe_ref", "ops.triton_moe", "ops.block_copy",
     "ops.attention_ref", "ops.__init__",
     # leaves: settings and helpers that import no engine module of their own rank
     "spec.config", "spec.verify", "exec.step_result", "exec.stores", "exec.tp", "exec.host_to_device", "core.hashing",

@@ -11,10 +11,18 @@ import torch
 SHAPE = dict(num_blocks=400, layers=2, block_size=16, kv_heads=2, head_dim=8)
 
 
-def make_kv(seed: int, num_blocks: int = SHAPE["num_blocks"], head_dim: int = SHAPE["head_dim"]) -> torch.Tensor:
+def make_kv(seed: int, num_blocks: int = SHAPE["num_blocks"], head_dim: int = SHAPE["head_dim"],
+            shared: bool = False) -> torch.Tensor:
+    """Random KV; `shared`: on a memory file a peer of this host can map (the engine's CPU slab)."""
+    from pdserve.engine.exec.kv_cache import zeros_on_demand
+
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(num_blocks, SHAPE["layers"], 2, SHAPE["block_size"], SHAPE["kv_heads"], head_dim,
-                       generator=g)
+    kv = torch.randn(num_blocks, SHAPE["layers"], 2, SHAPE["block_size"], SHAPE["kv_heads"], head_dim, generator=g)
+    if not shared:
+        return kv
+    out = zeros_on_demand(tuple(kv.shape), kv.dtype)
+    out.copy_(kv)
+    return out
 
 
 def _wait_all(conn, handoffs):
@@ -29,7 +37,9 @@ def _wait_all(conn, handoffs):
     return results
 
 
-def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_dim"]) -> None:
+def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_dim"], link: str = "c10d") -> None:
+    """link "pull": the KV on a shared memory file, so a same-host pair pulls it (transfer/pull.py);
+    "c10d": over a gloo group."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from pdserve.engine.core.kv_cache_manager import KVCacheManager
     from pdserve.engine.core.request import Request
@@ -44,9 +54,9 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
     def recv(peer, _address, rid, block_ids, channel, timeout=None):
         return conn.start_recv(peer, rid, block_ids, channel, timeout)
 
-    kv = make_kv(seed, head_dim=head_dim)
+    kv = make_kv(seed, head_dim=head_dim, shared=True)
     kvm = KVCacheManager(kv.shape[0], SHAPE["block_size"])
-    conn = C10dConnector(name, kv, min_chunk_bytes=16 << 10)  # 4 KiB blocks: many chunks
+    conn = C10dConnector(name, kv, min_chunk_bytes=16 << 10, same_node=link == "pull")  # 4 KiB blocks: many chunks
     reqs: dict[str, Request] = {}
     res_q.put(("ready", conn.address))
     while True:
@@ -63,6 +73,10 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                 if args.get("die"):  # crash with the receiver's side of the handoff in flight
                     time.sleep(0.3)
                     os._exit(17)
+                if args.get("die_after_order"):  # crash right after a pulled order is posted
+                    import pdserve.transfer.pull as pull
+
+                    pull.wait_key = lambda *a: os._exit(19)
                 hs = [send(*a) for a in args["ops"]]
                 res_q.put(("results", _wait_all(conn, hs)))
             elif cmd == "send_abort":  # start a handoff, then give up on it (a client went away)
@@ -71,6 +85,14 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                 conn.abort(args[2])
                 res_q.put(("results", _wait_all(conn, [h])))
             elif cmd == "recv":
+                if args.get("slow_pull"):  # a copy that takes this long (the sender may die meanwhile)
+                    import pdserve.transfer.pull as pull
+
+                    def slow(*a, copy=pull.copy_blocks, delay=args["slow_pull"], **k):
+                        time.sleep(delay)
+                        copy(*a, **k)
+
+                    pull.copy_blocks = slow
                 if args.get("die"):
                     time.sleep(0.3)
                     os._exit(18)
@@ -104,6 +126,8 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
             elif cmd == "release":
                 kvm.free(reqs.pop(args))
                 res_q.put(("ok", None))
+            elif cmd == "links":
+                res_q.put(("links", conn.links()))
             elif cmd == "blocks_of":
                 res_q.put(("tensor", kv[args].clone()))
             elif cmd == "stats":

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from pdserve.engine.exec.stores import BoundStore
 
 from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, wire_layout
-from .pair import Pair, td
+from .pair import Pair
+from .wire import td
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ class C10dConnector(KVConnector):
 
     def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0,
                  min_chunk_bytes: int = 64 << 20, tp: int = 1, kv_heads_total: int | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", same_node: bool = True):
         self.name = name
+        # a pair whose peer runs on this host and whose KV maps here pulls it (pull.py)
+        self.same_node = same_node
         self.kv = kv
         self.device = kv.device
         # both peers must also chunk alike; tensor-parallel ranks may hold different head counts
@@ -213,6 +216,14 @@ class C10dConnector(KVConnector):
     @property
     def num_pairs(self) -> int:
         return len(self._pairs)
+
+    def links(self) -> dict[str, dict]:
+        """Each connected pair's link: {"<peer> send|recv": {"link": cuda-ipc | shared-memory | nccl |
+        gloo, "why": ..., "gen": ...}}."""
+        with self._lock:
+            pairs = list(self._pairs.values())
+        return {f"{p.peer} {'send' if p.is_sender else 'recv'}": {"link": p.link.name, "why": p.why, "gen": p.gen}
+                for p in pairs if p.link is not None}
 
     def close(self) -> None:
         for key in list(self._pairs):

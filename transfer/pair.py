@@ -24,7 +24,6 @@ receiver's store (the pair's PrefixStore "pd/<sender>/<gen>"):
 from __future__ import annotations
 
 import collections
-import datetime
 import json
 import threading
 import time
@@ -33,55 +32,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .base import (
-    Handoff,
-    StagingPool,
-    TransferState,
-    block_index,
-    check_layouts,
-    contiguous_run,
-    gather_blocks,
-    scatter_blocks,
-)
-
-
-def td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(seconds, 0.001))
-
-
-def plan_chunks(num_blocks: int, block_bytes: int, chunk_bytes: int = 64 << 20):
-    """[lo, hi) block ranges: one message up to 2 x chunk_bytes, else chunks of chunk_bytes,
-    so that the gather/scatter of one chunk overlaps the transfer of the next and a staged
-    chunk fits a slot of the connector's staging ring (2 x chunk_bytes each)."""
-    if num_blocks == 0:
-        return []
-    if num_blocks * block_bytes <= 2 * chunk_bytes:
-        return [(0, num_blocks)]
-    step = max(1, chunk_bytes // block_bytes)
-    return [(lo, min(num_blocks, lo + step)) for lo in range(0, num_blocks, step)]
-
-
-def _width(heads) -> int | None:
-    return None if heads is None else heads[1] - heads[0]
-
-
-def _sliced(heads, num_heads: int) -> tuple[int, int] | None:
-    """A head range that is less than all of this rank's heads, else None."""
-    if heads is None or (heads[0] == 0 and heads[1] == num_heads):
-        return None
-    return tuple(heads)
-
-
-def _index(ids: list[int], index, lo: int, hi: int, conn) -> torch.Tensor:
-    return index[lo:hi] if index is not None else block_index(ids, conn.kv.device)
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+from .base import Handoff, StagingPool, TransferState, check_layouts
+from .pull import PullLink, accept, offer
+from .wire import C10dLink, td, width
 
 
 class PairHost(Protocol):
@@ -96,6 +49,8 @@ class PairHost(Protocol):
     block_bytes: int
     min_chunk_bytes: int
     default_timeout_s: float
+    same_node: bool  # pull from a peer of this host whose KV maps here (pull.py), else c10d
+    address: str
     staging: StagingPool
     stream: torch.cuda.Stream | None
     store: dist.TCPStore
@@ -121,7 +76,8 @@ class Pair:
         self.current: Handoff | None = None  # the one on the wire
         self.dead = False
         self.error: str | None = None
-        self.pg = None
+        self.link: C10dLink | PullLink | None = None  # set when the pair connects
+        self.why: str | None = None  # why the link is what it is
         self.ps = None
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name=f"kv-pair-{peer}-{gen}", daemon=True)
@@ -167,13 +123,8 @@ class Pair:
             # tell the receiver, through its store, that this gen is dead: its next channel
             # for us moves to a new gen instead of meeting a group we no longer run
             self.conn.mark_dead(self.peer_address, self.gen)
-        if self.pg is not None:
-            if self.conn.device.type == "cuda":
-                try:
-                    self.pg.abort()  # unblocks NCCL kernels waiting on a dead peer
-                except Exception:  # noqa: BLE001
-                    pass
-            self.conn.graveyard.append(self.pg)  # never destroyed here (see module doc)
+        if self.link is not None:
+            self.link.close()
         self.conn.pair_died(self)
 
     # ---- the pair's thread ------------------------------------------------------------------
@@ -210,19 +161,29 @@ class Pair:
             self.ps = dist.PrefixStore(f"pd/{sender}/{self.gen}", store)
         return self.ps
 
-    def _connect(self, deadline: float):
+    def _connect(self, deadline: float) -> None:
+        """Both ranks: the layouts checked, then the link chosen by the receiver (pull.accept): the
+        sender's slab mapped here (same node), else the pair's process group."""
         conn = self.conn
         ps = self._store(deadline)
         ps.set(f"layout{self.rank}", json.dumps(conn.layout))
         other = f"layout{1 - self.rank}"
         ps.wait([other], td(deadline - time.monotonic()))
         check_layouts(conn.layout, json.loads(ps.get(other)), self.peer)
-        timeout = td(max(deadline - time.monotonic(), 1.0))
-        if conn.device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            return dist.ProcessGroupNCCL(ps, self.rank, 2, opts)
-        return dist.ProcessGroupGloo(ps, self.rank, 2, timeout)
+        link = None
+        if self.is_sender:
+            ps.set("offer", offer(conn))
+            ps.wait(["link"], td(deadline - time.monotonic()))
+            choice = json.loads(ps.get("link"))
+        else:
+            ps.wait(["offer"], td(deadline - time.monotonic()))
+            choice, link = accept(conn, ps.get("offer"))
+            ps.set("link", json.dumps(choice))
+        self.why = choice["why"]
+        if choice["link"] == "pull":
+            self.link = link or PullLink(conn)
+        else:
+            self.link = C10dLink.connect(conn, self.rank, ps, deadline)
 
     def _next_send(self) -> Handoff | None:
         with self.cond:
@@ -240,6 +201,11 @@ class Pair:
         k = self.next_seq
         self.next_seq += 1
         order = {"rid": h.request_id, "nblocks": len(h.block_ids), "meta": h.meta, "heads": h.heads}
+        if h.block_ids and self.link is None:
+            self._connect(h.deadline)
+        if isinstance(self.link, PullLink) and h.block_ids:
+            self.link.send(self._store(h.deadline), h, k, order, lambda: self.dead)
+            return
         self._store(h.deadline).set(f"order/{k}", json.dumps(order))
         self._move(h, k, h.block_ids)
 
@@ -256,6 +222,8 @@ class Pair:
             if self.dead:
                 return
         ps = self._store(time.monotonic() + self.conn.default_timeout_s)
+        if self.link is None and ps.check(["layout0"]):  # the sender connects before its first order
+            self._connect(time.monotonic() + self.conn.default_timeout_s)
         k = self.next_seq
         key = f"order/{k}"
         if not ps.check([key]):  # the sender has not started its k-th send yet (~25 us a check)
@@ -279,116 +247,31 @@ class Pair:
             else:
                 h = None
         if h is None:  # aborted here: drain the message so the pair stays in step
-            if order["nblocks"]:
+            if order.get("src") is not None:  # pulled: nothing on a wire, just let the sender go
+                ps.set(f"ack/{k}", "gone")
+            elif order["nblocks"]:
                 drain = Handoff(order["rid"], self.peer, [], None, False, self.conn.default_timeout_s)
-                width = _width(order.get("heads"))  # what the sender sends: a slice this wide, or whole blocks
-                drain.heads = None if width is None else (0, width)
+                wide = width(order.get("heads"))  # what the sender sends: a slice this wide, or whole blocks
+                drain.heads = None if wide is None else (0, wide)
                 self._move(drain, k, None, scratch=order["nblocks"])
             return
         if len(h.block_ids) != order["nblocks"]:
             raise ValueError(f"handoff {h.request_id}: the sender sends {order['nblocks']} blocks, "
                              f"{len(h.block_ids)} were reserved")
-        if _width(order.get("heads")) != _width(h.heads):
+        if width(order.get("heads")) != width(h.heads):
             raise ValueError(f"handoff {h.request_id}: the sender sends KV heads {order.get('heads')}, "
                              f"this rank expects {h.heads}")
         h.meta = order["meta"]
+        if order.get("src") is not None:
+            self.link.receive(ps, h, k, order, self.peer)
+            return
         self._move(h, k, h.block_ids)
 
     def _move(self, h: Handoff, k: int, block_ids: list[int] | None, scratch: int = 0) -> None:
-        """Posts the k-th message's chunks and waits for them. A run of consecutive block ids
-        goes from / into the KV tensor in place; other chunks are staged through a ring of
-        two slots (on CUDA, preallocated: allocating under a full KV cache can force the
-        caching allocator to free and synchronize the device, which cost the receiver
-        ~20 ms a handoff on 2x H200). Stream order makes the ring safe: a slot is refilled
-        only after the op that used it two chunks earlier."""
-        conn = self.conn
-        n = scratch or len(block_ids)
-        if n and self.pg is None:
-            self.pg = self._connect(h.deadline)
-        stream = conn.stream
-        ring = conn.staging.acquire() if n else None
-        try:
-            with torch.cuda.stream(stream) if stream is not None else _nullctx():
-                if h._ready is not None:
-                    stream.wait_event(h._ready)  # steps that wrote (sender) or may write (receiver) them
-                posted: list = []
-                # one index tensor for the whole message (one pinned copy; the chunks slice it):
-                # the fewer calls this thread makes, the fewer times it waits for the GIL
-                index = block_index(block_ids, conn.kv.device) if block_ids and not contiguous_run(block_ids) \
-                    else None
-                heads = _sliced(h.heads, conn.kv.shape[4])
-                block_bytes = conn.block_bytes if heads is None else \
-                    conn.block_bytes // conn.kv.shape[4] * (heads[1] - heads[0])
-                for i, (lo, hi) in enumerate(plan_chunks(n, block_bytes, conn.min_chunk_bytes)):
-                    ids = block_ids[lo:hi] if block_ids is not None else None
-                    if heads is not None:  # a head slice (tensor parallel): always staged
-                        buf, staged = self._head_slice(h, ring, i, ids, index, lo, hi, heads), False
-                    elif ids is not None and contiguous_run(ids):  # each side decides alone
-                        buf, staged = conn.kv[ids[0]: ids[-1] + 1], False
-                    else:
-                        if i >= 2 and posted[i - 2][1]:  # the slot's previous user must be done
-                            self._wait(posted[i - 2], h, stream)
-                        buf, staged = ring.slot(i % 2, hi - lo), True
-                        if self.is_sender:
-                            gather_blocks(conn.kv, index[lo:hi], out=buf)
-                    tag = ((k << 6) + i) & 0x7FFFFFFF
-                    work = self.pg.send([buf], 1, tag) if self.is_sender else self.pg.recv([buf], 0, tag)
-                    posted.append([work, staged])
-                    if i == 0:
-                        h.t_first_post = time.monotonic()
-                    if not self.is_sender and (staged or heads is not None):
-                        self._wait(posted[-1], h, stream)
-                        if ids is not None and heads is not None:
-                            conn.kv[:, :, :, :, heads[0]:heads[1]].index_copy_(0, _index(ids, index, lo, hi, conn), buf)
-                        elif ids is not None:
-                            scatter_blocks(conn.kv, index[lo:hi], buf)
-                    h.nbytes += buf.numel() * buf.element_size()
-                h.t_posted = time.monotonic()
-                for op in posted:
-                    self._wait(op, h, stream)
-                if stream is not None:
-                    self._wait_stream(stream, h)
-        finally:
-            if ring is not None:
-                conn.staging.release(ring)
-        if scratch:
-            return
-        if not h.complete():
-            # aborted or overdue while in flight: the data moved, but the owner gave up
+        """The k-th message over the process group (wire.py); one with no blocks just ends."""
+        if (scratch or block_ids) and self.link is None:
+            self._connect(h.deadline)
+        if isinstance(self.link, C10dLink):
+            self.link.move(h, k, block_ids, scratch)
+        elif not h.complete():  # no blocks: the order carried all there was (the meta)
             raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
-
-    def _head_slice(self, h: Handoff, ring, i: int, ids, index, lo: int, hi: int, heads) -> torch.Tensor:
-        """The buffer of a chunk that moves only KV heads [heads) of each block: the sender
-        gathers the blocks and cuts the slice out; the receiver receives into a fresh one."""
-        kv = self.conn.kv
-        shape = (hi - lo, *kv.shape[1:4], heads[1] - heads[0], kv.shape[5])
-        if not self.is_sender or ids is None:
-            return torch.empty(shape, dtype=kv.dtype, device=kv.device)
-        full = gather_blocks(kv, _index(ids, index, lo, hi, self.conn))
-        return full[:, :, :, :, heads[0]:heads[1]].contiguous()
-
-    @staticmethod
-    def _wait(op: list, h: Handoff, stream) -> None:
-        """op: [work, staged]; waits once (a gloo work waited twice blocks)."""
-        work = op[0]
-        if work is None:
-            return
-        if stream is None:  # gloo: a host-blocking wait with the handoff's deadline
-            if not work.wait(td(h.deadline - time.monotonic())):
-                raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
-        else:
-            work.wait()  # NCCL: orders our stream after the op; the host does not block
-        op[0] = None
-
-    @staticmethod
-    def _wait_stream(stream, h: Handoff) -> None:
-        """Polls, so that a dead peer cannot hang us past the deadline: spin for the first
-        5 ms (a sleep costs ~0.1 ms of latency), then back off."""
-        done = torch.cuda.Event()
-        done.record(stream)
-        spin_until = time.monotonic() + 0.005
-        while not done.query():
-            now = time.monotonic()
-            if now > h.deadline:
-                raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s")
-            time.sleep(0 if now < spin_until else 0.0002)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import gc
 import math
 import mmap
+import os
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -177,11 +179,32 @@ def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
 
 
 def zeros_on_demand(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor on an anonymous memory mapping of its own, whose pages the kernel
-    commits on first write: a large CPU cache costs resident memory as it fills, whatever the
-    process allocated and freed before (docs/design/kv_cache.md)."""
+    """A zeroed host tensor on a memory file of its own (memfd), whose pages the kernel commits
+    on first write: a large CPU cache costs resident memory as it fills, whatever the process
+    allocated and freed before (docs/design/kv_cache.md). Another process of the host maps the
+    same pages through /proc/<pid>/fd/<fd> (`shared_file`: the same-node handoff,
+    transfer/shared.py); the file closes when the last view of the tensor is gone."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    buf = mmap.mmap(fd, nbytes)
+    t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+    _SHARED_FILES[t.data_ptr()] = (os.getpid(), fd, nbytes)
+    weakref.finalize(buf, _release, t.data_ptr(), fd)
+    return t
+
+
+_SHARED_FILES: dict[int, tuple[int, int, int]] = {}
+
+
+def _release(address: int, fd: int) -> None:
+    _SHARED_FILES.pop(address, None)
+    os.close(fd)
+
+
+def shared_file(kv: torch.Tensor) -> tuple[int, int, int] | None:
+    """(pid, fd, bytes) of the memory file a zeros_on_demand tensor lives on, else None."""
+    return _SHARED_FILES.get(kv.data_ptr())
 
 
 def layer_views(kv: torch.Tensor, kv_cache_dtype: str = "auto") -> list[tuple]:

@@ -16,10 +16,10 @@ CTX = mp.get_context("spawn")
 
 
 class Peer:
-    def __init__(self, name: str, seed: int, head_dim: int = SHAPE["head_dim"]):
+    def __init__(self, name: str, seed: int, head_dim: int = SHAPE["head_dim"], link: str = "c10d"):
         self.name, self.seed = name, seed
         self.cmd, self.res = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=peer_main, args=(name, seed, self.cmd, self.res, head_dim), daemon=True)
+        self.proc = CTX.Process(target=peer_main, args=(name, seed, self.cmd, self.res, head_dim, link), daemon=True)
         self.proc.start()
         self.address = self.get("ready")
 
@@ -43,12 +43,14 @@ class Peer:
             self.proc.kill()
 
 
-@pytest.fixture
-def peers():
+@pytest.fixture(params=["c10d", "pull"])
+def peers(request):
+    """Worker processes whose pairs move KV over a gloo group ("c10d") or pull it from the peer's
+    slab mapped in (same host: transfer/pull.py)."""
     made = []
 
     def make(name, seed, **kw):
-        p = Peer(name, seed, **kw)
+        p = Peer(name, seed, link=request.param, **kw)
         made.append(p)
         return p
 
@@ -190,6 +192,40 @@ def test_killed_peer_fails_cleanly_and_survivor_pairs_with_a_new_one(peers):
     assert p2.get("results")["r3"][0] == "DONE"
     out, blocks = d.get("results")
     assert out["r3"][0] == "DONE" and torch.equal(blocks["r3"], make_kv(53)[[9, 8, 7]])
+
+
+def test_a_sender_that_dies_during_a_pull_fails_the_handoff_and_a_new_pair_serves():
+    """Same host: the receiver copies from the sender's mapped slab. The sender dies once its
+    order is posted, while the copy runs: the receiver finds it gone after the copy, fails the
+    handoff by name (what it copied is never used: its blocks are released, not cached) and
+    pairs with the replacement, whose blocks arrive bit-exact."""
+    p, d = Peer("prefill-0", 81, link="pull"), Peer("decode-0", 82, link="pull")
+    p2 = None
+    try:
+        handoff(p, d, "warm", [1], [1])
+        assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+        fill, _ = d.ask("reserve", ("r", list(range(64))), "reserved")
+        (ch,) = d.ask("channel", (p.name, 1), "channels")
+        d.call("recv", {"ops": [(p.name, "", "r", fill, ch, 30.0)], "slow_pull": 1.0})
+        p.call("send", {"ops": [(d.name, d.address, "r", [5, 6, 7, 8], ch, 30.0)], "die_after_order": True})
+        p.proc.join(20)
+        assert p.proc.exitcode == 19
+        out, _ = d.get("results", timeout=60)
+        assert out["r"][0] == "FAILED" and "prefill-0 died during the pull of r" in out["r"][1], out
+        d.ask("release", "r", "ok")
+        st = d.ask("stats", kind="stats")
+        assert st["used"] == 0 and st["pairs"] == 0
+        p2 = Peer("prefill-1", 83, link="pull")
+        handoff(p2, d, "r2", [9, 8, 7], [10, 11, 12])
+        assert p2.get("results")["r2"][0] == "DONE"
+        out, blocks = d.get("results")
+        assert out["r2"][0] == "DONE" and torch.equal(blocks["r2"], make_kv(83)[[9, 8, 7]])
+        assert d.ask("links", kind="links") == {"prefill-1 recv": {"link": "shared-memory", "gen": 0,
+                                                                   "why": "the peer's KV is mapped here"}}
+    finally:
+        for peer in (p, d, p2):
+            if peer is not None:
+                peer.stop()
 
 
 def test_receiver_killed_mid_handoff_sender_releases_everything(peers):

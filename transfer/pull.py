@@ -1,0 +1,132 @@
+"""The same-node transport of a pair (pair.py): the receiver pulls the sender's blocks out of the
+sender's KV slab, mapped into the receiver's process once when the pair connects
+(shared.py: CUDA IPC on a GPU, a shared memory file on CPU), so the sender's GPU spends no SMs
+and no NCCL kernels on the move, and the two need no process group.
+
+    connect   the sender offers its slab (shared.export) and its store's address; the receiver
+              maps it (shared.open_peer) and answers the pair's link: "pull", or "c10d" with the
+              reason it could not map it (then the pair builds its process group, wire.py)
+    send      the sender waits for the step that wrote its blocks, writes order/<k> with its
+              block ids, and waits for ack/<k>; its blocks stay held until then (DONE)
+    receive   the receiver copies the blocks (ops/block_copy: one kernel on its side stream,
+              reading the peer's memory), waits for the copy, checks that the sender is still
+              alive (its store answers), then acks; a sender that died during the copy fails
+              the handoff (what was copied is never used: the blocks stay reserved, not cached)
+              and the pair, whose next gen connects afresh
+
+The control path stays one round trip (the order, the ack), as over NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.ops.block_copy import copy_blocks
+
+from .base import Handoff, TransferError, block_index
+from .shared import export, open_peer
+from .wire import _nullctx, td, wait_stream
+
+
+class PeerLost(TransferError):
+    pass
+
+
+def offer(conn) -> str:
+    """The sender's half of the link choice: its slab's description and its store's address."""
+    return json.dumps({"share": export(conn.kv) if conn.same_node else None, "address": conn.address})
+
+
+def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
+    """The receiver's half: ({"link": "pull" | "c10d", "why": ...}, the link when it is "pull")."""
+    o = json.loads(offer_json)
+    if not conn.same_node:
+        return {"link": "c10d", "why": "the same-node transport is off"}, None
+    peer = open_peer(o["share"], conn.kv)
+    if isinstance(peer, str):
+        return {"link": "c10d", "why": peer}, None
+    return {"link": "pull", "why": "the peer's KV is mapped here"}, PullLink(conn, peer, o["address"])
+
+
+def wait_key(ps: dist.PrefixStore, key: str, h: Handoff, gone) -> str:
+    """Polls for `key` until the handoff's deadline or `gone()` (the pair died): spin for the
+    first 5 ms (a sleep costs ~0.1 ms of latency), then back off."""
+    spin_until = time.monotonic() + 0.005
+    while not ps.check([key]):
+        now = time.monotonic()
+        if now > h.deadline:
+            raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s waiting for {key}")
+        if gone():
+            raise TransferError(f"handoff {h.request_id}: the pair closed")
+        time.sleep(0 if now < spin_until else 0.0002)
+    value = ps.get(key).decode()
+    ps.delete_key(key)
+    return value
+
+
+class PullLink:
+    """One pair's same-node link. Receiver: the peer's slab mapped here, and a client of the
+    peer's store to ask whether it is still alive. Sender: nothing but the protocol."""
+
+    def __init__(self, conn, peer_kv: torch.Tensor | None = None, peer_address: str | None = None):
+        self.conn, self.peer_kv, self.peer_address = conn, peer_kv, peer_address
+        self.name = "cuda-ipc" if conn.device.type == "cuda" else "shared-memory"
+        self._peer_store: dist.TCPStore | None = None
+
+    def close(self) -> None:
+        self.peer_kv = None  # the mapping goes with the last reference (a copy in flight keeps it)
+
+    def _bytes(self, h: Handoff) -> int:
+        kv = self.conn.kv
+        per_block = kv[0].numel() * kv.element_size()
+        if h.heads is not None:
+            per_block = per_block // kv.shape[4] * (h.heads[1] - h.heads[0])
+        return per_block * len(h.block_ids)
+
+    # ---- sender -------------------------------------------------------------------------------
+    def send(self, ps: dist.PrefixStore, h: Handoff, k: int, order: dict, gone) -> None:
+        if h._ready is not None:
+            h._ready.synchronize()  # the step that wrote the blocks is done: the peer may read them
+        ps.set(f"order/{k}", json.dumps({**order, "src": h.block_ids}))
+        h.t_first_post = h.t_posted = time.monotonic()
+        ack = wait_key(ps, f"ack/{k}", h, gone)
+        if ack not in ("ok", "gone"):  # "gone": the receiver gave the request up; nothing to hold
+            raise TransferError(f"handoff {h.request_id}: the receiver could not pull: {ack}")
+        h.nbytes = self._bytes(h)
+        if not h.complete():
+            raise TransferError(f"handoff {h.request_id} finished after it was {h.state.name}")
+
+    # ---- receiver -----------------------------------------------------------------------------
+    def receive(self, ps: dist.PrefixStore, h: Handoff, k: int, order: dict, peer: str) -> None:
+        conn = self.conn
+        stream = conn.stream
+        with torch.cuda.stream(stream) if stream is not None else _nullctx():
+            if h._ready is not None:
+                stream.wait_event(h._ready)  # the step in flight may still write these blocks
+            dev = conn.kv.device
+            copy_blocks(conn.kv, block_index(h.block_ids, dev), self.peer_kv, block_index(order["src"], dev),
+                        h.heads, order.get("heads"))
+        h.t_first_post = time.monotonic()
+        if stream is not None:
+            wait_stream(stream, h)
+        h.t_posted = time.monotonic()
+        self._check_alive(peer, h)
+        ps.set(f"ack/{k}", "ok")
+        h.nbytes = self._bytes(h)
+        if not h.complete():
+            raise TransferError(f"handoff {h.request_id} finished after it was {h.state.name}")
+
+    def _check_alive(self, peer: str, h: Handoff) -> None:
+        """The sender held the blocks until now only if its process still runs: its store answers."""
+        try:
+            if self._peer_store is None:
+                host, port = self.peer_address.rsplit(":", 1)
+                self._peer_store = dist.TCPStore(host, int(port), is_master=False, timeout=td(2.0))
+            self._peer_store.check(["alive"])
+        except Exception as e:  # noqa: BLE001 - any failure to reach it: it is gone
+            raise PeerLost(f"prefill worker {peer} died during the pull of {h.request_id}; its KV is not "
+                           f"used ({type(e).__name__})") from None
