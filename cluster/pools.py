@@ -210,7 +210,7 @@ class Pools:
         t0 = time.monotonic()
         cls = ray.remote(self.worker_cls).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
         actor = cls.remote(wid, role, args, self.namespace, placement_group=pg, bind_host=self.bind_host,
-                           shard_options=shard_opts, handoff_timeout_s=self.serving.handoff.timeout_s)
+                           shard_options=shard_opts, handoff=self.serving.handoff)
         try:
             info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
         except (asyncio.TimeoutError, RayError) as e:

@@ -21,6 +21,7 @@
     handoff:
       timeout_s: 30             # a KV handoff not done by then fails (--handoff-timeout); long
                                 # prompts on a busy host may need more
+      same_node: true           # pairs on one host pull KV through CUDA IPC / shared memory
 
 Pools: sizes and bounds, and the Ray resources each pool's actors request. The
 autoscaling targets are what the policy (autoscale.py) compares its signals with. The
@@ -124,11 +125,16 @@ class SloConfig:
 @dataclass
 class HandoffConfig:
     timeout_s: float = 30.0  # a reservation, send or receive of one request's KV
+    # a pair on one host whose peer's KV maps into the receiver pulls it (CUDA IPC / shared
+    # memory, transfer/pull.py); false: always NCCL (gloo on CPU)
+    same_node: bool = True
 
     def validate(self) -> None:
         v = self.timeout_s
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"handoff.timeout_s must be a number > 0, got {v!r}")
+        if not isinstance(self.same_node, bool):
+            raise ValueError(f"handoff.same_node must be true or false, got {self.same_node!r}")
 
 
 @dataclass

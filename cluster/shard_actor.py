@@ -40,15 +40,17 @@ from pdserve.transfer.base import Channel
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import Part, RankLink, rank_name
 
+from .serving_config import HandoffConfig
+
 log = logging.getLogger(__name__)
 
 
 class ShardActor:
     def __init__(self, worker_id: str, rank: int, config: EngineConfig, load_format: str, address: str,
-                 handoff_timeout_s: float):
+                 handoff: HandoffConfig):
         self.name = rank_name(worker_id, rank)
         self.rank, self.config, self.load_format, self.tp_address = rank, config, load_format, address
-        self.handoff_timeout_s = handoff_timeout_s
+        self.handoff = handoff
         self.connector: C10dConnector | None = None
         self.ready = threading.Event()
         self.stopped = False
@@ -71,9 +73,9 @@ class ShardActor:
     def _on_ready(self, runner) -> None:
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         mc = self.config.model_config
-        self.connector = C10dConnector(self.name, runner.kv, host=host, default_timeout_s=self.handoff_timeout_s,
+        self.connector = C10dConnector(self.name, runner.kv, host=host, default_timeout_s=self.handoff.timeout_s,
                                        tp=self.config.tensor_parallel_size, kv_heads_total=mc.kv_cache_spec.num_heads,
-                                       kv_cache_dtype=self.config.kv_cache_dtype)
+                                       kv_cache_dtype=self.config.kv_cache_dtype, same_node=self.handoff.same_node)
         threading.Thread(target=self._ops_loop, name=f"ops-{self.name}", daemon=True).start()
         self.ready.set()
 
@@ -166,7 +168,7 @@ class RayRankLink(RankLink):
 class RayShards(Shards):
     """Ranks 1..N-1 on bundles 1..N-1 of the worker's placement group."""
 
-    def __init__(self, worker_id: str, placement_group, options: dict, handoff_timeout_s: float, namespace: str,
+    def __init__(self, worker_id: str, placement_group, options: dict, handoff: HandoffConfig, namespace: str,
                  config: EngineConfig, load_format: str, address: str):
         self.worker_id = worker_id
         self.actors, self.runs = [], []
@@ -177,14 +179,14 @@ class RayShards(Shards):
                 name=rank_name(worker_id, rank), namespace=namespace, max_concurrency=8,
                 num_cpus=options.get("num_cpus", 0), num_gpus=options.get("num_gpus", 0),
                 scheduling_strategy=strategy,
-            ).remote(worker_id, rank, shard_config(config, rank, False), load_format, address, handoff_timeout_s)
+            ).remote(worker_id, rank, shard_config(config, rank, False), load_format, address, handoff)
             self.actors.append(actor)
             self.runs.append(actor.run.remote())
 
     @classmethod
-    def launcher(cls, worker_id: str, placement_group, options: dict, handoff_timeout_s: float, namespace: str):
+    def launcher(cls, worker_id: str, placement_group, options: dict, handoff: HandoffConfig, namespace: str):
         """The `launch_shards` an LLMEngine takes (rank r is the actor "<worker_id>#r" in `namespace`)."""
-        return lambda config, load_format, address: cls(worker_id, placement_group, options, handoff_timeout_s,
+        return lambda config, load_format, address: cls(worker_id, placement_group, options, handoff,
                                                         namespace, config, load_format, address)
 
     def links(self) -> list[RayRankLink]:

@@ -47,6 +47,7 @@ from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import TPConnector
 
 from .registry import Membership
+from .serving_config import HandoffConfig
 from .shard_actor import RayShards
 from .worker_commands import Abort, Aborted, Add, ForgetPeer, SwitchRole
 
@@ -57,11 +58,12 @@ log = logging.getLogger(__name__)
 
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_kwargs: dict, namespace: str,
-                 heartbeat_s: float = 1.0, handoff_timeout_s: float = 30.0, placement_group=None,
+                 heartbeat_s: float = 1.0, handoff: HandoffConfig | None = None, placement_group=None,
                  shard_options: dict | None = None, bind_host: str | None = None):
         """`bind_host`: where this worker's KV store listens and peers reach it (default: the
-        node's address). A worker of tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as
-        shard actors on bundles 1..N-1 of `placement_group` (shard_actor.py)."""
+        node's address). `handoff`: its KV handoffs' timeout and links. A worker of
+        tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as shard actors on
+        bundles 1..N-1 of `placement_group` (shard_actor.py)."""
         import torch
 
         if role not in ROLE_CLASSES:
@@ -75,8 +77,9 @@ class WorkerActor:
         self.heartbeat_s = heartbeat_s
         config = EngineConfig.from_kwargs(**engine_kwargs)
         launch = None
+        handoff = handoff or HandoffConfig()
         if config.tensor_parallel_size > 1:
-            launch = RayShards.launcher(worker_id, placement_group, shard_options or {}, handoff_timeout_s, namespace)
+            launch = RayShards.launcher(worker_id, placement_group, shard_options or {}, handoff, namespace)
         self.engine = LLMEngine(config, launch_shards=launch)
         self.tp = config.tensor_parallel_size
         self.engine.stream_deltas = True
@@ -86,11 +89,12 @@ class WorkerActor:
             self.engine.kv.host.events = [("host_stored", h) for h, _ in self.engine.kv.host.entries()]
         host = bind_host or (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
         kv_heads = config.model_config.kv_cache_spec.num_heads
-        local = C10dConnector(worker_id, self.engine.runner.kv, host=host, default_timeout_s=handoff_timeout_s,
-                              tp=self.tp, kv_heads_total=kv_heads, kv_cache_dtype=config.kv_cache_dtype)
+        local = C10dConnector(worker_id, self.engine.runner.kv, host=host, default_timeout_s=handoff.timeout_s,
+                              tp=self.tp, kv_heads_total=kv_heads, kv_cache_dtype=config.kv_cache_dtype,
+                              same_node=handoff.same_node)
         # rank to rank handoffs with workers of any TP (transfer/tp.py); one route at TP 1 <-> 1
         self.connector = TPConnector(local, self.engine.shards.links() if self.engine.shards else [], kv_heads)
-        self.handoff_timeout_s = handoff_timeout_s
+        self.handoff_timeout_s = handoff.timeout_s
         self.role = self._make_role(role)
         self.membership = Membership(worker_id, namespace)
         self.inbox: collections.deque = collections.deque()
@@ -168,7 +172,8 @@ class WorkerActor:
         s.update(role=self.role_name, worker_id=self.worker_id, inflight=self.inflight,
                  held_for_handoff=len(self.engine.held),
                  waiting_for_kv=len(getattr(self.role, "receiving", ())) + len(getattr(self.role, "backlog", ())),
-                 request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks)
+                 request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks,
+                 kv_links=self.connector.local.links())  # each KV pair's link and why (transfer/pull.py)
         s["num_deferred"] = s["waiting_for_kv"] + len(self.compile_aborted)  # waiting on KV or a grammar
         return s
 

@@ -44,12 +44,14 @@ class Reserved:
 class HandoffResult:
     """A prefill worker's report of one finished send, what its caller (the dispatcher) and the
     metrics read: its state ("DONE" or "FAILED"), the error, bytes moved, seconds from the start
-    of the send to its end, and the prefill side's spans (wall-clock times by name)."""
+    of the send to its end, the prefill side's spans (wall-clock times by name), and the link
+    that moved it (transfer: cuda-ipc, shared-memory, nccl, gloo)."""
     state: str
     error: str | None = None
     nbytes: int = 0
     seconds: float | None = None
     spans: dict[str, float] = field(default_factory=dict)
+    link: str | None = None
 
     @property
     def ok(self) -> bool:

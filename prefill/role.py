@@ -134,7 +134,8 @@ class PrefillRole(Role):
             if p is None:
                 continue
             p.spans.update(h.wall_spans("send"))
-            events.append(Sent(h.request_id, HandoffResult(h.state.name, h.error, h.nbytes, h.seconds, p.spans)))
+            events.append(Sent(h.request_id, HandoffResult(h.state.name, h.error, h.nbytes, h.seconds, p.spans,
+                                                                   h.link)))
         return events
 
     def _send(self, request_id: str, p: _Pending) -> None:

@@ -148,8 +148,10 @@ class RouterMetrics(RequestObserver):
                                             registry=r)
         self.request_preemptions = Histogram("vllm:request_num_preemptions", "Preemptions per finished request", m,
                                              buckets=(0, 1, 2, 5, 10, 20, 50), registry=r)
-        self.handoff_bytes = Counter("pdserve:kv_handoff_bytes", "KV bytes moved prefill -> decode", m, registry=r)
-        self.handoff_seconds = hist("pdserve:kv_handoff_seconds", "KV handoff latency")
+        self.handoff_bytes = Counter("pdserve:kv_handoff_bytes", "KV bytes moved prefill -> decode, by the link "
+                                     "that moved them (cuda-ipc, shared-memory, nccl, gloo)", ["link", *m],
+                                     registry=r)
+        self.handoff_seconds = hist("pdserve:kv_handoff_seconds", "KV handoff latency by link", ("link",))
         def counts(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, m, buckets=TOKEN_BUCKETS, registry=r)
 
@@ -186,9 +188,10 @@ class RouterMetrics(RequestObserver):
         self.phase_seconds.labels(name, self.model).observe(seconds)
 
     def on_handoff(self, result: HandoffResult) -> None:
-        self.handoff_bytes.labels(self.model).inc(result.nbytes)
+        link = result.link or "none"  # a handoff of no blocks (all prefix hits) used no link
+        self.handoff_bytes.labels(link, self.model).inc(result.nbytes)
         if result.seconds is not None:
-            self.handoff_seconds.labels(self.model).observe(result.seconds)
+            self.handoff_seconds.labels(link, self.model).observe(result.seconds)
 
     def on_finish(self, done: FinishedRequest) -> None:
         self.requests.labels(done.reason, self.model).inc()

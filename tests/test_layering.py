@@ -41,8 +41,8 @@ def test_imports_go_one_way(pkg):
 INTRA = {
     "cluster": {
         "serving_config": set(), "routing": {"api"}, "registry": set(), "api": set(), "local_ray": set(),
-        "autoscale": {"serving_config"}, "shard_actor": set(), "worker_commands": set(),
-        "worker_actor": {"registry", "shard_actor", "worker_commands"},
+        "autoscale": {"serving_config"}, "shard_actor": {"serving_config"}, "worker_commands": set(),
+        "worker_actor": {"registry", "serving_config", "shard_actor", "worker_commands"},
         "pools": {"autoscale", "routing", "serving_config", "worker_actor"},
         "placement": {"api", "pools", "routing"},
         "attempt": {"placement"},

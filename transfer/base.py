@@ -133,6 +133,8 @@ class Handoff:
     # tensor parallel: the KV heads [lo, hi) of this rank's blocks that this handoff moves
     # (the peer moves as many of its own); None: all of them
     heads: tuple[int, int] | None = None
+    # the pair's link that moved it: cuda-ipc | shared-memory (pulled) | nccl | gloo; None: no blocks
+    link: str | None = None
 
     @property
     def deadline(self) -> float:

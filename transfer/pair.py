@@ -203,6 +203,7 @@ class Pair:
         order = {"rid": h.request_id, "nblocks": len(h.block_ids), "meta": h.meta, "heads": h.heads}
         if h.block_ids and self.link is None:
             self._connect(h.deadline)
+        h.link = self.link.name if h.block_ids else None
         if isinstance(self.link, PullLink) and h.block_ids:
             self.link.send(self._store(h.deadline), h, k, order, lambda: self.dead)
             return
@@ -262,6 +263,7 @@ class Pair:
             raise ValueError(f"handoff {h.request_id}: the sender sends KV heads {order.get('heads')}, "
                              f"this rank expects {h.heads}")
         h.meta = order["meta"]
+        h.link = self.link.name if order["nblocks"] else None
         if order.get("src") is not None:
             self.link.receive(ps, h, k, order, self.peer)
             return

@@ -318,6 +318,7 @@ class _Composite(Handoff):
             self.meta = next((h.meta for h in self.local if h.meta is not None), self.meta)
         if not self.waiting:
             self.nbytes = sum(h.nbytes for h in self.local)
+            self.link = next((h.link for h in self.local if h.link), None)
             for h in self.local:
                 for k in ("t_started", "t_first_post", "t_posted"):
                     if getattr(self, k) is None:

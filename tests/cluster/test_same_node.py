@@ -1,0 +1,46 @@
+"""The same-node handoff in a real Ray cluster on one host: each pair's receiver maps its
+sender's KV (a shared memory file on CPU, CUDA IPC on a GPU) and pulls the blocks itself
+(transfer/pull.py); `handoff: {same_node: false}` keeps every pair on gloo / NCCL. Tokens
+equal the colocated engine's either way (greedy and seeded, bf16 / int8 / int4 KV, with the
+decode side's prefix hits), the link is in each worker's status and in the handoff metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster
+from pdserve.cluster.serving_config import ServingConfig
+
+from helpers import PROMPTS, role_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=8, ignore_eos=True)
+LONG = [p + " Then say it again, in more words than the first time, and then once more." for p in PROMPTS[:3]]
+
+
+@pytest.mark.parametrize("same_node,kv_dtype,link", [(True, "auto", "shared-memory"), (True, "int8", "shared-memory"),
+                                                     (True, "int4", "shared-memory"), (False, "auto", "gloo")])
+def test_pairs_on_one_host_pull_kv_and_give_colocated_tokens(tiny_models, same_node, kv_dtype, link):
+    model = tiny_models["llama_hd32" if kv_dtype == "int4" else "llama"]
+    with LLM(model, max_model_len=256, kv_cache_dtype=kv_dtype) as llm:
+        want = {name: [o.outputs[0].token_ids for o in llm.generate(LONG, p)]
+                for name, p in (("greedy", GREEDY), ("seeded", SEEDED))}
+    cfg = ServingConfig.from_dict({"handoff": {"same_node": same_node}})
+    c = Cluster.start(model, prefill=1, decode=1, max_model_len=256, kv_cache_dtype=kv_dtype, serving_config=cfg)
+    try:
+        for name, params in (("greedy", GREEDY), ("seeded", SEEDED), ("greedy", GREEDY)):
+            outs = c.generate(LONG, params)  # the third time the decode side has their prefixes
+            assert [o.outputs[0].token_ids for o in outs] == want[name], name
+            assert all(role_of(c, o.prefill_worker) == "prefill" for o in outs)
+        assert sum(o.num_cached_tokens for o in outs) > 0
+        rows = {r["role"]: r for r in c.status()}
+        prefill, decode = rows["prefill"]["worker_id"], rows["decode"]["worker_id"]
+        assert {k: v["link"] for k, v in rows["decode"]["kv_links"].items()} == {f"{prefill} recv": link}
+        assert {k: v["link"] for k, v in rows["prefill"]["kv_links"].items()} == {f"{decode} send": link}
+        for row in rows.values():
+            assert row["request_blocks"] == 0 and row["inflight"] == 0, row
+    finally:
+        c.shutdown()
