@@ -85,17 +85,25 @@ def save_ratio_plot(fig, ax, json_path: str, xlabel: str, ylabel: str, title: st
     return out
 
 
-def server_cmd(system: str, model: str, port: int) -> list[str]:
+def server_cmd(system: str, model: str, port: int, one_gpu: bool = False) -> list[str]:
     """system: disagg[:P:D] (default 1:1), hybrid[:P:D] (default 1:1), colocated[:N] (default 2),
-    hf[:GPUS] (default 2); a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg)."""
+    hf[:GPUS] (default 2); a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg).
+    `one_gpu`: the prefill and decode workers share one GPU (num_gpus 0.5 and 0.42 of its memory
+    each; their handoffs go over CUDA IPC)."""
     kind, *sizes = system.split(":")
     budget = [x[1:] for x in sizes if x.startswith("c")]
     sizes = [x for x in sizes if not x.startswith("c")]
+    share = one_gpu and kind in ("disagg", "hybrid")
     common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "8704",
-              "--port", str(port), "--gpu-memory-utilization", "0.85", "--max-queue", "4096"]
+              "--port", str(port), "--gpu-memory-utilization", "0.42" if share else "0.85", "--max-queue", "4096"]
     if kind in ("disagg", "hybrid"):
         p, d = (sizes + ["1", "1"])[:2] if sizes else ("1", "1")
         extra = ["--prefill-max-num-batched-tokens", budget[0]] if budget else []
+        if share:
+            cfg = os.path.join(tempfile.mkdtemp(), "one_gpu.yaml")
+            with open(cfg, "w") as f:
+                f.write("prefill: {num_gpus: 0.5}\ndecode: {num_gpus: 0.5}\n")
+            extra += ["--config", cfg]
         return [sys.executable, "-m", "pdserve", "serve", "--mode", kind, "--prefill", p, "--decode", d,
                 *common, *extra]
     if kind == "colocated":
@@ -177,6 +185,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the served model's shape")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="disagg / hybrid: the prefill and decode workers share one GPU (handoffs over CUDA IPC)")
     ap.add_argument("--systems", default="disagg,colocated,hf",
                     help="comma-separated: disagg[:P:D], colocated[:N], hf[:GPUS] (e.g. disagg:2:1 on 3 GPUs)")
     ap.add_argument("--workloads", default="long,trace")
@@ -200,7 +210,8 @@ def main() -> None:
     summary = []
     for system in args.systems.split(","):
         log = open(os.path.join(tempfile.gettempdir(), f"server-{system.replace(':', '-')}.log"), "w")
-        proc = subprocess.Popen(server_cmd(system, model, args.port), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(server_cmd(system, model, args.port, args.one_gpu), stdout=log,
+                                stderr=subprocess.STDOUT,
                                 start_new_session=True)  # a process group of its own: stop() ends only it
         try:
             up = wait_healthy(url, proc)

@@ -1,5 +1,8 @@
 """KV handoff between two GPUs (two processes, NCCL pair group built at run time)
-against a raw NCCL send/recv of the same bytes, measured in the same run.
+against a raw NCCL send/recv of the same bytes, measured in the same run; or, with
+--same-gpu, between two processes sharing one GPU (the same-node link: the receiver pulls the
+blocks from the sender's KV mapped through CUDA IPC, transfer/pull.py) against a local
+device-to-device copy of the same bytes.
 
 Llama-3-8B-shaped KV in bf16: 32 layers x 2 x 8 kv heads x 128 dims x 2 bytes = 128 KiB
 per token, 16-token blocks (2 MiB). A handoff is timed from "prefill done" (the
@@ -8,6 +11,7 @@ receiver's handoff DONE: received and scattered into its reserved blocks), with
 random non-contiguous block ids on both sides; gather and scatter included.
 
     python bench/transfer_bench.py --out bench/results          # 2 GPUs
+    python bench/transfer_bench.py --same-gpu --tokens 512,2048,8192 --out bench/results/ipc   # 1 GPU
     python bench/transfer_bench.py --device cpu --tokens 512    # gloo smoke run
 """
 
@@ -28,9 +32,13 @@ LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
 def kv_cache(num_blocks: int, device: str, small: bool) -> torch.Tensor:
+    """Random KV; on CPU on a shared memory file as the engine allocates it (a peer may map it)."""
+    from pdserve.engine.exec.kv_cache import zeros_on_demand
+
     layers, heads, dim = (2, 2, 16) if small else (LAYERS, KV_HEADS, HEAD_DIM)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    return torch.randn(num_blocks, layers, 2, BLOCK, heads, dim, dtype=dtype, device=device)
+    kv = torch.randn(num_blocks, layers, 2, BLOCK, heads, dim, dtype=dtype, device=device)
+    return kv if device != "cpu" else zeros_on_demand(tuple(kv.shape), dtype).copy_(kv)
 
 
 def sync(device):
@@ -44,27 +52,30 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
     from pdserve.transfer.base import HandoffTarget
     from pdserve.transfer.c10d import C10dConnector
 
-    device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
+    device = f"cuda:{0 if args.same_gpu else rank}" if args.device == "cuda" else "cpu"
     if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(torch.device(device))
     max_tokens = max(args.tokens)
     num_blocks = 2 * (max_tokens // BLOCK) + 16
     kv = kv_cache(num_blocks, device, args.device == "cpu")
     name = "prefill" if rank == 0 else "decode"
-    conn = C10dConnector(name, kv, default_timeout_s=120)
+    conn = C10dConnector(name, kv, default_timeout_s=120, same_node=args.same_gpu)
     q_to_peer.put(conn.address)
     peer_addr = q_from_peer.get()
     g = torch.Generator().manual_seed(rank)
     rows = []
 
-    # raw NCCL / gloo send/recv of the same bytes, on a separate pair group
-    host, port = peer_addr.rsplit(":", 1)
-    store = conn.store if rank == 1 else dist.TCPStore(host, int(port), is_master=False)
-    ps = dist.PrefixStore("raw", store)
-    if device.startswith("cuda"):
-        raw = dist.ProcessGroupNCCL(ps, rank, 2, dist.ProcessGroupNCCL.Options())
-    else:
-        raw = dist.ProcessGroupGloo(ps, rank, 2, datetime.timedelta(seconds=60))
+    # raw NCCL / gloo send/recv of the same bytes, on a separate pair group (one GPU: NCCL refuses
+    # two ranks on one device; the baseline is a local copy)
+    raw = None
+    if not args.same_gpu:
+        host, port = peer_addr.rsplit(":", 1)
+        store = conn.store if rank == 1 else dist.TCPStore(host, int(port), is_master=False)
+        ps = dist.PrefixStore("raw", store)
+        if device.startswith("cuda"):
+            raw = dist.ProcessGroupNCCL(ps, rank, 2, dist.ProcessGroupNCCL.Options())
+        else:
+            raw = dist.ProcessGroupGloo(ps, rank, 2, datetime.timedelta(seconds=60))
     for tokens, contiguous in tqdm([(t, c) for t in args.tokens for c in (False, True)], desc=name,
                                    disable=rank == 1):
         n = -(-tokens // BLOCK)
@@ -72,7 +83,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
         # raw: back-to-back send/recv of one contiguous buffer, timed on the receiver
         buf = torch.empty(n * kv[0].numel(), dtype=kv.dtype, device=device)
         raw_times = []
-        for it in range(args.iters + 2):
+        for it in range(args.iters + 2 if raw is not None else 0):
             raw.allreduce([torch.zeros(1, device=device)]).wait()  # start together
             sync(device)
             t = time.perf_counter()
@@ -81,6 +92,16 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
             sync(device)
             if it >= 2:
                 raw_times.append(time.perf_counter() - t)
+        if raw is None:  # one GPU: a device-to-device copy of the same bytes
+            dst = torch.empty_like(buf)
+            for it in range(args.iters + 2):
+                sync(device)
+                t = time.perf_counter()
+                dst.copy_(buf)
+                sync(device)
+                if it >= 2:
+                    raw_times.append(time.perf_counter() - t)
+            del dst
         raw_s = statistics.median(raw_times)
         # handoffs: decode reserves random blocks and posts its receive, then prefill sends
         hand, parts = [], []
@@ -119,7 +140,8 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                          "effective_GBps": nbytes / hs / 1e9, "raw_nccl_GBps": nbytes / raw_s / 1e9,
                          "raw_ms": raw_s * 1e3, "efficiency": raw_s / hs,
                          # from "prefill done": sender thread started, sender posted, receiver done
-                         "breakdown_ms": [statistics.median(p[i] for p in parts) * 1e3 for i in range(3)]})
+                         "breakdown_ms": [statistics.median(p[i] for p in parts) * 1e3 for i in range(3)],
+                         "link": h.link})
     if rank == 1:
         results.put(rows)
     time.sleep(0.5)
@@ -132,6 +154,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,2048,8192,32768")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--same-gpu", action="store_true", help="both processes on GPU 0: the same-node (IPC) link")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     ctx = mp.get_context("spawn")
@@ -144,16 +167,19 @@ def main() -> None:
     for p in procs:
         p.join(30)
     os.makedirs(args.out, exist_ok=True)
-    suffix = "" if args.device == "cuda" else "_cpu"
+    suffix = ("" if args.device == "cuda" else "_cpu") + ("_same_gpu" if args.same_gpu else "")
     with open(os.path.join(args.out, f"transfer{suffix}.json"), "w") as f:
         json.dump([{k: r[k] for k in ("tokens", "bytes", "handoff_ms", "effective_GBps", "raw_nccl_GBps",
-                                      "contiguous", "breakdown_ms")} for r in rows], f, indent=2)
-    dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
-    lines = [f"# KV handoff, 2 processes on {dev}", "",
+                                      "raw_ms", "efficiency", "contiguous", "breakdown_ms", "link")} for r in rows],
+                  f, indent=2)
+    dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    base = "local device-to-device copy" if args.same_gpu else "raw send/recv"
+    lines = [f"# KV handoff, 2 processes on {dev}{' (one GPU, both processes)' if args.same_gpu else ''}", "",
              "Llama-3-8B-shaped KV, bf16, 128 KiB/token, 16-token blocks, random block ids both sides; "
-             f"median of {args.iters}.", "",
-             "| tokens | block ids | MiB | handoff ms | effective GB/s | raw send/recv ms | raw GB/s | effective / raw "
-             "| sender started / posted / receiver done (ms) |",
+             f"median of {args.iters}; link: {rows[0]['link']}; `python bench/transfer_bench.py "
+             f"{'--same-gpu ' if args.same_gpu else ''}--tokens {','.join(map(str, args.tokens))}`.", "",
+             f"| tokens | block ids | MiB | handoff ms | effective GB/s | {base} ms | its GB/s | effective / "
+             "baseline | sender started / posted / receiver done (ms) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kind = "one run (in place)" if r["contiguous"] else "random (staged)"
@@ -163,7 +189,28 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"transfer{suffix}.md"), "w") as f:
         f.write(md)
+    plot(rows, os.path.join(args.out, f"transfer{suffix}.png"), base, dev)
     print(md)
+
+
+def plot(rows: list[dict], path: str, base: str, dev: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for contiguous, label in ((False, "random block ids"), (True, "one run of blocks")):
+        rs = [r for r in rows if r["contiguous"] == contiguous]
+        ax.plot([r["tokens"] for r in rs], [r["efficiency"] for r in rs], "o-", label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens (Llama-3-8B KV, 128 KiB/token)")
+    ax.set_ylabel(f"handoff bandwidth / {base}")
+    ax.set_title(f"KV handoff, {dev}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,49 @@ def make_kv(seed: int, num_blocks: int = SHAPE["num_blocks"], head_dim: int = SH
     return out
 
 
+class Peer:
+    """A worker process (peer_main) driven through its queues."""
+
+    def __init__(self, name: str, seed: int, head_dim: int = SHAPE["head_dim"], link: str = "c10d",
+                 device: str = "cpu"):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.name, self.seed = name, seed
+        self.cmd, self.res = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=peer_main, args=(name, seed, self.cmd, self.res, head_dim, link, device),
+                                daemon=True)
+        self.proc.start()
+        self.address = self.get("ready")
+
+    def call(self, cmd, args=None):
+        self.cmd.put((cmd, args))
+
+    def get(self, kind, timeout=60):
+        k, v = self.res.get(timeout=timeout)
+        assert k == kind, (k, v)
+        return v
+
+    def ask(self, cmd, args=None, kind=None, timeout=60):
+        self.call(cmd, args)
+        return self.get(kind, timeout)
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.call("stop")
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def handoff(prefill: Peer, decode: Peer, rid: str, src_ids, dst_ids, timeout=20.0, die=False):
+    """One handoff from `prefill` to `decode`: a channel, the receive posted, then the send."""
+    (ch,) = decode.ask("channel", (prefill.name, 1), "channels")
+    decode.call("recv", {"ops": [(prefill.name, "", rid, dst_ids, ch, timeout)]})
+    prefill.call("send", {"ops": [(decode.name, decode.address, rid, src_ids, ch, timeout)], "die": die})
+    return ch
+
+
 def _wait_all(conn, handoffs):
     pending = {h.request_id: h for h in handoffs}
     results = {}
@@ -37,9 +80,10 @@ def _wait_all(conn, handoffs):
     return results
 
 
-def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_dim"], link: str = "c10d") -> None:
-    """link "pull": the KV on a shared memory file, so a same-host pair pulls it (transfer/pull.py);
-    "c10d": over a gloo group."""
+def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_dim"], link: str = "c10d",
+              device: str = "cpu") -> None:
+    """link "pull": a same-host pair pulls the sender's KV mapped in (a shared memory file on CPU,
+    CUDA IPC on a GPU: transfer/pull.py); "c10d": over a gloo (NCCL) group."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from pdserve.engine.core.kv_cache_manager import KVCacheManager
     from pdserve.engine.core.request import Request
@@ -54,7 +98,7 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
     def recv(peer, _address, rid, block_ids, channel, timeout=None):
         return conn.start_recv(peer, rid, block_ids, channel, timeout)
 
-    kv = make_kv(seed, head_dim=head_dim, shared=True)
+    kv = make_kv(seed, head_dim=head_dim, shared=device == "cpu").to(device)
     kvm = KVCacheManager(kv.shape[0], SHAPE["block_size"])
     conn = C10dConnector(name, kv, min_chunk_bytes=16 << 10, same_node=link == "pull")  # 4 KiB blocks: many chunks
     reqs: dict[str, Request] = {}
@@ -102,7 +146,7 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                     time.sleep(after)
                     conn.forget_peer(peer)
                 out = _wait_all(conn, hs)
-                blocks = {a[2]: kv[a[3]].clone() for a in args["ops"]}
+                blocks = {a[2]: kv[a[3]].cpu() for a in args["ops"]}
                 res_q.put(("results", (out, blocks)))
             elif cmd == "prefill":  # allocate + fill blocks for a prompt as a prefill would
                 rid, tokens = args
@@ -129,7 +173,10 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
             elif cmd == "links":
                 res_q.put(("links", conn.links()))
             elif cmd == "blocks_of":
-                res_q.put(("tensor", kv[args].clone()))
+                res_q.put(("tensor", kv[args].cpu()))
+            elif cmd == "memory":  # CUDA: (this process's allocated bytes, the GPU's free bytes)
+                torch.cuda.synchronize()
+                res_q.put(("memory", (torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0])))
             elif cmd == "stats":
                 kvm.pool.check_invariants()
                 res_q.put(("stats", {"used": kvm.pool.num_used_blocks, "requests": list(kvm.req_blocks),

@@ -20,6 +20,7 @@ The control path stays one round trip (the order, the ack), as over NCCL.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -36,9 +37,24 @@ class PeerLost(TransferError):
     pass
 
 
+def _started(pid: int) -> str | None:
+    """When process `pid` of this host started (clock ticks since boot), None if there is none
+    running (an exited process not yet reaped is a zombie: none): a pid and its start time name
+    one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if len(fields) < 20 or fields[0] in "ZX" else fields[19]
+
+
 def offer(conn) -> str:
-    """The sender's half of the link choice: its slab's description and its store's address."""
-    return json.dumps({"share": export(conn.kv) if conn.same_node else None, "address": conn.address})
+    """The sender's half of the link choice: its slab's description, its store's address and its
+    process (pid and start time, for a liveness check that costs no round trip)."""
+    pid = os.getpid()
+    return json.dumps({"share": export(conn.kv) if conn.same_node else None, "address": conn.address,
+                       "pid": pid, "started": _started(pid)})
 
 
 def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
@@ -49,7 +65,10 @@ def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
     peer = open_peer(o["share"], conn.kv)
     if isinstance(peer, str):
         return {"link": "c10d", "why": peer}, None
-    return {"link": "pull", "why": "the peer's KV is mapped here"}, PullLink(conn, peer, o["address"])
+    link = PullLink(conn, peer, o["address"])
+    if o.get("started") is not None and _started(o["pid"]) == o["started"]:  # its process is visible here
+        link.peer_process = (o["pid"], o["started"])
+    return {"link": "pull", "why": "the peer's KV is mapped here"}, link
 
 
 def wait_key(ps: dist.PrefixStore, key: str, h: Handoff, gone) -> str:
@@ -76,6 +95,7 @@ class PullLink:
         self.conn, self.peer_kv, self.peer_address = conn, peer_kv, peer_address
         self.name = "cuda-ipc" if conn.device.type == "cuda" else "shared-memory"
         self._peer_store: dist.TCPStore | None = None
+        self.peer_process: tuple[int, str] | None = None  # (pid, start time), when /proc shows it here
 
     def close(self) -> None:
         self.peer_kv = None  # the mapping goes with the last reference (a copy in flight keeps it)
@@ -121,7 +141,13 @@ class PullLink:
             raise TransferError(f"handoff {h.request_id} finished after it was {h.state.name}")
 
     def _check_alive(self, peer: str, h: Handoff) -> None:
-        """The sender held the blocks until now only if its process still runs: its store answers."""
+        """The sender held the blocks until now only if its process still runs: the same pid with
+        the same start time (its process visible here), else its store answers."""
+        if self.peer_process is not None:
+            pid, started = self.peer_process
+            if _started(pid) != started:
+                raise PeerLost(f"prefill worker {peer} died during the pull of {h.request_id}; its KV is not used")
+            return
         try:
             if self._peer_store is None:
                 host, port = self.peer_address.rsplit(":", 1)

@@ -6,7 +6,10 @@ decode side's prefix hits), the link is in each worker's status and in the hando
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
@@ -25,11 +28,30 @@ LONG = [p + " Then say it again, in more words than the first time, and then onc
                                                      (True, "int4", "shared-memory"), (False, "auto", "gloo")])
 def test_pairs_on_one_host_pull_kv_and_give_colocated_tokens(tiny_models, same_node, kv_dtype, link):
     model = tiny_models["llama_hd32" if kv_dtype == "int4" else "llama"]
-    with LLM(model, max_model_len=256, kv_cache_dtype=kv_dtype) as llm:
+    check_tokens_and_links(model, ServingConfig.from_dict({"handoff": {"same_node": same_node}}), link,
+                           kv_cache_dtype=kv_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
+def test_a_prefill_and_a_decode_worker_sharing_one_gpu_hand_off_over_cuda_ipc(tiny_models, kv_dtype):
+    """Both workers on one GPU (num_gpus 0.5, a third of its memory each): the handoff runs
+    over CUDA IPC and gives the colocated engine's tokens (bf16)."""
+    model = tiny_models["llama_hd32" if kv_dtype == "int4" else "llama"]
+    cfg = ServingConfig.from_dict({"prefill": {"num_gpus": 0.5}, "decode": {"num_gpus": 0.5}})
+    check_tokens_and_links(model, cfg, "cuda-ipc", kv_cache_dtype=kv_dtype, gpu_memory_utilization=0.3)
+
+
+def check_tokens_and_links(model: str, cfg: ServingConfig, link: str, **engine) -> None:
+    with LLM(model, max_model_len=256, **engine) as llm:
         want = {name: [o.outputs[0].token_ids for o in llm.generate(LONG, p)]
                 for name, p in (("greedy", GREEDY), ("seeded", SEEDED))}
-    cfg = ServingConfig.from_dict({"handoff": {"same_node": same_node}})
-    c = Cluster.start(model, prefill=1, decode=1, max_model_len=256, kv_cache_dtype=kv_dtype, serving_config=cfg)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    c = Cluster.start(model, prefill=1, decode=1, max_model_len=256, serving_config=cfg, **engine)
     try:
         for name, params in (("greedy", GREEDY), ("seeded", SEEDED), ("greedy", GREEDY)):
             outs = c.generate(LONG, params)  # the third time the decode side has their prefixes

@@ -2,45 +2,15 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import pytest
 import torch
 
-from transfer_workers import SHAPE, make_kv, peer_main
+from transfer_workers import Peer, handoff, make_kv
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-CTX = mp.get_context("spawn")
-
-
-class Peer:
-    def __init__(self, name: str, seed: int, head_dim: int = SHAPE["head_dim"], link: str = "c10d"):
-        self.name, self.seed = name, seed
-        self.cmd, self.res = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=peer_main, args=(name, seed, self.cmd, self.res, head_dim, link), daemon=True)
-        self.proc.start()
-        self.address = self.get("ready")
-
-    def call(self, cmd, args=None):
-        self.cmd.put((cmd, args))
-
-    def get(self, kind, timeout=60):
-        k, v = self.res.get(timeout=timeout)
-        assert k == kind, (k, v)
-        return v
-
-    def ask(self, cmd, args=None, kind=None, timeout=60):
-        self.call(cmd, args)
-        return self.get(kind, timeout)
-
-    def stop(self):
-        if self.proc.is_alive():
-            self.call("stop")
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 @pytest.fixture(params=["c10d", "pull"])
@@ -57,13 +27,6 @@ def peers(request):
     yield make
     for p in made:
         p.stop()
-
-
-def handoff(prefill: Peer, decode: Peer, rid: str, src_ids, dst_ids, timeout=20.0, die=False):
-    (ch,) = decode.ask("channel", (prefill.name, 1), "channels")
-    decode.call("recv", {"ops": [(prefill.name, "", rid, dst_ids, ch, timeout)]})
-    prefill.call("send", {"ops": [(decode.name, decode.address, rid, src_ids, ch, timeout)], "die": die})
-    return ch
 
 
 PATTERNS = {
