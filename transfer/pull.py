@@ -135,9 +135,10 @@ class PullLink:
             wait_stream(stream, h)
         h.t_posted = time.monotonic()
         self._check_alive(peer, h)
-        ps.set(f"ack/{k}", "ok")
         h.nbytes = self._bytes(h)
-        if not h.complete():
+        done = h.complete()  # the blocks are usable here now; the ack only lets the sender free its own
+        ps.set(f"ack/{k}", "ok")
+        if not done:
             raise TransferError(f"handoff {h.request_id} finished after it was {h.state.name}")
 
     def _check_alive(self, peer: str, h: Handoff) -> None:
