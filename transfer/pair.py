@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Handoff, StagingPool, TransferState, check_layouts
-from .pull import PullLink, accept, offer
+from .pull import PullLink, accept, offer, ring
 from .wire import C10dLink, td, width
 
 
@@ -182,6 +182,8 @@ class Pair:
         self.why = choice["why"]
         if choice["link"] == "pull":
             self.link = link or PullLink(conn)
+            if self.is_sender:
+                self.link.ring_at(choice.get("bell"))
         else:
             self.link = C10dLink.connect(conn, self.rank, ps, deadline)
 
@@ -233,8 +235,11 @@ class Pair:
                 self._dead_check_at = now + 0.05
                 if ps.check(["dead"]):
                     raise RuntimeError(f"sender {self.peer} closed gen {self.gen}")
-            with self.cond:
-                self.cond.wait(0.0005)
+            if isinstance(self.link, PullLink):  # woken by the sender's doorbell, or polls
+                self.link.wait_order(0.05 if self.link.bell is not None else 0.0005)
+            else:
+                with self.cond:
+                    self.cond.wait(0.0005)
             return
         order = json.loads(ps.get(key))
         ps.delete_key(key)
@@ -250,6 +255,7 @@ class Pair:
         if h is None:  # aborted here: drain the message so the pair stays in step
             if order.get("src") is not None:  # pulled: nothing on a wire, just let the sender go
                 ps.set(f"ack/{k}", "gone")
+                ring(self.link.bell)
             elif order["nblocks"]:
                 drain = Handoff(order["rid"], self.peer, [], None, False, self.conn.default_timeout_s)
                 wide = width(order.get("heads"))  # what the sender sends: a slice this wide, or whole blocks

@@ -14,14 +14,20 @@ and no NCCL kernels on the move, and the two need no process group.
               the handoff (what was copied is never used: the blocks stay reserved, not cached)
               and the pair, whose next gen connects afresh
 
-The control path stays one round trip (the order, the ack), as over NCCL.
+The control path stays one round trip (the order, the ack), as over NCCL. Both travel through
+the receiver's store; a doorbell (a Unix socket of the pair, in the abstract namespace: gone with
+either process) wakes the side that waits for them at once instead of at its next poll. Without
+one (another network namespace) each side polls, as before the doorbell.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import socket
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -68,12 +74,12 @@ def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
     link = PullLink(conn, peer, o["address"])
     if o.get("started") is not None and _started(o["pid"]) == o["started"]:  # its process is visible here
         link.peer_process = (o["pid"], o["started"])
-    return {"link": "pull", "why": "the peer's KV is mapped here"}, link
+    return {"link": "pull", "why": "the peer's KV is mapped here", "bell": link.listen()}, link
 
 
-def wait_key(ps: dist.PrefixStore, key: str, h: Handoff, gone) -> str:
-    """Polls for `key` until the handoff's deadline or `gone()` (the pair died): spin for the
-    first 5 ms (a sleep costs ~0.1 ms of latency), then back off."""
+def wait_key(ps: dist.PrefixStore, key: str, h: Handoff, gone, bell: socket.socket | None = None) -> str:
+    """Waits for `key` until the handoff's deadline or `gone()` (the pair died): woken by the
+    doorbell when there is one, else polling (spin for the first 5 ms, then back off)."""
     spin_until = time.monotonic() + 0.005
     while not ps.check([key]):
         now = time.monotonic()
@@ -81,10 +87,28 @@ def wait_key(ps: dist.PrefixStore, key: str, h: Handoff, gone) -> str:
             raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s waiting for {key}")
         if gone():
             raise TransferError(f"handoff {h.request_id}: the pair closed")
-        time.sleep(0 if now < spin_until else 0.0002)
+        if bell is not None:
+            wait_bell(bell, min(0.05, h.deadline - now))
+        else:
+            time.sleep(0 if now < spin_until else 0.0002)
     value = ps.get(key).decode()
     ps.delete_key(key)
     return value
+
+
+def wait_bell(bell: socket.socket, timeout: float) -> None:
+    """Until the peer rings (or closes the socket: it is gone) or `timeout`; takes every ring."""
+    if select.select([bell], [], [], max(timeout, 0))[0]:
+        if not bell.recv(4096):
+            raise TransferError("the peer left (it closed the pair's doorbell)")
+
+
+def ring(bell: socket.socket | None) -> None:
+    if bell is not None:
+        try:
+            bell.send(b"!")
+        except OSError:  # the peer is gone: its side fails on its own
+            pass
 
 
 class PullLink:
@@ -96,9 +120,53 @@ class PullLink:
         self.name = "cuda-ipc" if conn.device.type == "cuda" else "shared-memory"
         self._peer_store: dist.TCPStore | None = None
         self.peer_process: tuple[int, str] | None = None  # (pid, start time), when /proc shows it here
+        self.bell: socket.socket | None = None  # the pair's doorbell once both ends hold it
+        self._listener: socket.socket | None = None  # receiver: until the sender connects
+
+    # ---- the doorbell ---------------------------------------------------------------------
+    def listen(self) -> str | None:
+        """Receiver: the doorbell's address (abstract Unix socket), None if there can be none."""
+        name = f"\0pdserve-bell-{uuid.uuid4().hex}"
+        try:
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(name)
+            self._listener.listen(1)
+        except (OSError, AttributeError):
+            self._listener = None
+            return None
+        return name[1:]
+
+    def ring_at(self, name: str | None) -> None:
+        """Sender: connects to the receiver's doorbell; without one, it polls."""
+        if name is None:
+            return
+        try:
+            bell = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bell.connect("\0" + name)
+            self.bell = bell
+        except OSError:
+            pass
+
+    def wait_order(self, timeout: float) -> None:
+        """Receiver, no order yet: until the sender rings or `timeout` (then the caller polls)."""
+        if self.bell is None and self._listener is not None:
+            self._listener.settimeout(timeout)
+            try:
+                self.bell, _ = self._listener.accept()
+            except OSError:  # not connected yet (or never: a sender that cannot reach it polls)
+                return
+            self._listener.close()
+            self._listener = None
+        if self.bell is None:
+            time.sleep(timeout)
+            return
+        wait_bell(self.bell, timeout)
 
     def close(self) -> None:
         self.peer_kv = None  # the mapping goes with the last reference (a copy in flight keeps it)
+        for sock in (self.bell, self._listener):
+            if sock is not None:
+                sock.close()
 
     def _bytes(self, h: Handoff) -> int:
         kv = self.conn.kv
@@ -112,8 +180,9 @@ class PullLink:
         if h._ready is not None:
             h._ready.synchronize()  # the step that wrote the blocks is done: the peer may read them
         ps.set(f"order/{k}", json.dumps({**order, "src": h.block_ids}))
+        ring(self.bell)
         h.t_first_post = h.t_posted = time.monotonic()
-        ack = wait_key(ps, f"ack/{k}", h, gone)
+        ack = wait_key(ps, f"ack/{k}", h, gone, self.bell)
         if ack not in ("ok", "gone"):  # "gone": the receiver gave the request up; nothing to hold
             raise TransferError(f"handoff {h.request_id}: the receiver could not pull: {ack}")
         h.nbytes = self._bytes(h)
@@ -138,6 +207,7 @@ class PullLink:
         h.nbytes = self._bytes(h)
         done = h.complete()  # the blocks are usable here now; the ack only lets the sender free its own
         ps.set(f"ack/{k}", "ok")
+        ring(self.bell)
         if not done:
             raise TransferError(f"handoff {h.request_id} finished after it was {h.state.name}")
 
