@@ -98,6 +98,11 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
     def recv(peer, _address, rid, block_ids, channel, timeout=None):
         return conn.start_recv(peer, rid, block_ids, channel, timeout)
 
+    if link == "pull-no-doorbell":  # a receiver whose doorbell cannot be made: both sides poll
+        from pdserve.transfer.pull import PullLink
+
+        PullLink.listen = lambda self: None
+        link = "pull"
     kv = make_kv(seed, head_dim=head_dim, shared=device == "cpu").to(device)
     kvm = KVCacheManager(kv.shape[0], SHAPE["block_size"])
     conn = C10dConnector(name, kv, min_chunk_bytes=16 << 10, same_node=link == "pull")  # 4 KiB blocks: many chunks

@@ -191,6 +191,22 @@ def test_a_sender_that_dies_during_a_pull_fails_the_handoff_and_a_new_pair_serve
                 peer.stop()
 
 
+def test_a_pull_without_a_doorbell_polls_and_delivers():
+    """A receiver that cannot make the pair's doorbell (another network namespace): both sides
+    poll the store for the order and the ack, and the blocks arrive all the same."""
+    p, d = Peer("prefill-0", 91, link="pull"), Peer("decode-0", 92, link="pull-no-doorbell")
+    try:
+        for i, (src, dst) in enumerate((([5], [7]), ([3, 90, 17], [300, 1, 77]))):
+            handoff(p, d, f"r{i}", src, dst)
+            assert p.get("results")[f"r{i}"][0] == "DONE"
+            out, blocks = d.get("results")
+            assert out[f"r{i}"][0] == "DONE" and torch.equal(blocks[f"r{i}"], make_kv(91)[src])
+        assert d.ask("links", kind="links")["prefill-0 recv"]["link"] == "shared-memory"
+    finally:
+        p.stop()
+        d.stop()
+
+
 def test_receiver_killed_mid_handoff_sender_releases_everything(peers):
     p, d = peers("prefill-0", 71), peers("decode-0", 72)
     handoff(p, d, "warm", [1], [1])
