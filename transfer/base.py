@@ -204,6 +204,12 @@ def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
                              f"TP={theirs.get('tp', 1)}; ours, theirs): {diff}")
 
 
+def block_bytes(kv: torch.Tensor, heads: tuple[int, int] | None = None) -> int:
+    """Bytes of one block of `kv`, or of its KV heads [lo, hi) only (a tensor-parallel route)."""
+    whole = kv[0].numel() * kv.element_size()
+    return whole if heads is None else whole // kv.shape[4] * (heads[1] - heads[0])
+
+
 def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
     idx = torch.tensor(block_ids, dtype=torch.int64)
     if device.type == "cuda":  # pinned + async: no host sync on the copy (measured: -0.1 ms/chunk)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from pdserve.engine.ops.block_copy import copy_blocks
 
-from .base import Handoff, TransferError, block_index
+from .base import Handoff, TransferError, block_bytes, block_index
 from .shared import export, open_peer
 from .wire import _nullctx, td, wait_stream
 
@@ -168,13 +168,6 @@ class PullLink:
             if sock is not None:
                 sock.close()
 
-    def _bytes(self, h: Handoff) -> int:
-        kv = self.conn.kv
-        per_block = kv[0].numel() * kv.element_size()
-        if h.heads is not None:
-            per_block = per_block // kv.shape[4] * (h.heads[1] - h.heads[0])
-        return per_block * len(h.block_ids)
-
     # ---- sender -------------------------------------------------------------------------------
     def send(self, ps: dist.PrefixStore, h: Handoff, k: int, order: dict, gone) -> None:
         if h._ready is not None:
@@ -185,7 +178,7 @@ class PullLink:
         ack = wait_key(ps, f"ack/{k}", h, gone, self.bell)
         if ack not in ("ok", "gone"):  # "gone": the receiver gave the request up; nothing to hold
             raise TransferError(f"handoff {h.request_id}: the receiver could not pull: {ack}")
-        h.nbytes = self._bytes(h)
+        h.nbytes = block_bytes(self.conn.kv, h.heads) * len(h.block_ids)
         if not h.complete():
             raise TransferError(f"handoff {h.request_id} finished after it was {h.state.name}")
 
@@ -204,7 +197,7 @@ class PullLink:
             wait_stream(stream, h)
         h.t_posted = time.monotonic()
         self._check_alive(peer, h)
-        h.nbytes = self._bytes(h)
+        h.nbytes = block_bytes(self.conn.kv, h.heads) * len(h.block_ids)
         done = h.complete()  # the blocks are usable here now; the ack only lets the sender free its own
         ps.set(f"ack/{k}", "ok")
         ring(self.bell)

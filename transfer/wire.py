@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import Handoff, block_index, contiguous_run, gather_blocks, scatter_blocks
+from .base import Handoff, block_bytes, block_index, contiguous_run, gather_blocks, scatter_blocks
 
 
 def td(seconds: float) -> datetime.timedelta:
@@ -106,9 +106,8 @@ class C10dLink:
                 index = block_index(block_ids, conn.kv.device) if block_ids and not contiguous_run(block_ids) \
                     else None
                 heads = _sliced(h.heads, conn.kv.shape[4])
-                block_bytes = conn.block_bytes if heads is None else \
-                    conn.block_bytes // conn.kv.shape[4] * (heads[1] - heads[0])
-                for i, (lo, hi) in enumerate(plan_chunks(n, block_bytes, conn.min_chunk_bytes)):
+                one_block = block_bytes(conn.kv, heads)
+                for i, (lo, hi) in enumerate(plan_chunks(n, one_block, conn.min_chunk_bytes)):
                     ids = block_ids[lo:hi] if block_ids is not None else None
                     if heads is not None:  # a head slice (tensor parallel): always staged
                         buf, staged = self._head_slice(h, ring, i, ids, index, lo, hi, heads), False
