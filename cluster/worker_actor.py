@@ -224,6 +224,8 @@ class WorkerActor:
                     if isinstance(nxt, Exception):
                         raise nxt
                     out = merge_outputs(out, nxt)
+                if out.metrics is not None and out.metrics.spans:  # the first token's: Ray's stream takes it
+                    out.metrics.spans["relayed"] = time.time()
                 yield out
                 if out.finished:
                     return

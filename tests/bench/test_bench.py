@@ -286,3 +286,29 @@ def test_bench_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path, monkeypa
     err = capsys.readouterr().err.strip()
     assert err == "pdserve: error: matplotlib is not installed: pip install 'pdserve[bench]' for the plots"
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_phase_stats_cut_a_handoff_at_its_spans_per_request():
+    """kv_to_first_token's parts come from each request's own spans, so one request's parts add up
+    to its whole and the markdown table shows them."""
+    from pdserve.bench.report import markdown
+    from pdserve.bench.timeline import phase_stats
+
+    def req(i: int) -> dict:
+        s = {"send_start": 100.0 + i, "recv_done": 100.004 + i, "kv_landed": 100.0045 + i,
+             "relayed": 100.006 + i, "first_token_at_edge": 100.010 + i}
+        return {"spans": s, "phases": {"kv_to_first_token": s["first_token_at_edge"] - s["send_start"]}}
+
+    ph = phase_stats([req(i) for i in range(3)] + [{"spans": {"arrival": 1.0}, "phases": {"local_first_token": 0.5}}])
+    assert ph["kv_transfer"]["p50"] == pytest.approx(4.0) and ph["kv_pickup"]["p50"] == pytest.approx(0.5)
+    assert ph["first_token_emit"]["p50"] == pytest.approx(1.5) and ph["first_token_relay"]["p50"] == pytest.approx(4.0)
+    assert ph["kv_to_first_token_over_transfer"]["p50"] == pytest.approx(6.0)
+    assert ph["kv_to_first_token"]["p50"] == pytest.approx(10.0) and ph["kv_transfer"]["n"] == 3
+    run = {"rate": 1, "completed": 4, "requests": 4, "ttft_s": {"p50": 0.1, "p90": 0.1, "p99": 0.1},
+           "tpot_s": {"p50": 0.01, "p90": 0.01, "p99": 0.01}, "itl_s": {"p90": 0.01}, "output_tok_s": 1.0,
+           "slo_attainment": 1.0, "prefix_hit_rate": None, "phase_ms": ph}
+    text = markdown({"label": "x", "config": {"workload_desc": "w", "ttft_slo": 1, "tpot_slo": 0.1},
+                     "runs": [run], "goodput": {"rps": 1.0, "lower_bound": True}})
+    head = text.split("per-request timeline):")[1].strip().splitlines()[0]
+    assert head == ("| rate | kv_to_first_token | local_first_token | kv_transfer | kv_pickup | first_token_emit "
+                    "| first_token_relay | kv_to_first_token_over_transfer |")

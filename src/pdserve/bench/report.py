@@ -138,9 +138,9 @@ def markdown(result: dict) -> str:
     timed = [(r["rate"], r["phase_ms"]) for r in result["runs"]
              if any(n in r.get("phase_ms", {}) for n in ("prefill", "local_prefill", "local_first_token"))]
     if timed:
-        from .timeline import PHASES
+        from .timeline import HANDOFF_PARTS, PHASES
 
-        names = [n for n in PHASES if any(n in ph for _, ph in timed)]
+        names = [n for n in (*PHASES, *(p[0] for p in HANDOFF_PARTS)) if any(n in ph for _, ph in timed)]
         lines += ["", "Phases before the first token, p50 / p90 (ms, from the server's per-request timeline):",
                   "", "| rate | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
         for rate, ph in timed:

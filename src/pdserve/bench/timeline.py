@@ -4,7 +4,8 @@ each request's time went before its first token, and a plot of them.
 Spans (wall-clock seconds, by the workers' clocks on one host): arrival (at the
 cluster), prefill_queued, target_known (the decode reservation reached the prefill
 worker), prefill_done (first token sampled), send_start, decode_queued, reserved,
-kv_landed, first_token_at_edge (back at the cluster). Phases: prefill (queue + compute),
+kv_landed, relayed (the worker's stream hands the first token to Ray), first_token_at_edge
+(back at the cluster). Phases: prefill (queue + compute),
 decode_reserve (the finished prefill waiting for the reservation: 0 when it came
 first), kv_to_first_token (send start -> first token at the cluster: wire + admission +
 relay); for a prompt prefilled on its decode worker (hybrid placement): local_queued,
@@ -28,17 +29,30 @@ BARS = (("to prefill worker", "arrival", "prefill_queued"), ("prefill (queue + c
         ("to the decode worker", "arrival", "local_queued"),
         ("prefill on the decode worker (queue + chunks)", "local_queued", "local_prefill_done"),
         ("first token to the client", "local_prefill_done", "first_token_at_edge"))
+# a handoff's kv_to_first_token, cut at its spans: (name, start span, end span)
+HANDOFF_PARTS = (("kv_transfer", "send_start", "recv_done"), ("kv_pickup", "recv_done", "kv_landed"),
+                 ("first_token_emit", "kv_landed", "relayed"), ("first_token_relay", "relayed", "first_token_at_edge"),
+                 ("kv_to_first_token_over_transfer", "recv_done", "first_token_at_edge"))
 COLORS = ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#bbbbbb", "#8172b3", "#55a868")
 
 
+def _ms(vals: list[float]) -> dict:
+    return {"p50": 1000 * percentile(vals, 50), "p90": 1000 * percentile(vals, 90),
+            "mean": 1000 * sum(vals) / len(vals), "n": len(vals)}
+
+
 def phase_stats(timeline: list[dict]) -> dict:
-    """phase -> {p50, p90, mean} in ms, plus the share of requests with a reservation wait."""
+    """phase (and a handoff's parts, HANDOFF_PARTS) -> {p50, p90, mean, n} in ms, plus the share of
+    requests with a reservation wait."""
     out = {}
     for ph in PHASES:
         vals = [t["phases"][ph] for t in timeline if ph in t.get("phases", {})]
         if vals:
-            out[ph] = {"p50": 1000 * percentile(vals, 50), "p90": 1000 * percentile(vals, 90),
-                       "mean": 1000 * sum(vals) / len(vals), "n": len(vals)}
+            out[ph] = _ms(vals)
+    for name, a, b in HANDOFF_PARTS:  # per request, so parts of one request add up
+        vals = [t["spans"][b] - t["spans"][a] for t in timeline if a in t["spans"] and b in t["spans"]]
+        if vals:
+            out[name] = _ms(vals)
     waits = [t["phases"]["decode_reserve"] for t in timeline if "decode_reserve" in t.get("phases", {})]
     if waits:
         out["reserve_on_critical_path_share"] = sum(1 for w in waits if w > 0.001) / len(waits)
