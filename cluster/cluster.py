@@ -37,6 +37,7 @@ from pdserve.engine.validation import check_request
 from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
 from .local_ray import start_or_join_ray
+from .output_pipe import OutputPipe
 from .pool_args import pool_engine_args
 from .pools import Pools
 from .registry import REGISTRY_NAME, RegistryLink
@@ -111,9 +112,11 @@ class Cluster:
         self.pools = Pools(self.serving, mode, role_engine_args, options, namespace, self.registry, start_timeout,
                            bind_host)
         self.pools.worker_cls = worker_cls or self.pools.worker_cls
+        self.pipe = OutputPipe()  # workers' outputs straight to this process (output_pipe.py)
+        self.pools.output_pipe = self._run(self.pipe.start(bind_host or ray.util.get_node_ip_address()), 30)
         self.pools.progress = say
         self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, local_prefill_tokens,
-                                     local_cached_fraction)
+                                     local_cached_fraction, pipe=self.pipe)
         self.dispatcher.observers.append(_AutoscaleLatency(self.pools))
         self._closed = False
         self._monitor = None
@@ -299,7 +302,8 @@ class Cluster:
 
     @property
     def counters(self) -> dict:
-        """requests, retries, failed, routing decisions by reason, autoscale events, role switches."""
+        """requests, retries, failed, routing decisions by reason, how outputs came (the output pipe
+        or Ray's stream), autoscale events, role switches."""
         return {**self.dispatcher.counters, "autoscale": self.pools.autoscale_events,
                 "switches": self.pools.switch_events}
 
@@ -319,7 +323,8 @@ class Cluster:
                 except (ray.exceptions.RayError, asyncio.TimeoutError):
                     st = {"error": "unreachable"}
                 rows.append({"worker_id": w.worker_id, "role": w.role, "draining": w.draining,
-                             "switching_to": w.switching_to, "load": w.load, **st})
+                             "switching_to": w.switching_to, "load": w.load,
+                             "output_pipe": self.pipe.connected(w.worker_id), **st})
             return rows
 
         return self._run(collect(), 60)
@@ -354,6 +359,7 @@ class Cluster:
             self._run(stop_all(), 60)
         finally:
             self.registry.kill()
+            self._aloop.call_soon_threadsafe(self.pipe.close)
             self._aloop.call_soon_threadsafe(self._aloop.stop)
             if self._owns_ray:
                 ray.shutdown()

@@ -19,7 +19,9 @@ Runs on the cluster's event loop thread.
                      disaggregation, colocated mode), or p.prefill(.., None) when
                      max_tokens == 1 (nothing to decode)
     relay       the worker's delta outputs -> the sink, tagged with the workers; the
-                first output's spans -> the request's timeline and phases
+                first output's spans -> the request's timeline and phases. They come over
+                the output pipe (output_pipe.py: d.generate_piped) when the worker's is
+                connected, else through Ray's streaming generator (d.generate)
 Outputs stay deltas all the way to the sink; `engine.outputs.Accumulator` rebuilds the
 cumulative view at the edge that needs one.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 import uuid
@@ -41,6 +44,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 from .api import FinishedRequest, NoWorker, RequestObserver
 from .attempt import Attempt
+from .output_pipe import OutputPipe
 from .placement import Placer
 from .pools import Pools, WorkerRecord
 
@@ -58,10 +62,10 @@ class WorkerLost(RuntimeError):
 
 class Dispatcher:
     def __init__(self, pools: Pools, registry, block_size: int, local_prefill_tokens: int = 0,
-                 local_cached_fraction: float = 2.0, timeline_len: int = 4096):
-        self.pools, self.registry, self.block_size = pools, registry, block_size
+                 local_cached_fraction: float = 2.0, timeline_len: int = 4096, pipe: OutputPipe | None = None):
+        self.pools, self.registry, self.block_size, self.pipe = pools, registry, block_size, pipe
         self.observers: list[RequestObserver] = []
-        self.counters = {"requests": 0, "retries": 0, "failed": 0, "routing": {}}
+        self.counters = {"requests": 0, "retries": 0, "failed": 0, "routing": {}, "outputs": {"pipe": 0, "ray": 0}}
         self.placer = Placer(pools, registry, block_size, local_prefill_tokens, local_cached_fraction,
                              self.counters["routing"])
         self.timeline: collections.deque = collections.deque(maxlen=timeline_len)
@@ -211,18 +215,27 @@ class Dispatcher:
             p.load -= 1
 
     async def _relay(self, a: Attempt, d: WorkerRecord, p: WorkerRecord | None) -> None:
-        """Passes the worker's stream to the attempt's sink until the last output."""
+        """Passes the worker's outputs to the attempt's sink until the last output."""
+        args = (a.wire_id, a.ids, a.params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else ()))
+        how = "pipe" if self.pipe is not None and self.pipe.connected(d.worker_id) else "ray"
+        self.counters["outputs"][how] += 1
+        if how == "pipe":
+            outputs = self.pipe.outputs(a.wire_id, d.worker_id, lambda: d.actor.generate_piped.remote(*args))
+        else:
+            outputs = _outputs(d.actor.generate.options(num_returns="streaming").remote(*args))
         try:
-            async for ref in d.actor.generate.options(num_returns="streaming").remote(
-                    a.wire_id, a.ids, a.params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else ())):
-                out: RequestOutput = await ref
-                c = out.outputs[0] if out.outputs else None
-                if c is not None and c.finish_reason == "error" and not a.shown:
-                    raise WorkerLost(f"request {a.rid} failed on {d.worker_id}: {c.stop_reason}")
-                self._finish(a, out, p, d)
-                if out.finished:
-                    return
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    c = out.outputs[0] if out.outputs else None
+                    if c is not None and c.finish_reason == "error" and not a.shown:
+                        raise WorkerLost(f"request {a.rid} failed on {d.worker_id}: {c.stop_reason}")
+                    self._finish(a, out, p, d)
+                    if out.finished:
+                        return
             raise WorkerLost(f"{d.worker_id}: the stream of {a.rid} ended before its last output")  # aborted
+        except ConnectionError as e:  # the pipe closed under the request: the worker may live on
+            d.actor.abort.remote(a.wire_id)
+            raise WorkerLost(f"{d.worker_id}: {e}") from None
         except RayError as e:
             if isinstance(e, RayActorError):
                 raise
@@ -325,6 +338,12 @@ def public_cause(e: BaseException) -> str:
             return type(e).__name__
         e = cause
     return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
+
+async def _outputs(stream):
+    """The outputs of a worker's Ray stream (generate)."""
+    async for ref in stream:
+        yield await ref
 
 
 class _Ended(Exception):

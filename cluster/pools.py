@@ -63,6 +63,7 @@ class Pools:
         """`bind_host`: where the workers' KV stores listen (None: each node's address)."""
         self.serving, self.mode, self.bind_host = serving, mode, bind_host
         self.worker_cls = WorkerActor  # the actor class (fault-injection tests use a subclass)
+        self.output_pipe: tuple[str, int, str] | None = None  # the router's OutputPipe address, given to workers
         self.progress = lambda message: None  # told each worker that starts (the CLI prints it)
         self.role_engine_args, self.actor_options = role_engine_args, actor_options
         self.namespace, self.registry, self.start_timeout = namespace, registry, start_timeout
@@ -210,7 +211,7 @@ class Pools:
         t0 = time.monotonic()
         cls = ray.remote(self.worker_cls).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
         actor = cls.remote(wid, role, args, self.namespace, placement_group=pg, bind_host=self.bind_host,
-                           shard_options=shard_opts, handoff=self.serving.handoff)
+                           shard_options=shard_opts, handoff=self.serving.handoff, output_pipe=self.output_pipe)
         try:
             info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
         except (asyncio.TimeoutError, RayError) as e:

@@ -14,6 +14,7 @@ calls both; nothing goes back through the cluster before the first token):
 
     prefill actor  prefill(rid, ids, params, decode_id)   -> the handoff's result when done
     decode actor   generate(rid, ids, params, prefill_id) -> stream of delta outputs
+                   (or generate_piped: the same outputs over the output pipe, output_pipe.py)
                    its role reserves blocks (Reserved) -> prefill actor.target(rid, target),
                    actor to actor; the prefill role sends the KV + first token when ready
 A request served by one worker: generate(rid, ids, params) on a decode (or colocated)
@@ -38,7 +39,7 @@ from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.exec.tp import TPError
-from pdserve.engine.outputs import RequestOutput, merge_outputs
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Failed, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.role import PrefillRole
@@ -46,6 +47,8 @@ from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import TPConnector
 
+from .outlets import Outlets
+from .output_pipe import PipeSender
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RayShards
@@ -59,9 +62,11 @@ log = logging.getLogger(__name__)
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_kwargs: dict, namespace: str,
                  heartbeat_s: float = 1.0, handoff: HandoffConfig | None = None, placement_group=None,
-                 shard_options: dict | None = None, bind_host: str | None = None):
+                 shard_options: dict | None = None, bind_host: str | None = None,
+                 output_pipe: tuple[str, int, str] | None = None):
         """`bind_host`: where this worker's KV store listens and peers reach it (default: the
-        node's address). `handoff`: its KV handoffs' timeout and links. A worker of
+        node's address). `handoff`: its KV handoffs' timeout and links. `output_pipe`: the
+        router's OutputPipe address (host, port, secret), if it has one. A worker of
         tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as shard actors on
         bundles 1..N-1 of `placement_group` (shard_actor.py)."""
         import torch
@@ -101,8 +106,8 @@ class WorkerActor:
         self.wake = threading.Event()
         self.stopped = False
         self.aloop: asyncio.AbstractEventLoop | None = None
-        self.done: dict[str, asyncio.Future] = {}  # prefill(): resolved by Sent / Emitted / Failed
-        self.streams: dict[str, asyncio.Queue] = {}  # generate(): delta outputs
+        self.outlets = Outlets(PipeSender(output_pipe, worker_id) if output_pipe else None)
+        self.done = self.outlets.done  # prefill()'s futures
         self.peers: dict[str, object] = {}  # prefill actors this decode worker sends targets to
         self.thread: threading.Thread | None = None
         # a request's grammar compiles here before the engine thread sees the request (_compiled())
@@ -116,7 +121,7 @@ class WorkerActor:
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> dict:
-        self.aloop = asyncio.get_running_loop()
+        self.aloop = self.outlets.aloop = asyncio.get_running_loop()
         info = self.info()
         await self.membership.join(info)
         self.thread = threading.Thread(target=self._loop, name=f"engine-{self.worker_id}", daemon=True)
@@ -152,6 +157,8 @@ class WorkerActor:
             await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10)
         self.compiling.shutdown(wait=False, cancel_futures=True)
         self.connector.close()
+        if self.outlets.pipe is not None:
+            self.outlets.pipe.close()
         self.engine.close()  # a TP worker's shards stop
 
     async def ping(self) -> str:
@@ -205,32 +212,29 @@ class WorkerActor:
         size `prefill_tp`) the KV and the first token come from that prefill worker;
         without, the prompt is prefilled here."""
         self._check_alive()
-        q = self.streams[request_id] = asyncio.Queue()
+        q = self.outlets.open_stream(request_id)
+        try:
+            await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp)
+            async for out in self.outlets.stream(q):
+                yield out
+        finally:
+            self.outlets.streams.pop(request_id, None)
+
+    async def generate_piped(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                             prefill_id: str | None = None, prefill_tp: int = 1) -> bool:
+        """generate() with its outputs over the output pipe: True once the last is on it, False
+        if the request was aborted here; raises the request's error (ConnectionError: no pipe)."""
+        self._check_alive()
+        fut = self.outlets.open_piped(request_id)
+        await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp)
+        return await self.outlets.piped_end(request_id, fut)
+
+    async def _decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prefill_id: str | None, prefill_tp: int) -> None:
         if prefill_id is not None:
             self.connector.peer_tp[prefill_id] = prefill_tp
-        if await self._compiled(request_id, params):  # aborted while compiling: the abort ends the stream
+        if await self._compiled(request_id, params):  # aborted while compiling: the abort ends the request
             self._post(Add(request_id, prompt_token_ids, params, prefill_id))
-        try:
-            while True:
-                out = await q.get()
-                if isinstance(out, Aborted):  # the dispatcher asked, and reads no more: end quietly
-                    return  # (raising left an error no one fetched, which Ray logs as unhandled)
-                if isinstance(out, Exception):
-                    raise out
-                while not out.finished and not q.empty():  # the consumer fell behind: one item
-                    nxt = q.get_nowait()
-                    if isinstance(nxt, Aborted):
-                        return
-                    if isinstance(nxt, Exception):
-                        raise nxt
-                    out = merge_outputs(out, nxt)
-                if out.metrics is not None and out.metrics.spans:  # the first token's: Ray's stream takes it
-                    out.metrics.spans["relayed"] = time.time()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            self.streams.pop(request_id, None)
 
     async def _compiled(self, request_id: str, params: SamplingParams) -> bool:
         """Compiles the request's grammar on this worker's compile thread (the engine thread
@@ -275,17 +279,7 @@ class WorkerActor:
 
     def _deliver(self, request_id: str, result=None, output: RequestOutput | None = None,
                  error: Exception | None = None) -> None:
-        """Resolves the request's prefill() future and/or feeds its generate() stream."""
-        def deliver():
-            fut = self.done.pop(request_id, None) if (result is not None or error is not None or
-                                                     (output is not None and output.finished)) else None
-            if fut is not None and not fut.done():
-                fut.set_exception(error) if error is not None else fut.set_result(
-                    result if result is not None else output)
-            q = self.streams.get(request_id)
-            if q is not None:
-                q.put_nowait(error if error is not None else output)
-        self.aloop.call_soon_threadsafe(deliver)
+        self.outlets.deliver(request_id, result, output, error)
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -297,7 +291,7 @@ class WorkerActor:
         except BaseException as e:  # noqa: BLE001 - recorded and reported, never silent
             self.dead = f"engine thread died: {type(e).__name__}: {e}"
             log.exception("%s: %s", self.worker_id, self.dead)
-            for rid in set(self.streams) | set(self.done):
+            for rid in self.outlets.requests():
                 self._deliver(rid, error=RuntimeError(f"{self.worker_id}: {self.dead}"))
 
     def _serve(self) -> None:
@@ -327,7 +321,7 @@ class WorkerActor:
         """An unexpected error in a step: which request caused it is unknown, so every request
         here ends with the error (their blocks freed) and the engine goes on with new ones."""
         log.exception("%s: engine step failed; failing its %d request(s)", self.worker_id, len(self.engine.requests))
-        for rid in set(self.engine.requests) | set(self.streams) | set(self.done):
+        for rid in set(self.engine.requests) | self.outlets.requests():
             self.role.abort(rid)
             self._deliver(rid, error=RuntimeError(f"{self.worker_id}: engine step failed: {err!r}"))
         return []

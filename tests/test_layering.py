@@ -41,14 +41,16 @@ def test_imports_go_one_way(pkg):
 INTRA = {
     "cluster": {
         "serving_config": set(), "routing": {"api"}, "registry": set(), "api": set(), "local_ray": set(),
+        "output_pipe": set(), "outlets": {"output_pipe", "worker_commands"},
         "autoscale": {"serving_config"}, "shard_actor": {"serving_config"}, "worker_commands": set(),
-        "worker_actor": {"registry", "serving_config", "shard_actor", "worker_commands"},
+        "worker_actor": {"outlets", "output_pipe", "registry", "serving_config", "shard_actor", "worker_commands"},
         "pools": {"autoscale", "routing", "serving_config", "worker_actor"},
         "placement": {"api", "pools", "routing"},
         "attempt": {"placement"},
-        "dispatch": {"api", "attempt", "placement", "pools"},
+        "dispatch": {"api", "attempt", "output_pipe", "placement", "pools"},
         "pool_args": {"serving_config"},
-        "cluster": {"api", "dispatch", "local_ray", "pool_args", "pools", "registry", "serving_config"},
+        "cluster": {"api", "dispatch", "local_ray", "output_pipe", "pool_args", "pools", "registry",
+                    "serving_config"},
         "__init__": {"cluster"},
     },
     "router": {

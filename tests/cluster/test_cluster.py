@@ -56,8 +56,12 @@ class TestTwoByTwo:
         return cluster22
 
     def test_outputs_equal_colocated(self, cluster, reference):
+        before = dict(cluster.counters["outputs"])
         outs = cluster.generate(PROMPTS16, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS16]
+        # every decode worker's outputs came over the output pipe, none through Ray's stream
+        assert cluster.counters["outputs"] == {"pipe": before["pipe"] + 16, "ray": before["ray"]}
+        assert all(row["output_pipe"] for row in cluster.status())
         assert {o.prefill_worker for o in outs} <= {w for w in cluster.workers if role_of(cluster, w) == "prefill"}
         # both decode workers took requests (a request that ends on its first token never leaves prefill)
         assert len({o.decode_worker for o in outs if role_of(cluster, o.decode_worker) == "decode"}) == 2
@@ -92,7 +96,7 @@ class TestTwoByTwo:
         for t in rows:
             s = t["spans"]
             assert s["arrival"] <= s["prefill_queued"] <= s["prefill_done"] <= s["send_start"] <= s["kv_landed"] \
-                <= s["first_token_at_edge"]
+                <= s["relayed"] <= s["first_token_at_edge"]
             assert s["decode_queued"] <= s["reserved"] <= s["send_start"]  # reserved before the send, never after
             assert s["target_known"] <= s["send_start"]
             assert set(t["phases"]) == {"prefill", "decode_reserve", "kv_to_first_token"}
@@ -289,5 +293,32 @@ def test_a_colocated_cluster_serves_a_session_past_max_model_len_with_a_window(t
     c = Cluster.start(model, decode=1, mode="colocated", namespace="pdserve-window", **kw)
     try:
         assert c.generate([prompt], sp)[0].outputs[0].token_ids == want
+    finally:
+        c.shutdown()
+
+
+def no_output_pipe():
+    """A worker that never connects its output pipe (a router it cannot reach)."""
+    from pdserve.cluster.worker_actor import WorkerActor
+
+    class NoPipe(WorkerActor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "output_pipe": None})
+
+    return NoPipe
+
+
+def test_workers_without_an_output_pipe_stream_through_ray(tiny_models, reference, shared_ray):
+    """A worker whose pipe is not connected is streamed through Ray: the same tokens, streamed
+    the same way, and the status says which way its outputs go."""
+    c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, max_model_len=512, worker_cls=no_output_pipe())
+    try:
+        outs = c.generate(PROMPTS16[:6], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS16[:6]]
+        chunks = list(c.stream(PROMPTS16[0], GREEDY))
+        assert [t for ch in chunks for t in ch.delta_token_ids] == reference[PROMPTS16[0]] and chunks[-1].finished
+        assert c.counters["outputs"] == {"pipe": 0, "ray": 7}
+        assert [row["output_pipe"] for row in c.status()] == [False, False]
+        no_request_blocks(c)
     finally:
         c.shutdown()
