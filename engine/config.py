@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import architectures
-from .architectures import SUPPORTED_ARCHITECTURES, KVCacheSpec, MoEConfig
+from .architectures import SUPPORTED_ARCHITECTURES, KVCacheSpec, MLAConfig, MoEConfig
 from .core.kv_window import KVWindow, check_window
 from .exec.tp import check_tp
 from .ops.kv_quant import check_head_dim
@@ -59,11 +59,15 @@ class ModelConfig:
     mlp_bias: bool = False  # gate/up/down carry biases (Llama's mlp_bias)
     family: str = "llama"  # the engine/models/<family>.py that builds it
     qk_norm: bool = False  # an RMSNorm over each q and k head before rope (Qwen3)
-    moe: MoEConfig | None = None  # sparse expert layers (Qwen3-MoE, Mixtral)
+    moe: MoEConfig | None = None  # sparse expert layers (Qwen3-MoE, Mixtral, DeepSeek)
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        """What each layer caches per token (every layer alike)."""
+        """What each layer caches per token (every layer alike): K and V rows per KV head, or
+        MLA's one latent row shared by all heads (held whole on every tensor-parallel rank)."""
+        if self.mla is not None:
+            return KVCacheSpec(1, self.mla.latent_dim, sharded=False, parts=1)
         return KVCacheSpec(self.num_kv_heads, self.head_dim)
 
     @classmethod
@@ -81,16 +85,23 @@ class ModelConfig:
             raise ValueError(
                 f"model at {path!r} has architectures {archs} (model_type "
                 f"{cfg.get('model_type')!r}); supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        quant = cfg.get("quantization_config")
+        if quant:
+            raise ValueError(f"model at {path!r} is a quantized checkpoint (quantization_config "
+                             f"{quant.get('quant_method', quant)!r}, e.g. DeepSeek-V3's FP8 blocks): pdserve loads "
+                             "bf16/fp16/fp32 weights; convert the checkpoint to bf16 first")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        mla = architectures.mla_config(arch, cfg)
         # transformers >= 5 writes rope settings under rope_parameters
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            if rtype not in ("default", "llama3", "linear"):
-                raise ValueError(f"rope scaling type {rtype!r} is not supported (llama3, linear)")
+            allowed = ("default", "llama3", "linear") + (("yarn",) if mla is not None else ())
+            if rtype not in allowed:
+                raise ValueError(f"rope scaling type {rtype!r} is not supported for {arch} ({', '.join(allowed[1:])})")
             if rtype == "default":
                 scaling = None
         biases = architectures.biases(arch, cfg)
@@ -108,8 +119,8 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            num_kv_heads=num_heads if mla else cfg.get("num_key_value_heads") or num_heads,
+            head_dim=mla.qk_head_dim if mla else cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
@@ -124,6 +135,7 @@ class ModelConfig:
             family=SUPPORTED_ARCHITECTURES[arch],
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             moe=architectures.moe_config(arch, cfg),
+            mla=mla,
         )
 
 
@@ -272,7 +284,10 @@ class EngineConfig:
         if mc.moe is not None and mc.moe.intermediate_size % self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's expert "
                              f"intermediate size {mc.moe.intermediate_size}")
-        check_head_dim(self.kv_cache_dtype, mc.head_dim)
+        check_head_dim(self.kv_cache_dtype, mc.kv_cache_spec.head_dim)
+        if mc.mla is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size}: {mc.architecture} (latent attention) "
+                             "runs on one GPU per worker for now")
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:

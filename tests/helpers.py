@@ -27,7 +27,9 @@ PROMPTS = [
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
               "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-              "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+              "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+              "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
 
 def save_hf(kind: str, cfg_kwargs: dict, out_dir: str, tokenizer_dir: str, seed: int = 1234,
@@ -48,6 +50,9 @@ def save_hf(kind: str, cfg_kwargs: dict, out_dir: str, tokenizer_dir: str, seed:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
                 p.normal_(0, 1.0)
+        for name, b in model.named_buffers():  # DeepSeek-V3's correction bias (zero at init) takes part
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.5, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     for f in os.listdir(tokenizer_dir):
         if f.startswith("tokenizer") or f.endswith(".jinja") or f == "special_tokens_map.json":

@@ -1,14 +1,17 @@
 """The KV-cache tensor: block-major, so one block of all layers is contiguous.
 
-    kv [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv [num_blocks, num_layers, parts, block_size, num_kv_heads, head_dim]
+
+`parts` is 2 (K and V) for GQA models, 1 for a latent cache (MLA: one row per token and layer,
+the keys' and the values' source; architectures.KVCacheSpec).
 
 Why block-major: a request's KV handoff gathers its blocks with one index_select
 into a contiguous staging buffer and sends it as one message (docs/architecture.md, section 4);
 with layer-major storage the same gather would touch num_layers x 2 strided regions
 per block. The attention kernels read per-layer strided views kv[:, l, 0] / kv[:, l, 1]
-of shape [num_blocks, block_size, num_kv_heads, head_dim]. Quantized KV ("int8", "fp8")
-stores each row's float32 scale after it in the same slab, "int4" packed nibbles and a float16
-scale per 32 values (ops/kv_quant.py).
+(a latent cache: kv[:, l, 0] alone) of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Quantized KV ("int8", "fp8") stores each row's float32 scale after it in the same slab, "int4"
+packed nibbles and a float16 scale per 32 values (ops/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class KVLayout:
     head_dim: int
     dtype: str
     scale_bytes: int = 0  # per (token, head) row: a quantized cache's scale(s) (ops/kv_quant.py)
+    parts: int = 2  # rows per token and head: K and V, or one latent row (MLA)
 
     @property
     def block_bytes(self) -> int:
@@ -48,27 +52,32 @@ class KVLayout:
             values = self.head_dim // 2
         else:
             values = self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * (values + self.scale_bytes)
+        return self.num_layers * self.parts * self.block_size * self.num_kv_heads * (values + self.scale_bytes)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields; `parts` only when it is not 2, so GQA layouts read as they always have (in
+        persisted files and on the wire)."""
+        d = asdict(self)
+        if self.parts == 2:
+            del d["parts"]
+        return d
 
     @classmethod
     def of(cls, kv: torch.Tensor, kv_cache_dtype: str = "auto") -> KVLayout:
-        """The layout of a block-major KV tensor [num_blocks, layers, 2, block_size, kv_heads,
+        """The layout of a block-major KV tensor [num_blocks, layers, parts, block_size, kv_heads,
         head_dim]; a quantized cache's uint8 slab (kv_cache_dtype int8 / fp8 / int4) holds each row's
         values and scale(s), described as such (the same as kv_layout(config))."""
-        if kv.dim() != 6 or kv.shape[2] != 2:
-            raise ValueError("KV cache must be [num_blocks, layers, 2, block_size, kv_heads, head_dim], "
+        if kv.dim() != 6 or kv.shape[2] not in (1, 2):
+            raise ValueError("KV cache must be [num_blocks, layers, parts (1 or 2), block_size, kv_heads, head_dim], "
                              f"got {tuple(kv.shape)}")
-        _, layers, _, bs, heads, dim = kv.shape
+        _, layers, parts, bs, heads, dim = kv.shape
         if kv_quant.is_scaled(kv_cache_dtype):
             if kv.dtype != torch.uint8:
                 raise ValueError(f"a {kv_cache_dtype} KV cache is a uint8 slab, got {kv.dtype}")
             head_dim = kv_quant.head_dim_of(kv_cache_dtype, dim)
             return cls(bs, layers, heads, head_dim, _value_dtype(kv_cache_dtype),
-                       kv_quant.row_bytes(kv_cache_dtype, head_dim) - _value_bytes(kv_cache_dtype, head_dim))
-        return cls(bs, layers, heads, dim, str(kv.dtype).removeprefix("torch."))
+                       kv_quant.row_bytes(kv_cache_dtype, head_dim) - _value_bytes(kv_cache_dtype, head_dim), parts)
+        return cls(bs, layers, heads, dim, str(kv.dtype).removeprefix("torch."), parts=parts)
 
 
 def local_kv_heads(config: EngineConfig) -> int:
@@ -92,12 +101,13 @@ def _value_bytes(kv_cache_dtype: str, head_dim: int) -> int:
 def kv_layout(config: EngineConfig) -> KVLayout:
     """One rank's layout, from what the model declares it caches (ModelConfig.kv_cache_spec)."""
     mc, c = config.model_config, config.kv_cache_dtype
-    d = mc.kv_cache_spec.head_dim
+    spec = mc.kv_cache_spec
+    d = spec.head_dim
     if kv_quant.is_scaled(c):
         return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), d, _value_dtype(c),
-                        kv_quant.row_bytes(c, d) - _value_bytes(c, d))
+                        kv_quant.row_bytes(c, d) - _value_bytes(c, d), spec.parts)
     return KVLayout(config.block_size, mc.num_layers, local_kv_heads(config), d,
-                    str(config.kv_dtype).removeprefix("torch."))
+                    str(config.kv_dtype).removeprefix("torch."), parts=spec.parts)
 
 
 def activation_bytes(config: EngineConfig, graph_tokens: int = 0) -> int:
@@ -168,7 +178,7 @@ def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
     mc = config.model_config
     d = mc.kv_cache_spec.head_dim
-    shape = (num_blocks, mc.num_layers, 2, config.block_size, local_kv_heads(config))
+    shape = (num_blocks, mc.num_layers, mc.kv_cache_spec.parts, config.block_size, local_kv_heads(config))
     if kv_quant.is_scaled(config.kv_cache_dtype):  # the row's values, then its scale(s)
         shape, dtype = (*shape, kv_quant.row_bytes(config.kv_cache_dtype, d)), torch.uint8
     else:
@@ -209,8 +219,10 @@ def shared_file(kv: torch.Tensor) -> tuple[int, int, int] | None:
 
 def layer_views(kv: torch.Tensor, kv_cache_dtype: str = "auto") -> list[tuple]:
     """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]
-    (a quantized cache's: kv_quant.QuantKV or Int4KV pairs of values and scales)."""
-    if kv_quant.is_scaled(kv_cache_dtype):
-        return [(kv_quant.views(kv[:, layer, 0], kv_cache_dtype), kv_quant.views(kv[:, layer, 1], kv_cache_dtype))
-                for layer in range(kv.shape[1])]
-    return [(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(kv.shape[1])]
+    (a quantized cache's: kv_quant.QuantKV or Int4KV pairs of values and scales); a latent
+    cache's (one part) are (latent_cache, None)."""
+    def view(t):
+        return kv_quant.views(t, kv_cache_dtype) if kv_quant.is_scaled(kv_cache_dtype) else t
+
+    return [(view(kv[:, layer, 0]), view(kv[:, layer, 1]) if kv.shape[2] == 2 else None)
+            for layer in range(kv.shape[1])]

@@ -11,10 +11,12 @@ from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..default_model import default_model_path
+from ..models.deepseek import DeepseekForCausalLM
 from ..models.llama import LlamaForCausalLM
 from .tp import TPGroup
 
-MODEL_FAMILIES = {"llama": LlamaForCausalLM}  # ModelConfig.family -> the class that builds it
+# ModelConfig.family -> the class that builds it
+MODEL_FAMILIES = {"llama": LlamaForCausalLM, "deepseek": DeepseekForCausalLM}
 
 
 def build_on_meta(config: EngineConfig, tp: TPGroup | None = None) -> LlamaForCausalLM:
@@ -49,9 +51,11 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.cos, model.rotary.sin = (t.to(device) for t in rope)
     params = dict(model.named_parameters())
-    for p in params.values():
-        if p.dtype != dtype:
-            p.data = p.data.to(dtype)
+    keep = model.float32_params() if hasattr(model, "float32_params") else set()  # e.g. DeepSeek's routers
+    for name, p in params.items():
+        want = torch.float32 if name in keep else dtype
+        if p.dtype != want:
+            p.data = p.data.to(want)
     if tp.size > 1:
         model.lm_head.weight.data.zero_()  # the last rank's padding rows: logits cut after the gather
     if load_format == "dummy":

@@ -159,12 +159,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused: bool = False, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelConfig, fused: bool = False, tp: TPGroup | None = None,
+                 intermediate_size: int | None = None):
+        """`intermediate_size`: the config's by default (DeepSeek's shared experts are an MLP of their own)."""
         super().__init__()
         tp = tp or TPGroup()
         self.fused = fused
         self.silu_mul = _fused_ops().silu_mul if fused else None
-        ff = cfg.intermediate_size // tp.size
+        ff = (intermediate_size or cfg.intermediate_size) // tp.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * ff, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(ff, cfg.hidden_size, cfg.mlp_bias, tp)
 

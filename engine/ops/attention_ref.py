@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from . import kv_quant
 
 
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                  slot_mapping: torch.Tensor) -> None:
-    """Writes k, v [num_tokens, num_kv_heads, head_dim] to their slots (-1 = skip)."""
+    """Writes k, v [num_tokens, num_kv_heads, head_dim] to their slots (-1 = skip); a latent
+    cache has no v (None)."""
     if isinstance(k_cache, (kv_quant.QuantKV, kv_quant.Int4KV)):
         kv_quant.store(k, v, k_cache, v_cache, slot_mapping)
         return
@@ -26,7 +27,8 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     slots = slot_mapping[keep]
     blk, off = slots // bs, slots % bs
     k_cache[blk, off] = k[keep].to(k_cache.dtype)
-    v_cache[blk, off] = v[keep].to(v_cache.dtype)
+    if v_cache is not None:
+        v_cache[blk, off] = v[keep].to(v_cache.dtype)
 
 
 def gather_kv(cache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype | None = None) -> torch.Tensor:

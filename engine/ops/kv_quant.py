@@ -138,14 +138,15 @@ def dequantize_cache(cache: QuantKV | Int4KV, index, dtype: torch.dtype) -> torc
     return dequantize(cache.values[index], cache.scales[index], dtype)
 
 
-def store(k: torch.Tensor, v: torch.Tensor, k_cache: QuantKV | Int4KV, v_cache: QuantKV | Int4KV,
+def store(k: torch.Tensor, v: torch.Tensor | None, k_cache: QuantKV | Int4KV, v_cache: QuantKV | Int4KV | None,
           slot_mapping: torch.Tensor) -> None:
-    """The torch path of the KV store: quantizes k, v [tokens, kv_heads, head_dim] into their slots."""
+    """The torch path of the KV store: quantizes k, v [tokens, kv_heads, head_dim] into their slots
+    (a latent cache: k alone, v and v_cache None)."""
     bs = k_cache.values.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blk, off = slots // bs, slots % bs
-    for x, cache in ((k[keep], k_cache), (v[keep], v_cache)):
+    for x, cache in ((k[keep], k_cache), *(((v[keep], v_cache),) if v_cache is not None else ())):
         q, s = quantize_int4(x) if isinstance(cache, Int4KV) else quantize(x, cache.values.dtype, cache.qmax)
         cache.values[blk, off] = q
         cache.scales[blk, off] = s

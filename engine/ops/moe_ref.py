@@ -25,6 +25,40 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.
     return weights.to(out_dtype), ids
 
 
+def route_grouped(logits: torch.Tensor, moe, correction_bias: torch.Tensor | None = None):
+    """DeepSeek's router over float32 logits [T, E] (MoEConfig.routing): the top_k experts of
+    each token and their float32 weights, scaled by routed_scaling_factor.
+
+        softmax        softmax, the top_k (V2's greedy; never renormalized)
+        softmax_group  softmax; the topk_group groups of the n_group with the best single
+                       probability; the top_k of their experts (V2's group_limited_greedy)
+        sigmoid_group  sigmoid scores; scores + correction_bias choose: the topk_group groups by
+                       the sum of their two best, then the top_k of their experts; the weights
+                       are the chosen experts' scores, renormalized with norm_topk_prob (V3)"""
+    t, e = logits.shape
+    if moe.routing == "softmax":
+        weights, ids = torch.topk(logits.softmax(-1, dtype=torch.float32), moe.top_k, dim=-1, sorted=False)
+        return weights * moe.routed_scaling_factor, ids
+    grouped = (t, moe.n_group, e // moe.n_group)
+    if moe.routing == "sigmoid_group":
+        scores = logits.sigmoid()
+        choice = scores + correction_bias
+        group_scores = choice.view(grouped).topk(2, dim=-1)[0].sum(dim=-1)
+    else:
+        scores = choice = logits.softmax(-1, dtype=torch.float32)
+        group_scores = scores.view(grouped).max(dim=-1).values
+    group_idx = torch.topk(group_scores, moe.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()[..., None].expand(grouped).reshape(t, e)
+    if moe.routing == "sigmoid_group":
+        ids = torch.topk(choice.masked_fill(~keep, float("-inf")), moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        weights, ids = torch.topk(scores.masked_fill(~keep, 0.0), moe.top_k, dim=-1, sorted=False)
+    return weights * moe.routed_scaling_factor, ids
+
+
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)

@@ -1,0 +1,61 @@
+"""Paged multi-head latent attention for one layer: PagedAttention's interface (exec/attention.py)
+over a latent cache, so the runner, the piecewise graphs and the decode graphs drive it alike.
+
+    store(latent, None, cache, None, slots)   each new token's latent row into its slot
+    __call__(q, latent, None, cache, None, meta, out)   q [T, H, nope + rope] -> out [T, H, v]
+
+The layer's kv_b_proj holds W_UK and W_UV (ops/mla_ref.py). Which form a row runs in is decided
+per step: a step's decodes (one query token each) in the absorbed form, which reads only the
+cached rows; prefill chunks in the expanded form, fewer FLOPs per query when many queries share
+the context. On CPU both run in torch (ops/mla_ref.py), the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..architectures import MLAConfig
+from ..ops.attention_ref import store_kv_ref
+from ..ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
+from .attention import DEFAULT_TUNING, AttentionMetadata, AttentionPlan
+
+
+class MLAPagedAttention:
+    def __init__(self, num_heads: int, mla: MLAConfig, kv_b_proj: nn.Linear, use_triton: bool):
+        self.num_heads = num_heads
+        self.head_dim = mla.qk_head_dim  # q's last dim (the piecewise graphs' q buffer)
+        self.out_dim = mla.v_head_dim  # the output's (their o buffer)
+        self.mla = mla
+        self.kv_b_proj = kv_b_proj  # the module, not its weight: the loader replaces parameters
+        self.scale = mla.softmax_scale
+        self.use_triton = use_triton
+
+    def w_kv_b(self) -> torch.Tensor:
+        """kv_b_proj's weight by head: [H, nope + v, kv_lora_rank]."""
+        return self.kv_b_proj.weight.view(self.num_heads, -1, self.mla.kv_lora_rank)
+
+    def warm_up(self, k_cache, v_cache, dtype: torch.dtype) -> None:
+        """Nothing to compile: the torch forms run on every device for now."""
+
+    def store(self, k: torch.Tensor, v: None, k_cache, v_cache: None, slot_mapping: torch.Tensor) -> None:
+        store_kv_ref(k, None, k_cache, None, slot_mapping)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: None, k_cache, v_cache: None,
+                 meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        if k is not None:
+            self.store(k, None, k_cache, None, meta.slot_mapping)
+        if meta.plan is None:
+            meta.plan = AttentionPlan.of(meta, DEFAULT_TUNING, False)
+        out = q.new_empty(q.shape[0], self.num_heads, self.out_dim) if out is None else out
+        seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()
+        query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
+        w = self.w_kv_b()
+        nd = meta.num_decodes  # leading rows of one query token each
+        if nd:
+            out[:nd] = mla_absorbed_ref(q[:nd], k_cache, meta.block_tables[:nd], seq_lens[:nd], query_lens[:nd], w,
+                                        self.scale)
+        if nd < meta.num_seqs:
+            out[nd:] = mla_expanded_ref(q[nd:], k_cache, meta.block_tables[nd:], seq_lens[nd:], query_lens[nd:],
+                                          w, self.scale)
+        return out

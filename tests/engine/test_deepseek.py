@@ -1,0 +1,116 @@
+"""DeepSeek-V2 and -V3 (multi-head latent attention, DeepSeek's MoE) against Hugging Face's own
+classes (float32, CPU): the configuration read through engine/architectures.py, the latent KV
+cache (one row per token and layer), and greedy tokens equal to HF's generate, plain, with
+prefix-cache hits, in small prefill chunks, preempted and through the host tier."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
+
+from helpers import hf_greedy, save_hf
+
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, max_position_embeddings=256,
+            initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+MODELS = {
+    # V2-Lite's form: no q_lora, softmax greedy routing, 2 shared experts
+    "v2_lite": ("deepseek_v2", dict(q_lora_rank=None, n_shared_experts=2, topk_method="greedy")),
+    # V2's group-limited routing with a routed scaling factor
+    "v2_group": ("deepseek_v2", dict(q_lora_rank=None, n_shared_experts=1, topk_method="group_limited_greedy",
+                                     n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+    # V3's form: q_lora, sigmoid scores + correction bias, group-limited top-k, YaRN rope
+    "v3": ("deepseek_v3", dict(q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                               rope_parameters=YARN)),
+}
+PROMPTS = [[(37 * i + 11) % 500 + 3 for i in range(40)], [(37 * i + 11) % 500 + 3 for i in range(24)] + [7, 9],
+           [(13 * i + 5) % 500 + 3 for i in range(19)]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(request):
+    return os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_dir(request, tmp_path_factory, tok_dir):
+    kind, kw = MODELS[request.param]
+    path = str(tmp_path_factory.mktemp(request.param))
+    save_hf(kind, {**BASE, **kw}, path, tok_dir, seed=5)
+    return request.param, path
+
+
+def test_the_configuration_declares_a_latent_cache(model_dir):
+    name, path = model_dir
+    mc = ModelConfig.from_dir(path)
+    spec = mc.kv_cache_spec
+    assert (spec.num_heads, spec.head_dim, spec.sharded, spec.parts) == (1, 32 + 16, False, 1)
+    assert mc.moe.layers == (False, True, True) and mc.moe.shared_intermediate_size == 32 * (2 if name == "v2_lite" else 1)
+    assert mc.moe.routing == {"v2_lite": "softmax", "v2_group": "softmax_group", "v3": "sigmoid_group"}[name]
+    assert (mc.mla.q_lora_rank is not None) == (name == "v3")
+    if name == "v3":  # YaRN's mscale_all_dim squared on the softmax scale
+        mscale = 0.1 * 0.707 * torch.log(torch.tensor(4.0)).item() + 1.0
+        assert mc.mla.softmax_scale == pytest.approx(32 ** -0.5 * mscale ** 2)
+
+
+def test_greedy_tokens_equal_hf_generate_with_prefix_hits_and_chunks(model_dir):
+    name, path = model_dir
+    want = hf_greedy(path, PROMPTS, 8)
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, enable_prefix_caching=True,
+             max_num_batched_tokens=16) as llm:
+        layout = llm.engine.runner.kv.shape
+        assert layout[2:] == (1, 16, 1, 48)  # [blocks, layers, one part, block, one row, latent + rope]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        again = llm.generate(PROMPTS[:2], GREEDY)  # their first blocks now come from the prefix cache
+        assert [o.outputs[0].token_ids for o in again] == want[:2]
+        assert sum(o.num_cached_tokens for o in again) >= 32
+        llm.engine.kv.check_all_free()
+
+
+FEATURES = {
+    "preemption": dict(num_gpu_blocks_override=6, max_num_seqs=3),  # 3 prompts needing 3 + 3 + 2 blocks
+    "host tier": dict(num_gpu_blocks_override=4, max_num_seqs=1, kv_offloading_size=0.001),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_engine_features_keep_hf_tokens(model_dir, feature):
+    """Preemption (recomputed prompts) and the host tier (latent blocks evicted to host memory and
+    loaded back on a hit) give HF's greedy tokens."""
+    name, path = model_dir
+    want = hf_greedy(path, PROMPTS, 8)
+    with LLM(path, dtype="float32", max_model_len=128, **FEATURES[feature]) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        stats = llm.engine.stats()
+    assert got == want and again == want
+    if feature == "preemption":
+        assert stats["num_preemptions"] > 0
+    if feature == "host tier":
+        assert stats["prefix_cache_host_hits"] > 0
+
+
+def test_the_absorbed_form_equals_the_expanded_one():
+    """The decode form (queries mapped into latent space, one pass over the cached rows) against
+    the expanded form over the same paged cache: chunks on top of a cached context, and decodes."""
+    torch.manual_seed(0)
+    heads, nope, rope, v, rank, bs = 4, 16, 8, 12, 32, 16
+    cache = torch.randn(10, bs, 1, rank + rope, dtype=torch.float64)
+    w = torch.randn(heads, nope + v, rank, dtype=torch.float64) / rank ** 0.5
+    tables = torch.tensor([[3, 7, 1, 0], [9, 2, 5, 4], [8, 6, 0, 0]], dtype=torch.int32)
+    seq_lens, query_lens = [40, 64, 1], [1, 17, 1]
+    q = torch.randn(sum(query_lens), heads, nope + rope, dtype=torch.float64)
+    want = mla_expanded_ref(q, cache, tables, seq_lens, query_lens, w, 0.2)
+    got = mla_absorbed_ref(q, cache, tables, seq_lens, query_lens, w, 0.2)
+    assert got.shape == (19, heads, v)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
