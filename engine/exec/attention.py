@@ -107,11 +107,14 @@ DEFAULT_TUNING = AttentionTuning()
 
 
 class PagedAttention:
+    capturable = True  # its steps run inside CUDA graphs (no host sync)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None, use_triton: bool):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.out_dim = head_dim  # the output's last dim, like q's
         self.scale = scale
         self.sliding_window = sliding_window
         self.use_triton = use_triton

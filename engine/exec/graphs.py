@@ -80,7 +80,7 @@ class StepGraphs:
     # ---- buffers and capture ---------------------------------------------------------------
     def _buffers(self, dev) -> None:
         m, c = self.model, self.config.model_config
-        attn = m.layers[0].self_attn
+        attn = m.layers[0].self_attn.attn  # the layer's paged attention: q's and its output's shapes
         t = max(self.decode_sizes[-1], self.max_piece_tokens)
         rows = self.decode_sizes[-1]
         dtype = next(m.parameters()).dtype
@@ -93,7 +93,7 @@ class StepGraphs:
         p = self.max_piece_tokens
         self.piece_slots = torch.full((p,), -1, dtype=torch.int64, device=dev)
         self.q = torch.zeros(p, attn.num_heads, attn.head_dim, dtype=dtype, device=dev)
-        self.o = torch.zeros_like(self.q)
+        self.o = torch.zeros(p, attn.num_heads, attn.out_dim, dtype=dtype, device=dev)
         self.res = torch.zeros(p, c.hidden_size, dtype=dtype, device=dev)
         self.hidden = torch.zeros_like(self.res)
 

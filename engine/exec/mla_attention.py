@@ -22,6 +22,8 @@ from .attention import DEFAULT_TUNING, AttentionMetadata, AttentionPlan
 
 
 class MLAPagedAttention:
+    capturable = False  # the torch forms read the context lengths on the host: eager steps only
+
     def __init__(self, num_heads: int, mla: MLAConfig, kv_b_proj: nn.Linear, use_triton: bool):
         self.num_heads = num_heads
         self.head_dim = mla.qk_head_dim  # q's last dim (the piecewise graphs' q buffer)

@@ -60,7 +60,8 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.model = load_model(config, load_format, self.tp)
         # every rank holds the same block ids: the count the fullest GPU allows
-        graphs = self.device.type == "cuda" and config.use_triton and not config.enforce_eager
+        graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
+                  and self.model.layers[0].self_attn.attn.capturable)
         scratch = activation_bytes(config, piece_tokens(config) if graphs else 0)
         self.num_blocks = self.tp.min_int(num_kv_blocks(config, scratch))
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
