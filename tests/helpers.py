@@ -215,3 +215,32 @@ def role_of(cluster, worker_id: str) -> str | None:
     may switch); None for a worker that is gone."""
     w = cluster.workers.get(worker_id)
     return w.role if w is not None else None
+
+
+def run_disagg(pw, dw, prompts, params):
+    """Drives a PrefillRole `pw` and a DecodeRole `dw` (named prefill-0 and decode-0 on their
+    connectors) as their actors would: every request goes to both at once; the
+    decode role's Reserved events become the prefill role's targets. params: one for all, or
+    one per prompt."""
+    from pdserve.engine.role import Emitted, Reserved, Sent
+
+    finals, sent, skips = {}, {}, {}
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, each)):
+        ids = pw.engine.tokenize(p)
+        to_decode = sp.max_tokens != 1
+        pw.add(f"r{i}", ids, sp, "decode-0" if to_decode else None)
+        if to_decode:
+            dw.add(f"r{i}", ids, sp, "prefill-0")
+    while pw.num_inflight or dw.num_inflight:
+        for ev in pw.step() + dw.step():
+            if isinstance(ev, Reserved):
+                assert ev.peer == "prefill-0"
+                skips[ev.request_id] = ev.target.num_skip
+                pw.target(ev.request_id, ev.target)
+            elif isinstance(ev, Sent):
+                assert ev.result.ok, ev.result
+                sent[ev.request_id] = (ev.result.nbytes, skips[ev.request_id])
+            elif isinstance(ev, Emitted) and ev.output.finished:
+                finals[ev.output.request_id] = ev.output
+    return [finals[f"r{i}"] for i in range(len(prompts))], sent

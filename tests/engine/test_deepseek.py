@@ -14,7 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
 
-from helpers import hf_greedy, save_hf
+from helpers import hf_greedy, run_disagg, save_hf
 
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -55,7 +55,8 @@ def test_the_configuration_declares_a_latent_cache(model_dir):
     mc = ModelConfig.from_dir(path)
     spec = mc.kv_cache_spec
     assert (spec.num_heads, spec.head_dim, spec.sharded, spec.parts) == (1, 32 + 16, False, 1)
-    assert mc.moe.layers == (False, True, True) and mc.moe.shared_intermediate_size == 32 * (2 if name == "v2_lite" else 1)
+    assert mc.moe.layers == (False, True, True)
+    assert mc.moe.shared_intermediate_size == 32 * (2 if name == "v2_lite" else 1)
     assert mc.moe.routing == {"v2_lite": "softmax", "v2_group": "softmax_group", "v3": "sigmoid_group"}[name]
     assert (mc.mla.q_lora_rank is not None) == (name == "v3")
     if name == "v3":  # YaRN's mscale_all_dim squared on the softmax scale
@@ -191,3 +192,37 @@ def test_int8_latent_kv_through_the_host_tier_and_the_persisted_file(model_dir, 
         out = llm.generate(prompts[2:], params)[0]
         assert out.outputs[0].token_ids == want[2] and out.num_cached_tokens == 64
         llm.engine.kv.check_all_free()
+
+
+
+@pytest.mark.slow
+def test_latent_blocks_travel_in_the_handoff(model_dir):
+    """Prefilled by one engine, decoded by another over the loopback connector: greedy tokens are
+    HF's, seeded sampled tokens the colocated engine's, and each handoff moves whole latent blocks
+    (one row of 48 values per token and layer: a sixth of what GQA's K and V of 4 heads of 24 would be)."""
+    from pdserve.decode.role import DecodeRole
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.prefill.role import PrefillRole
+    from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
+
+    name, path = model_dir
+    if name == "v2_group":
+        pytest.skip("the same attention as v2_lite")
+    hub, kw = LoopbackHub(), dict(model=path, dtype="float32", max_model_len=128)
+    pe, de = LLMEngine(EngineConfig(**kw)), LLMEngine(EngineConfig(**kw, num_gpu_blocks_override=8))
+    pw = PrefillRole(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub))
+    dw = DecodeRole(de, LoopbackConnector("decode-0", de.runner.kv, hub))
+    text = [pe.tokenizer.decode(p) for p in PROMPTS]
+    ids = [pe.tokenize(t) for t in text]
+    outs, sent = run_disagg(pw, dw, text, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, ids, 8)
+    block = 16 * 3 * 1 * 48 * 4  # tokens x layers x one part x latent row x float32
+    assert all(b % block == 0 and b > 0 for b, _ in sent.values())
+    seeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=8, ignore_eos=True, seed=7)
+    with LLM(**kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(ids, seeded)]
+    outs, _ = run_disagg(pw, dw, text, seeded)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for w in (pw, dw):
+        w.engine.kv.check_all_free()

@@ -11,11 +11,11 @@ from pdserve import LLM, SamplingParams
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.role import Emitted, Reserved, Sent
+from pdserve.engine.role import Reserved
 from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
-from helpers import PROMPTS
+from helpers import PROMPTS, run_disagg
 
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -28,32 +28,6 @@ def pair():
     de = LLMEngine(EngineConfig(max_model_len=512, num_gpu_blocks_override=16))  # small: forces preemption
     return (PrefillRole(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub)),
             DecodeRole(de, LoopbackConnector("decode-0", de.runner.kv, hub)))
-
-
-def run_disagg(pw: PrefillRole, dw: DecodeRole, prompts, params):
-    """Drives both roles as their actors would: every request goes to both at once; the
-    decode role's Reserved events become the prefill role's targets. params: one for all, or
-    one per prompt."""
-    finals, sent, skips = {}, {}, {}
-    each = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, each)):
-        ids = pw.engine.tokenize(p)
-        to_decode = sp.max_tokens != 1
-        pw.add(f"r{i}", ids, sp, "decode-0" if to_decode else None)
-        if to_decode:
-            dw.add(f"r{i}", ids, sp, "prefill-0")
-    while pw.num_inflight or dw.num_inflight:
-        for ev in pw.step() + dw.step():
-            if isinstance(ev, Reserved):
-                assert ev.peer == "prefill-0"
-                skips[ev.request_id] = ev.target.num_skip
-                pw.target(ev.request_id, ev.target)
-            elif isinstance(ev, Sent):
-                assert ev.result.ok, ev.result
-                sent[ev.request_id] = (ev.result.nbytes, skips[ev.request_id])
-            elif isinstance(ev, Emitted) and ev.output.finished:
-                finals[ev.output.request_id] = ev.output
-    return [finals[f"r{i}"] for i in range(len(prompts))], sent
 
 
 @pytest.mark.slow
