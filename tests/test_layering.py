@@ -143,7 +143,7 @@ ENGINE_ORDER = [
     # kernels and the formats they read
     "ops.kv_quant", "ops.triton_int4", "ops.attention_core", "ops.triton_attention", "ops.triton_prefill",
     "ops.triton_fused", "ops.moe_ref", "ops.triton_moe", "ops.block_copy",
-    "ops.attention_ref", "ops.__init__",
+    "ops.attention_ref", "ops.mla_ref", "ops.__init__",
     # leaves: settings and helpers that import no engine module of their own rank
     "spec.config", "spec.verify", "exec.step_result", "exec.stores", "exec.tp", "exec.host_to_device", "core.hashing",
     "core.kv_window", "core.iteration_stats", "outputs", "tokenizer", "default_model", "sample.structured",
@@ -153,8 +153,8 @@ ENGINE_ORDER = [
     "core.request", "core.block_pool", "tiers.offload", "core.kv_cache_manager", "core.scheduler",
     "core.overlap", "core.step_model",
     # executing a step: attention, graphs, the KV tensor, the model, sampling, the runner
-    "exec.attention", "exec.step_inputs", "exec.graphs", "exec.kv_cache", "models.moe", "models.llama",
-    "exec.loader",
+    "exec.attention", "exec.mla_attention", "exec.step_inputs", "exec.graphs", "exec.kv_cache", "models.moe",
+    "models.llama", "models.deepseek", "exec.loader",
     "sample.sampling_noise", "sample.logits_process", "sample.sampler", "exec.model_runner", "exec.shard",
     "tiers.persist",
     # speculative decoding drives a runner of its own
