@@ -142,7 +142,7 @@ ENGINE_ORDER = [
     "core.__init__", "exec.__init__", "sample.__init__", "spec.__init__", "tiers.__init__",
     # kernels and the formats they read
     "ops.kv_quant", "ops.triton_int4", "ops.attention_core", "ops.triton_attention", "ops.triton_prefill",
-    "ops.triton_fused", "ops.moe_ref", "ops.triton_moe", "ops.block_copy",
+    "ops.triton_fused", "ops.triton_mla", "ops.moe_ref", "ops.triton_moe", "ops.block_copy",
     "ops.attention_ref", "ops.mla_ref", "ops.__init__",
     # leaves: settings and helpers that import no engine module of their own rank
     "spec.config", "spec.verify", "exec.step_result", "exec.stores", "exec.tp", "exec.host_to_device", "core.hashing",

@@ -7,7 +7,10 @@ over a latent cache, so the runner, the piecewise graphs and the decode graphs d
 The layer's kv_b_proj holds W_UK and W_UV (ops/mla_ref.py). Which form a row runs in is decided
 per step: a step's decodes (one query token each) in the absorbed form, which reads only the
 cached rows; prefill chunks in the expanded form, fewer FLOPs per query when many queries share
-the context. On CPU both run in torch (ops/mla_ref.py), the oracle.
+the context. With Triton the decodes run through ops/triton_mla.py (the query's absorption and
+W_UV as batched GEMMs around it: a decode step has no host sync, so the decode CUDA graphs
+capture it) and the store through the KV-store kernel; the expanded form runs in torch between
+the piecewise graphs. On CPU both forms run in torch (ops/mla_ref.py), the oracle.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ from .attention import DEFAULT_TUNING, AttentionMetadata, AttentionPlan
 
 
 class MLAPagedAttention:
-    capturable = False  # the torch forms read the context lengths on the host: eager steps only
-
     def __init__(self, num_heads: int, mla: MLAConfig, kv_b_proj: nn.Linear, use_triton: bool):
         self.num_heads = num_heads
         self.head_dim = mla.qk_head_dim  # q's last dim (the piecewise graphs' q buffer)
@@ -32,16 +33,39 @@ class MLAPagedAttention:
         self.kv_b_proj = kv_b_proj  # the module, not its weight: the loader replaces parameters
         self.scale = mla.softmax_scale
         self.use_triton = use_triton
+        self.capturable = use_triton  # decode steps without a host sync: the decode graphs capture them
+        self._store, self._decode = store_kv_ref, None
+        if use_triton:
+            from ..ops.triton_attention import store_kv_triton
+            from ..ops.triton_mla import mla_decode_triton
+
+            self._store, self._decode = store_kv_triton, mla_decode_triton
 
     def w_kv_b(self) -> torch.Tensor:
         """kv_b_proj's weight by head: [H, nope + v, kv_lora_rank]."""
         return self.kv_b_proj.weight.view(self.num_heads, -1, self.mla.kv_lora_rank)
 
     def warm_up(self, k_cache, v_cache, dtype: torch.dtype) -> None:
-        """Nothing to compile: the torch forms run on every device for now."""
+        """Compiles the decode kernel with and without key splits before serving (block 0 read,
+        nothing written)."""
+        if self._decode is None:
+            return
+        device = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache.values).device
+        m, h = self.mla, self.num_heads
+        tables = torch.zeros(1, 64, dtype=torch.int32, device=device)
+        lens = torch.full((1,), 64 * k_cache.shape[1], dtype=torch.int32, device=device)
+        for splits in (1, 2):
+            self._decode(torch.zeros(1, h, m.kv_lora_rank, dtype=dtype, device=device),
+                         torch.zeros(1, h, m.qk_rope_head_dim, dtype=dtype, device=device), k_cache, tables, lens,
+                         self.scale, splits=splits)
 
     def store(self, k: torch.Tensor, v: None, k_cache, v_cache: None, slot_mapping: torch.Tensor) -> None:
-        store_kv_ref(k, None, k_cache, None, slot_mapping)
+        """The latent rows into their slots (the KV-store kernel writes them as K and again as V of
+        the same cache: one small row per token)."""
+        if self._decode is not None:
+            self._store(k, k, k_cache, k_cache, slot_mapping)
+        else:
+            store_kv_ref(k, None, k_cache, None, slot_mapping)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: None, k_cache, v_cache: None,
                  meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,11 +74,19 @@ class MLAPagedAttention:
         if meta.plan is None:
             meta.plan = AttentionPlan.of(meta, DEFAULT_TUNING, False)
         out = q.new_empty(q.shape[0], self.num_heads, self.out_dim) if out is None else out
-        seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()
-        query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
         w = self.w_kv_b()
         nd = meta.num_decodes  # leading rows of one query token each
-        if nd:
+        if nd and self._decode is not None:
+            nope = self.mla.qk_nope_head_dim
+            q_lat = torch.einsum("thn,hnr->thr", q[:nd, :, :nope], w[:, :nope])
+            o_lat = self._decode(q_lat, q[:nd, :, nope:], k_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
+                                 self.scale)
+            out[:nd] = torch.einsum("thr,hvr->thv", o_lat, w[:, nope:])
+            if nd == meta.num_seqs:  # a decode step: nothing on the host (the decode graphs capture it)
+                return out
+        seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()
+        query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
+        if nd and self._decode is None:
             out[:nd] = mla_absorbed_ref(q[:nd], k_cache, meta.block_tables[:nd], seq_lens[:nd], query_lens[:nd], w,
                                         self.scale)
         if nd < meta.num_seqs:

@@ -226,3 +226,22 @@ def test_latent_blocks_travel_in_the_handoff(model_dir):
     assert [o.outputs[0].token_ids for o in outs] == want
     for w in (pw, dw):
         w.engine.kv.check_all_free()
+
+
+def test_the_triton_kernels_keep_hf_tokens(model_dir):
+    """The model on its Triton kernels (the interpreter on CPU): the latent rows stored by the
+    KV-store kernel, decodes through the MLA decode kernel (ops/triton_mla.py), the routed
+    experts through the fused-MoE kernel, int8 latent rows through both."""
+    pytest.importorskip("triton")
+    name, path = model_dir
+    if name == "v2_group":
+        pytest.skip("the same attention and experts as v2_lite")
+    want = hf_greedy(path, PROMPTS, 6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(path, dtype="float32", max_model_len=128, attention_backend="triton") as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.attn.capturable
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_dtype="int8") as ref, \
+            LLM(path, dtype="float32", max_model_len=128, kv_cache_dtype="int8", attention_backend="triton") as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
+            [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params)]
