@@ -1,0 +1,143 @@
+"""DeepSeek-V2-Lite's latent attention on one GPU: what its KV costs and how fast its decode
+kernel reads it.
+
+    python bench/mla_gpu.py --out bench/results/mla
+
+1. KV bytes per token and the requests that fit (`pdserve plan`'s arithmetic, bf16, 4096 in /
+   256 out, 0.9 of an H200) against a GQA model of about the same weight size (Qwen3-14B's shape:
+   40 layers, 8 KV heads of 128).
+2. The MLA decode kernel (ops/triton_mla.py, bf16) at batch 1-128 x context 1K-32K against the
+   HBM floor of the latent rows it must read (576 values x 2 bytes per token and layer, over the
+   same run's measured device copy bandwidth), V2-Lite's 16 heads; the query's absorption and
+   W_UV are not in the kernel's time.
+Prints a short table last; writes mla_gpu.md, .json and .png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_gpu import ceilings, timed  # noqa: E402
+
+V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
+               hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+               num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6,
+               n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+               qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
+               rms_norm_eps=1e-6, topk_method="greedy", torch_dtype="bfloat16",
+               rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+QWEN3_14B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=5120,
+                 intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8,
+                 head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+
+
+def capacity() -> dict:
+    from pdserve.plan import plan
+
+    out = {}
+    for name, cfg in (("deepseek-v2-lite (MLA)", V2_LITE), ("qwen3-14b shape (GQA 8x128)", QWEN3_14B)):
+        d = tempfile.mkdtemp()
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        p = plan(d, [(4096, 256)], gpu="h200", max_model_len=8192)
+        out[name] = p
+    return out
+
+
+def kernel_sweep(batches: list[int], contexts: list[int], copy_gbps: float) -> list[dict]:
+    from pdserve.engine.ops.triton_mla import mla_decode_triton
+
+    heads, rank, rope, page = 16, 512, 64, 16
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            blocks = b * (ctx // page)
+            if blocks * page * (rank + rope) * 2 > 40 << 30:
+                continue
+            cache = torch.randn(blocks, page, 1, rank + rope, device="cuda", dtype=torch.bfloat16)
+            tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(b, ctx // page)
+            lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+            q_lat = torch.randn(b, heads, rank, device="cuda", dtype=torch.bfloat16)
+            q_rope = torch.randn(b, heads, rope, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q_lat)
+            t = timed(lambda: mla_decode_triton(q_lat, q_rope, cache, tables, lens, 0.1, out=out), 20, warmup=3)
+            read = b * ctx * (rank + rope) * 2
+            floor = read / (copy_gbps * 1e9)
+            rows.append({"batch": b, "context": ctx, "kernel_us": t * 1e6, "floor_us": floor * 1e6,
+                         "ratio_to_floor": t / floor, "GBps": read / t / 1e9})
+            del cache, tables
+            torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(res: dict) -> str:
+    cap = res["capacity"]
+    lines = ["# DeepSeek-V2-Lite's latent attention on one GPU", "",
+             f"{res['device']}; `python bench/mla_gpu.py --out bench/results/mla`. Device copy "
+             f"{res['ceil']['copy_GBps']:.0f} GB/s (the floor's bandwidth).", "",
+             "## KV per token and requests that fit (4096 in / 256 out, bf16, 0.9 of an H200)", "",
+             "| model | KV per token | weights | KV budget | requests that fit |", "|---|---|---|---|---|"]
+    for name, p in cap.items():
+        lines.append(f"| {name} | {p['kv_bytes_per_token'] / 1024:.1f} KiB | {p['weight_bytes_rank'] / 1e9:.1f} GB | "
+                     f"{p['kv_budget_bytes_rank'] / 1e9:.1f} GB | {p['max_concurrency_paged']} |")
+    lines += ["", "## The MLA decode kernel against the HBM floor of the latent rows (16 heads, bf16)", "",
+              "| batch | context | kernel (us) | floor (us) | kernel / floor | GB/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['context']} | {r['kernel_us']:.1f} | {r['floor_us']:.1f} | "
+              f"{r['ratio_to_floor']:.2f} | {r['GBps']:.0f} |" for r in res["kernel"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for ctx in sorted({r["context"] for r in res["kernel"]}):
+        rs = [r for r in res["kernel"] if r["context"] == ctx]
+        ax.plot([r["batch"] for r in rs], [r["ratio_to_floor"] for r in rs], "o-", label=f"context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.3, color="k", ls="--", lw=0.8, label="goal 1.3")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("kernel time / HBM floor")
+    ax.set_title("MLA decode kernel, DeepSeek-V2-Lite heads (16), bf16", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/mla")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--contexts", default="1024,4096,8192,32768")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ceil = ceilings()
+    res = {"device": torch.cuda.get_device_name(0), "ceil": ceil, "capacity": capacity(),
+           "command": "python bench/mla_gpu.py --out bench/results/mla"}
+    res["kernel"] = kernel_sweep([int(x) for x in args.batches.split(",")], [int(x) for x in args.contexts.split(",")],
+                                 ceil["copy_GBps"])
+    with open(os.path.join(args.out, "mla_gpu.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    text = markdown(res)
+    with open(os.path.join(args.out, "mla_gpu.md"), "w") as f:
+        f.write(text)
+    plot(res, os.path.join(args.out, "mla_gpu.png"))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
