@@ -32,7 +32,7 @@ def _mla_decode_kernel(
     stride_tb, stride_ot, stride_oh, qk_scale, SPLITS,
     HEADS: tl.constexpr, H_ALL: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     hb = tl.program_id(1)
@@ -59,7 +59,12 @@ def _mla_decode_kernel(
         row = blk * stride_cb + (offs_n % PAGE) * stride_ct
         c = tl.load(c_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0).to(COMPUTE_DTYPE)
         pe = tl.load(c_ptr + row[:, None] + RANK + offs_p[None, :], mask=valid[:, None], other=0.0).to(COMPUTE_DTYPE)
-        s = (tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(pe))) * qk_scale
+        if IEEE:  # fp32: not through TF32
+            s = tl.dot(q_lat, tl.trans(c), input_precision="ieee") + tl.dot(q_rope, tl.trans(pe),
+                                                                             input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(pe))
+        s = s * qk_scale
         if SCALED:  # a row's one scale multiplies its scores and, through p, its values
             sc = tl.load(s_ptr + blk * stride_sb + (offs_n % PAGE) * stride_st, mask=valid, other=0.0)
             s = s * sc[None, :]
@@ -71,7 +76,10 @@ def _mla_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if SCALED:
             p = p * sc[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c)
         m_i = m_new
     if SPLIT:
         store_partial(part_acc_ptr, part_ml_ptr, seq, split, SPLITS, heads, live, offs_r, acc, m_i, l_i, H_ALL, RANK)
@@ -83,8 +91,11 @@ def _mla_decode_kernel(
 
 def mla_decode_triton(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                      splits: int | None = None, block_h: int = 16, block_n: int = 32) -> torch.Tensor:
-    """o_lat [B, H, rank] (in q_lat's dtype, or into `out`). `splits`: None plans by shape."""
+                      splits: int | None = None, block_h: int = 16, block_n: int = 32, warps: int = 4,
+                      stages: int = 2) -> torch.Tensor:
+    """o_lat [B, H, rank] (in q_lat's dtype, or into `out`). `splits`: None plans by shape; the
+    tile settings (block_h heads, block_n rows, warps, pipeline stages) as bench/mla_gpu.py
+    measured them."""
     scaled = isinstance(cache, QuantKV)
     values = cache.values if scaled else cache
     scales = cache.scales if scaled else values
@@ -112,7 +123,8 @@ def mla_decode_triton(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, block_ta
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), values.stride(0), values.stride(1),
         scales.stride(0), scales.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, splits, HEADS=heads, H_ALL=h_all, BLOCK_H=block_h, RANK=rank, ROPE=rope, PAGE=page,
-        BLOCK_N=block_n, COMPUTE_DTYPE=_TL[dtype], SCALED=scaled, SPLIT=splits > 1, num_warps=4,
+        BLOCK_N=block_n, COMPUTE_DTYPE=_TL[dtype], SCALED=scaled, SPLIT=splits > 1, IEEE=dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         combine(part, out, b, 1, splits, heads, h_all, h_all)

@@ -209,7 +209,7 @@ def test_latent_blocks_travel_in_the_handoff(model_dir):
     name, path = model_dir
     if name == "v2_group":
         pytest.skip("the same attention as v2_lite")
-    hub, kw = LoopbackHub(), dict(model=path, dtype="float32", max_model_len=128)
+    hub, kw = LoopbackHub(), dict(model=path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20)
     pe, de = LLMEngine(EngineConfig(**kw)), LLMEngine(EngineConfig(**kw, num_gpu_blocks_override=8))
     pw = PrefillRole(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub))
     dw = DecodeRole(de, LoopbackConnector("decode-0", de.runner.kv, hub))
@@ -241,7 +241,7 @@ def test_the_triton_kernels_keep_hf_tokens(model_dir):
     with LLM(path, dtype="float32", max_model_len=128, attention_backend="triton") as llm:
         assert llm.engine.runner.model.layers[0].self_attn.attn.capturable
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
-    with LLM(path, dtype="float32", max_model_len=128, kv_cache_dtype="int8") as ref, \
-            LLM(path, dtype="float32", max_model_len=128, kv_cache_dtype="int8", attention_backend="triton") as llm:
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_dtype="int8", kv_cache_memory_bytes=8 << 20)
+    with LLM(path, **kw, attention_backend="torch") as ref, LLM(path, **kw, attention_backend="triton") as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
             [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params)]
