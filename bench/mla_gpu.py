@@ -101,8 +101,9 @@ def kernel_sweep(batches: list[int], contexts: list[int], copy_gbps: float) -> l
     return rows
 
 
-TILES = [dict(block_n=32, warps=4, stages=2), dict(block_n=64, warps=4, stages=2), dict(block_n=64, warps=8, stages=2),
-         dict(block_n=64, warps=4, stages=3), dict(block_n=32, warps=4, stages=4), dict(block_n=128, warps=8, stages=2)]
+TILES = [dict(block_n=128, warps=8, stages=2), dict(block_n=32, warps=4, stages=2), dict(block_n=64, warps=8, stages=2),
+         dict(block_n=128, warps=8, stages=3), dict(block_n=256, warps=8, stages=2), dict(block_n=128, warps=16, stages=2),
+         dict(block_n=256, warps=16, stages=2)]
 
 
 def tile_sweep(copy_gbps: float, batch: int = 64, ctx: int = 8192) -> list[dict]:

@@ -91,7 +91,7 @@ def _mla_decode_kernel(
 
 def mla_decode_triton(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                      splits: int | None = None, block_h: int = 16, block_n: int = 32, warps: int = 4,
+                      splits: int | None = None, block_h: int = 16, block_n: int = 128, warps: int = 8,
                       stages: int = 2) -> torch.Tensor:
     """o_lat [B, H, rank] (in q_lat's dtype, or into `out`). `splits`: None plans by shape; the
     tile settings (block_h heads, block_n rows, warps, pipeline stages) as bench/mla_gpu.py
