@@ -101,9 +101,8 @@ def kernel_sweep(batches: list[int], contexts: list[int], copy_gbps: float) -> l
     return rows
 
 
-TILES = [dict(block_n=128, warps=8, stages=2), dict(block_n=32, warps=4, stages=2), dict(block_n=64, warps=8, stages=2),
-         dict(block_n=128, warps=8, stages=3), dict(block_n=256, warps=8, stages=2), dict(block_n=128, warps=16, stages=2),
-         dict(block_n=256, warps=16, stages=2)]
+TILES = [dict(block_n=n, warps=w, stages=st) for n, w, st in
+         ((128, 8, 2), (32, 4, 2), (64, 8, 2), (128, 8, 3), (256, 8, 2), (128, 16, 2), (256, 16, 2))]
 
 
 def tile_sweep(copy_gbps: float, batch: int = 64, ctx: int = 8192) -> list[dict]:
