@@ -163,6 +163,7 @@ def plot(res: dict, path: str) -> None:
         rs = [r for r in res["kernel"] if r["context"] == ctx]
         ax.plot([r["batch"] for r in rs], [r["ratio_to_floor"] for r in rs], "o-", label=f"context {ctx}")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.axhline(1.3, color="k", ls="--", lw=0.8, label="goal 1.3")
     ax.set_xlabel("batch")
     ax.set_ylabel("kernel time / HBM floor")

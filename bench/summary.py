@@ -476,6 +476,34 @@ def ipc() -> dict:
     return out
 
 
+def mla() -> dict:
+    """DeepSeek-V2-Lite's latent attention on one H200 (bench/results/mla/)."""
+    res = load("mla", "mla_gpu.json")
+    cap = res["capacity"]
+    mla_p, gqa = cap["deepseek-v2-lite (MLA)"], cap["qwen3-14b shape (GQA 8x128)"]
+    k = next(r for r in res["kernel"] if r["batch"] == 64 and r["context"] == 8192)
+    big = next(r for r in res["kernel"] if r["batch"] == 128 and r["context"] == 32768)
+    cmd = res["command"] + "  # one H200"
+    return {
+        "mla_kv_bytes_per_token": {
+            "value": mla_p["kv_bytes_per_token"], "command": cmd, "device": "one H200",
+            "workload": "DeepSeek-V2-Lite's shape, bf16: 27 layers x one 576-value latent row (512 + 64 rope); a GQA "
+                        f"model of about its weight size (Qwen3-14B's shape) caches {gqa['kv_bytes_per_token']} bytes"},
+        "mla_concurrency_vs_gqa": {
+            "value": round(mla_p["max_concurrency_paged"] / gqa["max_concurrency_paged"], 2), "command": cmd,
+            "device": "one H200",
+            "workload": f"4096 in / 256 out requests whose KV fits 0.9 of an H200 after the weights: "
+                        f"{mla_p['max_concurrency_paged']} for DeepSeek-V2-Lite ({mla_p['weight_bytes_rank'] / 1e9:.1f} GB "
+                        f"of weights) against {gqa['max_concurrency_paged']} for Qwen3-14B's shape "
+                        f"({gqa['weight_bytes_rank'] / 1e9:.1f} GB); pdserve plan's arithmetic"},
+        "mla_decode_attention_floor_ratio": {
+            "value": round(k["ratio_to_floor"], 2), "goal": 1.3, "command": cmd, "device": "one H200",
+            "workload": f"the MLA decode kernel (ops/triton_mla.py), batch 64 x 8192 context, 16 heads, bf16: "
+                        f"{k['kernel_us']:.0f} us against {k['floor_us']:.0f} us to read the latent rows at the "
+                        f"measured copy bandwidth; 128 x 32K: {big['ratio_to_floor']:.2f} (mla/README.md)"},
+    }
+
+
 def kv_window() -> dict:
     """Sink + window eviction against full attention (bench/kv_window_quality.py, CPU)."""
     res = load("kv_window", "kv_window_quality.json")
@@ -550,6 +578,7 @@ def main() -> None:
     summary.update(attention_core())
     summary.update(moe())
     summary.update(ipc())
+    summary.update(mla())
     path = os.path.join(RES, "summary.json")
     with open(path) as f:
         previous = json.load(f)
