@@ -10,6 +10,10 @@ kernel reads it.
    HBM floor of the latent rows it must read (576 values x 2 bytes per token and layer, over the
    same run's measured device copy bandwidth), V2-Lite's 16 heads; the query's absorption and
    W_UV are not in the kernel's time.
+3. `--steps`: the whole model (dummy bf16 weights at V2-Lite's shape) through the engine's runner:
+   decode steps at batch 1 and 64 (context --ctx) against the HBM floor of what a step must read
+   (every non-expert weight but the embedding table, the experts its batch routes to, the latent
+   rows), and a 4096-token prefill's MFU on the activated FLOPs (bench/moe_gpu.bench_model).
 Prints a short table last; writes mla_gpu.md, .json and .png under --out.
 """
 
@@ -26,7 +30,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_gpu import ceilings  # noqa: E402
 
-V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
+# head_dim: only bench_model's attention FLOPs read it (QK^T over 192 values and PV over 128 per head:
+# the FLOPs of a head of 160); the engine reads MLA's dims
+V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, head_dim=160,
                hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
                num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6,
                n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
@@ -143,6 +149,16 @@ def markdown(res: dict) -> str:
               "| batch | context | kernel (us) | floor (us) | kernel / floor | GB/s |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['context']} | {r['kernel_us']:.1f} | {r['floor_us']:.1f} | "
               f"{r['ratio_to_floor']:.2f} | {r['GBps']:.0f} |" for r in res["kernel"]]
+    if "steps" in res:
+        st = res["steps"]
+        lines += ["", f"## The model's steps (dummy weights, {st['params_B']:.1f}B parameters)", "",
+                  "| batch | context | step (ms) | HBM floor (ms) | step / floor | tok/s | experts read |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | "
+                  f"{r['ratio_to_floor']:.2f} | {r['tokens_per_s']:.0f} | {r['experts_read']} |" for r in st["decode"]]
+        for p in st["prefill"]:
+            lines += ["", f"Prefill of {p['tokens']} tokens: {p['ms']:.1f} ms, {p['TFLOPs']:.0f} TFLOP/s on the "
+                          f"activated FLOPs, {p['frac_of_matmul']:.2f} of the bf16 matmul ceiling"]
     lines += ["", "Tile settings at batch 64 x 8K (the default is the first row's):", "",
               "| rows per tile | warps | stages | kernel (us) | kernel / floor |", "|---|---|---|---|---|"]
     lines += [f"| {r['block_n']} | {r['warps']} | {r['stages']} | {r.get('kernel_us', float('nan')):.1f} | "
@@ -174,16 +190,27 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/mla")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="1024,4096,8192,32768")
-    args = ap.parse_args()
+    ap.add_argument("--steps", action="store_true", help="also the whole model's decode steps and prefill")
+    ap.add_argument("--ctx", type=int, default=4096, help="the decode steps' context")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
     ceil = ceilings()
     res = {"device": torch.cuda.get_device_name(0), "ceil": ceil, "capacity": capacity(),
            "command": "python bench/mla_gpu.py --out bench/results/mla"}
+    if args.steps:
+        from moe_gpu import bench_model
+
+        res["steps"] = bench_model(V2_LITE, [1, 64], args.ctx, 4096, ceil)
     res["tiles"] = tile_sweep(ceil["copy_GBps"])
     res["kernel"] = kernel_sweep([int(x) for x in args.batches.split(",")], [int(x) for x in args.contexts.split(",")],
                                  ceil["copy_GBps"])

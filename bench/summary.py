@@ -493,8 +493,9 @@ def mla() -> dict:
             "value": round(mla_p["max_concurrency_paged"] / gqa["max_concurrency_paged"], 2), "command": cmd,
             "device": "one H200",
             "workload": f"4096 in / 256 out requests whose KV fits 0.9 of an H200 after the weights: "
-                        f"{mla_p['max_concurrency_paged']} for DeepSeek-V2-Lite ({mla_p['weight_bytes_rank'] / 1e9:.1f} GB "
-                        f"of weights) against {gqa['max_concurrency_paged']} for Qwen3-14B's shape "
+                        f"{mla_p['max_concurrency_paged']} for DeepSeek-V2-Lite "
+                        f"({mla_p['weight_bytes_rank'] / 1e9:.1f} GB of weights) against "
+                        f"{gqa['max_concurrency_paged']} for Qwen3-14B's shape "
                         f"({gqa['weight_bytes_rank'] / 1e9:.1f} GB); pdserve plan's arithmetic"},
         "mla_decode_attention_floor_ratio": {
             "value": round(k["ratio_to_floor"], 2), "goal": 1.3, "command": cmd, "device": "one H200",
