@@ -121,7 +121,7 @@ def expert_counter(model):
     seen: list[int] = []
 
     def hook(mod, inputs, _out):
-        logits = torch.nn.functional.linear(inputs[0], mod.gate.weight)
+        logits = torch.nn.functional.linear(inputs[0].float(), mod.gate.weight.float())  # DeepSeek: a float32 router
         seen.append(int(torch.unique(torch.topk(logits, mod.moe.top_k, dim=-1).indices).numel()))
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, SparseMoE)]
