@@ -476,6 +476,27 @@ def ipc() -> dict:
     return out
 
 
+def mla_steps() -> dict:
+    """DeepSeek-V2-Lite's whole model through the runner (dummy weights), one H200."""
+    res = load("mla", "mla_gpu_steps.json")
+    st, cmd = res["steps"], res["command"] + "  # one H200"
+    out = {}
+    for r in st["decode"]:
+        out[f"mla_decode_floor_ratio_b{r['batch']}"] = {
+            "value": round(r["ratio_to_floor"], 2), "goal": 1.5 if r["batch"] == 1 else 1.3, "command": cmd,
+            "device": "one H200",
+            "workload": f"DeepSeek-V2-Lite's shape (dummy bf16 weights), a decode step of batch {r['batch']} at "
+                        f"context {r['context']}: {r['step_ms']:.2f} ms against {r['floor_ms']:.2f} ms to read the "
+                        f"non-expert weights, the {r['experts_read']} experts it routes to and the latent rows "
+                        "(mla/README.md)"}
+    p = st["prefill"][0]
+    out["mla_prefill_mfu"] = {
+        "value": round(p["frac_of_matmul"], 2), "goal": 0.5, "command": cmd, "device": "one H200",
+        "workload": f"a {p['tokens']}-token prompt through DeepSeek-V2-Lite's shape: {p['ms']:.1f} ms, "
+                    f"{p['TFLOPs']:.0f} TFLOP/s on the activated FLOPs against the measured bf16 matmul ceiling"}
+    return out
+
+
 def mla() -> dict:
     """DeepSeek-V2-Lite's latent attention on one H200 (bench/results/mla/)."""
     res = load("mla", "mla_gpu.json")
@@ -497,6 +518,7 @@ def mla() -> dict:
                         f"({mla_p['weight_bytes_rank'] / 1e9:.1f} GB of weights) against "
                         f"{gqa['max_concurrency_paged']} for Qwen3-14B's shape "
                         f"({gqa['weight_bytes_rank'] / 1e9:.1f} GB); pdserve plan's arithmetic"},
+        **mla_steps(),
         "mla_decode_attention_floor_ratio": {
             "value": round(k["ratio_to_floor"], 2), "goal": 1.3, "command": cmd, "device": "one H200",
             "workload": f"the MLA decode kernel (ops/triton_mla.py), batch 64 x 8192 context, 16 heads, bf16: "
