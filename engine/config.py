@@ -285,9 +285,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's expert "
                              f"intermediate size {mc.moe.intermediate_size}")
         check_head_dim(self.kv_cache_dtype, mc.kv_cache_spec.head_dim)
-        if mc.mla is not None and self.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size}: {mc.architecture} (latent attention) "
-                             "runs on one GPU per worker for now")
+        shared = mc.moe.shared_intermediate_size if mc.moe is not None else 0
+        if shared % self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's shared "
+                             f"experts' intermediate size {shared}")
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:

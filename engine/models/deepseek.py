@@ -17,6 +17,12 @@ by the router in float32 (ops/moe_ref.route_grouped: V2's softmax, greedy or gro
 V3's sigmoid with its correction bias, group-limited, renormalized), their weights scaled by
 routed_scaling_factor, plus the shared experts (one dense MLP). Numerics follow Hugging Face's
 code, so float32 greedy outputs match it.
+
+With a tensor-parallel group of N each rank builds its shard: its H/N heads (their rows of the
+query projection and of kv_b_proj, their columns of o_proj, one all-reduce after it), the whole
+latent path (kv_a_proj, its norm: every rank computes and caches the same latent rows, so the
+cache is not split: KVCacheSpec(sharded=False)), I/N of every MLP and expert (one all-reduce
+each, the routed experts' and the shared experts' separately), its ceil(V/N) rows of the LM head.
 """
 
 from __future__ import annotations
@@ -206,10 +212,12 @@ class DeepseekForCausalLM(nn.Module):
 
     # ---- weights -----------------------------------------------------------------------
     def shard_targets(self, hf_name: str) -> list[tuple[str, slice | None, int, slice | None]]:
-        """Where a Hugging Face tensor goes (the loader's form, as LlamaForCausalLM's): the
-        experts' per-expert tensors into the fused ones, the dense MLPs' gate and up into
-        gate_up_proj; multi-token-prediction layers past num_hidden_layers are not served."""
+        """Where a Hugging Face tensor goes on this rank (the loader's form, as LlamaForCausalLM's):
+        the experts' per-expert tensors into the fused ones, the dense MLPs' gate and up into
+        gate_up_proj; the heads' and the MLPs' rank slices; multi-token-prediction layers past
+        num_hidden_layers are not served."""
         name = hf_name.removeprefix("model.")
+        r = self.tp.rank
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) >= self.cfg.num_layers:
             return []
@@ -224,8 +232,28 @@ class DeepseekForCausalLM(nn.Module):
                 mlp = self.get_submodule(name.rsplit(".", 2)[0])
                 ff = mlp.gate_up_proj.weight.shape[0] // 2
                 rows = slice(0, ff) if part == "gate_proj" else slice(ff, 2 * ff)
-                return [(name.replace(part, "gate_up_proj"), rows, 0, None)]
+                return [(name.replace(part, "gate_up_proj"), rows, 0, slice(r * ff, (r + 1) * ff))]
+        if name.endswith(".down_proj.weight"):
+            ff = self.get_submodule(name.removesuffix(".weight")).weight.shape[1]
+            return [(name, None, 1, slice(r * ff, (r + 1) * ff))]
+        m, h = self.cfg.mla, self.cfg.num_heads // self.tp.size
+        for part, width in (("q_proj", m.qk_head_dim), ("q_b_proj", m.qk_head_dim),
+                            ("kv_b_proj", m.qk_nope_head_dim + m.v_head_dim)):
+            if name.endswith(f".self_attn.{part}.weight"):
+                return [(name, None, 0, slice(r * h * width, (r + 1) * h * width))]
+        if name.endswith(".self_attn.o_proj.weight"):
+            return [(name, None, 1, slice(r * h * m.v_head_dim, (r + 1) * h * m.v_head_dim))]
+        lo, hi = self.vocab_rows
+        if name == "lm_head.weight":
+            return [(name, slice(0, hi - lo), 0, slice(lo, hi))]
+        if name == "embed_tokens.weight" and self.cfg.tie_word_embeddings and self.tp.size > 1:
+            return [(name, None, 0, None), ("lm_head.weight", slice(0, hi - lo), 0, slice(lo, hi))]
         return [(name, None, 0, None)]
 
     def expected_elements(self, name: str, p: torch.Tensor) -> int:
+        """How many of parameter `name`'s elements a checkpoint fills (the LM head's padding rows on
+        the last rank stay zero)."""
+        if name == "lm_head.weight":
+            lo, hi = self.vocab_rows
+            return (hi - lo) * p.shape[1]
         return p.numel()

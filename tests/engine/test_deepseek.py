@@ -245,3 +245,19 @@ def test_the_triton_kernels_keep_hf_tokens(model_dir):
     with LLM(path, **kw, attention_backend="torch") as ref, LLM(path, **kw, attention_backend="triton") as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
             [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params)]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_on_gloo_keeps_hf_tokens(model_dir):
+    """Two ranks (gloo processes): each holds half the heads (their query and kv_b_proj rows, their
+    o_proj columns), half of every MLP and expert, and the whole latent path, whose rows both
+    ranks cache alike; the greedy tokens are HF's."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    name, path = model_dir
+    if name == "v2_group":
+        pytest.skip("the same shapes as v2_lite")
+    with LLM(path, dtype="float32", max_model_len=128, tensor_parallel_size=2, kv_cache_memory_bytes=8 << 20) as llm:
+        assert llm.engine.shards is not None and llm.engine.runner.model.layers[0].self_attn.num_heads == 2
+        assert llm.engine.runner.kv.shape[2:] == (1, 16, 1, 48)  # the whole latent row on every rank
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == hf_greedy(path, PROMPTS, 8)
