@@ -56,6 +56,15 @@ SHAPES = {
                       "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
                       "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
                       "rope_theta": 1000000.0},
+    # DeepSeek-V2-Lite: 27 layers, latent attention (512 + 64 rope, 16 heads), 64 experts of 1408 top-6
+    # + 2 shared, the first layer dense (bench/results/mla/)
+    "deepseek-v2-lite": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+                         "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+                         "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64,
+                         "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                         "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                         "v_head_dim": 128, "topk_method": "greedy", "max_position_embeddings": 16384,
+                         "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
 }
 
 
