@@ -505,6 +505,7 @@ def mla() -> dict:
     k = next(r for r in res["kernel"] if r["batch"] == 64 and r["context"] == 8192)
     big = next(r for r in res["kernel"] if r["batch"] == 128 and r["context"] == 32768)
     cmd = res["command"] + "  # one H200"
+    served = load("mla", "serving", "deepseek_v2_lite_long.json")
     return {
         "mla_kv_bytes_per_token": {
             "value": mla_p["kv_bytes_per_token"], "command": cmd, "device": "one H200",
@@ -519,6 +520,15 @@ def mla() -> dict:
                         f"{gqa['max_concurrency_paged']} for Qwen3-14B's shape "
                         f"({gqa['weight_bytes_rank'] / 1e9:.1f} GB); pdserve plan's arithmetic"},
         **mla_steps(),
+        "mla_colocated1_goodput_long": {
+            "value": round(served["goodput"]["rps"], 2), "device": "one H200",
+            "command": "python3 bench/serving_gpu.py --tokenizer TOK --systems colocated:1 --shape deepseek-v2-lite "
+                       "--num-requests 200 --workloads long --long-rates 3,5 (then 7,9: runs merged) "
+                       "--out bench/results/mla/serving  # one H200",
+            "workload": "4096 in / 256 out, TTFT <= 1 s, TPOT <= 40 ms, one engine, DeepSeek-V2-Lite's shape (dummy "
+                        "bf16 weights); SLO attainment by rate: "
+                        + ", ".join(f"{r['rate']:g}: {r['slo_attainment']:.0%}" for r in served["runs"])
+                        + "; Llama-3-8B's shape 5.24 (moe/serving/llama3_8b_long.md)"},
         "mla_decode_attention_floor_ratio": {
             "value": round(k["ratio_to_floor"], 2), "goal": 1.3, "command": cmd, "device": "one H200",
             "workload": f"the MLA decode kernel (ops/triton_mla.py), batch 64 x 8192 context, 16 heads, bf16: "
