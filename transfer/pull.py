@@ -97,9 +97,14 @@ def wait_key(ps: dist.PrefixStore, key: str, h: Handoff, gone, bell: socket.sock
 
 
 def wait_bell(bell: socket.socket, timeout: float) -> None:
-    """Until the peer rings (or closes the socket: it is gone) or `timeout`; takes every ring."""
+    """Until the peer rings (or closes the socket: it is gone) or `timeout`; takes every ring. A
+    peer that ends with a ring of ours unread resets the socket instead of closing it: gone too."""
     if select.select([bell], [], [], max(timeout, 0))[0]:
-        if not bell.recv(4096):
+        try:
+            rung = bell.recv(4096)
+        except ConnectionError:
+            rung = b""
+        if not rung:
             raise TransferError("the peer left (it closed the pair's doorbell)")
 
 

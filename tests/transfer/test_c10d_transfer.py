@@ -331,3 +331,21 @@ def test_the_store_listens_only_on_the_address_it_is_given():
             socket.create_connection((outside, port), timeout=5).close()
     finally:
         conn.close()
+
+
+def test_a_doorbell_reset_by_its_departing_peer_reads_as_the_peer_gone():
+    """A peer that ends with one of our rings unread resets the pair's doorbell (ECONNRESET) instead
+    of closing it: the waiter fails with the peer gone, as for a close (the reset escaped before)."""
+    import socket
+
+    from pdserve.transfer.base import TransferError
+    from pdserve.transfer.pull import wait_bell
+
+    for unread in (False, True):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        if unread:
+            mine.send(b"!")  # a ring the peer never takes
+        theirs.close()
+        with pytest.raises(TransferError, match="the peer left"):
+            wait_bell(mine, 1.0)
+        mine.close()
