@@ -113,10 +113,14 @@ class OutputPipe:
     async def _next(q: asyncio.Queue, ended: asyncio.Future):
         if not ended.done():
             getter = asyncio.ensure_future(q.get())
-            await asyncio.wait({getter, ended}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
+            try:
+                await asyncio.wait({getter, ended}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # cancelled (the client went away) or the call ended first: no get left pending
+                got = getter.done()
+                if not got:
+                    getter.cancel()
+            if got:
                 return getter.result()
-            getter.cancel()
         if not ended.result():  # raises the worker's error; False: aborted there
             return None
         try:

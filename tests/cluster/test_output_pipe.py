@@ -220,3 +220,41 @@ def test_a_pipe_closed_by_its_workers_death_fails_with_the_death():
             pipe.close()
 
     asyncio.run(main())
+
+
+def test_a_call_that_ends_before_its_last_output_arrives_waits_for_it():
+    """The worker's call returns as soon as the last output is handed to its sender, which may be
+    before the frame reaches the router: the reader waits for it (the call's end does not cut the
+    outputs short), and a reader cancelled meanwhile leaves no get pending."""
+    async def main():
+        pipe = OutputPipe()
+        addr = await pipe.start("127.0.0.1")
+        sender = PipeSender(addr, "w0")
+        try:
+            await until(lambda: pipe.connected("w0"))
+            ended = asyncio.get_running_loop().create_future()
+
+            async def late():
+                sender.send("r1", out("r1", 1))
+                await asyncio.sleep(0.1)
+                ended.set_result(True)  # the call is over while the reader waits for the next output
+                await asyncio.sleep(0.2)
+                sender.send("r1", out("r1", 2, finished=True))
+
+            got, _ = await asyncio.gather(read_all(pipe, "r1", "w0", lambda: ended), late())
+            assert [o.delta_token_ids for o in got] == [[1], [2]] and got[-1].finished
+            never = asyncio.get_running_loop().create_future()
+            reader = asyncio.ensure_future(read_all(pipe, "r2", "w0", lambda: never))
+            await asyncio.sleep(0.05)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            await asyncio.sleep(0)
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+            assert not any("Queue.get" in repr(t.get_coro()) for t in pending), pending
+            assert pipe.queues == {}
+        finally:
+            sender.close()
+            pipe.close()
+
+    asyncio.run(main())
