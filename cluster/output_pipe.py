@@ -144,8 +144,9 @@ class OutputPipe:
                     if entry is not None:
                         entry[1].put_nowait(out)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError, ValueError, KeyError) as e:
-            if worker is not None:
-                log.warning("output pipe of %s closed: %s", worker, type(e).__name__)
+            if worker is not None:  # a warning when it cuts requests off; a worker that stops closes it too
+                open_here = any(conn is writer for conn, _ in self.queues.values())
+                (log.warning if open_here else log.info)("output pipe of %s closed: %s", worker, type(e).__name__)
         finally:
             if worker is not None and self.links.get(worker) is writer:
                 del self.links[worker]
