@@ -6,6 +6,7 @@ request's outputs end. Through a real cluster: tests/cluster/test_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import socket
 import time
@@ -29,17 +30,26 @@ async def until(cond, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def connected_pipe(worker: str = "w0"):
+    """A router's pipe and one worker's sender, connected; both closed after."""
+    pipe = OutputPipe()
+    sender = PipeSender(await pipe.start("127.0.0.1"), worker)
+    try:
+        await until(lambda: pipe.connected(worker))
+        yield pipe, sender
+    finally:
+        sender.close()
+        pipe.close()
+
+
 async def read_all(pipe: OutputPipe, rid: str, worker: str, call) -> list:
     return [o async for o in pipe.outputs(rid, worker, call)]
 
 
 def test_outputs_arrive_in_order_and_the_call_ends_them():
     async def main():
-        pipe = OutputPipe()
-        addr = await pipe.start("127.0.0.1")
-        sender = PipeSender(addr, "w0")
-        try:
-            await until(lambda: pipe.connected("w0"))
+        async with connected_pipe() as (pipe, sender):
             assert not pipe.connected("w1")
             done = asyncio.get_running_loop().create_future()
 
@@ -73,9 +83,6 @@ def test_outputs_arrive_in_order_and_the_call_ends_them():
                 return ok
             assert [o.delta_token_ids for o in await read_all(pipe, "r4", "w0", call4)] == [[7]]
             assert pipe.queues == {}
-        finally:
-            sender.close()
-            pipe.close()
 
     asyncio.run(main())
 
@@ -110,11 +117,7 @@ def test_a_closed_pipe_fails_its_requests_and_the_sender_reconnects(monkeypatch)
     monkeypatch.setattr(op, "DEATH_S", 0.2)
 
     async def main():
-        pipe = OutputPipe()
-        addr = await pipe.start("127.0.0.1")
-        sender = PipeSender(addr, "w0")
-        try:
-            await until(lambda: pipe.connected("w0"))
+        async with connected_pipe() as (pipe, sender):
             never = asyncio.get_running_loop().create_future()
 
             def call():
@@ -144,9 +147,6 @@ def test_a_closed_pipe_fails_its_requests_and_the_sender_reconnects(monkeypatch)
             assert [o.delta_token_ids for o in await read_all(pipe, "r2", "w0", call2)] == [[6]]
             with pytest.raises(ConnectionError, match="w9: no output pipe"):
                 await read_all(pipe, "r3", "w9", lambda: done)
-        finally:
-            sender.close()
-            pipe.close()
 
     asyncio.run(main())
 
@@ -159,18 +159,11 @@ def test_a_last_output_that_never_comes_fails_the_request(monkeypatch):
     monkeypatch.setattr(op, "LAST_OUTPUT_S", 0.2)
 
     async def main():
-        pipe = OutputPipe()
-        addr = await pipe.start("127.0.0.1")
-        sender = PipeSender(addr, "w0")
-        try:
-            await until(lambda: pipe.connected("w0"))
+        async with connected_pipe() as (pipe, sender):
             done = asyncio.get_running_loop().create_future()
             done.set_result(True)
             with pytest.raises(ConnectionError, match="did not arrive within 0.2 s"):
                 await read_all(pipe, "r1", "w0", lambda: done)
-        finally:
-            sender.close()
-            pipe.close()
 
     asyncio.run(main())
 
@@ -202,11 +195,7 @@ def test_a_pipe_closed_by_its_workers_death_fails_with_the_death():
         pass
 
     async def main():
-        pipe = OutputPipe()
-        addr = await pipe.start("127.0.0.1")
-        sender = PipeSender(addr, "w0")
-        try:
-            await until(lambda: pipe.connected("w0"))
+        async with connected_pipe() as (pipe, sender):
             call = asyncio.get_running_loop().create_future()
 
             async def die():
@@ -215,9 +204,6 @@ def test_a_pipe_closed_by_its_workers_death_fails_with_the_death():
                 call.set_exception(Died("the worker process ended"))
             with pytest.raises(Died):
                 await asyncio.gather(read_all(pipe, "r1", "w0", lambda: call), die())
-        finally:
-            sender.close()
-            pipe.close()
 
     asyncio.run(main())
 
@@ -227,11 +213,7 @@ def test_a_call_that_ends_before_its_last_output_arrives_waits_for_it():
     before the frame reaches the router: the reader waits for it (the call's end does not cut the
     outputs short), and a reader cancelled meanwhile leaves no get pending."""
     async def main():
-        pipe = OutputPipe()
-        addr = await pipe.start("127.0.0.1")
-        sender = PipeSender(addr, "w0")
-        try:
-            await until(lambda: pipe.connected("w0"))
+        async with connected_pipe() as (pipe, sender):
             ended = asyncio.get_running_loop().create_future()
 
             async def late():
@@ -253,8 +235,5 @@ def test_a_call_that_ends_before_its_last_output_arrives_waits_for_it():
             pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
             assert not any("Queue.get" in repr(t.get_coro()) for t in pending), pending
             assert pipe.queues == {}
-        finally:
-            sender.close()
-            pipe.close()
 
     asyncio.run(main())
