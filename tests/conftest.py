@@ -39,6 +39,12 @@ def tiny_models(tmp_path_factory, request) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def tok_dir(request) -> str:
+    """Tokenizer files for tiny random models (PDSERVE_TEST_TOKENIZER, else the default model's)."""
+    return os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="module")
 def shared_ray():
     """One local Ray per test process (an xdist worker), started on first use and left running:
     a Ray start and stop costs ~5 s on 2 cores, and ~25 cluster tests each paid it. A

@@ -23,6 +23,10 @@ PROMPTS = [
     "Once upon a time",
 ]
 
+# token-id prompts for tiny random models (ids < 500): two sharing a 24-token prefix, one short
+ID_PROMPTS = [[(37 * i + 11) % 500 + 3 for i in range(40)], [(37 * i + 11) % 500 + 3 for i in range(24)] + [7, 9],
+              [(13 * i + 5) % 500 + 3 for i in range(19)]]
+
 
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
               "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),

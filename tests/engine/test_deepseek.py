@@ -14,7 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
 
-from helpers import hf_greedy, run_disagg, save_hf
+from helpers import ID_PROMPTS, hf_greedy, run_disagg, save_hf
 
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -32,14 +32,8 @@ MODELS = {
     "v3": ("deepseek_v3", dict(q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                rope_parameters=YARN)),
 }
-PROMPTS = [[(37 * i + 11) % 500 + 3 for i in range(40)], [(37 * i + 11) % 500 + 3 for i in range(24)] + [7, 9],
-           [(13 * i + 5) % 500 + 3 for i in range(19)]]
+PROMPTS = ID_PROMPTS
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(request):
-    return os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

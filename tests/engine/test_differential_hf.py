@@ -7,7 +7,6 @@ prefix-cache hits and prefill chunks down to a few tokens: greedy tokens == HF a
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -40,11 +39,6 @@ def engine_tokens(path: str, prompts: list[list[int]], n: int = NEW, **engine_ar
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     llm.engine.kv.check_all_free()
     return [o.outputs[0].token_ids for o in outs]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(request):
-    return os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
 
 
 PROMPT = [(37 * i + 11) % 500 + 3 for i in range(40)]  # 40 tokens: 3 blocks, past every window below

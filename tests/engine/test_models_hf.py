@@ -5,15 +5,13 @@ tokens equal to HF's generate with prefix-cache hits and prompts in small prefil
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig
 
-from helpers import hf_greedy, save_hf
+from helpers import ID_PROMPTS, hf_greedy, save_hf
 
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
@@ -26,13 +24,7 @@ MODELS = {
                                          moe_intermediate_size=24, decoder_sparse_step=2, norm_topk_prob=True)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
 }
-PROMPTS = [[(37 * i + 11) % 500 + 3 for i in range(40)], [(37 * i + 11) % 500 + 3 for i in range(24)] + [7, 9],
-           [(13 * i + 5) % 500 + 3 for i in range(19)]]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(request):
-    return os.environ.get("PDSERVE_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
+PROMPTS = ID_PROMPTS
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
