@@ -58,6 +58,20 @@ class HeaderDeadlineH11(H11Protocol):
             self.transport.close()
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server that calls `on_listening(port)` once its socket is bound: a line announcing
+    the server comes only when a client can connect, and with --port 0 it names the port the OS chose."""
+
+    def __init__(self, config: uvicorn.Config, on_listening=None):
+        super().__init__(config)
+        self.on_listening = on_listening
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.on_listening is not None:
+            self.on_listening(self.servers[0].sockets[0].getsockname()[1])
+
+
 def config(app, host: str, port: int, log_level: str = "info", header_timeout_s: float = HEADER_TIMEOUT_S,
            **kwargs) -> uvicorn.Config:
     """uvicorn's config for `app` with the header deadline (tests serve through this too)."""

@@ -106,6 +106,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serving_port(proc, timeout_s: float = 300) -> int:
+    """The port a `pdserve serve --port 0` subprocess (stdout a text pipe) listens on, read from its
+    serving line, which it prints only once the port is bound: the caller connects at once."""
+    deadline = time.monotonic() + timeout_s
+    while "pdserve: serving" not in (line := proc.stdout.readline()):
+        assert line and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+    return int(line.split(" on http://", 1)[1].split(" ", 1)[0].rsplit(":", 1)[1])
+
+
 class Server:
     """A real uvicorn server on 127.0.0.1 in a thread."""
 

@@ -60,8 +60,8 @@ def check_listen(args: argparse.Namespace) -> None:
         if n is not None and n < 1:
             raise CliError(f"--{role} must be >= 1, got {n}" + (" (--mode colocated has no prefill pool)"
                                                                  if role == "prefill" else ""))
-    if not 0 < args.port < 65536:
-        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    if not 0 <= args.port < 65536:
+        raise CliError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -77,10 +77,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    import uvicorn
-
     from pdserve.cluster import Cluster
     from pdserve.router.app import build_app
+    from pdserve.router.server import Server
     from pdserve.router.server import config as server_config
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -113,10 +112,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sizes = f"colocated={tp['decode']}" if cluster.mode == "colocated" else \
             f"{cluster.mode}, prefill={tp['prefill']}, decode={tp['decode']}"
         slo = cluster.serving.slo
-        print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{args.port} ({sizes}, "
-              f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
-              f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
-        server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level))
+
+        def listening(port: int) -> None:  # printed once the port is bound: a client reading it can connect
+            print(f"pdserve: serving {cluster.model_path} on http://{args.host}:{port} ({sizes}, "
+                  f"SLO ttft {slo.ttft_s:g} s tpot {slo.tpot_s * 1000:g} ms, "
+                  f"autoscale={'on' if cluster.serving.autoscale.enabled else 'off'})", flush=True)
+
+        server = Server(server_config(app, args.host, args.port, args.log_level), on_listening=listening)
         stop = server.handle_exit
 
         def on_signal(sig, frame):  # Ctrl-C reaches the workers too: they end, they are not replaced
@@ -175,7 +177,7 @@ def add_serve_parser(sub) -> None:
                         help=f"tensor-parallel size of each {role} worker (default: the config's, else "
                              "--tensor-parallel-size)")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=int, default=8000, help="0: any free port, named in the serving line")
     sv.add_argument("--root-path", default="",
                     help="the path prefix a proxy serves this server under (e.g. /llm): routes answer below it too")
     sv.add_argument("--address", default=None, help="join this Ray cluster (auto | host:port); default: start one")

@@ -9,11 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers import free_port, hf_greedy, save_hf
+from helpers import hf_greedy, save_hf, serving_port
 
 openai = pytest.importorskip("openai")
 
@@ -37,16 +36,13 @@ def test_a_served_model_of_each_family_answers_through_the_handoff(tmp_path, def
     save_hf(kind, {**BASE, **FAMILIES[kind]}, str(tmp_path), default_model_dir)
     prompt = [(29 * i + 7) % 40000 + 100 for i in range(40)]
     want = hf_greedy(str(tmp_path), [prompt], 6)[0]
-    port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", str(tmp_path), "--mode", mode,
-                             "--prefill", "1", "--decode", "1", "--max-model-len", "256", "--port", str(port)],
+                             "--prefill", "1", "--decode", "1", "--max-model-len", "256", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # its own group: stopping it stops only what it started
     try:
-        deadline = time.monotonic() + 300
-        while "pdserve: serving" not in (line := proc.stdout.readline()):
-            assert line and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        port = serving_port(proc)  # printed once bound: the client connects at once
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         model = client.models.list().data[0].id
         r = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
