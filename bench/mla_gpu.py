@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_gpu import ceilings  # noqa: E402
+from engine_gpu import ceilings, profile_lines  # noqa: E402
 
 # head_dim: only bench_model's attention FLOPs read it (QK^T over 192 values and PV over 128 per head:
 # the FLOPs of a head of 160); the engine reads MLA's dims
@@ -145,10 +145,11 @@ def markdown(res: dict) -> str:
     for name, p in cap.items():
         lines.append(f"| {name} | {p['kv_bytes_per_token'] / 1024:.1f} KiB | {p['weight_bytes_rank'] / 1e9:.1f} GB | "
                      f"{p['kv_budget_bytes_rank'] / 1e9:.1f} GB | {p['max_concurrency_paged']} |")
-    lines += ["", "## The MLA decode kernel against the HBM floor of the latent rows (16 heads, bf16)", "",
-              "| batch | context | kernel (us) | floor (us) | kernel / floor | GB/s |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['context']} | {r['kernel_us']:.1f} | {r['floor_us']:.1f} | "
-              f"{r['ratio_to_floor']:.2f} | {r['GBps']:.0f} |" for r in res["kernel"]]
+    if "kernel" in res:
+        lines += ["", "## The MLA decode kernel against the HBM floor of the latent rows (16 heads, bf16)", "",
+                  "| batch | context | kernel (us) | floor (us) | kernel / floor | GB/s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['context']} | {r['kernel_us']:.1f} | {r['floor_us']:.1f} | "
+                  f"{r['ratio_to_floor']:.2f} | {r['GBps']:.0f} |" for r in res["kernel"]]
     if "steps" in res:
         st = res["steps"]
         lines += ["", f"## The model's steps (dummy weights, {st['params_B']:.1f}B parameters)", "",
@@ -159,6 +160,12 @@ def markdown(res: dict) -> str:
         for p in st["prefill"]:
             lines += ["", f"Prefill of {p['tokens']} tokens: {p['ms']:.1f} ms, {p['TFLOPs']:.0f} TFLOP/s on the "
                           f"activated FLOPs, {p['frac_of_matmul']:.2f} of the bf16 matmul ceiling"]
+        for r in st["decode"] + st["prefill"]:
+            if "profile" in r:
+                what = f"decode, batch {r['batch']}" if "batch" in r else f"prefill of {r['tokens']} tokens"
+                lines += profile_lines(what, r["profile"], "graph replays included")
+    if "tiles" not in res:
+        return "\n".join(lines) + "\n"
     lines += ["", "Tile settings at batch 64 x 8K (the default is the first row's):", "",
               "| rows per tile | warps | stages | kernel (us) | kernel / floor |", "|---|---|---|---|---|"]
     lines += [f"| {r['block_n']} | {r['warps']} | {r['stages']} | {r.get('kernel_us', float('nan')):.1f} | "
@@ -173,6 +180,8 @@ def plot(res: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return
+    if "kernel" not in res:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for ctx in sorted({r["context"] for r in res["kernel"]}):
@@ -198,6 +207,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--contexts", default="1024,4096,8192,32768")
     ap.add_argument("--steps", action="store_true", help="also the whole model's decode steps and prefill")
     ap.add_argument("--ctx", type=int, default=4096, help="the decode steps' context")
+    ap.add_argument("--profile", action="store_true", help="with --steps: each step's kernels by kind (torch profiler)")
+    ap.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=True,
+                    help="the decode kernel's sweeps (--no-kernel: the steps only)")
     return ap
 
 
@@ -206,20 +218,22 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     ceil = ceilings()
     res = {"device": torch.cuda.get_device_name(0), "ceil": ceil, "capacity": capacity(),
-           "command": "python bench/mla_gpu.py --out bench/results/mla"}
+           "command": "python bench/mla_gpu.py " + " ".join(sys.argv[1:])}
     if args.steps:
         from moe_gpu import bench_model
 
-        res["steps"] = bench_model(V2_LITE, [1, 64], args.ctx, 4096, ceil)
-    res["tiles"] = tile_sweep(ceil["copy_GBps"])
-    res["kernel"] = kernel_sweep([int(x) for x in args.batches.split(",")], [int(x) for x in args.contexts.split(",")],
-                                 ceil["copy_GBps"])
-    with open(os.path.join(args.out, "mla_gpu.json"), "w") as f:
+        res["steps"] = bench_model(V2_LITE, [1, 64], args.ctx, 4096, ceil, profile=args.profile)
+    if args.kernel:
+        res["tiles"] = tile_sweep(ceil["copy_GBps"])
+        res["kernel"] = kernel_sweep([int(x) for x in args.batches.split(",")],
+                                     [int(x) for x in args.contexts.split(",")], ceil["copy_GBps"])
+    name = os.path.join(args.out, "mla_gpu" if args.kernel else "mla_gpu_steps")  # --no-kernel: the steps' files
+    with open(f"{name}.json", "w") as f:
         json.dump(res, f, indent=1, default=str)
     text = markdown(res)
-    with open(os.path.join(args.out, "mla_gpu.md"), "w") as f:
+    with open(f"{name}.md", "w") as f:
         f.write(text)
-    plot(res, os.path.join(args.out, "mla_gpu.png"))
+    plot(res, f"{name}.png")
     print(text)
 
 

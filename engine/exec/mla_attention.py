@@ -76,12 +76,12 @@ class MLAPagedAttention:
         out = q.new_empty(q.shape[0], self.num_heads, self.out_dim) if out is None else out
         w = self.w_kv_b()
         nd = meta.num_decodes  # leading rows of one query token each
-        if nd and self._decode is not None:
+        if nd and self._decode is not None:  # by head: two batched GEMMs on strided views, no copies
             nope = self.mla.qk_nope_head_dim
-            q_lat = torch.einsum("thn,hnr->thr", q[:nd, :, :nope], w[:, :nope])
-            o_lat = self._decode(q_lat, q[:nd, :, nope:], k_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
-                                 self.scale)
-            out[:nd] = torch.einsum("thr,hvr->thv", o_lat, w[:, nope:])
+            q_lat = torch.bmm(q[:nd, :, :nope].transpose(0, 1), w[:, :nope])  # [H, nd, rank]
+            o_lat = self._decode(q_lat.transpose(0, 1), q[:nd, :, nope:], k_cache, meta.block_tables[:nd],
+                                 meta.seq_lens_t[:nd], self.scale)  # [nd, H, rank], laid out by head as q_lat
+            out[:nd] = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
             if nd == meta.num_seqs:  # a decode step: nothing on the host (the decode graphs capture it)
                 return out
         seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()

@@ -39,7 +39,7 @@ from ..exec.attention import AttentionMetadata
 from ..exec.mla_attention import MLAPagedAttention
 from ..exec.tp import TPGroup, vocab_range
 from ..ops.moe_ref import fused_moe_ref, route_grouped
-from .llama import MLP, RMSNorm, RowParallelLinear
+from .llama import MLP, RMSNorm, RowParallelLinear, _fused_ops
 from .moe import SparseMoE
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -92,10 +92,10 @@ class DeepseekRotary(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: DeepseekRotary, use_triton: bool, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, rotary: DeepseekRotary, use_triton: bool, tp: TPGroup, fused: bool = False):
         super().__init__()
         m, h = cfg.mla, cfg.num_heads // tp.size
-        self.mla, self.num_heads, self.rotary = m, h, rotary
+        self.mla, self.num_heads, self.rotary, self.fused = m, h, rotary, fused
         if m.q_lora_rank:
             self.q_a_proj = nn.Linear(cfg.hidden_size, m.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
@@ -112,6 +112,18 @@ class MLAttention(nn.Module):
         """x [T, hidden] -> q [T, H, nope + rope] (rope part rotated), the latent rows
         [T, 1, kv_lora_rank + rope] to cache, and None (no separate values)."""
         m = self.mla
+        if self.fused:  # the norms and both ropes in Triton: two launches (one without q_lora)
+            ops = _fused_ops()
+            if m.q_lora_rank:
+                qa = self.q_a_layernorm
+                q = self.q_b_proj(ops.add_rmsnorm(self.q_a_proj(x), None, qa.weight, qa.eps)[0])
+            else:
+                q = self.q_proj(x)
+            q, latent = q.view(-1, self.num_heads, m.qk_head_dim), self.kv_a_proj_with_mqa(x)
+            kvn = self.kv_a_layernorm
+            ops.mla_rope_latent_(q, latent, positions, self.rotary.cos, self.rotary.sin, kvn.weight, kvn.eps,
+                                 self.rotary.interleave)
+            return q, latent[:, None, :], None
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank else self.q_proj(x)
         q = q.view(-1, self.num_heads, m.qk_head_dim)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
@@ -125,58 +137,76 @@ class DeepseekMoE(SparseMoE):
     """Routed experts (SparseMoE's fused weights) chosen by DeepSeek's router in float32, plus
     the shared experts."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, use_triton: bool):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, use_triton: bool, fused: bool = False):
         super().__init__(cfg.hidden_size, cfg.moe, tp, use_triton)
-        self.fused = fused_moe_ref
-        if use_triton:
-            from ..ops.triton_moe import fused_moe_triton  # imports Triton only when a model runs it
-
-            self.fused = fused_moe_triton
+        self.use_triton = use_triton
         if cfg.moe.routing == "sigmoid_group":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.moe.num_experts))
         shared = cfg.moe.shared_intermediate_size
-        self.shared_experts = MLP(cfg, False, tp, shared) if shared else None
+        self.shared_experts = MLP(cfg, fused, tp, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
-        weights, ids = route_grouped(logits, self.moe, getattr(self.gate, "e_score_correction_bias", None))
-        out = self.tp.all_reduce(self.fused(x, self.w_gate_up, self.w_down, weights, ids))
+        bias, moe = getattr(self.gate, "e_score_correction_bias", None), self.moe
+        if self.use_triton:  # routing and ranking in one launch, then the fused experts
+            from ..ops.triton_moe import fused_moe_triton, route_triton
+
+            renorm = moe.routing == "sigmoid_group" and moe.norm_topk_prob
+            weights, ids, ranked = route_triton(logits, moe.top_k, renorm, torch.float32, moe, bias)
+            out = fused_moe_triton(x, self.w_gate_up, self.w_down, weights, ids, ranked=ranked)
+        else:
+            weights, ids = route_grouped(logits, moe, bias)
+            out = fused_moe_ref(x, self.w_gate_up, self.w_down, weights, ids)
+        out = self.tp.all_reduce(out)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: DeepseekRotary, use_triton: bool, layer: int, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, rotary: DeepseekRotary, use_triton: bool, layer: int, tp: TPGroup,
+                 fused: bool = False):
         super().__init__()
-        self.self_attn = MLAttention(cfg, rotary, use_triton, tp)
+        self.fused = fused
+        self.self_attn = MLAttention(cfg, rotary, use_triton, tp, fused)
         sparse = cfg.moe is not None and cfg.moe.layers[layer]
-        self.mlp = DeepseekMoE(cfg, tp, use_triton) if sparse else MLP(cfg, False, tp)
+        self.mlp = DeepseekMoE(cfg, tp, use_triton, fused) if sparse else MLP(cfg, fused, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def begin(self, positions, h, residual):
-        """The layer up to its attention: -> (q, latent, None, residual = h)."""
-        return (*self.self_attn.project(positions, self.input_layernorm(h)), h)
+        """The layer up to its attention: -> (q, latent, None, residual), as LlamaForCausalLM's
+        layers: unfused, the residual is h; fused, it travels beside h (the RMSNorm adds it)."""
+        ln1 = self.input_layernorm
+        x, residual = _fused_ops().add_rmsnorm(h, residual, ln1.weight, ln1.eps) if self.fused else (ln1(h), h)
+        return (*self.self_attn.project(positions, x), residual)
 
     def finish(self, o, residual):
-        """The layer after its attention output o [T, H, v]: -> (its output, None)."""
-        h = residual + self.self_attn.o_proj(o.reshape(o.shape[0], -1))
-        return h + self.mlp(self.post_attention_layernorm(h)), None
+        """The layer after its attention output o [T, H, v]: -> (h, residual); unfused, h is the
+        layer's output and the residual None; fused, the output is h + residual."""
+        h = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
+        ln2 = self.post_attention_layernorm
+        if not self.fused:
+            h = residual + h
+            return h + self.mlp(ln2(h)), None
+        x, residual = _fused_ops().add_rmsnorm(h, residual, ln2.weight, ln2.eps)
+        return self.mlp(x), residual
 
 
 class DeepseekForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, use_triton: bool, fused: bool = False,
                  tp: TPGroup | None = None):
-        """`fused` is accepted for the runner's sake: this family's elementwise parts run in torch."""
+        """`fused`: the elementwise parts through Triton (ops/triton_fused.py: the norms with the
+        residual, both ropes with the latent's norm, SiLU x up) and the router in one launch."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TPGroup()
-        self.fused = False
+        self.fused = fused
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         m = cfg.mla
         self.rotary = DeepseekRotary(m.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                      m.rope_interleave)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, use_triton, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, use_triton, i, tp, fused)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.vocab_rows = vocab_range(cfg.vocab_size, tp.size, tp.rank)
         self.lm_head = nn.Linear(cfg.hidden_size, -(-cfg.vocab_size // tp.size), bias=False)
@@ -199,9 +229,14 @@ class DeepseekForCausalLM(nn.Module):
     def piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None):
         """As LlamaForCausalLM.piece: piece 0 embeds and runs layer 0 up to its attention, piece i
         finishes layer i-1 from its attention output and begins layer i, piece L ends the model."""
-        h = self.embed_tokens(x) if i == 0 else self.layers[i - 1].finish(x, residual)[0]
+        if i == 0:
+            h = self.embed_tokens(x)
+        else:
+            h, residual = self.layers[i - 1].finish(x, residual)
         if i < len(self.layers):
-            return self.layers[i].begin(positions, h, None)
+            return self.layers[i].begin(positions, h, residual)
+        if self.fused:
+            return _fused_ops().add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)[0]
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,11 +43,13 @@ def mla_expanded_ref(q: torch.Tensor, latent_cache, block_tables: torch.Tensor, 
     start = 0
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         lat = gather_kv(latent_cache, block_tables[i], seq_len, q.dtype)[:, 0]  # [S, rank + rope]
-        kv = F.linear(lat[:, :rank], w_kv_b.flatten(0, 1)).view(seq_len, heads, nope_v)
-        k_nope, v = kv.split([nope, v_dim], dim=-1)
-        k = torch.cat((k_nope, lat[:, None, rank:].expand(-1, heads, -1)), dim=-1)
-        qi = q[start:start + q_len].transpose(0, 1)[None]  # [1, H, q, D]
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        # by head and contiguous, [1, H, S, dim]: the layout SDPA's fast kernels (cuDNN's) take
+        kv = torch.matmul(lat[:, :rank], w_kv_b.transpose(1, 2))  # [H, S, nope + v]
+        k = q.new_empty(1, heads, seq_len, nope + lat.shape[1] - rank)
+        k[0, :, :, :nope] = kv[..., :nope]
+        k[0, :, :, nope:] = lat[:, rank:]
+        v = kv[None, ..., nope:].contiguous()
+        qi = q[start:start + q_len].transpose(0, 1)[None].contiguous()  # [1, H, q, D]
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale)
         else:

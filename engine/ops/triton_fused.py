@@ -12,6 +12,9 @@ make it ~10 per layer:
     silu_mul(gate_up)                      SiLU(gate) * up over the fused projection
     head_rmsnorm_(q, k, wq, wk, eps)       RMSNorm over each q and each k head in place (Qwen3),
                                            both in one launch, on the views of qkv
+    mla_rope_latent_(q, kv, ...)           DeepSeek's MLA: q's rope part rotated in place and
+                                           kv_a_proj's row made the cached latent row (its latent
+                                           RMS-normalized, its rope key rotated), in one launch
 
 Each reproduces the torch path's rounding (fp32 statistics, a round to the model dtype
 wherever torch rounds), so greedy outputs stay those of the reference. Like the
@@ -154,6 +157,67 @@ def _rope_launches(q: torch.Tensor, k: torch.Tensor) -> list[tuple[torch.Tensor,
     follows = (q.dtype == k.dtype and rows_alike and q.stride(1) == k.stride(1) == q.shape[2]
                and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
     return [(q, q.shape[1] + k.shape[1])] if follows else [(q, q.shape[1]), (k, k.shape[1])]
+
+
+@triton.jit
+def _rotate_pairs(base, rows, m, cols, c, s, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    # in place: x1 (the pairs' first elements: even columns, or the first half) and x2 rotated in
+    # float32, written as Hugging Face's DeepSeek rope leaves them, x1's results then x2's
+    dt = base.dtype.element_ty
+    if INTERLEAVE:
+        x1 = tl.load(base + rows + 2 * cols, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + rows + 2 * cols + 1, mask=m, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(base + rows + cols, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + rows + cols + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # every thread's loads before any store: a pair's results land on others' inputs
+    tl.store(base + rows + cols, (x1 * c - x2 * s).to(dt), mask=m)
+    tl.store(base + rows + cols + HALF, (x2 * c + x1 * s).to(dt), mask=m)
+
+
+@triton.jit
+def _mla_rope_latent_kernel(q_ptr, kv_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kv,
+                            stride_c, H, NOPE, RANK, eps, HALF: tl.constexpr, H_PAD: tl.constexpr,
+                            HALF_PAD: tl.constexpr, RANK_PAD: tl.constexpr, INTERLEAVE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    c = tl.load(cos_ptr + pos * stride_c + cols, mask=cols < HALF, other=0.0)
+    s = tl.load(sin_ptr + pos * stride_c + cols, mask=cols < HALF, other=0.0)
+    heads = tl.arange(0, H_PAD)[:, None]
+    _rotate_pairs(q_ptr + t * stride_qt + NOPE, heads * stride_qh, (heads < H) & (cols < HALF), cols, c, s, HALF,
+                  INTERLEAVE)
+    row = kv_ptr + t * stride_kv
+    _rotate_pairs(row + RANK, heads * 0, (heads == 0) & (cols < HALF), cols, c, s, HALF, INTERLEAVE)
+    offs = tl.arange(0, RANK_PAD)
+    m = offs < RANK
+    dt = kv_ptr.dtype.element_ty
+    x = tl.load(row + offs, mask=m, other=0.0).to(tl.float32)
+    xn = (x * tl.rsqrt(tl.sum(x * x, axis=0) / RANK + eps)).to(dt)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    tl.store(row + offs, (w.to(tl.float32) * xn.to(tl.float32)).to(dt), mask=m)
+
+
+def mla_rope_latent_(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, interleave: bool) -> None:
+    """In place, one launch per step: q [T, H, nope + rope] (unit last stride) gets its rope part
+    rotated; kv [T, rank + rope] (kv_a_proj's output, contiguous rows) becomes the row a token
+    caches: RMSNorm(latent) x norm_weight [rank], then the rotated rope key. cos/sin
+    [max_positions, rope / 2] float32 (models/deepseek.DeepseekRotary's, its scale folded in).
+    The rounding is the torch path's: rope in float32, one round to the model dtype."""
+    T, H, D = q.shape
+    half = cos.shape[1]
+    rank = norm_weight.shape[0]
+    if kv.dim() != 2 or kv.shape != (T, rank + 2 * half) or kv.stride(1) != 1 or q.stride(2) != 1 \
+            or D < 2 * half or positions.shape != (T,) or sin.shape != cos.shape or not cos.is_contiguous() \
+            or not sin.is_contiguous():
+        raise ValueError(f"mla_rope_latent_: q {tuple(q.shape)}, kv {tuple(kv.shape)}, norm {rank}, tables "
+                         f"{tuple(cos.shape)} and positions {tuple(positions.shape)} do not fit together")
+    if T:
+        _mla_rope_latent_kernel[(T,)](q, kv, norm_weight, positions, cos, sin, q.stride(0), q.stride(1), kv.stride(0),
+                                      cos.stride(0), H, D - 2 * half, rank, eps, HALF=half,
+                                      H_PAD=triton.next_power_of_2(H), HALF_PAD=triton.next_power_of_2(half),
+                                      RANK_PAD=triton.next_power_of_2(rank), INTERLEAVE=interleave)
 
 
 @triton.jit

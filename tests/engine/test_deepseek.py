@@ -224,16 +224,17 @@ def test_latent_blocks_travel_in_the_handoff(model_dir):
 
 def test_the_triton_kernels_keep_hf_tokens(model_dir):
     """The model on its Triton kernels (the interpreter on CPU): the latent rows stored by the
-    KV-store kernel, decodes through the MLA decode kernel (ops/triton_mla.py), the routed
-    experts through the fused-MoE kernel, int8 latent rows through both."""
+    KV-store kernel, decodes through the MLA decode kernel (ops/triton_mla.py), the router and the
+    routed experts through the fused-MoE kernels, the elementwise parts fused (the norms with the
+    residual, the ropes with the latent's norm, SiLU x up); int8 latent rows through both paths."""
     pytest.importorskip("triton")
     name, path = model_dir
     if name == "v2_group":
         pytest.skip("the same attention and experts as v2_lite")
     want = hf_greedy(path, PROMPTS, 6)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with LLM(path, dtype="float32", max_model_len=128, attention_backend="triton") as llm:
-        assert llm.engine.runner.model.layers[0].self_attn.attn.capturable
+    with LLM(path, dtype="float32", max_model_len=128, attention_backend="triton", fused_ops=True) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.attn.capturable and llm.engine.runner.model.fused
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
     kw = dict(dtype="float32", max_model_len=128, kv_cache_dtype="int8", kv_cache_memory_bytes=8 << 20)
     with LLM(path, **kw, attention_backend="torch") as ref, LLM(path, **kw, attention_backend="triton") as llm:

@@ -130,3 +130,30 @@ def test_head_rmsnorm_in_place_on_qkv_views_matches_rmsnorm_per_head(dtype):
     close(q, want_q, dtype)
     close(k, want_k, dtype)
     assert torch.equal(v, before[:, (H + KVH) * D:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_rope_latent_matches_the_deepseek_torch_path(dtype, interleave):
+    """mla_rope_latent_: q's rope part rotated in place and kv_a_proj's row made the cached row
+    (RMSNorm of the latent, the rotated rope key) as models/deepseek.MLAttention does in torch,
+    on a q that is a view of a wider projection; q's no-rope part is left alone."""
+    from pdserve.engine.models.deepseek import DeepseekRotary
+    from pdserve.engine.ops.triton_fused import mla_rope_latent_
+
+    g = torch.Generator().manual_seed(3)
+    T, H, nope, rope, rank = 5, 6, 16, 16, 40
+    scaling = {"factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707}
+    rotary = DeepseekRotary(rope, 256, 10000.0, scaling, interleave).to(DEV)
+    norm = RMSNorm(rank, 1e-6).to(DEV, dtype)
+    norm.weight.data = (1 + 0.2 * torch.randn(rank, generator=g)).to(DEV, dtype)
+    q = torch.randn(T, H * (nope + rope) + 8, generator=g).to(DEV, dtype)[:, :H * (nope + rope)].view(T, H, -1)
+    kv = torch.randn(T, rank + rope, generator=g).to(DEV, dtype)
+    positions = torch.tensor([0, 3, 17, 100, 255], device=DEV)
+    want_q = torch.cat((q[..., :nope], rotary(positions, q[..., nope:])), dim=-1)
+    want_kv = torch.cat((norm(kv[:, :rank]), rotary(positions, kv[:, None, rank:])[:, 0]), dim=-1)
+    mla_rope_latent_(q, kv, positions, rotary.cos, rotary.sin, norm.weight, norm.eps, interleave)
+    close(q, want_q, dtype)
+    close(kv, want_kv, dtype)
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_rope_latent_(q, kv[:, :-1], positions, rotary.cos, rotary.sin, norm.weight, norm.eps, interleave)

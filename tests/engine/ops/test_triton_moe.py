@@ -81,3 +81,36 @@ def test_routing_in_one_launch_matches_the_reference_and_ranks_each_expert(renor
     w2 = torch.randn(E, H, inter, generator=g).to(DEV) / inter ** 0.5
     torch.testing.assert_close(moe_triton(x, logits, w1, w2, k, renormalize, torch.float32),
                                moe_ref(x, logits, w1, w2, k, renormalize, torch.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ["softmax", "softmax_group", "sigmoid_group"])
+def test_deepseek_routing_in_one_launch_matches_route_grouped(routing):
+    """route_triton with a MoEConfig: DeepSeek's router (V2's greedy and group-limited softmax,
+    V3's sigmoid + correction bias over the two best of each group, renormalized) picks
+    route_grouped's experts with its scaled weights; the groups not kept get none."""
+    from pdserve.engine.architectures import MoEConfig
+    from pdserve.engine.ops.moe_ref import route_grouped
+    from pdserve.engine.ops.triton_moe import route_triton
+
+    g = torch.Generator().manual_seed(11)
+    T, E, k = 29, 16, 3
+    common = dict(num_experts=E, top_k=k, intermediate_size=8, norm_topk_prob=True, layers=(True,),
+                  weights_in_model_dtype=False)
+    moe = MoEConfig(**common, routing=routing,
+                    n_group=1 if routing == "softmax" else 4, topk_group=1 if routing == "softmax" else 2,
+                    routed_scaling_factor=2.5)
+    logits = torch.randn(T, E, generator=g).to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.5).to(DEV) if routing == "sigmoid_group" else None
+    renorm = routing == "sigmoid_group"
+    weights, ids, (counts, _) = route_triton(logits, k, renorm, torch.float32, moe, bias)
+    ref_w, ref_ids = route_grouped(logits, moe, bias)
+    order = ref_ids.sort(dim=1)
+    mine = ids.long().sort(dim=1)
+    assert torch.equal(mine.values, order.values)  # the same experts (the reference's order is unsorted)
+    torch.testing.assert_close(weights.gather(1, mine.indices), ref_w.gather(1, order.indices), rtol=1e-5, atol=1e-6)
+    assert counts.tolist() == torch.bincount(ref_ids.flatten(), minlength=E).tolist()
+    if routing != "softmax":  # every token's experts come from at most topk_group groups
+        assert max(len(set((ids[t] // (E // 4)).tolist())) for t in range(T)) <= 2
+    with pytest.raises(ValueError, match="correction bias"):
+        route_triton(logits, k, renorm, torch.float32, MoEConfig(**common, routing="sigmoid_group", n_group=4,
+                                                                   topk_group=2))
