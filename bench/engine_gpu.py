@@ -45,7 +45,7 @@ def timed(fn, iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-KERNEL_KINDS = (("moe experts", ("_moe_",)), ("attention", ("paged_decode", "flash", "fmha", "attn")),
+KERNEL_KINDS = (("moe experts", ("_moe_",)), ("attention", ("paged_decode", "flash", "fmha", "attn", "_mla_decode", "_combine")),
                 ("kv store", ("store_kv",)),
                 ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "matmul", "splitk")),
                 ("fused elementwise", ("add_rmsnorm", "rope", "silu_mul")), ("memcpy / memset", ("memcpy", "memset")))
@@ -73,7 +73,7 @@ def profile_step(fn, steps: int = 5) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / steps
     kinds: dict[str, dict] = {}
-    top: dict[str, float] = {}
+    top: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -81,10 +81,12 @@ def profile_step(fn, steps: int = 5) -> dict:
         k = kinds.setdefault(kernel_kind(e.name), {"us": 0.0, "launches": 0})
         k["us"] += us / steps
         k["launches"] += 1 / steps
-        top[e.name] = top.get(e.name, 0.0) + us / steps
+        row = top.setdefault(e.name, [0.0, 0.0])
+        row[0] += us / steps
+        row[1] += 1 / steps
     busy = sum(k["us"] for k in kinds.values())
     return {"wall_us": wall * 1e6, "gpu_busy_us": busy, "kinds": kinds,
-            "top": sorted(([n[:90], us] for n, us in top.items()), key=lambda x: -x[1])[:12]}
+            "top": sorted(([n[:90], us, n_] for n, (us, n_) in top.items()), key=lambda x: -x[1])[:20]}
 
 
 def profile_lines(title: str, p: dict, ref: str) -> list[str]:
@@ -93,8 +95,9 @@ def profile_lines(title: str, p: dict, ref: str) -> list[str]:
              "| kind | us per call | launches per call |", "|---|---|---|"]
     for kind, k in sorted(p["kinds"].items(), key=lambda kv: -kv[1]["us"]):
         lines.append(f"| {kind} | {k['us']:.0f} | {k['launches']:.0f} |")
-    lines += ["", "| kernel (top by time) | us per call |", "|---|---|"]
-    return lines + [f"| `{n}` | {us:.1f} |" for n, us in p["top"]]
+    lines += ["", "| kernel (top by time) | us per call | launches per call |", "|---|---|---|"]
+    return lines + [f"| `{n}` | {us:.1f} | {rest[0]:.0f} |" if rest else f"| `{n}` | {us:.1f} | |"
+                    for n, us, *rest in p["top"]]
 
 
 def ceilings() -> dict:

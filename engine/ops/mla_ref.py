@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .attention_ref import gather_kv
 
@@ -43,17 +44,21 @@ def mla_expanded_ref(q: torch.Tensor, latent_cache, block_tables: torch.Tensor, 
     start = 0
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         lat = gather_kv(latent_cache, block_tables[i], seq_len, q.dtype)[:, 0]  # [S, rank + rope]
-        # by head and contiguous, [1, H, S, dim]: the layout SDPA's fast kernels (cuDNN's) take
+        # by head and contiguous, [1, H, S, dim]: the layout SDPA's fast kernels take; on CUDA the
+        # values padded with zeros to the keys' width, which flash attention needs (its output's
+        # padding columns are zeros, cut below)
         kv = torch.matmul(lat[:, :rank], w_kv_b.transpose(1, 2))  # [H, S, nope + v]
         k = q.new_empty(1, heads, seq_len, nope + lat.shape[1] - rank)
         k[0, :, :, :nope] = kv[..., :nope]
         k[0, :, :, nope:] = lat[:, rank:]
-        v = kv[None, ..., nope:].contiguous()
-        qi = q[start:start + q_len].transpose(0, 1)[None].contiguous()  # [1, H, q, D]
-        if q_len == seq_len:
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale)
+        if q.is_cuda and k.shape[-1] != v_dim:
+            v = q.new_zeros(k.shape)
+            v[..., :v_dim] = kv[..., nope:]
         else:
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=_mask(seq_len, q_len, q.device), scale=scale)
+            v = kv[None, ..., nope:].contiguous()
+        qi = q[start:start + q_len].transpose(0, 1)[None].contiguous()  # [1, H, q, D]
+        causal = dict(is_causal=True) if q_len == seq_len else dict(attn_mask=causal_lower_right(q_len, seq_len))
+        o = F.scaled_dot_product_attention(qi, k, v, scale=scale, **causal)[..., :v_dim]
         out[start:start + q_len] = o[0].transpose(0, 1)
         start += q_len
     return out

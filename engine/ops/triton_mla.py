@@ -113,8 +113,9 @@ def mla_decode_triton(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, block_ta
     head_blocks = triton.cdiv(heads, block_h)
     page = values.shape[1]
     if splits is None:
-        splits = (split_count(b * head_blocks, block_tables.shape[1] * page, sm_count(q_lat.device), 2)
-                  if q_lat.is_cuda else 1)
+        # a piece as small as one tile: a latent row (576 values) is 4.5 rows of a 128-wide head
+        splits = (split_count(b * head_blocks, block_tables.shape[1] * page, sm_count(q_lat.device), 2,
+                              min_piece=block_n) if q_lat.is_cuda else 1)
     h_all = head_blocks * block_h
     part = Partials.empty(b, splits, h_all, rank, q_lat.device) if splits > 1 else Partials(out, out)
     dtype = compute_dtype(q_lat)
