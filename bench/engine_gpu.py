@@ -45,7 +45,8 @@ def timed(fn, iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-KERNEL_KINDS = (("moe experts", ("_moe_",)), ("attention", ("paged_decode", "flash", "fmha", "attn", "_mla_decode", "_combine")),
+KERNEL_KINDS = (("moe experts", ("_moe_",)),
+                ("attention", ("paged_decode", "flash", "fmha", "attn", "_mla_decode", "_combine")),
                 ("kv store", ("store_kv",)),
                 ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "matmul", "splitk")),
                 ("fused elementwise", ("add_rmsnorm", "rope", "silu_mul")), ("memcpy / memset", ("memcpy", "memset")))

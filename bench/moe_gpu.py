@@ -44,11 +44,14 @@ QWEN3_32B = {
 }
 
 
-def qwen3_moe_experts():
-    """Qwen3-30B-A3B's experts with random bf16 weights: (E, top_k, hidden, intermediate, the
-    generator the inputs are drawn from, w_gate_up, w_down)."""
-    c = QWEN3_30B_A3B
-    E, k, H, inter = c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
+# (experts, top_k, hidden, intermediate) of the routed experts --experts sweeps
+EXPERT_SHAPES = {"qwen3_moe": (128, 8, 2048, 768), "deepseek_v2_lite": (64, 6, 2048, 1408)}
+
+
+def qwen3_moe_experts(shape: str = "qwen3_moe"):
+    """Qwen3-30B-A3B's experts (or another of EXPERT_SHAPES) with random bf16 weights: (E, top_k,
+    hidden, intermediate, the generator the inputs are drawn from, w_gate_up, w_down)."""
+    E, k, H, inter = EXPERT_SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(0)
     w1 = torch.randn(E, 2 * inter, H, device="cuda", generator=g, dtype=torch.bfloat16) / H ** 0.5
     w2 = torch.randn(E, H, inter, device="cuda", generator=g, dtype=torch.bfloat16) / inter ** 0.5
@@ -80,13 +83,13 @@ def bench_kernel(tokens: list[int], copy_gbs: float) -> list[dict]:
     return rows
 
 
-def sweep(tokens: list[int]) -> list[dict]:
-    """Every tile setting of a grid on Qwen3-30B-A3B's experts at each token count: the fused
-    kernel's time replayed in a CUDA graph, fastest first per count."""
+def sweep(tokens: list[int], shape: str = "qwen3_moe") -> list[dict]:
+    """Every tile setting of a grid on Qwen3-30B-A3B's experts (or `shape`'s) at each token count:
+    the fused kernel's time replayed in a CUDA graph, fastest first per count."""
     from pdserve.engine.ops.moe_ref import route
     from pdserve.engine.ops.triton_moe import MoETiles, fused_moe_triton
 
-    E, k, H, inter, g, w1, w2 = qwen3_moe_experts()
+    E, k, H, inter, g, w1, w2 = qwen3_moe_experts(shape)
     out = []
     for t in tokens:
         x = torch.randn(t, H, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -97,7 +100,7 @@ def sweep(tokens: list[int]) -> list[dict]:
         elif m <= 1024:
             axes = (16, 32), (32, 64), (64, 128), (4,), (2, 4)
         else:
-            axes = (64, 128), (64, 128), (32, 64), (4, 8), (3, 4)
+            axes = (64, 128), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4)
         grid = [MoETiles(bm, bn, bk, w, s) for bm in axes[0] for bn in axes[1] for bk in axes[2] for w in axes[3]
                 for s in axes[4]]
         rows = []
@@ -110,7 +113,10 @@ def sweep(tokens: list[int]) -> list[dict]:
             rows.append({"tokens": t, **tiles.__dict__, "ms": ms})
         rows.sort(key=lambda r: r["ms"])
         out += rows
-        print(f"{t} tokens: best {rows[0]} (by for_rows: {MoETiles.for_rows(t * k)})", flush=True)
+        now = MoETiles.for_rows(t * k)
+        mine = [r["ms"] for r in rows if MoETiles(*(r[f] for f in MoETiles.__dataclass_fields__)) == now]
+        print(f"{shape} {t} tokens: best {rows[0]}, {2 * t * k * 3 * H * inter / rows[0]['ms'] / 1e9:.0f} TFLOP/s "
+              f"(for_rows {now}: {mine[0] if mine else float('nan'):.3f} ms)", flush=True)
     return out
 
 
@@ -206,6 +212,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--models", default="qwen3_moe,qwen3", help="qwen3_moe (30B-A3B shape), qwen3 (32B shape)")
     ap.add_argument("--sweep", default="", help="token counts to sweep the kernel's tile settings at (alone)")
+    ap.add_argument("--experts", default="qwen3_moe", choices=sorted(EXPERT_SHAPES), help="the experts --sweep runs")
     ap.add_argument("--profile", action="store_true", help="add each step's kernel time by kind (torch profiler)")
     return ap
 
@@ -261,8 +268,9 @@ def main() -> None:
     args = parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.sweep:
-        rows = sweep([int(t) for t in args.sweep.split(",")])
-        with open(os.path.join(args.out, "moe_sweep.json"), "w") as f:
+        rows = sweep([int(t) for t in args.sweep.split(",")], args.experts)
+        name = "moe_sweep" if args.experts == "qwen3_moe" else f"moe_sweep_{args.experts}"
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
         return
     ceil = ceilings()

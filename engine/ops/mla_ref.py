@@ -44,19 +44,17 @@ def mla_expanded_ref(q: torch.Tensor, latent_cache, block_tables: torch.Tensor, 
     start = 0
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         lat = gather_kv(latent_cache, block_tables[i], seq_len, q.dtype)[:, 0]  # [S, rank + rope]
-        # by head and contiguous, [1, H, S, dim]: the layout SDPA's fast kernels take; on CUDA the
-        # values padded with zeros to the keys' width, which flash attention needs (its output's
-        # padding columns are zeros, cut below)
-        kv = torch.matmul(lat[:, :rank], w_kv_b.transpose(1, 2))  # [H, S, nope + v]
-        k = q.new_empty(1, heads, seq_len, nope + lat.shape[1] - rank)
-        k[0, :, :, :nope] = kv[..., :nope]
-        k[0, :, :, nope:] = lat[:, rank:]
+        # token-major [S, H, dim], each row's last dim contiguous (what SDPA's kernels take); on
+        # CUDA the values padded with zeros to the keys' width, which flash attention needs (the
+        # padding columns of its output are zeros, cut below)
+        kv = F.linear(lat[:, :rank], w_kv_b.flatten(0, 1)).view(seq_len, heads, nope_v)
+        k = q.new_empty(seq_len, heads, q.shape[-1])
+        k[..., :nope] = kv[..., :nope]
+        k[..., nope:] = lat[:, None, rank:]
+        v = kv[..., nope:]
         if q.is_cuda and k.shape[-1] != v_dim:
-            v = q.new_zeros(k.shape)
-            v[..., :v_dim] = kv[..., nope:]
-        else:
-            v = kv[None, ..., nope:].contiguous()
-        qi = q[start:start + q_len].transpose(0, 1)[None].contiguous()  # [1, H, q, D]
+            v = torch.cat((v, v.new_zeros(seq_len, heads, k.shape[-1] - v_dim)), dim=-1)
+        qi, k, v = (x.transpose(0, 1)[None] for x in (q[start:start + q_len], k, v))  # [1, H, len, dim]
         causal = dict(is_causal=True) if q_len == seq_len else dict(attn_mask=causal_lower_right(q_len, seq_len))
         o = F.scaled_dot_product_attention(qi, k, v, scale=scale, **causal)[..., :v_dim]
         out[start:start + q_len] = o[0].transpose(0, 1)
