@@ -80,6 +80,53 @@ def graph_time(fn, n: int = 20, reps: int = 5) -> float:
     return sorted(times)[reps // 2]
 
 
+def eager_time(fn, n: int = 10) -> float:
+    """Seconds per call of `fn` run eagerly (a prefill chunk's attention runs between the graphs)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
+
+
+def form_sweep(chunks: list[int], contexts: list[int]) -> list[dict]:
+    """One chunk of `q` new tokens over a context (bf16, V2-Lite's attention) in each form of
+    exec/mla_attention.py: expanded (the context's keys and values built, then SDPA) and absorbed
+    (each token a decode-kernel row), the layer's attention with its absorption GEMMs."""
+    from pdserve.engine.exec.attention import AttentionMetadata
+    from pdserve.engine.exec.mla_attention import MLAPagedAttention
+    from pdserve.engine.config import ModelConfig
+
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(V2_LITE, f)
+    mla, heads, page = ModelConfig.from_dir(d).mla, V2_LITE["num_attention_heads"], 16
+    proj = torch.nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False,
+                           device="cuda", dtype=torch.bfloat16)
+    attn = MLAPagedAttention(heads, mla, proj, use_triton=True)
+    rows = []
+    for ctx in contexts:
+        blocks = -(-ctx // page)
+        cache = torch.randn(blocks, page, 1, mla.latent_dim, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(blocks, device="cuda", dtype=torch.int32)[None]
+        for n in chunks:
+            q = torch.randn(n, heads, mla.qk_head_dim, device="cuda", dtype=torch.bfloat16)
+            row = {"context": ctx, "chunk": n}
+            for form, limit in (("expanded_us", 0), ("absorbed_us", n)):
+                attn.absorb_max_query = limit
+                meta = AttentionMetadata.build(torch.zeros(n, dtype=torch.int64, device="cuda"), tables, [ctx], [n],
+                                               device="cuda")
+                row[form] = eager_time(lambda m=meta, q=q: attn(q, None, None, cache, None, m)) * 1e6
+            rows.append(row)
+            print(f"forms: ctx {ctx} chunk {n}: expanded {row['expanded_us']:.0f} us, absorbed "
+                  f"{row['absorbed_us']:.0f} us", flush=True)
+    return rows
+
+
 def kernel_sweep(batches: list[int], contexts: list[int], copy_gbps: float) -> list[dict]:
     from pdserve.engine.ops.triton_mla import mla_decode_triton
 
@@ -164,6 +211,11 @@ def markdown(res: dict) -> str:
             if "profile" in r:
                 what = f"decode, batch {r['batch']}" if "batch" in r else f"prefill of {r['tokens']} tokens"
                 lines += profile_lines(what, r["profile"], "graph replays included")
+    if "forms" in res:
+        lines += ["", "## A prefill chunk's attention by form (one layer, eager; exec/mla_attention.py)", "",
+                  "| context | chunk | expanded (us) | absorbed (us) | faster |", "|---|---|---|---|---|"]
+        lines += [f"| {r['context']} | {r['chunk']} | {r['expanded_us']:.0f} | {r['absorbed_us']:.0f} | "
+                  f"{'absorbed' if r['absorbed_us'] < r['expanded_us'] else 'expanded'} |" for r in res["forms"]]
     if "tiles" not in res:
         return "\n".join(lines) + "\n"
     lines += ["", "Tile settings at batch 64 x 8K (the default is the first row's):", "",
@@ -208,6 +260,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", action="store_true", help="also the whole model's decode steps and prefill")
     ap.add_argument("--ctx", type=int, default=4096, help="the decode steps' context")
     ap.add_argument("--profile", action="store_true", help="with --steps: each step's kernels by kind (torch profiler)")
+    ap.add_argument("--forms", action="store_true", help="a prefill chunk's attention in each form, by chunk length")
+    ap.add_argument("--chunks", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=True,
                     help="the decode kernel's sweeps (--no-kernel: the steps only)")
     return ap
@@ -223,11 +277,14 @@ def main() -> None:
         from moe_gpu import bench_model
 
         res["steps"] = bench_model(V2_LITE, [1, 64], args.ctx, 4096, ceil, profile=args.profile)
+    if args.forms:
+        res["forms"] = form_sweep([int(x) for x in args.chunks.split(",")], [1024, 4096, 16384])
     if args.kernel:
         res["tiles"] = tile_sweep(ceil["copy_GBps"])
         res["kernel"] = kernel_sweep([int(x) for x in args.batches.split(",")],
                                      [int(x) for x in args.contexts.split(",")], ceil["copy_GBps"])
-    name = os.path.join(args.out, "mla_gpu" if args.kernel else "mla_gpu_steps")  # --no-kernel: the steps' files
+    # --no-kernel: the steps' files, or the forms' alone
+    name = os.path.join(args.out, "mla_gpu" if args.kernel else "mla_gpu_steps" if args.steps else "mla_gpu_forms")
     with open(f"{name}.json", "w") as f:
         json.dump(res, f, indent=1, default=str)
     text = markdown(res)

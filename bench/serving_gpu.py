@@ -186,7 +186,28 @@ def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None) -> t
             f.write(r.read().decode())
     except OSError as e:
         print(f"status: {e}")
+    handoffs(url, os.path.join(args.out, f"{name}_handoff.json"))
     return wl, name, g["rps"], g["lower_bound"], time.time() - t
+
+
+def handoffs(url: str, path: str) -> None:
+    """The KV bytes the server's handoffs moved so far and how many (its /metrics), into `path`:
+    bytes per handoff is what a prompt's KV costs the link. Nothing for a server without handoffs."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+    except OSError as e:
+        print(f"metrics: {e}")
+        return
+
+    def total(metric: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metric + "{"))
+
+    n, nbytes = total("pdserve:kv_handoff_seconds_count"), total("pdserve:kv_handoff_bytes_total")
+    if n:
+        with open(path, "w") as f:
+            json.dump({"handoffs": n, "bytes": nbytes, "bytes_per_handoff": nbytes / n}, f, indent=1)
+        print(f"handoffs: {n:.0f}, {nbytes / n / 2**20:.1f} MiB each", flush=True)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -4,13 +4,16 @@ over a latent cache, so the runner, the piecewise graphs and the decode graphs d
     store(latent, None, cache, None, slots)   each new token's latent row into its slot
     __call__(q, latent, None, cache, None, meta, out)   q [T, H, nope + rope] -> out [T, H, v]
 
-The layer's kv_b_proj holds W_UK and W_UV (ops/mla_ref.py). Which form a row runs in is decided
-per step: a step's decodes (one query token each) in the absorbed form, which reads only the
-cached rows; prefill chunks in the expanded form, fewer FLOPs per query when many queries share
-the context. With Triton the decodes run through ops/triton_mla.py (the query's absorption and
-W_UV as batched GEMMs around it: a decode step has no host sync, so the decode CUDA graphs
-capture it) and the store through the KV-store kernel; the expanded form runs in torch between
-the piecewise graphs. On CPU both forms run in torch (ops/mla_ref.py), the oracle.
+The layer's kv_b_proj holds W_UK and W_UV (ops/mla_ref.py). Which form a sequence runs in is
+decided per step by its new tokens: decodes and chunks of at most `absorb_max_query` tokens in the
+absorbed form, which reads only the cached rows (once per query token); longer chunks in the
+expanded form, whose cost (the context's keys and values built once) is shared by all the chunk's
+queries (the crossover: bench/mla_gpu.py --forms). With Triton the absorbed rows run through
+ops/triton_mla.py, each token of a short chunk a row of its own over its causal prefix (the
+query's absorption and W_UV as batched GEMMs around the kernel: a decode step has no host sync, so
+the decode CUDA graphs capture it) and the store through the KV-store kernel; the expanded form
+runs in torch (SDPA) between the piecewise graphs. On CPU both forms run in torch
+(ops/mla_ref.py), the oracle.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from ..ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
 from .attention import DEFAULT_TUNING, AttentionMetadata, AttentionPlan
 
 
+# a chunk of up to this many new tokens runs absorbed (bench/results/mla: the forms' crossover)
+ABSORB_MAX_QUERY = 16
+
+
 class MLAPagedAttention:
     def __init__(self, num_heads: int, mla: MLAConfig, kv_b_proj: nn.Linear, use_triton: bool):
         self.num_heads = num_heads
@@ -33,6 +40,7 @@ class MLAPagedAttention:
         self.kv_b_proj = kv_b_proj  # the module, not its weight: the loader replaces parameters
         self.scale = mla.softmax_scale
         self.use_triton = use_triton
+        self.absorb_max_query = ABSORB_MAX_QUERY
         self.capturable = use_triton  # decode steps without a host sync: the decode graphs capture them
         self._store, self._decode = store_kv_ref, None
         if use_triton:
@@ -76,12 +84,8 @@ class MLAPagedAttention:
         out = q.new_empty(q.shape[0], self.num_heads, self.out_dim) if out is None else out
         w = self.w_kv_b()
         nd = meta.num_decodes  # leading rows of one query token each
-        if nd and self._decode is not None:  # by head: two batched GEMMs on strided views, no copies
-            nope = self.mla.qk_nope_head_dim
-            q_lat = torch.bmm(q[:nd, :, :nope].transpose(0, 1), w[:, :nope])  # [H, nd, rank]
-            o_lat = self._decode(q_lat.transpose(0, 1), q[:nd, :, nope:], k_cache, meta.block_tables[:nd],
-                                 meta.seq_lens_t[:nd], self.scale)  # [nd, H, rank], laid out by head as q_lat
-            out[:nd] = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+        if nd and self._decode is not None:
+            self._absorbed_rows(q, k_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd], w, out, slice(0, nd))
             if nd == meta.num_seqs:  # a decode step: nothing on the host (the decode graphs capture it)
                 return out
         seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()
@@ -89,7 +93,24 @@ class MLAPagedAttention:
         if nd and self._decode is None:
             out[:nd] = mla_absorbed_ref(q[:nd], k_cache, meta.block_tables[:nd], seq_lens[:nd], query_lens[:nd], w,
                                         self.scale)
-        if nd < meta.num_seqs:
-            out[nd:] = mla_expanded_ref(q[nd:], k_cache, meta.block_tables[nd:], seq_lens[nd:], query_lens[nd:],
-                                          w, self.scale)
+        start = nd
+        for i in range(nd, meta.num_seqs):  # the chunks, each in its form
+            n, rows = query_lens[i], slice(start, start + query_lens[i])
+            args = (k_cache, meta.block_tables[i:i + 1], seq_lens[i:i + 1], query_lens[i:i + 1], w, self.scale)
+            if n > self.absorb_max_query:
+                out[rows] = mla_expanded_ref(q[rows], *args)
+            elif self._decode is None:
+                out[rows] = mla_absorbed_ref(q[rows], *args)
+            else:  # each token a row over its causal prefix
+                lens = torch.arange(seq_lens[i] - n + 1, seq_lens[i] + 1, dtype=torch.int32, device=q.device)
+                self._absorbed_rows(q, k_cache, meta.block_tables[i:i + 1].expand(n, -1), lens, w, out, rows)
+            start += n
         return out
+
+    def _absorbed_rows(self, q, k_cache, tables, lens, w, out, rows: slice) -> None:
+        """out[rows] from q[rows], one query token per row over its `lens` keys: the kernel between
+        two batched GEMMs on strided views (by head, no copies)."""
+        nope = self.mla.qk_nope_head_dim
+        q_lat = torch.bmm(q[rows, :, :nope].transpose(0, 1), w[:, :nope])  # [H, n, rank]
+        o_lat = self._decode(q_lat.transpose(0, 1), q[rows, :, nope:], k_cache, tables, lens, self.scale)
+        out[rows] = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)

@@ -111,6 +111,43 @@ def test_the_absorbed_form_equals_the_expanded_one():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_each_chunk_runs_in_the_form_its_length_picks(monkeypatch, use_triton):
+    """A mixed step (a decode, a chunk of absorb_max_query tokens, a longer chunk): the short chunk
+    runs absorbed (with Triton, each token a decode-kernel row over its causal prefix), the long
+    one expanded, and every row equals the all-expanded attention."""
+    from pdserve.engine.architectures import MLAConfig
+    from pdserve.engine.exec import mla_attention
+    from pdserve.engine.exec.attention import AttentionMetadata
+
+    if use_triton:
+        pytest.importorskip("triton")
+    dtype = torch.float32 if use_triton else torch.float64  # the interpreter computes in float32
+    torch.manual_seed(1)
+    heads, nope, rope, v, rank, bs = 4, 16, 16, 12, 32, 16
+    mla = MLAConfig(kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, q_lora_rank=None,
+                    softmax_scale=0.2)
+    proj = torch.nn.Linear(rank, heads * (nope + v), bias=False).to(dtype)
+    attn = mla_attention.MLAPagedAttention(heads, mla, proj, use_triton)
+    cache = torch.randn(12, bs, 1, rank + rope, dtype=dtype)
+    tables = torch.tensor([[3, 7, 1, 0], [9, 2, 5, 4], [8, 6, 11, 10]], dtype=torch.int32)
+    short, long_ = attn.absorb_max_query, attn.absorb_max_query + 5
+    seq_lens, query_lens = [40, 50, 60], [1, short, long_]
+    q = torch.randn(sum(query_lens), heads, nope + rope, dtype=dtype)
+    ran = []
+    for form in ("mla_expanded_ref", "mla_absorbed_ref"):
+        real = getattr(mla_attention, form)
+        monkeypatch.setattr(mla_attention, form, lambda q, *a, real=real, form=form: ran.append((form, len(q))) or
+                            real(q, *a))
+    meta = AttentionMetadata.build(torch.zeros(sum(query_lens), dtype=torch.int64), tables, seq_lens, query_lens)
+    got = attn(q, None, None, cache, None, meta)
+    want = mla_expanded_ref(q, cache, tables, seq_lens, query_lens, attn.w_kv_b(), attn.scale)
+    tol = 1e-5 if use_triton else 1e-10
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert ("mla_expanded_ref", long_) in ran and ("mla_expanded_ref", short) not in ran
+    assert (("mla_absorbed_ref", short) in ran) == (not use_triton)
+
+
 def test_the_graph_layouts_keep_hf_tokens(model_dir):
     """Steps in the CUDA graphs' layouts (decode rows padded to their bucket, pieces between the
     attentions, mixed steps of chunks beside decodes), run eagerly on CPU."""
