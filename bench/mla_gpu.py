@@ -97,9 +97,9 @@ def form_sweep(chunks: list[int], contexts: list[int]) -> list[dict]:
     """One chunk of `q` new tokens over a context (bf16, V2-Lite's attention) in each form of
     exec/mla_attention.py: expanded (the context's keys and values built, then SDPA) and absorbed
     (each token a decode-kernel row), the layer's attention with its absorption GEMMs."""
+    from pdserve.engine.config import ModelConfig
     from pdserve.engine.exec.attention import AttentionMetadata
     from pdserve.engine.exec.mla_attention import MLAPagedAttention
-    from pdserve.engine.config import ModelConfig
 
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -120,7 +120,7 @@ def form_sweep(chunks: list[int], contexts: list[int]) -> list[dict]:
                 attn.absorb_max_query = limit
                 meta = AttentionMetadata.build(torch.zeros(n, dtype=torch.int64, device="cuda"), tables, [ctx], [n],
                                                device="cuda")
-                row[form] = eager_time(lambda m=meta, q=q: attn(q, None, None, cache, None, m)) * 1e6
+                row[form] = eager_time(lambda m=meta, q=q, c=cache: attn(q, None, None, c, None, m)) * 1e6
             rows.append(row)
             print(f"forms: ctx {ctx} chunk {n}: expanded {row['expanded_us']:.0f} us, absorbed "
                   f"{row['absorbed_us']:.0f} us", flush=True)

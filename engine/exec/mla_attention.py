@@ -26,7 +26,6 @@ from ..ops.attention_ref import store_kv_ref
 from ..ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
 from .attention import DEFAULT_TUNING, AttentionMetadata, AttentionPlan
 
-
 # a chunk of up to this many new tokens runs absorbed (bench/results/mla: the forms' crossover)
 ABSORB_MAX_QUERY = 16
 
