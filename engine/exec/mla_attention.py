@@ -26,8 +26,9 @@ from ..ops.attention_ref import store_kv_ref
 from ..ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
 from .attention import DEFAULT_TUNING, AttentionMetadata, AttentionPlan
 
-# a chunk of up to this many new tokens runs absorbed (bench/results/mla: the forms' crossover)
-ABSORB_MAX_QUERY = 16
+# a chunk of up to this many new tokens runs absorbed: on an H200 (V2-Lite, bench/results/mla/mla_gpu_forms.md)
+# absorbed is faster up to 64 at every context measured (1K-16K) and slower at 128 on 16K
+ABSORB_MAX_QUERY = 64
 
 
 class MLAPagedAttention:
