@@ -58,11 +58,15 @@ def test_the_configuration_declares_a_latent_cache(model_dir):
         assert mc.mla.softmax_scale == pytest.approx(32 ** -0.5 * mscale ** 2)
 
 
-def test_greedy_tokens_equal_hf_generate_with_prefix_hits_and_chunks(model_dir):
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_greedy_tokens_equal_hf_generate_with_prefix_hits_and_chunks(model_dir, form):
+    """Every prefill chunk in one form (exec/mla_attention.py picks by chunk length)."""
     name, path = model_dir
     want = hf_greedy(path, PROMPTS, 8)
     with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, enable_prefix_caching=True,
              max_num_batched_tokens=16) as llm:
+        for layer in llm.engine.runner.model.layers:
+            layer.self_attn.attn.absorb_max_query = 0 if form == "expanded" else 1 << 20
         layout = llm.engine.runner.kv.shape
         assert layout[2:] == (1, 16, 1, 48)  # [blocks, layers, one part, block, one row, latent + rope]
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
