@@ -133,10 +133,11 @@ def test_each_chunk_runs_in_the_form_its_length_picks(monkeypatch, use_triton):
                     softmax_scale=0.2)
     proj = torch.nn.Linear(rank, heads * (nope + v), bias=False).to(dtype)
     attn = mla_attention.MLAPagedAttention(heads, mla, proj, use_triton)
-    cache = torch.randn(12, bs, 1, rank + rope, dtype=dtype)
-    tables = torch.tensor([[3, 7, 1, 0], [9, 2, 5, 4], [8, 6, 11, 10]], dtype=torch.int32)
     short, long_ = attn.absorb_max_query, attn.absorb_max_query + 5
-    seq_lens, query_lens = [40, 50, 60], [1, short, long_]
+    seq_lens, query_lens = [40, short + 30, long_ + 20], [1, short, long_]
+    width = -(-max(seq_lens) // bs)
+    cache = torch.randn(3 * width, bs, 1, rank + rope, dtype=dtype)
+    tables = torch.randperm(3 * width, dtype=torch.int32).view(3, width)
     q = torch.randn(sum(query_lens), heads, nope + rope, dtype=dtype)
     ran = []
     for form in ("mla_expanded_ref", "mla_absorbed_ref"):
