@@ -478,7 +478,7 @@ def ipc() -> dict:
 
 def mla_steps() -> dict:
     """DeepSeek-V2-Lite's whole model through the runner (dummy weights), one H200."""
-    res = load("mla", "mla_gpu_steps.json")
+    res = load("mla", "mla_gpu.json")
     st, cmd = res["steps"], res["command"] + "  # one H200"
     out = {}
     for r in st["decode"]:
@@ -493,7 +493,17 @@ def mla_steps() -> dict:
     out["mla_prefill_mfu"] = {
         "value": round(p["frac_of_matmul"], 2), "goal": 0.5, "command": cmd, "device": "one H200",
         "workload": f"a {p['tokens']}-token prompt through DeepSeek-V2-Lite's shape: {p['ms']:.1f} ms, "
-                    f"{p['TFLOPs']:.0f} TFLOP/s on the activated FLOPs against the measured bf16 matmul ceiling"}
+                    f"{p['TFLOPs']:.0f} TFLOP/s on the activated FLOPs against the measured bf16 matmul ceiling "
+                    "(0.45-0.49 over this build's runs: mla/README.md)"}
+    forms = load("mla", "mla_gpu_forms.json")["forms"]
+    wins = {c: max([r["chunk"] for r in forms if r["context"] == c and r["absorbed_us"] < r["expanded_us"]] or [0])
+            for c in sorted({r["context"] for r in forms})}
+    out["mla_absorbed_chunk_max"] = {
+        "value": min(wins.values()), "device": "one H200",
+        "command": "python bench/mla_gpu.py --forms --no-kernel --out bench/results/mla  # one H200",
+        "workload": "the longest prefill chunk at which the absorbed form (decode-kernel rows) beats the expanded "
+                    "one (keys and values built, SDPA) at every context; the largest such chunk by context: "
+                    + ", ".join(f"{c}: {w}" for c, w in wins.items()) + " (exec/mla_attention.ABSORB_MAX_QUERY)"}
     return out
 
 
@@ -506,6 +516,8 @@ def mla() -> dict:
     big = next(r for r in res["kernel"] if r["batch"] == 128 and r["context"] == 32768)
     cmd = res["command"] + "  # one H200"
     served = load("mla", "serving", "deepseek_v2_lite_long.json")
+    trace = load("mla", "serving", "trace_colocated-1-t40.json")
+    handoff = load("mla", "serving", "one_gpu_long_disagg-1-1_handoff.json")
     return {
         "mla_kv_bytes_per_token": {
             "value": mla_p["kv_bytes_per_token"], "command": cmd, "device": "one H200",
@@ -529,6 +541,24 @@ def mla() -> dict:
                         "bf16 weights); SLO attainment by rate: "
                         + ", ".join(f"{r['rate']:g}: {r['slo_attainment']:.0%}" for r in served["runs"])
                         + "; Llama-3-8B's shape 5.24 (moe/serving/llama3_8b_long.md)"},
+        "mla_colocated1_goodput_trace": {
+            "value": round(trace["goodput"]["rps"], 2), "device": "one H200",
+            "command": "python3 bench/serving_gpu.py --tokenizer TOK --systems colocated:1 --shape deepseek-v2-lite "
+                       "--num-requests 200 --workloads trace --trace-rates 4,7 --out bench/results/mla/serving  "
+                       "# one H200",
+            "workload": "the Mooncake trace (lengths x0.25, outputs x0.5), TTFT <= 2 s, TPOT <= 40 ms, one engine, "
+                        "DeepSeek-V2-Lite's shape; SLO attainment by rate: "
+                        + ", ".join(f"{r['rate']:g}: {r['slo_attainment']:.0%}" for r in trace["runs"])
+                        + " (a lower bound: the highest rate run met the SLO); Llama-3-8B's shape 8.61 "
+                        "(one_gpu_colocated in ipc/README.md)"},
+        "mla_handoff_mib_per_request": {
+            "value": round(handoff["bytes_per_handoff"] / 2 ** 20, 1), "device": "one H200",
+            "command": "python3 bench/serving_gpu.py --tokenizer TOK --systems disagg:1:1 --one-gpu --shape "
+                       "deepseek-v2-lite --num-requests 200 --workloads long --long-rates 3 "
+                       "--out bench/results/mla/serving (files prefixed one_gpu_)  # one H200",
+            "workload": f"KV bytes per handoff of a 4096-token prompt, served disaggregated ({handoff['handoffs']:.0f} "
+                        "handoffs, pdserve:kv_handoff_bytes); Llama-3-8B's shape moves 512 MiB for the same prompt "
+                        "(4096 x 131,072 bytes)"},
         "mla_decode_attention_floor_ratio": {
             "value": round(k["ratio_to_floor"], 2), "goal": 1.3, "command": cmd, "device": "one H200",
             "workload": f"the MLA decode kernel (ops/triton_mla.py), batch 64 x 8192 context, 16 heads, bf16: "
