@@ -177,6 +177,7 @@ class WorkerActor:
     def _stats(self) -> dict:
         s = self.engine.stats()
         s.update(role=self.role_name, worker_id=self.worker_id, inflight=self.inflight,
+                 open_outputs=len(self.outlets.requests()),  # calls waiting on their outputs here
                  held_for_handoff=len(self.engine.held),
                  waiting_for_kv=len(getattr(self.role, "receiving", ())) + len(getattr(self.role, "backlog", ())),
                  request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks,

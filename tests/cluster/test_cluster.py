@@ -33,7 +33,7 @@ def reference(tiny_models):
 
 def no_request_blocks(cluster: Cluster) -> None:
     for row in cluster.status():
-        assert row["request_blocks"] == 0 and row["inflight"] == 0, row
+        assert row["request_blocks"] == 0 and row["inflight"] == 0 and row["open_outputs"] == 0, row
 
 
 @pytest.fixture(scope="class")

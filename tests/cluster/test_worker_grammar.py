@@ -80,8 +80,9 @@ def test_a_request_aborted_while_its_grammar_compiles_never_starts(cluster, comp
                                                                        structured_outputs=grammar), lambda out: None)
     again.result(timeout=120)
     deadline = time.monotonic() + 30
-    while (s := worker_stats(cluster))["inflight"] or s["request_blocks"]:
+    while (s := worker_stats(cluster))["inflight"] or s["request_blocks"] or s["open_outputs"]:
         assert time.monotonic() < deadline, s
         time.sleep(0.2)
     # prompt tokens looked up in the prefix cache: the second request's 20, none of the aborted one's 40
     assert s["prefix_cache_queries"] - queries == 20, s
+
