@@ -284,7 +284,10 @@ class EngineConfig:
         if mc.moe is not None and mc.moe.intermediate_size % self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's expert "
                              f"intermediate size {mc.moe.intermediate_size}")
-        check_head_dim(self.kv_cache_dtype, mc.kv_cache_spec.head_dim)
+        if mc.mla is not None and self.kv_cache_dtype == "int4" and self.use_triton:
+            raise ValueError("kv_cache_dtype='int4' on latent rows (MLA) runs in torch only (attention_backend="
+                             "'torch'): the MLA kernels read bf16, int8 and fp8 rows (int8: 1.9x bf16's tokens)")
+        check_head_dim(self.kv_cache_dtype, mc.kv_cache_spec.head_dim, kernels=mc.mla is None)
         shared = mc.moe.shared_intermediate_size if mc.moe is not None else 0
         if shared % self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's shared "

@@ -81,10 +81,14 @@ def head_dim_of(kv_cache_dtype: str, row: int) -> int:
     return row * 8 // 5 if kv_cache_dtype == "int4" else row - SCALE_BYTES
 
 
-def check_head_dim(kv_cache_dtype: str, head_dim: int) -> None:
+def check_head_dim(kv_cache_dtype: str, head_dim: int, kernels: bool = True) -> None:
     """int4 packs each row in groups of INT4_GROUP with a (scale, min) each, and its kernels take
-    a row as whole power-of-two tiles (ops/triton_int4.py)."""
-    if kv_cache_dtype == "int4" and (head_dim < INT4_GROUP or head_dim & (head_dim - 1)):
+    a row as whole power-of-two tiles (ops/triton_int4.py); `kernels` False (a row only the torch
+    path reads): any whole number of groups."""
+    if kv_cache_dtype == "int4" and not kernels and head_dim % INT4_GROUP:
+        raise ValueError(f"kv_cache_dtype='int4' packs each row in groups of {INT4_GROUP} values with a scale and a "
+                         f"minimum each: this model's rows of {head_dim} values are not whole groups")
+    if kv_cache_dtype == "int4" and kernels and (head_dim < INT4_GROUP or head_dim & (head_dim - 1)):
         raise ValueError(f"kv_cache_dtype='int4' packs each row in groups of {INT4_GROUP} values with a scale and a "
                          f"minimum each and needs a power-of-two head_dim >= {INT4_GROUP}: this model's head_dim "
                          f"{head_dim} is not one")
