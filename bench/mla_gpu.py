@@ -156,6 +156,7 @@ def kernel_sweep(batches: list[int], contexts: list[int], copy_gbps: float) -> l
 
 TILES = [dict(block_n=n, warps=w, stages=st) for n, w, st in
          ((128, 8, 2), (32, 4, 2), (64, 8, 2), (128, 8, 3), (256, 8, 2), (128, 16, 2), (256, 16, 2))]
+TILES += [dict(splits=s) for s in (2, 3, 4, 6, 8, 16)]  # the default tile, key splits forced (planned: 5)
 
 
 def tile_sweep(copy_gbps: float, batch: int = 64, ctx: int = 8192) -> list[dict]:
@@ -180,6 +181,14 @@ def tile_sweep(copy_gbps: float, batch: int = 64, ctx: int = 8192) -> list[dict]
             continue
         rows.append({**tile, "kernel_us": t * 1e6, "ratio_to_floor": t / floor})
     return rows
+
+
+def _tile_row(r: dict) -> str:
+    what = f"splits {r['splits']}" if "splits" in r else f"{r['block_n']} | {r['warps']} | {r['stages']}"
+    if "splits" in r:
+        what = f"128 | 8 | 2, {what}"
+    return f"| {what} | {r.get('kernel_us', float('nan')):.1f} | {r.get('ratio_to_floor', float('nan')):.2f} " \
+           f"{r.get('error', '')} |"
 
 
 def markdown(res: dict) -> str:
@@ -220,8 +229,7 @@ def markdown(res: dict) -> str:
         return "\n".join(lines) + "\n"
     lines += ["", "Tile settings at batch 64 x 8K (the default is the first row's):", "",
               "| rows per tile | warps | stages | kernel (us) | kernel / floor |", "|---|---|---|---|---|"]
-    lines += [f"| {r['block_n']} | {r['warps']} | {r['stages']} | {r.get('kernel_us', float('nan')):.1f} | "
-              f"{r.get('ratio_to_floor', float('nan')):.2f} {r.get('error', '')} |" for r in res["tiles"]]
+    lines += [_tile_row(r) for r in res["tiles"]]
     return "\n".join(lines) + "\n"
 
 
