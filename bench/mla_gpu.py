@@ -156,7 +156,7 @@ def kernel_sweep(batches: list[int], contexts: list[int], copy_gbps: float) -> l
 
 TILES = [dict(block_n=n, warps=w, stages=st) for n, w, st in
          ((128, 8, 2), (32, 4, 2), (64, 8, 2), (128, 8, 3), (256, 8, 2), (128, 16, 2), (256, 16, 2))]
-TILES += [dict(splits=s) for s in (2, 3, 4, 6, 8, 16)]  # the default tile, key splits forced (planned: 5)
+TILES += [dict(splits=s) for s in (1, 2, 3, 4, 5, 8, 16)]  # the default tile, key splits forced
 
 
 def tile_sweep(copy_gbps: float, batch: int = 64, ctx: int = 8192) -> list[dict]:

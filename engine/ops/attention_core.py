@@ -233,16 +233,14 @@ def combine(part: Partials, out: torch.Tensor, programs: int, num_kv_heads: int,
     )
 
 
-def split_count(programs: int, max_context: int, sms: int, per_sm: int, full_at: int | None = None,
-                min_piece: int = 256) -> int:
+def split_count(programs: int, max_context: int, sms: int, per_sm: int, full_at: int | None = None) -> int:
     """Pieces to cut each program's keys into so that a launch on `sms` SMs has about `per_sm`
     programs per SM: 1 when the programs alone reach `full_at` per SM (default `per_sm`), and each
-    piece at least `min_piece` keys (below that the combine costs more than it saves: 256 for a
-    head's row, fewer for MLA's wider latent rows). Depends on shapes only, so a CUDA graph
-    captures a fixed grid."""
+    piece at least 256 keys (below that the combine costs more than it saves). Depends on shapes
+    only, so a CUDA graph captures a fixed grid."""
     if programs >= (per_sm if full_at is None else full_at) * sms:
         return 1
-    return max(1, min(-(-per_sm * sms // programs), max_context // min_piece, MAX_SPLITS))
+    return max(1, min(-(-per_sm * sms // programs), max_context // 256, MAX_SPLITS))
 
 
 @functools.cache

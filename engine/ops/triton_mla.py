@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, Partials, combine, compute_dtype, sm_count, split_count, store_partial
+from .attention_core import LOG2E, MAX_SPLITS, Partials, combine, compute_dtype, sm_count, store_partial
 from .kv_quant import QuantKV
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -89,6 +89,14 @@ def _mla_decode_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=live[:, None])
 
 
+def mla_splits(programs: int, max_context: int, sms: int, block_n: int) -> int:
+    """Key splits for a launch of `programs` (sequence x head block): as many as fit one wave of
+    one program per SM (a program's latent tiles fill an SM's shared memory), at least a tile each.
+    A second, partly filled wave costs more than the combine saves: 64 sequences on 132 SMs ran
+    1.45x their HBM floor with 2 splits and 1.65x with 5 (bench/results/mla/mla_gpu.md)."""
+    return max(1, min(MAX_SPLITS, max_context // block_n, sms // programs))
+
+
 def mla_decode_triton(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                       splits: int | None = None, block_h: int = 16, block_n: int = 128, warps: int = 8,
@@ -113,9 +121,8 @@ def mla_decode_triton(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, block_ta
     head_blocks = triton.cdiv(heads, block_h)
     page = values.shape[1]
     if splits is None:
-        # a piece as small as one tile: a latent row (576 values) is 4.5 rows of a 128-wide head
-        splits = (split_count(b * head_blocks, block_tables.shape[1] * page, sm_count(q_lat.device), 2,
-                              min_piece=block_n) if q_lat.is_cuda else 1)
+        splits = mla_splits(b * head_blocks, block_tables.shape[1] * page, sm_count(q_lat.device), block_n) \
+            if q_lat.is_cuda else 1
     h_all = head_blocks * block_h
     part = Partials.empty(b, splits, h_all, rank, q_lat.device) if splits > 1 else Partials(out, out)
     dtype = compute_dtype(q_lat)
