@@ -126,25 +126,27 @@ def test_each_chunk_runs_in_the_form_its_length_picks(monkeypatch, use_triton):
 
     if use_triton:
         pytest.importorskip("triton")
-    dtype = torch.float32 if use_triton else torch.float64  # the interpreter computes in float32
+    dtype = torch.float32 if use_triton else torch.float64  # the kernel computes in float32
+    dev = "cuda" if use_triton and torch.cuda.is_available() else "cpu"  # else the interpreter
     torch.manual_seed(1)
     heads, nope, rope, v, rank, bs = 4, 16, 16, 12, 32, 16
     mla = MLAConfig(kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, q_lora_rank=None,
                     softmax_scale=0.2)
-    proj = torch.nn.Linear(rank, heads * (nope + v), bias=False).to(dtype)
+    proj = torch.nn.Linear(rank, heads * (nope + v), bias=False).to(dev, dtype)
     attn = mla_attention.MLAPagedAttention(heads, mla, proj, use_triton)
     short, long_ = attn.absorb_max_query, attn.absorb_max_query + 5
     seq_lens, query_lens = [40, short + 30, long_ + 20], [1, short, long_]
     width = -(-max(seq_lens) // bs)
-    cache = torch.randn(3 * width, bs, 1, rank + rope, dtype=dtype)
-    tables = torch.randperm(3 * width, dtype=torch.int32).view(3, width)
-    q = torch.randn(sum(query_lens), heads, nope + rope, dtype=dtype)
+    cache = torch.randn(3 * width, bs, 1, rank + rope, dtype=dtype, device=dev)
+    tables = torch.randperm(3 * width, dtype=torch.int32).view(3, width).to(dev)
+    q = torch.randn(sum(query_lens), heads, nope + rope, dtype=dtype, device=dev)
     ran = []
     for form in ("mla_expanded_ref", "mla_absorbed_ref"):
         real = getattr(mla_attention, form)
         monkeypatch.setattr(mla_attention, form, lambda q, *a, real=real, form=form: ran.append((form, len(q))) or
                             real(q, *a))
-    meta = AttentionMetadata.build(torch.zeros(sum(query_lens), dtype=torch.int64), tables, seq_lens, query_lens)
+    meta = AttentionMetadata.build(torch.zeros(sum(query_lens), dtype=torch.int64, device=dev), tables, seq_lens,
+                                   query_lens, device=dev)
     got = attn(q, None, None, cache, None, meta)
     want = mla_expanded_ref(q, cache, tables, seq_lens, query_lens, attn.w_kv_b(), attn.scale)
     tol = 1e-5 if use_triton else 1e-10
