@@ -150,7 +150,7 @@ ENGINE_ORDER = [
     # what a caller hands the engine
     "sampling_params", "validation", "role", "architectures", "config",
     # requests, the block pool and the scheduler
-    "core.request", "core.block_pool", "tiers.offload", "core.kv_cache_manager", "core.scheduler",
+    "core.request", "core.block_pool", "tiers.offload", "tiers.disk", "core.kv_cache_manager", "core.scheduler",
     "core.overlap", "core.step_model",
     # executing a step: attention, graphs, the KV tensor, the model, sampling, the runner
     "exec.attention", "exec.mla_attention", "exec.step_inputs", "exec.graphs", "exec.kv_cache", "models.moe",

@@ -1,0 +1,249 @@
+"""The disk tier: KV blocks as files under `kv_disk_dir`, below the host tier.
+
+    <kv_disk_dir>/<layout digest>/<hash[:2]>/<hash>.kvb    one block: a header, then its bytes
+
+The layout digest (the model's fingerprint, KV dtype, block size and block layout: what a
+block's bytes mean) names a directory of its own, so blocks of another model or layout are never
+found. A file's header holds its block hash, its byte count and a checksum (blake2b over the hash
+and the bytes); a file whose size, hash or checksum does not match is refused when read (that
+block alone: it counts as a miss and the file is removed).
+
+Writes go through a side thread (`put` queues, the thread writes in batches): each file is
+written under a temporary name of its writer's and renamed into place, so a reader sees a
+whole block or none, two workers writing the same block race harmlessly (the same bytes, one
+rename wins), and a worker killed mid-write leaves only its temporary file, which is never read
+and is removed by the next scan once no live process owns it. Reads (`read_into`) run on the
+caller's thread.
+
+Eviction is LRU within `capacity_bytes`, by the files this store knows: those it found when it
+scanned the directory (at start and every `rescan_s`, so a shared directory's other writers'
+files count too), those it wrote and those it read. A hit refreshes the file's mtime, which is
+the LRU order a scan rebuilds. A restart finds what is on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PDKVBLK1"
+HEADER = struct.Struct("<8s32sQ16s")  # magic, block hash, byte count, checksum
+SUFFIX = ".kvb"
+
+
+def layout_digest(meta: dict) -> str:
+    """The directory name for blocks of this meaning (persist._meta's fields)."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def checksum(block_hash: bytes, data) -> bytes:
+    h = hashlib.blake2b(block_hash, digest_size=16)
+    h.update(data)
+    return h.digest()
+
+
+@dataclass
+class DiskStats:
+    written_blocks: int = 0
+    written_bytes: int = 0
+    read_blocks: int = 0
+    read_bytes: int = 0
+    refused_blocks: int = 0  # failed their size, hash or checksum check when read
+    evicted_blocks: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+
+
+class DiskStore:
+    def __init__(self, root: str, meta: dict, block_nbytes: int, capacity_bytes: int, rescan_s: float = 60.0):
+        if capacity_bytes < block_nbytes:
+            raise ValueError(f"kv_disk_size holds no block: {capacity_bytes} bytes, a block is {block_nbytes}")
+        self.dir = os.path.join(root, layout_digest(meta))
+        os.makedirs(self.dir, exist_ok=True)
+        self.block_nbytes = block_nbytes
+        self.file_bytes = HEADER.size + block_nbytes
+        self.capacity = capacity_bytes // self.file_bytes  # files
+        self.rescan_s = rescan_s
+        self.stats = DiskStats()
+        self.lock = threading.Lock()  # the index: the engine thread reads, the writer thread adds
+        self.index: OrderedDict[bytes, None] = OrderedDict()  # LRU: the front is evicted first
+        self._tmp = 0
+        self._token = os.urandom(4).hex()  # temporary names unique to this store, even within a process
+        self.scan()
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
+        self.thread.start()
+
+    def path(self, block_hash: bytes) -> str:
+        name = block_hash.hex()
+        return os.path.join(self.dir, name[:2], name + SUFFIX)
+
+    # ---- lookups and reads (the caller's thread) ----------------------------------------------
+    def __contains__(self, block_hash: bytes) -> bool:
+        """On disk, as far as this store knows or a stat finds (another worker's new file)."""
+        with self.lock:
+            if block_hash in self.index:
+                return True
+        if os.path.exists(self.path(block_hash)):
+            with self.lock:
+                self.index[block_hash] = None
+            return True
+        return False
+
+    def read_into(self, block_hash: bytes, out: np.ndarray) -> bool:
+        """The block's bytes into `out` (uint8, block_nbytes); False if it is not there or is
+        refused (a wrong size, hash or checksum: the file is removed)."""
+        t = time.perf_counter()
+        path = self.path(block_hash)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(HEADER.size)
+                n = f.readinto(memoryview(out)) if len(head) == HEADER.size else 0
+                extra = f.read(1)
+        except FileNotFoundError:  # evicted by another worker since the lookup
+            self._forget(block_hash)
+            return False
+        ok = len(head) == HEADER.size and not extra and n == self.block_nbytes
+        if ok:
+            magic, h, nbytes, digest = HEADER.unpack(head)
+            ok = magic == MAGIC and h == block_hash and nbytes == n and checksum(h, out) == digest
+        if not ok:
+            self.stats.refused_blocks += 1
+            log.warning("disk tier: refused %s (a wrong size, hash or checksum)", path)
+            self._remove(block_hash)
+            return False
+        os.utime(path)  # the LRU order a rescan rebuilds
+        with self.lock:
+            self.index[block_hash] = None
+            self.index.move_to_end(block_hash)
+        self.stats.read_blocks += 1
+        self.stats.read_bytes += n
+        self.stats.read_seconds += time.perf_counter() - t
+        return True
+
+    # ---- writes (the side thread) -------------------------------------------------------------
+    def put(self, block_hash: bytes, data: np.ndarray, done=None) -> None:
+        """Queues the block's bytes (uint8, block_nbytes; not changed until `done()` is called on
+        the writer thread, after the write)."""
+        self.queue.put((block_hash, data, done))
+
+    def flush(self) -> None:
+        """Returns once everything queued so far is written."""
+        self.queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self.queue.put(None)
+        self.thread.join(30)
+
+    def _writer(self) -> None:
+        last_scan = time.monotonic()
+        while True:
+            item = self.queue.get()
+            batch = [item]
+            while item is not None and not self.queue.empty() and len(batch) < 64:
+                batch.append(item := self.queue.get_nowait())
+            for it in batch:
+                if it is None:
+                    self.queue.task_done()
+                    return
+                try:
+                    self._write(*it[:2])
+                except OSError as e:  # a full or failing disk: the block is only not kept
+                    log.warning("disk tier: writing a block failed: %s", e)
+                finally:
+                    if it[2] is not None:
+                        it[2]()
+                    self.queue.task_done()
+            self._evict()
+            if time.monotonic() - last_scan > self.rescan_s:
+                self.scan()
+                last_scan = time.monotonic()
+
+    def _write(self, block_hash: bytes, data: np.ndarray) -> None:
+        if block_hash in self:
+            with self.lock:
+                self.index.move_to_end(block_hash)
+            return
+        t = time.perf_counter()
+        path = self.path(block_hash)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._tmp += 1
+        tmp = f"{path}.tmp-{os.getpid()}-{self._token}-{self._tmp}"
+        with open(tmp, "wb") as f:
+            f.write(HEADER.pack(MAGIC, block_hash, data.nbytes, checksum(block_hash, data)))
+            f.write(memoryview(data))
+        os.replace(tmp, path)
+        with self.lock:
+            self.index[block_hash] = None
+        self.stats.written_blocks += 1
+        self.stats.written_bytes += data.nbytes
+        self.stats.write_seconds += time.perf_counter() - t
+
+    def _evict(self) -> None:
+        while True:
+            with self.lock:
+                if len(self.index) <= self.capacity:
+                    return
+                old, _ = self.index.popitem(last=False)
+            try:
+                os.remove(self.path(old))
+            except FileNotFoundError:
+                pass
+            self.stats.evicted_blocks += 1
+
+    def _forget(self, block_hash: bytes) -> None:
+        with self.lock:
+            self.index.pop(block_hash, None)
+
+    def _remove(self, block_hash: bytes) -> None:
+        self._forget(block_hash)
+        try:
+            os.remove(self.path(block_hash))
+        except FileNotFoundError:
+            pass
+
+    # ---- the directory ------------------------------------------------------------------------
+    def scan(self) -> None:
+        """Rebuilds the index from the directory (LRU by mtime) and removes the temporary files
+        of writers no longer running."""
+        found = []
+        for sub in os.scandir(self.dir):
+            if not sub.is_dir():
+                continue
+            for e in os.scandir(sub.path):
+                if e.name.endswith(SUFFIX) and len(e.name) == 64 + len(SUFFIX):
+                    try:
+                        found.append((e.stat().st_mtime, bytes.fromhex(e.name[:64])))
+                    except (FileNotFoundError, ValueError):
+                        continue
+                elif ".tmp-" in e.name and not _alive(e.name.rsplit(".tmp-", 1)[1].split("-")[0]):
+                    try:
+                        os.remove(e.path)
+                    except FileNotFoundError:
+                        pass
+        found.sort()  # every hit touches its file: mtime is the LRU order across writers
+        with self.lock:
+            self.index = OrderedDict((h, None) for _, h in found)
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True

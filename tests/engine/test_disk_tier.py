@@ -1,0 +1,146 @@
+"""The disk tier's store (engine/tiers/disk.py) on real files: blocks round-trip, a corrupt or
+truncated file is refused alone, workers share one directory, a writer killed mid-write leaves
+no block that reads wrongly, a restart finds the blocks, eviction is LRU within the size."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pdserve.engine.tiers.disk import HEADER, DiskStore
+
+META = {"fingerprint": "model-a", "kv_cache_dtype": "bfloat16", "block_size": 16, "layout": {"layers": 2}}
+NBYTES = 4096
+
+
+def block(i: int) -> tuple[bytes, np.ndarray]:
+    """Block i's hash and bytes, both derived from i (a reader can tell what it should get)."""
+    h = hashlib.sha256(f"block {i}".encode()).digest()
+    return h, np.random.default_rng(i).integers(0, 256, NBYTES, dtype=np.uint8)
+
+
+def store(root, capacity_blocks: int = 100, meta=META) -> DiskStore:
+    return DiskStore(str(root), meta, NBYTES, capacity_blocks * (NBYTES + HEADER.size))
+
+
+def read(s: DiskStore, h: bytes) -> np.ndarray | None:
+    out = np.empty(NBYTES, dtype=np.uint8)
+    return out if s.read_into(h, out) else None
+
+
+def test_blocks_round_trip_and_a_restart_finds_them(tmp_path):
+    s = store(tmp_path)
+    for i in range(5):
+        s.put(*block(i))
+    s.flush()
+    assert all(np.array_equal(read(s, block(i)[0]), block(i)[1]) for i in range(5))
+    assert (s.stats.written_blocks, s.stats.read_blocks, s.stats.refused_blocks) == (5, 5, 0)
+    assert read(s, block(9)[0]) is None and block(9)[0] not in s
+    s.close()
+    again = store(tmp_path)  # a restart: the directory scanned
+    assert len(again.index) == 5 and all(block(i)[0] in again for i in range(5))
+    assert np.array_equal(read(again, block(3)[0]), block(3)[1])
+    again.close()
+
+
+def test_a_corrupt_or_truncated_file_is_refused_alone(tmp_path):
+    s = store(tmp_path)
+    for i in range(4):
+        s.put(*block(i))
+    s.flush()
+    with open(s.path(block(0)[0]), "r+b") as f:  # one byte of the data flipped
+        f.seek(HEADER.size + 100)
+        b = f.read(1)
+        f.seek(HEADER.size + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with open(s.path(block(1)[0]), "r+b") as f:  # cut short
+        f.truncate(HEADER.size + NBYTES // 2)
+    os.makedirs(os.path.dirname(s.path(block(7)[0])), exist_ok=True)
+    os.replace(s.path(block(2)[0]), s.path(block(7)[0]))  # block 2's file under another block's name
+    s.index[block(7)[0]] = None
+    assert read(s, block(0)[0]) is None and read(s, block(1)[0]) is None and read(s, block(7)[0]) is None
+    assert s.stats.refused_blocks == 3 and not os.path.exists(s.path(block(0)[0]))
+    assert np.array_equal(read(s, block(3)[0]), block(3)[1])  # the others still read
+    s.close()
+
+
+def test_workers_share_one_directory_and_another_layout_is_never_found(tmp_path):
+    a, b = store(tmp_path), store(tmp_path)
+    other = store(tmp_path, meta={**META, "kv_cache_dtype": "int8"})
+    a.put(*block(1))
+    b.put(*block(1))  # the same block from two writers: one rename wins, the bytes are the same
+    b.put(*block(2))
+    a.flush()
+    b.flush()
+    assert np.array_equal(read(b, block(1)[0]), block(1)[1]) and np.array_equal(read(a, block(2)[0]), block(2)[1])
+    assert block(1)[0] not in other and read(other, block(2)[0]) is None
+    for s in (a, b, other):
+        s.close()
+
+
+def test_eviction_is_lru_within_the_size(tmp_path):
+    s = store(tmp_path, capacity_blocks=3)
+    for i in range(3):
+        s.put(*block(i))
+    s.flush()
+    time.sleep(0.01)
+    assert read(s, block(0)[0]) is not None  # block 0 used again: block 1 is now the oldest
+    s.put(*block(3))
+    s.flush()
+    assert block(1)[0] not in s and all(block(i)[0] in s for i in (0, 2, 3))
+    assert s.stats.evicted_blocks == 1 and len(os.listdir(os.path.dirname(s.path(block(0)[0])))) >= 1
+    s.scan()  # a rescan rebuilds the same order from the files' times
+    s.put(*block(4))
+    s.flush()
+    assert block(2)[0] not in s and block(0)[0] in s
+    s.close()
+
+
+WRITER = """
+import hashlib, sys
+import numpy as np
+from pdserve.engine.tiers.disk import DiskStore
+meta = {"fingerprint": "model-a", "kv_cache_dtype": "bfloat16", "block_size": 16, "layout": {"layers": 2}}
+n = int(sys.argv[2])
+s = DiskStore(sys.argv[1], meta, n, 10**12)
+print("ready", flush=True)
+i = 0
+while True:
+    h = hashlib.sha256(f"block {i}".encode()).digest()
+    s.put(h, np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8))
+    i += 1
+    if s.queue.qsize() > 8:
+        s.flush()
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_no_block_that_reads_wrongly(tmp_path):
+    nbytes = 4 << 20  # big blocks: the kill lands inside a write
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(nbytes)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    s = DiskStore(str(tmp_path), META, nbytes, 10**12)  # its scan removes the dead writer's temporary file
+    assert len(s.index) > 0
+    files = [e for d in os.scandir(s.dir) for e in os.scandir(d.path)]
+    assert all(".tmp-" not in e.name for e in files), [e.name for e in files]
+    out = np.empty(nbytes, dtype=np.uint8)
+    for h in list(s.index):
+        i = next(i for i in range(10_000) if hashlib.sha256(f"block {i}".encode()).digest() == h)
+        assert s.read_into(h, out) and np.array_equal(out, np.random.default_rng(i).integers(0, 256, nbytes,
+                                                                                             dtype=np.uint8))
+    s.close()
+
+
+def test_a_size_below_one_block_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="holds no block"):
+        DiskStore(str(tmp_path), META, NBYTES, NBYTES - 1)
