@@ -203,6 +203,10 @@ class EngineConfig:
     # the host tier written here on close (and every kv_persist_interval_s), read back on start
     kv_persist_dir: str | None = None
     kv_persist_interval_s: float = 60.0
+    # the disk tier behind the host tier (engine/tiers/disk_tier.py): blocks the host tier drops are
+    # written here, a prompt continuing on disk reads them back; GiB of files, one directory per node
+    kv_disk_dir: str | None = None
+    kv_disk_size: float = 0.0
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
     # "prompt_lookup_min": n} (spec/decode.py); None: off
     speculative_config: dict | None = None
@@ -268,6 +272,17 @@ class EngineConfig:
         if self.kv_persist_dir is not None and isinstance(tp, int) and tp > 1:
             raise ValueError("kv_persist_dir is not supported with tensor_parallel_size > 1 yet "
                              "(each rank holds a slice of the host tier)")
+        if self.kv_disk_dir is not None:
+            if not off:
+                raise ValueError("kv_disk_dir sits behind the host tier: set kv_offloading_size (GiB) too")
+            if isinstance(self.kv_disk_size, bool) or not isinstance(self.kv_disk_size, (int, float)) \
+                    or self.kv_disk_size <= 0:
+                raise ValueError(f"kv_disk_size must be a number of GiB > 0, got {self.kv_disk_size!r}")
+            if self.kv_persist_dir is not None:
+                raise ValueError("kv_disk_dir keeps the host tier across restarts itself: drop kv_persist_dir")
+            if isinstance(tp, int) and tp > 1:
+                raise ValueError("kv_disk_dir is not supported with tensor_parallel_size > 1 yet "
+                                 "(each rank holds a slice of each block)")
         if not (isinstance(self.kv_persist_interval_s, (int, float)) and self.kv_persist_interval_s > 0):
             raise ValueError(f"kv_persist_interval_s must be > 0, got {self.kv_persist_interval_s!r}")
 

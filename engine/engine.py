@@ -33,6 +33,7 @@ from .sample.structured import Grammars
 from .sampling_params import SamplingParams
 from .spec.decode import Drafter
 from .tiers import persist
+from .tiers.disk_tier import DiskTier
 from .tiers.offload import HostIndex
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from .validation import check_request
@@ -68,12 +69,10 @@ class LLMEngine:
         self.drafter.switch.model = self.step_model
         self.iteration_tokens = TokenHistogram()  # tokens per step (metrics)
         self.load_format = load_format
-        self.persist_status: str | None = None  # what restoring the host tier said
-        self._persisted_at = time.monotonic()
-        self._checksums = persist.Checksums()
-        self._persisted_entries: list | None = None  # the host tier's index as last written
-        if config.kv_persist_dir:
-            self._restore_host_tier()
+        # the host tier's snapshot file (restored now), or its disk tier (tiers/disk_tier.py)
+        self.tier_file = persist.HostTierFile(config, load_format, host, self.runner) if config.kv_persist_dir \
+            else None
+        self.disk = DiskTier.of(config, load_format, host, self.runner, self.step_model, self.kv)
         self.requests: dict[str, Request] = {}
         # prefill role: requests that finish normally keep their blocks until release()
         self.hold_blocks_on_finish = False
@@ -128,7 +127,8 @@ class LLMEngine:
         self._track(req)
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
-        self.scheduler.add(req)
+        if self.disk is None or not self.disk.hold(req):  # its prefix read from disk first
+            self.scheduler.add(req)
         return req
 
     def _track(self, req: Request) -> None:
@@ -141,6 +141,8 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return False
+        if self.disk is not None:
+            self.disk.holding.pop(request_id, None)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
@@ -171,21 +173,24 @@ class LLMEngine:
         return self._output(req, delta, [req.output_token_ids[-1]])
 
     def close(self) -> None:
-        """Persists the host tier (kv_persist_dir), stops a TP engine's shards; a second call is a no-op."""
+        """Persists the host tier (kv_persist_dir, or to its disk tier), stops a TP engine's shards;
+        a second call is a no-op."""
         first, self._closed = not self.__dict__.get("_closed"), True
-        if first and self.config.kv_persist_dir and self.kv.host is not None:
-            try:
-                self.persist_host_tier()
-            except OSError as e:
-                log.warning("could not persist the host tier: %s", e)
+        try:
+            if first and self.tier_file is not None:
+                self.tier_file.write()
+            if first and self.disk is not None:
+                self.disk.close()
+        except OSError as e:
+            log.warning("could not persist the host tier: %s", e)
         shards, self.shards = self.shards, None
         if shards is not None:
             with contextlib.suppress(Exception):  # a rank already gone: kill the rest
                 self.tp.send(None)
             shards.close()
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0  # a request whose last token is in flight is still running
+    def has_unfinished_requests(self) -> bool:  # a request whose last token is in flight is still running
+        return self.scheduler.num_unfinished > 0 or (self.disk is not None and bool(self.disk.holding))
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -230,6 +235,8 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         """Drafts (speculative decoding), then the scheduler's batch under the step budget."""
         self.drafter.propose(self.scheduler.running)
+        for req in self.disk.ready() if self.disk is not None else ():  # their disk blocks are host hits now
+            self.scheduler.add(req)
         return self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
 
     def _execute(self, sched: SchedulerOutput) -> StepResult:
@@ -245,40 +252,17 @@ class LLMEngine:
         return result
 
     def persist_if_due(self) -> bool:
-        """Writes the host tier when kv_persist_interval_s has passed since the last write and it
-        changed since. Called after every step and, idle, by the loop that owns the engine (the
-        worker's engine thread): a crash loses at most one interval. True if it wrote."""
-        if not self.config.kv_persist_dir or self.kv.host is None or \
-                time.monotonic() - self._persisted_at < self.config.kv_persist_interval_s:
-            return False
-        self._persisted_at = time.monotonic()
-        if not self.kv.host.ops.offloads and self.kv.host.entries() == self._persisted_entries:
-            return False
-        self.persist_host_tier()
-        return True
-
-    # ---- the host tier on disk (tiers/persist.py) ------------------------------------------------
-    def _restore_host_tier(self) -> None:
-        try:
-            done = persist.load(self.config, self.load_format, self.kv.host, self.runner.host)
-            self.persist_status = done.describe(self.config.kv_persist_dir)
-            if done.refused:
-                log.warning("%s", self.persist_status)
-        except persist.PersistError as e:
-            self.persist_status = str(e)
-            log.warning("%s", e)
+        """The host tier's snapshot on its interval (persist.HostTierFile.due); True if it wrote."""
+        return self.tier_file is not None and self.tier_file.due()
 
     def persist_host_tier(self) -> str:
-        """Writes the host tier to kv_persist_dir now (also on close and every interval), after
-        applying the copies still queued: blocks freed since the last forward have host slots
-        but no contents there yet (docs/design/persist.md)."""
-        self._persisted_at = time.monotonic()
-        ops = self.kv.host.take()
-        if ops is not None:
-            self.runner.host.apply(self.runner.kv, ops)
-        path = persist.save(self.config, self.load_format, self.kv.host, self.runner.host, self._checksums)
-        self._persisted_entries = self.kv.host.entries()
-        return path
+        """Writes the host tier's snapshot now (persist.HostTierFile.write)."""
+        return self.tier_file.write()
+
+    @property
+    def persist_status(self) -> str | None:
+        """What restoring the host tier said (None without kv_persist_dir)."""
+        return self.tier_file.status if self.tier_file is not None else None
 
     def retune(self, slo_tpot_s: float | None, max_num_batched_tokens: int | None = None) -> None:
         """Changes the TPOT target and the step budget at run time (a worker switching role).
@@ -385,7 +369,7 @@ class LLMEngine:
                              "num_gpu_blocks": kv.num_blocks, "num_cpu_blocks": kv.host.num_slots if kv.host else 0,
                              "enable_prefix_caching": c.enable_prefix_caching, "max_model_len": c.max_model_len},
             **({"kv_persist_status": self.persist_status} if self.persist_status else {}),
-            **self._host_stats(),
+            **self._host_stats(), **(self.disk.stats() if self.disk is not None else {}),
             **self.drafter.stats(),
         }
 

@@ -156,7 +156,7 @@ ENGINE_ORDER = [
     "exec.attention", "exec.mla_attention", "exec.step_inputs", "exec.graphs", "exec.kv_cache", "models.moe",
     "models.llama", "models.deepseek", "exec.loader",
     "sample.sampling_noise", "sample.logits_process", "sample.sampler", "exec.model_runner", "exec.shard",
-    "tiers.persist",
+    "tiers.persist", "tiers.disk_tier",
     # speculative decoding drives a runner of its own
     "spec.switch", "spec.draft", "spec.decode",
     # the assembly

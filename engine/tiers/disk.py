@@ -79,6 +79,7 @@ class DiskStore:
         self.stats = DiskStats()
         self.lock = threading.Lock()  # the index: the engine thread reads, the writer thread adds
         self.index: OrderedDict[bytes, None] = OrderedDict()  # LRU: the front is evicted first
+        self.pending: dict[bytes, np.ndarray] = {}  # queued, not yet written: found and read from here
         self._tmp = 0
         self._token = os.urandom(4).hex()  # temporary names unique to this store, even within a process
         self.scan()
@@ -94,7 +95,7 @@ class DiskStore:
     def __contains__(self, block_hash: bytes) -> bool:
         """On disk, as far as this store knows or a stat finds (another worker's new file)."""
         with self.lock:
-            if block_hash in self.index:
+            if block_hash in self.index or block_hash in self.pending:
                 return True
         if os.path.exists(self.path(block_hash)):
             with self.lock:
@@ -106,6 +107,11 @@ class DiskStore:
         """The block's bytes into `out` (uint8, block_nbytes); False if it is not there or is
         refused (a wrong size, hash or checksum: the file is removed)."""
         t = time.perf_counter()
+        with self.lock:
+            queued = self.pending.get(block_hash)
+        if queued is not None:  # still on its way to the disk
+            out[:] = queued
+            return True
         path = self.path(block_hash)
         try:
             with open(path, "rb") as f:
@@ -136,7 +142,9 @@ class DiskStore:
     # ---- writes (the side thread) -------------------------------------------------------------
     def put(self, block_hash: bytes, data: np.ndarray, done=None) -> None:
         """Queues the block's bytes (uint8, block_nbytes; not changed until `done()` is called on
-        the writer thread, after the write)."""
+        the writer thread, after the write); lookups and reads find it meanwhile."""
+        with self.lock:
+            self.pending[block_hash] = data
         self.queue.put((block_hash, data, done))
 
     def flush(self) -> None:
@@ -161,21 +169,26 @@ class DiskStore:
                     return
                 try:
                     self._write(*it[:2])
+                    self._evict()  # before task_done: flush() returns with the size kept
                 except OSError as e:  # a full or failing disk: the block is only not kept
                     log.warning("disk tier: writing a block failed: %s", e)
                 finally:
+                    with self.lock:
+                        if self.pending.get(it[0]) is it[1]:
+                            del self.pending[it[0]]
                     if it[2] is not None:
                         it[2]()
                     self.queue.task_done()
-            self._evict()
             if time.monotonic() - last_scan > self.rescan_s:
                 self.scan()
                 last_scan = time.monotonic()
 
     def _write(self, block_hash: bytes, data: np.ndarray) -> None:
-        if block_hash in self:
-            with self.lock:
+        with self.lock:
+            known = block_hash in self.index
+            if known:
                 self.index.move_to_end(block_hash)
+        if known or os.path.exists(self.path(block_hash)):
             return
         t = time.perf_counter()
         path = self.path(block_hash)

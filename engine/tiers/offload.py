@@ -56,6 +56,7 @@ class HostIndex:
         self.record_events = False
         self.offloaded_blocks = 0
         self.loaded_blocks = 0
+        self.on_evict = None  # (hash, slot) of a block the tier drops, before its slot is reused (disk tier)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.slots
@@ -85,6 +86,21 @@ class HostIndex:
         old, slot = self.slots.popitem(last=False)
         if self.record_events:
             self.events.append(("host_removed", old))
+        if self.on_evict is not None and not any(s == slot for _, s in self.ops.offloads):
+            self.on_evict(old, slot)  # its bytes are in the slot (an offload still queued: not yet)
+        return slot
+
+    def admit(self, block_hash: BlockHash) -> int | None:
+        """A slot for a block that arrives from below (the disk tier), its bytes to be written
+        there by the caller now; None if the tier has the hash. A reused slot's queued offload
+        (it would land over them) is dropped, its block no longer kept."""
+        if block_hash in self.slots:
+            return None
+        slot = self.free.pop() if self.free else self._reuse()
+        self.ops.offloads = [(b, s) for b, s in self.ops.offloads if s != slot]
+        self.slots[block_hash] = slot
+        if self.record_events:
+            self.events.append(("host_stored", block_hash))
         return slot
 
     def load(self, slot: int, block_id: int) -> None:

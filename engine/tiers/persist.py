@@ -28,6 +28,7 @@ import glob
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -116,8 +117,8 @@ class Checksums:
 
 def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache,
          checksums: Checksums | None = None) -> str:
-    """Writes the tier; the copies queued in `index` must have been applied (the engine's
-    persist_host_tier does it)."""
+    """Writes the tier; the copies queued in `index` must have been applied (HostTierFile.write
+    does it)."""
     if index.ops.offloads:
         raise RuntimeError("persist.save: offloads are still queued; apply them first (their slots hold no data yet)")
     cache.synchronize()  # the offloads issued so far have landed
@@ -185,3 +186,46 @@ def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
 def _short(v) -> str:
     s = str(v)
     return s if len(s) <= 24 else s[:16] + "..."
+
+
+class HostTierFile:
+    """An engine's host tier on disk: restored at start (`status` says what came back), written
+    by `due()` when kv_persist_interval_s has passed and the tier changed since (after every step
+    and, idle, by the loop that owns the engine: a crash loses at most one interval) and by
+    `write()` (also at close)."""
+
+    def __init__(self, config: EngineConfig, load_format: str, index: HostIndex, runner):
+        self.config, self.load_format, self.index, self.runner = config, load_format, index, runner
+        self.at = time.monotonic()
+        self.checksums = Checksums()
+        self.entries: list | None = None  # the tier's index as last written
+        self.status: str | None = None
+        try:
+            done = load(config, load_format, index, runner.host)
+            self.status = done.describe(config.kv_persist_dir)
+            if done.refused:
+                log.warning("%s", self.status)
+        except PersistError as e:
+            self.status = str(e)
+            log.warning("%s", e)
+
+    def due(self) -> bool:
+        """Writes the tier if its interval has passed and it changed; True if it wrote."""
+        if time.monotonic() - self.at < self.config.kv_persist_interval_s:
+            return False
+        self.at = time.monotonic()
+        if not self.index.ops.offloads and self.index.entries() == self.entries:
+            return False
+        self.write()
+        return True
+
+    def write(self) -> str:
+        """Writes the tier now, after applying the copies still queued: blocks freed since the
+        last forward have host slots but no contents there yet (docs/design/persist.md)."""
+        self.at = time.monotonic()
+        ops = self.index.take()
+        if ops is not None:
+            self.runner.host.apply(self.runner.kv, ops)
+        path = save(self.config, self.load_format, self.index, self.runner.host, self.checksums)
+        self.entries = self.index.entries()
+        return path

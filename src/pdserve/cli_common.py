@@ -49,6 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-persist-dir", default=None,
                    help="write the host tier here on shutdown and every --kv-persist-interval s; read it on start")
     p.add_argument("--kv-persist-interval", type=float, default=60.0)
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="the disk tier: blocks the host tier drops are written here and read back for prompts "
+                        "that continue them (one directory per node; needs --kv-offloading-size)")
+    p.add_argument("--kv-disk-size", type=float, default=0.0, help="GiB of block files in --kv-disk-dir")
     p.add_argument("--kv-window-tokens", type=int, default=None,
                    help="StreamingLLM eviction: each request keeps its last N tokens (and the sinks) in the KV "
                         "cache, so sessions longer than the cache or max_model_len go on (colocated mode)")
@@ -93,6 +97,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
            "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size,
            "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
            "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config,
+           "kv_disk_dir": args.kv_disk_dir, "kv_disk_size": args.kv_disk_size,
            "kv_window_tokens": args.kv_window_tokens, "kv_sink_tokens": args.kv_sink_tokens}
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):  # None: the engine's default
         if getattr(args, name) is not None:

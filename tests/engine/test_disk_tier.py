@@ -1,6 +1,9 @@
-"""The disk tier's store (engine/tiers/disk.py) on real files: blocks round-trip, a corrupt or
+"""The disk tier on real files. Its store (engine/tiers/disk.py): blocks round-trip, a corrupt or
 truncated file is refused alone, workers share one directory, a writer killed mid-write leaves
-no block that reads wrongly, a restart finds the blocks, eviction is LRU within the size."""
+no block that reads wrongly, a restart finds the blocks, eviction is LRU within the size. In the
+engine (engine/tiers/disk_tier.py, tiny models on CPU): blocks the host tier drops come back from
+disk with the tokens of an unbounded cache (bf16 and int8 KV), across a restart, and a disk
+predicted slower than recomputing is not read."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from pdserve import LLM, SamplingParams
 from pdserve.engine.tiers.disk import HEADER, DiskStore
 
 META = {"fingerprint": "model-a", "kv_cache_dtype": "bfloat16", "block_size": 16, "layout": {"layers": 2}}
@@ -144,3 +148,73 @@ def test_a_writer_killed_mid_write_leaves_no_block_that_reads_wrongly(tmp_path):
 def test_a_size_below_one_block_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds no block"):
         DiskStore(str(tmp_path), META, NBYTES, NBYTES - 1)
+
+
+# ---- the tier in the engine (tiers/disk_tier.py) ------------------------------------------------------
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SHARED = list(range(100, 164))  # 4 full blocks every prompt starts with
+PROMPTS = [SHARED + [i, i + 1, i + 2] for i in range(300, 330, 3)]
+
+
+def churn(llm: LLM, prompt: list[int]) -> list[int]:
+    """`prompt` after an unrelated 150-token one that pushes the shared prefix out of a 12-block GPU
+    cache and a 4-slot host tier (to disk)."""
+    llm.generate([list(range(1000 + 3 * prompt[-1], 1150 + 3 * prompt[-1]))], PARAMS)
+    return llm.generate([prompt], PARAMS)[0].outputs[0].token_ids
+
+
+def tiered(model: str, disk: str, **kw) -> LLM:
+    """An engine with a 12-block GPU cache, a host tier of 4 blocks and the disk tier in `disk`."""
+    with LLM(model, max_model_len=256, num_gpu_blocks_override=12, **kw) as probe:
+        block = probe.engine.runner.layout.block_bytes
+    return LLM(model, max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=4.5 * block / (1 << 30),
+               kv_disk_dir=disk, kv_disk_size=0.01, **kw)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_blocks_go_down_to_disk_and_back_with_the_same_tokens_and_survive_a_restart(tiny_models, tmp_path,
+                                                                                  kv_cache_dtype):
+    model = tiny_models["llama"]
+    with LLM(model, max_model_len=256, kv_cache_dtype=kv_cache_dtype) as llm:  # an unbounded cache
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    with tiered(model, str(tmp_path), kv_cache_dtype=kv_cache_dtype) as llm:
+        assert [churn(llm, p) for p in PROMPTS[:3]] == want[:3]
+        s = llm.engine.stats()
+        assert s["kv_host_blocks_total"] == 4 and s["kv_disk_blocks"] > 0 and s["kv_disk_written_bytes"] > 0
+        assert s["prefix_cache_disk_hits"] >= 64, s  # the shared prefix came back from disk
+        out = llm.generate([PROMPTS[5]], PARAMS)[0]
+        assert out.outputs[0].token_ids == want[5]
+        llm.engine.kv.check_all_free()
+    with tiered(model, str(tmp_path), kv_cache_dtype=kv_cache_dtype) as llm:  # a restart finds the disk tier
+        assert llm.engine.stats()["kv_disk_blocks"] > 0
+        out = llm.generate([PROMPTS[7]], PARAMS)[0]
+        assert out.outputs[0].token_ids == want[7] and out.num_cached_tokens == 64
+        assert llm.engine.stats()["prefix_cache_disk_hits"] == 64
+
+
+def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_path):
+    """Once the step model predicts recomputing the prefix faster than reading it at the measured
+    bandwidth, the request is scheduled at once and recomputes (same tokens)."""
+    model = tiny_models["llama"]
+    with LLM(model, max_model_len=256) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    with tiered(model, str(tmp_path)) as llm:
+        assert churn(llm, PROMPTS[0]) == want[0]
+        for p in PROMPTS[1:4]:  # steps enough for the step model's fit
+            llm.generate([list(range(2000 + p[-1], 2100 + p[-1]))], PARAMS)
+        assert llm.engine.step_model.coef is not None
+        llm.engine.disk.read_gbps = 1e-9  # a disk that would take ages
+        before = llm.engine.stats()["prefix_cache_disk_hits"]
+        assert churn(llm, PROMPTS[4]) == want[4]
+        s = llm.engine.stats()
+        assert s["prefix_cache_disk_hits"] == before and s["kv_disk_skipped_tokens"] >= 64, s
+
+
+def test_the_disk_tier_needs_the_host_tier_and_one_rank(tiny_models, tmp_path):
+    for kw, why in ((dict(kv_disk_dir=str(tmp_path), kv_disk_size=1.0), "set kv_offloading_size"),
+                    (dict(kv_disk_dir=str(tmp_path), kv_offloading_size=0.01), "kv_disk_size must be"),
+                    (dict(kv_disk_dir=str(tmp_path), kv_disk_size=1.0, kv_offloading_size=0.01,
+                          kv_persist_dir=str(tmp_path)), "drop kv_persist_dir")):
+        with pytest.raises(ValueError, match=why):
+            LLM(tiny_models["llama"], max_model_len=256, **kw)

@@ -1,0 +1,162 @@
+"""The disk tier in the engine (`kv_disk_dir`, `kv_disk_size`): below the host tier, over the
+block files of tiers/disk.py.
+
+A block's way down and back up:
+
+    host tier drops a block     (HostIndex.on_evict) its slot's bytes are copied out and queued
+                                for the store's writer thread; the step does not wait on the disk
+    a new request               (`hold`) its prompt's blocks past the GPU and host hits that are
+                                on disk, in a run: read back if the predicted read time (their
+                                bytes over the read bandwidth measured so far) is below the
+                                predicted time to recompute them (the step-cost model); then the
+                                request waits outside the scheduler while a reader thread reads
+                                them (prefetch: the steps of other requests go on)
+    its reads landed            (`ready`, before each schedule) each block takes a host slot as an
+                                offload would, and the request goes to the scheduler, whose lookup
+                                finds those blocks as host hits and loads them to the GPU
+    close                       the host tier's blocks go to disk too: a restart finds them
+
+A block that fails its checks on read ends the run there (the rest is recomputed); one that a
+full host tier drops again before its request is scheduled is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .disk import DiskStore
+from .offload import HostIndex
+from .persist import _meta
+
+log = logging.getLogger(__name__)
+
+READ_GBPS_START = 1.0  # the read bandwidth assumed until the first reads are measured
+
+
+class DiskTier:
+    @classmethod
+    def of(cls, config, load_format: str, index: HostIndex | None, runner, step_model, kv) -> DiskTier | None:
+        """The engine's disk tier, or None without kv_disk_dir."""
+        if config.kv_disk_dir is None or index is None:
+            return None
+        return cls(config, load_format, index, runner, step_model, kv)
+
+    def __init__(self, config, load_format: str, index: HostIndex, runner, step_model, kv):
+        self.index, self.runner, self.step_model, self.kv = index, runner, step_model, kv
+        self.block_size = config.block_size
+        self.block_nbytes = runner.host.buf[0].numel() * runner.host.buf.element_size()
+        self.store = DiskStore(config.kv_disk_dir, _meta(config, load_format), self.block_nbytes,
+                               int(config.kv_disk_size * (1 << 30)))
+        index.on_evict = self.spill
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
+        self.holding: dict[str, tuple] = {}  # request id -> (request, its reads, when they started)
+        self.read_gbps = READ_GBPS_START
+        self.hit_tokens = 0  # prompt tokens whose KV came back from disk
+        self.skipped_tokens = 0  # on disk, but recomputing was predicted faster
+        self.prefetch_seconds = 0.0  # summed over requests: from hold() to ready()
+        self.prefetches = 0
+
+    def _slot_bytes(self, slot: int) -> np.ndarray:
+        return self.runner.host.buf[slot].view(-1).view(torch.uint8).numpy()
+
+    def _settle(self) -> None:
+        """The host buffer's copies in flight have landed (a slot about to be read or written)."""
+        if self.runner.host.stream is not None:
+            self.runner.host.stream.synchronize()
+
+    # ---- down ---------------------------------------------------------------------------------
+    def spill(self, block_hash: bytes, slot: int) -> None:
+        self._settle()
+        self.store.put(block_hash, self._slot_bytes(slot).copy())
+
+    # ---- up -----------------------------------------------------------------------------------
+    def hold(self, request) -> bool:
+        """Starts reading the request's prompt blocks that continue on disk, if that pays; True
+        if the request now waits for them (ready() hands it to the scheduler)."""
+        if not self.kv.enable_caching or request.scoring_prompt:
+            return False
+        hashes = self.kv.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        i = 0
+        while i < len(hashes) and (self.kv.pool.lookup(hashes[i]) is not None or hashes[i] in self.index):
+            i += 1
+        run = []
+        for h in hashes[i:]:
+            if h not in self.store:
+                break
+            run.append(h)
+        if not run:
+            return False
+        tokens = len(run) * self.block_size
+        read_s = len(run) * self.block_nbytes / (self.read_gbps * 1e9)
+        context = i * self.block_size
+        # the prefill that recomputes them: its tokens x their mean context (StepShape.attn)
+        recompute_s = self.step_model.predict(0, tokens, 0, tokens * (context + tokens / 2))
+        if recompute_s is not None and read_s >= recompute_s:
+            self.skipped_tokens += tokens
+            return False
+        reads = [(h, self.reader.submit(self._read, h)) for h in run]
+        self.holding[request.request_id] = (request, reads, time.monotonic())
+        return True
+
+    def _read(self, block_hash: bytes) -> np.ndarray | None:
+        out = np.empty(self.block_nbytes, dtype=np.uint8)
+        t = time.perf_counter()
+        if not self.store.read_into(block_hash, out):
+            return None
+        took = time.perf_counter() - t
+        if took > 0:  # an average over reads, recent ones weighted most
+            self.read_gbps = 0.8 * self.read_gbps + 0.2 * (self.block_nbytes / took / 1e9)
+        return out
+
+    def ready(self) -> list:
+        """The held requests whose reads have all finished, their blocks now in the host tier."""
+        out = []
+        for rid, (request, reads, t0) in list(self.holding.items()):
+            if not all(f.done() for _, f in reads):
+                continue
+            del self.holding[rid]
+            self._install(reads)
+            self.prefetch_seconds += time.monotonic() - t0
+            self.prefetches += 1
+            out.append(request)
+        return out
+
+    def _install(self, reads: list[tuple[bytes, Future]]) -> None:
+        landed = 0
+        for h, f in reads:
+            data = f.result()
+            if data is None:  # not there any more, or refused: the rest of the run is recomputed
+                break
+            slot = self.index.admit(h)
+            if slot is not None:
+                self._settle()
+                self._slot_bytes(slot)[:] = data
+            landed += 1
+        self.hit_tokens += landed * self.block_size
+
+    # ---- the tier as a whole ------------------------------------------------------------------
+    def close(self) -> None:
+        """The host tier's blocks written to disk (their queued copies applied first), then the
+        writer drained."""
+        ops = self.index.take()
+        if ops is not None:
+            self.runner.host.apply(self.runner.kv, ops)
+        self._settle()
+        for h, slot in self.index.entries():
+            self.store.put(h, self._slot_bytes(slot).copy())
+        self.reader.shutdown(wait=True)
+        self.store.close()
+
+    def stats(self) -> dict:
+        s = self.store.stats
+        return {"prefix_cache_disk_hits": self.hit_tokens, "kv_disk_skipped_tokens": self.skipped_tokens,
+                "kv_disk_blocks": len(self.store.index), "kv_disk_blocks_total": self.store.capacity,
+                "kv_disk_written_bytes": s.written_bytes, "kv_disk_read_bytes": s.read_bytes,
+                "kv_disk_refused_blocks": s.refused_blocks, "kv_disk_read_gbps": self.read_gbps,
+                "kv_disk_prefetch_seconds": self.prefetch_seconds / max(1, self.prefetches),
+                "kv_disk_waiting": len(self.holding)}
