@@ -235,8 +235,11 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         """Drafts (speculative decoding), then the scheduler's batch under the step budget."""
         self.drafter.propose(self.scheduler.running)
-        for req in self.disk.ready() if self.disk is not None else ():  # their disk blocks are host hits now
-            self.scheduler.add(req)
+        if self.disk is not None:
+            if not self.scheduler.num_unfinished:  # nothing else to run: wait for the reads, no spinning
+                self.disk.wait()
+            for req in self.disk.ready():  # their disk blocks are host hits now
+                self.scheduler.add(req)
         return self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
 
     def _execute(self, sched: SchedulerOutput) -> StepResult:

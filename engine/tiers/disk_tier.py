@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -35,7 +36,9 @@ from .persist import _meta
 
 log = logging.getLogger(__name__)
 
-READ_GBPS_START = 1.0  # the read bandwidth assumed until the first reads are measured
+READ_GBPS_START = 2.0  # the read bandwidth assumed when the directory has no block to time yet
+PROBE_BLOCKS = 8  # blocks read at start to time the disk (a restart's directory has some)
+READERS = 4
 
 
 class DiskTier:
@@ -53,9 +56,10 @@ class DiskTier:
         self.store = DiskStore(config.kv_disk_dir, _meta(config, load_format), self.block_nbytes,
                                int(config.kv_disk_size * (1 << 30)))
         index.on_evict = self.spill
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
+        # several readers: each read verifies a checksum (hashlib lets go of the GIL for it)
+        self.reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-reader")
         self.holding: dict[str, tuple] = {}  # request id -> (request, its reads, when they started)
-        self.read_gbps = READ_GBPS_START
+        self.read_gbps = self._probe()
         self.hit_tokens = 0  # prompt tokens whose KV came back from disk
         self.skipped_tokens = 0  # on disk, but recomputing was predicted faster
         self.prefetch_seconds = 0.0  # summed over requests: from hold() to ready()
@@ -103,6 +107,17 @@ class DiskTier:
         self.holding[request.request_id] = (request, reads, time.monotonic())
         return True
 
+    def _probe(self) -> float:
+        """The read bandwidth of up to PROBE_BLOCKS of the directory's blocks (else the default);
+        every read after updates it."""
+        out = np.empty(self.block_nbytes, dtype=np.uint8)
+        took = done = 0
+        for h in list(self.store.index)[-PROBE_BLOCKS:]:
+            t = time.perf_counter()
+            if self.store.read_into(h, out):
+                took, done = took + time.perf_counter() - t, done + 1
+        return done * self.block_nbytes / took / 1e9 if done and took > 0 else READ_GBPS_START
+
     def _read(self, block_hash: bytes) -> np.ndarray | None:
         out = np.empty(self.block_nbytes, dtype=np.uint8)
         t = time.perf_counter()
@@ -112,6 +127,13 @@ class DiskTier:
         if took > 0:  # an average over reads, recent ones weighted most
             self.read_gbps = 0.8 * self.read_gbps + 0.2 * (self.block_nbytes / took / 1e9)
         return out
+
+    def wait(self, timeout: float = 0.05) -> None:
+        """Blocks until the first held request's reads finish (at most `timeout`): an engine with
+        nothing else to run waits here rather than spinning against the reader threads."""
+        if self.holding:
+            _, reads, _ = next(iter(self.holding.values()))
+            futures.wait([f for _, f in reads], timeout=timeout)
 
     def ready(self) -> list:
         """The held requests whose reads have all finished, their blocks now in the host tier."""

@@ -1,0 +1,160 @@
+"""TTFT of a prompt whose prefix is on the GPU, in the host tier, in the disk tier or nowhere
+(recomputed), on one GPU (Llama-3-8B shape, random bf16 weights), and the disk's read bandwidth.
+
+    python bench/kv_tiers_gpu.py --tokenizer TOK --out bench/results/kv_tiers   # table last
+
+For each prompt length: an engine with a small GPU cache, a host tier and a disk tier in a
+directory of this machine's disk (--disk-dir). The prompt served cold (recomputed), again (a
+GPU hit), again after unrelated prompts pushed it out of the GPU cache (a host hit); then the
+engine is closed (its host tier goes to disk), the files are dropped from the page cache
+(posix_fadvise DONTNEED: the reads hit the disk), and a new engine serves the prompt (a disk
+hit, unless the engine predicts recomputing faster: the table says which happened). Every TTFT
+is of one request alone, one new token past the shared prefix, eager (prefill-bound).
+--shape tiny runs the same on CPU with a tiny model (a check of the script, not a result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serving_gpu import build_model  # noqa: E402
+
+from pdserve import SamplingParams  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.engine import LLMEngine  # noqa: E402
+
+PARAMS = SamplingParams(temperature=0, max_tokens=1)
+
+
+def ttft(eng: LLMEngine, prompt: list[int], cuda: bool) -> float:
+    t = time.perf_counter()
+    eng.add_request(prompt, PARAMS)
+    while eng.has_unfinished_requests():
+        eng.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def drop_page_cache(root: str) -> int:
+    """Asks the kernel to drop the cached pages of every file under root; their bytes."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
+def read_gbps(root: str, limit: int = 2 << 30) -> float:
+    """The disk's read bandwidth: up to `limit` bytes of the tier's files, out of the page cache."""
+    drop_page_cache(root)
+    done, t = 0, time.perf_counter()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                while chunk := f.read(8 << 20):
+                    done += len(chunk)
+            if done >= limit:
+                return done / (time.perf_counter() - t) / 1e9
+    return done / max(time.perf_counter() - t, 1e-9) / 1e9
+
+
+def one_length(model: str, cuda: bool, tokens: int, disk_dir: str, unit: int) -> dict:
+    dtype = "bfloat16" if cuda else "float32"
+    blocks = -(-tokens // 16)
+    kw = dict(model=model, dtype=dtype, load_format="dummy", max_model_len=tokens + 64, enforce_eager=True,
+              num_gpu_blocks_override=blocks + 8, max_num_batched_tokens=min(tokens + 16, 16384),
+              kv_offloading_size=3 * blocks * unit / (1 << 30), kv_disk_dir=disk_dir,
+              kv_disk_size=8 * blocks * unit / (1 << 30))
+    prefix = [100 + (7 * i) % 40000 for i in range(tokens)]
+    eng = LLMEngine(EngineConfig(**kw))
+    ttft(eng, list(range(5, 5 + min(295, tokens))), cuda)  # warm-up
+    row = {"tokens": tokens, "kv_bytes": blocks * unit}
+    row["recompute_s"] = ttft(eng, prefix + [1], cuda)
+    row["gpu_s"] = ttft(eng, prefix + [2], cuda)
+    ttft(eng, [200 + (11 * i) % 40000 for i in range(tokens)], cuda)  # pushes the prefix to the host tier
+    before = eng.stats()["prefix_cache_host_hits"]
+    row["host_s"] = ttft(eng, prefix + [3], cuda)
+    row["host_hit_tokens"] = eng.stats()["prefix_cache_host_hits"] - before
+    eng.close()  # the host tier to disk
+    row["disk_bytes"] = drop_page_cache(disk_dir)
+    eng = LLMEngine(EngineConfig(**kw))
+    ttft(eng, list(range(5, 5 + min(295, tokens))), cuda)
+    drop_page_cache(disk_dir)
+    row["disk_s"] = ttft(eng, prefix + [4], cuda)
+    s = eng.stats()
+    row["disk_hit_tokens"], row["disk_skipped_tokens"] = s["prefix_cache_disk_hits"], s["kv_disk_skipped_tokens"]
+    row["disk_tier_read_gbps"] = s["kv_disk_read_gbps"]
+    eng.close()
+    return row
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
+    ap.add_argument("--tokens", default="4096,16000")
+    ap.add_argument("--disk-dir", default=None, help="where the disk tier's files go (default: a temporary dir)")
+    ap.add_argument("--out", default="bench/results/kv_tiers")
+    return ap
+
+
+def render(res: dict) -> str:
+    lines = [f"# TTFT by the tier a prefix is in ({res['device']}, {res['shape']})", "",
+             f"`{res['command']}`; the disk's read bandwidth (files out of the page cache): "
+             f"{res['disk_read_gbps']:.2f} GB/s", "",
+             "| prompt tokens | KV | recompute (ms) | GPU hit (ms) | host tier (ms) | disk tier (ms) | disk read? |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        read = "yes" if r["disk_hit_tokens"] else f"no (recompute predicted faster: {r['disk_skipped_tokens']} tokens)"
+        lines.append(f"| {r['tokens']} | {r['kv_bytes'] / 2**20:.0f} MiB | {r['recompute_s'] * 1e3:.0f} | "
+                     f"{r['gpu_s'] * 1e3:.0f} | {r['host_s'] * 1e3:.0f} | {r['disk_s'] * 1e3:.0f} | {read} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parser().parse_args()
+    cuda = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory() as d:
+        if args.shape == "tiny":
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+            from helpers import save_tiny
+
+            model, unit = save_tiny("llama", os.path.join(d, "model"), args.tokenizer), 4096
+        else:
+            model, unit = build_model(os.path.join(d, "model"), args.tokenizer), 2 << 20
+        disk_dir = args.disk_dir or os.path.join(d, "kv")
+        res = {"device": torch.cuda.get_device_name() if cuda else "CPU", "shape": args.shape,
+               "command": "python bench/kv_tiers_gpu.py " + " ".join(sys.argv[1:]), "rows": []}
+        for n in (int(x) for x in args.tokens.split(",")):
+            shutil.rmtree(disk_dir, ignore_errors=True)
+            res["rows"].append(one_length(model, cuda, n, disk_dir, unit))
+        res["disk_read_gbps"] = read_gbps(disk_dir)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"kv_tiers_{args.shape}.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    md = render(res)
+    with open(os.path.join(args.out, f"kv_tiers_{args.shape}.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
