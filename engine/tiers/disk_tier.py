@@ -7,8 +7,9 @@ A block's way down and back up:
                                 for the store's writer thread; the step does not wait on the disk
     a new request               (`hold`) its prompt's blocks past the GPU and host hits that are
                                 on disk, in a run: read back if the predicted read time (their
-                                bytes over the read bandwidth measured so far) is below the
-                                predicted time to recompute them (the step-cost model); then the
+                                bytes over the bandwidth measured so far, reads and installs) is
+                                below the predicted time to recompute them (the step-cost model;
+                                before it knows any prefill: recompute); then the
                                 request waits outside the scheduler while a reader thread reads
                                 them (prefetch: the steps of other requests go on)
     its reads landed            (`ready`, before each schedule) each block takes a host slot as an
@@ -97,15 +98,21 @@ class DiskTier:
             return False
         tokens = len(run) * self.block_size
         read_s = len(run) * self.block_nbytes / (self.read_gbps * 1e9)
-        context = i * self.block_size
-        # the prefill that recomputes them: its tokens x their mean context (StepShape.attn)
-        recompute_s = self.step_model.predict(0, tokens, 0, tokens * (context + tokens / 2))
-        if recompute_s is not None and read_s >= recompute_s:
+        if read_s >= self.recompute_seconds(tokens, i * self.block_size):
             self.skipped_tokens += tokens
             return False
         reads = [(h, self.reader.submit(self._read, h)) for h in run]
         self.holding[request.request_id] = (request, reads, time.monotonic())
         return True
+
+    def recompute_seconds(self, tokens: int, context: int) -> float:
+        """What prefilling `tokens` after `context` cached ones is predicted to take: the step
+        model's fit once it has prefill terms, before that the prefill rate it measured, before
+        any prefill 0 (nothing known: recompute, never wait on a disk of unknown worth)."""
+        sm = self.step_model
+        if sm.prefill_fitted:  # its tokens x their mean context (StepShape.attn)
+            return sm.predict(0, tokens, 0, tokens * (context + tokens / 2))
+        return tokens / sm.prefill_tok_s if sm.prefill_tok_s else 0.0
 
     def _probe(self) -> float:
         """The read bandwidth of up to PROBE_BLOCKS of the directory's blocks (else the default);
@@ -120,13 +127,7 @@ class DiskTier:
 
     def _read(self, block_hash: bytes) -> np.ndarray | None:
         out = np.empty(self.block_nbytes, dtype=np.uint8)
-        t = time.perf_counter()
-        if not self.store.read_into(block_hash, out):
-            return None
-        took = time.perf_counter() - t
-        if took > 0:  # an average over reads, recent ones weighted most
-            self.read_gbps = 0.8 * self.read_gbps + 0.2 * (self.block_nbytes / took / 1e9)
-        return out
+        return out if self.store.read_into(block_hash, out) else None
 
     def wait(self, timeout: float = 0.05) -> None:
         """Blocks until the first held request's reads finish (at most `timeout`): an engine with
@@ -142,13 +143,16 @@ class DiskTier:
             if not all(f.done() for _, f in reads):
                 continue
             del self.holding[rid]
-            self._install(reads)
-            self.prefetch_seconds += time.monotonic() - t0
+            landed = self._install(reads)
+            took = time.monotonic() - t0
+            self.prefetch_seconds += took
             self.prefetches += 1
+            if landed and took > 0:  # hold() to ready(), reads and installs: recent requests weigh most
+                self.read_gbps = 0.5 * self.read_gbps + 0.5 * landed * self.block_nbytes / took / 1e9
             out.append(request)
         return out
 
-    def _install(self, reads: list[tuple[bytes, Future]]) -> None:
+    def _install(self, reads: list[tuple[bytes, Future]]) -> int:
         landed = 0
         for h, f in reads:
             data = f.result()
@@ -160,6 +164,7 @@ class DiskTier:
                 self._slot_bytes(slot)[:] = data
             landed += 1
         self.hit_tokens += landed * self.block_size
+        return landed
 
     # ---- the tier as a whole ------------------------------------------------------------------
     def close(self) -> None:

@@ -188,6 +188,7 @@ def test_blocks_go_down_to_disk_and_back_with_the_same_tokens_and_survive_a_rest
         llm.engine.kv.check_all_free()
     with tiered(model, str(tmp_path), kv_cache_dtype=kv_cache_dtype) as llm:  # a restart finds the disk tier
         assert llm.engine.stats()["kv_disk_blocks"] > 0
+        llm.generate([list(range(3000, 3100))], PARAMS)  # a prefill measured: the disk is weighed against it
         out = llm.generate([PROMPTS[7]], PARAMS)[0]
         assert out.outputs[0].token_ids == want[7] and out.num_cached_tokens == 64
         assert llm.engine.stats()["prefix_cache_disk_hits"] == 64
@@ -195,7 +196,8 @@ def test_blocks_go_down_to_disk_and_back_with_the_same_tokens_and_survive_a_rest
 
 def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_path):
     """Once the step model predicts recomputing the prefix faster than reading it at the measured
-    bandwidth, the request is scheduled at once and recomputes (same tokens)."""
+    bandwidth, the request is scheduled at once and recomputes (same tokens); before the engine
+    has measured any prefill, it recomputes too (a disk of unknown worth is not waited on)."""
     model = tiny_models["llama"]
     with LLM(model, max_model_len=256) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -203,12 +205,16 @@ def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_pat
         assert churn(llm, PROMPTS[0]) == want[0]
         for p in PROMPTS[1:4]:  # steps enough for the step model's fit
             llm.generate([list(range(2000 + p[-1], 2100 + p[-1]))], PARAMS)
-        assert llm.engine.step_model.coef is not None
+        assert llm.engine.step_model.prefill_tok_s > 0
         llm.engine.disk.read_gbps = 1e-9  # a disk that would take ages
         before = llm.engine.stats()["prefix_cache_disk_hits"]
         assert churn(llm, PROMPTS[4]) == want[4]
         s = llm.engine.stats()
         assert s["prefix_cache_disk_hits"] == before and s["kv_disk_skipped_tokens"] >= 64, s
+    with tiered(model, str(tmp_path)) as llm:  # restarted: no prefill measured yet
+        assert llm.generate([PROMPTS[4]], PARAMS)[0].outputs[0].token_ids == want[4]
+        s = llm.engine.stats()
+        assert s["prefix_cache_disk_hits"] == 0 and s["kv_disk_skipped_tokens"] >= 64, s
 
 
 def test_the_disk_tier_needs_the_host_tier_and_one_rank(tiny_models, tmp_path):
