@@ -570,6 +570,8 @@ def mla() -> dict:
 def kv_tiers() -> dict:
     """The disk tier and peer fetch on the Mooncake trace (bench/results/kv_tiers/, CPU)."""
     res = load("kv_tiers", "tier_sim_disk.json")
+    gpu = load("kv_tiers", "kv_tiers_llama3-8b.json")
+    a, b = (next(r for r in gpu["rows"] if r["tokens"] == n) for n in (4096, 16000))
     rows = res["rows"]
     disk = next(r for r in rows if r["disk_tokens"] and not r["peer"] and r["routing"] == "tiers")
     ceiling = next(r for r in rows if r["host_tokens"] >= 10**9 and r["routing"] == "tiers")
@@ -582,6 +584,20 @@ def kv_tiers() -> dict:
                         f"(400 GB + 4 TB at Llama-3-8B's 128 KiB per token), tier-aware routing: GPU "
                         f"{disk['gpu_hit_rate']:.1%}, host {disk['host_hit_rate']:.1%}, disk "
                         f"{disk['disk_hit_rate']:.1%}; the ceiling is kv_cache_share_ceiling"},
+        "kv_disk_decided_ttft_over_recompute_16k": {
+            "value": round(b["disk_s"] / b["recompute_s"], 2), "command": gpu["command"] + "  # one H200",
+            "device": "one H200",
+            "workload": f"TTFT of a 16,000-token prompt whose prefix is on the disk tier, as the engine decides "
+                        f"(the disk read {gpu['disk_read_gbps']:.2f} GB/s: recompute predicted faster, so recomputed), "
+                        f"over recomputing: {b['disk_s'] * 1e3:.0f} / {b['recompute_s'] * 1e3:.0f} ms; read regardless "
+                        f"{b['disk_forced_s'] * 1e3:.0f} ms, host tier {b['host_s'] * 1e3:.0f} ms, GPU hit "
+                        f"{b['gpu_s'] * 1e3:.0f} ms (Llama-3-8B's shape)"},
+        "kv_host_ttft_over_recompute_16k": {
+            "value": round(b["host_s"] / b["recompute_s"], 2), "command": gpu["command"] + "  # one H200",
+            "device": "one H200",
+            "workload": f"TTFT of a 16,000-token prompt whose prefix is in the host tier over recomputing it: "
+                        f"{b['host_s'] * 1e3:.0f} / {b['recompute_s'] * 1e3:.0f} ms (4,096 tokens: "
+                        f"{a['host_s'] * 1e3:.0f} / {a['recompute_s'] * 1e3:.0f} ms; Llama-3-8B's shape)"},
         "kv_cache_share_ceiling": {
             "value": round(ceiling["hit_rate"], 3), "command": res["command"], "device": "CPU (a simulation)",
             "workload": f"{work}, an unbounded host tier, tier-aware routing: all the reuse the trace has"},
