@@ -109,6 +109,18 @@ def test_fused_ops_flag_defaults_to_the_engine(default_model_dir):
     assert EngineConfig(device="cpu", attention_backend="triton").resolve(default_model_dir).fused_ops is False
 
 
+def test_the_disk_tier_flags_reach_the_engine_and_a_bad_pair_is_refused(default_model_dir):
+    from pdserve.cli import build_parser
+    from pdserve.cli_common import engine_kwargs
+    from pdserve.engine.config import EngineConfig
+
+    kw = engine_kwargs(build_parser().parse_args(["serve", "--kv-offloading-size", "1", "--kv-disk-dir", "/d",
+                                                  "--kv-disk-size", "2.5"]))
+    assert (kw["kv_offloading_size"], kw["kv_disk_dir"], kw["kv_disk_size"]) == (1.0, "/d", 2.5)
+    with pytest.raises(ValueError, match="set kv_offloading_size"):
+        EngineConfig(device="cpu", kv_disk_dir="/d", kv_disk_size=1.0).resolve(default_model_dir)
+
+
 def pdserve(*args, env=None):
     import os
 

@@ -99,6 +99,33 @@ def test_a_graceful_restart_with_the_persisted_tier_answers_the_same(tiny_models
         c.shutdown()
 
 
+def test_a_cluster_restart_finds_the_disk_tier(tiny_models, tmp_path):
+    """--kv-disk-dir in a real cluster: a prompt served, the cluster stopped (the worker's host tier
+    goes to disk at close), started again with a worker of its own: once it has measured a
+    prefill, the prompt's prefix comes back from the disk tier with the same tokens."""
+    model = tiny_models["llama"]
+    prompt = list(range(100, 200))  # 6 full blocks
+    with LLM(model, max_model_len=256) as llm:
+        want = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    kw = dict(max_model_len=256, kv_offloading_size=0.001, kv_disk_dir=str(tmp_path), kv_disk_size=0.01,
+              mode="colocated", decode=1)
+    c = Cluster.start(model, **kw)
+    try:
+        assert c.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    finally:
+        c.shutdown()
+    c = Cluster.start(model, **kw)
+    try:
+        assert c.status()[0]["kv_disk_blocks"] >= 6
+        c.generate([list(range(3000, 3100))], GREEDY)  # a prefill measured: the disk is weighed against it
+        out = c.generate([prompt], GREEDY)[0]
+        (row,) = c.status()
+        assert out.outputs[0].token_ids == want and out.num_cached_tokens == 96
+        assert row["prefix_cache_disk_hits"] == 96 and row["kv_disk_refused_blocks"] == 0, row
+    finally:
+        c.shutdown()
+
+
 def slow_reply():
     """A real worker whose prefill() reply stays on the way for 30 s after its KV was sent:
     the window in which a prefill worker can die after the decode worker has what it needs.
