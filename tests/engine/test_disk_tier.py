@@ -164,20 +164,27 @@ def churn(llm: LLM, prompt: list[int]) -> list[int]:
     return llm.generate([prompt], PARAMS)[0].outputs[0].token_ids
 
 
+def alone(model: str, **kw) -> list[list[int]]:
+    """Each prompt's tokens from an unbounded cache, one request at a time (float32), as the
+    tiered engine runs them (a tiny random model's near-flat logits follow any rounding)."""
+    with LLM(model, max_model_len=256, dtype="float32", **kw) as llm:
+        return [llm.generate([p], PARAMS)[0].outputs[0].token_ids for p in PROMPTS]
+
+
 def tiered(model: str, disk: str, **kw) -> LLM:
-    """An engine with a 12-block GPU cache, a host tier of 4 blocks and the disk tier in `disk`."""
-    with LLM(model, max_model_len=256, num_gpu_blocks_override=12, **kw) as probe:
+    """An engine with a 12-block GPU cache, a host tier of 4 blocks and the disk tier in `disk`
+    (float32 on a GPU too: a prefix hit changes the tail's GEMM shapes, and bf16 rounds them apart)."""
+    kw = dict(max_model_len=256, num_gpu_blocks_override=12, dtype="float32", **kw)
+    with LLM(model, **kw) as probe:
         block = probe.engine.runner.layout.block_bytes
-    return LLM(model, max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=4.5 * block / (1 << 30),
-               kv_disk_dir=disk, kv_disk_size=0.01, **kw)
+    return LLM(model, kv_offloading_size=4.5 * block / (1 << 30), kv_disk_dir=disk, kv_disk_size=0.01, **kw)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_blocks_go_down_to_disk_and_back_with_the_same_tokens_and_survive_a_restart(tiny_models, tmp_path,
                                                                                   kv_cache_dtype):
     model = tiny_models["llama"]
-    with LLM(model, max_model_len=256, kv_cache_dtype=kv_cache_dtype) as llm:  # an unbounded cache
-        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    want = alone(model, kv_cache_dtype=kv_cache_dtype)
     with tiered(model, str(tmp_path), kv_cache_dtype=kv_cache_dtype) as llm:
         assert [churn(llm, p) for p in PROMPTS[:3]] == want[:3]
         s = llm.engine.stats()
@@ -199,8 +206,7 @@ def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_pat
     bandwidth, the request is scheduled at once and recomputes (same tokens); before the engine
     has measured any prefill, it recomputes too (a disk of unknown worth is not waited on)."""
     model = tiny_models["llama"]
-    with LLM(model, max_model_len=256) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    want = alone(model)
     with tiered(model, str(tmp_path)) as llm:
         assert churn(llm, PROMPTS[0]) == want[0]
         for p in PROMPTS[1:4]:  # steps enough for the step model's fit
