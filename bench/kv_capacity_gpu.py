@@ -118,33 +118,34 @@ def host_tier(model: str, cuda: bool, gpu_budget: int, host_gib: float, n: int, 
             "ttft_p50_s": xs[len(xs) // 2], "ttft_p90_s": xs[int(len(xs) * 0.9)], "wall_s": time.monotonic() - t0}
 
 
+def ttft(eng: LLMEngine, prompt: list[int], cuda: bool) -> float:
+    """Seconds to the first token of one request alone (max_tokens 1), stepping the engine."""
+    t = time.perf_counter()
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    while eng.has_unfinished_requests():
+        eng.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
 def restart(model: str, cuda: bool, host_gib: float) -> dict:
     prefix = list(range(1000, 7000))
-    params = SamplingParams(temperature=0, max_tokens=1)
-
-    def ttft(eng: LLMEngine, prompt: list[int]) -> float:
-        t = time.perf_counter()
-        eng.add_request(prompt, params)
-        while eng.has_unfinished_requests():
-            eng.step()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
 
     with tempfile.TemporaryDirectory() as d:
         kw = dict(kv_cache_memory_bytes=2 << 30, kv_offloading_size=host_gib, kv_persist_dir=d, enforce_eager=True)
         eng = engine(model, cuda, **kw)
-        ttft(eng, list(range(5, 300)))  # warm-up (kernels, allocator)
-        cold = ttft(eng, prefix + [1, 2, 3])
-        gpu_hit = ttft(eng, prefix + [7, 8, 9])  # the prefix still on the GPU: no load-back
+        ttft(eng, list(range(5, 300)), cuda)  # warm-up (kernels, allocator)
+        cold = ttft(eng, prefix + [1, 2, 3], cuda)
+        gpu_hit = ttft(eng, prefix + [7, 8, 9], cuda)  # the prefix still on the GPU: no load-back
         eng.close()  # writes the tier
         size = os.path.getsize(os.path.join(d, "kv_host_tier.pt"))
         t = time.perf_counter()
         eng = engine(model, cuda, **kw)
         start_s = time.perf_counter() - t
         status = eng.persist_status
-        ttft(eng, list(range(5, 300)))
-        warm = ttft(eng, prefix + [4, 5, 6])
+        ttft(eng, list(range(5, 300)), cuda)
+        warm = ttft(eng, prefix + [4, 5, 6], cuda)
         hits = eng.stats()["prefix_cache_host_hits"]
         eng.close()
     return {"prompt_tokens": len(prefix) + 3, "ttft_cold_s": cold, "ttft_after_restart_s": warm,

@@ -26,23 +26,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kv_capacity_gpu import ttft  # noqa: E402
 from serving_gpu import build_model  # noqa: E402
 
-from pdserve import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-
-PARAMS = SamplingParams(temperature=0, max_tokens=1)
-
-
-def ttft(eng: LLMEngine, prompt: list[int], cuda: bool) -> float:
-    t = time.perf_counter()
-    eng.add_request(prompt, PARAMS)
-    while eng.has_unfinished_requests():
-        eng.step()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def drop_page_cache(root: str) -> int:
