@@ -75,19 +75,28 @@ def test_a_worker_whose_engine_thread_died_refuses_calls_and_is_replaced(tiny_mo
         c.shutdown()
 
 
+RESTART_PROMPT = list(range(100, 200))  # 6 full blocks
+
+
+def served_and_stopped(model: str, kw: dict) -> list[int]:
+    """RESTART_PROMPT's greedy tokens from a plain engine, after a cluster built with `kw` has
+    answered them too and been shut down (its tiers written as a graceful stop writes them)."""
+    with LLM(model, max_model_len=256) as llm:
+        want = llm.generate([RESTART_PROMPT], GREEDY)[0].outputs[0].token_ids
+    c = Cluster.start(model, **kw)
+    try:
+        assert c.generate([RESTART_PROMPT], GREEDY)[0].outputs[0].token_ids == want
+    finally:
+        c.shutdown()
+    return want
+
+
 def test_a_graceful_restart_with_the_persisted_tier_answers_the_same(tiny_models, tmp_path):
     """Serve a prompt, stop the cluster at once (its blocks were freed by the last step, their
     copies to the host tier only queued), start it again: the same tokens, from the tier."""
-    model = tiny_models["llama"]
-    prompt = list(range(100, 200))  # 6 full blocks
-    with LLM(model, max_model_len=256) as llm:
-        want = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    model, prompt = tiny_models["llama"], RESTART_PROMPT
     kw = dict(max_model_len=256, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path), mode="colocated", decode=1)
-    c = Cluster.start(model, **kw)
-    try:
-        assert c.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
-    finally:
-        c.shutdown()
+    want = served_and_stopped(model, kw)
     c = Cluster.start(model, **kw)
     try:
         (row,) = c.status()
@@ -103,17 +112,10 @@ def test_a_cluster_restart_finds_the_disk_tier(tiny_models, tmp_path):
     """--kv-disk-dir in a real cluster: a prompt served, the cluster stopped (the worker's host tier
     goes to disk at close), started again with a worker of its own: once it has measured a
     prefill, the prompt's prefix comes back from the disk tier with the same tokens."""
-    model = tiny_models["llama"]
-    prompt = list(range(100, 200))  # 6 full blocks
-    with LLM(model, max_model_len=256) as llm:
-        want = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    model, prompt = tiny_models["llama"], RESTART_PROMPT
     kw = dict(max_model_len=256, kv_offloading_size=0.001, kv_disk_dir=str(tmp_path), kv_disk_size=0.01,
               mode="colocated", decode=1)
-    c = Cluster.start(model, **kw)
-    try:
-        assert c.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
-    finally:
-        c.shutdown()
+    want = served_and_stopped(model, kw)
     c = Cluster.start(model, **kw)
     try:
         assert c.status()[0]["kv_disk_blocks"] >= 6
