@@ -33,3 +33,8 @@ class Attempt:
         self.placement: Placement | None = None
         self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
         self.charges = Charges(params.priority)
+
+    @property
+    def fetch(self):
+        """The placement's peer fetch (a transfer.fetch.FetchPlan) for the worker that prefills, or None."""
+        return self.placement.fetch if self.placement is not None else None

@@ -110,8 +110,8 @@ class Dispatcher:
     async def _disaggregated(self, a: Attempt, p: WorkerRecord, d: WorkerRecord) -> None:
         p.load += 1
         d.load += 1
-        prefill = asyncio.ensure_future(self._await_prefill(p, p.actor.prefill.remote(a.wire_id, a.ids, a.params,
-                                                                                        d.worker_id), a.rid))
+        call = p.actor.prefill.remote(a.wire_id, a.ids, a.params, d.worker_id, a.fetch)
+        prefill = asyncio.ensure_future(self._await_prefill(p, call, a.rid))
         relay = asyncio.ensure_future(self._relay(a, d, p))
         try:
             done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
@@ -169,6 +169,7 @@ class Dispatcher:
         if isinstance(res, HandoffResult):
             self._late_spans(rid, res.spans)
             if res.ok:
+                self.placer.observe_link(res.nbytes, res.seconds)
                 for o in self.observers:
                     o.on_handoff(res)
             else:
@@ -206,7 +207,8 @@ class Dispatcher:
     async def _prefill_only(self, a: Attempt, p: WorkerRecord) -> None:
         p.load += 1
         try:
-            out = await self._await_prefill(p, p.actor.prefill.remote(a.wire_id, a.ids, a.params, None))
+            out = await self._await_prefill(p, p.actor.prefill.remote(a.wire_id, a.ids, a.params, None,
+                                                                      a.fetch))
             self._finish(a, out, p, None)
         except asyncio.CancelledError:
             p.actor.abort.remote(a.wire_id)
@@ -216,7 +218,8 @@ class Dispatcher:
 
     async def _relay(self, a: Attempt, d: WorkerRecord, p: WorkerRecord | None) -> None:
         """Passes the worker's outputs to the attempt's sink until the last output."""
-        args = (a.wire_id, a.ids, a.params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else ()))
+        args = (a.wire_id, a.ids, a.params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else
+                                              (None, 1, a.fetch)))
         how = "pipe" if self.pipe is not None and self.pipe.connected(d.worker_id) else "ray"
         self.counters["outputs"][how] += 1
         if how == "pipe":

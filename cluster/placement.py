@@ -24,13 +24,24 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from pdserve.engine.exec.kv_cache import KVLayout
+from pdserve.transfer.base import LayoutMismatch, check_layouts
+from pdserve.transfer.fetch import FetchPlan
+
 from .api import NoWorker
 from .pools import Pools, WorkerRecord
-from .routing import pick_decode, pick_prefill, place_prompt
+from .routing import pick_decode, pick_prefill, place_prompt, plan_fetch
 
 FLOOR_S = 0.05  # added to both sides of observed / predicted: a few ms of overhead is no error
 ERROR_BOUNDS = (0.05, 1000.0)
 HALF_LIFE_S = 30.0  # an error not observed again fades toward 1: a worker placement stopped using gets retried
+LINK_GBPS_START = 1.0  # a KV link's bandwidth before any handoff measured it (gloo on loopback; NVLink is 100x)
+
+
+def block_bytes(layout: dict) -> int:
+    """A whole block's bytes (every rank's heads) from a worker's wire layout (transfer/base.wire_layout)."""
+    fields = ("block_size", "num_layers", "head_dim", "dtype", "scale_bytes", "parts")
+    return KVLayout(num_kv_heads=layout["kv_heads_total"], **{k: layout[k] for k in fields if k in layout}).block_bytes
 
 
 @dataclass
@@ -43,6 +54,11 @@ class Placement:
     prefill: WorkerRecord | None = None
     explain: dict | None = None
     predicted: tuple[str, float | None] | None = None
+    fetch: FetchPlan | None = None  # the worker that prefills fetches the prompt's prefix from a peer first
+
+    @property
+    def prefills_on(self) -> WorkerRecord:
+        return self.decode if self.prefill is None else self.prefill
 
     @property
     def local(self) -> bool:
@@ -77,6 +93,7 @@ class Placer:
                  local_cached_fraction: float = 2.0, routing_counts: dict | None = None):
         self.pools, self.registry, self.block_size = pools, registry, block_size
         self.handoff_s = 0.02  # EWMA of the kv_to_first_token phase: hybrid placement's handoff cost
+        self.link_gbps = LINK_GBPS_START  # EWMA of handoffs' bytes / seconds: a peer fetch's predicted speed
         # conditional disaggregation: prompts up to this many tokens, or with at least this
         # fraction of their blocks cached on a decode worker, prefill on that decode worker
         # (defaults: off; values above 1 turn the cached rule off)
@@ -92,6 +109,37 @@ class Placer:
         return self.pools.serving.slo
 
     async def plan(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
+        placed = await self._place(hashes, ids, charges)
+        if hashes and ids and placed.prefills_on.info.get("layout"):
+            await self._plan_fetch(placed, hashes)
+        return placed
+
+    async def _plan_fetch(self, placed: Placement, hashes: list[str]) -> None:
+        """A peer fetch for the worker that prefills, when a peer's GPU holds more of the prompt
+        and fetching it is predicted faster (routing.plan_fetch); its decision goes into the
+        timeline's `placement` entry."""
+        runs = await self.registry.runs(hashes)
+        w = placed.prefills_on
+        if not runs or max(g for g, _ in runs.values()) <= runs.get(w.worker_id, (0, 0))[1]:
+            return
+        d = plan_fetch(w.worker_id, runs, {h for h in runs if h in self.pools.workers and self._same_kv(w, h)},
+                       self.block_size, block_bytes(w.info["layout"]), self.link_gbps, w.stats.get("prefill_tok_s"))
+        if d is None:
+            return
+        placed.fetch = FetchPlan(d.holder, d.blocks, self.pools.workers[d.holder].info.get("tp", 1))
+        placed.explain = {**(placed.explain or {}), "fetch": {"holder": d.holder, "blocks": d.blocks,
+                                                             "fetch_s": round(d.fetch_s, 4),
+                                                             "recompute_s": round(d.recompute_s, 4)}}
+        self.count("peer_fetch")
+
+    def _same_kv(self, w: WorkerRecord, other: str) -> bool:
+        try:
+            check_layouts(w.info["layout"], self.pools.workers[other].info.get("layout") or {}, other)
+            return True
+        except LayoutMismatch:
+            return False
+
+    async def _place(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
         try:
             if self.pools.mode == "colocated":
                 w = await self._pick_prefill(hashes, ids, "decode")
@@ -173,6 +221,11 @@ class Placer:
 
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = 0.9 * self.handoff_s + 0.1 * seconds
+
+    def observe_link(self, nbytes: int, seconds: float | None) -> None:
+        """A handoff moved `nbytes` in `seconds` (queueing included: a conservative bandwidth)."""
+        if nbytes >= 1 << 20 and seconds:
+            self.link_gbps = 0.8 * self.link_gbps + 0.2 * nbytes / seconds / 1e9
 
     async def _pick_prefill(self, hashes: list[str], ids: list[int], role: str) -> WorkerRecord:
         """The worker to run this prompt's prefill: of the prefill pool, or (colocated mode)

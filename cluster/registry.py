@@ -131,6 +131,19 @@ class BlockRegistry:
                 best, best_score, depth = w, score, n
         return best, depth
 
+    def runs(self, hashes: list[str]) -> dict[str, tuple[int, int]]:
+        """For each worker holding the first of these chained hashes: (how many from the first it
+        holds on its GPU, how many in any tier), what a peer fetch is planned from."""
+        self.purge_stale()
+        out = {}
+        for w in self.workers:
+            gpu, host = self.blocks.get(w, set()), self.host_blocks.get(w, set())
+            g = next((i for i, h in enumerate(hashes) if h not in gpu), len(hashes))
+            t = next((i for i, h in enumerate(hashes) if h not in gpu and h not in host), len(hashes))
+            if t:
+                out[w] = (g, t)
+        return out
+
     def tiers_of(self, worker_id: str, hashes: list[str]) -> list[str]:
         """Where `worker_id` holds each hash: "gpu", "host" or "" (tests, `pdserve status`)."""
         gpu, host = self.blocks.get(worker_id, set()), self.host_blocks.get(worker_id, set())
@@ -200,6 +213,13 @@ class RegistryLink:
             return None, 0
         res = await self._call(self.actor.longest_prefix.remote(hashes, role), self.call_timeout_s)
         return (None, 0) if res is None else tuple(res)
+
+    async def runs(self, hashes: list[str]) -> dict[str, tuple[int, int]]:
+        """The registry's runs of these hashes per worker (BlockRegistry.runs); {} while it is away."""
+        if not hashes or not self.up:
+            return {}
+        res = await self._call(self.actor.runs.remote(hashes), self.call_timeout_s)
+        return res or {}
 
     async def unregister(self, worker_id: str) -> None:
         if self.up:

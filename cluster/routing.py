@@ -4,6 +4,8 @@
     pick_decode    the decode worker: free KV capacity and load
     place_prompt   hybrid mode: prefill this prompt on the prefill pool or on a decode
                    worker, from predicted TTFTs (see its docstring)
+    plan_fetch     the worker placed to prefill a prompt lacks a prefix a peer's GPU holds:
+                   fetch it (transfer/fetch.py) when that is predicted faster than recomputing
 """
 
 from __future__ import annotations
@@ -145,3 +147,31 @@ def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo
     if ttft_pool > spill_at * slo_ttft_s and best_t < ttft_pool:
         return PromptPlacement(True, "decode_spare", best.worker_id, ttft_pool, best_t)
     return PromptPlacement(False, "prefill_pool", recv, ttft_pool, best_t)
+
+
+FETCH_FIXED_S = 0.005  # a fetch's cost beside its bytes: the ask, actor to actor, and the pair's order
+
+
+@dataclass
+class FetchDecision:
+    holder: str
+    blocks: int  # the prompt's leading blocks the holder's GPU has (the placed worker fetches those it lacks)
+    fetch_s: float  # predicted: FETCH_FIXED_S + the missing blocks' bytes over the link
+    recompute_s: float  # predicted: their tokens at the placed worker's prefill rate
+
+
+def plan_fetch(placed: str, runs: dict[str, tuple[int, int]], holders: set[str], block_size: int,
+               block_bytes: int, link_gbps: float, rate: float | None) -> FetchDecision | None:
+    """`runs`: per worker, (leading blocks of the prompt on its GPU, in any of its tiers) (the
+    registry's). The holder with the longest GPU run among `holders` (workers whose KV layout
+    matches the placed worker's), if it passes the placed worker's own run in any tier and the
+    missing blocks' bytes over the link (`link_gbps`, measured) come sooner than their tokens at
+    its prefill `rate`; an unmeasured rate is no fetch (nothing to weigh it against)."""
+    own = runs.get(placed, (0, 0))[1]
+    best = max(((runs[w][0], w) for w in sorted(runs) if w in holders and w != placed and runs[w][0] > own),
+               key=lambda x: x[0], default=None)  # ties: the smaller worker id
+    if best is None or not rate or rate <= 0:
+        return None
+    n = best[0] - own
+    d = FetchDecision(best[1], best[0], FETCH_FIXED_S + n * block_bytes / (link_gbps * 1e9), n * block_size / rate)
+    return d if d.fetch_s < d.recompute_s else None

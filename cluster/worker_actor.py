@@ -40,15 +40,17 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.exec.tp import TPError
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.role import Emitted, Failed, Reserved, Sent
+from pdserve.engine.role import Emitted, Failed, Fetching, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector
+from pdserve.transfer.fetch import FetchPlan, PeerFetches
 from pdserve.transfer.tp import TPConnector
 
 from .outlets import Outlets
 from .output_pipe import PipeSender
+from .peer_calls import PeerCalls
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RayShards
@@ -100,6 +102,7 @@ class WorkerActor:
         # rank to rank handoffs with workers of any TP (transfer/tp.py); one route at TP 1 <-> 1
         self.connector = TPConnector(local, self.engine.shards.links() if self.engine.shards else [], kv_heads)
         self.handoff_timeout_s = handoff.timeout_s
+        self.fetches = PeerFetches(self.engine, self.connector)  # prefixes fetched from peers, served to them
         self.role = self._make_role(role)
         self.membership = Membership(worker_id, namespace)
         self.inbox: collections.deque = collections.deque()
@@ -108,7 +111,7 @@ class WorkerActor:
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.outlets = Outlets(PipeSender(output_pipe, worker_id) if output_pipe else None)
         self.done = self.outlets.done  # prefill()'s futures
-        self.peers: dict[str, object] = {}  # prefill actors this decode worker sends targets to
+        self.peers = PeerCalls(worker_id, namespace)  # targets to prefill workers, fetches from holders
         self.thread: threading.Thread | None = None
         # a request's grammar compiles here before the engine thread sees the request (_compiled())
         self.compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -117,7 +120,7 @@ class WorkerActor:
 
     def _make_role(self, role: str):
         self.engine.hold_blocks_on_finish = False  # the prefill role sets it
-        return ROLE_CLASSES[role](self.engine, self.connector, self.handoff_timeout_s)
+        return ROLE_CLASSES[role](self.engine, self.connector, self.handoff_timeout_s, self.fetches)
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -181,7 +184,8 @@ class WorkerActor:
                  held_for_handoff=len(self.engine.held),
                  waiting_for_kv=len(getattr(self.role, "receiving", ())) + len(getattr(self.role, "backlog", ())),
                  request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks,
-                 kv_links=self.connector.local.links())  # each KV pair's link and why (transfer/pull.py)
+                 kv_links=self.connector.local.links(),  # each KV pair's link and why (transfer/pull.py)
+                 **self.fetches.stats())
         s["num_deferred"] = s["waiting_for_kv"] + len(self.compile_aborted)  # waiting on KV or a grammar
         return s
 
@@ -191,14 +195,15 @@ class WorkerActor:
 
     # ---- requests ---------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      decode_id: str | None):
+                      decode_id: str | None, fetch: FetchPlan | None = None):
         """Prefill role. With a decode peer: the handoff's result dict once the KV is sent
-        (or the final output if the request ended here otherwise); without: the output."""
+        (or the final output if the request ended here otherwise); without: the output.
+        `fetch`: the prompt's prefix is fetched from that peer first (transfer/fetch.py)."""
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
         self.done[request_id] = fut
         if await self._compiled(request_id, params):
-            self._post(Add(request_id, prompt_token_ids, params, decode_id))
+            self._post(Add(request_id, prompt_token_ids, params, decode_id, fetch))
         return await fut  # aborted while compiling: the abort resolves it
 
     async def target(self, request_id: str, target: HandoffTarget) -> None:
@@ -208,34 +213,35 @@ class WorkerActor:
         self.wake.set()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prefill_id: str | None = None, prefill_tp: int = 1):
+                       prefill_id: str | None = None, prefill_tp: int = 1, fetch: FetchPlan | None = None):
         """Decode role: a stream of delta outputs. With `prefill_id` (of tensor-parallel
         size `prefill_tp`) the KV and the first token come from that prefill worker;
         without, the prompt is prefilled here."""
         self._check_alive()
         q = self.outlets.open_stream(request_id)
         try:
-            await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp)
+            await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch)
             async for out in self.outlets.stream(q):
                 yield out
         finally:
             self.outlets.streams.pop(request_id, None)
 
     async def generate_piped(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                             prefill_id: str | None = None, prefill_tp: int = 1) -> bool:
+                             prefill_id: str | None = None, prefill_tp: int = 1,
+                             fetch: FetchPlan | None = None) -> bool:
         """generate() with its outputs over the output pipe: True once the last is on it, False
         if the request was aborted here; raises the request's error (ConnectionError: no pipe)."""
         self._check_alive()
         fut = self.outlets.open_piped(request_id)
-        await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp)
+        await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch)
         return await self.outlets.piped_end(request_id, fut)
 
     async def _decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prefill_id: str | None, prefill_tp: int) -> None:
+                      prefill_id: str | None, prefill_tp: int, fetch: FetchPlan | None) -> None:
         if prefill_id is not None:
             self.connector.peer_tp[prefill_id] = prefill_tp
         if await self._compiled(request_id, params):  # aborted while compiling: the abort ends the request
-            self._post(Add(request_id, prompt_token_ids, params, prefill_id))
+            self._post(Add(request_id, prompt_token_ids, params, prefill_id, fetch))
 
     async def _compiled(self, request_id: str, params: SamplingParams) -> bool:
         """Compiles the request's grammar on this worker's compile thread (the engine thread
@@ -249,6 +255,15 @@ class WorkerActor:
         finally:
             aborted = self.compile_aborted.pop(request_id)
         return not aborted
+
+    async def serve_fetch(self, fetch_id: str, hashes: list[str], target: HandoffTarget) -> bool:
+        """A peer fetch from this worker (transfer/fetch.py): sends the GPU blocks of `hashes` to
+        `target`, on the engine thread between steps; False if it no longer caches them all."""
+        self._check_alive()
+        done = asyncio.get_running_loop().create_future()
+        self._post(lambda: self.aloop.call_soon_threadsafe(done.set_result, self.fetches.serve(fetch_id, hashes,
+                                                                                               target)))
+        return await done
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.compile_aborted:
@@ -270,7 +285,7 @@ class WorkerActor:
         self._post(lambda: self.engine.retune(slo_tpot_s, self.engine.scheduler.max_num_batched_tokens))
 
     async def forget_peer(self, worker_id: str) -> None:
-        self.peers.pop(worker_id, None)
+        self.peers.forget(worker_id)
         self._post(ForgetPeer(worker_id))
 
     # ---- the engine thread -> the actor's event loop ---------------------------------------------
@@ -330,7 +345,7 @@ class WorkerActor:
     def _handle(self, cmd) -> None:
         try:
             if isinstance(cmd, Add):
-                self.role.add(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.peer)
+                self.role.add(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.peer, cmd.fetch)
             elif isinstance(cmd, Abort):
                 self.role.abort(cmd.request_id)
                 self._deliver(cmd.request_id, error=Aborted(f"request {cmd.request_id} aborted"))
@@ -348,7 +363,8 @@ class WorkerActor:
         try:
             if cmd.role not in ROLE_CLASSES:
                 raise ValueError(f"role must be prefill or decode, got {cmd.role!r}")
-            busy = self.role.num_inflight + len(self.engine.held) + self.engine.scheduler.num_unfinished
+            busy = self.role.num_inflight + len(self.engine.held) + self.engine.scheduler.num_unfinished + \
+                self.fetches.busy
             if busy:
                 raise RuntimeError(f"{self.worker_id} still holds {busy} request(s): drain it first")
             self.role = self._make_role(cmd.role)
@@ -366,18 +382,9 @@ class WorkerActor:
             self._deliver(ev.request_id, result=ev.result)
         elif isinstance(ev, Failed):
             self._deliver(ev.request_id, error=RuntimeError(ev.error))
-        elif isinstance(ev, Reserved):
-            self._tell_prefill(ev)
-
-    def _tell_prefill(self, ev: Reserved) -> None:
-        """Actor to actor: the prefill worker learns where to send (not via the cluster)."""
-        try:
-            actor = self.peers.get(ev.peer)
-            if actor is None:
-                actor = self.peers[ev.peer] = ray.get_actor(ev.peer, namespace=self.namespace)
-            actor.target.remote(ev.request_id, ev.target)
-        except Exception as e:  # noqa: BLE001 - the prefill worker is gone: fail the request here
-            log.warning("%s: prefill worker %s unreachable: %s", self.worker_id, ev.peer, e)
+        elif isinstance(ev, Fetching):
+            self.peers.fetch(ev, lambda fid, why: self._post(lambda: self.fetches.refused(fid, why)))
+        elif isinstance(ev, Reserved) and not self.peers.target(ev):  # the prefill worker is gone
             self.role.abort(ev.request_id)
             why = f"prefill worker {ev.peer} unreachable"
             self._deliver(ev.request_id, output=RequestOutput.error(ev.request_id, why))

@@ -1,7 +1,8 @@
 """The commands a worker actor's async methods post to its engine thread (worker_actor.py),
 named in one place: the engine thread takes them off `inbox` in order, between steps.
 
-    Add         a request, with its decode (prefill role) or prefill (decode role) peer
+    Add         a request, with its decode (prefill role) or prefill (decode role) peer, and
+                the peer to fetch its prefix from (a FetchPlan), if any
     Abort       stop a request wherever it is; its caller gets Aborted
     ForgetPeer  a peer worker is gone: drop its KV pair
     SwitchRole  become the other role on the same engine (drained first)
@@ -27,6 +28,7 @@ class Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     peer: str | None
+    fetch: object = None  # a transfer.fetch.FetchPlan: its prefix fetched from that peer first
 
 
 @dataclass

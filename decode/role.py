@@ -30,6 +30,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.transfer.base import HandoffMeta, KVConnector, TransferState
+from pdserve.transfer.fetch import FetchPlan, PeerFetches
 
 
 @dataclass
@@ -41,21 +42,24 @@ class _Incoming:
 
 
 class DecodeRole(Role):
-    def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0):
+    def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0,
+                 fetches: PeerFetches | None = None):
         self.engine = engine
         self.connector = connector
         self.handoff_timeout_s = handoff_timeout_s
+        self.fetches = fetches or PeerFetches(engine, connector)  # the worker's, shared by its roles
         self.backlog: collections.deque[_Incoming] = collections.deque()  # waiting for free blocks
         self.receiving: dict[str, _Incoming] = {}  # reserved, KV on its way
         self.local: dict[str, dict] = {}  # prefilled here, no first token yet: their spans
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            peer: str | None = None) -> None:
+            peer: str | None = None, fetch: FetchPlan | None = None) -> None:
         if request_id in self.receiving or any(i.request.request_id == request_id for i in self.backlog):
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.engine.make_request(prompt_token_ids, params, request_id)
         if peer is None:
-            self.engine.add_request(req)
+            if fetch is None or not self.fetches.start(req, fetch):  # else the engine gets it after
+                self.engine.add_request(req)
             self.local[request_id] = {"local_queued": time.time()}
             return
         req.status = RequestStatus.WAITING_FOR_KV
@@ -64,7 +68,7 @@ class DecodeRole(Role):
     def step(self) -> list[Event]:
         """Reservations and landed handoffs first; when there were any, their events go out
         before the next engine step (a first token should not wait for a decode step)."""
-        events = self._reserve() + self._landed()
+        events = self.fetches.events() + self._reserve() + self._landed()
         if not events and self.engine.has_unfinished_requests():
             events = [Emitted(out) for out in self.engine.step()]
             for ev in events if self.local else ():  # a local prompt's first token: its spans
@@ -105,7 +109,7 @@ class DecodeRole(Role):
 
     def _landed(self) -> list[Event]:
         events: list[Event] = []
-        for h in self.connector.poll():
+        for h in self.fetches.take(self.connector.poll()):
             inc = self.receiving.pop(h.request_id, None)
             if inc is None:
                 continue
@@ -130,6 +134,7 @@ class DecodeRole(Role):
 
     def abort(self, request_id: str) -> None:
         self.local.pop(request_id, None)
+        self.fetches.abort(request_id)
         self.backlog = collections.deque(i for i in self.backlog if i.request.request_id != request_id)
         inc = self.receiving.pop(request_id, None)
         if inc is not None:
@@ -139,7 +144,7 @@ class DecodeRole(Role):
 
     @property
     def num_inflight(self) -> int:
-        return len(self.backlog) + len(self.receiving) + len(self.engine.requests)
+        return len(self.backlog) + len(self.receiving) + len(self.engine.requests) + len(self.fetches.incoming)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()

@@ -1,7 +1,8 @@
 """The interface every role of the engine offers to the loop that drives it (the Ray
 worker actor, or a test): requests in, events out, one non-blocking step at a time.
 
-    add(request_id, prompt_token_ids, params, peer)   queue a request (validated first)
+    add(request_id, prompt_token_ids, params, peer, fetch)   queue a request (validated first);
+                  `fetch` (a transfer.fetch.FetchPlan): its prefix is fetched from a peer first
     step()        one engine step plus the handoffs' progress -> list of events
     abort(rid)    stop the request wherever it is; its blocks are freed
     num_inflight  requests this role still holds (a drain waits for 0)
@@ -15,6 +16,8 @@ Events (what the driver forwards; nothing else leaves a role):
     Sent(rid, result)           prefill: the request's handoff is over (a HandoffResult);
                                 its blocks are released
     Failed(rid, error)          the request could not go on here (error names why)
+    Fetching(fid, peer, hashes, target)  a peer fetch's receive is posted: the holder `peer`
+                                must learn the target (transfer/fetch.py)
 
 Roles: pdserve.prefill.role.PrefillRole, pdserve.decode.role.DecodeRole.
 """
@@ -38,6 +41,16 @@ class Reserved:
     request_id: str
     peer: str
     target: object  # pdserve.transfer.HandoffTarget (engine/ does not import transfer/)
+
+
+@dataclass
+class Fetching:
+    """A peer fetch's receive is posted (transfer/fetch.py): the holder `peer` must learn the
+    target and the run of block hashes (hex) to send under the fetch's id."""
+    request_id: str
+    peer: str
+    hashes: list[str]
+    target: object
 
 
 @dataclass(frozen=True)
@@ -70,16 +83,17 @@ class Failed:
     error: str
 
 
-Event = Emitted | Reserved | Sent | Failed
+Event = Emitted | Reserved | Sent | Failed | Fetching
 
 
 class Role(ABC):
     @abstractmethod
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            peer: str | None = None) -> None:
+            peer: str | None = None, fetch=None) -> None:
         """Queues a request. `peer`: the worker on the other side of its handoff (prefill:
         the decode worker to send to; decode: the prefill worker to receive from); None
-        for a request that stays on this worker. Raises ValueError on bad input."""
+        for a request that stays on this worker. `fetch`: a transfer.fetch.FetchPlan for a
+        request prefilled here, whose prefix a peer caches. Raises ValueError on bad input."""
 
     @abstractmethod
     def step(self) -> list[Event]:

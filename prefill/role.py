@@ -31,6 +31,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Event, Failed, HandoffResult, Role, Sent
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.transfer.base import HandoffMeta, HandoffTarget, KVConnector
+from pdserve.transfer.fetch import FetchPlan, PeerFetches
 
 
 @dataclasses.dataclass
@@ -46,10 +47,12 @@ class _Pending:
 
 
 class PrefillRole(Role):
-    def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0):
+    def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0,
+                 fetches: PeerFetches | None = None):
         self.engine = engine
         self.connector = connector
         self.handoff_timeout_s = handoff_timeout_s
+        self.fetches = fetches or PeerFetches(engine, connector)  # the worker's, shared by its roles
         engine.hold_blocks_on_finish = True
         self.pending: dict[str, _Pending] = {}
         self._failed: list[Event] = []  # sends that could not start (appended from either thread)
@@ -61,13 +64,15 @@ class PrefillRole(Role):
         self._lock = threading.Lock()
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            peer: str | None = None) -> None:
+            peer: str | None = None, fetch: FetchPlan | None = None) -> None:
         if request_id in self.pending:
             raise ValueError(f"request id {request_id!r} is already in use")
         # the first token only; min_tokens >= 1 still keeps EOS / stop ids out of it
         one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         try:
-            self.engine.add_request(self.engine.make_request(prompt_token_ids, one, request_id))
+            req = self.engine.make_request(prompt_token_ids, one, request_id)
+            if fetch is None or not self.fetches.start(req, fetch):  # else the engine gets it after
+                self.engine.add_request(req)
         except ValueError:
             with self._lock:
                 self.early.pop(request_id, None)
@@ -96,7 +101,7 @@ class PrefillRole(Role):
             self._send(request_id, p)
 
     def step(self) -> list[Event]:
-        events, self._failed = self._failed, []
+        events, self._failed = self._failed + self.fetches.events(), []
         if self.early:
             too_old = time.time() - self.handoff_timeout_s
             with self._lock:
@@ -128,7 +133,7 @@ class PrefillRole(Role):
                     go = p.target is not None
                 if go:
                     self._send(out.request_id, p)
-        for h in self.connector.poll():
+        for h in self.fetches.take(self.connector.poll()):
             p = self.pending.pop(h.request_id, None)
             self.engine.release(h.request_id)  # full blocks stay in the prefix cache at ref 0
             if p is None:
@@ -167,6 +172,7 @@ class PrefillRole(Role):
         with self._lock:
             self.pending.pop(request_id, None)
             self.early.pop(request_id, None)
+        self.fetches.abort(request_id)
         self.connector.abort(request_id)
         self.engine.abort_request(request_id)
         self.engine.release(request_id)

@@ -43,7 +43,9 @@ INTRA = {
         "serving_config": set(), "routing": {"api"}, "registry": set(), "api": set(), "local_ray": set(),
         "output_pipe": set(), "outlets": {"output_pipe", "worker_commands"},
         "autoscale": {"serving_config"}, "shard_actor": {"serving_config"}, "worker_commands": set(),
-        "worker_actor": {"outlets", "output_pipe", "registry", "serving_config", "shard_actor", "worker_commands"},
+        "peer_calls": set(),
+        "worker_actor": {"outlets", "output_pipe", "peer_calls", "registry", "serving_config", "shard_actor",
+                         "worker_commands"},
         "pools": {"autoscale", "routing", "serving_config", "worker_actor"},
         "placement": {"api", "pools", "routing"},
         "attempt": {"placement"},
@@ -65,7 +67,7 @@ INTRA = {
     },
     "transfer": {"base": set(), "shared": set(), "wire": {"base"}, "pull": {"base", "shared", "wire"},
                  "pair": {"base", "pull", "wire"}, "c10d": {"base", "pair", "wire"}, "loopback": {"base"},
-                 "tp": {"base"}, "__init__": {"base"}},
+                 "tp": {"base"}, "fetch": {"base"}, "__init__": {"base"}},
 }
 
 

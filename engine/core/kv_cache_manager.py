@@ -179,6 +179,43 @@ class KVCacheManager:
         """Sender: the request's prompt blocks after the receiver's `num_skip` leading hits."""
         return self.block_ids(request.request_id)[num_skip: cdiv(request.num_prompt_tokens, self.block_size)]
 
+    # ---- a peer fetch's accounting (transfer/fetch.py: holder and receiver) ---------------------
+    def local_run(self, hashes: list[BlockHash]) -> int:
+        """How many of `hashes`, from the first, this worker's tiers hold (GPU, then host)."""
+        n = 0
+        while n < len(hashes) and (self.pool.lookup(hashes[n]) is not None
+                                   or (self.host is not None and hashes[n] in self.host)):
+            n += 1
+        return n
+
+    def pin_run(self, hashes: list[BlockHash]) -> list[Block]:
+        """Holder: the GPU blocks of the run of `hashes` from the first, pinned (a reference
+        each) until `unpin`; it stops at the first hash not cached on this GPU."""
+        run = []
+        for h in hashes:
+            block = self.pool.lookup(h) if self.enable_caching else None
+            if block is None:
+                break
+            run.append(block)
+        self.pool.touch(run)
+        return run
+
+    def unpin(self, blocks: list[Block]) -> None:
+        self.pool.free(reversed(blocks))
+
+    def reserve_run(self, num_blocks: int) -> list[Block] | None:
+        """Receiver: fresh blocks for a fetched run (None if the pool cannot spare them now)."""
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        return self.pool.allocate(num_blocks)
+
+    def publish_run(self, blocks: list[Block], hashes: list[BlockHash] | None) -> None:
+        """Receiver: a fetch landed (`hashes`: each block's) or failed (None); either way the
+        blocks are released, the landed ones cached under their hashes (ref 0, most recent)."""
+        for block, h in zip(blocks, hashes or ()):
+            self.pool.cache_block(block, h)
+        self.pool.free(reversed(blocks))
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks

@@ -1,0 +1,173 @@
+"""Peer fetch: a prompt's prefix blocks copied from the worker whose GPU caches them, instead of
+recomputed (docs/design/peer_fetch.md).
+
+Placement decides (cluster/routing.plan_fetch: the run's bytes over the link's measured
+bandwidth against the placed worker's predicted recompute time) and hands the placed worker
+`FetchPlan(holder, blocks, holder_tp)`. One fetch's way, by side, over the pair's ordinary link
+(CUDA IPC / shared-memory pull, NCCL, gloo: the handoff's own machinery, transfer/base.py):
+
+    receiver  start(request, plan)   its run of hashes past its own hits (GPU or host), fresh
+                                     blocks for them, the receive posted; the request waits here,
+                                     outside the engine -> a Fetching event: the driver asks the
+                                     holder to send (actor to actor)
+    holder    serve(id, hashes, target)  pins the run on its GPU and sends it; False (refused) if
+                                     it no longer holds all of it
+    holder    take(): the send ended  the pins dropped
+    receiver  take(): the receive ended, or refused()
+                                     DONE: the blocks are cached under their hashes; FAILED: freed.
+                                     Either way the request goes to the engine (add_request), whose
+                                     prefix lookup finds what landed: a failed fetch costs time,
+                                     never an answer
+
+A fetch's handoff id is `<request id>/fetch` on both workers. `take()` keeps the fetches'
+handoffs from the role that polled the connector, so a role sees only its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.core.request import Request
+from pdserve.engine.role import Fetching
+
+from .base import Handoff, HandoffTarget, KVConnector, TransferState
+
+log = logging.getLogger(__name__)
+
+SUFFIX = "/fetch"
+TIMEOUT_S = 5.0  # a fetch is worth only what recomputing would take: never wait a handoff's 30 s
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """Placement's choice: fetch the prompt's first `blocks` blocks from `holder` (of TP `tp`)."""
+
+    holder: str
+    blocks: int
+    tp: int = 1
+
+
+@dataclass
+class _Incoming:
+    request: Request
+    blocks: list  # the engine's Block objects reserved for the run
+    hashes: list[bytes]
+    started: float = field(default_factory=time.monotonic)
+
+
+class PeerFetches:
+    """One per worker, beside its role: both the receiver's and the holder's side."""
+
+    def __init__(self, engine, connector: KVConnector, timeout_s: float = TIMEOUT_S):
+        self.engine, self.connector, self.timeout_s = engine, connector, timeout_s
+        self.incoming: dict[str, _Incoming] = {}  # fetch id -> what waits for it here
+        self.serving: dict[str, list] = {}  # fetch id -> the blocks pinned for its send
+        self.gone: set[str] = set()  # fetch ids aborted here: their handoff's end is swallowed
+        self.asks: list[Fetching] = []
+        self.hit_tokens = 0  # prompt tokens whose KV came from a peer
+        self.fetched_bytes = self.served_bytes = 0
+        self.fetch_seconds = 0.0
+        self.fetches = self.failed = 0
+
+    # ---- receiver ---------------------------------------------------------------------------------
+    def start(self, request: Request, plan: FetchPlan) -> bool:
+        """Posts the fetch of the request's run of blocks that `plan.holder` holds and this worker
+        does not; True if the request now waits for it (take() hands it to the engine)."""
+        kv = self.engine.kv
+        if not kv.enable_caching or request.scoring_prompt:
+            return False
+        hashes = kv.block_hashes(request)[:min(plan.blocks, (request.num_tokens - 1) // kv.block_size)]
+        run = hashes[kv.local_run(hashes):]
+        blocks = kv.reserve_run(len(run)) if run else None
+        if not blocks:
+            return False
+        fid = request.request_id + SUFFIX
+        if hasattr(self.connector, "peer_tp"):
+            self.connector.peer_tp[plan.holder] = plan.tp
+        _, target = self.connector.receive(plan.holder, fid, [b.block_id for b in blocks], 0, self.timeout_s)
+        self.incoming[fid] = _Incoming(request, blocks, list(run))
+        self.asks.append(Fetching(fid, plan.holder, [h.hex() for h in run], target))
+        return True
+
+    def refused(self, fetch_id: str, why: str) -> None:
+        """The holder would not send (it no longer holds the run, or is gone): the receive fails
+        now rather than at its deadline; take() then hands the request to the engine."""
+        if fetch_id in self.incoming:
+            self.connector.abort(fetch_id)  # its FAILED end comes through the next poll
+
+    def _land(self, fetch_id: str, h: Handoff) -> Request:
+        inc = self.incoming.pop(fetch_id)
+        ok = h.state == TransferState.DONE
+        self.engine.kv.publish_run(inc.blocks, inc.hashes if ok else None)
+        self.fetches += 1
+        self.fetch_seconds += time.monotonic() - inc.started
+        if ok:
+            self.hit_tokens += len(inc.blocks) * self.engine.kv.block_size
+            self.fetched_bytes += h.nbytes
+        else:
+            self.failed += 1
+        self.engine.add_request(inc.request)
+        return inc.request
+
+    # ---- holder ------------------------------------------------------------------------------------
+    def serve(self, fetch_id: str, hashes: list[str], target: HandoffTarget) -> bool:
+        """Sends the GPU blocks of `hashes` (hex) to `target`; False if this worker no longer holds
+        every one of them on its GPU (nothing is sent)."""
+        kv, blocks = self.engine.kv, []
+        try:
+            blocks = kv.pin_run([bytes.fromhex(h) for h in hashes])
+            if len(blocks) < len(hashes) or fetch_id in self.serving:
+                raise LookupError(f"{len(blocks)} of {len(hashes)} blocks cached")
+            self.connector.start_send(target, fetch_id, [b.block_id for b in blocks], self.timeout_s, meta={})
+        except Exception as e:  # noqa: BLE001 - refused (never raised into the driver): the receiver recomputes
+            log.info("%s: fetch %s refused: %s", self.connector.name, fetch_id, e)
+            kv.unpin(blocks)
+            return False
+        self.serving[fetch_id] = blocks
+        return True
+
+    # ---- both ----------------------------------------------------------------------------------------
+    def take(self, finished: list[Handoff]) -> list[Handoff]:
+        """Ends the fetches among `finished` (a connector's poll()); returns the other handoffs."""
+        rest = []
+        for h in finished:
+            rid = h.request_id
+            if rid in self.serving:
+                self.engine.kv.unpin(self.serving.pop(rid))
+                self.served_bytes += h.nbytes if h.state == TransferState.DONE else 0
+            elif rid in self.incoming:
+                self._land(rid, h)
+            elif rid in self.gone:
+                self.gone.discard(rid)
+            else:
+                rest.append(h)
+        return rest
+
+    def events(self) -> list[Fetching]:
+        asks, self.asks = self.asks, []
+        return asks
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a request still waiting for its fetch (its blocks freed); False if it was not."""
+        fid = request_id + SUFFIX
+        inc = self.incoming.pop(fid, None)
+        if inc is None:
+            return False
+        self.connector.abort(fid)
+        self.gone.add(fid)  # its end, whenever a poll returns it, is nobody's
+        self.engine.kv.publish_run(inc.blocks, None)
+        self.engine.kv.req_hashes.pop(request_id, None)
+        self.asks = [a for a in self.asks if a.request_id != fid]
+        return True
+
+    @property
+    def busy(self) -> int:
+        return len(self.incoming) + len(self.serving)
+
+    def stats(self) -> dict:
+        return {"prefix_cache_peer_hits": self.hit_tokens, "kv_peer_fetched_bytes": self.fetched_bytes,
+                "kv_peer_served_bytes": self.served_bytes, "kv_peer_fetches": self.fetches,
+                "kv_peer_fetches_failed": self.failed, "kv_peer_waiting": len(self.incoming),
+                "kv_peer_fetch_seconds": self.fetch_seconds / max(1, self.fetches)}
