@@ -1,6 +1,7 @@
-"""The host tier in the cluster: the registry learns each worker's tiers from heartbeats
+"""The KV tiers in the cluster: the registry learns each worker's tiers from heartbeats
 and scores holders by tier; a worker's offloaded prefix is found, loaded back and gives
-the same tokens; a restarted cluster finds its persisted tier."""
+the same tokens; a restarted cluster finds its persisted tier; a prefix cached on another
+worker's GPU is fetched from it when placement predicts that faster than recomputing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.cluster.registry import HOST_HIT_WEIGHT, BlockRegistry
+from pdserve.cluster.routing import FETCH_FIXED_S, plan_fetch
 from pdserve.engine.core.hashing import hash_block_tokens
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -88,5 +90,65 @@ def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models
             time.sleep(0.2)
         out = c.generate([prompts[1]], PARAMS)[0]
         assert out.outputs[0].token_ids == want[1] and out.num_cached_tokens == 64
+    finally:
+        c.shutdown()
+
+
+def test_fetch_is_planned_only_when_a_peer_holds_more_and_fetching_is_predicted_faster():
+    runs = {"a": (6, 6), "b": (0, 2), "c": (4, 6)}  # (GPU run, run in any tier), in blocks
+    kw = dict(block_size=16, block_bytes=1 << 20, link_gbps=1.0)
+    d = plan_fetch("b", runs, {"a", "c"}, rate=1000.0, **kw)  # 64 tokens to recompute: 64 ms against ~9 ms
+    assert (d.holder, d.blocks) == ("a", 6) and d.fetch_s < d.recompute_s
+    assert round(d.fetch_s, 4) == round(FETCH_FIXED_S + 4 * (1 << 20) / 1e9, 4) and d.recompute_s == 0.064
+    assert plan_fetch("b", runs, {"c"}, rate=1000.0, **kw).holder == "c"  # a's layout differs: not a holder
+    assert plan_fetch("b", runs, {"a", "c"}, rate=100_000.0, **kw) is None  # recomputing is faster
+    assert plan_fetch("b", runs, {"a", "c"}, rate=None, **kw) is None  # unmeasured: nothing to weigh
+    assert plan_fetch("a", runs, {"a", "c"}, rate=1000.0, **kw) is None  # it holds the most itself
+    assert plan_fetch("c", {"a": (6, 6), "c": (0, 6)}, {"a"}, rate=1000.0, **kw) is None  # its host tier has it
+
+
+@pytest.mark.slow
+def test_a_prefix_cached_on_a_busy_worker_is_fetched_by_the_worker_placed_instead(shared_ray):
+    """Colocated, two workers of the default model. The prompt's holder A is busy, so bounded-load
+    placement sends the next prompt with that prefix to B; B's prefill rate is measured, so placement
+    predicts fetching the 96-token prefix over the pair's link (shared memory on this host) faster
+    than recomputing it: B fetches it from A, with the tokens of a plain engine."""
+    shared = list(range(3000, 3096))  # 6 blocks
+    prompts = [shared + [7, 8, 9], shared + [17, 18, 19]]
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    with LLM(max_model_len=512) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    hashes = [h.hex() for h in hash_block_tokens(shared, 16)]
+    c = Cluster.start(mode="colocated", decode=2, max_model_len=512)
+    try:
+        for i in range(12):  # prefills measured on both workers (consistent hash spreads these)
+            if all(w.stats.get("prefill_tok_s") for w in c.pools.workers.values()):
+                break
+            c.generate([list(range(5000 + 100 * i, 5100 + 100 * i))], PARAMS)
+            time.sleep(1.2)  # the monitor gathers the workers' stats every second
+        assert all(w.stats.get("prefill_tok_s") for w in c.pools.workers.values())
+        out = c.generate([prompts[0]], PARAMS)[0]
+        assert out.outputs[0].token_ids == want[0]
+        a = out.decode_worker
+        (b,) = set(c.pools.workers) - {a}
+        deadline = time.monotonic() + 10
+        while ray.get(c.registry.actor.tiers_of.remote(a, hashes)) != ["gpu"] * 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        busy = c.stream(prompts[0] + [1, 2], long)  # A's load: the next prompt overflows to B
+        assert next(busy).decode_worker == a
+        out = c.generate([prompts[1]], PARAMS)[0]
+        assert out.decode_worker == b and out.outputs[0].token_ids == want[1]
+        placement = next(t["placement"] for t in reversed(c.timeline()) if t["decode_worker"] == b)
+        assert placement["fetch"]["holder"] == a and placement["fetch"]["blocks"] == 6, placement
+        assert out.num_cached_tokens == 96
+        rows = {r["worker_id"]: r for r in c.status()}
+        assert rows[b]["prefix_cache_peer_hits"] == 96 and rows[b]["kv_peer_fetches_failed"] == 0, rows[b]
+        assert rows[a]["kv_peer_served_bytes"] == rows[b]["kv_peer_fetched_bytes"] > 0
+        assert c.counters["routing"].get("peer_fetch") == 1
+        for _ in busy:
+            pass
+        for r in c.status():  # nothing pinned or waiting is left behind
+            assert r["request_blocks"] == 0 and r["kv_peer_waiting"] == 0 and r["open_outputs"] == 0, r
     finally:
         c.shutdown()
