@@ -152,3 +152,34 @@ def test_a_prefix_cached_on_a_busy_worker_is_fetched_by_the_worker_placed_instea
             assert r["request_blocks"] == 0 and r["kv_peer_waiting"] == 0 and r["open_outputs"] == 0, r
     finally:
         c.shutdown()
+
+
+@pytest.mark.slow
+def test_two_live_workers_share_one_disk_directory(shared_ray, tmp_path):
+    """Colocated, two workers of the default model on one --kv-disk-dir. A prompt served on w1, which
+    then leaves (scaled down: its host tier goes to disk as it stops); the same prefix on w0, live
+    all along, is read from the block files w1 wrote, with the tokens of a plain engine."""
+    c = Cluster.start(mode="colocated", decode=2, max_model_len=512, kv_offloading_size=0.05,
+                      kv_disk_dir=str(tmp_path), kv_disk_size=0.5)
+    try:
+        w0, w1 = sorted(c.pools.workers)  # scaling down to one stops the later id
+        served = {}
+        for i in range(12):  # prefills measured on both, and a prompt served on w1
+            prompt = list(range(5000 + 100 * i, 5100 + 100 * i))
+            served.setdefault(c.generate([prompt], PARAMS)[0].decode_worker, prompt)
+            if w1 in served and all(w.stats.get("prefill_tok_s") for w in c.pools.workers.values()):
+                break
+            time.sleep(1.2)  # the monitor gathers the workers' stats every second
+        prompt = served[w1] + [7, 8, 9]
+        with LLM(max_model_len=512) as llm:
+            want = llm.generate([prompt], PARAMS)[0].outputs[0].token_ids
+        assert next(r for r in c.status() if r["worker_id"] == w0)["kv_disk_blocks"] == 0
+        c.scale(decode=1)
+        assert list(c.pools.workers) == [w0]
+        out = c.generate([prompt], PARAMS)[0]
+        assert out.decode_worker == w0 and out.outputs[0].token_ids == want
+        (row,) = c.status()
+        assert row["prefix_cache_disk_hits"] == 96 and out.num_cached_tokens == 96, row
+        assert row["kv_disk_refused_blocks"] == 0 and row["request_blocks"] == 0
+    finally:
+        c.shutdown()
