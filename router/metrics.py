@@ -33,53 +33,66 @@ def settled(w: dict) -> dict:
     return {**w, "num_running": running, "num_waiting": min(w.get("num_waiting") or 0, w["load"] - running)}
 
 
+# per-worker series read from the workers' stats: name -> (help, stats key)
+WORKER_GAUGES = {
+    "vllm:num_requests_running": ("Requests in the running batch", "num_running"),
+    "vllm:num_requests_waiting": ("Requests waiting to be scheduled", "num_waiting"),
+    "vllm:kv_cache_usage_perc": ("KV-cache usage, 1 = full", "kv_cache_usage"),
+    "pdserve:kv_blocks_used": ("KV blocks referenced", "kv_blocks_used"),
+    "pdserve:kv_blocks_total": ("KV blocks in the pool", "kv_blocks_total"),
+    "pdserve:kv_host_blocks_used": ("Host-tier KV blocks holding a prefix block", "kv_host_blocks_used"),
+    "pdserve:kv_host_blocks_total": ("Host-tier KV block slots", "kv_host_blocks_total"),
+    "pdserve:kv_disk_blocks": ("Disk-tier KV blocks this worker knows on disk", "kv_disk_blocks"),
+    "pdserve:kv_disk_blocks_total": ("Disk-tier KV blocks the size holds", "kv_disk_blocks_total"),
+    "pdserve:kv_disk_read_gbps": ("The disk tier's measured read bandwidth, GB/s", "kv_disk_read_gbps"),
+    "pdserve:kv_disk_prefetch_seconds": ("Mean time a request waited for its disk blocks",
+                                         "kv_disk_prefetch_seconds"),
+    "pdserve:kv_disk_waiting": ("Requests waiting for their disk blocks", "kv_disk_waiting"),
+    "pdserve:kv_peer_waiting": ("Requests waiting for a prefix fetched from a peer", "kv_peer_waiting"),
+    "pdserve:kv_peer_fetch_seconds": ("Mean time a request waited for its peer fetch (failed ones too)",
+                                      "kv_peer_fetch_seconds"),
+}
+WORKER_COUNTERS = {
+    "vllm:prefix_cache_queries": ("Prefix-cache queries, in tokens", "prefix_cache_queries"),
+    "vllm:prefix_cache_hits": ("Prefix-cache hits, in tokens", "prefix_cache_hits"),
+    "vllm:num_preemptions": ("Preemptions", "num_preemptions"),
+    "pdserve:kv_evicted_blocks": ("Prefix-cached KV blocks reused for other tokens (evicted)",
+                                  "kv_evicted_blocks"),
+    "pdserve:kv_offloaded_blocks": ("KV blocks copied to the host tier", "kv_offloaded_blocks"),
+    "pdserve:prefix_cache_host_hits": ("Prefix-cache hits loaded back from the host tier, in tokens",
+                                       "prefix_cache_host_hits"),
+    "pdserve:kv_load_back_seconds": ("Time spent loading host-tier blocks back", "kv_load_back_seconds"),
+    "pdserve:prefix_cache_disk_hits": ("Prefix-cache hits read back from the disk tier, in tokens",
+                                       "prefix_cache_disk_hits"),
+    "pdserve:kv_disk_skipped_tokens": ("Prompt tokens on disk recomputed instead (predicted faster)",
+                                       "kv_disk_skipped_tokens"),
+    "pdserve:kv_disk_written_bytes": ("Bytes written to the disk tier", "kv_disk_written_bytes"),
+    "pdserve:kv_disk_read_bytes": ("Bytes read from the disk tier", "kv_disk_read_bytes"),
+    "pdserve:kv_disk_refused_blocks": ("Disk-tier blocks refused on read (size, hash or checksum)",
+                                       "kv_disk_refused_blocks"),
+    "pdserve:prefix_cache_peer_hits": ("Prefix-cache hits fetched from a peer worker's GPU, in tokens",
+                                       "prefix_cache_peer_hits"),
+    "pdserve:kv_peer_fetched_bytes": ("KV bytes fetched from peers", "kv_peer_fetched_bytes"),
+    "pdserve:kv_peer_served_bytes": ("KV bytes sent to peers that fetched them", "kv_peer_served_bytes"),
+    "pdserve:kv_peer_fetches": ("Peer fetches ended (landed or failed)", "kv_peer_fetches"),
+    "pdserve:kv_peer_fetches_failed": ("Peer fetches that failed or were refused (recomputed instead)",
+                                       "kv_peer_fetches_failed"),
+    "vllm:spec_decode_num_drafts": ("Requests that carried draft tokens into a step", "spec_decode_num_drafts"),
+    "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed", "spec_decode_num_draft_tokens"),
+    "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted", "spec_decode_num_accepted_tokens"),
+    "pdserve:spec_decode_draft_seconds": ("Time spent proposing drafts", "spec_decode_draft_seconds"),
+    "pdserve:spec_decode_steps_off": ("Steps the off-switch ran without drafts", "spec_decode_steps_off"),
+}
+
+
 class _WorkerCollector:
     def __init__(self, cluster, model_name: str):
         self.cluster, self.model = cluster, model_name
 
     def collect(self):
-        gauges = {
-            "vllm:num_requests_running": ("Requests in the running batch", "num_running"),
-            "vllm:num_requests_waiting": ("Requests waiting to be scheduled", "num_waiting"),
-            "vllm:kv_cache_usage_perc": ("KV-cache usage, 1 = full", "kv_cache_usage"),
-            "pdserve:kv_blocks_used": ("KV blocks referenced", "kv_blocks_used"),
-            "pdserve:kv_blocks_total": ("KV blocks in the pool", "kv_blocks_total"),
-            "pdserve:kv_host_blocks_used": ("Host-tier KV blocks holding a prefix block", "kv_host_blocks_used"),
-            "pdserve:kv_host_blocks_total": ("Host-tier KV block slots", "kv_host_blocks_total"),
-            "pdserve:kv_disk_blocks": ("Disk-tier KV blocks this worker knows on disk", "kv_disk_blocks"),
-            "pdserve:kv_disk_blocks_total": ("Disk-tier KV blocks the size holds", "kv_disk_blocks_total"),
-            "pdserve:kv_disk_read_gbps": ("The disk tier's measured read bandwidth, GB/s", "kv_disk_read_gbps"),
-            "pdserve:kv_disk_prefetch_seconds": ("Mean time a request waited for its disk blocks",
-                                                 "kv_disk_prefetch_seconds"),
-            "pdserve:kv_disk_waiting": ("Requests waiting for their disk blocks", "kv_disk_waiting"),
-        }
-        counters = {
-            "vllm:prefix_cache_queries": ("Prefix-cache queries, in tokens", "prefix_cache_queries"),
-            "vllm:prefix_cache_hits": ("Prefix-cache hits, in tokens", "prefix_cache_hits"),
-            "vllm:num_preemptions": ("Preemptions", "num_preemptions"),
-            "pdserve:kv_evicted_blocks": ("Prefix-cached KV blocks reused for other tokens (evicted)",
-                                          "kv_evicted_blocks"),
-            "pdserve:kv_offloaded_blocks": ("KV blocks copied to the host tier", "kv_offloaded_blocks"),
-            "pdserve:prefix_cache_host_hits": ("Prefix-cache hits loaded back from the host tier, in tokens",
-                                               "prefix_cache_host_hits"),
-            "pdserve:kv_load_back_seconds": ("Time spent loading host-tier blocks back", "kv_load_back_seconds"),
-            "pdserve:prefix_cache_disk_hits": ("Prefix-cache hits read back from the disk tier, in tokens",
-                                               "prefix_cache_disk_hits"),
-            "pdserve:kv_disk_skipped_tokens": ("Prompt tokens on disk recomputed instead (predicted faster)",
-                                               "kv_disk_skipped_tokens"),
-            "pdserve:kv_disk_written_bytes": ("Bytes written to the disk tier", "kv_disk_written_bytes"),
-            "pdserve:kv_disk_read_bytes": ("Bytes read from the disk tier", "kv_disk_read_bytes"),
-            "pdserve:kv_disk_refused_blocks": ("Disk-tier blocks refused on read (size, hash or checksum)",
-                                               "kv_disk_refused_blocks"),
-            "vllm:spec_decode_num_drafts": ("Requests that carried draft tokens into a step", "spec_decode_num_drafts"),
-            "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed", "spec_decode_num_draft_tokens"),
-            "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted", "spec_decode_num_accepted_tokens"),
-            "pdserve:spec_decode_draft_seconds": ("Time spent proposing drafts", "spec_decode_draft_seconds"),
-            "pdserve:spec_decode_steps_off": ("Steps the off-switch ran without drafts", "spec_decode_steps_off"),
-        }
         snap = self.cluster.snapshot()
         snap.workers = [settled(w) for w in snap.workers]
-        for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for family, table in ((GaugeMetricFamily, WORKER_GAUGES), (CounterMetricFamily, WORKER_COUNTERS)):
             for name, (doc, key) in table.items():
                 m = family(name, doc, labels=["worker", "role", "model_name"])
                 for w in snap.workers:
