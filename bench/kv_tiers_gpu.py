@@ -123,8 +123,8 @@ def render(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: str) -> None:
-    """TTFT by tier, one group of bars per prompt length (log scale)."""
+def bars(res: dict, path: str, keys: tuple, title: str) -> None:
+    """TTFT per (result key, label) of `keys`, one group of bars per prompt length (log scale)."""
     try:
         import matplotlib
 
@@ -132,20 +132,24 @@ def plot(res: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    keys = (("recompute_s", "recompute"), ("gpu_s", "GPU hit"), ("host_s", "host tier"),
-            ("disk_s", "disk tier, as decided"), ("disk_forced_s", "disk tier, read regardless"))
     fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(keys)
     for k, (key, label) in enumerate(keys):
-        xs = [i + 0.16 * (k - 2) for i in range(len(res["rows"]))]
-        ax.bar(xs, [r[key] * 1e3 for r in res["rows"]], 0.16, label=label)
+        xs = [i + width * (k - (len(keys) - 1) / 2) for i in range(len(res["rows"]))]
+        ax.bar(xs, [r[key] * 1e3 for r in res["rows"]], width, label=label)
     ax.set_xticks(range(len(res["rows"])), [f"{r['tokens']:,} tokens" for r in res["rows"]])
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title(f"TTFT by the tier a prefix is in ({res['device']}; disk {res['disk_read_gbps']:.2f} GB/s)",
-                 fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot(res: dict, path: str) -> None:
+    bars(res, path, (("recompute_s", "recompute"), ("gpu_s", "GPU hit"), ("host_s", "host tier"),
+                     ("disk_s", "disk tier, as decided"), ("disk_forced_s", "disk tier, read regardless")),
+         f"TTFT by the tier a prefix is in ({res['device']}; disk {res['disk_read_gbps']:.2f} GB/s)")
 
 
 def main() -> None:
