@@ -96,23 +96,25 @@ def save_ratio_plot(fig, ax, json_path: str, xlabel: str, ylabel: str, title: st
 
 def server_cmd(system: str, model: str, port: int, one_gpu: bool = False) -> list[str]:
     """system: disagg[:P:D] (default 1:1), hybrid[:P:D] (default 1:1), colocated[:N] (default 2),
-    hf[:GPUS] (default 2); a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg).
-    `one_gpu`: the prefill and decode workers share one GPU (num_gpus 0.5 and 0.42 of its memory
-    each; their handoffs go over CUDA IPC)."""
+    hf[:GPUS] (default 2); a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg),
+    ":nofetch" turns peer fetch off. `one_gpu`: two workers share one GPU (num_gpus 0.5 and 0.42 of
+    its memory each; their handoffs and fetches go over CUDA IPC)."""
     kind, *sizes = system.split(":")
     budget = [x[1:] for x in sizes if x.startswith("c")]
-    sizes = [x for x in sizes if not x.startswith("c")]
-    share = one_gpu and kind in ("disagg", "hybrid")
+    fetch = "nofetch" not in sizes  # a trailing ":nofetch": handoff.peer_fetch false (recompute what peers hold)
+    sizes = [x for x in sizes if not x.startswith("c") and x != "nofetch"]
+    share = one_gpu and kind in ("disagg", "hybrid", "colocated")
+    cfg = os.path.join(tempfile.mkdtemp(), "serving.yaml")
+    with open(cfg, "w") as f:
+        f.write(f"handoff: {{peer_fetch: {str(fetch).lower()}}}\n")
+        if share:
+            f.write("prefill: {num_gpus: 0.5}\ndecode: {num_gpus: 0.5}\n")
     common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "8704",
-              "--port", str(port), "--gpu-memory-utilization", "0.42" if share else "0.85", "--max-queue", "4096"]
+              "--port", str(port), "--gpu-memory-utilization", "0.42" if share else "0.85", "--max-queue", "4096",
+              "--config", cfg]
     if kind in ("disagg", "hybrid"):
         p, d = (sizes + ["1", "1"])[:2] if sizes else ("1", "1")
         extra = ["--prefill-max-num-batched-tokens", budget[0]] if budget else []
-        if share:
-            cfg = os.path.join(tempfile.mkdtemp(), "one_gpu.yaml")
-            with open(cfg, "w") as f:
-                f.write("prefill: {num_gpus: 0.5}\ndecode: {num_gpus: 0.5}\n")
-            extra += ["--config", cfg]
         return [sys.executable, "-m", "pdserve", "serve", "--mode", kind, "--prefill", p, "--decode", d,
                 *common, *extra]
     if kind == "colocated":

@@ -110,7 +110,7 @@ class Placer:
 
     async def plan(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
         placed = await self._place(hashes, ids, charges)
-        if hashes and ids and placed.prefills_on.info.get("layout"):
+        if hashes and self.pools.serving.handoff.peer_fetch and placed.prefills_on.info.get("layout"):
             await self._plan_fetch(placed, hashes)
         return placed
 

@@ -22,6 +22,8 @@
       timeout_s: 30             # a KV handoff not done by then fails (--handoff-timeout); long
                                 # prompts on a busy host may need more
       same_node: true           # pairs on one host pull KV through CUDA IPC / shared memory
+      peer_fetch: true          # a prefix another worker's GPU caches is fetched over the same
+                                # links when predicted faster than recomputing it (transfer/fetch.py)
 
 Pools: sizes and bounds, and the Ray resources each pool's actors request. The
 autoscaling targets are what the policy (autoscale.py) compares its signals with. The
@@ -128,13 +130,17 @@ class HandoffConfig:
     # a pair on one host whose peer's KV maps into the receiver pulls it (CUDA IPC / shared
     # memory, transfer/pull.py); false: always NCCL (gloo on CPU)
     same_node: bool = True
+    # the worker placed to prefill a prompt fetches the prefix another worker's GPU caches, over
+    # the same links, when placement predicts that faster than recomputing it; false: recompute
+    peer_fetch: bool = True
 
     def validate(self) -> None:
         v = self.timeout_s
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"handoff.timeout_s must be a number > 0, got {v!r}")
-        if not isinstance(self.same_node, bool):
-            raise ValueError(f"handoff.same_node must be true or false, got {self.same_node!r}")
+        for name in ("same_node", "peer_fetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"handoff.{name} must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass
