@@ -169,7 +169,6 @@ class Dispatcher:
         if isinstance(res, HandoffResult):
             self._late_spans(rid, res.spans)
             if res.ok:
-                self.placer.observe_link(res.nbytes, res.seconds)
                 for o in self.observers:
                     o.on_handoff(res)
             else:

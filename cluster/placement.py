@@ -35,7 +35,10 @@ from .routing import pick_decode, pick_prefill, place_prompt, plan_fetch
 FLOOR_S = 0.05  # added to both sides of observed / predicted: a few ms of overhead is no error
 ERROR_BOUNDS = (0.05, 1000.0)
 HALF_LIFE_S = 30.0  # an error not observed again fades toward 1: a worker placement stopped using gets retried
-LINK_GBPS_START = 1.0  # a KV link's bandwidth before any handoff measured it (gloo on loopback; NVLink is 100x)
+# a fetch's bandwidth until the placed worker has measured its own (kv_peer_fetch_gbps): on one node the
+# pair pulls over CUDA IPC / shared memory (one H200: 29 GB/s for 512 MiB, 140 GB/s for 2 GB, fixed costs
+# included: bench/results/kv_tiers/); across nodes NCCL or gloo, whose worst case (TCP) is about 1 GB/s
+LINK_GBPS_START = {"same_node": 20.0, "network": 1.0}
 
 
 def block_bytes(layout: dict) -> int:
@@ -93,7 +96,6 @@ class Placer:
                  local_cached_fraction: float = 2.0, routing_counts: dict | None = None):
         self.pools, self.registry, self.block_size = pools, registry, block_size
         self.handoff_s = 0.02  # EWMA of the kv_to_first_token phase: hybrid placement's handoff cost
-        self.link_gbps = LINK_GBPS_START  # EWMA of handoffs' bytes / seconds: a peer fetch's predicted speed
         # conditional disaggregation: prompts up to this many tokens, or with at least this
         # fraction of their blocks cached on a decode worker, prefill on that decode worker
         # (defaults: off; values above 1 turn the cached rule off)
@@ -122,8 +124,9 @@ class Placer:
         w = placed.prefills_on
         if not runs or max(g for g, _ in runs.values()) <= runs.get(w.worker_id, (0, 0))[1]:
             return
-        d = plan_fetch(w.worker_id, runs, {h for h in runs if h in self.pools.workers and self._same_kv(w, h)},
-                       self.block_size, block_bytes(w.info["layout"]), self.link_gbps, w.stats.get("prefill_tok_s"))
+        gbps = {h: self._link_gbps(w, h) for h in runs if h in self.pools.workers and self._same_kv(w, h)}
+        d = plan_fetch(w.worker_id, runs, gbps, self.block_size, block_bytes(w.info["layout"]),
+                       w.stats.get("prefill_tok_s"))
         if d is None:
             return
         placed.fetch = FetchPlan(d.holder, d.blocks, self.pools.workers[d.holder].info.get("tp", 1))
@@ -131,6 +134,15 @@ class Placer:
                                                              "fetch_s": round(d.fetch_s, 4),
                                                              "recompute_s": round(d.recompute_s, 4)}}
         self.count("peer_fetch")
+
+    def _link_gbps(self, w: WorkerRecord, holder: str) -> float:
+        """What a fetch into `w` is predicted to move per second: its own fetches' measure, else
+        the start value of the link a pair on one node or across nodes takes."""
+        if w.stats.get("kv_peer_fetch_gbps"):
+            return w.stats["kv_peer_fetch_gbps"]
+        same = w.info.get("node_id") is not None and w.info.get("node_id") == self.pools.workers[holder].info.get(
+            "node_id")
+        return LINK_GBPS_START["same_node" if same else "network"]
 
     def _same_kv(self, w: WorkerRecord, other: str) -> bool:
         try:
@@ -221,11 +233,6 @@ class Placer:
 
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = 0.9 * self.handoff_s + 0.1 * seconds
-
-    def observe_link(self, nbytes: int, seconds: float | None) -> None:
-        """A handoff moved `nbytes` in `seconds` (queueing included: a conservative bandwidth)."""
-        if nbytes >= 1 << 20 and seconds:
-            self.link_gbps = 0.8 * self.link_gbps + 0.2 * nbytes / seconds / 1e9
 
     async def _pick_prefill(self, hashes: list[str], ids: list[int], role: str) -> WorkerRecord:
         """The worker to run this prompt's prefill: of the prefill pool, or (colocated mode)

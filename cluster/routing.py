@@ -160,18 +160,20 @@ class FetchDecision:
     recompute_s: float  # predicted: their tokens at the placed worker's prefill rate
 
 
-def plan_fetch(placed: str, runs: dict[str, tuple[int, int]], holders: set[str], block_size: int,
-               block_bytes: int, link_gbps: float, rate: float | None) -> FetchDecision | None:
+def plan_fetch(placed: str, runs: dict[str, tuple[int, int]], link_gbps: dict[str, float], block_size: int,
+               block_bytes: int, rate: float | None) -> FetchDecision | None:
     """`runs`: per worker, (leading blocks of the prompt on its GPU, in any of its tiers) (the
-    registry's). The holder with the longest GPU run among `holders` (workers whose KV layout
-    matches the placed worker's), if it passes the placed worker's own run in any tier and the
-    missing blocks' bytes over the link (`link_gbps`, measured) come sooner than their tokens at
-    its prefill `rate`; an unmeasured rate is no fetch (nothing to weigh it against)."""
+    registry's). `link_gbps`: the holders (workers whose KV layout matches the placed worker's) and
+    each one's predicted fetch bandwidth. The holder with the longest GPU run, if it passes the
+    placed worker's own run in any tier and the missing blocks' bytes over its link come sooner
+    than their tokens at the placed worker's prefill `rate`; an unmeasured rate is no fetch (nothing
+    to weigh it against)."""
     own = runs.get(placed, (0, 0))[1]
-    best = max(((runs[w][0], w) for w in sorted(runs) if w in holders and w != placed and runs[w][0] > own),
+    best = max(((runs[w][0], w) for w in sorted(runs) if w in link_gbps and w != placed and runs[w][0] > own),
                key=lambda x: x[0], default=None)  # ties: the smaller worker id
     if best is None or not rate or rate <= 0:
         return None
     n = best[0] - own
-    d = FetchDecision(best[1], best[0], FETCH_FIXED_S + n * block_bytes / (link_gbps * 1e9), n * block_size / rate)
+    d = FetchDecision(best[1], best[0], FETCH_FIXED_S + n * block_bytes / (link_gbps[best[1]] * 1e9),
+                      n * block_size / rate)
     return d if d.fetch_s < d.recompute_s else None

@@ -49,6 +49,8 @@ WORKER_GAUGES = {
                                          "kv_disk_prefetch_seconds"),
     "pdserve:kv_disk_waiting": ("Requests waiting for their disk blocks", "kv_disk_waiting"),
     "pdserve:kv_peer_waiting": ("Requests waiting for a prefix fetched from a peer", "kv_peer_waiting"),
+    "pdserve:kv_peer_fetch_gbps": ("Measured bandwidth of this worker's peer fetches (ask to landing), GB/s",
+                                   "kv_peer_fetch_gbps"),
     "pdserve:kv_peer_fetch_seconds": ("Mean time a request waited for its peer fetch (failed ones too)",
                                       "kv_peer_fetch_seconds"),
 }

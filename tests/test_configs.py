@@ -43,7 +43,8 @@ def test_serving_config_errors_name_the_problem(tmp_path):
     bad = tmp_path / "bad.yaml"
     for text, words in [("decode: {min: 3, max: 2}", "min <= max"), ("autoscale: {kv_usage: 1.5}", "kv_usage"),
                         ("prefill: {replica: 2}", "unknown prefill keys"), ("- 1", "is a mapping"),
-                        ("decode: {resources: {pdserve_decode: 0}}", "positive amount")]:
+                        ("decode: {resources: {pdserve_decode: 0}}", "positive amount"),
+                        ("handoff: {peer_fetch: sometimes}", "handoff.peer_fetch must be true or false")]:
         bad.write_text(text)
         with pytest.raises(ValueError, match=words):
             ServingConfig.from_yaml(str(bad))

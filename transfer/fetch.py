@@ -70,6 +70,7 @@ class PeerFetches:
         self.fetched_bytes = self.served_bytes = 0
         self.fetch_seconds = 0.0
         self.fetches = self.failed = 0
+        self.gbps: float | None = None  # EWMA of landed fetches' bytes / (ask to landing): what placement predicts by
 
     # ---- receiver ---------------------------------------------------------------------------------
     def start(self, request: Request, plan: FetchPlan) -> bool:
@@ -101,11 +102,14 @@ class PeerFetches:
         inc = self.incoming.pop(fetch_id)
         ok = h.state == TransferState.DONE
         self.engine.kv.publish_run(inc.blocks, inc.hashes if ok else None)
+        took = time.monotonic() - inc.started
         self.fetches += 1
-        self.fetch_seconds += time.monotonic() - inc.started
+        self.fetch_seconds += took
         if ok:
             self.hit_tokens += len(inc.blocks) * self.engine.kv.block_size
             self.fetched_bytes += h.nbytes
+            rate = h.nbytes / max(took, 1e-6) / 1e9
+            self.gbps = rate if self.gbps is None else 0.7 * self.gbps + 0.3 * rate
         else:
             self.failed += 1
         self.engine.add_request(inc.request)
@@ -170,4 +174,4 @@ class PeerFetches:
         return {"prefix_cache_peer_hits": self.hit_tokens, "kv_peer_fetched_bytes": self.fetched_bytes,
                 "kv_peer_served_bytes": self.served_bytes, "kv_peer_fetches": self.fetches,
                 "kv_peer_fetches_failed": self.failed, "kv_peer_waiting": len(self.incoming),
-                "kv_peer_fetch_seconds": self.fetch_seconds / max(1, self.fetches)}
+                "kv_peer_fetch_seconds": self.fetch_seconds / max(1, self.fetches), "kv_peer_fetch_gbps": self.gbps}
