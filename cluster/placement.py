@@ -30,7 +30,7 @@ from pdserve.transfer.fetch import FetchPlan
 
 from .api import NoWorker
 from .pools import Pools, WorkerRecord
-from .routing import pick_decode, pick_prefill, place_prompt, plan_fetch
+from .routing import Holder, pick_decode, pick_prefill, place_prompt, plan_fetch
 
 FLOOR_S = 0.05  # added to both sides of observed / predicted: a few ms of overhead is no error
 ERROR_BOUNDS = (0.05, 1000.0)
@@ -124,8 +124,9 @@ class Placer:
         w = placed.prefills_on
         if not runs or max(g for g, _ in runs.values()) <= runs.get(w.worker_id, (0, 0))[1]:
             return
-        gbps = {h: self._link_gbps(w, h) for h in runs if h in self.pools.workers and self._same_kv(w, h)}
-        d = plan_fetch(w.worker_id, runs, gbps, self.block_size, block_bytes(w.info["layout"]),
+        holders = {h: self._holder(w, self.pools.workers[h]) for h in runs
+                   if h in self.pools.workers and self._same_kv(w, h)}
+        d = plan_fetch(w.worker_id, runs, holders, self.block_size, block_bytes(w.info["layout"]),
                        w.stats.get("prefill_tok_s"))
         if d is None:
             return
@@ -135,14 +136,14 @@ class Placer:
                                                              "recompute_s": round(d.recompute_s, 4)}}
         self.count("peer_fetch")
 
-    def _link_gbps(self, w: WorkerRecord, holder: str) -> float:
-        """What a fetch into `w` is predicted to move per second: its own fetches' measure, else
-        the start value of the link a pair on one node or across nodes takes."""
-        if w.stats.get("kv_peer_fetch_gbps"):
-            return w.stats["kv_peer_fetch_gbps"]
-        same = w.info.get("node_id") is not None and w.info.get("node_id") == self.pools.workers[holder].info.get(
-            "node_id")
-        return LINK_GBPS_START["same_node" if same else "network"]
+    @staticmethod
+    def _holder(w: WorkerRecord, h: WorkerRecord) -> Holder:
+        """A fetch from `h` into `w`: the bandwidth `w`'s own fetches measured, else the start value
+        of the link a pair on one node or across nodes takes; a busy holder answers between its steps
+        (half its mean step on average)."""
+        same = w.info.get("node_id") is not None and w.info.get("node_id") == h.info.get("node_id")
+        gbps = w.stats.get("kv_peer_fetch_gbps") or LINK_GBPS_START["same_node" if same else "network"]
+        return Holder(gbps, h.stats.get("step_s", 0.0) / 2 if h.load else 0.0)
 
     def _same_kv(self, w: WorkerRecord, other: str) -> bool:
         try:

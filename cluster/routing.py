@@ -153,27 +153,34 @@ FETCH_FIXED_S = 0.005  # a fetch's cost beside its bytes: the ask, actor to acto
 
 
 @dataclass
+class Holder:
+    """A worker a prefix could be fetched from, as placement predicts it."""
+    gbps: float  # the fetch's bandwidth into the placed worker
+    wait_s: float = 0.0  # until its engine thread takes the ask up (between its steps)
+
+
+@dataclass
 class FetchDecision:
     holder: str
     blocks: int  # the prompt's leading blocks the holder's GPU has (the placed worker fetches those it lacks)
-    fetch_s: float  # predicted: FETCH_FIXED_S + the missing blocks' bytes over the link
+    fetch_s: float  # predicted: FETCH_FIXED_S + the holder's wait + the missing blocks' bytes over the link
     recompute_s: float  # predicted: their tokens at the placed worker's prefill rate
 
 
-def plan_fetch(placed: str, runs: dict[str, tuple[int, int]], link_gbps: dict[str, float], block_size: int,
+def plan_fetch(placed: str, runs: dict[str, tuple[int, int]], holders: dict[str, Holder], block_size: int,
                block_bytes: int, rate: float | None) -> FetchDecision | None:
     """`runs`: per worker, (leading blocks of the prompt on its GPU, in any of its tiers) (the
-    registry's). `link_gbps`: the holders (workers whose KV layout matches the placed worker's) and
-    each one's predicted fetch bandwidth. The holder with the longest GPU run, if it passes the
-    placed worker's own run in any tier and the missing blocks' bytes over its link come sooner
-    than their tokens at the placed worker's prefill `rate`; an unmeasured rate is no fetch (nothing
-    to weigh it against)."""
+    registry's). `holders`: the workers whose KV layout matches the placed worker's. The holder with
+    the longest GPU run, if it passes the placed worker's own run in any tier and its wait plus the
+    missing blocks' bytes over its link come sooner than their tokens at the placed worker's prefill
+    `rate`; an unmeasured rate is no fetch (nothing to weigh it against)."""
     own = runs.get(placed, (0, 0))[1]
-    best = max(((runs[w][0], w) for w in sorted(runs) if w in link_gbps and w != placed and runs[w][0] > own),
+    best = max(((runs[w][0], w) for w in sorted(runs) if w in holders and w != placed and runs[w][0] > own),
                key=lambda x: x[0], default=None)  # ties: the smaller worker id
     if best is None or not rate or rate <= 0:
         return None
     n = best[0] - own
-    d = FetchDecision(best[1], best[0], FETCH_FIXED_S + n * block_bytes / (link_gbps[best[1]] * 1e9),
+    h = holders[best[1]]
+    d = FetchDecision(best[1], best[0], FETCH_FIXED_S + h.wait_s + n * block_bytes / (h.gbps * 1e9),
                       n * block_size / rate)
     return d if d.fetch_s < d.recompute_s else None

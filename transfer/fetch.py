@@ -70,7 +70,7 @@ class PeerFetches:
         self.fetched_bytes = self.served_bytes = 0
         self.fetch_seconds = 0.0
         self.fetches = self.failed = 0
-        self.gbps: float | None = None  # EWMA of landed fetches' bytes / (ask to landing): what placement predicts by
+        self.gbps: float | None = None  # EWMA of landed fetches' bytes / (order to landing): what placement predicts by
 
     # ---- receiver ---------------------------------------------------------------------------------
     def start(self, request: Request, plan: FetchPlan) -> bool:
@@ -108,7 +108,10 @@ class PeerFetches:
         if ok:
             self.hit_tokens += len(inc.blocks) * self.engine.kv.block_size
             self.fetched_bytes += h.nbytes
-            rate = h.nbytes / max(took, 1e-6) / 1e9
+            # the link's part: from the holder's order (it had pinned the run) to landing; the wait for
+            # the holder's engine thread is placement's to predict (its step time), not the link's
+            moved = h.finished_at - h.t_started if h.t_started and h.finished_at else took
+            rate = h.nbytes / max(moved, 1e-6) / 1e9
             self.gbps = rate if self.gbps is None else 0.7 * self.gbps + 0.3 * rate
         else:
             self.failed += 1

@@ -13,7 +13,7 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.cluster.registry import HOST_HIT_WEIGHT, BlockRegistry
-from pdserve.cluster.routing import FETCH_FIXED_S, plan_fetch
+from pdserve.cluster.routing import FETCH_FIXED_S, Holder, plan_fetch
 from pdserve.engine.core.hashing import hash_block_tokens
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -96,16 +96,17 @@ def test_offloaded_prefix_is_found_again_and_persists_across_restart(tiny_models
 
 def test_fetch_is_planned_only_when_a_peer_holds_more_and_fetching_is_predicted_faster():
     runs = {"a": (6, 6), "b": (0, 2), "c": (4, 6)}  # (GPU run, run in any tier), in blocks
-    links = {"a": 1.0, "c": 1.0}  # the holders whose layout matches, and their links' GB/s
+    links = {"a": Holder(1.0), "c": Holder(1.0)}  # the holders whose layout matches: their links' GB/s
     kw = dict(block_size=16, block_bytes=1 << 20)
     d = plan_fetch("b", runs, links, rate=1000.0, **kw)  # 64 tokens to recompute: 64 ms against ~9 ms
     assert (d.holder, d.blocks) == ("a", 6) and d.fetch_s < d.recompute_s
     assert round(d.fetch_s, 4) == round(FETCH_FIXED_S + 4 * (1 << 20) / 1e9, 4) and d.recompute_s == 0.064
-    assert plan_fetch("b", runs, {"c": 1.0}, rate=1000.0, **kw).holder == "c"  # a's layout differs: not a holder
+    assert plan_fetch("b", runs, {"c": Holder(1.0)}, rate=1000.0, **kw).holder == "c"  # a: another layout
     assert plan_fetch("b", runs, links, rate=100_000.0, **kw) is None  # recomputing is faster
     long_run = {"a": (600, 600)}  # 9,600 tokens: 96 ms to recompute at 100K tokens/s
-    assert plan_fetch("b", long_run, {"a": 100.0}, rate=100_000.0, **kw).holder == "a"  # 11 ms over a fast link
-    assert plan_fetch("b", long_run, {"a": 1.0}, rate=100_000.0, **kw) is None  # 634 ms over a slow one
+    assert plan_fetch("b", long_run, {"a": Holder(100.0)}, rate=100_000.0, **kw).holder == "a"  # 11 ms, fast link
+    assert plan_fetch("b", long_run, {"a": Holder(1.0)}, rate=100_000.0, **kw) is None  # 634 ms over a slow one
+    assert plan_fetch("b", long_run, {"a": Holder(100.0, wait_s=0.1)}, rate=100_000.0, **kw) is None  # a busy holder
     assert plan_fetch("b", runs, links, rate=None, **kw) is None  # unmeasured: nothing to weigh
     assert plan_fetch("a", runs, links, rate=1000.0, **kw) is None  # it holds the most itself
     assert plan_fetch("c", {"a": (6, 6), "c": (0, 6)}, links, rate=1000.0, **kw) is None  # its host tier has it
