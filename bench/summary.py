@@ -572,6 +572,8 @@ def kv_tiers() -> dict:
     res = load("kv_tiers", "tier_sim_disk.json")
     gpu = load("kv_tiers", "kv_tiers_llama3-8b.json")
     a, b = (next(r for r in gpu["rows"] if r["tokens"] == n) for n in (4096, 16000))
+    peer = load("kv_tiers", "peer_fetch_llama3-8b.json")
+    pa, pb = (next(r for r in peer["rows"] if r["tokens"] == n) for n in (4096, 16000))
     rows = res["rows"]
     disk = next(r for r in rows if r["disk_tokens"] and not r["peer"] and r["routing"] == "tiers")
     ceiling = next(r for r in rows if r["host_tokens"] >= 10**9 and r["routing"] == "tiers")
@@ -598,6 +600,14 @@ def kv_tiers() -> dict:
             "workload": f"TTFT of a 16,000-token prompt whose prefix is in the host tier over recomputing it: "
                         f"{b['host_s'] * 1e3:.0f} / {b['recompute_s'] * 1e3:.0f} ms (4,096 tokens: "
                         f"{a['host_s'] * 1e3:.0f} / {a['recompute_s'] * 1e3:.0f} ms; Llama-3-8B's shape)"},
+        "kv_peer_ttft_over_recompute_16k": {
+            "value": round(pb["peer_s"] / pb["recompute_s"], 2), "command": peer["command"] + "  # one H200",
+            "device": "one H200 (two worker processes sharing it)",
+            "workload": f"TTFT of a 16,000-token prompt whose prefix another worker's GPU holds, fetched from it "
+                        f"({peer['link']}) over recomputing it: {pb['peer_s'] * 1e3:.0f} / "
+                        f"{pb['recompute_s'] * 1e3:.0f} ms, of which the fetch {pb['fetch_s'] * 1e3:.0f} ms at "
+                        f"{pb['link_gbps']:.0f} GB/s (4,096 tokens: {pa['peer_s'] * 1e3:.0f} / "
+                        f"{pa['recompute_s'] * 1e3:.0f} ms; Llama-3-8B's shape)"},
         "kv_cache_share_ceiling": {
             "value": round(ceiling["hit_rate"], 3), "command": res["command"], "device": "CPU (a simulation)",
             "workload": f"{work}, an unbounded host tier, tier-aware routing: all the reuse the trace has"},
