@@ -52,6 +52,7 @@ class FetchPlan:
 @dataclass
 class _Incoming:
     request: Request
+    holder: str
     blocks: list  # the engine's Block objects reserved for the run
     hashes: list[bytes]
     started: float = field(default_factory=time.monotonic)
@@ -71,6 +72,7 @@ class PeerFetches:
         self.fetch_seconds = 0.0
         self.fetches = self.failed = 0
         self.gbps: float | None = None  # EWMA of landed fetches' bytes / (order to landing): what placement predicts by
+        self.paired: set[str] = set()  # holders a fetch has landed from: the pair's link is connected
 
     # ---- receiver ---------------------------------------------------------------------------------
     def start(self, request: Request, plan: FetchPlan) -> bool:
@@ -88,7 +90,7 @@ class PeerFetches:
         if hasattr(self.connector, "peer_tp"):
             self.connector.peer_tp[plan.holder] = plan.tp
         _, target = self.connector.receive(plan.holder, fid, [b.block_id for b in blocks], 0, self.timeout_s)
-        self.incoming[fid] = _Incoming(request, blocks, list(run))
+        self.incoming[fid] = _Incoming(request, plan.holder, blocks, list(run))
         self.asks.append(Fetching(fid, plan.holder, [h.hex() for h in run], target))
         return True
 
@@ -110,9 +112,12 @@ class PeerFetches:
             self.fetched_bytes += h.nbytes
             # the link's part: from the holder's order (it had pinned the run) to landing; the wait for
             # the holder's engine thread is placement's to predict (its step time), not the link's
+            # (the first fetch from a holder also maps its KV in: not the link's speed, left out)
             moved = h.finished_at - h.t_started if h.t_started and h.finished_at else took
             rate = h.nbytes / max(moved, 1e-6) / 1e9
-            self.gbps = rate if self.gbps is None else 0.7 * self.gbps + 0.3 * rate
+            if inc.holder in self.paired:
+                self.gbps = rate if self.gbps is None else 0.7 * self.gbps + 0.3 * rate
+            self.paired.add(inc.holder)
         else:
             self.failed += 1
         self.engine.add_request(inc.request)

@@ -65,9 +65,16 @@ def test_a_prefix_cached_on_a_is_fetched_by_b_with_the_tokens_of_recomputing(tin
     block = ws["a"].engine.runner.layout.block_bytes
     assert sb["prefix_cache_peer_hits"] == 64 and sb["kv_peer_fetched_bytes"] == 4 * block == sa["kv_peer_served_bytes"]
     assert sb["kv_peer_fetches_failed"] == 0 and sb["kv_peer_waiting"] == 0
+    assert sb["kv_peer_fetch_gbps"] is None  # the first fetch from a holder connects the pair: not measured
     ws["b"].add("r2", PROMPTS[2], PARAMS, None, FetchPlan("a", 4))  # b holds the prefix now: nothing fetched
     assert ws["b"].fetches.busy == 0
     assert drive(ws)["r2"].outputs[0].token_ids == want[2]
+    other = [list(range(700, 764)) + p[64:] for p in PROMPTS[:2]]  # another shared prefix: a's, then b's
+    ws["a"].add("r3", other[0], PARAMS)
+    drive(ws)
+    ws["b"].add("r4", other[1], PARAMS, None, FetchPlan("a", 4))
+    drive(ws)
+    assert ws["b"].fetches.stats()["kv_peer_fetch_gbps"] > 0  # the link's speed, what placement predicts by
     for w in ws.values():
         w.engine.kv.check_all_free()  # the holder's pins dropped, the receiver's blocks cached at ref 0
         assert not w.fetches.serving and not w.fetches.incoming
