@@ -180,10 +180,10 @@ def tiered(model: str, disk: str, **kw) -> LLM:
     return LLM(model, kv_offloading_size=4.5 * block / (1 << 30), kv_disk_dir=disk, kv_disk_size=0.01, **kw)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
 def test_blocks_go_down_to_disk_and_back_with_the_same_tokens_and_survive_a_restart(tiny_models, tmp_path,
                                                                                   kv_cache_dtype):
-    model = tiny_models["llama"]
+    model = tiny_models["llama_hd32" if kv_cache_dtype == "int4" else "llama"]  # int4 packs head_dim 32 rows
     want = alone(model, kv_cache_dtype=kv_cache_dtype)
     with tiered(model, str(tmp_path), kv_cache_dtype=kv_cache_dtype) as llm:
         assert [churn(llm, p) for p in PROMPTS[:3]] == want[:3]
