@@ -152,17 +152,31 @@ def plot(res: dict, path: str) -> None:
          f"TTFT by the tier a prefix is in ({res['device']}; disk {res['disk_read_gbps']:.2f} GB/s)")
 
 
+def tier_model(shape: str, d: str, tokenizer: str) -> tuple[str, int]:
+    """The model to serve under `d` (Llama-3-8B's shape, or a tiny one on CPU) and its KV bytes per block."""
+    if shape == "tiny":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from helpers import save_tiny
+
+        return save_tiny("llama", os.path.join(d, "model"), tokenizer), 4096
+    return build_model(os.path.join(d, "model"), tokenizer), 2 << 20
+
+
+def write(res: dict, stem: str, md: str) -> None:
+    """`stem`.json and .md (the plot is the caller's); prints the table."""
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
 def main() -> None:
     args = parser().parse_args()
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as d:
-        if args.shape == "tiny":
-            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-            from helpers import save_tiny
-
-            model, unit = save_tiny("llama", os.path.join(d, "model"), args.tokenizer), 4096
-        else:
-            model, unit = build_model(os.path.join(d, "model"), args.tokenizer), 2 << 20
+        model, unit = tier_model(args.shape, d, args.tokenizer)
         disk_dir = args.disk_dir or os.path.join(d, "kv")
         res = {"device": torch.cuda.get_device_name() if cuda else "CPU", "shape": args.shape,
                "command": "python bench/kv_tiers_gpu.py " + " ".join(sys.argv[1:]), "rows": []}
@@ -170,14 +184,9 @@ def main() -> None:
             shutil.rmtree(disk_dir, ignore_errors=True)
             res["rows"].append(one_length(model, cuda, n, disk_dir, unit))
         res["disk_read_gbps"] = read_gbps(disk_dir)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"kv_tiers_{args.shape}.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    md = render(res)
-    with open(os.path.join(args.out, f"kv_tiers_{args.shape}.md"), "w") as f:
-        f.write(md)
-    plot(res, os.path.join(args.out, f"kv_tiers_{args.shape}.png"))
-    print(md)
+    stem = os.path.join(args.out, f"kv_tiers_{args.shape}")
+    write(res, stem, render(res))
+    plot(res, stem + ".png")
 
 
 if __name__ == "__main__":

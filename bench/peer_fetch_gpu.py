@@ -15,7 +15,6 @@ eager (prefill-bound). --shape tiny runs the same on CPU with a tiny model (a ch
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -26,8 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kv_capacity_gpu import ttft  # noqa: E402
-from kv_tiers_gpu import bars  # noqa: E402
-from serving_gpu import build_model  # noqa: E402
+from kv_tiers_gpu import bars, tier_model, write  # noqa: E402
 
 from pdserve.decode.role import DecodeRole  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
@@ -127,13 +125,7 @@ def main() -> None:
     args = parser().parse_args()
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as d:
-        if args.shape == "tiny":
-            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-            from helpers import save_tiny
-
-            model, unit = save_tiny("llama", os.path.join(d, "model"), args.tokenizer), 4096
-        else:
-            model, unit = build_model(os.path.join(d, "model"), args.tokenizer), 2 << 20
+        model, unit = tier_model(args.shape, d, args.tokenizer)
         lengths = [int(x) for x in args.tokens.split(",")]
         blocks = sum(-(-n // 16) for n in lengths) * 2 + 64
         kw = dict(model=model, dtype="bfloat16" if cuda else "float32", load_format="dummy",
@@ -158,17 +150,11 @@ def main() -> None:
         conn.send(("stop",))
         proc.join(30)
         connector.close()
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"peer_fetch_{args.shape}")
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=2)
-    md = render(res)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
+    write(res, stem, render(res))
     bars(res, stem + ".png", (("recompute_s", "recompute"), ("peer_s", "fetched from the peer"),
                               ("gpu_s", "own GPU hit")),
          f"TTFT with the prefix on a peer's GPU ({res['device']}, {res['link']})")
-    print(md)
 
 
 if __name__ == "__main__":
