@@ -98,6 +98,7 @@ class PeerFetches:
         """The holder would not send (it no longer holds the run, or is gone): the receive fails
         now rather than at its deadline; take() then hands the request to the engine."""
         if fetch_id in self.incoming:
+            log.info("%s: fetch %s refused: %s; recomputing", self.connector.name, fetch_id, why)
             self.connector.abort(fetch_id)  # its FAILED end comes through the next poll
 
     def _land(self, fetch_id: str, h: Handoff) -> Request:
@@ -129,8 +130,10 @@ class PeerFetches:
         every one of them on its GPU (nothing is sent)."""
         kv, blocks = self.engine.kv, []
         try:
+            if fetch_id in self.serving:
+                raise ValueError("a fetch with this id is being served")
             blocks = kv.pin_run([bytes.fromhex(h) for h in hashes])
-            if len(blocks) < len(hashes) or fetch_id in self.serving:
+            if len(blocks) < len(hashes):
                 raise LookupError(f"{len(blocks)} of {len(hashes)} blocks cached")
             self.connector.start_send(target, fetch_id, [b.block_id for b in blocks], self.timeout_s, meta={})
         except Exception as e:  # noqa: BLE001 - refused (never raised into the driver): the receiver recomputes
