@@ -20,7 +20,6 @@ stopped choosing is tried again (why: docs/design/placement.md).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from pdserve.transfer.fetch import FetchPlan
 
 from .api import NoWorker
 from .pools import Pools, WorkerRecord
+from .registry import PrefixRun, best_holder
 from .routing import Holder, pick_decode, pick_prefill, place_prompt, plan_fetch
 
 FLOOR_S = 0.05  # added to both sides of observed / predicted: a few ms of overhead is no error
@@ -111,23 +111,25 @@ class Placer:
         return self.pools.serving.slo
 
     async def plan(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
-        placed = await self._place(hashes, ids, charges)
-        if hashes and self.pools.serving.handoff.peer_fetch and placed.prefills_on.info.get("layout"):
-            await self._plan_fetch(placed, hashes)
+        """One registry call (the workers' runs of the prompt's hashes) serves both decisions."""
+        runs = await self.registry.runs(hashes) if hashes else {}
+        placed = self._place(runs, hashes, ids, charges)
+        if runs and self.pools.serving.handoff.peer_fetch and placed.prefills_on.info.get("layout"):
+            self._plan_fetch(placed, runs)
         return placed
 
-    async def _plan_fetch(self, placed: Placement, hashes: list[str]) -> None:
+    def _plan_fetch(self, placed: Placement, runs: dict[str, PrefixRun]) -> None:
         """A peer fetch for the worker that prefills, when a peer's GPU holds more of the prompt
         and fetching it is predicted faster (routing.plan_fetch); its decision goes into the
         timeline's `placement` entry."""
-        runs = await self.registry.runs(hashes)
         w = placed.prefills_on
-        if not runs or max(g for g, _ in runs.values()) <= runs.get(w.worker_id, (0, 0))[1]:
+        own = runs[w.worker_id].tier if w.worker_id in runs else 0
+        if max(r.gpu for r in runs.values()) <= own:
             return
         holders = {h: self._holder(w, self.pools.workers[h]) for h in runs
                    if h in self.pools.workers and self._same_kv(w, h)}
-        d = plan_fetch(w.worker_id, runs, holders, self.block_size, block_bytes(w.info["layout"]),
-                       w.stats.get("prefill_tok_s"))
+        d = plan_fetch(w.worker_id, {h: (r.gpu, r.tier) for h, r in runs.items()}, holders, self.block_size,
+                       block_bytes(w.info["layout"]), w.stats.get("prefill_tok_s"))
         if d is None:
             return
         placed.fetch = FetchPlan(d.holder, d.blocks, self.pools.workers[d.holder].info.get("tp", 1))
@@ -152,20 +154,20 @@ class Placer:
         except LayoutMismatch:
             return False
 
-    async def _place(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
+    def _place(self, runs: dict[str, PrefixRun], hashes: list[str], ids: list[int], charges: Charges) -> Placement:
         try:
             if self.pools.mode == "colocated":
-                w = await self._pick_prefill(hashes, ids, "decode")
+                w = self._pick_prefill(runs, hashes, ids, "decode")
                 charges.charge(w, len(ids))
                 return Placement(w)
-            local, reason = await self._local_decode(hashes, ids)
+            local, reason = self._local_decode(runs, hashes, ids)
             if local is not None:
                 self.count(reason)
                 charges.charge(local, len(ids))
                 return Placement(local)
             if self.pools.mode == "hybrid":
-                return await self._hybrid(hashes, ids, charges)
-            p = await self._pick_prefill(hashes, ids, "prefill")
+                return self._hybrid(runs, hashes, ids, charges)
+            p = self._pick_prefill(runs, hashes, ids, "prefill")
             d = self.pools.worker(pick_decode(self.pools.candidates("decode")))
             charges.charge(p, len(ids))
             return Placement(d, p)
@@ -173,14 +175,10 @@ class Placer:
             e.retry_after_s = self.pools.start_s
             raise
 
-    async def _hybrid(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
+    def _hybrid(self, runs: dict[str, PrefixRun], hashes: list[str], ids: list[int], charges: Charges) -> Placement:
         """The decode worker, and the prefill worker unless the decode worker prefills the prompt
         itself (routing.place_prompt, from live queues, corrected rates and cached prefixes)."""
-        if hashes:
-            (ph, pd), (dh, dd) = await asyncio.gather(self.registry.longest_prefix(hashes, "prefill"),
-                                                      self.registry.longest_prefix(hashes, "decode"))
-        else:
-            ph, pd, dh, dd = None, 0, None, 0
+        (ph, pd), (dh, dd) = best_holder(runs, "prefill"), best_holder(runs, "decode")
         decodes = self.pools.candidates("decode", charges.priority)
         for c in decodes:
             c.cached_tokens = dd * self.block_size if c.worker_id == dh else 0
@@ -235,22 +233,23 @@ class Placer:
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = 0.9 * self.handoff_s + 0.1 * seconds
 
-    async def _pick_prefill(self, hashes: list[str], ids: list[int], role: str) -> WorkerRecord:
+    def _pick_prefill(self, runs: dict[str, PrefixRun], hashes: list[str], ids: list[int],
+                      role: str) -> WorkerRecord:
         """The worker to run this prompt's prefill: of the prefill pool, or (colocated mode)
         of the decode pool: longest cached prefix, else consistent hash, bounded load."""
-        cached = await self.registry.longest_prefix(hashes, role)
         key = hashes[0] if hashes else str(ids[: self.block_size])
-        wid, reason = pick_prefill(self.pools.candidates(role), key, tuple(cached), role=role)
+        wid, reason = pick_prefill(self.pools.candidates(role), key, best_holder(runs, role), role=role)
         self.count(reason)
         return self.pools.worker(wid)
 
-    async def _local_decode(self, hashes: list[str], ids: list[int]) -> tuple[WorkerRecord | None, str]:
+    def _local_decode(self, runs: dict[str, PrefixRun], hashes: list[str],
+                      ids: list[int]) -> tuple[WorkerRecord | None, str]:
         """Conditional disaggregation: the decode worker to prefill on, if any."""
         if len(ids) <= self.local_prefill_tokens:
             return self.pools.worker(pick_decode(self.pools.candidates("decode"))), "local_short"
         if hashes and self.local_cached_fraction <= 1.0 and \
                 self.local_cached_fraction * len(ids) <= len(hashes) * self.block_size:
-            holder, depth = await self.registry.longest_prefix(hashes, "decode")
+            holder, depth = best_holder(runs, "decode")
             w = self.pools.workers.get(holder)
             if w is not None and not w.draining and depth * self.block_size >= self.local_cached_fraction * len(ids):
                 return w, "local_cached"

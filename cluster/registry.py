@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import ray
 from ray.exceptions import RayError
@@ -36,6 +37,26 @@ REGISTRY_NAME = "pdserve-registry"
 # a host-tier block's worth against a GPU block: Llama-3-8B on H100 prefills 16 tokens in
 # ~0.5 ms (30K tok/s) and loads a 2 MiB block over PCIe 5 in ~0.1 ms: most of the saving stays
 HOST_HIT_WEIGHT = 0.8
+
+
+class PrefixRun(NamedTuple):
+    """One worker's hold on a prompt's chained hashes, from the first."""
+
+    role: str | None
+    gpu: int  # leading blocks on its GPU (what a peer fetch can send)
+    tier: int  # leading blocks in any of its tiers (GPU or host)
+    score: float  # the tier run scored: 1 per GPU block, HOST_HIT_WEIGHT per host block
+
+
+def best_holder(runs: dict[str, PrefixRun], role: str | None = None) -> tuple[str | None, int]:
+    """The worker (of `role`) with the best-scored run, and that run's length in blocks; ties go to
+    the smaller worker id; (None, 0) when none holds the first block."""
+    best, best_score, depth = None, 0.0, 0
+    for w in sorted(runs):
+        r = runs[w]
+        if (role is None or r.role == role) and r.score > best_score:
+            best, best_score, depth = w, r.score, r.tier
+    return best, depth
 
 
 @ray.remote(num_cpus=0)
@@ -110,39 +131,31 @@ class BlockRegistry:
         return [dict(w, num_cached_blocks=len(self.blocks.get(w["worker_id"], ())),
                      num_host_blocks=len(self.host_blocks.get(w["worker_id"], ()))) for w in self.workers.values()]
 
-    def longest_prefix(self, hashes: list[str], role: str | None = None) -> tuple[str | None, int]:
-        """The worker (of `role`) whose tiers hold the best-scored run of these chained hashes
-        from the start (a GPU block 1, a host block HOST_HIT_WEIGHT), and that run's length
-        in blocks; ties go to the smaller worker id."""
+    def runs(self, hashes: list[str]) -> dict[str, PrefixRun]:
+        """Each worker holding the first of these chained hashes, with its run of them: placement's
+        one question per prompt (the holder to prefill on, and a peer to fetch from)."""
         self.purge_stale()
-        best, best_score, depth = None, 0.0, 0
-        for w in sorted(w for w, i in self.workers.items() if role is None or i.get("role") == role):
+        out = {}
+        for w, info in self.workers.items():
             gpu, host = self.blocks.get(w, set()), self.host_blocks.get(w, set())
-            score, n = 0.0, 0
-            for h in hashes:
+            g, score, n = len(hashes), 0.0, 0
+            for i, h in enumerate(hashes):
                 if h in gpu:
                     score += 1.0
                 elif h in host:
                     score += HOST_HIT_WEIGHT
+                    g = min(g, i)
                 else:
+                    g = min(g, i)
                     break
                 n += 1
-            if score > best_score:
-                best, best_score, depth = w, score, n
-        return best, depth
-
-    def runs(self, hashes: list[str]) -> dict[str, tuple[int, int]]:
-        """For each worker holding the first of these chained hashes: (how many from the first it
-        holds on its GPU, how many in any tier), what a peer fetch is planned from."""
-        self.purge_stale()
-        out = {}
-        for w in self.workers:
-            gpu, host = self.blocks.get(w, set()), self.host_blocks.get(w, set())
-            g = next((i for i, h in enumerate(hashes) if h not in gpu), len(hashes))
-            t = next((i for i, h in enumerate(hashes) if h not in gpu and h not in host), len(hashes))
-            if t:
-                out[w] = (g, t)
+            if n:
+                out[w] = PrefixRun(info.get("role"), g, n, score)
         return out
+
+    def longest_prefix(self, hashes: list[str], role: str | None = None) -> tuple[str | None, int]:
+        """The worker (of `role`) whose tiers hold the best-scored run of these hashes (best_holder)."""
+        return best_holder(self.runs(hashes), role)
 
     def tiers_of(self, worker_id: str, hashes: list[str]) -> list[str]:
         """Where `worker_id` holds each hash: "gpu", "host" or "" (tests, `pdserve status`)."""
@@ -156,9 +169,9 @@ class BlockRegistry:
 class RegistryLink:
     """The cluster's handle on the registry, for a registry that may die.
 
-    Lifecycle: `create()` starts the named actor with unlimited restarts. `longest_prefix`
+    Lifecycle: `create()` starts the named actor with unlimited restarts. `runs`
     answers from it within `call_timeout_s`; a call that fails or times out marks the
-    registry down, and while it is down placement gets (None, 0) at once (consistent hash
+    registry down, and while it is down placement gets no runs at once (consistent hash
     with bounded load) without asking. The pools' monitor calls `check()` every second: a
     registry that answers is up again; one whose name is gone (killed for good) is created
     anew under the same name (the workers look it up again); one that has not answered
@@ -207,15 +220,9 @@ class RegistryLink:
             self._down(type(e).__name__)
         return None
 
-    async def longest_prefix(self, hashes: list[str], role: str | None) -> tuple[str | None, int]:
-        """The registry's (holder, depth) for these hashes; (None, 0) while it is away."""
-        if not hashes or not self.up:
-            return None, 0
-        res = await self._call(self.actor.longest_prefix.remote(hashes, role), self.call_timeout_s)
-        return (None, 0) if res is None else tuple(res)
-
-    async def runs(self, hashes: list[str]) -> dict[str, tuple[int, int]]:
-        """The registry's runs of these hashes per worker (BlockRegistry.runs); {} while it is away."""
+    async def runs(self, hashes: list[str]) -> dict[str, PrefixRun]:
+        """The registry's runs of these hashes per worker (BlockRegistry.runs); {} while it is away
+        (placement then runs without prefix hints)."""
         if not hashes or not self.up:
             return {}
         res = await self._call(self.actor.runs.remote(hashes), self.call_timeout_s)

@@ -47,7 +47,7 @@ INTRA = {
         "worker_actor": {"outlets", "output_pipe", "peer_calls", "registry", "serving_config", "shard_actor",
                          "worker_commands"},
         "pools": {"autoscale", "routing", "serving_config", "worker_actor"},
-        "placement": {"api", "pools", "routing"},
+        "placement": {"api", "pools", "registry", "routing"},
         "attempt": {"placement"},
         "dispatch": {"api", "attempt", "output_pipe", "placement", "pools"},
         "pool_args": {"serving_config"},
