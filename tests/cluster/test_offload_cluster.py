@@ -147,7 +147,10 @@ def test_a_prefix_cached_on_a_busy_worker_is_fetched_by_the_worker_placed_instea
         placement = next(t["placement"] for t in reversed(c.timeline()) if t["decode_worker"] == b)
         assert placement["fetch"]["holder"] == a and placement["fetch"]["blocks"] == 6, placement
         assert out.num_cached_tokens == 96
-        rows = {r["worker_id"]: r for r in c.status()}
+        deadline = time.monotonic() + 5  # the holder sees its send end at its next poll
+        while (rows := {r["worker_id"]: r for r in c.status()})[a]["kv_peer_served_bytes"] == 0:
+            assert time.monotonic() < deadline, rows[a]
+            time.sleep(0.1)
         assert rows[b]["prefix_cache_peer_hits"] == 96 and rows[b]["kv_peer_fetches_failed"] == 0, rows[b]
         assert rows[a]["kv_peer_served_bytes"] == rows[b]["kv_peer_fetched_bytes"] > 0
         assert c.counters["routing"].get("peer_fetch") == 1

@@ -107,3 +107,29 @@ def test_prefill_tp2_replicated_kv_head_to_decode_tp1_equals_llm(tiny_models):
         no_request_blocks(c)
     finally:
         c.shutdown()
+
+
+def test_a_tp2_worker_fetches_a_prefix_from_a_tp1_peer_head_slice_by_head_slice(p1_d2, tiny_models):
+    """A peer fetch between workers of different TP sizes goes through the handoff's routes: the TP2
+    decode worker's ranks each pull their KV heads of the prefix the TP1 prefill worker caches."""
+    from pdserve.transfer.fetch import FetchPlan
+
+    shared, prompt = list(range(300, 364)), list(range(300, 364)) + [5, 6, 7]
+    with LLM(tiny_models["llama"], max_model_len=512) as llm:
+        want = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    p1_d2.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))  # prefilled on P alone
+    rows = {r["role"]: r for r in p1_d2.status()}
+    p, d = rows["prefill"]["worker_id"], rows["decode"]["worker_id"]
+    gen = p1_d2.pools.workers[d].actor.generate.options(num_returns="streaming").remote(
+        "tp-fetch-0", prompt, GREEDY, None, 1, FetchPlan(p, 4, 1))
+    tokens = []
+    for ref in gen:
+        out = ray.get(ref)
+        tokens += out.outputs[0].token_ids
+    assert tokens == want
+    deadline = time.monotonic() + 5  # the holder sees its send end at its next poll (an idle worker: 0.2 s)
+    while (rows := {r["worker_id"]: r for r in p1_d2.status()})[p]["kv_peer_served_bytes"] == 0:
+        assert time.monotonic() < deadline, rows[p]
+        time.sleep(0.1)
+    assert rows[d]["prefix_cache_peer_hits"] == 64 and rows[d]["kv_peer_fetches_failed"] == 0, rows[d]
+    no_request_blocks(p1_d2)
