@@ -331,7 +331,7 @@ class WorkerActor:
                 if not self.role.has_work():  # busy, the steps keep the interval; idle, this does
                     self.engine.persist_if_due()
             if not self.role.has_work() and not self.inbox:
-                self.wake.wait(0.005 if self.role.num_inflight else 0.2)
+                self.wake.wait(0.005 if self.role.num_inflight or self.fetches.busy else 0.2)
 
     def _fail_all(self, err: Exception) -> list:
         """An unexpected error in a step: which request caused it is unknown, so every request
