@@ -2,10 +2,13 @@
 
 It knows the workers (id, role, node, address, capacity, epoch, last heartbeat, the
 stats they report) and which prefix-block hashes each one holds, kept current by
-batched (stored, removed) events that ride on heartbeats. The router asks it for
-the worker holding the longest cached prefix of a prompt, scored by tier: a block in a
-worker's host tier (its KV offloaded to host memory, engine/tiers/offload.py) counts
-HOST_HIT_WEIGHT of a GPU block: it saves the prefill but costs a PCIe load-back. Workers whose heartbeat
+batched (stored, removed) events that ride on heartbeats. Placement asks it once per prompt
+for every worker's run of the prompt's hashes (`runs`: on its GPU, in any tier, and the run's
+score): `best_holder` picks the worker to prefill on by score, a block in a worker's host tier
+(its KV offloaded to host memory, engine/tiers/offload.py) counting HOST_HIT_WEIGHT of a GPU
+block (it saves the prefill but costs a PCIe load-back); the GPU runs are what a peer fetch can
+send (transfer/fetch.py). Disk-tier blocks are not announced: a 4 TB tier is about 2M blocks a
+worker, and a node's workers share its directory anyway. Workers whose heartbeat
 is older than `stale_s` (or that re-register with a new epoch) are purged; a purged
 worker that is still alive sees its next heartbeat refused (False) and registers
 again with all its cached blocks.
