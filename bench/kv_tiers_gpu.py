@@ -97,14 +97,20 @@ def one_length(model: str, cuda: bool, tokens: int, disk_dir: str, unit: int) ->
     return row
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
+def tier_parser() -> argparse.ArgumentParser:
+    """What the tier benches share on their command lines (this one and peer_fetch_gpu.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
     ap.add_argument("--tokens", default="4096,16000")
-    ap.add_argument("--disk-dir", default=None, help="where the disk tier's files go (default: a temporary dir)")
     ap.add_argument("--out", default="bench/results/kv_tiers")
+    return ap
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
+    ap = tier_parser()
+    ap.add_argument("--disk-dir", default=None, help="where the disk tier's files go (default: a temporary dir)")
     return ap
 
 

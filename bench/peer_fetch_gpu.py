@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kv_capacity_gpu import ttft  # noqa: E402
-from kv_tiers_gpu import bars, tier_model, write  # noqa: E402
+from kv_tiers_gpu import bars, tier_model, tier_parser, write  # noqa: E402
 
 from pdserve.decode.role import DecodeRole  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
@@ -101,12 +101,7 @@ def one_length(role: DecodeRole, conn, cuda: bool, tokens: int, unit: int) -> di
 
 def parser() -> argparse.ArgumentParser:
     """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
-    ap.add_argument("--tokens", default="4096,16000")
-    ap.add_argument("--out", default="bench/results/kv_tiers")
-    return ap
+    return tier_parser()
 
 
 def render(res: dict) -> str:
