@@ -18,4 +18,4 @@ PDSERVE_PROMETHEUS_BIN=$(bash scripts/install_prometheus.sh)
 export PDSERVE_PROMETHEUS_BIN
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 # two test files at a time (each keeps its module's cluster): most tests wait on Ray actors
-python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile "$@"
+python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

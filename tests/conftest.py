@@ -67,11 +67,13 @@ def own_ray():
         ray.shutdown()
 
 
-# The longest files first (seconds each on 2 idle cores, `--durations`): `-n 2 --dist loadfile`
-# hands out files in collection order, and one of these started last kept the other worker idle
-# for minutes. The rest keep their order.
-LONGEST_FIRST = ("test_docs.py", "test_cluster.py", "test_faults.py", "test_router.py", "test_spec_cluster.py",
-                 "test_openai_parity.py", "test_hybrid.py", "test_autoscale_policy.py", "test_spec_decode.py")
+# The longest files first (seconds each on 2 idle cores, `--durations=0` summed per file):
+# scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`, which hands out files in
+# collection order, and one of these started last kept the other worker idle for minutes. The rest
+# keep their order.
+LONGEST_FIRST = ("test_faults.py", "test_serve_models.py", "test_cluster.py", "test_openai_parity.py", "test_docs.py",
+                 "test_c10d_transfer.py", "test_spec_decode.py", "test_correctness_hf.py", "test_cli.py",
+                 "test_offload_cluster.py", "test_router.py", "test_deepseek.py", "test_fake_multinode.py")
 
 
 def pytest_collection_modifyitems(config, items):
