@@ -17,5 +17,7 @@ ruff check .
 PDSERVE_PROMETHEUS_BIN=$(bash scripts/install_prometheus.sh)
 export PDSERVE_PROMETHEUS_BIN
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-# two test files at a time (each keeps its module's cluster): most tests wait on Ray actors
-python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# two test files at a time (each keeps its module's cluster): most tests wait on Ray actors. A test
+# process that dies (a crash, not a failure) ends the run at once, naming the test it was running:
+# a replaced worker under --dist loadfile re-ran that test or waited for work forever
+python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --max-worker-restart=0 "$@"

@@ -3,10 +3,12 @@ saved to temp dirs (so the real loading path is what tests exercise)."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 
 import pytest
 import torch
+from _pytest.faulthandler import fault_handler_stderr_fd_key
 
 # On CPU the Triton kernels run under Triton's interpreter; it must be chosen before
 # triton is first imported.
@@ -20,6 +22,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 from helpers import save_tiny
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """Every thread's Python stack on the real stderr if the test process dies of a signal (SIGABRT
+    from native code, SIGSEGV): ray.init installs its own handler for those, which logs only program
+    counters to a file, so pytest's faulthandler is put back in front of it (it chains to Ray's)."""
+    fd = item.config.stash.get(fault_handler_stderr_fd_key, None)
+    if fd is not None:
+        faulthandler.enable(file=fd, all_threads=True)
 
 
 @pytest.fixture(scope="session")
