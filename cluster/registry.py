@@ -178,7 +178,10 @@ class RegistryLink:
     with bounded load) without asking. The pools' monitor calls `check()` every second: a
     registry that answers is up again; one whose name is gone (killed for good) is created
     anew under the same name (the workers look it up again); one that has not answered
-    for `frozen_s` is killed so that Ray restarts it. `state()` is what /health reports."""
+    for `frozen_s` is killed so that Ray restarts it. Each incarnation (created or restarted)
+    gets its own clock, and each kill in one outage doubles the next one's allowance (up to
+    16 x `frozen_s`): a registry whose process takes longer than `frozen_s` to start on a busy
+    machine is not killed over and over while it starts. `state()` is what /health reports."""
 
     def __init__(self, namespace: str, call_timeout_s: float = 1.0, frozen_s: float = 10.0):
         self.namespace, self.call_timeout_s, self.frozen_s = namespace, call_timeout_s, frozen_s
@@ -187,6 +190,8 @@ class RegistryLink:
         self.reason: str | None = None
         self.outages = 0  # outages seen since the cluster started
         self.recreated = 0  # times the registry was created anew (its name was gone)
+        self.waiting_since: float | None = None  # when this incarnation's wait began (down, created, killed)
+        self.kills = 0  # kills in this outage: each doubles the next incarnation's allowance
         self.closed = False
 
     def create(self):
@@ -206,6 +211,7 @@ class RegistryLink:
     def _down(self, why: str) -> None:
         if self.up:
             self.down_since, self.outages = time.monotonic(), self.outages + 1
+            self.waiting_since, self.kills = self.down_since, 0
             log.warning("block registry unavailable (%s): placing without prefix hints until it is back", why)
         self.reason = why
 
@@ -253,12 +259,14 @@ class RegistryLink:
                 log.warning("block registry gone: creating it again")
                 self.create()
                 self.recreated += 1
+                self.waiting_since = time.monotonic()  # the new actor's start is its own time
             return
-        if time.monotonic() - self.down_since > self.frozen_s:
-            log.warning("block registry frozen for %.0f s: killing it so that Ray restarts it",
-                        time.monotonic() - self.down_since)
+        waited, allowed = time.monotonic() - self.waiting_since, self.frozen_s * 2 ** min(self.kills, 4)
+        if waited > allowed:
+            log.warning("block registry frozen for %.0f s: killing it so that Ray restarts it", waited)
             ray.kill(self.actor, no_restart=False)
-            self.down_since = time.monotonic()  # give the restart its own time
+            self.kills += 1
+            self.waiting_since = time.monotonic()  # the restart's start is its own time
 
     def kill(self) -> None:
         self.closed = True
