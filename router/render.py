@@ -29,6 +29,18 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+LOGPROB_FLOOR = -9999.0  # what a log-prob of -inf (a token the request's masks ruled out) is shown as, as vLLM
+
+
+def finite(e: dict[int, float] | None) -> dict[int, float] | None:
+    """A token's log-probs with every value a finite JSON number: -inf and NaN (a masked token:
+    allowed_token_ids, logit_bias, a grammar) become LOGPROB_FLOOR. JSON has no infinity, and
+    JavaScript, Go and serde refuse the `-Infinity` Python would write."""
+    if e is None:
+        return None
+    return {t: v if v > LOGPROB_FLOOR else LOGPROB_FLOOR for t, v in e.items()}  # NaN fails the test too
+
+
 def headers_of(out: RequestOutput) -> dict:
     """The workers that served the request (debugging, tests)."""
     return {"x-pdserve-prefill": out.prefill_worker or "", "x-pdserve-decode": out.decode_worker or ""}
@@ -67,6 +79,7 @@ class Renderer:
         An entry is {sampled id: log-prob, top ids: log-probs}; its top N, best first."""
         if entries is None:
             return None
+        entries = [finite(e) for e in entries]
         name, tops = self.token, [self.tops(e) for e in entries]
         if self.chat:
             def item(t: int, v: float) -> dict:
@@ -86,6 +99,7 @@ class Renderer:
     def prompt_logprobs(self, entries: list[dict[int, float] | None]) -> dict:
         """Completions' echo with logprobs: the prompt's part of the log-probs object (its first
         token has none, as OpenAI's legacy API gives it)."""
+        entries = [finite(e) for e in entries]
         offsets, at = [], 0
         for t in self.prompt_ids:
             offsets.append(at)
@@ -103,7 +117,7 @@ class Renderer:
             return None
         ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
         res = []
-        for t, e, rank in zip(self.prompt_ids, out.prompt_logprobs, ranks):
+        for t, e, rank in zip(self.prompt_ids, map(finite, out.prompt_logprobs), ranks):
             if e is None:
                 res.append(None)
                 continue

@@ -126,6 +126,42 @@ def test_vllm_request_extras(served):
     assert all(t.startswith("token_id:") for t in text.choices[0].logprobs.tokens)
 
 
+def _strict_json(text: str):
+    """JSON as JavaScript, Go and serde read it: NaN and Infinity are refused."""
+    def refuse(name):
+        raise ValueError(f"non-finite number {name} in the response")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_every_logprob_option_at_once_answers_finite_json(served):
+    """logprob_token_ids with allowed_token_ids (the asked ids are masked: their log-prob is
+    -inf), top logprobs, prompt_logprobs and echo, streamed and not: a 200 whose every number is
+    finite, -inf shown as vLLM shows it (-9999.0); it was a plain-text 500 (`Out of range float
+    values are not JSON compliant`) and, streamed, `"logprob": -Infinity`."""
+    _, server, _ = served
+    base = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 5, "logprob_token_ids": [5000],
+            "allowed_token_ids": [42, 43], "prompt_logprobs": 2, "echo": True}
+    chat = {"messages": ASK, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 5,
+            "logprob_token_ids": [5000], "allowed_token_ids": [42, 43], "prompt_logprobs": 2}
+    for path, body in (("/v1/completions", base), ("/v1/chat/completions", chat)):
+        r = httpx.post(server.url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        doc = _strict_json(r.text)
+        lp = doc["choices"][0]["logprobs"]
+        if path == "/v1/completions":
+            floors = [v for top in lp["top_logprobs"] if top for v in top.values() if v == -9999.0]
+            assert floors, lp["top_logprobs"]  # token 5000, masked, at the floor
+        else:
+            tops = [t["logprob"] for tok in lp["content"] for t in tok["top_logprobs"]]
+            assert -9999.0 in tops, tops
+        with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as s:
+            assert s.status_code == 200
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+        assert events and all(_strict_json(e) is not None for e in events)
+        assert any("-9999.0" in e for e in events), events[:3]
+
+
 def test_vllm_error_messages_name_what_is_wrong(served):
     _, _, client = served
     m = model_of(client)
