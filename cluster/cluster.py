@@ -34,6 +34,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.engine.validation import check_request
 
+from .aio import within
 from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
 from .local_ray import start_or_join_ray
@@ -319,7 +320,7 @@ class Cluster:
             rows = []
             for w in list(self.pools.workers.values()):
                 try:
-                    st = await asyncio.wait_for(w.actor.stats.remote(), 10)
+                    st = await within(w.actor.stats.remote(), 10)
                 except (ray.exceptions.RayError, asyncio.TimeoutError):
                     st = {"error": "unreachable"}
                 rows.append({"worker_id": w.worker_id, "role": w.role, "draining": w.draining,

@@ -42,6 +42,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import HandoffResult
 from pdserve.engine.sampling_params import SamplingParams
 
+from .aio import within
 from .api import FinishedRequest, NoWorker, RequestObserver
 from .attempt import Attempt
 from .output_pipe import OutputPipe
@@ -137,7 +138,7 @@ class Dispatcher:
             except (RayActorError, WorkerLost) as e:
                 raise self._lost(a, e, d, d) from None
             try:  # the client has its last output; the request is over once its prefill side is
-                await asyncio.wait_for(asyncio.shield(prefill), 60)
+                await within(asyncio.shield(prefill), 60)
             except (RayError, WorkerLost, asyncio.TimeoutError):
                 pass
         except BaseException:  # failed, or the client went away: free the blocks everywhere

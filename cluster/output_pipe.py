@@ -36,6 +36,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from .aio import within
+
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 1 << 30
@@ -124,14 +126,14 @@ class OutputPipe:
         if not ended.result():  # raises the worker's error; False: aborted there
             return None
         try:
-            return await asyncio.wait_for(q.get(), LAST_OUTPUT_S)
+            return await within(q.get(), LAST_OUTPUT_S)
         except asyncio.TimeoutError:
             return ConnectionError(f"the last output did not arrive within {LAST_OUTPUT_S:g} s")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         worker = None
         try:
-            hello = json.loads(await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S))
+            hello = json.loads(await within(read_frame(reader), HELLO_TIMEOUT_S))
             if not hmac.compare_digest(str(hello.get("secret", "")), self.secret):
                 log.warning("output pipe: a connection from %s without the secret: closed",
                             writer.get_extra_info("peername"))

@@ -30,6 +30,7 @@ from ray.exceptions import RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from .aio import within
 from .autoscale import LatencyWindow, PoolSignals, PoolState, decide
 from .routing import Candidate
 from .serving_config import ROLES, ServingConfig
@@ -213,7 +214,7 @@ class Pools:
         actor = cls.remote(wid, role, args, self.namespace, placement_group=pg, bind_host=self.bind_host,
                            shard_options=shard_opts, handoff=self.serving.handoff, output_pipe=self.output_pipe)
         try:
-            info = await asyncio.wait_for(actor.start.remote(), self.start_timeout)
+            info = await within(actor.start.remote(), self.start_timeout)
         except (asyncio.TimeoutError, RayError) as e:
             ray.kill(actor)
             if args.get("kv_persist_dir"):
@@ -251,7 +252,7 @@ class Pools:
         """The worker's N ranks packed on one node (their all-reduces stay on NVLink)."""
         pg = placement_group(self._bundles(role, tp), strategy="STRICT_PACK", name=f"pdserve-{wid}")
         try:
-            await asyncio.wait_for(pg.ready(), self.start_timeout)
+            await within(pg.ready(), self.start_timeout)
         except asyncio.TimeoutError:
             remove_placement_group(pg)
             raise RuntimeError(f"{role} worker of tensor_parallel_size {tp}: no node offers {self._bundles(role, tp)} "
@@ -268,7 +269,7 @@ class Pools:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             try:
-                st = await asyncio.wait_for(w.actor.stats.remote(), 10)
+                st = await within(w.actor.stats.remote(), 10)
             except (RayError, asyncio.TimeoutError):
                 return  # gone already
             if w.load == 0 and st["inflight"] == 0 and st.get("held_for_handoff", 0) == 0:
@@ -279,7 +280,7 @@ class Pools:
         self.workers.pop(w.worker_id, None)
         if graceful:
             try:
-                await asyncio.wait_for(w.actor.stop.remote(), 15)
+                await within(w.actor.stop.remote(), 15)
             except (RayError, asyncio.TimeoutError):
                 pass
         for other in self.workers.values():  # peers drop their pair groups with it
@@ -315,7 +316,7 @@ class Pools:
         await self.registry.check()
         for w in list(self.workers.values()):
             try:
-                w.stats = await asyncio.wait_for(w.actor.stats.remote(), 5)
+                w.stats = await within(w.actor.stats.remote(), 5)
             except (RayError, asyncio.TimeoutError) as e:
                 await asyncio.sleep(0.5)  # a signal that ended the worker ends this process too: closed by then
                 if w.worker_id in self.workers and not self.closed:

@@ -34,6 +34,8 @@ from typing import NamedTuple
 import ray
 from ray.exceptions import RayError
 
+from .aio import within
+
 log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "pdserve-registry"
@@ -222,7 +224,7 @@ class RegistryLink:
 
     async def _call(self, ref, timeout: float):
         try:
-            return await asyncio.wait_for(ref, timeout)
+            return await within(ref, timeout)
         except asyncio.TimeoutError:
             self._down(f"no answer within {timeout:g} s")
         except RayError as e:
@@ -294,7 +296,7 @@ class Membership:
     async def join(self, info: dict) -> None:
         """Registers now, or (the registry is away) at a beat once it is back."""
         try:
-            await asyncio.wait_for(self.actor.register.remote(self.worker_id, info), 5)
+            await within(self.actor.register.remote(self.worker_id, info), 5)
         except (RayError, asyncio.TimeoutError) as e:
             log.warning("%s: the registry is away (%s): joining at a later heartbeat", self.worker_id,
                         type(e).__name__)

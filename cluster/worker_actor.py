@@ -57,6 +57,7 @@ from .shard_actor import RayShards
 from .worker_commands import Abort, Aborted, Add, ForgetPeer, SwitchRole
 
 ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
+ABORTED_KEPT = 65536  # aborted wire ids remembered (~5 MB): far more than can be in flight at once
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,11 @@ class WorkerActor:
         self.thread: threading.Thread | None = None
         # a request's grammar compiles here before the engine thread sees the request (_compiled())
         self.compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self.compile_aborted: dict[str, bool] = {}  # requests compiling now -> aborted meanwhile
+        self.compiling_now: set[str] = set()  # requests whose grammar compiles now
+        # wire ids aborted here (never reused: each attempt has its own), newest last. An async
+        # actor runs one caller's calls out of order: an abort may come before its request, which
+        # then never starts here instead of generating for a client that left
+        self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
 
     def _make_role(self, role: str):
@@ -186,7 +191,7 @@ class WorkerActor:
                  request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks,
                  kv_links=self.connector.local.links(),  # each KV pair's link and why (transfer/pull.py)
                  **self.fetches.stats())
-        s["num_deferred"] = s["waiting_for_kv"] + len(self.compile_aborted)  # waiting on KV or a grammar
+        s["num_deferred"] = s["waiting_for_kv"] + len(self.compiling_now)  # waiting on KV or a grammar
         return s
 
     @property
@@ -202,9 +207,11 @@ class WorkerActor:
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
         self.done[request_id] = fut
-        if await self._compiled(request_id, params):
-            self._post(Add(request_id, prompt_token_ids, params, decode_id, fetch))
-        return await fut  # aborted while compiling: the abort resolves it
+        if not await self._admitted(request_id, params):
+            self.done.pop(request_id, None)
+            raise Aborted(f"request {request_id} aborted")
+        self._post(Add(request_id, prompt_token_ids, params, decode_id, fetch))
+        return await fut
 
     async def target(self, request_id: str, target: HandoffTarget) -> None:
         """Prefill role: the decode worker's reservation for a request. Applied here, not on
@@ -220,7 +227,8 @@ class WorkerActor:
         self._check_alive()
         q = self.outlets.open_stream(request_id)
         try:
-            await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch)
+            if not await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch):
+                return  # aborted before it started: the stream just ends, as after an abort
             async for out in self.outlets.stream(q):
                 yield out
         finally:
@@ -233,28 +241,33 @@ class WorkerActor:
         if the request was aborted here; raises the request's error (ConnectionError: no pipe)."""
         self._check_alive()
         fut = self.outlets.open_piped(request_id)
-        await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch)
+        if not await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch):
+            self.outlets.piped.pop(request_id, None)
+            return False
         return await self.outlets.piped_end(request_id, fut)
 
     async def _decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prefill_id: str | None, prefill_tp: int, fetch: FetchPlan | None) -> None:
+                      prefill_id: str | None, prefill_tp: int, fetch: FetchPlan | None) -> bool:
+        """Posts the request to the engine thread; False if it was aborted before it could start."""
         if prefill_id is not None:
             self.connector.peer_tp[prefill_id] = prefill_tp
-        if await self._compiled(request_id, params):  # aborted while compiling: the abort ends the request
-            self._post(Add(request_id, prompt_token_ids, params, prefill_id, fetch))
+        if not await self._admitted(request_id, params):
+            return False
+        self._post(Add(request_id, prompt_token_ids, params, prefill_id, fetch))
+        return True
 
-    async def _compiled(self, request_id: str, params: SamplingParams) -> bool:
+    async def _admitted(self, request_id: str, params: SamplingParams) -> bool:
         """Compiles the request's grammar on this worker's compile thread (the engine thread
-        then finds it cached); False if the request was aborted meanwhile."""
-        if not params.structured_outputs:
-            return True
-        self.compile_aborted[request_id] = False
-        try:
-            await asyncio.get_running_loop().run_in_executor(self.compiling, self.engine.grammars.warm,
-                                                       params.structured_outputs)
-        finally:
-            aborted = self.compile_aborted.pop(request_id)
-        return not aborted
+        then finds it cached). False if the request was aborted here first: its abort came
+        before it (the actor runs calls concurrently, in any order) or while its grammar compiled."""
+        if params.structured_outputs and request_id not in self.aborted:
+            self.compiling_now.add(request_id)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.compiling, self.engine.grammars.warm,
+                                                                 params.structured_outputs)
+            finally:
+                self.compiling_now.discard(request_id)
+        return request_id not in self.aborted
 
     async def serve_fetch(self, fetch_id: str, hashes: list[str], target: HandoffTarget) -> bool:
         """A peer fetch from this worker (transfer/fetch.py): sends the GPU blocks of `hashes` to
@@ -266,8 +279,11 @@ class WorkerActor:
         return await done
 
     async def abort(self, request_id: str) -> None:
-        if request_id in self.compile_aborted:
-            self.compile_aborted[request_id] = True
+        """Stops the request wherever it is here (queued, prefilling, sending, receiving, decoding),
+        and keeps it from starting if its prefill() or generate() call has not come yet."""
+        self.aborted[request_id] = None
+        while len(self.aborted) > ABORTED_KEPT:
+            self.aborted.popitem(last=False)
         self._post(Abort(request_id))
 
     async def switch_role(self, role: str, engine_kwargs: dict) -> dict:

@@ -102,11 +102,12 @@ class PrefillRole(Role):
 
     def step(self) -> list[Event]:
         events, self._failed = self._failed + self.fetches.events(), []
+        too_old = time.time() - self.handoff_timeout_s
         if self.early:
-            too_old = time.time() - self.handoff_timeout_s
             with self._lock:
                 for rid in [r for r, (_, t) in self.early.items() if t < too_old]:
                     del self.early[rid]
+        events += self._unclaimed(too_old)
         if self.engine.has_unfinished_requests():
             event = None
             for out in self.engine.step():
@@ -142,6 +143,21 @@ class PrefillRole(Role):
             events.append(Sent(h.request_id, HandoffResult(h.state.name, h.error, h.nbytes, h.seconds, p.spans,
                                                                    h.link)))
         return events
+
+    def _unclaimed(self, too_old: float) -> list[Event]:
+        """Prompts done before `too_old` whose decode worker never said where to send (it
+        aborted or failed the request first): their blocks are released (cached at ref 0)
+        and the handoff fails, instead of holding them for good."""
+        with self._lock:
+            stale = [rid for rid, p in self.pending.items()
+                     if p.peer is not None and p.target is None and p.output is not None
+                     and p.spans["prefill_done"] < too_old]
+            for rid in stale:
+                del self.pending[rid]
+        for rid in stale:
+            self.engine.release(rid)
+        return [Failed(rid, f"no KV reservation from its decode worker within {self.handoff_timeout_s:g} s")
+                for rid in stale]
 
     def _send(self, request_id: str, p: _Pending) -> None:
         with self._lock:

@@ -154,3 +154,27 @@ def test_a_priority_decode_worker_reserves_for_handoffs_in_priority_order(tiny_m
         for rid in list(dw.receiving) + [i.request.request_id for i in dw.backlog]:
             dw.abort(rid)
         eng.kv.check_all_free()
+
+
+def test_a_prompt_whose_decode_worker_never_reserves_is_released_after_the_handoff_timeout(tiny_models):
+    """The decode side aborted the request before it reserved (its client left): no target
+    ever comes. The prefill side releases the prompt's blocks and fails the handoff after
+    the handoff timeout, instead of holding them for good."""
+    import time
+
+    from pdserve.engine.role import Failed
+
+    hub = LoopbackHub()
+    pe = LLMEngine(EngineConfig(model=tiny_models["llama"], max_model_len=256))
+    pw = PrefillRole(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub), handoff_timeout_s=0.5)
+    pw.add("r0", list(range(10, 60)), SP, peer="decode-0")
+    events = []
+    deadline = time.monotonic() + 30
+    while not any(isinstance(e, Failed) for e in events):
+        assert time.monotonic() < deadline, "the unclaimed prompt was held for good"
+        events += pw.step()
+        time.sleep(0.01)
+    failed = next(e for e in events if isinstance(e, Failed))
+    assert failed.request_id == "r0" and "no KV reservation from its decode worker within 0.5 s" in failed.error
+    assert pw.num_inflight == 0 and not pe.held
+    pe.kv.check_all_free()
