@@ -4,6 +4,7 @@ rank's FLOPs (random bf16 weights: speed does not depend on the values).
 
     python bench/tp_gpu.py --shape llama3-70b --tp 2 --tokenizer TOK --out bench/results/tp
     python bench/tp_gpu.py --shape llama3-8b --tp 1,2 --tokenizer TOK --out bench/results/tp
+    python bench/tp_gpu.py --shape qwen3-32b --tp 2 --tokenizer TOK --out bench/results/tp
     python bench/tp_gpu.py --shape llama3-70b --rank-of 2 ...   # one GPU: one rank's shapes
                                                                 # (no all-reduce: the compute part)
 Ranks 1..N-1 run as child processes (engine/exec/shard.py), one GPU each; rank 0 is this
@@ -26,7 +27,11 @@ from engine_gpu import LLAMA3_8B, ceilings, timed  # noqa: E402
 
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
               "num_attention_heads": 64, "num_key_value_heads": 8}
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+# Qwen3-32B's matrices (64 layers, hidden 5120, 64 q / 8 KV heads of 128, MLP 25600, vocab 151936) in
+# the Llama family (its per-head q/k norms cost no bytes to speak of)
+QWEN3_32B = {**LLAMA3_8B, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-32b": QWEN3_32B}
 
 
 def rank_shape(cfg: dict, n: int) -> dict:

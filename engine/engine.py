@@ -188,6 +188,7 @@ class LLMEngine:
             with contextlib.suppress(Exception):  # a rank already gone: kill the rest
                 self.tp.send(None)
             shards.close()
+            self.runner.close()
 
     def has_unfinished_requests(self) -> bool:  # a request whose last token is in flight is still running
         return self.scheduler.num_unfinished > 0 or (self.disk is not None and bool(self.disk.holding))

@@ -25,6 +25,8 @@ shard's runner receives them and runs the same `forward` (shard.py). Only rank 0
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 
@@ -77,6 +79,16 @@ class ModelRunner:
             self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks)
         if self.device.type == "cuda" and config.use_triton:
             self.warm_up()
+
+    def close(self) -> None:
+        """After the last step: the graphs go first (NCCL keeps resources alive for the kernels
+        a graph captured until the graph is destroyed), then a tensor-parallel rank's groups."""
+        if self.tp.size > 1:
+            self.graphs = None
+            if self.device.type == "cuda":
+                gc.collect()
+                torch.cuda.synchronize(self.device)
+            self.tp.close()
 
     def use_graph_layouts(self) -> None:
         """Runs every step in the graphs' layouts without capturing (the GPU path on CPU)."""

@@ -56,6 +56,7 @@ def run_shard(config: EngineConfig, load_format: str, rank: int, address: str, o
     while True:
         inputs = tp.recv()
         if inputs is None:
+            runner.close()
             return
         runner.forward(inputs)
 

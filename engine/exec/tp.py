@@ -112,6 +112,20 @@ class TPGroup:
             self.dev = dist.ProcessGroupGloo(dev_store, self.rank, self.size, td(timeout_s))
         return self
 
+    def close(self) -> None:
+        """Tears this rank's groups down; every rank calls it after the last step (rank 0 once
+        its shards stopped). The communicators are aborted here, a local call: nothing is in
+        flight after the last step. Left to the process group's destructor, rank 0 waited
+        forever on CUDA for a shard that had already exited (a flush is collective)."""
+        for pg in (self.dev, self.ctrl):
+            stop = getattr(pg, "abort", None) or getattr(pg, "_abort", None)  # torch < 2.7: _abort
+            if stop is not None:
+                try:
+                    stop()
+                except Exception:  # noqa: BLE001 - a peer already gone: nothing left to tear down
+                    pass
+        self.dev = self.ctrl = None
+
     # ---- the model's collectives ---------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
