@@ -73,10 +73,33 @@ def main() -> None:
            "ipc_error": why, "rows": rows, "command": "python bench/cross_gpu_copy.py --out " + args.out}
     with open(os.path.join(args.out, "cross_gpu_copy.json"), "w") as f:
         json.dump(out, f, indent=2)
-    print(f"{out['device']} x{out['gpus']}, peer access {peer}, IPC {'ok' if why is None else why}")
-    print("| MiB | copy engine GB/s (one process) | over CUDA IPC GB/s (process on GPU 1) |\n|---|---|---|")
-    for r in rows:
-        print(f"| {r['mib']} | {r['copy_gbps']:.0f} | {r.get('ipc_gbps', float('nan')):.0f} |")
+    print(write_report(out, args.out))
+
+
+def write_report(out: dict, where: str) -> str:
+    """cross_gpu_copy.{md,png} beside the json; returns the md."""
+    lines = [f"# GPU 0 -> GPU 1 on {out['device']} x{out['gpus']}", "", f"`{out['command']}`", "",
+             f"Peer access: {out['peer_access']}; CUDA IPC across GPUs: "
+             f"{'works' if out['ipc_error'] is None else out['ipc_error']}.", "",
+             "| MiB | copy engine GB/s (one process) | over CUDA IPC GB/s (process on GPU 1) |", "|---|---|---|"]
+    lines += [f"| {r['mib']} | {r['copy_gbps']:.0f} | {r.get('ipc_gbps', float('nan')):.0f} |" for r in out["rows"]]
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(where, "cross_gpu_copy.md"), "w") as f:
+        f.write(md)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["mib"] for r in out["rows"]]
+    ax.plot(xs, [r["copy_gbps"] for r in out["rows"]], "o-", label="copy engine, one process")
+    ax.plot(xs, [r.get("ipc_gbps", float("nan")) for r in out["rows"]], "s--", label="over CUDA IPC, process on GPU 1")
+    ax.set(xscale="log", xlabel="MiB copied", ylabel="GB/s", title=f"GPU 0 -> GPU 1, {out['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(where, "cross_gpu_copy.png"), dpi=120)
+    return md
 
 
 if __name__ == "__main__":

@@ -61,6 +61,21 @@ def schema(i: int) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
+PROPS8_TYPES = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
+                {"type": "array", "items": {"type": "string"}}, {"type": "string", "enum": ["a", "b", "c"]},
+                {"type": "string", "maxLength": 20}, {"type": "integer", "minimum": 0, "maximum": 100}]
+
+
+def props8(i: int) -> dict:
+    """The i-th schema of 8 plain properties, each name its own (the shape a client with one
+    schema per tool or per record type sends)."""
+    props = {f"field_{i}_{j}": PROPS8_TYPES[(i + j) % 8] for j in range(8)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+KINDS = {"mixed": schema, "props8": props8}
+
+
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -144,7 +159,7 @@ def run(args) -> dict:
             body = {"model": model, "max_tokens": args.max_tokens,
                     "messages": [{"role": "user", "content": f"Fill in record {i}."}],
                     "response_format": {"type": "json_schema",
-                                        "json_schema": {"name": f"record_{i}", "schema": schema(i)}}}
+                                        "json_schema": {"name": f"record_{i}", "schema": KINDS[args.kind](i)}}}
             if args.no_grammar:  # the control: the same requests without a grammar
                 del body["response_format"]
             r = client.post("/v1/chat/completions", json=body)
@@ -160,6 +175,7 @@ def run(args) -> dict:
         stop_server(server)
     return {"label": args.label, "schemas": args.schemas, "max_tokens": args.max_tokens, "errors": errors,
             "command": f"python bench/grammar_memory.py --label {args.label} --schemas {args.schemas}"
+                       + (f" --kind {args.kind}" if args.kind != "mixed" else "")
                        + (" --no-grammar" if args.no_grammar else ""),
             "machine": "CPU (2 cores), default model SmolLM2-135M-Instruct, pdserve serve --mode disagg 1P1D, "
                        f"--kv-cache-memory-bytes {KV_BYTES}, {WARMUP} warm-up requests",
@@ -263,6 +279,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="run")
     ap.add_argument("--schemas", type=int, default=339)
+    ap.add_argument("--kind", choices=sorted(KINDS), default="mixed",
+                    help="mixed: nested seeded schemas; props8: 8 plain properties each")
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--no-grammar", action="store_true", help="the control: the same requests, unconstrained")

@@ -187,8 +187,8 @@ class LLMEngine:
         if shards is not None:
             with contextlib.suppress(Exception):  # a rank already gone: kill the rest
                 self.tp.send(None)
+            self.runner.close()  # with the shards' own teardown, which reading stop starts
             shards.close()
-            self.runner.close()
 
     def has_unfinished_requests(self) -> bool:  # a request whose last token is in flight is still running
         return self.scheduler.num_unfinished > 0 or (self.disk is not None and bool(self.disk.holding))

@@ -81,12 +81,13 @@ class ModelRunner:
             self.warm_up()
 
     def close(self) -> None:
-        """After the last step: the graphs go first (NCCL keeps resources alive for the kernels
-        a graph captured until the graph is destroyed), then a tensor-parallel rank's groups."""
+        """After the last step, a tensor-parallel rank's graphs and groups: the graphs are
+        destroyed first (on 2x H200 the NCCL abort waited forever while graphs that captured
+        its kernels lived), then the groups torn down (and kept: tp.GRAVEYARD)."""
         if self.tp.size > 1:
             self.graphs = None
             if self.device.type == "cuda":
-                gc.collect()
+                gc.collect()  # the graphs go before the communicators: an abort waited on live ones
                 torch.cuda.synchronize(self.device)
             self.tp.close()
 

@@ -25,13 +25,22 @@ worker hosting it ends (the cluster replaces it). The ctrl group waits without l
 from __future__ import annotations
 
 import datetime
+import logging
 import pickle
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .stores import BoundStore
+
+log = logging.getLogger(__name__)
+
+# A closed tensor-parallel engine's aborted NCCL groups, kept for the life of the process and
+# never destroyed: on 2x H200 a later garbage collection of one (its destructor) hung the next
+# engine's start.
+GRAVEYARD: list = []
 
 
 class TPError(RuntimeError):
@@ -112,19 +121,32 @@ class TPGroup:
             self.dev = dist.ProcessGroupGloo(dev_store, self.rank, self.size, td(timeout_s))
         return self
 
-    def close(self) -> None:
-        """Tears this rank's groups down; every rank calls it after the last step (rank 0 once
-        its shards stopped). The communicators are aborted here, a local call: nothing is in
-        flight after the last step. Left to the process group's destructor, rank 0 waited
-        forever on CUDA for a shard that had already exited (a flush is collective)."""
-        for pg in (self.dev, self.ctrl):
-            stop = getattr(pg, "abort", None) or getattr(pg, "_abort", None)  # torch < 2.7: _abort
-            if stop is not None:
-                try:
-                    stop()
-                except Exception:  # noqa: BLE001 - a peer already gone: nothing left to tear down
-                    pass
-        self.dev = self.ctrl = None
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Tears this rank's groups down after the last step. Every rank calls it at about the
+        same time (rank 0 right after it sends stop, a shard when it reads stop): on CUDA the
+        communicators' teardown may wait for the peers' (NCCL), so rank 0 tearing down only
+        after its shards exited waited forever, and left to the group's destructor it did too.
+        Bounded: a teardown that does not finish within `timeout_s` (a peer that died) is left
+        to the process's exit, logged."""
+        groups, self.dev, self.ctrl = (self.dev, self.ctrl), None, None
+        if any(pg is not None and not isinstance(pg, dist.ProcessGroupGloo) for pg in groups):
+            GRAVEYARD.append(groups)  # NCCL: never destroyed (see GRAVEYARD)
+
+        def teardown() -> None:
+            for pg in groups:
+                stop = getattr(pg, "abort", None) or getattr(pg, "_abort", None)  # torch < 2.7: _abort
+                if stop is not None:
+                    try:
+                        stop()
+                    except Exception:  # noqa: BLE001 - a peer already gone: nothing left to tear down
+                        pass
+
+        t = threading.Thread(target=teardown, name=f"tp-close-{self.rank}", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            log.warning("tensor-parallel rank %d of %d: its groups did not tear down within %g s", self.rank,
+                        self.size, timeout_s)
 
     # ---- the model's collectives ---------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
