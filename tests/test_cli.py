@@ -121,6 +121,33 @@ def test_the_disk_tier_flags_reach_the_engine_and_a_bad_pair_is_refused(default_
         EngineConfig(device="cpu", kv_disk_dir="/d", kv_disk_size=1.0).resolve(default_model_dir)
 
 
+def test_kv_directories_are_checked_before_any_worker_starts(tmp_path):
+    """An uncreatable --kv-disk-dir (or --kv-persist-dir) is one line naming the flag, exit 2,
+    before any worker starts (it was a 71-line traceback from the workers); --kv-disk-size alone
+    is refused instead of ignored."""
+    import os
+    import time
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for flag in ("--kv-disk-dir", "--kv-persist-dir"):
+        t = time.monotonic()
+        out = pdserve("serve", "--port", "0", "--kv-offloading-size", "0.05", flag, str(blocker / "sub"),
+                      *(["--kv-disk-size", "1"] if flag == "--kv-disk-dir" else []),
+                      env={"RAY_AUTH_MODE": "disabled"})
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"{flag} {blocker / 'sub'}: cannot create or write it" in out.stderr
+        assert time.monotonic() - t < 60  # no cluster was started
+    out = pdserve("generate", "hi", "--kv-offloading-size", "0.05", "--kv-disk-size", "1")
+    assert out.returncode == 2 and "--kv-disk-size 1 needs --kv-disk-dir DIR" in out.stderr
+    fresh = tmp_path / "new" / "tier"
+    from pdserve.cli import build_parser
+    from pdserve.cli_common import check_kv_dirs
+
+    check_kv_dirs(build_parser().parse_args(["serve", "--kv-disk-dir", str(fresh), "--kv-disk-size", "1"]))
+    assert fresh.is_dir() and os.listdir(fresh) == []  # made, written, left empty
+
+
 def pdserve(*args, env=None):
     import os
 

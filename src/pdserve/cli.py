@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli_common import CliError, Parser, add_engine_args, engine_kwargs
+from pdserve.cli_common import CliError, Parser, add_engine_args, check_kv_dirs, engine_kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -24,6 +24,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
+    check_kv_dirs(args)
     llm = LLM(model=args.model, **engine_kwargs(args))
     tok = llm.get_tokenizer()
     use_chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))

@@ -89,6 +89,25 @@ def json_object(text: str) -> dict:
     return value
 
 
+def check_kv_dirs(args: argparse.Namespace) -> None:
+    """The KV tiers' directories, before any worker starts: each one given can be made and
+    written here (this host's workers use it), and --kv-disk-size comes with --kv-disk-dir."""
+    import os
+    import tempfile
+
+    if args.kv_disk_size and args.kv_disk_dir is None:
+        raise CliError(f"--kv-disk-size {args.kv_disk_size:g} needs --kv-disk-dir DIR (where the block files go)")
+    for flag, path in (("--kv-disk-dir", args.kv_disk_dir), ("--kv-persist-dir", args.kv_persist_dir)):
+        if path is None:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            raise CliError(f"{flag} {path}: cannot create or write it ({e.strerror or e})") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
            "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,

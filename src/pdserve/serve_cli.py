@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli_common import CliError, add_engine_args, engine_kwargs
+from pdserve.cli_common import CliError, add_engine_args, check_kv_dirs, engine_kwargs
 
 AUTOSCALE_FLAGS = {"target_prefill_queue": "prefill_queue", "target_ttft_p90": "ttft_p90_s",
                    "target_kv_usage": "kv_usage", "target_itl_p90": "itl_p90_s", "autoscale_cooldown": "cooldown_s",
@@ -90,6 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
     check_listen(args)
+    if args.address is None:  # a local cluster: its workers use this host's directories
+        check_kv_dirs(args)
     config = serving_config(args)  # a bad config file or value: one line, before anything starts
     t0 = time.monotonic()
 
