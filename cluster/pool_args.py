@@ -38,7 +38,8 @@ def pool_engine_args(serving: ServingConfig, mode: str, engine_args: dict, prefi
         pool.tensor_parallel_size = tp if tp is not None else pool.tensor_parallel_size
         if pool.tensor_parallel_size is not None:
             role_engine_args[role] = {**role_engine_args[role], "tensor_parallel_size": pool.tensor_parallel_size}
-        EngineConfig.from_kwargs(**role_engine_args[role]).resolve(model_path)
+        if role == "decode" or mode != "colocated":  # colocated has no prefill pool to check
+            EngineConfig.from_kwargs(**role_engine_args[role]).resolve(model_path)
     serving.check_gpu_shares({role: EngineConfig.from_kwargs(**role_engine_args[role]).gpu_memory_utilization
                               for role in (("decode",) if mode == "colocated" else ROLES)})
     return role_engine_args

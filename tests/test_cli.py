@@ -278,3 +278,21 @@ def test_generate_help_names_no_default_for_no_chat():
     opts = [" ".join(o.split()) for o in pdserve("generate", "--help").stdout.split("\n  -")]
     no_chat = next(o for o in opts if o.startswith("-no-chat"))
     assert no_chat == "-no-chat prompts as plain text, without the chat template", no_chat
+
+
+def test_the_window_command_of_the_docs_passes_the_pools_checks(default_model_dir):
+    """docs/kv-cache.md's `pdserve serve --mode colocated --kv-window-tokens 2048 --kv-sink-tokens 4`
+    was refused: colocated has no prefill pool, yet its 8192-token chunk budget was checked against
+    the window. Colocated checks its one pool; disagg still refuses the window by name."""
+    from pdserve.cli import build_parser
+    from pdserve.cli_common import engine_kwargs
+    from pdserve.cluster.pool_args import pool_engine_args
+    from pdserve.cluster.serving_config import ServingConfig
+
+    args = build_parser().parse_args(["serve", "--mode", "colocated", "--kv-window-tokens", "2048",
+                                      "--kv-sink-tokens", "4"])
+    kw = {**engine_kwargs(args), "model": default_model_dir}
+    roles = pool_engine_args(ServingConfig(), "colocated", kw, None, None, None)
+    assert roles["decode"]["kv_window_tokens"] == 2048
+    with pytest.raises(ValueError, match="kv_window_tokens 2048"):
+        pool_engine_args(ServingConfig(), "disagg", kw, None, None, None)
