@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 
 import ray
 
@@ -43,5 +45,8 @@ def ray_on_loopback():
 def start_or_join_ray(address: str | None, namespace: str) -> None:
     """Joins the Ray at `address`, or starts one of our own on loopback (never one that happens
     to run on this machine)."""
+    on_term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     with ray_on_loopback() if address is None else contextlib.nullcontext():
         ray.init(address=address or "local", namespace=namespace, **ray_init_options())
+    if callable(on_term):  # the caller's own SIGTERM handler stays (ray.init sets one that exits at once,
+        signal.signal(signal.SIGTERM, on_term)  # which left a starting server's Ray to crash as it went)

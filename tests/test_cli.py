@@ -296,3 +296,42 @@ def test_the_window_command_of_the_docs_passes_the_pools_checks(default_model_di
     assert roles["decode"]["kv_window_tokens"] == 2048
     with pytest.raises(ValueError, match="kv_window_tokens 2048"):
         pool_engine_args(ServingConfig(), "disagg", kw, None, None, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_server_starts_stops_it_cleanly(tiny_models, sig):
+    """A server started with SIGINT ignored (what a script's `pdserve serve ... &` does) stops on
+    Ctrl-C while it is still starting, as uvicorn and Ray's CLI do; SIGTERM then too, without
+    Ray's crash dump: exit 0, no traceback, nothing left of the process group."""
+    import os
+    import signal
+    import time
+
+    from helpers import _group_alive
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", tiny_models["llama"], "--mode",
+                             "colocated", "--decode", "1", "--max-model-len", "128", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 120
+        seen = ""
+        while "starting a local Ray cluster" not in seen:  # well into the start, before any serving line
+            line = proc.stderr.readline()
+            assert line and time.monotonic() < deadline, seen[-2000:]
+            seen += line
+        time.sleep(2)
+        os.kill(proc.pid, getattr(signal, sig))
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = seen + err
+    assert proc.returncode == 0, err[-3000:]
+    assert "pdserve: serving" not in out and "Traceback" not in err and "Aborted" not in err, err[-3000:]
+    deadline = time.monotonic() + 30
+    while _group_alive(proc.pid):  # the workers and the Ray it started end with it
+        assert time.monotonic() < deadline, "processes of the server outlived it"
+        time.sleep(0.5)

@@ -89,6 +89,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs.pop("model", None)
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
+    # Ctrl-C and SIGTERM stop a server that is still starting as they stop one that serves, also
+    # when it was started with SIGINT ignored (a script's `pdserve serve ... &`): Python then
+    # installs no handler of its own, and SIGINT did nothing until uvicorn's took over
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     check_listen(args)
     if args.address is None:  # a local cluster: its workers use this host's directories
         check_kv_dirs(args)
@@ -98,12 +103,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"pdserve: [{time.monotonic() - t0:5.1f} s] {message}", file=sys.stderr, flush=True)
 
-    cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
-                            namespace=args.namespace,
-                            local_prefill_tokens=args.local_prefill_tokens,
-                            local_cached_fraction=args.local_cached_fraction, serving_config=config,
-                            mode=args.mode, prefill_engine_args=prefill_engine_kwargs(args), progress=progress,
-                            **kwargs)
+    try:
+        cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
+                                namespace=args.namespace,
+                                local_prefill_tokens=args.local_prefill_tokens,
+                                local_cached_fraction=args.local_cached_fraction, serving_config=config,
+                                mode=args.mode, prefill_engine_args=prefill_engine_kwargs(args), progress=progress,
+                                **kwargs)
+    except (KeyboardInterrupt, SystemExit):  # stopped while starting (SystemExit: ray.init's own SIGTERM
+        progress("stopped before serving")  # handler, until ours is back): what had started is stopped
+        return 0
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,
