@@ -9,13 +9,17 @@ A block's way down and back up:
                                 on disk, in a run: read back if the predicted read time (their
                                 bytes over the bandwidth measured so far, reads and installs) is
                                 below the predicted time to recompute them (the step-cost model;
-                                before it knows any prefill: recompute); then the
+                                before it knows any prefill: the rate saved with the tier, else
+                                recompute); then the
                                 request waits outside the scheduler while a reader thread reads
                                 them (prefetch: the steps of other requests go on)
     its reads landed            (`ready`, before each schedule) each block takes a host slot as an
                                 offload would, and the request goes to the scheduler, whose lookup
                                 finds those blocks as host hits and loads them to the GPU
-    close                       the host tier's blocks go to disk too: a restart finds them
+    close                       the host tier's blocks go to disk too: a restart finds them, and
+                                the prefill rate this device measured (prefill_rate.json beside
+                                them), so the first request after a restart already weighs its
+                                reads against recomputing instead of recomputing blind
 
 A block that fails its checks on read ends the run there (the rest is recomputed); one that a
 full host tier drops again before its request is scheduled is recomputed.
@@ -23,7 +27,9 @@ full host tier drops again before its request is scheduled is recomputed.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +43,7 @@ from .persist import _meta
 
 log = logging.getLogger(__name__)
 
+RATE_FILE = "prefill_rate.json"  # beside the blocks: the prefill rate each device measured, for a restart
 READ_GBPS_START = 2.0  # the read bandwidth assumed when the directory has no block to time yet
 PROBE_BLOCKS = 8  # blocks read at start to time the disk (a restart's directory has some)
 READERS = 4
@@ -61,6 +68,9 @@ class DiskTier:
         self.reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-reader")
         self.holding: dict[str, tuple] = {}  # request id -> (request, its reads, when they started)
         self.read_gbps = self._probe()
+        self.device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
+        if not step_model.prefill_tok_s:  # a restart knows what reading a block is worth from the start
+            step_model.prefill_tok_s = self._rates().get(self.device, 0.0)
         self.hit_tokens = 0  # prompt tokens whose KV came back from disk
         self.skipped_tokens = 0  # on disk, but recomputing was predicted faster
         self.prefetch_seconds = 0.0  # summed over requests: from hold() to ready()
@@ -113,6 +123,30 @@ class DiskTier:
         if sm.prefill_fitted:  # its tokens x their mean context (StepShape.attn)
             return sm.predict(0, tokens, 0, tokens * (context + tokens / 2))
         return tokens / sm.prefill_tok_s if sm.prefill_tok_s else 0.0
+
+    def _rates(self) -> dict[str, float]:
+        """The prefill rates measured on this tier's model and layout, by device name."""
+        try:
+            with open(os.path.join(self.store.dir, RATE_FILE)) as f:
+                rates = json.load(f)
+            return {str(k): float(v) for k, v in rates.items() if float(v) > 0}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return {}
+
+    def _save_rate(self) -> None:
+        """This device's measured prefill rate, for the next start (written whole, renamed into
+        place: workers sharing the directory race harmlessly)."""
+        if not self.step_model.prefill_tok_s:
+            return
+        rates = {**self._rates(), self.device: self.step_model.prefill_tok_s}
+        path = os.path.join(self.store.dir, RATE_FILE)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(rates, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("could not save the prefill rate beside the disk tier: %s", e)
 
     def _probe(self) -> float:
         """The read bandwidth of up to PROBE_BLOCKS of the directory's blocks (else the default);
@@ -168,8 +202,8 @@ class DiskTier:
 
     # ---- the tier as a whole ------------------------------------------------------------------
     def close(self) -> None:
-        """The host tier's blocks written to disk (their queued copies applied first), then the
-        writer drained."""
+        """The host tier's blocks written to disk (their queued copies applied first), the writer
+        drained, and the prefill rate measured here saved beside them."""
         ops = self.index.take()
         if ops is not None:
             self.runner.host.apply(self.runner.kv, ops)
@@ -178,6 +212,7 @@ class DiskTier:
             self.store.put(h, self._slot_bytes(slot).copy())
         self.reader.shutdown(wait=True)
         self.store.close()
+        self._save_rate()
 
     def stats(self) -> dict:
         s = self.store.stats

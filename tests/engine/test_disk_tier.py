@@ -203,8 +203,10 @@ def test_blocks_go_down_to_disk_and_back_with_the_same_tokens_and_survive_a_rest
 
 def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_path):
     """Once the step model predicts recomputing the prefix faster than reading it at the measured
-    bandwidth, the request is scheduled at once and recomputes (same tokens); before the engine
-    has measured any prefill, it recomputes too (a disk of unknown worth is not waited on)."""
+    bandwidth, the request is scheduled at once and recomputes (same tokens). A restart finds the
+    prefill rate measured before it, saved with the tier: its first request reads the disk (it
+    recomputed, for want of a rate). Where no prefill was ever measured, it recomputes (a disk of
+    unknown worth is not waited on)."""
     model = tiny_models["llama"]
     want = alone(model)
     with tiered(model, str(tmp_path)) as llm:
@@ -217,7 +219,16 @@ def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_pat
         assert churn(llm, PROMPTS[4]) == want[4]
         s = llm.engine.stats()
         assert s["prefix_cache_disk_hits"] == before and s["kv_disk_skipped_tokens"] >= 64, s
-    with tiered(model, str(tmp_path)) as llm:  # restarted: no prefill measured yet
+        rate = llm.engine.step_model.prefill_tok_s
+    with tiered(model, str(tmp_path)) as llm:  # restarted: the rate came back with the tier
+        assert llm.engine.step_model.prefill_tok_s == pytest.approx(rate)
+        assert llm.generate([PROMPTS[4]], PARAMS)[0].outputs[0].token_ids == want[4]
+        s = llm.engine.stats()
+        assert s["prefix_cache_disk_hits"] == 64 and s["kv_disk_skipped_tokens"] == 0, s
+    (saved,) = tmp_path.glob("*/prefill_rate.json")
+    saved.unlink()
+    with tiered(model, str(tmp_path)) as llm:  # restarted with no rate known: recompute
+        assert llm.engine.step_model.prefill_tok_s == 0
         assert llm.generate([PROMPTS[4]], PARAMS)[0].outputs[0].token_ids == want[4]
         s = llm.engine.stats()
         assert s["prefix_cache_disk_hits"] == 0 and s["kv_disk_skipped_tokens"] >= 64, s
