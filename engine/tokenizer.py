@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# the files one of which a model directory's tokenizer is read from (Hugging Face's fast, BPE,
+# WordPiece and SentencePiece forms)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
 
 
 def load_tokenizer(path: str):
@@ -23,17 +27,26 @@ def load_tokenizer(path: str):
     class (with a tokenizer.json) loads it directly: AutoTokenizer imports the auto mappings
     and the model's config class first, 5.0 s against 1.0 s in a fresh process on 2 cores,
     and every worker, CLI call and test process pays it; the tokenizer is the same object.
-    Any other class goes through AutoTokenizer."""
+    Any other class goes through AutoTokenizer. A directory with none of TOKENIZER_FILES, or
+    whose tokenizer turns text into no tokens, is refused naming what is missing (a model saved
+    with save_pretrained alone loaded an empty tokenizer, and every prompt was then empty)."""
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): save the "
+                         "tokenizer beside the model: tokenizer.save_pretrained(DIR)")
     try:
         if _generic(path):
             from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(path)
-        from transformers import AutoTokenizer
+            tok = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - re-raised with the path named
         raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+    if not tok.encode("hello world", add_special_tokens=False):
+        raise ValueError(f"the tokenizer of {path} turns text into no tokens: its files are incomplete")
+    return tok
 
 
 def _generic(path: str) -> bool:

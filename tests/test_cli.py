@@ -335,3 +335,18 @@ def test_a_signal_while_the_server_starts_stops_it_cleanly(tiny_models, sig):
     while _group_alive(proc.pid):  # the workers and the Ray it started end with it
         assert time.monotonic() < deadline, "processes of the server outlived it"
         time.sleep(0.5)
+
+
+def test_a_model_directory_without_tokenizer_files_is_refused_naming_them(tmp_path):
+    """A model saved with save_pretrained alone (no tokenizer files) was served with an empty
+    tokenizer: every prompt tokenized to nothing. It is refused at start, in one line."""
+    from helpers import save_hf
+
+    empty = tmp_path / "no-tokenizer-here"
+    empty.mkdir()
+    model = save_hf("llama", dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1), str(tmp_path / "m"), str(empty))
+    del model
+    out = pdserve("generate", "hello", "--model", str(tmp_path / "m"), "--max-tokens", "2")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "has no tokenizer files (none of tokenizer.json, tokenizer.model" in out.stderr
