@@ -178,6 +178,24 @@ def test_cli_errors_are_one_line_and_exit_2(capsys):
         assert expect in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
+def test_engine_refusals_name_the_flags_typed(capsys, tmp_path):
+    """The engine's refusals name the flag the user typed, not the engine keyword behind it, and
+    a flag not given is never quoted as "got 0.0" (--kv-disk-dir without --kv-disk-size)."""
+    from pdserve.cli import main
+
+    kvd = str(tmp_path / "kvd")
+    for args, expect in ((("serve", "--kv-disk-dir", kvd, "--kv-disk-size", "1"),
+                          "--kv-disk-dir sits behind the host tier: set --kv-offloading-size (GiB) too"),
+                         (("serve", "--kv-offloading-size", "1", "--kv-disk-dir", kvd),
+                          f"--kv-disk-dir {kvd} needs --kv-disk-size GiB"),
+                         (("serve", "--mode", "colocated", "--kv-window-tokens", "2048", "--max-num-batched-tokens",
+                           "8192"), "lower --kv-window-tokens or --max-num-batched-tokens")):
+        assert main(list(args)) == 2, args
+        err = capsys.readouterr().err
+        assert expect in err and len(err.strip().splitlines()) == 1 and "got 0.0" not in err, (args, err)
+        assert "kv_offloading_size" not in err and "max_num_batched_tokens" not in err, err
+
+
 def test_help_shows_defaults():
     text = pdserve("serve", "--help").stdout
     assert "--host HOST           default: 127.0.0.1" in text and "default: 8000" in " ".join(text.split())
@@ -219,7 +237,7 @@ def test_generate_with_tensor_parallelism_prints_tp1s_text(tiny_models):
     assert run("2") == run("1")
     out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "hi", "--model", tiny_models["llama"],
                           "-tp", "3"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "tensor_parallel_size 3 must divide the model's 4 attention heads" in out.stderr
+    assert out.returncode == 2 and "--tensor-parallel-size 3 must divide the model's 4 attention heads" in out.stderr
 
 
 @pytest.mark.slow

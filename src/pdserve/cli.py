@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli_common import CliError, Parser, add_engine_args, check_kv_dirs, engine_kwargs
+from pdserve.cli_common import CliError, Parser, add_engine_args, check_kv_dirs, engine_kwargs, in_flags
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -89,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, CliError) as e:
+    except CliError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # the engine's or the cluster's refusal: named by the flags typed
+        print(f"pdserve: error: {in_flags(str(e))}", file=sys.stderr)
         return 2
 
 

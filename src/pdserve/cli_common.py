@@ -97,6 +97,8 @@ def check_kv_dirs(args: argparse.Namespace) -> None:
 
     if args.kv_disk_size and args.kv_disk_dir is None:
         raise CliError(f"--kv-disk-size {args.kv_disk_size:g} needs --kv-disk-dir DIR (where the block files go)")
+    if args.kv_disk_dir is not None and not args.kv_disk_size:
+        raise CliError(f"--kv-disk-dir {args.kv_disk_dir} needs --kv-disk-size GiB (how much of it the tier may fill)")
     for flag, path in (("--kv-disk-dir", args.kv_disk_dir), ("--kv-persist-dir", args.kv_persist_dir)):
         if path is None:
             continue
@@ -106,6 +108,24 @@ def check_kv_dirs(args: argparse.Namespace) -> None:
                 pass
         except OSError as e:
             raise CliError(f"{flag} {path}: cannot create or write it ({e.strerror or e})") from None
+
+
+# engine keywords whose flag's name is not the keyword's (engine_kwargs maps them)
+FLAG_OF_KEY = {"kv_persist_interval_s": "--kv-persist-interval", "speculative_config": "--speculative-config"}
+
+
+def in_flags(message: str) -> str:
+    """An engine refusal in the words the user typed: each engine keyword (snake_case) that a
+    flag of `generate` / `serve` sets is named as that flag (kv_offloading_size ->
+    --kv-offloading-size)."""
+    import re
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    flags = {a.dest: next(o for o in a.option_strings if o.startswith("--")) for a in p._actions if a.option_strings}
+    flags.update(FLAG_OF_KEY)
+    keys = sorted((k for k in flags if "_" in k), key=len, reverse=True)  # keywords, never prose ("model")
+    return re.sub(r"(?<![\w-])(" + "|".join(map(re.escape, keys)) + r")(?![\w-])", lambda m: flags[m.group(1)], message)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

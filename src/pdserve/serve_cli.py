@@ -97,7 +97,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_listen(args)
     if args.address is None:  # a local cluster: its workers use this host's directories
         check_kv_dirs(args)
-    config = serving_config(args)  # a bad config file or value: one line, before anything starts
+    try:  # a bad config file or value: one line in the config's own words, before anything starts
+        config = serving_config(args)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     t0 = time.monotonic()
 
     def progress(message: str) -> None:
