@@ -73,8 +73,8 @@ def test_serve_refuses_pools_whose_memory_shares_overfill_a_gpu(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
         "pdserve: error: GPU memory shares add up past 1.0 on one GPU: 1 prefill worker (num_gpus 0.5, "
-        "gpu_memory_utilization 0.6) + 1 decode worker (num_gpus 0.5, gpu_memory_utilization 0.6) = 1.20 of its "
-        "memory; gpu_memory_utilization is each worker's own share: lower it so the workers one GPU holds add up "
+        "--gpu-memory-utilization 0.6) + 1 decode worker (num_gpus 0.5, --gpu-memory-utilization 0.6) = 1.20 of its "
+        "memory; --gpu-memory-utilization is each worker's own share: lower it so the workers one GPU holds add up "
         "to at most 1"]
 
 
