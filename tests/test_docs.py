@@ -153,3 +153,57 @@ def run_block(name: str, code: str, env: dict, cwd) -> int:
     assert out.returncode == 0, f"{name}:\n{code}\n{out.stderr[-2000:]}"
     assert "Paris" in out.stdout or "OpenAI(" not in code, out.stdout
     return 1
+
+
+def not_here(argv: list[str]) -> str | None:
+    """Why a `pdserve serve` command of the docs cannot start on this machine (CPU, no Ray
+    cluster of its own, no model but the default), or None: it starts here."""
+    if "--address" in argv:
+        return "joins a running Ray cluster (ray up)"
+    if {"-tp", "--tensor-parallel-size", "--prefill-tp", "--decode-tp"} & set(argv):
+        return "tensor parallelism: GPUs"
+    if "--model" in argv:
+        return "a model directory of the reader's"
+    if any(a.startswith("/mnt/") for a in argv):
+        return "a node's own disk"
+    return None
+
+
+@pytest.mark.slow
+def test_every_serve_command_in_the_docs_starts_and_answers(tmp_path):
+    """Each `pdserve serve` line of the docs' bash blocks that can run here starts (on a free port,
+    ~ in a scratch home) and answers a completion, then stops on Ctrl-C; the rest say why not.
+    (docs/kv-cache.md's window command was refused as written while only parsed.)"""
+    env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_URL", "PDSERVE_ADMIN_KEY", "PDSERVE_API_KEY")}
+    env |= {"RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo", "HOME": str(tmp_path)}
+    (quick_start,) = [argv for name, argv in commands() if name == "README.md" and argv[:2] == ["pdserve", "serve"]]
+    started, skipped = [], {}
+    for name, argv in commands():
+        if argv[:2] != ["pdserve", "serve"] or argv in (quick_start, *(a for _, a in started)):
+            continue  # the quick start runs in the test above
+        if (why := not_here(argv)) is not None:
+            skipped[shlex.join(argv)] = why
+            continue
+        run = [a for a in argv if a != "--port"]
+        if "--port" in argv:
+            del run[argv.index("--port")]  # its value: any free port instead (the serving line names it)
+        run = [sys.executable, "-m", *[os.path.expanduser(a).replace(os.path.expanduser("~"), str(tmp_path))
+                                       for a in run], "--port", "0"]
+        server = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                  cwd=tmp_path, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{serving_port(server)}"
+            out = subprocess.run(["curl", "-s", "-f", f"{url}/v1/completions", "-H", "Content-Type: application/json",
+                                  "-d", '{"prompt": "The capital of France is", "max_tokens": 4}'],
+                                 capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0 and '"choices"' in out.stdout, f"{name}: {shlex.join(argv)}: {out.stdout}"
+        finally:
+            os.killpg(server.pid, signal.SIGINT)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+        assert server.returncode == 0, f"{name}: {shlex.join(argv)}: {server.stderr.read()[-2000:]}"
+        started.append((name, argv))
+    print("not started here:", *(f"{c}  ({why})" for c, why in skipped.items()), sep="\n  ", file=sys.stderr)
+    assert len(started) >= 3, (started, skipped)
