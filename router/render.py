@@ -68,11 +68,12 @@ class Renderer:
         """A token as log-probs name it."""
         return f"token_id:{t}" if self.as_ids else self.tokenizer.decode([t])
 
-    def tops(self, e: dict[int, float]) -> list[tuple[int, float]]:
-        """A token's top log-probs: its top N, best first, then the ids the request named."""
-        top = sorted(e.items(), key=lambda kv: -kv[1])[:self.top_n]
-        shown = {t for t, _ in top}
-        return top + [(t, e[t]) for t in self.asked_ids if t in e and t not in shown]
+    def tops(self, e: dict[int, float], token: int) -> list[tuple[int, float]]:
+        """A token's top log-probs: its top N, best first; with vLLM's logprob_token_ids, what
+        vLLM returns instead: the sampled `token`, then exactly the ids the request named."""
+        if self.asked_ids:
+            return [(token, e[token])] + [(t, e[t]) for t in dict.fromkeys(self.asked_ids) if t in e and t != token]
+        return sorted(e.items(), key=lambda kv: -kv[1])[:self.top_n]
 
     def logprobs(self, entries: list[dict[int, float]] | None, token_ids: list[int], offset: int = 0):
         """OpenAI's log-probs object for these tokens (None when the request asked for none).
@@ -80,7 +81,7 @@ class Renderer:
         if entries is None:
             return None
         entries = [finite(e) for e in entries]
-        name, tops = self.token, [self.tops(e) for e in entries]
+        name, tops = self.token, [self.tops(e, t) for e, t in zip(entries, token_ids)]
         if self.chat:
             def item(t: int, v: float) -> dict:
                 return {"token": name(t), "logprob": v, "bytes": list(self.tokenizer.decode([t]).encode())}
@@ -106,8 +107,10 @@ class Renderer:
             at += len(self.tokenizer.decode([t]))
         return {"tokens": [self.token(t) for t in self.prompt_ids],
                 "token_logprobs": [e and e[t] for t, e in zip(self.prompt_ids, entries)],
-                "top_logprobs": [e and {self.token(u): w for u, w in sorted(e.items(), key=lambda kv: -kv[1])}
-                                 for e in entries], "text_offset": offsets}
+                # the prompt's own token first, then the top ones (vLLM builds them so)
+                "top_logprobs": [e and {self.token(t): e[t], **{self.token(u): w for u, w in
+                                                                 sorted(e.items(), key=lambda kv: -kv[1])}}
+                                 for t, e in zip(self.prompt_ids, entries)], "text_offset": offsets}
 
     def vllm_logprobs(self, out: RequestOutput) -> list | None:
         """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, rank,

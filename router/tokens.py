@@ -35,8 +35,8 @@ def add_token_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunne
         else:
             ids = chat_ids(cluster, req.messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []]
                            or None, refuse=runner.chat_specials, **req.template_kwargs())
-        strs = {"token_strs": tok.convert_ids_to_tokens(list(ids))} if req.return_token_strs else {}
-        return {"count": len(ids), "max_model_len": cluster.max_model_len, "tokens": list(ids), **strs}
+        strs = tok.convert_ids_to_tokens(list(ids)) if req.return_token_strs else None  # null unasked, as vLLM
+        return {"count": len(ids), "max_model_len": cluster.max_model_len, "tokens": list(ids), "token_strs": strs}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

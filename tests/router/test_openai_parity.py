@@ -94,6 +94,8 @@ def test_echo_with_logprobs_scores_the_prompt(served, llm):
     assert r.choices[0].text.startswith(prompt) and "".join(lp.tokens[n:]) == r.choices[0].text[len(prompt):]
     assert all(top[tok] == pytest.approx(v) for tok, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
                                                                     lp.top_logprobs[1:]))
+    # each dict starts with the actual token, echoed or sampled (vLLM's order)
+    assert all(next(iter(top)) == tok for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
     chunks = list(client.completions.create(model=model_of(client), prompt=prompt, max_tokens=2, temperature=0,
                                             echo=True, logprobs=1, stream=True))
     head = chunks[0].choices[0]

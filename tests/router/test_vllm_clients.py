@@ -116,14 +116,19 @@ def test_vllm_request_extras(served):
     lp = client.chat.completions.create(model=m, messages=ASK, max_tokens=4, temperature=0, logprobs=True,
                                         top_logprobs=1, extra_body={"logprob_token_ids": asked,
                                                                     "return_tokens_as_token_ids": True})
-    for tok in lp.choices[0].logprobs.content:
+    for tok in lp.choices[0].logprobs.content:  # vLLM v0.33: the sampled token, then exactly the asked ids
         assert tok.token.startswith("token_id:"), tok
         tops = [t.token for t in tok.top_logprobs]
-        assert {f"token_id:{t}" for t in asked} <= set(tops) and len(tops) in (3, 4), tops
-    text = client.completions.create(model=m, prompt="Hello", max_tokens=3, temperature=0, logprobs=0,
+        assert tops[0] == tok.token and set(tops[1:]) == {f"token_id:{t}" for t in asked} - {tok.token}, tops
+    bare = client.chat.completions.create(model=m, messages=ASK, max_tokens=2, temperature=0, logprobs=True,
+                                          extra_body={"logprob_token_ids": asked})  # no top_logprobs: the same
+    for tok in bare.choices[0].logprobs.content:
+        assert [t.token for t in tok.top_logprobs][0] == tok.token and len(tok.top_logprobs) in (2, 3)
+    text = client.completions.create(model=m, prompt="Hello", max_tokens=3, temperature=0, logprobs=5,
                                      extra_body={"logprob_token_ids": asked, "return_tokens_as_token_ids": True})
-    assert all({f"token_id:{t}" for t in asked} <= set(top) for top in text.choices[0].logprobs.top_logprobs)
-    assert all(t.startswith("token_id:") for t in text.choices[0].logprobs.tokens)
+    for t, top in zip(text.choices[0].logprobs.tokens, text.choices[0].logprobs.top_logprobs):
+        assert t.startswith("token_id:") and next(iter(top)) == t
+        assert set(top) == {t, *(f"token_id:{a}" for a in asked)}, top
 
 
 def _strict_json(text: str):
