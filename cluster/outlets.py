@@ -99,10 +99,11 @@ class Outlets:
         fut = self.piped[request_id] = asyncio.get_running_loop().create_future()
         return fut
 
-    async def piped_end(self, request_id: str, fut: asyncio.Future) -> bool:
-        """True once the request's last output is on the pipe; False if it was aborted here."""
+    async def piped_end(self, request_id: str, fut: asyncio.Future | None) -> bool:
+        """True once the request's last output is on the pipe; False if it was aborted here
+        (fut None: before it started)."""
         try:
-            return await fut
+            return False if fut is None else await fut
         except Aborted:
             return False
         finally:

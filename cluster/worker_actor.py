@@ -54,10 +54,9 @@ from .peer_calls import PeerCalls
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RayShards
-from .worker_commands import Abort, Aborted, Add, ForgetPeer, SwitchRole
+from .worker_commands import Abort, Aborted, AbortLog, Add, ForgetPeer, SwitchRole
 
 ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
-ABORTED_KEPT = 65536  # aborted wire ids remembered (~5 MB): far more than can be in flight at once
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +113,9 @@ class WorkerActor:
         self.done = self.outlets.done  # prefill()'s futures
         self.peers = PeerCalls(worker_id, namespace)  # targets to prefill workers, fetches from holders
         self.thread: threading.Thread | None = None
-        # a request's grammar compiles here before the engine thread sees the request (_compiled())
-        self.compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")  # _admitted()
         self.compiling_now: set[str] = set()  # requests whose grammar compiles now
-        # wire ids aborted here (never reused: each attempt has its own), newest last. An async
-        # actor runs one caller's calls out of order: an abort may come before its request, which
-        # then never starts here instead of generating for a client that left
-        self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.aborted = AbortLog()  # an abort that comes before its request keeps it from starting
         self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
 
     def _make_role(self, role: str):
@@ -139,9 +134,8 @@ class WorkerActor:
         return info
 
     def _watch_shards(self) -> None:
-        """A TP worker is whole or gone: a dead rank ends this actor (on NCCL the engine
-        thread may be stuck in a collective with it); the pools' monitor then purges and
-        replaces the worker, and the dispatcher retries its requests elsewhere."""
+        """A TP worker is whole or gone: a dead rank ends this actor (on NCCL the engine thread may be
+        stuck in a collective with it); the monitor replaces it, the dispatcher retries its requests."""
         while not self.stopped:
             dead = self.engine.shards.dead() if self.engine.shards is not None else []
             if dead and not self.stopped:
@@ -241,10 +235,8 @@ class WorkerActor:
         if the request was aborted here; raises the request's error (ConnectionError: no pipe)."""
         self._check_alive()
         fut = self.outlets.open_piped(request_id)
-        if not await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch):
-            self.outlets.piped.pop(request_id, None)
-            return False
-        return await self.outlets.piped_end(request_id, fut)
+        started = await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch)
+        return await self.outlets.piped_end(request_id, fut if started else None)
 
     async def _decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prefill_id: str | None, prefill_tp: int, fetch: FetchPlan | None) -> bool:
@@ -257,9 +249,8 @@ class WorkerActor:
         return True
 
     async def _admitted(self, request_id: str, params: SamplingParams) -> bool:
-        """Compiles the request's grammar on this worker's compile thread (the engine thread
-        then finds it cached). False if the request was aborted here first: its abort came
-        before it (the actor runs calls concurrently, in any order) or while its grammar compiled."""
+        """Compiles the request's grammar off the engine thread (which then finds it cached); False
+        if the request was aborted here first (its abort came before it, or while it compiled)."""
         if params.structured_outputs and request_id not in self.aborted:
             self.compiling_now.add(request_id)
             try:
@@ -279,11 +270,8 @@ class WorkerActor:
         return await done
 
     async def abort(self, request_id: str) -> None:
-        """Stops the request wherever it is here (queued, prefilling, sending, receiving, decoding),
-        and keeps it from starting if its prefill() or generate() call has not come yet."""
-        self.aborted[request_id] = None
-        while len(self.aborted) > ABORTED_KEPT:
-            self.aborted.popitem(last=False)
+        """Stops the request at any stage here; one whose call has not come yet never starts."""
+        self.aborted.add(request_id)
         self._post(Abort(request_id))
 
     async def switch_role(self, role: str, engine_kwargs: dict) -> dict:

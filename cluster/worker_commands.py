@@ -12,6 +12,7 @@ Anything else posted is a callable the engine thread runs between steps (retune)
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -46,3 +47,20 @@ class SwitchRole:
     role: str
     engine_kwargs: dict  # the new pool's slo_tpot_s and max_num_batched_tokens
     done: object  # a future on the actor's loop: the new info, or the error
+
+
+class AbortLog:
+    """The wire ids aborted on a worker (never reused: each attempt has its own), the newest
+    `kept`. An async actor runs one caller's calls in any order, so an abort may come before its
+    request: the request then never starts there, instead of generating for a client that left."""
+
+    def __init__(self, kept: int = 65536):  # ~5 MB: far more than can be in flight at once
+        self.kept, self.ids = kept, collections.OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self.ids[request_id] = None
+        while len(self.ids) > self.kept:
+            self.ids.popitem(last=False)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.ids

@@ -34,6 +34,7 @@ from .chat import chat_ids, special_tokens
 from .errors import GuardMiddleware, HTTPError, error_response
 from .metrics import RouterMetrics
 from .openapi import install as install_openapi
+from .options import ServerOptions
 from .render import Renderer, headers_of, sse, usage
 from .runner import RequestRunner, decode_json, first_copies, sequences
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body
@@ -44,14 +45,16 @@ from .tools import ToolCalls
 
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               max_queue: int = 256, served_model_name: str | None = None, admin_key: str | None = None,
-              chat_special_tokens: str = "refuse", tool_call_parser: str | None = None, root_path: str = "") -> FastAPI:
+              chat_special_tokens: str = "refuse", tool_call_parser: str | None = None, root_path: str = "",
+              options: ServerOptions | None = None) -> FastAPI:
     """`api_key` guards the inference routes, `admin_key` the /admin routes (errors.py).
     `chat_special_tokens`: "refuse" (400) a chat message whose text spells one of the
     tokenizer's special tokens (it would be read as a control token: a forged turn), or
     "allow" it (vLLM's default). `tool_call_parser`: the model's call format, which serves
     tool_choice "auto" (tool_parsers.py; vLLM's --tool-call-parser). `root_path`: the prefix a
     proxy serves the app under (--root-path): routes answer with it and without it (a proxy that
-    strips it)."""
+    strips it). `options`: the server-wide defaults of vLLM's flags (options.py)."""
+    options = options or ServerOptions()
     if chat_special_tokens not in ("refuse", "allow"):
         raise ValueError(f"chat_special_tokens must be refuse or allow, got {chat_special_tokens!r}")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -87,17 +90,26 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
                    else str(exc.detail))
         return error_response(exc.status_code, message, "invalid_request_error", None, exc.headers)
 
-    add_openai_routes(app, cluster, runner, model_name)
+    add_openai_routes(app, cluster, runner, model_name, options)
+    add_model_routes(app, cluster, model_name)
     add_token_routes(app, cluster, runner, model_name)
     add_operations_routes(app, cluster, metrics)
+    if options.load_tracking:
+        @app.get("/load")
+        async def load():
+            """vLLM's --enable-server-load-tracking: the requests (sequences) in flight now."""
+            return {"server_load": runner.inflight}
+
     app.add_middleware(GuardMiddleware, api_key=api_key, admin_key=admin_key, max_body_bytes=max_body_bytes,
                        on_refuse=metrics.refused, root_path=root_path.rstrip("/"))
     install_openapi(app)
     return app
 
 
-def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunner, model_name: str) -> None:
-    """/v1/completions, /v1/chat/completions (one request path, two renderings), /v1/models."""
+def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunner, model_name: str,
+                      options: ServerOptions) -> None:
+    """/v1/completions, /v1/chat/completions (one request path, two renderings) and SageMaker's
+    /invocations (either, by the body)."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -119,6 +131,12 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         ids = truncated(req, ids)
         return await serve(request, req, [(None, ids)], [await runner.params(req, ids, None)], chat=True)
 
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's one route (vLLM's): a body with "messages" is a chat completion, else a completion."""
+        body = decode_json(await request.body())
+        return await (chat if isinstance(body, dict) and "messages" in body else completions)(request)
+
     def check_model(req) -> None:
         check_model_name(req, cluster, model_name)
 
@@ -139,6 +157,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         n_prompt = sum(len(ids) for _, ids in prompts)
         tools = req.tool_calls(runner.tool_parser) if chat else None  # params() has refused a bad tool_choice
+        if req.return_tokens_as_token_ids is None:
+            req.return_tokens_as_token_ids = options.return_tokens_as_token_ids
         renders = renderers(req, chat, seqs, rid, created, model_name, cluster.tokenizer, tools)
         if not req.stream:
             outs = await runner.run_to_end(seqs, request)
@@ -157,11 +177,14 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             await gen.aclose()
             check_final(first[1])
         opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)  # continuous usage only with it (vLLM's)
+        include_usage = bool(opts and opts.include_usage) or options.force_include_usage  # continuous: only asked
         return StreamingResponse(stream_body(gen, first, renders, seqs, n_prompt, include_usage,
-                                             include_usage and opts.continuous_usage_stats),
+                                             bool(opts and opts.include_usage and opts.continuous_usage_stats)),
                                  media_type="text/event-stream", headers=headers_of(first[1]))
 
+
+def add_model_routes(app: FastAPI, cluster: ServingCluster, model_name: str) -> None:
+    """/v1/models and /v1/models/{id}: the one served model's card."""
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": cluster.max_model_len}
 

@@ -120,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,
                         chat_special_tokens=args.chat_special_tokens, tool_call_parser=args.tool_call_parser,
-                        root_path=args.root_path)
+                        root_path=args.root_path, options=server_options(args))
         pools = cluster.pool_sizes()
         tp = {r: f"{pools[r]} x TP{cluster.pools.tp(r)}" for r in pools}
         sizes = f"colocated={tp['decode']}" if cluster.mode == "colocated" else \
@@ -148,6 +148,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         cluster.shutdown()
     return 0
+
+
+def server_options(args: argparse.Namespace):
+    """The router's server-wide defaults (router/options.py) from their flags."""
+    from pdserve.router.options import ServerOptions
+
+    return ServerOptions(force_include_usage=args.enable_force_include_usage,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         load_tracking=args.enable_server_load_tracking)
 
 
 def prefill_engine_kwargs(args: argparse.Namespace) -> dict:
@@ -207,6 +216,12 @@ def add_serve_parser(sub) -> None:
                     help='serve tool_choice "auto" (with --tool-call-parser)')
     sv.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"), default=None,
                     help="the model's tool-call format: hermes (Qwen 2.5, Hermes), llama3_json (Llama 3.x), mistral")
+    sv.add_argument("--enable-force-include-usage", action="store_true",
+                    help="every streamed response ends with its usage, asked for or not (vLLM's flag)")
+    sv.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help='log-probs name tokens "token_id:<id>" unless a request says otherwise (vLLM\'s flag)')
+    sv.add_argument("--enable-server-load-tracking", action="store_true",
+                    help="GET /load answers the requests in flight (vLLM's flag)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
     sv.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,

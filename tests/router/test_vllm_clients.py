@@ -167,6 +167,39 @@ def test_every_logprob_option_at_once_answers_finite_json(served):
         assert any("-9999.0" in e for e in events), events[:3]
 
 
+def test_vllm_server_flags_and_sagemaker_invocations(served):
+    """vLLM's server-wide flags (router/options.py): --enable-force-include-usage (every stream
+    ends with its usage), --return-tokens-as-token-ids (unless the request says otherwise),
+    --enable-server-load-tracking (GET /load); and SageMaker's POST /invocations, which serves a
+    chat or a completion by the body's shape. Off, /load is a 404 and a stream has no usage."""
+    from pdserve.router.options import ServerOptions
+
+    cluster, plain, _ = served
+    s = Server(build_app(cluster, options=ServerOptions(force_include_usage=True, return_tokens_as_token_ids=True,
+                                                        load_tracking=True)))
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        m = model_of(c)
+        chunks = list(c.completions.create(model=m, prompt="Hi", max_tokens=3, stream=True))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        lp = c.completions.create(model=m, prompt="Hi", max_tokens=2, logprobs=1).choices[0].logprobs
+        assert all(t.startswith("token_id:") for t in lp.tokens)
+        own = c.completions.create(model=m, prompt="Hi", max_tokens=2, logprobs=1,
+                                   extra_body={"return_tokens_as_token_ids": False}).choices[0].logprobs
+        assert not any(t.startswith("token_id:") for t in own.tokens)
+        assert httpx.get(s.url + "/load").json() == {"server_load": 0}
+        chat = httpx.post(s.url + "/invocations", json={"messages": ASK, "max_tokens": 2}, timeout=120).json()
+        assert chat["object"] == "chat.completion", chat
+        text = httpx.post(s.url + "/invocations", json={"prompt": "Hi", "max_tokens": 2}, timeout=120).json()
+        assert text["object"] == "text_completion", text
+    finally:
+        s.stop()
+    assert httpx.get(plain.url + "/load").status_code == 404
+    plain_client = openai.OpenAI(base_url=plain.url + "/v1", api_key="none", max_retries=0)
+    assert all(ch.usage is None for ch in plain_client.completions.create(model=m, prompt="Hi", max_tokens=3,
+                                                                          stream=True))
+
+
 def test_vllm_error_messages_name_what_is_wrong(served):
     _, _, client = served
     m = model_of(client)
