@@ -9,6 +9,7 @@ import signal
 import threading
 
 import ray
+import ray._private.utils as ray_utils
 
 LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's switch: "0" puts a new local Ray on 127.0.0.1
 
@@ -44,9 +45,24 @@ def ray_on_loopback():
 
 def start_or_join_ray(address: str | None, namespace: str) -> None:
     """Joins the Ray at `address`, or starts one of our own on loopback (never one that happens
-    to run on this machine)."""
-    on_term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    with ray_on_loopback() if address is None else contextlib.nullcontext():
-        ray.init(address=address or "local", namespace=namespace, **ray_init_options())
-    if callable(on_term):  # the caller's own SIGTERM handler stays (ray.init sets one that exits at once,
-        signal.signal(signal.SIGTERM, on_term)  # which left a starting server's Ray to crash as it went)
+    to run on this machine). On the main thread, SIGINT and SIGTERM that come while ray.init runs
+    are held until it returns and then go to the caller's handlers: interrupted halfway, it left
+    Ray's agent processes running after the server exited. ray.init's own SIGTERM handler (it
+    exits at once) is not installed; the caller's stays."""
+    main = threading.current_thread() is threading.main_thread()
+    caught: list[int] = []
+    saved = {sig: signal.signal(sig, lambda n, _f: caught.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if main else {}
+    sets_handler = getattr(ray_utils, "set_sigterm_handler", None)
+    if main and sets_handler is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        with ray_on_loopback() if address is None else contextlib.nullcontext():
+            ray.init(address=address or "local", namespace=namespace, **ray_init_options())
+    finally:
+        if main and sets_handler is not None:
+            ray_utils.set_sigterm_handler = sets_handler
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    if caught:
+        signal.raise_signal(caught[0])  # now the caller's handler (pdserve serve's: stop)

@@ -84,6 +84,7 @@ def own_ray():
 # collection order, and one of these started last kept the other worker idle for minutes. The rest
 # keep their order.
 LONGEST_FIRST = ("test_faults.py", "test_serve_models.py", "test_cluster.py", "test_openai_parity.py", "test_docs.py",
+                 "test_aborts.py",
                  "test_c10d_transfer.py", "test_spec_decode.py", "test_correctness_hf.py", "test_cli.py",
                  "test_offload_cluster.py", "test_router.py", "test_deepseek.py", "test_fake_multinode.py")
 
