@@ -37,6 +37,7 @@ from pdserve.engine.validation import check_request
 from .aio import within
 from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
+from .gpus import runtime_env as gpus_runtime_env
 from .local_ray import start_or_join_ray
 from .output_pipe import OutputPipe
 from .pool_args import pool_engine_args
@@ -175,8 +176,8 @@ class Cluster:
         have = ray.cluster_resources()
         gpus = pool.num_gpus if pool.num_gpus is not None else (1 if have.get("GPU", 0) else 0)
         opts = {"num_cpus": pool.num_cpus if pool.num_cpus is not None else (1 if gpus else 0)}
-        if gpus:
-            opts["num_gpus"] = gpus
+        if gpus:  # Ray accounts the GPUs; the actor makes the node's others visible (gpus.py)
+            opts["num_gpus"], opts["runtime_env"] = gpus, gpus_runtime_env()
         resources = pool.resources
         if resources is None:
             resources = {f"pdserve_{role}": 1} if have.get(f"pdserve_{role}", 0) else {}

@@ -208,7 +208,7 @@ class Pools:
         if tp > 1:
             pg = await self._placement_group(wid, role, tp)
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-            shard_opts = {k: opts[k] for k in ("num_gpus", "num_cpus") if k in opts}
+            shard_opts = {k: opts[k] for k in ("num_gpus", "num_cpus", "runtime_env") if k in opts}
         t0 = time.monotonic()
         cls = ray.remote(self.worker_cls).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
         actor = cls.remote(wid, role, args, self.namespace, placement_group=pg, bind_host=self.bind_host,

@@ -40,6 +40,7 @@ from pdserve.transfer.base import Channel
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import Part, RankLink, rank_name
 
+from .gpus import see_node_gpus
 from .serving_config import HandoffConfig
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 class ShardActor:
     def __init__(self, worker_id: str, rank: int, config: EngineConfig, load_format: str, address: str,
                  handoff: HandoffConfig):
+        see_node_gpus()  # before CUDA starts: its own GPU is cuda:0, its node's others visible
         self.name = rank_name(worker_id, rank)
         self.rank, self.config, self.load_format, self.tp_address = rank, config, load_format, address
         self.handoff = handoff
@@ -178,7 +180,7 @@ class RayShards(Shards):
             actor = ray.remote(ShardActor).options(
                 name=rank_name(worker_id, rank), namespace=namespace, max_concurrency=8,
                 num_cpus=options.get("num_cpus", 0), num_gpus=options.get("num_gpus", 0),
-                scheduling_strategy=strategy,
+                runtime_env=options.get("runtime_env"), scheduling_strategy=strategy,
             ).remote(worker_id, rank, shard_config(config, rank, False), load_format, address, handoff)
             self.actors.append(actor)
             self.runs.append(actor.run.remote())

@@ -48,6 +48,7 @@ from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
 from pdserve.transfer.tp import TPConnector
 
+from .gpus import see_node_gpus
 from .outlets import Outlets
 from .output_pipe import PipeSender
 from .peer_calls import PeerCalls
@@ -66,13 +67,12 @@ class WorkerActor:
                  heartbeat_s: float = 1.0, handoff: HandoffConfig | None = None, placement_group=None,
                  shard_options: dict | None = None, bind_host: str | None = None,
                  output_pipe: tuple[str, int, str] | None = None):
-        """`bind_host`: where this worker's KV store listens and peers reach it (default: the
-        node's address). `handoff`: its KV handoffs' timeout and links. `output_pipe`: the
-        router's OutputPipe address (host, port, secret), if it has one. A worker of
-        tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as shard actors on
-        bundles 1..N-1 of `placement_group` (shard_actor.py)."""
+        """`bind_host`: where its KV store listens and peers reach it (default: the node's address).
+        `handoff`: its KV handoffs' timeout and links. `output_pipe`: the router's OutputPipe address
+        (host, port, secret), if any. A worker of tensor_parallel_size N > 1 is rank 0 of N: it starts
+        ranks 1..N-1 as shard actors on bundles 1..N-1 of `placement_group` (shard_actor.py)."""
+        see_node_gpus()  # before CUDA starts: its GPU is cuda:0, its node's others visible after it
         import torch
-
         if role not in ROLE_CLASSES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))

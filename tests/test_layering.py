@@ -40,18 +40,18 @@ def test_imports_go_one_way(pkg):
 # Inside a package, modules also import one way (a module imports only those listed for it).
 INTRA = {
     "cluster": {
-        "aio": set(), "serving_config": set(), "routing": {"api"}, "registry": {"aio"}, "api": set(),
+        "aio": set(), "gpus": set(), "serving_config": set(), "routing": {"api"}, "registry": {"aio"}, "api": set(),
         "local_ray": set(), "output_pipe": {"aio"}, "outlets": {"output_pipe", "worker_commands"},
-        "autoscale": {"serving_config"}, "shard_actor": {"serving_config"}, "worker_commands": set(),
+        "autoscale": {"serving_config"}, "shard_actor": {"gpus", "serving_config"}, "worker_commands": set(),
         "peer_calls": set(),
-        "worker_actor": {"outlets", "output_pipe", "peer_calls", "registry", "serving_config", "shard_actor",
+        "worker_actor": {"gpus", "outlets", "output_pipe", "peer_calls", "registry", "serving_config", "shard_actor",
                          "worker_commands"},
         "pools": {"aio", "autoscale", "routing", "serving_config", "worker_actor"},
         "placement": {"api", "pools", "registry", "routing"},
         "attempt": {"placement"},
         "dispatch": {"aio", "api", "attempt", "output_pipe", "placement", "pools"},
         "pool_args": {"serving_config"},
-        "cluster": {"aio", "api", "dispatch", "local_ray", "output_pipe", "pool_args", "pools", "registry",
+        "cluster": {"aio", "api", "dispatch", "gpus", "local_ray", "output_pipe", "pool_args", "pools", "registry",
                     "serving_config"},
         "__init__": {"cluster"},
     },
