@@ -1,8 +1,9 @@
 """KV handoff between two GPUs (two processes, NCCL pair group built at run time)
-against a raw NCCL send/recv of the same bytes, measured in the same run; or, with
---same-gpu, between two processes sharing one GPU (the same-node link: the receiver pulls the
-blocks from the sender's KV mapped through CUDA IPC, transfer/pull.py) against a local
-device-to-device copy of the same bytes.
+against a raw NCCL send/recv of the same bytes, measured in the same run; with --link pull,
+between the same two GPUs over the same-node link (the receiver pulls the blocks from the
+sender's KV mapped through CUDA IPC, transfer/pull.py) against the copy engine's copy of the
+same bytes from GPU 0 to GPU 1; or, with --same-gpu, between two processes sharing one GPU
+(the same-node link again) against a local device-to-device copy of the same bytes.
 
 Llama-3-8B-shaped KV in bf16: 32 layers x 2 x 8 kv heads x 128 dims x 2 bytes = 128 KiB
 per token, 16-token blocks (2 MiB). A handoff is timed from "prefill done" (the
@@ -10,7 +11,8 @@ sender's start_send, after a device sync) to "blocks usable on decode" (the
 receiver's handoff DONE: received and scattered into its reserved blocks), with
 random non-contiguous block ids on both sides; gather and scatter included.
 
-    python bench/transfer_bench.py --out bench/results          # 2 GPUs
+    python bench/transfer_bench.py --out bench/results          # 2 GPUs, NCCL
+    python bench/transfer_bench.py --link pull --tokens 2048,8192 --out bench/results/ipc   # 2 GPUs, CUDA IPC
     python bench/transfer_bench.py --same-gpu --tokens 512,2048,8192 --out bench/results/ipc   # 1 GPU
     python bench/transfer_bench.py --device cpu --tokens 512    # gloo smoke run
 """
@@ -59,7 +61,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
     num_blocks = 2 * (max_tokens // BLOCK) + 16
     kv = kv_cache(num_blocks, device, args.device == "cpu")
     name = "prefill" if rank == 0 else "decode"
-    conn = C10dConnector(name, kv, default_timeout_s=120, same_node=args.same_gpu)
+    conn = C10dConnector(name, kv, default_timeout_s=120, same_node=args.same_gpu or args.link == "pull")
     q_to_peer.put(conn.address)
     peer_addr = q_from_peer.get()
     g = torch.Generator().manual_seed(rank)
@@ -68,7 +70,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
     # raw NCCL / gloo send/recv of the same bytes, on a separate pair group (one GPU: NCCL refuses
     # two ranks on one device; the baseline is a local copy)
     raw = None
-    if not args.same_gpu:
+    if not args.same_gpu and args.link == "nccl":
         host, port = peer_addr.rsplit(":", 1)
         store = conn.store if rank == 1 else dist.TCPStore(host, int(port), is_master=False)
         ps = dist.PrefixStore("raw", store)
@@ -92,16 +94,20 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
             sync(device)
             if it >= 2:
                 raw_times.append(time.perf_counter() - t)
-        if raw is None:  # one GPU: a device-to-device copy of the same bytes
+        if raw is None:  # a device-to-device copy of the same bytes: on one GPU, or GPU 0 -> 1 (copy engine)
+            src = buf if args.same_gpu or device == "cpu" else torch.empty_like(buf, device="cuda:0")
             dst = torch.empty_like(buf)
+            both = [d for d in (src.device, dst.device) if d.type == "cuda"]
             for it in range(args.iters + 2):
-                sync(device)
+                for d in both:
+                    torch.cuda.synchronize(d)
                 t = time.perf_counter()
-                dst.copy_(buf)
-                sync(device)
+                dst.copy_(src)
+                for d in both:
+                    torch.cuda.synchronize(d)
                 if it >= 2:
                     raw_times.append(time.perf_counter() - t)
-            del dst
+            del dst, src
         raw_s = statistics.median(raw_times)
         # handoffs: decode reserves random blocks and posts its receive, then prefill sends
         hand, parts = [], []
@@ -155,6 +161,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--same-gpu", action="store_true", help="both processes on GPU 0: the same-node (IPC) link")
+    ap.add_argument("--link", default="nccl", choices=["nccl", "pull"],
+                    help="two GPUs: over the pair's NCCL group, or pulled over CUDA IPC (the same-node link)")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     ctx = mp.get_context("spawn")
@@ -167,17 +175,20 @@ def main() -> None:
     for p in procs:
         p.join(30)
     os.makedirs(args.out, exist_ok=True)
-    suffix = ("" if args.device == "cuda" else "_cpu") + ("_same_gpu" if args.same_gpu else "")
+    suffix = ("" if args.device == "cuda" else "_cpu") + ("_same_gpu" if args.same_gpu else "") + \
+        ("_pull" if args.link == "pull" and not args.same_gpu else "")
     with open(os.path.join(args.out, f"transfer{suffix}.json"), "w") as f:
         json.dump([{k: r[k] for k in ("tokens", "bytes", "handoff_ms", "effective_GBps", "raw_nccl_GBps",
                                       "raw_ms", "efficiency", "contiguous", "breakdown_ms", "link")} for r in rows],
                   f, indent=2)
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
-    base = "local device-to-device copy" if args.same_gpu else "raw send/recv"
+    base = "local device-to-device copy" if args.same_gpu else \
+        ("copy engine GPU 0 -> 1" if args.link == "pull" else "raw send/recv")
     lines = [f"# KV handoff, 2 processes on {dev}{' (one GPU, both processes)' if args.same_gpu else ''}", "",
              "Llama-3-8B-shaped KV, bf16, 128 KiB/token, 16-token blocks, random block ids both sides; "
              f"median of {args.iters}; link: {rows[0]['link']}; `python bench/transfer_bench.py "
-             f"{'--same-gpu ' if args.same_gpu else ''}--tokens {','.join(map(str, args.tokens))}`.", "",
+             f"{'--same-gpu ' if args.same_gpu else ''}{'--link pull ' if args.link == 'pull' else ''}"
+             f"--tokens {','.join(map(str, args.tokens))}`.", "",
              f"| tokens | block ids | MiB | handoff ms | effective GB/s | {base} ms | its GB/s | effective / "
              "baseline | sender started / posted / receiver done (ms) |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -4,7 +4,8 @@ thread that runs its handoffs, in an order the SENDER decides.
 The receiver reserves blocks and posts its receive as soon as the request is placed,
 long before the prompt is prefilled; prompts finish in any order. So the order of the
 pair's messages is the order in which the sender's sends start, announced through the
-receiver's store (the pair's PrefixStore "pd/<sender>/<gen>"):
+receiver's store (the pair's PrefixStore "pd/<sender>/<gen>"; a pulled pair's over its
+doorbell, pull.Bell):
 
     sender    takes its queued sends in start order; for the k-th, writes
               "order/<k>" = {rid, nblocks, meta} (meta: the first token, spans), then
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Handoff, StagingPool, TransferState, check_layouts
-from .pull import PullLink, accept, offer, ring
+from .pull import PullLink, accept, offer, post, take
 from .wire import C10dLink, td, width
 
 
@@ -228,8 +229,9 @@ class Pair:
         if self.link is None and ps.check(["layout0"]):  # the sender connects before its first order
             self._connect(time.monotonic() + self.conn.default_timeout_s)
         k = self.next_seq
-        key = f"order/{k}"
-        if not ps.check([key]):  # the sender has not started its k-th send yet (~25 us a check)
+        bell = self.link.bell if isinstance(self.link, PullLink) else None
+        raw = take(ps, f"order/{k}", bell)
+        if raw is None:  # the sender has not started its k-th send yet (~25 us a check)
             now = time.monotonic()
             if now >= self._dead_check_at:  # the sender retired this gen: no order will come
                 self._dead_check_at = now + 0.05
@@ -241,8 +243,7 @@ class Pair:
                 with self.cond:
                     self.cond.wait(0.0005)
             return
-        order = json.loads(ps.get(key))
-        ps.delete_key(key)
+        order = json.loads(raw)
         self.next_seq += 1
         with self.cond:
             self.orphans.pop(order["rid"], None)
@@ -254,8 +255,7 @@ class Pair:
                 h = None
         if h is None:  # aborted here: drain the message so the pair stays in step
             if order.get("src") is not None:  # pulled: nothing on a wire, just let the sender go
-                ps.set(f"ack/{k}", "gone")
-                ring(self.link.bell)
+                post(ps, f"ack/{k}", "gone", bell)
             elif order["nblocks"]:
                 drain = Handoff(order["rid"], self.peer, [], None, False, self.conn.default_timeout_s)
                 wide = width(order.get("heads"))  # what the sender sends: a slice this wide, or whole blocks

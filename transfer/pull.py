@@ -14,10 +14,11 @@ and no NCCL kernels on the move, and the two need no process group.
               the handoff (what was copied is never used: the blocks stay reserved, not cached)
               and the pair, whose next gen connects afresh
 
-The control path stays one round trip (the order, the ack), as over NCCL. Both travel through
-the receiver's store; a doorbell (a Unix socket of the pair, in the abstract namespace: gone with
-either process) wakes the side that waits for them at once instead of at its next poll. Without
-one (another network namespace) each side polls, as before the doorbell.
+The control path stays one round trip (the order, the ack), as over NCCL. Both travel over the
+pair's doorbell (`Bell`: a Unix socket of the pair, in the abstract namespace, gone with either
+process): a message wakes the side that waits for it at once and costs no store round trip (three
+of them per message through the store: set, then check, get and delete). Without a doorbell
+(another network namespace) they go through the receiver's store and each side polls.
 """
 
 from __future__ import annotations
@@ -77,43 +78,76 @@ def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
     return {"link": "pull", "why": "the peer's KV is mapped here", "bell": link.listen()}, link
 
 
-def wait_key(ps: dist.PrefixStore, key: str, h: Handoff, gone, bell: socket.socket | None = None) -> str:
+class Bell:
+    """The pair's doorbell: an abstract Unix socket between its two processes that carries the
+    pair's control messages (order/<k>, ack/<k>) as JSON lines, so a message wakes the side that
+    waits for it at once and costs no store round trip. Messages read wait in `inbox` by key."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf = sock, b""
+        self.inbox: dict[str, str] = {}
+
+    def post(self, key: str, value: str) -> bool:
+        """Sends one message; False if the peer is gone (the caller falls back to the store)."""
+        try:
+            self.sock.sendall(json.dumps([key, value]).encode() + b"\n")
+            return True
+        except OSError:
+            return False
+
+    def take(self, timeout: float) -> None:
+        """Files the messages that arrive within `timeout` into `inbox`. A peer that closed its
+        end, or reset it (it ended with a message of ours unread), raises TransferError."""
+        if not select.select([self.sock], [], [], max(timeout, 0))[0]:
+            return
+        try:
+            data = self.sock.recv(1 << 16)
+        except ConnectionError:
+            data = b""
+        if not data:
+            raise TransferError("the peer left (it closed the pair's doorbell)")
+        *lines, self.buf = (self.buf + data).split(b"\n")
+        for line in lines:
+            key, value = json.loads(line)
+            self.inbox[key] = value
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def take(ps: dist.PrefixStore, key: str, bell: Bell | None) -> str | None:
+    """The message `key` if it is here: from the doorbell's inbox, else from the store (then
+    deleted there); None if neither has it yet."""
+    if bell is not None and key in bell.inbox:
+        return bell.inbox.pop(key)
+    if ps.check([key]):
+        value = ps.get(key).decode()
+        ps.delete_key(key)
+        return value
+    return None
+
+
+def post(ps: dist.PrefixStore, key: str, value: str, bell: Bell | None) -> None:
+    """Sends the message `key` over the doorbell when the pair has one, else through the store."""
+    if bell is None or not bell.post(key, value):
+        ps.set(key, value)
+
+
+def wait_key(ps: dist.PrefixStore, key: str, h: Handoff, gone, bell: Bell | None = None) -> str:
     """Waits for `key` until the handoff's deadline or `gone()` (the pair died): woken by the
     doorbell when there is one, else polling (spin for the first 5 ms, then back off)."""
     spin_until = time.monotonic() + 0.005
-    while not ps.check([key]):
+    while (value := take(ps, key, bell)) is None:
         now = time.monotonic()
         if now > h.deadline:
             raise TimeoutError(f"handoff {h.request_id} timed out after {h.timeout_s:.1f} s waiting for {key}")
         if gone():
             raise TransferError(f"handoff {h.request_id}: the pair closed")
         if bell is not None:
-            wait_bell(bell, min(0.05, h.deadline - now))
+            bell.take(min(0.05, h.deadline - now))
         else:
             time.sleep(0 if now < spin_until else 0.0002)
-    value = ps.get(key).decode()
-    ps.delete_key(key)
     return value
-
-
-def wait_bell(bell: socket.socket, timeout: float) -> None:
-    """Until the peer rings (or closes the socket: it is gone) or `timeout`; takes every ring. A
-    peer that ends with a ring of ours unread resets the socket instead of closing it: gone too."""
-    if select.select([bell], [], [], max(timeout, 0))[0]:
-        try:
-            rung = bell.recv(4096)
-        except ConnectionError:
-            rung = b""
-        if not rung:
-            raise TransferError("the peer left (it closed the pair's doorbell)")
-
-
-def ring(bell: socket.socket | None) -> None:
-    if bell is not None:
-        try:
-            bell.send(b"!")
-        except OSError:  # the peer is gone: its side fails on its own
-            pass
 
 
 class PullLink:
@@ -125,7 +159,7 @@ class PullLink:
         self.name = "cuda-ipc" if conn.device.type == "cuda" else "shared-memory"
         self._peer_store: dist.TCPStore | None = None
         self.peer_process: tuple[int, str] | None = None  # (pid, start time), when /proc shows it here
-        self.bell: socket.socket | None = None  # the pair's doorbell once both ends hold it
+        self.bell: Bell | None = None  # the pair's doorbell once both ends hold it
         self._listener: socket.socket | None = None  # receiver: until the sender connects
 
     # ---- the doorbell ---------------------------------------------------------------------
@@ -148,7 +182,7 @@ class PullLink:
         try:
             bell = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             bell.connect("\0" + name)
-            self.bell = bell
+            self.bell = Bell(bell)
         except OSError:
             pass
 
@@ -157,7 +191,7 @@ class PullLink:
         if self.bell is None and self._listener is not None:
             self._listener.settimeout(timeout)
             try:
-                self.bell, _ = self._listener.accept()
+                self.bell = Bell(self._listener.accept()[0])
             except OSError:  # not connected yet (or never: a sender that cannot reach it polls)
                 return
             self._listener.close()
@@ -165,7 +199,7 @@ class PullLink:
         if self.bell is None:
             time.sleep(timeout)
             return
-        wait_bell(self.bell, timeout)
+        self.bell.take(timeout)
 
     def close(self) -> None:
         self.peer_kv = None  # the mapping goes with the last reference (a copy in flight keeps it)
@@ -177,8 +211,7 @@ class PullLink:
     def send(self, ps: dist.PrefixStore, h: Handoff, k: int, order: dict, gone) -> None:
         if h._ready is not None:
             h._ready.synchronize()  # the step that wrote the blocks is done: the peer may read them
-        ps.set(f"order/{k}", json.dumps({**order, "src": h.block_ids}))
-        ring(self.bell)
+        post(ps, f"order/{k}", json.dumps({**order, "src": h.block_ids}), self.bell)
         h.t_first_post = h.t_posted = time.monotonic()
         ack = wait_key(ps, f"ack/{k}", h, gone, self.bell)
         if ack not in ("ok", "gone"):  # "gone": the receiver gave the request up; nothing to hold
@@ -204,8 +237,7 @@ class PullLink:
         self._check_alive(peer, h)
         h.nbytes = block_bytes(self.conn.kv, h.heads) * len(h.block_ids)
         done = h.complete()  # the blocks are usable here now; the ack only lets the sender free its own
-        ps.set(f"ack/{k}", "ok")
-        ring(self.bell)
+        post(ps, f"ack/{k}", "ok", self.bell)
         if not done:
             raise TransferError(f"handoff {h.request_id} finished after it was {h.state.name}")
 

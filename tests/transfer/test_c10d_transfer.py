@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -339,7 +340,7 @@ def test_a_doorbell_reset_by_its_departing_peer_reads_as_the_peer_gone():
     import socket
 
     from pdserve.transfer.base import TransferError
-    from pdserve.transfer.pull import wait_bell
+    from pdserve.transfer.pull import Bell
 
     for unread in (False, True):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -347,5 +348,37 @@ def test_a_doorbell_reset_by_its_departing_peer_reads_as_the_peer_gone():
             mine.send(b"!")  # a ring the peer never takes
         theirs.close()
         with pytest.raises(TransferError, match="the peer left"):
-            wait_bell(mine, 1.0)
+            Bell(mine).take(1.0)
         mine.close()
+
+
+def test_the_doorbell_carries_the_pairs_messages_whole_and_in_order():
+    """Control messages over the doorbell (pull.Bell): several in one read, one split across two
+    reads, a block-id list of 8K tokens; `take` prefers the doorbell's inbox to the store."""
+    import socket
+
+    from pdserve.transfer.pull import Bell, take
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    tx, rx = Bell(a), Bell(b)
+    big = json.dumps({"rid": "r", "src": list(range(512))})
+    assert tx.post("order/0", big) and tx.post("ack/7", "ok")
+    line = json.dumps(["order/1", "x" * 10]).encode() + b"\n"
+    a.sendall(line[:9])
+    deadline = time.monotonic() + 5
+    while len(rx.inbox) < 2 and time.monotonic() < deadline:
+        rx.take(0.5)
+    assert rx.inbox == {"order/0": big, "ack/7": "ok"}
+    a.sendall(line[9:])
+    rx.take(1.0)
+    assert rx.inbox["order/1"] == "x" * 10
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ps = dist.PrefixStore("pd/x/0", store)
+    ps.set("order/0", "from the store")
+    assert take(ps, "order/0", rx) == big and "order/0" not in rx.inbox  # the doorbell's first
+    assert take(ps, "order/0", rx) == "from the store" and take(ps, "order/0", rx) is None  # then deleted
+    a.close()
+    b.close()
