@@ -8,7 +8,9 @@ rank's FLOPs (random bf16 weights: speed does not depend on the values).
     python bench/tp_gpu.py --shape llama3-70b --rank-of 2 ...   # one GPU: one rank's shapes
                                                                 # (no all-reduce: the compute part)
 Ranks 1..N-1 run as child processes (engine/exec/shard.py), one GPU each; rank 0 is this
-process. Prints a table last; writes tp_gpu_<shape>.{json,md,png} under --out.
+process. TP > 1 runs once per --all-reduce: the one-shot kernel over CUDA IPC buffers for the
+small all-reduces (engine/exec/ipc_allreduce.py; the default engine) and NCCL for all.
+Prints a table last; writes tp_gpu_<shape>.{json,md,png} under --out.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def rank_shape(cfg: dict, n: int) -> dict:
             "intermediate_size": cfg["intermediate_size"] // n, "vocab_size": -(-cfg["vocab_size"] // n)}
 
 
-def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefill: int, ceil: dict) -> dict:
+def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefill: int, ceil: dict,
+        all_reduce: str = "oneshot") -> dict:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.core.request import Request
     from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -57,8 +60,10 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
         ec = EngineConfig(model=d, tokenizer=tokenizer, dtype="bfloat16", tensor_parallel_size=tp,
                           load_format="dummy", num_gpu_blocks_override=max(max(batches) * per_seq, prefill // bs) + 8,
                           max_model_len=max(prefill, ctx) + 64, max_num_batched_tokens=prefill,
-                          max_num_seqs=max(batches))
+                          max_num_seqs=max(batches), disable_custom_all_reduce=all_reduce == "nccl")
         engine = LLMEngine(ec)
+    if tp > 1 and all_reduce == "oneshot" and engine.tp.oneshot is None:
+        print(f"TP={tp}: the one-shot all-reduce is off: {engine.tp.oneshot_why}")
     runner = engine.runner
     try:
         runner.kv.normal_()
@@ -86,7 +91,8 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
         flops = 2 * prefill * weights / 2 + 4 * prefill * prefill * heads_dim * L / 2  # causal attention
         rows.append({"kind": "prefill", "tokens": prefill, "ms": t * 1e3, "TFLOPs": flops / t / 1e12,
                      "frac_of_matmul": flops / t / 1e12 / ceil["matmul_TFLOPs"]})
-        return {"tp": tp, "rank_weight_GB": weights / 1e9, "hidden": h, "rows": rows}
+        label = "-" if tp == 1 else ("one-shot (IPC)" if engine.tp.oneshot is not None else "NCCL")
+        return {"tp": tp, "all_reduce": label, "rank_weight_GB": weights / 1e9, "hidden": h, "rows": rows}
     finally:
         engine.close()
 
@@ -101,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--all-reduce", default="oneshot,nccl",
+                    help="TP > 1: the decode all-reduces to run, comma-separated: oneshot (CUDA IPC) | nccl")
     ap.add_argument("--out", default="bench/results/tp")
     return ap
 
@@ -111,8 +119,10 @@ def main() -> None:
     cfg = SHAPES[args.shape] if args.rank_of == 1 else rank_shape(SHAPES[args.shape], args.rank_of)
     ceil = ceilings()
     torch.cuda.empty_cache()
-    results = [run(cfg, int(tp), args.tokenizer, [int(b) for b in args.batches.split(",")], args.ctx,
-                   args.prefill, ceil) for tp in args.tp.split(",")]
+    runs = [(int(tp), ar) for tp in args.tp.split(",")
+            for ar in (args.all_reduce.split(",") if int(tp) > 1 else ["oneshot"])]
+    results = [run(cfg, tp, args.tokenizer, [int(b) for b in args.batches.split(",")], args.ctx, args.prefill, ceil,
+                   ar) for tp, ar in runs]
     name = f"tp_gpu_{args.shape}" + (f"_rank_of_{args.rank_of}" if args.rank_of > 1 else "")
     out = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "shape": args.shape,
            "rank_of": args.rank_of, "ceilings": ceil, "results": results}
@@ -122,15 +132,17 @@ def main() -> None:
     lines = [f"# {args.shape}, {what}, on {out['device']}", "",
              f"Ceilings (same run): copy {ceil['copy_GBps']:.0f} GB/s, "
              f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.",
-             "", "| TP | rank weights GB | step | ms | floor / ceiling | ratio |", "|---|---|---|---|---|---|"]
+             "", "| TP | all-reduce | rank weights GB | step | ms | floor / ceiling | ratio |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         for row in r["rows"]:
             if row["kind"] == "decode":
-                lines.append(f"| {r['tp']} | {r['rank_weight_GB']:.1f} | "
+                lines.append(f"| {r['tp']} | {r['all_reduce']} | {r['rank_weight_GB']:.1f} | "
                              f"decode b={row['batch']} ctx {row['context']} | "
                              f"{row['ms']:.2f} | HBM floor {row['floor_ms']:.2f} ms | {row['ratio']:.2f}x floor |")
             else:
-                lines.append(f"| {r['tp']} | {r['rank_weight_GB']:.1f} | prefill {row['tokens']} | {row['ms']:.1f} | "
+                lines.append(f"| {r['tp']} | {r['all_reduce']} | {r['rank_weight_GB']:.1f} | "
+                             f"prefill {row['tokens']} | {row['ms']:.1f} | "
                              f"{row['TFLOPs']:.0f} TFLOP/s | {row['frac_of_matmul']:.0%} of matmul |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, name + ".md"), "w") as f:
@@ -146,7 +158,7 @@ def main() -> None:
         for r in results:
             for row in r["rows"]:
                 if row["kind"] == "decode":
-                    labels.append(f"TP{r['tp']} b{row['batch']}")
+                    labels.append(f"TP{r['tp']}{'' if r['tp'] == 1 else ' ' + r['all_reduce'][:4]} b{row['batch']}")
                     got.append(row["ms"])
                     floor.append(row["floor_ms"])
         xs = range(len(labels))

@@ -180,6 +180,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
+    # tensor parallel on CUDA: NCCL for every all-reduce, in place of the one-shot all-reduce over
+    # CUDA IPC buffers that takes the small ones (engine/exec/ipc_allreduce.py)
+    disable_custom_all_reduce: bool = False
     # the host's work for step n+1 (scheduling, inputs, step n's outputs) while step n runs, the
     # sampled tokens feeding step n+1 on the device (engine/core/overlap.py); steps with requests that
     # need the host between steps (log-probs, grammars, penalties, speculation, TP) run in turn

@@ -56,7 +56,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             self.tp = TPGroup.serve(config.tensor_parallel_size)
             self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
-            self.tp.connect(config.torch_device)
+            self.tp.connect(config.torch_device, custom_all_reduce=not config.disable_custom_all_reduce)
         self.runner = ModelRunner(config, load_format, self.tp)
         self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None

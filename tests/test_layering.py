@@ -146,9 +146,10 @@ ENGINE_ORDER = [
     # kernels and the formats they read
     "ops.kv_quant", "ops.triton_int4", "ops.attention_core", "ops.triton_attention", "ops.triton_prefill",
     "ops.triton_fused", "ops.triton_mla", "ops.moe_ref", "ops.triton_moe", "ops.block_copy",
-    "ops.attention_ref", "ops.mla_ref", "ops.__init__",
+    "ops.attention_ref", "ops.mla_ref", "ops.oneshot_allreduce", "ops.__init__",
     # leaves: settings and helpers that import no engine module of their own rank
-    "spec.config", "spec.verify", "exec.step_result", "exec.stores", "exec.tp", "exec.host_to_device", "core.hashing",
+    "spec.config", "spec.verify", "exec.step_result", "exec.stores", "exec.cuda_ipc",
+    "exec.ipc_allreduce", "exec.tp", "exec.host_to_device", "core.hashing",
     "core.kv_window", "core.iteration_stats", "outputs", "tokenizer", "default_model", "sample.structured",
     # what a caller hands the engine
     "sampling_params", "validation", "role", "architectures", "config",

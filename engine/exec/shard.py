@@ -49,7 +49,8 @@ def run_shard(config: EngineConfig, load_format: str, rank: int, address: str, o
 
     if config.torch_device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
-    tp = TPGroup(rank, config.tensor_parallel_size).connect(config.torch_device, address)
+    tp = TPGroup(rank, config.tensor_parallel_size).connect(config.torch_device, address,
+                                                            custom_all_reduce=not config.disable_custom_all_reduce)
     runner = ModelRunner(config, load_format, tp)
     if on_ready is not None:
         on_ready(runner)

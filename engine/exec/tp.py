@@ -90,6 +90,8 @@ class TPGroup:
     dev: object = None  # ProcessGroupNCCL / Gloo: the model's collectives
     store: object = None  # rank 0's TCPStore (kept alive)
     bound: BoundStore | None = None  # rank 0: the store's listening socket (bound to one address)
+    oneshot: object = None  # CUDA: the one-shot all-reduce over IPC buffers (ipc_allreduce.py), if it runs
+    oneshot_why: str | None = None  # why not, when it does not
 
     @property
     def address(self) -> str | None:
@@ -103,8 +105,10 @@ class TPGroup:
         g.host = host
         return g
 
-    def connect(self, device: torch.device, address: str | None = None, timeout_s: float = 600.0) -> TPGroup:
-        """Builds both process groups (every rank calls it; blocks until all have)."""
+    def connect(self, device: torch.device, address: str | None = None, timeout_s: float = 600.0,
+                custom_all_reduce: bool = True) -> TPGroup:
+        """Builds both process groups (every rank calls it; blocks until all have), and on CUDA the
+        one-shot all-reduce unless `custom_all_reduce` is off."""
         if self.size == 1:
             return self
         if self.store is None:
@@ -117,6 +121,10 @@ class TPGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = td(timeout_s)
             self.dev = dist.ProcessGroupNCCL(dev_store, self.rank, self.size, opts)
+            if custom_all_reduce:
+                self._build_oneshot(device)
+            else:
+                self.oneshot_why = "off (disable_custom_all_reduce)"
         else:
             self.dev = dist.ProcessGroupGloo(dev_store, self.rank, self.size, td(timeout_s))
         return self
@@ -128,7 +136,7 @@ class TPGroup:
         after its shards exited waited forever, and left to the group's destructor it did too.
         Bounded: a teardown that does not finish within `timeout_s` (a peer that died) is left
         to the process's exit, logged."""
-        groups, self.dev, self.ctrl = (self.dev, self.ctrl), None, None
+        groups, self.dev, self.ctrl, self.oneshot = (self.dev, self.ctrl), None, None, None
         if any(pg is not None and not isinstance(pg, dist.ProcessGroupGloo) for pg in groups):
             GRAVEYARD.append(groups)  # NCCL: never destroyed (see GRAVEYARD)
 
@@ -148,9 +156,35 @@ class TPGroup:
             log.warning("tensor-parallel rank %d of %d: its groups did not tear down within %g s", self.rank,
                         self.size, timeout_s)
 
+    def _build_oneshot(self, device: torch.device) -> None:
+        """The one-shot all-reduce, trusted once its first result equals NCCL's on every rank
+        (float32: both sum in float32; 2 ranks add in the same order); else NCCL, logged why."""
+        from .ipc_allreduce import IPCAllReduce
+
+        got = IPCAllReduce.build(self.store, self.ctrl, self.rank, self.size, device)
+        if not isinstance(got, str):
+            g = torch.Generator(device=device).manual_seed(1234 + self.rank)
+            x = torch.randn(3, 4096, generator=g, device=device)
+            want = x.clone()
+            self._wait(self.dev.allreduce([want]))
+            same = torch.tensor([int(torch.allclose(got(x), want, rtol=1e-5, atol=1e-5))], dtype=torch.int64)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MIN
+            self._wait(self.ctrl.allreduce([same], opts))
+            got = got if same.item() else "its first result differs from NCCL's"
+        if isinstance(got, str):
+            self.oneshot_why = got
+            log.warning("tensor-parallel rank %d of %d: all-reduces over NCCL only: %s", self.rank, self.size, got)
+        else:
+            self.oneshot = got
+
     # ---- the model's collectives ---------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x <- the sum over the ranks, in place: the one-shot kernel for a small x on CUDA (decode
+        steps), NCCL / gloo otherwise."""
         if self.size > 1:
+            if self.oneshot is not None and self.oneshot.fits(x):
+                return self.oneshot(x)
             self._wait(self.dev.allreduce([x]))
         return x
 

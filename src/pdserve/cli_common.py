@@ -67,6 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="tensor parallel: NCCL for every all-reduce (no one-shot all-reduce over CUDA IPC)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: a request's `priority` (lower first) orders the queues and picks "
                         "preemption victims")
@@ -132,6 +134,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
            "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
            "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
+           "disable_custom_all_reduce": args.disable_custom_all_reduce,
            "async_scheduling": args.async_scheduling, "scheduling_policy": args.scheduling_policy,
            "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size,
            "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,

@@ -1,4 +1,4 @@
-"""GPU, two or more: tensor parallelism on CUDA (NCCL all-reduces inside the CUDA graphs).
+"""GPU, two or more: tensor parallelism on CUDA (the one-shot all-reduce, or NCCL's, inside the CUDA graphs).
 Skipped without two CUDA GPUs. In float32 a TP=2 engine's greedy tokens equal TP=1's (the
 all-reduce's summation order moves logits by ~1e-6: no near-tie of these prompts flips); in
 bf16 the decode graphs are captured with the all-reduce inside and agree with TP=1 closely."""
@@ -14,13 +14,16 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
 
-def _tokens(path: str, prompts, tp: int, dtype: str, n: int = 24):
+def _tokens(path: str, prompts, tp: int, dtype: str, n: int = 24, custom: bool = True):
     from pdserve import LLM, SamplingParams
 
-    with LLM(path, dtype=dtype, tensor_parallel_size=tp, gpu_memory_utilization=0.3, max_model_len=512) as llm:
+    with LLM(path, dtype=dtype, tensor_parallel_size=tp, gpu_memory_utilization=0.3, max_model_len=512,
+             disable_custom_all_reduce=not custom) as llm:
         assert llm.engine.config.use_triton
         graphs = llm.engine.runner.graphs
         assert graphs is not None and graphs.decode, "TP graphs were not captured"
+        if tp > 1:  # the decode steps' all-reduces take the one-shot kernel unless it is off
+            assert (llm.engine.tp.oneshot is not None) == custom, llm.engine.tp.oneshot_why
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         llm.engine.kv.check_all_free()
     gc.collect()
@@ -28,8 +31,8 @@ def _tokens(path: str, prompts, tp: int, dtype: str, n: int = 24):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_tp2_greedy_tokens_equal_tp1_in_float32(name, tiny_models):
+@pytest.mark.parametrize("name,custom", [("llama", True), ("qwen2", True), ("llama", False)])
+def test_tp2_greedy_tokens_equal_tp1_in_float32(name, custom, tiny_models):
     from transformers import AutoTokenizer
 
     from helpers import PROMPTS
@@ -37,7 +40,7 @@ def test_tp2_greedy_tokens_equal_tp1_in_float32(name, tiny_models):
     path = tiny_models[name]
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.encode(p) for p in PROMPTS]
-    assert _tokens(path, prompts, 2, "float32") == _tokens(path, prompts, 1, "float32")
+    assert _tokens(path, prompts, 2, "float32", custom=custom) == _tokens(path, prompts, 1, "float32")
 
 
 def test_tp2_bf16_graphs_agree_with_tp1(tiny_models):
