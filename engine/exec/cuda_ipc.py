@@ -5,7 +5,9 @@
     open_cuda(desc, dev)  -> the tensor mapped into this process, or why it cannot be
 
 The opener finds the GPU by UUID among those it sees (CUDA_VISIBLE_DEVICES), so the two may
-number their GPUs differently; a tensor on another GPU needs peer access from `dev` to it. The
+number their GPUs differently; a tensor on another GPU needs peer access from `dev` to it, and is
+mapped into `dev`'s address space: torch sees it on `dev`, and kernels launched there read it
+over NVLink / PCIe. The
 mapping lives as long as the opener keeps the tensor, and outlives the exporter's process
 without faulting (the memory stays until the last mapping goes). Users: the same-node KV pull
 (transfer/shared.py) and the tensor-parallel one-shot all-reduce (ipc_allreduce.py).
@@ -71,9 +73,12 @@ def open_cuda(desc: dict, device: torch.device) -> torch.Tensor | str:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = [_from_wire(a) for a in desc["handle"]]
-    args[6] = index  # the storage's device, as this process numbers it
+    # opened in OUR device's context (CUDA maps another GPU's memory into the current device's
+    # address space, enabling peer access): a kernel launched on `device` may read it, and Triton
+    # accepts the pointer (opened in its own GPU's context, Triton refused it: "cannot be accessed")
+    args[6] = mine
     try:
-        with torch.cuda.device(index):
+        with torch.cuda.device(mine):
             return rebuild_cuda_tensor(*args)
     except RuntimeError as e:
         return f"cannot open the peer's CUDA IPC handle: {e}"

@@ -167,7 +167,12 @@ class TPGroup:
             x = torch.randn(3, 4096, generator=g, device=device)
             want = x.clone()
             self._wait(self.dev.allreduce([want]))
-            same = torch.tensor([int(torch.allclose(got(x), want, rtol=1e-5, atol=1e-5))], dtype=torch.int64)
+            try:
+                ok = torch.allclose(got(x), want, rtol=1e-5, atol=1e-5)
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: NCCL it is
+                log.warning("the one-shot all-reduce failed its first call: %s", e)
+                ok = False
+            same = torch.tensor([int(ok)], dtype=torch.int64)
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MIN
             self._wait(self.ctrl.allreduce([same], opts))
