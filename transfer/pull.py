@@ -9,8 +9,7 @@ and no NCCL kernels on the move, and the two need no process group.
     send      the sender waits for the step that wrote its blocks, writes order/<k> with its
               block ids, and waits for ack/<k>; its blocks stay held until then (DONE)
     receive   the receiver copies the blocks on its side stream (ops/block_copy: one kernel reading
-              the peer's memory on the same GPU; from another GPU, whole blocks go by the copy
-              engine, one copy per run of consecutive ids), waits for the copy, checks that the sender is still
+              the peer's memory, on its GPU or another of the node), waits for the copy, checks that the sender is still
               alive (its store answers), then acks; a sender that died during the copy fails
               the handoff (what was copied is never used: the blocks stay reserved, not cached)
               and the pair, whose next gen connects afresh
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.exec.cuda_ipc import gpu_uuid
-from pdserve.engine.ops.block_copy import copy_block_runs, copy_blocks, whole_blocks
+from pdserve.engine.ops.block_copy import copy_blocks
 
 from .base import Handoff, TransferError, block_bytes, block_index
 from .shared import export, open_peer
@@ -77,7 +76,7 @@ def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
     link = PullLink(conn, peer, o["address"])
     link.other_gpu = o["share"].get("kind") == "cuda" and o["share"]["uuid"] != gpu_uuid(conn.kv.device)
     if link.other_gpu:
-        return {"link": "pull", "why": "the peer's KV is mapped here, on another GPU of this node (copy engine)",
+        return {"link": "pull", "why": "the peer's KV is mapped here, from another GPU of this node",
                 "bell": link.listen()}, link
     if o.get("started") is not None and _started(o["pid"]) == o["started"]:  # its process is visible here
         link.peer_process = (o["pid"], o["started"])
@@ -165,7 +164,7 @@ class PullLink:
         self.name = "cuda-ipc" if conn.device.type == "cuda" else "shared-memory"
         self._peer_store: dist.TCPStore | None = None
         self.peer_process: tuple[int, str] | None = None  # (pid, start time), when /proc shows it here
-        self.other_gpu = False  # receiver: the peer's KV is on another GPU (whole blocks: the copy engine)
+        self.other_gpu = False  # receiver: the peer's KV is on another GPU (read over NVLink / PCIe)
         self.bell: Bell | None = None  # the pair's doorbell once both ends hold it
         self._listener: socket.socket | None = None  # receiver: until the sender connects
 
@@ -235,11 +234,8 @@ class PullLink:
             if h._ready is not None:
                 stream.wait_event(h._ready)  # the step in flight may still write these blocks
             dev = conn.kv.device
-            if self.other_gpu and whole_blocks(conn.kv, self.peer_kv, h.heads, order.get("heads")):
-                copy_block_runs(conn.kv, h.block_ids, self.peer_kv, order["src"])  # the link's speed, no SMs
-            else:
-                copy_blocks(conn.kv, block_index(h.block_ids, dev), self.peer_kv, block_index(order["src"], dev),
-                            h.heads, order.get("heads"))
+            copy_blocks(conn.kv, block_index(h.block_ids, dev), self.peer_kv, block_index(order["src"], dev),
+                        h.heads, order.get("heads"))
         h.t_first_post = time.monotonic()
         if stream is not None:
             wait_stream(stream, h)

@@ -30,7 +30,7 @@ class IPCAllReduce:
         self.rank, self.own = rank, own  # `own` keeps this rank's allocation (peers map it)
         self.data = [r[:2 * SLOT_BYTES] for r in raw]
         self.flags = [r[2 * SLOT_BYTES:].view(torch.int32).view(MAX_RANKS, MAX_PROGRAMS) for r in raw]
-        self.epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=own.device)
+        self.epochs = torch.zeros(MAX_PROGRAMS + 1, dtype=torch.int32, device=own.device)  # + the error word
         self._views: dict[torch.dtype, list[torch.Tensor]] = {}
 
     @classmethod
@@ -60,6 +60,10 @@ class IPCAllReduce:
         if not agreed.item():
             return why or "another rank cannot map this rank's buffers"
         return cls(rank, raw, own)
+
+    def error(self) -> int:
+        """0, or q + 1 when a launch gave up waiting for rank q (reads the device: syncs)."""
+        return int(self.epochs[MAX_PROGRAMS].item())
 
     def fits(self, x: torch.Tensor) -> bool:
         return fits(x)

@@ -3,8 +3,6 @@ handoff's pull (transfer/pull.py), where the source is another process's KV mapp
 one (CUDA IPC, the same GPU or a peer GPU of the node) and the destination this worker's.
 
     copy_blocks(dst, dst_ids, src, src_ids, dst_heads=None, src_heads=None)
-    copy_block_runs(dst, dst_ids, src, src_ids)     whole blocks, by the copy engine
-
 
 Both slabs are [num_blocks, layers, 2, block_size, kv_heads, row] (row: head_dim values, or a
 quantized row's bytes with its scales: ops/kv_quant.py), so every block is `layers x 2 x
@@ -14,12 +12,6 @@ other, equally wide) copies its contiguous part of every row. On CUDA a Triton k
 source once and writes the destination once (no staging buffer); on CPU the torch path does
 the same with one indexed assignment, and the kernel runs there under TRITON_INTERPRET=1 in
 the tests.
-
-Across two GPUs an SM-driven copy reads the peer's memory at ~200-270 GB/s on 2x H200 (NV18),
-where the copy engine moves ~380 GB/s (bench/results/ipc/transfer_pull.md): `copy_block_runs`
-copies whole blocks as one `copy_` (a cudaMemcpyAsync the copy engine runs) per run of ids
-consecutive on both sides, so the pull of a request's blocks from another GPU runs at the link's
-speed and spends no SM of either GPU.
 """
 
 from __future__ import annotations
@@ -91,35 +83,3 @@ def copy_blocks(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src
     grid = (n * rows, triton.cdiv(width, CHUNK))
     _copy_blocks_kernel[grid](src, dst, src_ids, dst_ids, rows, width, src[0].numel(), dst[0].numel(),
                               s_row, d_row, s_off, d_off, CHUNK=CHUNK, BLOCK=1024, num_warps=4)
-
-
-
-def whole_blocks(dst: torch.Tensor, src: torch.Tensor, dst_heads: tuple[int, int] | None = None,
-                 src_heads: tuple[int, int] | None = None) -> bool:
-    """Whether the copy moves whole blocks (no head slice on either side): what `copy_block_runs` takes."""
-    return _whole(src, src_heads) and _whole(dst, dst_heads) and src.shape[1:] == dst.shape[1:]
-
-
-def block_runs(dst_ids: list[int], src_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(destination start, source start, length) of each run of pairs consecutive on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for d, s in zip(dst_ids, src_ids):
-        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((d, s, 1))
-    return runs
-
-
-def copy_block_runs(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> int:
-    """dst[dst_ids[i]] = src[src_ids[i]] for whole blocks (`whole_blocks`), one copy per run of
-    consecutive ids; queued on the current stream (CUDA: the copy engine). Returns the copies made."""
-    if len(dst_ids) != len(src_ids):
-        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
-    if not whole_blocks(dst, src) or src.dtype != dst.dtype:
-        raise ValueError(f"blocks of {tuple(src.shape[1:])} {src.dtype} are not whole blocks of "
-                         f"{tuple(dst.shape[1:])} {dst.dtype}")
-    runs = block_runs(dst_ids, src_ids)
-    for d, s, n in runs:
-        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
-    return len(runs)

@@ -21,8 +21,9 @@ of x, whatever x's dtype; its call count `epochs[p]` (this rank's own memory) pi
 A slot is written again two rounds later, by which time every peer's program p has signalled
 the round between, so it has finished reading this one. Every rank runs the same sequence of
 calls with the same sizes (the ranks of one engine run the same forward), so the counts agree.
-A peer that never arrives leaves its partners spinning: a dead rank ends its worker anyway (Ray
-ends the shards with it; the cluster replaces a frozen worker).
+A peer that never arrives is waited for MAX_SPINS polls (seconds), then the launch goes on with
+what it has and sets the error word after the counts (`epochs[MAX_PROGRAMS]`): the group reads
+it and stops using the path (a dead rank ends its worker anyway: Ray ends the shards with it).
 
 On CPU the kernel runs under Triton's interpreter in the tests, one rank after the other with the
 peer's half of a round written beforehand; on CUDA it needs peer access between the GPUs.
@@ -38,6 +39,7 @@ MAX_RANKS = 8
 SLOT_BYTES = 2 << 20  # the largest all-reduce it takes: [128, 8192] bf16
 CHUNK_BYTES = 4096  # what one program reduces
 MAX_PROGRAMS = SLOT_BYTES // CHUNK_BYTES
+MAX_SPINS = 1 << 24  # polls of a peer's flag (~1 us each on a GPU) before the launch gives up on it
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -63,7 +65,8 @@ def _pick(q: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
 
 @triton.jit
 def _oneshot_kernel(x_ptr, n, epoch_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7, f0, f1, f2, f3, f4, f5, f6, f7,
-                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, MAXP: tl.constexpr):
+                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, MAXP: tl.constexpr,
+                    MAX_SPINS: tl.constexpr):
     pid = tl.program_id(0)
     e = tl.load(epoch_ptr + pid) + 1
     slot = (e % 2).to(tl.int64) * slot_elems
@@ -81,8 +84,12 @@ def _oneshot_kernel(x_ptr, n, epoch_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6,
     for q in tl.static_range(WORLD):
         if q != RANK:
             seen = tl.atomic_add(own + q * MAXP + pid, 0, sem="acquire", scope="sys")
-            while seen < e:
+            spins = 0
+            while (seen < e) & (spins < MAX_SPINS):
                 seen = tl.atomic_add(own + q * MAXP + pid, 0, sem="acquire", scope="sys")
+                spins += 1
+            if seen < e:  # the peer never came: say so (the caller stops using this path)
+                tl.atomic_xchg(epoch_ptr + MAXP, q + 1)
     tl.debug_barrier()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for q in tl.static_range(WORLD):
@@ -104,7 +111,8 @@ def oneshot_all_reduce(x: torch.Tensor, bufs: list[torch.Tensor], flags: list[to
                        rank: int) -> torch.Tensor:
     """x (this rank's part, `fits`) <- the sum over ranks, in place; queued on the current stream.
     `bufs[q]`: rank q's two slots viewed as x's dtype (2 x SLOT_BYTES); `flags[q]`: rank q's
-    int32 [MAX_RANKS, MAX_PROGRAMS]; `epochs`: this rank's int32 [MAX_PROGRAMS] call counts."""
+    int32 [MAX_RANKS, MAX_PROGRAMS]; `epochs`: this rank's int32 [MAX_PROGRAMS + 1]: the call counts,
+    then an error word (q + 1: a launch stopped waiting for rank q after MAX_SPINS polls)."""
     world = len(bufs)
     if not 1 < world <= MAX_RANKS or not fits(x):
         raise ValueError(f"one-shot all-reduce of {tuple(x.shape)} {x.dtype} over {world} ranks")
@@ -113,5 +121,6 @@ def oneshot_all_reduce(x: torch.Tensor, bufs: list[torch.Tensor], flags: list[to
     b = bufs + [bufs[0]] * (MAX_RANKS - world)
     f = flags + [flags[0]] * (MAX_RANKS - world)
     _oneshot_kernel[(triton.cdiv(n, block),)](x, n, epochs, SLOT_BYTES // x.element_size(), *b, *f, RANK=rank,
-                                             WORLD=world, BLOCK=block, MAXP=MAX_PROGRAMS, num_warps=4)
+                                             WORLD=world, BLOCK=block, MAXP=MAX_PROGRAMS, MAX_SPINS=MAX_SPINS,
+                                             num_warps=4)
     return x

@@ -24,7 +24,7 @@ class TwoRanks:
     def __init__(self):
         self.raw = [torch.zeros(2 * SLOT_BYTES, dtype=torch.uint8) for _ in range(2)]
         self.flags = [torch.zeros(MAX_RANKS, MAX_PROGRAMS, dtype=torch.int32) for _ in range(2)]
-        self.epochs = [torch.zeros(MAX_PROGRAMS, dtype=torch.int32) for _ in range(2)]
+        self.epochs = [torch.zeros(MAX_PROGRAMS + 1, dtype=torch.int32) for _ in range(2)]
 
     def peer_half(self, x: torch.Tensor, q: int, r: int) -> None:
         """Rank q's steps 1-2 of its next round for rank r: its chunks in its slots, its flags raised."""
@@ -60,6 +60,7 @@ def test_both_ranks_get_the_same_sum_round_after_round():
             torch.testing.assert_close(ys[0].float(), want, rtol=2 ** -7, atol=0)
     # each program counts its own rounds: program 0 took all six, program 70 only the [64, 4096] one
     assert ranks.epochs[0][0] == ranks.epochs[1][0] == 6 and ranks.epochs[0][70] == 1
+    assert ranks.epochs[0][MAX_PROGRAMS] == ranks.epochs[1][MAX_PROGRAMS] == 0  # no launch gave up
     # and raised its flag in the peer's array for each
     assert ranks.flags[1][0, 0] == 6 and ranks.flags[0][1, 70] == 1
 
@@ -72,3 +73,14 @@ def test_what_takes_the_one_shot_path():
     with pytest.raises(ValueError, match="over 1 ranks"):
         oneshot_all_reduce(torch.zeros(8), [torch.zeros(8)], [torch.zeros(8, dtype=torch.int32)],
                            torch.zeros(8, dtype=torch.int32), 0)
+
+
+def test_a_peer_that_never_comes_is_named_in_the_error_word(monkeypatch):
+    import pdserve.engine.ops.oneshot_allreduce as ops
+
+    monkeypatch.setattr(ops, "MAX_SPINS", 3)  # a few polls, then give up (a GPU waits seconds)
+    ranks = TwoRanks()
+    x = torch.randn(2, 100)
+    ops.oneshot_all_reduce(x, [b.view(x.dtype) for b in ranks.raw], ranks.flags, ranks.epochs[0], 0)
+    assert ranks.epochs[0][MAX_PROGRAMS] == 2  # rank 1 (q + 1) never raised its flag
+    assert ranks.flags[1][0, 0] == 1  # rank 0 raised its own

@@ -64,21 +64,3 @@ def test_blocks_that_do_not_fit_are_refused_by_name():
     with pytest.raises(ValueError, match="head slices differ in width"):
         copy_blocks(slab(3, 4, 16, torch.bfloat16, 2), one, src, one, (0, 2), (0, 3))
 
-
-def test_whole_blocks_by_runs_of_consecutive_ids():
-    """The copy engine's path (another GPU's KV): one copy per run of ids consecutive on both sides."""
-    from pdserve.engine.ops.block_copy import block_runs, copy_block_runs, whole_blocks
-
-    assert block_runs([4, 5, 6, 9, 10, 2], [7, 8, 9, 1, 2, 3]) == [(4, 7, 3), (9, 1, 2), (2, 3, 1)]
-    assert block_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]  # descending on one side: no run
-    g = torch.Generator().manual_seed(0)
-    src = torch.randn(40, 2, 2, 16, 2, 8, generator=g)
-    dst = torch.zeros_like(src)
-    d_ids, s_ids = [4, 5, 6, 9, 10, 2, 30], [7, 8, 9, 1, 2, 3, 39]
-    assert copy_block_runs(dst, d_ids, src, s_ids) == 4
-    assert torch.equal(dst[d_ids], src[s_ids])
-    untouched = [i for i in range(40) if i not in d_ids]
-    assert not dst[untouched].any()
-    assert whole_blocks(dst, src) and not whole_blocks(dst, src, (0, 1), (1, 2))
-    with pytest.raises(ValueError, match="not whole blocks"):
-        copy_block_runs(dst[:, :, :, :, :1], [1], src, [1])
