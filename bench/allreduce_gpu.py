@@ -75,7 +75,8 @@ def _rank(rank: int, address, out) -> None:
     except BaseException as e:  # noqa: BLE001 - reported
         out.put((rank, {"error": f"{type(e).__name__}: {e}"}))
     finally:
-        torch.cuda.synchronize()
+        out.close()
+        out.join_thread()  # the result written to the pipe before the process ends
         os._exit(0)
 
 

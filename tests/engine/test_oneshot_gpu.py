@@ -65,6 +65,8 @@ def _rank(rank: int, address, out) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the test
         out.put((rank, f"{type(e).__name__}: {e}"))
     finally:
+        out.close()
+        out.join_thread()  # the result written to the pipe before the process ends
         os._exit(0)  # never rely on NCCL's teardown at exit
 
 
