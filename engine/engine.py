@@ -326,6 +326,10 @@ class LLMEngine:
         self._detok.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)
         req.finished_time = time.monotonic()
+        n = req.num_output_tokens
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and n >= 2 \
+                and req.first_token_time is not None:  # its TPOT here: the step model's margin follows it
+            self.step_model.observe_tpot((req.finished_time - req.first_token_time) / (n - 1))
 
     def _output(self, req: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
         fin = req.status.finished
@@ -363,6 +367,7 @@ class LLMEngine:
             # the step-time model (core/step_model.py): what placement reads
             "step_s": self.step_model.step_s,
             "slo_tpot_s": self.step_model.slo_tpot_s,
+            "tpot_margin": self.step_model.margin,  # the share of the target its steps aim at
             "prefill_tok_s": self.step_model.prefill_rate(self.scheduler.running),
             "prefill_chunk": self.step_model.chunk_now(self.scheduler.running),
             "num_decoding": sum(1 for r in self.scheduler.running if r.is_decoding),

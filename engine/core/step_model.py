@@ -26,7 +26,10 @@ the largest that fits target + slack. The mean stays inside the target; one gap 
 probe of PROBE_TOKENS; a decode-only step banks at least MIN_ROOM of the target, so a prompt
 on a worker whose decodes alone take the target still progresses; when the decodes alone take
 target + a full bank, a prompt already there gets a MIN_CHUNK step each time the bank is full.
-With no decodes running the step budget (`max_num_batched_tokens`) applies.
+With no decodes running the step budget (`max_num_batched_tokens`) applies. The margin starts at
+0.85 and follows the finished requests' TPOTs (`observe_tpot`): the SLO counts each request, so
+the p90 of the last 64 is held under 0.95 x target (a request that lived through a run of
+chunks averages above the steps' mean).
 Why it is built so, with the measurements: docs/design/step_model.md.
 """
 
@@ -47,6 +50,10 @@ MIN_ROOM = 0.05  # the least slack a decode-only step banks (progress when the d
 SMALL_FIXED = 0.1  # a mixed step's fixed cost under this share of the target: chunks need no bank
 IDLE_GAP_S = 0.05
 BANK_STEPS = 3.0  # slack banked at most, in targets: a step takes at most (1 + BANK_STEPS) x target
+# the margin follows the finished requests' TPOTs (the SLO counts each request, not the mean step):
+TPOT_WINDOW = 64  # the last finished requests' TPOTs it reads
+P90_AIM = 0.95  # their p90 kept under this share of the target
+MIN_MARGIN = 0.4
 FEATURES = ("base", "mixed", "per_seq", "per_token", "per_kv_token", "per_attn", "graph")
 _SCALE = np.array([1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20, 0.01])  # features to ~unit size
 
@@ -56,7 +63,9 @@ class StepModel:
                  graphs: dict[int, float] | None = None):
         self.max_tokens = max_tokens  # the engine's max_num_batched_tokens
         self.slo_tpot_s = slo_tpot_s
-        self.margin = margin
+        self.margin = self.base_margin = margin
+        self.tpots: collections.deque = collections.deque(maxlen=TPOT_WINDOW)  # finished requests' TPOTs
+        self._since_adapt = 0
         # decode-graph rows -> seconds per replay, every row at 512 tokens of context, timed by the
         # runner at start (exec/graphs.py; empty without graphs): the `graph` feature, and the spec
         # off-switch's prior until steps are fitted
@@ -143,6 +152,26 @@ class StepModel:
         if self._since_fit >= 16 or (self.coef is None and seen >= 12) or \
                 (not self.prefill_fitted and len(self.mixed_steps) >= 8):
             self._fit()
+
+    def observe_tpot(self, seconds: float) -> None:
+        """A finished request's TPOT (the mean gap between its tokens here). Every 8 requests, with
+        16 or more in the window: a p90 over P90_AIM x target lowers the margin in proportion (by
+        at most a fifth, to MIN_MARGIN) and starts the window afresh; a p90 well under it raises the
+        margin by 5%, back to where it started at most. The steps' mean (what the margin bounds)
+        then sits where the requests' p90 (what the SLO counts) meets the target."""
+        if self.slo_tpot_s is None or seconds <= 0:
+            return
+        self.tpots.append(seconds)
+        self._since_adapt += 1
+        if len(self.tpots) < 16 or self._since_adapt < 8:
+            return
+        self._since_adapt = 0
+        p90, aim = float(np.percentile(self.tpots, 90)), P90_AIM * self.slo_tpot_s
+        if p90 > aim:
+            self.margin = max(MIN_MARGIN, self.margin * max(0.8, aim / p90))
+            self.tpots.clear()
+        elif p90 < 0.9 * aim and self.margin < self.base_margin:
+            self.margin = min(self.base_margin, self.margin * 1.05)
 
     def _fit(self) -> None:
         """Fits every step kept; the prefill terms count once 8 steps with prefill are among them

@@ -165,3 +165,39 @@ def test_the_decode_graph_table_carries_what_is_not_linear_in_rows():
     assert abs(lines.predict(64, 0, 64 * 2000, 0) / truth(64, 64 * 2000) - 1) > 0.05
     assert m.decode_seconds(200, 0) is None  # beyond the largest graph
     assert not m.prefill_fitted and m.chunk_at(16, 16 * 1000) == PROBE_TOKENS
+
+
+def test_the_margin_follows_the_finished_requests_p90_tpot():
+    """The SLO counts each request's TPOT: a p90 over 0.95 x target lowers the margin (smaller
+    chunks beside the decodes, a lower advertised prefill rate); a p90 well under it lets the
+    margin back up, never past where it started."""
+    m = fitted(0.02)
+    chunk, rate = m.chunk_at(32, 32 * 1001), m.rate_at(32, 32 * 1001)
+    for _ in range(15):
+        m.observe_tpot(0.024)
+    assert m.margin == 0.85  # fewer than 16 requests: nothing to read yet
+    m.observe_tpot(0.024)
+    assert m.margin == pytest.approx(0.85 * 0.8)  # p90 24 ms vs 19 ms: lowered, by a fifth at most
+    assert m.chunk_at(32, 32 * 1001) < chunk and m.rate_at(32, 32 * 1001) < rate
+    for _ in range(16):
+        m.observe_tpot(0.0195)  # just over 0.95 x 20 ms: lowered in proportion
+    assert m.margin == pytest.approx(0.85 * 0.8 * 0.019 / 0.0195)
+    low = m.margin
+    for _ in range(64):
+        m.observe_tpot(0.012)  # well inside: back up 5% each 8 requests, to 0.85 at most
+    assert low < m.margin <= 0.85
+    for _ in range(200):
+        m.observe_tpot(0.012)
+    assert m.margin == 0.85
+
+
+def test_an_engine_reports_each_finished_requests_tpot_to_its_step_model():
+    llm = LLM(max_model_len=512, slo_tpot_s=0.5)
+    e = llm.engine
+    for n in (1, 6, 9):
+        e.add_request(list(range(100, 120)), SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
+    while e.has_unfinished_requests():
+        e.step()
+    assert len(e.step_model.tpots) == 2  # the one-token request has no gap between tokens
+    assert all(0 < t < 5 for t in e.step_model.tpots)
+    assert e.stats()["tpot_margin"] == e.step_model.margin
