@@ -67,6 +67,8 @@ class LLMEngine:
         self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s,
                                     graphs=self.runner.graph_seconds)
         self.drafter.switch.model = self.step_model
+        if self.runner.device.type == "cuda":  # fitted before the first request (CPU: `calibrate()` on demand)
+            self.calibrate()
         self.iteration_tokens = TokenHistogram()  # tokens per step (metrics)
         self.load_format = load_format
         # the host tier's snapshot file (restored now), or its disk tier (tiers/disk_tier.py)
@@ -316,8 +318,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.drafter.forget(req.request_id)
-        hold = self.hold_blocks_on_finish and status in (RequestStatus.FINISHED_STOPPED,
-                                                         RequestStatus.FINISHED_LENGTH)
+        done = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        hold = self.hold_blocks_on_finish and done
         self.scheduler.finish(req, status, free=not hold)
         if hold:
             self.held[req.request_id] = req
@@ -327,8 +329,7 @@ class LLMEngine:
         self.runner.sampler.forget(req.request_id)
         req.finished_time = time.monotonic()
         n = req.num_output_tokens
-        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and n >= 2 \
-                and req.first_token_time is not None:  # its TPOT here: the step model's margin follows it
+        if done and n >= 2 and req.first_token_time is not None:  # its TPOT here: the step model's margin follows
             self.step_model.observe_tpot((req.finished_time - req.first_token_time) / (n - 1))
 
     def _output(self, req: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
@@ -352,6 +353,13 @@ class LLMEngine:
                              prompt_ranks=list(req.prompt_ranks) if scored else None)
 
     # ---- counters for metrics ----------------------------------------------------------------
+    def calibrate(self) -> None:
+        """The step model fitted from the runner's timed calibration steps (before serving, on CUDA)."""
+        try:
+            self.step_model.calibrate(self.runner.calibration())
+        except (RuntimeError, ValueError) as e:  # the model then learns from the first steps, as before
+            log.warning("step model calibration skipped: %s", e)
+
     def stats(self) -> dict:
         kv, c = self.kv, self.config
         return {

@@ -36,6 +36,7 @@ Why it is built so, with the measurements: docs/design/step_model.md.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from contextlib import contextmanager
 
@@ -54,6 +55,7 @@ BANK_STEPS = 3.0  # slack banked at most, in targets: a step takes at most (1 + 
 TPOT_WINDOW = 64  # the last finished requests' TPOTs it reads
 P90_AIM = 0.95  # their p90 kept under this share of the target
 MIN_MARGIN = 0.4
+log = logging.getLogger(__name__)
 FEATURES = ("base", "mixed", "per_seq", "per_token", "per_kv_token", "per_attn", "graph")
 _SCALE = np.array([1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20, 0.01])  # features to ~unit size
 
@@ -152,6 +154,15 @@ class StepModel:
         if self._since_fit >= 16 or (self.coef is None and seen >= 12) or \
                 (not self.prefill_fitted and len(self.mixed_steps) >= 8):
             self._fit()
+
+    def calibrate(self, samples: list[tuple[StepShape, float]]) -> None:
+        """Learns from timed steps run before serving (ModelRunner.calibration), so that the chunk
+        and the advertised rate come from a fit from the first request; logs what it learned."""
+        for shape, seconds in samples:
+            self.observe(shape, seconds)
+        self.slack = 0.0  # nothing was decoding for real
+        log.info("step model: %d calibration steps (%.2f s of steps), prefill fitted: %s, %.0f prefill tok/s",
+                 len(samples), sum(s for _, s in samples), self.prefill_fitted, self.prefill_tok_s)
 
     def observe_tpot(self, seconds: float) -> None:
         """A finished request's TPOT (the mean gap between its tokens here). Every 8 requests, with

@@ -26,6 +26,7 @@ shard's runner receives them and runs the same `forward` (shard.py). Only rank 0
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ import torch
 from ..config import EngineConfig
 from ..core.kv_window import rotate_keys
 from ..core.request import PENDING, Request
-from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..core.scheduler import ScheduledRequest, SchedulerOutput, StepShape
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
 from ..tiers.offload import HostCache, host_slots
@@ -118,15 +119,46 @@ class ModelRunner:
                 if t <= self.config.max_num_batched_tokens and max(seq_lens) <= self.config.max_model_len:
                     self.forward(self._dummy_inputs(q_lens, seq_lens))
 
-    def _dummy_inputs(self, query_lens: list[int], seq_lens: list[int]) -> StepInputs:
-        """A step's inputs for requests of these query and context lengths, every block 0,
-        storing nothing."""
+    @torch.inference_mode()
+    def calibration(self, repeats: int = 2) -> list[tuple[StepShape, float]]:
+        """Rank 0, after warm_up: timed dummy steps of the shapes serving meets (decode batches
+        replaying their graphs, decodes beside prefill chunks, chunks alone) for the step-time
+        model to fit before the first request (core/step_model.py): (the step's shape, seconds).
+        Every rank runs them (the shards receive them as steps). Nothing is written or sampled."""
+        bt, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        ctx = min(512, self.config.max_model_len // 2)
+        decodes = sorted({d for d in (1, 8, 32, 64) if d <= seqs})
+        chunks = sorted({c for c in (128, 256, 1024, 2048, bt) if 64 <= c <= min(bt, self.config.max_model_len)})
+        mixed = [(d, c) for d in (0, *decodes[:2]) for c in chunks if d + c <= bt]
+        shapes = [([1] * d, [ctx] * d) for d in decodes] + [([1] * d + [c], [ctx] * d + [c]) for d, c in mixed]
+        out = []
+        for q_lens, seq_lens in shapes * max(repeats, -(-8 // max(len(mixed), 1))):  # >= 8 with prefill: fitted
+            inp = self._dummy_inputs(q_lens, seq_lens)
+            batch = self._dummy_batch(q_lens, seq_lens)
+            self.tp.send(inp)
+            self._sync()
+            t0 = time.perf_counter()
+            self.forward(inp)
+            self._sync()
+            out.append((StepShape.of(batch), time.perf_counter() - t0))
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _dummy_batch(self, query_lens: list[int], seq_lens: list[int]) -> list[ScheduledRequest]:
         batch = []
         for i, (q, ctx) in enumerate(zip(query_lens, seq_lens)):
             req = Request(f"warm-up-{i}", [0] * ctx, SamplingParams(max_tokens=1))
             req.num_computed_tokens = ctx - q
             batch.append(ScheduledRequest(req, q, [0] * -(-ctx // self.block_size)))
-        inp = self.host_inputs(self.order(batch))
+        return batch
+
+    def _dummy_inputs(self, query_lens: list[int], seq_lens: list[int]) -> StepInputs:
+        """A step's inputs for requests of these query and context lengths, every block 0,
+        storing nothing."""
+        inp = self.host_inputs(self.order(self._dummy_batch(query_lens, seq_lens)))
         inp.slots[:] = -1
         return inp
 

@@ -201,3 +201,19 @@ def test_an_engine_reports_each_finished_requests_tpot_to_its_step_model():
     assert len(e.step_model.tpots) == 2  # the one-token request has no gap between tokens
     assert all(0 < t < 5 for t in e.step_model.tpots)
     assert e.stats()["tpot_margin"] == e.step_model.margin
+
+
+def test_calibration_fits_the_model_before_the_first_request(tiny_models):
+    """The runner's timed calibration steps (what a CUDA engine runs before it serves) leave a
+    fitted model with a prefill cost and a measured prefill rate, and nothing banked."""
+    llm = LLM(tiny_models["llama"], max_model_len=512, max_num_batched_tokens=512, slo_tpot_s=0.05)
+    e = llm.engine
+    assert e.step_model.coef is None  # CPU: not calibrated at start
+    e.calibrate()
+    m = e.step_model
+    assert m.coef is not None and m.prefill_fitted and m.prefill_tok_s > 0 and m.slack == 0.0
+    assert len(m.decode_steps) >= 4 and len(m.mixed_steps) >= 8
+    assert m.rate_at(8, 8 * 512) is not None and m.chunk_at(8, 8 * 512) > 0
+    e.kv.check_all_free()  # the dummy steps held no block
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4  # and the engine serves as before
