@@ -159,7 +159,10 @@ class ModelRunner:
         """A step's inputs for requests of these query and context lengths, every block 0,
         storing nothing."""
         inp = self.host_inputs(self.order(self._dummy_batch(query_lens, seq_lens)))
-        inp.slots[:] = -1
+        if inp.cols is not None:  # a decode graph's rows: their slots are the layout's third column
+            inp.cols[2] = -1
+        else:
+            inp.slots[:] = -1
         return inp
 
     # ---- one step ----------------------------------------------------------------------

@@ -217,3 +217,17 @@ def test_calibration_fits_the_model_before_the_first_request(tiny_models):
     e.kv.check_all_free()  # the dummy steps held no block
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4  # and the engine serves as before
+
+
+def test_calibration_steps_store_nothing_on_the_decode_graph_path_too(tiny_models):
+    """On CUDA a calibration decode batch takes the decode-graph layout (its slots are a column of
+    `cols`, there is no `slots` array): every row's slot is -1 there too (it raised before)."""
+    from pdserve.engine.exec import step_inputs
+    from pdserve.engine.exec.step_inputs import StepPath
+
+    llm = LLM(tiny_models["llama"], max_model_len=512)
+    r = llm.engine.runner
+    r.host_inputs = lambda batch: step_inputs.build(batch, StepPath.DECODE, 8, r.block_size, 8)
+    inp = r._dummy_inputs([1, 1, 1], [40, 64, 100])
+    assert inp.path == StepPath.DECODE and inp.slots is None
+    assert (inp.cols[2] == -1).all() and (inp.cols[3][:3] == [40, 64, 100]).all()
