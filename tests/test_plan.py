@@ -12,7 +12,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import ALLOW_LONG
-from pdserve.plan import GPUS, plan, workload_lengths
+from pdserve.plan import GPUS, plan, render, workload_lengths
 
 
 def run_without_preempting(llm: LLM, k: int, prompt_len: int, output_len: int) -> bool:
@@ -97,3 +97,10 @@ def test_a_mixture_of_experts_model_is_sized_by_what_a_token_activates(tmp_path,
     kv_tok = p["kv_bytes_per_token_rank"]
     floor = (weights - 6 * expert + (100 + 10) * kv_tok) / GPUS["h200"].copy_bytes_s
     assert p["decode_step_ms"] == pytest.approx(1.25 * floor * 1e3)
+    moe = p["moe"]
+    assert (moe["experts"], moe["top_k"], moe["sparse_layers"]) == (8, 2, 1)
+    assert moe["params_activated"] == params and moe["experts_touched_at_batch"] == pytest.approx(2.0)
+    assert moe["decode_weight_bytes_at_batch"] == pytest.approx(weights - 6 * expert)
+    text = render(p)  # what `pdserve plan --model DIR` prints for it
+    assert "8 per sparse layer (1 layers), 2 per token" in text and "~2.0 of 8 experts per layer at batch 1" in text
+    assert plan(default_model_dir, [(100, 20)], gpu="h200", max_model_len=256)["moe"] is None  # a dense model

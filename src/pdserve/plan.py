@@ -157,6 +157,13 @@ def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu
         "paged_over_contiguous": paged / contiguous if contiguous else None,
         "max_num_seqs": cfg.max_num_seqs, "decode_batch": batch,
         "prefill_tok_s": prefill_tok_s, "decode_step_ms": decode_step_ms, "prefill_per_decode_worker": ratio,
+        "moe": None if not sparse else {
+            "sparse_layers": sparse, "experts": experts, "top_k": top_k,
+            "params_total": weights / torch.empty((), dtype=cfg.torch_dtype).element_size(),
+            "params_activated": params,  # what one token runs: prefill's FLOPs
+            "experts_touched_at_batch": experts * (1 - (1 - top_k / experts) ** batch),  # per layer, uniform routing
+            "decode_weight_bytes_at_batch": weights - sparse * experts * (1 - top_k / experts) ** batch * one,
+        },
     }
 
 
@@ -177,6 +184,14 @@ def render(p: dict) -> str:
         ("max concurrent (contiguous)", f"{p['max_concurrency_contiguous']} (each reserves max_model_len "
                                         f"{p['max_model_len']})"),
     ]
+    moe = p.get("moe")
+    if moe:
+        rows += [("experts", f"{moe['experts']} per sparse layer ({moe['sparse_layers']} layers), {moe['top_k']} "
+                             f"per token: {moe['params_activated'] / 1e9:.2f}B of {moe['params_total'] / 1e9:.2f}B "
+                             "parameters a token activates (prefill's FLOPs)"),
+                 ("decode batch reads", f"~{moe['experts_touched_at_batch']:.1f} of {moe['experts']} experts per "
+                                        f"layer at batch {p['decode_batch']} (uniform routing): "
+                                        f"{moe['decode_weight_bytes_at_batch'] / gb:.2f} GB of weights a step")]
     if p["paged_over_contiguous"]:
         rows.append(("paged / contiguous", f"{p['paged_over_contiguous']:.2f}x"))
     if p["prefill_per_decode_worker"] is not None:
