@@ -111,16 +111,21 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidParam("logit_bias", f"must map token ids to biases, got {type(self.logit_bias).__name__}")
-            bias = {}
+            bias, keys, values = {}, [], []  # every bad key and value named at once
             for t, b in self.logit_bias.items():
                 try:
                     tok = int(t)  # OpenAI's JSON keys are strings
                 except (TypeError, ValueError):
-                    raise InvalidParam("logit_bias", f"keys must be token ids, got {t!r}") from None
+                    keys.append(t)
+                    continue
                 if tok < 0 or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-                    raise InvalidParam("logit_bias",
-                                       f"must map token ids >= 0 to values in [-100, 100], got {t!r}: {b!r}")
+                    values.append(f"{t!r}: {b!r}")
+                    continue
                 bias[tok] = float(b)
+            if keys or values:
+                why = ([f"keys must be token ids, got {', '.join(map(repr, keys))}"] if keys else []) + \
+                    ([f"must map token ids >= 0 to values in [-100, 100], got {', '.join(values)}"] if values else [])
+                raise InvalidParam("logit_bias", "; ".join(why))
             self.logit_bias = bias
         try:
             self.structured_outputs = check_spec(self.structured_outputs)

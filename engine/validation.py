@@ -31,8 +31,10 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
                       ("allowed_token_ids", params.allowed_token_ids or ()),
                       ("logprob_token_ids", params.logprob_token_ids or ())):
         far = sorted(t for t in ids if not 0 <= t < vocab_size)
-        if far:
-            raise InvalidRequest(f"{name} token ids out of vocabulary (ids 0..{vocab_size - 1}): {far[:5]}", name)
+        if far:  # every one named (up to 64)
+            more = f" and {len(far) - 64} more" if len(far) > 64 else ""
+            raise InvalidRequest(f"{name} token ids out of vocabulary (ids 0..{vocab_size - 1}): {far[:64]}{more}",
+                                 name)
     n = len(token_ids)
     if not bounded:
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len

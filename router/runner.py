@@ -132,7 +132,8 @@ class RequestRunner:
             param = str(loc[0])  # the body's field (not the union branch pydantic tried)
             if err.get("type") == "extra_forbidden":
                 raise HTTPError(400, f"unknown parameter {param!r}", param=param) from None
-            raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}", param=param or None) from None
+            kind = f" [type={err['type']}]" if err.get("type") else ""  # pydantic's error type, as vLLM shows it
+            raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}{kind}", param=param or None) from None
 
     async def params(self, req, ids: list[int], default_max: int | None):
         try:

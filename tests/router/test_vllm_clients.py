@@ -206,6 +206,17 @@ def test_vllm_error_messages_name_what_is_wrong(served):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=m, prompt="x", max_tokens=2, logit_bias={"abc": 1})
     assert "'abc'" in e.value.body["message"] and e.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:  # every bad key and value named, not the first
+        client.completions.create(model=m, prompt="x", max_tokens=2, logit_bias={"abc": 1, "xyz": 2, "-3": 1})
+    assert all(k in e.value.body["message"] for k in ("'abc'", "'xyz'", "'-3': 1")), e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # every out-of-vocabulary id named
+        client.completions.create(model=m, prompt="x", max_tokens=2,
+                                  logit_bias={str(99999990 + i): 1 for i in range(8)})
+    assert all(str(99999990 + i) in e.value.body["message"] for i in range(8)), e.value.body
+    for seed, kind in ((1 << 70, "less_than_equal"), (-(1 << 70), "greater_than_equal")):  # pydantic's type kept
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=m, prompt="x", max_tokens=2, seed=seed)
+        assert kind in e.value.body["message"] and e.value.body["param"] == "seed", e.value.body
     asks = ((dict(prompt="x", logit_bias={"99999999": 1}), "logit_bias"), (dict(prompt=[99999999]), "prompt"),
             (dict(prompt="x", logprobs=1, extra_body={"logprob_token_ids": [99999999]}), "logprob_token_ids"))
     for kw, param in asks:
