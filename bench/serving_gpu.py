@@ -6,8 +6,9 @@ an OpenAI endpoint, all measured by `pdserve bench`.
     python bench/serving_gpu.py --tokenizer DIR --systems disagg,hybrid,colocated,hf \\
         --workloads long,trace --tpot-slos 20,40 --out bench/results/serving
 
-Model (`--shape`): Llama-3-8B's shape (32 layers, 4096 hidden, GQA 32:8, 14336 MLP; the default)
-or Qwen3-30B-A3B's (mixture of experts) with random bf16 weights; the vocabulary is the given
+Model (`--shape`): Llama-3-8B's shape (32 layers, 4096 hidden, GQA 32:8, 14336 MLP; the default),
+Qwen3-32B's or Llama-3-70B's (dense, for TP workers: `--systems hybrid:1:1:tp2`), Qwen3-30B-A3B's or
+DeepSeek-V2-Lite's (mixture of experts) with random bf16 weights; the vocabulary is the given
 tokenizer's (SmolLM2's 49,152 tokens, so outputs detokenize), not the models' own.
 """
 
@@ -49,6 +50,15 @@ SHAPES = {
                   "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                   "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
                   "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
+    # Qwen3-32B's and Llama-3-70B's matrices in the Llama family (dense; for TP2 workers: --systems ...:tp2)
+    "qwen3-32b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 5120,
+                  "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+                  "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+                  "max_position_embeddings": 16384, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0},
+    "llama3-70b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+                   "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+                   "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+                   "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
     # Qwen3-30B-A3B: 48 layers, 128 experts of 768, top-8, per-head q/k norm
     "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
                       "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
@@ -97,12 +107,14 @@ def save_ratio_plot(fig, ax, json_path: str, xlabel: str, ylabel: str, title: st
 def server_cmd(system: str, model: str, port: int, one_gpu: bool = False) -> list[str]:
     """system: disagg[:P:D] (default 1:1), hybrid[:P:D] (default 1:1), colocated[:N] (default 2),
     hf[:GPUS] (default 2); a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg),
-    ":nofetch" turns peer fetch off. `one_gpu`: two workers share one GPU (num_gpus 0.5 and 0.42 of
-    its memory each; their handoffs and fetches go over CUDA IPC)."""
+    ":nofetch" turns peer fetch off, ":tpN" makes every worker tensor-parallel over N GPUs (":ptpN" /
+    ":dtpN": the prefill / decode pool's only). `one_gpu`: two workers share one GPU (num_gpus 0.5
+    and 0.42 of its memory each; their handoffs and fetches go over CUDA IPC)."""
     kind, *sizes = system.split(":")
     budget = [x[1:] for x in sizes if x.startswith("c")]
     fetch = "nofetch" not in sizes  # a trailing ":nofetch": handoff.peer_fetch false (recompute what peers hold)
-    sizes = [x for x in sizes if not x.startswith("c") and x != "nofetch"]
+    tp = {k: x[len(k):] for x in sizes for k in ("tp", "ptp", "dtp") if x.startswith(k) and x[len(k):].isdigit()}
+    sizes = [x for x in sizes if not x.startswith(("c", "tp", "ptp", "dtp")) and x != "nofetch"]
     share = one_gpu and kind in ("disagg", "hybrid", "colocated")
     cfg = os.path.join(tempfile.mkdtemp(), "serving.yaml")
     with open(cfg, "w") as f:
@@ -115,10 +127,14 @@ def server_cmd(system: str, model: str, port: int, one_gpu: bool = False) -> lis
     if kind in ("disagg", "hybrid"):
         p, d = (sizes + ["1", "1"])[:2] if sizes else ("1", "1")
         extra = ["--prefill-max-num-batched-tokens", budget[0]] if budget else []
+        for role in ("prefill", "decode"):
+            n = tp.get(role[0] + "tp", tp.get("tp"))
+            extra += [f"--{role}-tp", n] if n else []
         return [sys.executable, "-m", "pdserve", "serve", "--mode", kind, "--prefill", p, "--decode", d,
                 *common, *extra]
     if kind == "colocated":
         extra = ["--max-num-batched-tokens", budget[0]] if budget else []
+        extra += ["--tensor-parallel-size", tp["tp"]] if "tp" in tp else []
         return [sys.executable, "-m", "pdserve", "serve", "--mode", "colocated", "--decode",
                 sizes[0] if sizes else "2", *common, *extra]
     if kind == "hf":
@@ -158,8 +174,9 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None) -> tuple:
-    """One rate sweep of one workload; a hybrid or colocated server first learns the SLO it serves."""
+def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None, rep: int = 1) -> tuple:
+    """One rate sweep of one workload (`rep` > 1: a repeat, its results named -r<rep>); a hybrid or
+    colocated server first learns the SLO it serves."""
     wargs = list(WORKLOADS[wl])
     name = f"{wl}_{system.replace(':', '-')}"
     if tpot_ms is not None:
@@ -169,6 +186,7 @@ def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None) -> t
         urllib.request.urlopen(urllib.request.Request(url + "/admin/slo", data=body,
                                                       headers={"Content-Type": "application/json"}), timeout=60)
         name += f"-t{tpot_ms}"
+    name += f"-r{rep}" if rep > 1 else ""
     rates = getattr(args, f"{wl.replace('-', '_')}_rates")
     cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, *wargs, "--rates", rates,
            "--num-requests", str(args.num_requests), "--label", name.split("_", 1)[1], "--out", args.out,
@@ -220,7 +238,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--one-gpu", action="store_true",
                     help="disagg / hybrid: the prefill and decode workers share one GPU (handoffs over CUDA IPC)")
     ap.add_argument("--systems", default="disagg,colocated,hf",
-                    help="comma-separated: disagg[:P:D], colocated[:N], hf[:GPUS] (e.g. disagg:2:1 on 3 GPUs)")
+                    help="comma-separated: disagg[:P:D], hybrid[:P:D], colocated[:N], hf[:GPUS] (e.g. disagg:2:1 "
+                         "on 3 GPUs); :tpN for TP workers (hybrid:1:1:tp2 on 4 GPUs)")
     ap.add_argument("--workloads", default="long,trace")
     ap.add_argument("--out", default="bench/results/serving")
     ap.add_argument("--port", type=int, default=8000)
@@ -231,6 +250,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--tpot-slos", default="40",
                     help="TPOT SLOs (ms) a hybrid server runs at in turn: MS (every workload) or WL:MS")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="sweeps of each workload on the same server (their spread: results named -r2, -r3, ...)")
     return ap
 
 
@@ -261,7 +282,8 @@ def main() -> None:
                     slos = [x.split(":")[-1] for x in args.tpot_slos.split(",")
                             if ":" not in x or x.startswith(wl + ":")]
                 for tpot in slos:
-                    summary.append(run_workload(args, url, system, wl, tpot))
+                    for rep in range(1, args.repeats + 1):
+                        summary.append(run_workload(args, url, system, wl, tpot, rep))
         except Exception as e:  # noqa: BLE001 - keep the other systems' results
             print(f"== {system} failed: {e}", flush=True)
             log.flush()

@@ -137,3 +137,19 @@ def test_gpu_suite_names_its_groups(tmp_path):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     r = subprocess.run(["bash", str(script), str(tmp_path), "nosuch"], capture_output=True, text=True)
     assert r.returncode == 1 and "nosuch (unknown)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("system, want", [
+    ("hybrid:1:1:tp2", {"prefill_tp": 2, "decode_tp": 2, "mode": "hybrid"}),
+    ("disagg:1:1:dtp2", {"prefill_tp": None, "decode_tp": 2, "mode": "disagg"}),
+    ("colocated:2:tp2", {"tensor_parallel_size": 2, "mode": "colocated", "decode": 2}),
+    ("disagg:2:1:c4096", {"prefill_tp": None, "prefill": 2, "prefill_max_num_batched_tokens": 4096}),
+])
+def test_serving_bench_servers_are_commands_pdserve_takes(system, want):
+    """The servers bench/serving_gpu.py starts, TP workers included: pdserve's own parser takes
+    each command as the bench builds it."""
+    from pdserve.cli import build_parser
+
+    cmd = bench("serving_gpu").server_cmd(system, "MODEL", 8000)
+    args = build_parser().parse_args(cmd[cmd.index("serve"):])
+    assert {k: getattr(args, k) for k in want} == want, cmd
