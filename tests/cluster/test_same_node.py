@@ -43,6 +43,17 @@ def test_a_prefill_and_a_decode_worker_sharing_one_gpu_hand_off_over_cuda_ipc(ti
     check_tokens_and_links(model, cfg, "cuda-ipc", kv_cache_dtype=kv_dtype, gpu_memory_utilization=0.3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("same_node,link", [(True, "cuda-ipc"), (False, "nccl")])
+def test_a_pair_on_two_gpus_of_one_node_pulls_over_cuda_ipc(tiny_models, same_node, link):
+    """One GPU each (Ray assigns them; each worker still sees the other's: cluster/gpus.py): the
+    decode worker maps the prefill worker's KV on the other GPU and pulls it; `same_node: false`
+    keeps the pair on NCCL. Tokens equal the colocated engine's either way."""
+    cfg = ServingConfig.from_dict({"handoff": {"same_node": same_node}})
+    check_tokens_and_links(tiny_models["llama"], cfg, link, gpu_memory_utilization=0.3)
+
+
 def check_tokens_and_links(model: str, cfg: ServingConfig, link: str, **engine) -> None:
     # one prompt at a time on both sides: on a GPU a decode step's rounding depends on its batch
     # (attention's key splits follow the batch size), so only equal batches give equal bf16 tokens

@@ -133,3 +133,23 @@ def test_a_tp2_worker_fetches_a_prefix_from_a_tp1_peer_head_slice_by_head_slice(
         time.sleep(0.1)
     assert rows[d]["prefix_cache_peer_hits"] == 64 and rows[d]["kv_peer_fetches_failed"] == 0, rows[d]
     no_request_blocks(p1_d2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)])
+def test_handoffs_between_tp_sizes_on_gpus_give_llms_tokens(tiny_models, prefill_tp, decode_tp):
+    """On CUDA (three GPUs: one worker of TP 1, one of TP 2; float32, so the all-reduces' order
+    moves nothing): every rank's head slice goes rank to rank, over CUDA IPC on one node."""
+    import torch
+
+    if torch.cuda.device_count() < 3:
+        pytest.skip("needs three CUDA GPUs")
+    want = reference(tiny_models["llama"], dtype="float32", gpu_memory_utilization=0.3)
+    c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                      max_model_len=512, dtype="float32", gpu_memory_utilization=0.3)
+    try:
+        outs = c.generate(PROMPTS8, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        no_request_blocks(c)
+    finally:
+        c.shutdown()
