@@ -80,10 +80,15 @@ def _rank(rank: int, address, out) -> None:
         os._exit(0)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (a CPU test parses it: tests/bench/test_gpu_benches.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/tp")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     ctx = mp.get_context("spawn")
     address, out = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, address, out)) for r in (0, 1)]

@@ -109,24 +109,7 @@ class SamplingParams:
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidParam("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise InvalidParam("logit_bias", f"must map token ids to biases, got {type(self.logit_bias).__name__}")
-            bias, keys, values = {}, [], []  # every bad key and value named at once
-            for t, b in self.logit_bias.items():
-                try:
-                    tok = int(t)  # OpenAI's JSON keys are strings
-                except (TypeError, ValueError):
-                    keys.append(t)
-                    continue
-                if tok < 0 or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-                    values.append(f"{t!r}: {b!r}")
-                    continue
-                bias[tok] = float(b)
-            if keys or values:
-                why = ([f"keys must be token ids, got {', '.join(map(repr, keys))}"] if keys else []) + \
-                    ([f"must map token ids >= 0 to values in [-100, 100], got {', '.join(values)}"] if values else [])
-                raise InvalidParam("logit_bias", "; ".join(why))
-            self.logit_bias = bias
+            self.logit_bias = _checked_bias(self.logit_bias)
         try:
             self.structured_outputs = check_spec(self.structured_outputs)
         except ValueError as e:
@@ -161,3 +144,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _checked_bias(logit_bias) -> dict[int, float]:
+    """OpenAI's logit_bias (JSON keys are strings) as {token id: bias}; InvalidParam naming every
+    bad key and value at once."""
+    if not isinstance(logit_bias, dict):
+        raise InvalidParam("logit_bias", f"must map token ids to biases, got {type(logit_bias).__name__}")
+    bias, keys, values = {}, [], []
+    for t, b in logit_bias.items():
+        try:
+            tok = int(t)
+        except (TypeError, ValueError):
+            keys.append(t)
+            continue
+        if tok < 0 or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            values.append(f"{t!r}: {b!r}")
+            continue
+        bias[tok] = float(b)
+    if keys or values:
+        why = ([f"keys must be token ids, got {', '.join(map(repr, keys))}"] if keys else []) + \
+            ([f"must map token ids >= 0 to values in [-100, 100], got {', '.join(values)}"] if values else [])
+        raise InvalidParam("logit_bias", "; ".join(why))
+    return bias
