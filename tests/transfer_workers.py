@@ -190,3 +190,58 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                                      "pairs": conn.num_pairs}))
         except Exception as e:  # noqa: BLE001 - reported to the test
             res_q.put(("error", f"{type(e).__name__}: {e}"))
+
+
+# Scenarios the transfer tests run on every device (gloo / shared memory on CPU, NCCL / CUDA IPC
+# on GPUs): `new_peer(name, seed)` starts a replacement sender like the first.
+
+def killed_sender_fails_its_handoff_and_a_new_one_serves(p: Peer, d: Peer, new_peer) -> None:
+    """The sender crashes with the receiver's side of a handoff posted; the cluster's monitor has
+    the receiver forget it (2 s later): the handoff fails at once, not at its timeout, every block
+    is freed, the pair is gone, and a new sender's blocks arrive bit-exact."""
+    handoff(p, d, "warm", [1], [1])  # the pair exists
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    fill, _ = d.ask("reserve", ("r", list(range(300))), "reserved")
+    t = time.monotonic()
+    (ch,) = d.ask("channel", (p.name, 1), "channels")
+    d.call("recv", {"ops": [(p.name, "", "r", fill, ch, 60.0)], "forget": (p.name, 2.0)})
+    p.call("send", {"ops": [(d.name, d.address, "r", list(range(19)), ch, 60.0)], "die": True})
+    p.proc.join(10)
+    assert p.proc.exitcode == 17
+    out, _ = d.get("results", timeout=90)
+    assert out["r"][0] == "FAILED" and "left" in out["r"][1], out
+    assert time.monotonic() - t < 30  # at once, not after the 60 s timeout
+    d.ask("release", "r", "ok")
+    st = d.ask("stats", kind="stats")
+    assert st["used"] == 0 and st["pairs"] == 0  # every reserved block freed, the pair gone
+    p2 = new_peer("prefill-1", p.seed + 2)
+    handoff(p2, d, "r3", [9, 8, 7], [10, 11, 12])
+    assert p2.get("results")["r3"][0] == "DONE"
+    out, blocks = d.get("results")
+    assert out["r3"][0] == "DONE" and torch.equal(blocks["r3"], make_kv(p2.seed)[[9, 8, 7]])
+
+
+def sender_dying_mid_pull_fails_it_by_name(p: Peer, d: Peer, new_peer) -> Peer:
+    """The sender dies once its order is posted, while the receiver copies from its mapped slab:
+    the receiver finds it gone after the copy and fails the handoff by name (what it copied is
+    never used: its blocks are released, not cached); a new sender's blocks arrive bit-exact.
+    Returns the new sender."""
+    handoff(p, d, "warm", [1], [1])
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    fill, _ = d.ask("reserve", ("r", list(range(64))), "reserved")
+    (ch,) = d.ask("channel", (p.name, 1), "channels")
+    d.call("recv", {"ops": [(p.name, "", "r", fill, ch, 30.0)], "slow_pull": 1.0})
+    p.call("send", {"ops": [(d.name, d.address, "r", [5, 6, 7, 8], ch, 30.0)], "die_after_order": True})
+    p.proc.join(20)
+    assert p.proc.exitcode == 19
+    out, _ = d.get("results", timeout=60)
+    assert out["r"][0] == "FAILED" and f"{p.name} died during the pull of r" in out["r"][1], out
+    d.ask("release", "r", "ok")
+    st = d.ask("stats", kind="stats")
+    assert st["used"] == 0 and st["pairs"] == 0
+    p2 = new_peer("prefill-1", p.seed + 2)
+    handoff(p2, d, "r2", [9, 8, 7], [10, 11, 12])
+    assert p2.get("results")["r2"][0] == "DONE"
+    out, blocks = d.get("results")
+    assert out["r2"][0] == "DONE" and torch.equal(blocks["r2"], make_kv(p2.seed)[[9, 8, 7]])
+    return p2

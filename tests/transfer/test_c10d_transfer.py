@@ -9,7 +9,13 @@ import time
 import pytest
 import torch
 
-from transfer_workers import Peer, handoff, make_kv
+from transfer_workers import (
+    Peer,
+    handoff,
+    killed_sender_fails_its_handoff_and_a_new_one_serves,
+    make_kv,
+    sender_dying_mid_pull_fails_it_by_name,
+)
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -133,29 +139,7 @@ def test_peer_that_never_sends_times_out_and_leaks_nothing(peers):
 
 @pytest.mark.slow
 def test_killed_peer_fails_cleanly_and_survivor_pairs_with_a_new_one(peers):
-    p, d = peers("prefill-0", 51), peers("decode-0", 52)
-    handoff(p, d, "warm", [1], [1])  # the pair exists
-    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
-    fill, _ = d.ask("reserve", ("r", list(range(300))), "reserved")
-    t = time.monotonic()
-    (ch,) = d.ask("channel", (p.name, 1), "channels")
-    # the prefill crashes before it sends; the cluster's monitor notices the dead worker
-    # and has its peers forget it (here: 2 s later)
-    d.call("recv", {"ops": [(p.name, "", "r", fill, ch, 60.0)], "forget": (p.name, 2.0)})
-    p.call("send", {"ops": [(d.name, d.address, "r", list(range(19)), ch, 60.0)], "die": True})
-    p.proc.join(10)
-    assert p.proc.exitcode == 17
-    out, _ = d.get("results", timeout=90)
-    assert out["r"][0] == "FAILED" and "left" in out["r"][1], out
-    assert time.monotonic() - t < 30  # at once, not after the 60 s timeout
-    d.ask("release", "r", "ok")
-    st = d.ask("stats", kind="stats")
-    assert st["used"] == 0 and st["pairs"] == 0  # every reserved block freed, the pair gone
-    p2 = peers("prefill-1", 53)
-    handoff(p2, d, "r3", [9, 8, 7], [10, 11, 12])
-    assert p2.get("results")["r3"][0] == "DONE"
-    out, blocks = d.get("results")
-    assert out["r3"][0] == "DONE" and torch.equal(blocks["r3"], make_kv(53)[[9, 8, 7]])
+    killed_sender_fails_its_handoff_and_a_new_one_serves(peers("prefill-0", 51), peers("decode-0", 52), peers)
 
 
 def test_a_sender_that_dies_during_a_pull_fails_the_handoff_and_a_new_pair_serves():
@@ -166,24 +150,7 @@ def test_a_sender_that_dies_during_a_pull_fails_the_handoff_and_a_new_pair_serve
     p, d = Peer("prefill-0", 81, link="pull"), Peer("decode-0", 82, link="pull")
     p2 = None
     try:
-        handoff(p, d, "warm", [1], [1])
-        assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
-        fill, _ = d.ask("reserve", ("r", list(range(64))), "reserved")
-        (ch,) = d.ask("channel", (p.name, 1), "channels")
-        d.call("recv", {"ops": [(p.name, "", "r", fill, ch, 30.0)], "slow_pull": 1.0})
-        p.call("send", {"ops": [(d.name, d.address, "r", [5, 6, 7, 8], ch, 30.0)], "die_after_order": True})
-        p.proc.join(20)
-        assert p.proc.exitcode == 19
-        out, _ = d.get("results", timeout=60)
-        assert out["r"][0] == "FAILED" and "prefill-0 died during the pull of r" in out["r"][1], out
-        d.ask("release", "r", "ok")
-        st = d.ask("stats", kind="stats")
-        assert st["used"] == 0 and st["pairs"] == 0
-        p2 = Peer("prefill-1", 83, link="pull")
-        handoff(p2, d, "r2", [9, 8, 7], [10, 11, 12])
-        assert p2.get("results")["r2"][0] == "DONE"
-        out, blocks = d.get("results")
-        assert out["r2"][0] == "DONE" and torch.equal(blocks["r2"], make_kv(83)[[9, 8, 7]])
+        p2 = sender_dying_mid_pull_fails_it_by_name(p, d, lambda name, seed: Peer(name, seed, link="pull"))
         assert d.ask("links", kind="links") == {"prefill-1 recv": {"link": "shared-memory", "gen": 0,
                                                                    "why": "the peer's KV is mapped here"}}
     finally:

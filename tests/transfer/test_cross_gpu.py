@@ -6,12 +6,16 @@ receiver serves the next one with a new sender. Skipped with fewer than two CUDA
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from transfer_workers import Peer, handoff, make_kv
+from transfer_workers import (
+    Peer,
+    handoff,
+    killed_sender_fails_its_handoff_and_a_new_one_serves,
+    make_kv,
+    sender_dying_mid_pull_fails_it_by_name,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
@@ -44,42 +48,10 @@ def test_blocks_cross_gpus_bit_exact_over_the_link_the_pair_names(peers, link, n
 
 def test_a_sender_that_dies_during_a_pull_across_gpus_fails_it_by_name(peers):
     p, d = peers("prefill-0", 1, "pull", "cuda:0"), peers("decode-0", 2, "pull", "cuda:1")
-    handoff(p, d, "warm", [1], [1])
-    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
-    (ch,) = d.ask("channel", (p.name, 1), "channels")
-    d.call("recv", {"ops": [(p.name, "", "r", [20, 21, 22, 23], ch, 30.0)], "slow_pull": 1.0})
-    p.call("send", {"ops": [(d.name, d.address, "r", [5, 6, 7, 8], ch, 30.0)], "die_after_order": True})
-    p.proc.join(20)
-    assert p.proc.exitcode == 19
-    out, _ = d.get("results", timeout=60)
-    assert out["r"][0] == "FAILED" and "prefill-0 died during the pull of r" in out["r"][1], out
-    p2 = peers("prefill-1", 3, "pull", "cuda:0")
-    handoff(p2, d, "r2", [9, 8, 7], [10, 11, 12])
-    assert p2.get("results")["r2"][0] == "DONE"
-    out, blocks = d.get("results")
-    assert out["r2"][0] == "DONE" and torch.equal(blocks["r2"], make_kv(3)[[9, 8, 7]])
+    sender_dying_mid_pull_fails_it_by_name(p, d, lambda name, seed: peers(name, seed, "pull", "cuda:0"))
 
 
 def test_a_sender_killed_mid_send_over_nccl_aborts_the_pair_and_a_new_gen_serves(peers):
     p, d = peers("prefill-0", 51, "c10d", "cuda:0"), peers("decode-0", 52, "c10d", "cuda:1")
-    handoff(p, d, "warm", [1], [1])  # the pair and its NCCL communicator exist
-    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
-    fill, _ = d.ask("reserve", ("r", list(range(300))), "reserved")
-    t = time.monotonic()
-    (ch,) = d.ask("channel", (p.name, 1), "channels")
-    d.call("recv", {"ops": [(p.name, "", "r", fill, ch, 60.0)], "forget": (p.name, 2.0)})
-    p.call("send", {"ops": [(d.name, d.address, "r", list(range(19)), ch, 60.0)], "die": True})
-    p.proc.join(10)
-    assert p.proc.exitcode == 17
-    out, _ = d.get("results", timeout=90)
-    assert out["r"][0] == "FAILED" and "left" in out["r"][1], out
-    assert time.monotonic() - t < 30  # at once, not after the 60 s timeout
-    d.ask("release", "r", "ok")
-    st = d.ask("stats", kind="stats")
-    assert st["used"] == 0 and st["pairs"] == 0
-    p2 = peers("prefill-1", 53, "c10d", "cuda:0")
-    handoff(p2, d, "r3", [9, 8, 7], [10, 11, 12])
-    assert p2.get("results")["r3"][0] == "DONE"
-    out, blocks = d.get("results")
-    assert out["r3"][0] == "DONE" and torch.equal(blocks["r3"], make_kv(53)[[9, 8, 7]])
+    killed_sender_fails_its_handoff_and_a_new_one_serves(p, d, lambda name, seed: peers(name, seed, "c10d", "cuda:0"))
     assert d.ask("links", kind="links")["prefill-1 recv"]["link"] == "nccl"

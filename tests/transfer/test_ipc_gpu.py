@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transfer_workers import Peer, handoff, make_kv
+from transfer_workers import Peer, handoff, make_kv, sender_dying_mid_pull_fails_it_by_name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -37,21 +37,12 @@ def test_a_sender_that_dies_during_a_pull_fails_it_and_the_receiver_keeps_servin
     """The sender dies once its order is posted, while the receiver copies from its mapped KV:
     the receiver's CUDA context survives, the handoff fails by name, a new sender serves."""
     p, d = pair
-    handoff(p, d, "warm", [1], [1])
-    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
-    (ch,) = d.ask("channel", (p.name, 1), "channels")
-    d.call("recv", {"ops": [(p.name, "", "r", [20, 21, 22, 23], ch, 30.0)], "slow_pull": 1.0})
-    p.call("send", {"ops": [(d.name, d.address, "r", [5, 6, 7, 8], ch, 30.0)], "die_after_order": True})
-    p.proc.join(20)
-    assert p.proc.exitcode == 19
-    out, _ = d.get("results", timeout=60)
-    assert out["r"][0] == "FAILED" and "died during the pull" in out["r"][1], out
-    p2 = Peer("prefill-1", 3, link="pull", device="cuda")
-    pair.append(p2)
-    handoff(p2, d, "r2", [9, 8, 7], [10, 11, 12])
-    assert p2.get("results")["r2"][0] == "DONE"
-    out, blocks = d.get("results")
-    assert out["r2"][0] == "DONE" and torch.equal(blocks["r2"], make_kv(3)[[9, 8, 7]])
+
+    def new_peer(name, seed):
+        pair.append(Peer(name, seed, link="pull", device="cuda"))
+        return pair[-1]
+
+    sender_dying_mid_pull_fails_it_by_name(p, d, new_peer)
 
 
 def test_memory_after_1000_handoffs_is_where_it_started(pair):
