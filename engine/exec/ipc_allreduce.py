@@ -2,15 +2,15 @@
 reads: each rank's two slots and flags in one CUDA allocation that every rank of the group maps
 through CUDA IPC (cuda_ipc.py).
 
-    IPCAllReduce.build(store, ctrl, rank, size, device) -> the all-reduce, or why the group keeps NCCL
+    IPCAllReduce.build(store, agree, rank, size, device) -> the all-reduce, or why the group keeps NCCL
     ipc(x)                                              -> x summed over the ranks, in place
 
 `build` is collective (every rank calls it, after the group's stores and ctrl group exist):
 each rank allocates and publishes its buffer under `tp/oneshot/<rank>` of the group's store,
-maps every peer's, and the ranks agree (a MIN over ctrl) that all of them could; one that cannot
-(a peer's GPU not visible, no peer access) makes the whole group keep NCCL, saying why. The
-buffers live as long as the object; the caller (exec/tp.TPGroup) checks the first result against
-NCCL's before it trusts the path.
+maps every peer's, and the ranks agree (`agree`: the smallest of every rank's value,
+TPGroup.min_int) that all of them could; one that cannot (a peer's GPU not visible, no peer
+access) makes the whole group keep NCCL, saying why. The buffers live as long as the object; the
+caller (exec/tp.TPGroup) checks the first result against NCCL's before it trusts the path.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class IPCAllReduce:
         self._views: dict[torch.dtype, list[torch.Tensor]] = {}
 
     @classmethod
-    def build(cls, store, ctrl, rank: int, size: int, device: torch.device) -> IPCAllReduce | str:
+    def build(cls, store, agree, rank: int, size: int, device: torch.device) -> IPCAllReduce | str:
         if not 1 < size <= MAX_RANKS:
             return f"a one-shot all-reduce spans 2 to {MAX_RANKS} ranks, not {size}"
         own = torch.zeros(2 * SLOT_BYTES + FLAG_BYTES, dtype=torch.uint8, device=device)
@@ -51,13 +51,7 @@ class IPCAllReduce:
                 why = f"rank {rank} cannot map rank {q}'s buffers: {peer}"
                 break
             raw.append(peer)
-        agreed = torch.tensor([0 if why else 1], dtype=torch.int64)
-        import torch.distributed as dist
-
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        ctrl.allreduce([agreed], opts).wait()
-        if not agreed.item():
+        if not agree(0 if why else 1):  # every rank mapped every other's
             return why or "another rank cannot map this rank's buffers"
         return cls(rank, raw, own)
 

@@ -161,7 +161,7 @@ class TPGroup:
         (float32: both sum in float32; 2 ranks add in the same order); else NCCL, logged why."""
         from .ipc_allreduce import IPCAllReduce
 
-        got = IPCAllReduce.build(self.store, self.ctrl, self.rank, self.size, device)
+        got = IPCAllReduce.build(self.store, self.min_int, self.rank, self.size, device)
         if not isinstance(got, str):
             g = torch.Generator(device=device).manual_seed(1234 + self.rank)
             x = torch.randn(3, 4096, generator=g, device=device)
@@ -172,11 +172,7 @@ class TPGroup:
             except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: NCCL it is
                 log.warning("the one-shot all-reduce failed its first call: %s", e)
                 ok = False
-            same = torch.tensor([int(ok)], dtype=torch.int64)
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MIN
-            self._wait(self.ctrl.allreduce([same], opts))
-            got = got if same.item() else "its first result differs from NCCL's"
+            got = got if self.min_int(int(ok)) else "its first result differs from NCCL's"
         if isinstance(got, str):
             self.oneshot_why = got
             log.warning("tensor-parallel rank %d of %d: all-reduces over NCCL only: %s", self.rank, self.size, got)
