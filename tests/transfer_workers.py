@@ -245,3 +245,15 @@ def sender_dying_mid_pull_fails_it_by_name(p: Peer, d: Peer, new_peer) -> Peer:
     out, blocks = d.get("results")
     assert out["r2"][0] == "DONE" and torch.equal(blocks["r2"], make_kv(p2.seed)[[9, 8, 7]])
     return p2
+
+
+def blocks_arrive_bit_exact(p: Peer, d: Peer) -> None:
+    """One block, scattered ids, then 300 blocks reversed: every handoff DONE on both sides and
+    the receiver's blocks equal the sender's, bit for bit."""
+    for i, (src, dst) in enumerate((([5], [7]), ([3, 90, 17, 250, 4], [300, 1, 77, 2, 150]),
+                                    (list(range(10, 310)), list(range(399, 99, -1))))):
+        handoff(p, d, f"r{i}", src, dst)
+        assert p.get("results")[f"r{i}"][0] == "DONE"
+        out, blocks = d.get("results")
+        assert out[f"r{i}"][0] == "DONE", out
+        assert torch.equal(blocks[f"r{i}"], make_kv(p.seed)[src])

@@ -11,9 +11,8 @@ import torch
 
 from transfer_workers import (
     Peer,
-    handoff,
+    blocks_arrive_bit_exact,
     killed_sender_fails_its_handoff_and_a_new_one_serves,
-    make_kv,
     sender_dying_mid_pull_fails_it_by_name,
 )
 
@@ -36,13 +35,7 @@ def peers():
 @pytest.mark.parametrize("link,name", [("pull", "cuda-ipc"), ("c10d", "nccl")])
 def test_blocks_cross_gpus_bit_exact_over_the_link_the_pair_names(peers, link, name):
     p, d = peers("prefill-0", 1, link, "cuda:0"), peers("decode-0", 2, link, "cuda:1")
-    for i, (src, dst) in enumerate((([5], [7]), ([3, 90, 17, 250, 4], [300, 1, 77, 2, 150]),
-                                    (list(range(10, 310)), list(range(399, 99, -1))))):
-        handoff(p, d, f"r{i}", src, dst)
-        assert p.get("results")[f"r{i}"][0] == "DONE"
-        out, blocks = d.get("results")
-        assert out[f"r{i}"][0] == "DONE", out
-        assert torch.equal(blocks[f"r{i}"], make_kv(1)[src])
+    blocks_arrive_bit_exact(p, d)
     assert d.ask("links", kind="links")["prefill-0 recv"]["link"] == name
 
 

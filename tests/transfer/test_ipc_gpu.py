@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transfer_workers import Peer, handoff, make_kv, sender_dying_mid_pull_fails_it_by_name
+from transfer_workers import Peer, blocks_arrive_bit_exact, handoff, sender_dying_mid_pull_fails_it_by_name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -23,13 +23,7 @@ def pair():
 
 def test_blocks_pulled_over_cuda_ipc_are_bit_exact(pair):
     p, d = pair
-    for i, (src, dst) in enumerate((([5], [7]), ([3, 90, 17, 250, 4], [300, 1, 77, 2, 150]),
-                                    (list(range(10, 310)), list(range(399, 99, -1))))):
-        handoff(p, d, f"r{i}", src, dst)
-        assert p.get("results")[f"r{i}"][0] == "DONE"
-        out, blocks = d.get("results")
-        assert out[f"r{i}"][0] == "DONE", out
-        assert torch.equal(blocks[f"r{i}"], make_kv(1)[src])
+    blocks_arrive_bit_exact(p, d)
     assert d.ask("links", kind="links")["prefill-0 recv"]["link"] == "cuda-ipc"
 
 
