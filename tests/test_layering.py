@@ -148,7 +148,7 @@ ENGINE_ORDER = [
     "ops.triton_fused", "ops.triton_mla", "ops.moe_ref", "ops.triton_moe", "ops.block_copy",
     "ops.attention_ref", "ops.mla_ref", "ops.oneshot_allreduce", "ops.__init__",
     # leaves: settings and helpers that import no engine module of their own rank
-    "spec.config", "spec.verify", "exec.step_result", "exec.stores", "exec.cuda_ipc",
+    "spec.config", "spec.verify", "exec.step_result", "exec.stores", "exec.step_channel", "exec.cuda_ipc",
     "exec.ipc_allreduce", "exec.tp", "exec.host_to_device", "core.hashing",
     "core.kv_window", "core.iteration_stats", "outputs", "tokenizer", "default_model", "sample.structured",
     # what a caller hands the engine

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.exec.cuda_ipc import gpu_uuid
+from pdserve.engine.exec.step_channel import process_start
 from pdserve.engine.ops.block_copy import copy_blocks
 
 from .base import Handoff, TransferError, block_bytes, block_index
@@ -45,24 +46,12 @@ class PeerLost(TransferError):
     pass
 
 
-def _started(pid: int) -> str | None:
-    """When process `pid` of this host started (clock ticks since boot), None if there is none
-    running (an exited process not yet reaped is a zombie: none): a pid and its start time name
-    one process for good."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if len(fields) < 20 or fields[0] in "ZX" else fields[19]
-
-
 def offer(conn) -> str:
     """The sender's half of the link choice: its slab's description, its store's address and its
     process (pid and start time, for a liveness check that costs no round trip)."""
     pid = os.getpid()
     return json.dumps({"share": export(conn.kv) if conn.same_node else None, "address": conn.address,
-                       "pid": pid, "started": _started(pid)})
+                       "pid": pid, "started": process_start(pid)})
 
 
 def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
@@ -78,7 +67,7 @@ def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
     if link.other_gpu:
         return {"link": "pull", "why": "the peer's KV is mapped here, from another GPU of this node",
                 "bell": link.listen()}, link
-    if o.get("started") is not None and _started(o["pid"]) == o["started"]:  # its process is visible here
+    if o.get("started") is not None and process_start(o["pid"]) == o["started"]:  # its process is visible here
         link.peer_process = (o["pid"], o["started"])
     return {"link": "pull", "why": "the peer's KV is mapped here", "bell": link.listen()}, link
 
@@ -252,7 +241,7 @@ class PullLink:
         the same start time (its process visible here), else its store answers."""
         if self.peer_process is not None:
             pid, started = self.peer_process
-            if _started(pid) != started:
+            if process_start(pid) != started:
                 raise PeerLost(f"prefill worker {peer} died during the pull of {h.request_id}; its KV is not used")
             return
         try:

@@ -4,8 +4,8 @@ Rank 0 owns everything that decides (scheduler, block tables, sampling); ranks 1
 (shards, `shard.py`) hold a slice of the weights and of the KV cache and run the same
 forward pass on the inputs rank 0 sends them, one step at a time:
 
-    rank 0   schedule -> host inputs -> ctrl.broadcast -> forward (all-reduces) -> sample
-    rank k               ctrl.broadcast (receive)      -> forward (all-reduces)
+    rank 0   schedule -> host inputs -> send (step ring) -> forward (all-reduces) -> sample
+    rank k               recv (step ring)              -> forward (all-reduces)
 
 Sharding (Megatron): q heads split evenly; KV heads split evenly, or each rank keeps the
 one KV head its q heads read when num_kv_heads < N (replicated N / num_kv_heads times);
@@ -15,8 +15,11 @@ embedding replicated (a lookup reads T rows: no traffic); the LM head vocab-para
 per rank on 70B-class models, room for KV).
 
 The group is built at run time, like the transfer groups: rank 0 serves a TCPStore,
-the shards join it; two process groups over it: `ctrl` (gloo, CPU: the step inputs,
-pickled) and `dev` (NCCL on CUDA, gloo on CPU: all-reduce and all-gather). A shard
+the shards join it; two process groups over it: `ctrl` (gloo, CPU: agreements, and the step
+inputs too long for the ring) and `dev` (NCCL on CUDA, gloo on CPU: all-reduce and
+all-gather). The step inputs, pickled, travel through a shared memory ring on the host
+(step_channel.py: microseconds, where two gloo broadcasts cost a TCP round trip each); a
+group whose ranks cannot all map it sends them over `ctrl`. A shard
 that dies closes its sockets: rank 0's next collective raises (`TPError`), and the
 worker hosting it ends (the cluster replaces it). The ctrl group waits without limit
 (an idle engine sends nothing); the dev group's collectives time out after `timeout_s`.
@@ -92,6 +95,8 @@ class TPGroup:
     bound: BoundStore | None = None  # rank 0: the store's listening socket (bound to one address)
     oneshot: object = None  # CUDA: the one-shot all-reduce over IPC buffers (ipc_allreduce.py), if it runs
     oneshot_why: str | None = None  # why not, when it does not
+    channel: object = None  # the step ring (step_channel.py), when every rank maps it
+    channel_why: str | None = None  # why not, when it does not
 
     @property
     def address(self) -> str | None:
@@ -116,6 +121,7 @@ class TPGroup:
             self.store = dist.TCPStore(host, int(port), is_master=False, timeout=td(timeout_s))
         self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("tp/ctrl", self.store), self.rank, self.size,
                                           td(365 * 86400))
+        self._open_channel()
         dev_store = dist.PrefixStore("tp/dev", self.store)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -137,6 +143,9 @@ class TPGroup:
         Bounded: a teardown that does not finish within `timeout_s` (a peer that died) is left
         to the process's exit, logged."""
         groups, self.dev, self.ctrl, self.oneshot = (self.dev, self.ctrl), None, None, None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         if any(pg is not None and not isinstance(pg, dist.ProcessGroupGloo) for pg in groups):
             GRAVEYARD.append(groups)  # NCCL: never destroyed (see GRAVEYARD)
 
@@ -155,6 +164,40 @@ class TPGroup:
         if t.is_alive():
             log.warning("tensor-parallel rank %d of %d: its groups did not tear down within %g s", self.rank,
                         self.size, timeout_s)
+
+    def _open_channel(self) -> None:
+        """The step ring, used once every rank has mapped it (then its file is unlinked)."""
+        from .step_channel import PeerGone, StepChannel, this_process
+
+        self.store.set(f"tp/proc/{self.rank}", this_process())
+        path, ch = "", None
+        if self.rank == 0:
+            try:
+                path = StepChannel.new_path()
+                ch = StepChannel(path, 0, self.size, create=True)
+            except OSError as e:
+                path, self.channel_why = "", f"rank 0 cannot create {StepChannel.new_path()}: {e}"
+            self.store.set("tp/chan", path)
+        path = self.store.get("tp/chan").decode()
+        if path:
+            peers = [self.store.get(f"tp/proc/{r}").decode() for r in (range(1, self.size) if self.rank == 0 else [0])]
+            try:
+                ch = ch or StepChannel(path, self.rank, self.size)
+                ch.watch(peers)
+            except (OSError, PeerGone) as e:
+                if ch is not None:
+                    ch.close()
+                ch, self.channel_why = None, f"rank {self.rank} cannot map the step ring: {e}"
+        if self.min_int(int(ch is not None)):
+            self.channel = ch
+        elif ch is not None:
+            ch.close()
+            self.channel_why = self.channel_why or "another rank cannot map the step ring"
+        if self.rank == 0 and path:  # every rank has mapped it or given up: the mappings keep it
+            StepChannel.unlink(path)
+        if self.channel is None:
+            log.warning("tensor-parallel rank %d of %d: step inputs over gloo: %s", self.rank, self.size,
+                        self.channel_why)
 
     def _build_oneshot(self, device: torch.device) -> None:
         """The one-shot all-reduce, trusted once its first result equals NCCL's on every rank
@@ -214,16 +257,28 @@ class TPGroup:
         if self.size == 1:
             return
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.channel is not None and self._ring(self.channel.send, data):
+            return
         self._wait(self.ctrl.broadcast([torch.tensor([len(data)], dtype=torch.int64)], _root0()))
         self._wait(self.ctrl.broadcast([torch.frombuffer(bytearray(data), dtype=torch.uint8)], _root0()))
 
     def recv(self):
         """A shard: the next message from rank 0."""
+        if self.channel is not None and (data := self._ring(self.channel.recv)) is not None:
+            return pickle.loads(data)
         n = torch.zeros(1, dtype=torch.int64)
         self._wait(self.ctrl.broadcast([n], _root0()))
         buf = torch.empty(int(n.item()), dtype=torch.uint8)
         self._wait(self.ctrl.broadcast([buf], _root0()))
         return pickle.loads(buf.numpy().tobytes())
+
+    def _ring(self, call, *args):
+        from .step_channel import PeerGone
+
+        try:
+            return call(*args)
+        except PeerGone as e:
+            raise TPError(f"tensor-parallel rank {self.rank} of {self.size}: {e}") from e
 
     def _wait(self, work) -> None:
         try:
