@@ -107,18 +107,22 @@ def save_ratio_plot(fig, ax, json_path: str, xlabel: str, ylabel: str, title: st
 def server_cmd(system: str, model: str, port: int, one_gpu: bool = False) -> list[str]:
     """system: disagg[:P:D] (default 1:1), hybrid[:P:D] (default 1:1), colocated[:N] (default 2),
     hf[:GPUS] (default 2); a trailing ":cN" sets the chunk budget (the prefill pool's, for disagg),
-    ":nofetch" turns peer fetch off, ":tpN" makes every worker tensor-parallel over N GPUs (":ptpN" /
+    ":nofetch" turns peer fetch off, ":adaptive" lets the ratio planner move workers between the pools,
+    ":tpN" makes every worker tensor-parallel over N GPUs (":ptpN" /
     ":dtpN": the prefill / decode pool's only). `one_gpu`: two workers share one GPU (num_gpus 0.5
     and 0.42 of its memory each; their handoffs and fetches go over CUDA IPC)."""
     kind, *sizes = system.split(":")
     budget = [x[1:] for x in sizes if x.startswith("c")]
     fetch = "nofetch" not in sizes  # a trailing ":nofetch": handoff.peer_fetch false (recompute what peers hold)
+    adaptive = "adaptive" in sizes  # ":adaptive": the ratio planner moves workers between the pools (cluster/ratio.py)
     tp = {k: x[len(k):] for x in sizes for k in ("tp", "ptp", "dtp") if x.startswith(k) and x[len(k):].isdigit()}
-    sizes = [x for x in sizes if not x.startswith(("c", "tp", "ptp", "dtp")) and x != "nofetch"]
+    sizes = [x for x in sizes if not x.startswith(("c", "tp", "ptp", "dtp")) and x not in ("nofetch", "adaptive")]
     share = one_gpu and kind in ("disagg", "hybrid", "colocated")
     cfg = os.path.join(tempfile.mkdtemp(), "serving.yaml")
     with open(cfg, "w") as f:
         f.write(f"handoff: {{peer_fetch: {str(fetch).lower()}}}\n")
+        if adaptive:
+            f.write("autoscale: {enabled: true, policy: ratio, cooldown_s: 20, window_s: 30}\n")
         if share:
             f.write("prefill: {num_gpus: 0.5}\ndecode: {num_gpus: 0.5}\n")
     common = ["--model", model, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "8704",

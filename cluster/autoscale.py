@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .serving_config import AutoscaleConfig, PoolConfig
+from .serving_config import ROLES, AutoscaleConfig, PoolConfig
 
 
 class LatencyWindow:
@@ -87,3 +87,19 @@ def decide(role: str, s: PoolSignals, cfg: AutoscaleConfig, pool: PoolConfig, st
     else:
         state.calm_since = None
     return size, ""
+
+
+def pool_signals(workers, ttft: LatencyWindow, itl: LatencyWindow, now: float) -> dict[str, PoolSignals]:
+    """The policy's inputs, from the workers' records (their last stats) and the latency windows."""
+    out = {}
+    for role in ROLES:
+        live = [w for w in workers if w.role == role and not w.draining and not w.switching_to]
+        n = max(1, len(live))
+        if role == "prefill":
+            waiting = sum(w.stats.get("num_waiting", 0) for w in live)
+            out[role] = PoolSignals(len(live), queue=waiting / n, latency=ttft.quantile(0.9, now))
+        else:
+            used = sum(w.stats.get("kv_blocks_used", 0) for w in live)
+            total = sum(w.stats.get("kv_blocks_total", w.info.get("capacity_blocks", 0)) for w in live)
+            out[role] = PoolSignals(len(live), usage=used / total if total else 0.0, latency=itl.quantile(0.9, now))
+    return out

@@ -120,6 +120,8 @@ class Cluster:
         self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, local_prefill_tokens,
                                      local_cached_fraction, pipe=self.pipe)
         self.dispatcher.observers.append(_AutoscaleLatency(self.pools))
+        if self.pools.ratio is not None:
+            self.dispatcher.observers.append(self.pools.ratio)
         self._closed = False
         self._monitor = None
         try:

@@ -31,7 +31,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .aio import within
-from .autoscale import LatencyWindow, PoolSignals, PoolState, decide
+from .autoscale import LatencyWindow, PoolSignals, PoolState, decide, pool_signals
+from .ratio import RatioPlanner
 from .routing import Candidate
 from .serving_config import ROLES, ServingConfig
 from .worker_actor import WorkerActor
@@ -77,6 +78,7 @@ class Pools:
         self.autoscale_events: list[dict] = []
         self.switch_events: list[dict] = []
         self._pool_state = {role: PoolState() for role in ROLES}
+        self.ratio = RatioPlanner(window, serving.autoscale.cooldown_s) if serving.autoscale.policy == "ratio" else None
         self._scaling = asyncio.Lock()
         self.closed = False
         self.monitor_error: str | None = None  # the last monitor pass's failure, if it failed
@@ -360,25 +362,18 @@ class Pools:
         return all(free.get(k, 0.0) >= v for k, v in need.items() if v)
 
     def pool_signals(self, now: float | None = None) -> dict[str, PoolSignals]:
-        """The autoscaler's inputs, from the stats the monitor gathered and the latency windows."""
-        now = time.monotonic() if now is None else now
-        out = {}
-        for role in ROLES:
-            live = [w for w in self.workers.values() if w.role == role and not w.draining and not w.switching_to]
-            n = max(1, len(live))
-            if role == "prefill":
-                waiting = sum(w.stats.get("num_waiting", 0) for w in live)
-                out[role] = PoolSignals(len(live), queue=waiting / n, latency=self.ttft.quantile(0.9, now))
-            else:
-                used = sum(w.stats.get("kv_blocks_used", 0) for w in live)
-                total = sum(w.stats.get("kv_blocks_total", w.info.get("capacity_blocks", 0)) for w in live)
-                out[role] = PoolSignals(len(live), usage=used / total if total else 0.0,
-                                        latency=self.itl.quantile(0.9, now))
-        return out
+        return pool_signals(self.workers.values(), self.ttft, self.itl, time.monotonic() if now is None else now)
 
     def _autoscale_step(self, now: float) -> None:
-        cfg, want = self.serving.autoscale, {}
-        for role, sig in self.pool_signals(now).items():
+        cfg, want, switch = self.serving.autoscale, {}, False
+        if self.ratio is not None:  # policy "ratio": the split of the workers there are (ratio.py)
+            got = self.ratio.plan(list(self.workers.values()), self.serving, now)
+            if got:
+                want, switch = got[0], True
+                self.autoscale_events.append({"time": time.time(), "role": "ratio", "from": self.pool_sizes(),
+                                              "to": want, "reason": got[1]})
+                log.warning("autoscale %s", got[1])
+        for role, sig in (self.pool_signals(now) if self.ratio is None else {}).items():
             if sig.size != self.targets[role] or (role == "prefill" and self.mode == "colocated"):
                 continue  # a change is still being applied
             size, why = decide(role, sig, cfg, self.serving.pool(role), self._pool_state[role], now)
@@ -386,12 +381,11 @@ class Pools:
                 want[role] = size
                 self._pool_state[role].last_change = now
                 self._pool_state[role].calm_since = None
-                event = {"time": time.time(), "role": role, "from": sig.size, "to": size, "reason": why}
-                self.autoscale_events.append(event)
+                self.autoscale_events.append({"time": time.time(), "role": role, "from": sig.size, "to": size,
+                                              "reason": why})
                 log.warning("autoscale %s: %d -> %d (%s)", role, sig.size, size, why)
-        switch = self._switch_instead(want)
-        if switch:
-            want = switch
+        if self.ratio is None and (moved := self._switch_instead(want)):
+            want, switch = moved, True
         if want:
             task = asyncio.ensure_future(self.scale(want, switch_roles=bool(switch)))
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or

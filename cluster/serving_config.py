@@ -13,6 +13,8 @@
       cooldown_s: 30
       idle_s: 60
       switch_roles: true        # no node to add: move a calm worker from the other pool
+      policy: signals           # or ratio: keep the workers there are and move them between the
+                                # pools to the prefill:decode split the measured load needs (ratio.py)
       max_workers: null         # both pools together (e.g. the GPUs there are); null: no cap
     slo:                        # what hybrid placement serves (--slo-ttft, --slo-tpot)
       ttft_s: 2.0
@@ -37,6 +39,7 @@ import itertools
 from dataclasses import dataclass, field, fields
 
 ROLES = ("prefill", "decode")
+POLICIES = ("signals", "ratio")
 
 
 @dataclass
@@ -88,6 +91,7 @@ class AutoscaleConfig:
     window_s: float = 30.0  # latency samples older than this are forgotten
     switch_roles: bool = True  # a pool that must grow when no worker can be added takes one from the other
     max_workers: int | None = None  # prefill + decode workers at most (None: as many as Ray places)
+    policy: str = "signals"  # "signals" (autoscale.py: each pool's own) or "ratio" (ratio.py: the split)
 
     def validate(self) -> None:
         for f in fields(self):
@@ -95,6 +99,9 @@ class AutoscaleConfig:
             if f.name in ("enabled", "switch_roles"):
                 if not isinstance(v, bool):
                     raise ValueError(f"autoscale.{f.name} must be true or false, got {v!r}")
+            elif f.name == "policy":
+                if v not in POLICIES:
+                    raise ValueError(f"autoscale.policy must be one of {', '.join(POLICIES)}, got {v!r}")
             elif f.name == "max_workers":
                 if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
                     raise ValueError(f"autoscale.max_workers must be an integer >= 2 or null, got {v!r}")

@@ -361,7 +361,7 @@ class LLMEngine:
             log.warning("step model calibration skipped: %s", e)
 
     def stats(self) -> dict:
-        kv, c = self.kv, self.config
+        kv, c, sched = self.kv, self.config, self.scheduler
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -378,8 +378,8 @@ class LLMEngine:
             "tpot_margin": self.step_model.margin,  # the share of the target its steps aim at
             "prefill_tok_s": self.step_model.prefill_rate(self.scheduler.running),
             "prefill_chunk": self.step_model.chunk_now(self.scheduler.running),
-            "num_decoding": sum(1 for r in self.scheduler.running if r.is_decoding),
-            "max_num_seqs": self.scheduler.max_num_seqs,
+            "num_decoding": sum(r.is_decoding for r in self.scheduler.running), "max_num_seqs": sched.max_num_seqs,
+            "decode_capacity": self.step_model.capacity_table(c.max_model_len, sched.max_num_seqs),
             "tensor_parallel_size": self.tp.size,
             "iteration_tokens": self.iteration_tokens.snapshot(),
             "cache_config": {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,

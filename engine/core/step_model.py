@@ -282,6 +282,29 @@ class StepModel:
         target, _ = self._room(decodes, kv)
         return self._largest(decodes, kv, 0, target + self._bank_cap(target))
 
+    def decode_capacity(self, ctx: int, max_seqs: int) -> int | None:
+        """The most decoding requests of `ctx` context tokens each whose decode-only step fits
+        margin x target (at most `max_seqs`; the ratio planner's decode capacity, cluster/ratio.py).
+        None before the fit or without a target."""
+        if self.coef is None or self.slo_tpot_s is None or max_seqs < 1:
+            return None
+        limit = self.margin * self.slo_tpot_s
+        lo, hi = 0, max_seqs  # the step's time grows with its rows: the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.predict(mid, 0, mid * ctx, 0) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def capacity_table(self, max_model_len: int, max_seqs: int) -> dict[int, int]:
+        """decode_capacity() at contexts of 512, 2048, 8192 tokens and max_model_len (the engine's
+        stats; the planner interpolates at its workload's mean). Empty before the fit."""
+        ctxs = sorted({c for c in (512, 2048, 8192) if c < max_model_len} | {max_model_len})
+        table = {c: self.decode_capacity(c, max_seqs) for c in ctxs}
+        return {} if None in table.values() else table
+
     def rate_at(self, decodes: int, kv: int) -> float | None:
         """Prefill tokens per second this engine offers. While it decodes: one chunk of
         chunk_at() each time the decode steps have banked the slack it needs; else full

@@ -10,7 +10,7 @@ from pdserve.cli_common import CliError, add_engine_args, check_kv_dirs, engine_
 
 AUTOSCALE_FLAGS = {"target_prefill_queue": "prefill_queue", "target_ttft_p90": "ttft_p90_s",
                    "target_kv_usage": "kv_usage", "target_itl_p90": "itl_p90_s", "autoscale_cooldown": "cooldown_s",
-                   "autoscale_idle": "idle_s"}
+                   "autoscale_idle": "idle_s", "autoscale_policy": "policy"}
 
 
 def serving_config(args: argparse.Namespace):
@@ -191,6 +191,9 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--target-itl-p90", type=float, default=None, help="seconds")
     sv.add_argument("--autoscale-cooldown", type=float, default=None, help="seconds between changes of a pool")
     sv.add_argument("--autoscale-idle", type=float, default=None, help="seconds calm before a pool shrinks")
+    sv.add_argument("--autoscale-policy", choices=("signals", "ratio"), default=None,
+                    help="signals: each pool grows and shrinks by its own signals; ratio: the workers there are "
+                         "move between the pools to the prefill:decode split the measured load needs")
     sv.add_argument("--pool-resources", choices=("auto", "on", "off"), default="auto",
                     help="request pdserve_prefill / pdserve_decode per actor (auto: when a node offers them)")
     sv.add_argument("--gpus-per-worker", type=float, default=None,

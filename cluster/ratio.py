@@ -1,0 +1,148 @@
+"""The prefill:decode ratio planner (autoscale.policy "ratio"): with the workers there are, how
+many should prefill and how many decode, from the load measured under traffic.
+
+Every look (the pools' monitor, once a second; it plans every LOOK_S) it reads the requests
+that finished at the edge in the last `window_s` and the workers' own measures:
+
+    prefill load   rho_p = prompt tokens / s  /  (one prefill worker's prefill tok/s x UTIL_P)
+    decode load    rho_d = sequences decoding at once (Little: sum of decode_s / window)
+                           /  (one decode worker's sequences at the TPOT target x UTIL_D)
+    the split      prefill workers = N x rho_p / (rho_p + rho_d), within the pools' bounds
+
+A prefill worker's rate is its step model's (`prefill_tok_s`, measured at start and from
+every step); a decode worker's sequences at the target are the most whose decode-only step its
+step model fits in margin x TPOT (`decode_capacity`, interpolated at the window's mean
+context), and no more than its KV holds at the window's mean request length. The load is
+what must be served, not how it is served now: a saturated pool's queue does not hide it.
+
+It moves one worker at a time, drain-safe (Pools.scale with switch_roles), and only when
+the split is more than HYSTERESIS past the pools' sizes on two looks in a row; after a
+move it waits `cooldown_s` and for the move to finish. Fewer than MIN_REQUESTS finished
+requests in the window: no plan (too little to measure). As Dynamo's planner sizes its
+pools from the prefill and decode throughput one GPU gives at the SLO, at a fixed total.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass
+
+from .api import RequestObserver
+from .serving_config import ROLES
+
+UTIL_P = 0.8  # a prefill pool planned to 80% busy keeps a queue short enough for TTFT
+UTIL_D = 0.9
+HYSTERESIS = 0.2  # workers past the half-way point before a move counts
+MIN_REQUESTS = 16
+LOOK_S = 5.0
+
+
+@dataclass
+class RatioLoad:
+    """The window's load and one worker's capacity for each side."""
+
+    prefill_tok_s: float  # prompt tokens per second to prefill
+    decoding: float  # sequences decoding at once
+    prefill_rate: float  # one prefill worker's prefill tokens per second
+    decode_seqs: float  # sequences one decode worker holds at the TPOT target
+    requests: int
+
+    def split(self, total: int, min_prefill: int, min_decode: int) -> float:
+        """The prefill workers this load needs out of `total` (fractional, within the bounds)."""
+        rho_p = self.prefill_tok_s / max(self.prefill_rate * UTIL_P, 1e-9)
+        rho_d = self.decoding / max(self.decode_seqs * UTIL_D, 1e-9)
+        frac = total * rho_p / (rho_p + rho_d) if rho_p + rho_d > 0 else total / 2
+        return min(max(frac, float(min_prefill)), float(total - min_decode))
+
+    def describe(self) -> str:
+        return (f"prefill {self.prefill_tok_s:.0f} tok/s at {self.prefill_rate:.0f} a worker, "
+                f"{self.decoding:.1f} decoding at {self.decode_seqs:.0f} a worker")
+
+
+def interpolate(table: dict, ctx: float) -> float | None:
+    """A worker's `decode_capacity` table (context -> sequences) at `ctx`, linear between its
+    points (JSON keys are strings), clamped at its ends; None when empty."""
+    pts = sorted((int(k), v) for k, v in (table or {}).items())
+    if not pts:
+        return None
+    if ctx <= pts[0][0]:
+        return float(pts[0][1])
+    for (c0, v0), (c1, v1) in zip(pts, pts[1:]):
+        if ctx <= c1:
+            return v0 + (v1 - v0) * (ctx - c0) / (c1 - c0)
+    return float(pts[-1][1])
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x)
+    return xs[len(xs) // 2] if xs else None
+
+
+class RatioPlanner(RequestObserver):
+    """Feeds on finished requests (`on_finish`, the dispatcher's observer) and plans the split."""
+
+    def __init__(self, window_s: float, cooldown_s: float):
+        self.window_s, self.cooldown_s = window_s, cooldown_s
+        self.finished: collections.deque = collections.deque(maxlen=100_000)  # (time, prompt, output, decode_s)
+        self.since: float | None = None  # when it started to watch (the first request that ended)
+        self.last_move = -math.inf
+        self.next_look = 0.0
+        self.leaning = 0  # the last look's direction (+1: more prefill, -1: more decode, 0: none)
+        self.last: dict = {}  # the last plan, for status
+
+    def on_finish(self, done) -> None:
+        if done.decode_s is not None and done.num_output_tokens > 0:
+            self.since = self.since or time.monotonic() - (done.ttft_s or 0.0) - done.decode_s
+            self.finished.append((time.monotonic(), done.num_prompt_tokens, done.num_output_tokens, done.decode_s))
+
+    def measure(self, prefill_stats: list[dict], decode_stats: list[dict], now: float) -> RatioLoad | None:
+        """The window's load, or None when too little finished or a worker's rate is unknown."""
+        while self.finished and self.finished[0][0] < now - self.window_s:
+            self.finished.popleft()
+        reqs = list(self.finished)
+        if len(reqs) < MIN_REQUESTS:
+            return None
+        span = min(self.window_s, max(now - (self.since or reqs[0][0]), 1.0))
+        rate = _median([s.get("prefill_tok_s") or 0.0 for s in prefill_stats])
+        ctx = sum(p + o / 2 for _, p, o, _ in reqs) / len(reqs)
+        whole = sum(p + o for _, p, o, _ in reqs) / len(reqs)
+        seqs = []
+        for s in decode_stats:
+            at_target = interpolate(s.get("decode_capacity"), ctx) or s.get("max_num_seqs")
+            cache = s.get("cache_config") or {}
+            kv = s.get("kv_blocks_total", 0) * cache.get("block_size", 16) / max(whole, 1.0)
+            seqs.append(min(at_target or kv, kv) if kv else at_target)
+        cap = _median(seqs)
+        if not rate or not cap:
+            return None
+        return RatioLoad(sum(p for _, p, _, _ in reqs) / span, sum(d for *_, d in reqs) / span, rate, cap, len(reqs))
+
+    def plan(self, workers: list, serving, now: float) -> tuple[dict, str] | None:
+        """Pools' call (their records and config): the new sizes and why, or None. Nothing is
+        planned while a worker drains or switches (a move is still being applied)."""
+        if any(w.draining or w.switching_to for w in workers):
+            return None
+        stats = {r: [w.stats for w in workers if w.role == r] for r in ROLES}
+        bounds = {r: (serving.pool(r).min, serving.pool(r).max) for r in ROLES}
+        load = self.measure(stats["prefill"], stats["decode"], now)
+        return self.want(load, {r: len(stats[r]) for r in ROLES}, bounds, now)
+
+    def want(self, load: RatioLoad | None, sizes: dict, bounds: dict, now: float) -> tuple[dict, str] | None:
+        """The pools' new sizes and why, or None (no move now). `bounds`: role -> (min, max)."""
+        if load is None or now < self.next_look or now - self.last_move < self.cooldown_s:
+            return None
+        self.next_look = now + LOOK_S
+        total, p = sizes["prefill"] + sizes["decode"], sizes["prefill"]
+        lo = max(bounds["prefill"][0], total - bounds["decode"][1])
+        hi = min(bounds["prefill"][1], total - bounds["decode"][0])
+        frac = load.split(total, lo, total - hi)
+        self.last = {"prefill": round(frac, 2), "of": total, "load": load.describe()}
+        lean = 1 if frac > p + 0.5 + HYSTERESIS else -1 if frac < p - 0.5 - HYSTERESIS else 0
+        twice, self.leaning = lean != 0 and lean == self.leaning, lean
+        if not twice:
+            return None
+        self.last_move, self.leaning = now, 0
+        why = f"ratio: {frac:.2f} of {total} workers should prefill ({load.describe()})"
+        return {"prefill": p + lean, "decode": total - p - lean}, why

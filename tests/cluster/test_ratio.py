@@ -1,0 +1,124 @@
+"""The prefill:decode ratio planner (cluster/ratio.py): the load it measures from finished
+requests and the workers' own measures, the split it asks for, when it moves; the step
+model's decode capacity it reads; then a real local Ray cluster whose pools follow a
+prompt-heavy load from 1:2 to 2:1 without losing a request."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.cluster import Cluster
+from pdserve.cluster.api import FinishedRequest
+from pdserve.cluster.ratio import LOOK_S, RatioLoad, RatioPlanner, interpolate
+from pdserve.cluster.serving_config import ServingConfig
+from pdserve.engine.core.scheduler import StepShape
+from pdserve.engine.core.step_model import StepModel
+
+from helpers import PROMPTS
+
+PREFILL = {"prefill_tok_s": 10000.0}
+
+
+def decode_stats(at_target=None, blocks=100000):
+    return {"decode_capacity": at_target or {}, "max_num_seqs": 256, "kv_blocks_total": blocks,
+            "cache_config": {"block_size": 16}}
+
+
+def window(planner: RatioPlanner, now: float, n: int, prompt: int, out: int, decode_s: float, span: float = 20.0):
+    planner.since = now - span
+    for i in range(n):  # spread over the last `span` seconds
+        planner.finished.append((now - span + span * (i + 1) / n, prompt, out, decode_s))
+
+
+def test_the_split_follows_the_load():
+    # 2 prompts/s of 4000 tokens: 8000 tok/s = 1.0 prefill worker at 80%; 4 decoding of 64: ~0.07 worker
+    load = RatioLoad(8000.0, 4.0, 10000.0, 64.0, 40)
+    assert load.split(4, 1, 1) == 3.0  # bounded: one decode worker stays
+    heavy_decode = RatioLoad(800.0, 200.0, 10000.0, 64.0, 40)  # 0.1 prefill vs 3.5 decode workers
+    assert heavy_decode.split(4, 1, 1) == 1.0
+    even = RatioLoad(8000.0, 57.6, 10000.0, 64.0, 40)  # 1.0 and 1.0
+    assert even.split(4, 1, 1) == pytest.approx(2.0)
+
+
+def test_decode_capacity_is_read_at_the_workloads_context_and_bounded_by_kv():
+    assert interpolate({"512": 128, "2048": 64, "8192": 16}, 1280) == pytest.approx(96.0)
+    assert interpolate({"512": 128, "8192": 16}, 100) == 128 and interpolate({"512": 128}, 9000) == 128
+    assert interpolate({}, 1000) is None
+    p = RatioPlanner(window_s=30, cooldown_s=0)
+    now = time.monotonic()
+    window(p, now, 40, 1000, 200, 4.0)  # 2 req/s, each decoding 4 s: 8 at once
+    load = p.measure([PREFILL], [decode_stats({"512": 128, "2048": 64})], now)
+    assert load.prefill_tok_s == pytest.approx(2000.0) and load.decoding == pytest.approx(8.0)
+    assert load.decode_seqs == pytest.approx(128 - 64 * (1100 - 512) / 1536)  # at 1000 + 200 / 2 tokens
+    # a worker whose KV holds 1200 x 20 tokens: 20 sequences, whatever its step model says
+    assert p.measure([PREFILL], [decode_stats({"512": 128}, blocks=1500)], now).decode_seqs == pytest.approx(20)
+    # no step-model capacity yet: max_num_seqs, within the KV
+    assert p.measure([PREFILL], [decode_stats()], now).decode_seqs == 256
+    assert p.measure([{"prefill_tok_s": None}], [decode_stats()], now) is None  # no rate measured yet
+    few = RatioPlanner(window_s=30, cooldown_s=0)
+    window(few, now, 10, 1000, 200, 4.0)
+    assert few.measure([PREFILL], [decode_stats()], now) is None  # too few to measure
+
+
+def test_the_planner_moves_one_worker_after_two_looks_then_cools_down():
+    p = RatioPlanner(window_s=30, cooldown_s=60)
+    bounds = {"prefill": (1, 4), "decode": (1, 4)}
+    load = RatioLoad(20000.0, 4.0, 10000.0, 64.0, 40)  # prompt-heavy: 3 of 4 should prefill
+    sizes = {"prefill": 1, "decode": 3}
+    assert p.want(load, sizes, bounds, 0.0) is None  # the first look only leans
+    assert p.want(load, sizes, bounds, 1.0) is None  # not another look yet
+    want, why = p.want(load, sizes, bounds, LOOK_S)
+    assert want == {"prefill": 2, "decode": 2} and why.startswith("ratio: 3.00 of 4 workers should prefill")
+    sizes = want
+    for t in (LOOK_S * 2, LOOK_S * 3, 50.0):
+        assert p.want(load, sizes, bounds, t) is None  # cooling down
+    assert p.want(load, sizes, bounds, 64.0) is None  # still cooling (moved at 5 s)
+    assert p.want(load, sizes, bounds, 66.0) is None  # a first look
+    assert p.want(load, sizes, bounds, 66.0 + LOOK_S)[0] == {"prefill": 3, "decode": 1}
+    # within the hysteresis, nothing moves; the bounds hold
+    near = RatioLoad(12000.0, 57.6, 10000.0, 64.0, 40)  # 2.4 of 4
+    q = RatioPlanner(window_s=30, cooldown_s=0)
+    assert all(q.want(near, {"prefill": 2, "decode": 2}, bounds, t * LOOK_S) is None for t in range(4))
+    assert all(q.want(load, {"prefill": 3, "decode": 1}, bounds, t * LOOK_S) is None for t in range(4))
+    assert all(q.want(load, {"prefill": 2, "decode": 2}, {"prefill": (1, 2), "decode": (1, 4)}, t * LOOK_S) is None
+               for t in range(10, 14))
+
+
+def test_the_step_model_says_how_many_decodes_fit_the_target():
+    m = StepModel(2048, slo_tpot_s=0.05, margin=0.8)  # 40 ms a step
+    for b in (1, 2, 4, 8, 16, 32, 64, 128):  # 10 ms + 0.2 ms a row + 1 us a context token
+        for ctx in (500, 1000, 3000):
+            m.observe(StepShape(decodes=b, kv_tokens=b * ctx), 0.010 + 0.0002 * b + 1e-6 * b * ctx)
+    m._fit()
+    # 0.010 + b x (0.0002 + 0.0009) <= 0.040: b <= 27 at 900 tokens of context
+    assert m.decode_capacity(900, 256) == 27
+    assert m.decode_capacity(900, 16) == 16  # max_num_seqs bounds it
+    assert m.capacity_table(4096, 256) == {512: 42, 2048: 13, 4096: 6}
+    assert StepModel(2048).capacity_table(4096, 256) == {}  # no target: nothing to fit
+
+
+# ---- a real cluster -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_prompt_heavy_load_moves_a_decode_worker_to_prefill(shared_ray):
+    cfg = ServingConfig.from_dict({"autoscale": {"enabled": True, "policy": "ratio", "cooldown_s": 1.0,
+                                                 "window_s": 120.0}, "decode": {"replicas": 2}})
+    c = Cluster.start(mode="disaggregated", prefill=1, serving_config=cfg, max_model_len=512)
+    try:
+        before = set(c.workers)
+        prompts = [p + " " + "lorem ipsum dolor sit amet " * 30 for p in PROMPTS]  # ~300 tokens, 2 out
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        first = [o.outputs[0].token_ids for o in c.generate(prompts * 3, params)]
+        deadline = time.monotonic() + 90
+        while c.pool_sizes() != {"prefill": 2, "decode": 1} and time.monotonic() < deadline:
+            c.generate(prompts[:4], params)  # traffic goes on while it moves
+        assert c.pool_sizes() == {"prefill": 2, "decode": 1}, c.counters["autoscale"]
+        assert set(c.workers) == before  # moved, not started or stopped
+        event = c.counters["autoscale"][-1]
+        assert event["role"] == "ratio" and event["reason"].startswith("ratio: 2.00 of 3 workers should prefill")
+        again = [o.outputs[0].token_ids for o in c.generate(prompts * 3, params)]
+        assert again == first  # nothing lost or changed across the move
+    finally:
+        c.shutdown()
