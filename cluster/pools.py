@@ -233,7 +233,8 @@ class Pools:
         self.workers[wid] = w
         self.start_s = 0.7 * self.start_s + 0.3 * (time.monotonic() - t0)
         log.info("worker %s started", wid)
-        self.progress(f"{role} worker {wid} ready ({time.monotonic() - t0:.1f} s)")
+        parts = ", ".join(f"{k[:-2].replace('_', '-')} {v:.1f} s" for k, v in info.get("startup", {}).items())
+        self.progress(f"{role} worker {wid} ready ({time.monotonic() - t0:.1f} s{': ' + parts if parts else ''})")
         tier = info.get("kv_persist_status")
         if tier and ("refused" in tier or not tier.startswith("restored")):  # in the server's own log too
             log.warning("worker %s: persisted KV tier: %s", wid, tier)

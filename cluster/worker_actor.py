@@ -150,7 +150,7 @@ class WorkerActor:
         return {"role": self.role_name, "address": self.connector.address, "epoch": self.epoch, "tp": self.tp,
                 "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "capacity_blocks": self.engine.kv.num_blocks, "layout": self.connector.layout,
-                "kv_persist_status": self.engine.persist_status}
+                "kv_persist_status": self.engine.persist_status, "startup": self.engine.runner.startup}
 
     async def stop(self) -> None:
         self.stopped = True

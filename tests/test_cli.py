@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -278,6 +279,7 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
     for stage in ("config and tokenizer read (max_model_len 128)", "starting a local Ray cluster",
                   "starting 1 decode worker(s); each loads the model", "decode worker w0-"):
         assert stage in err, err[-2000:]
+    assert re.search(r"decode worker w0-\w+ ready \([\d.]+ s: load [\d.]+ s", err), err[-2000:]  # what the start took
 
 
 def test_argparse_refusals_are_one_line():

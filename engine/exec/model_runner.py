@@ -61,7 +61,9 @@ class ModelRunner:
             # (measured on H200, torch 2.11: 74 ms on an unseen length vs 1 ms for flash;
             # bench/results/prefill_shapes.md); served prompts rarely repeat a length
             torch.backends.cuda.enable_cudnn_sdp(False)
+        t0 = time.perf_counter()
         self.model = load_model(config, load_format, self.tp)
+        self.startup = {"load_s": time.perf_counter() - t0}  # what each part of the start took (seconds)
         # every rank holds the same block ids: the count the fullest GPU allows
         graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
                   and self.model.layers[0].self_attn.attn.capturable)
@@ -76,10 +78,14 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self.last_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.graphs: StepGraphs | None = None  # None: every step eager
+        t0 = time.perf_counter()
         if graphs:
             self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks)
+            self.startup["graphs_s"] = time.perf_counter() - t0
         if self.device.type == "cuda" and config.use_triton:
+            t0 = time.perf_counter()
             self.warm_up()
+            self.startup["warm_up_s"] = time.perf_counter() - t0
 
     def close(self) -> None:
         """After the last step, a tensor-parallel rank's graphs and groups: the graphs are
@@ -131,7 +137,7 @@ class ModelRunner:
         chunks = sorted({c for c in (128, 256, 1024, 2048, bt) if 64 <= c <= min(bt, self.config.max_model_len)})
         mixed = [(d, c) for d in (0, *decodes[:2]) for c in chunks if d + c <= bt]
         shapes = [([1] * d, [ctx] * d) for d in decodes] + [([1] * d + [c], [ctx] * d + [c]) for d, c in mixed]
-        out = []
+        out, t_start = [], time.perf_counter()
         for q_lens, seq_lens in shapes * max(repeats, -(-8 // max(len(mixed), 1))):  # >= 8 with prefill: fitted
             inp = self._dummy_inputs(q_lens, seq_lens)
             batch = self._dummy_batch(q_lens, seq_lens)
@@ -141,6 +147,7 @@ class ModelRunner:
             self.forward(inp)
             self._sync()
             out.append((StepShape.of(batch), time.perf_counter() - t0))
+        self.startup["calibrate_s"] = time.perf_counter() - t_start
         return out
 
     def _sync(self) -> None:
