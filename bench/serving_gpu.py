@@ -254,6 +254,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--tpot-slos", default="40",
                     help="TPOT SLOs (ms) a hybrid server runs at in turn: MS (every workload) or WL:MS")
+    ap.add_argument("--warm-up", choices=("server", "client"), default="server",
+                    help="server: the first rate is the first traffic the healthy server sees (its own warm-up "
+                         "only); client: 8 requests of ours before it")
     ap.add_argument("--repeats", type=int, default=1,
                     help="sweeps of each workload on the same server (their spread: results named -r2, -r3, ...)")
     return ap
@@ -273,10 +276,10 @@ def main() -> None:
         try:
             up = wait_healthy(url, proc)
             print(f"== {system}: healthy after {up:.0f} s", flush=True)
-            # warm-up: compile, CUDA graphs, NCCL pair setup
-            subprocess.run([sys.executable, "-m", "pdserve", "bench", "--url", url, "--workload", "synthetic",
-                            "--input-len", "2048", "--output-len", "16", "--num-requests", "8", "--rate", "inf"],
-                           capture_output=True, timeout=300)
+            if args.warm_up == "client":  # 8 requests first (the server warms itself before /health says ready)
+                subprocess.run([sys.executable, "-m", "pdserve", "bench", "--url", url, "--workload", "synthetic",
+                                "--input-len", "2048", "--output-len", "16", "--num-requests", "8", "--rate", "inf"],
+                               capture_output=True, timeout=300)
             for wl in args.workloads.split(","):
                 # a hybrid or colocated server is told each TPOT SLO in turn (POST /admin/slo): its
                 # engines size their prefill chunks by it; the others do not depend on it (their

@@ -153,3 +153,61 @@ def test_handoffs_between_tp_sizes_on_gpus_give_llms_tokens(tiny_models, prefill
         no_request_blocks(c)
     finally:
         c.shutdown()
+
+
+@pytest.mark.gpu
+def test_a_tp2_worker_on_two_gpus_gives_llms_tokens(tiny_models):
+    """A colocated worker of TP 2 on two GPUs (Ray places its ranks; each rank's actor sees
+    its own GPU first: cluster/gpus.py), float32: the tokens of one process on one GPU."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    want = reference(tiny_models["llama"], dtype="float32", gpu_memory_utilization=0.3)
+    c = Cluster.start(tiny_models["llama"], mode="colocated", decode=1, decode_tp=2, max_model_len=512,
+                      dtype="float32", gpu_memory_utilization=0.3)
+    try:
+        outs = c.generate(PROMPTS8, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        (row,) = c.status()
+        assert row["tensor_parallel_size"] == 2
+        no_request_blocks(c)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.gpu
+def test_pdserve_serve_tensor_parallel_size_2_answers_on_two_gpus(tiny_models, tmp_path):
+    """The command a user runs: `pdserve serve --mode colocated --tensor-parallel-size 2` starts
+    its own Ray on this host's GPUs and answers a completion over HTTP."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    import torch
+
+    from helpers import serving_port
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    server = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", tiny_models["llama"],
+                               "--mode", "colocated", "--decode", "1", "--tensor-parallel-size", "2",
+                               "--max-model-len", "512", "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                              start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{serving_port(server)}/v1/completions"
+        body = b'{"prompt": "The capital of France is", "max_tokens": 4}'
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.status == 200 and b'"choices"' in r.read()
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert server.returncode == 0, server.stderr.read()[-3000:]
