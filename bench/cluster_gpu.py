@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serving_gpu import copy_tokenizer  # noqa: E402
 
 
 def build_model(out_dir: str, tokenizer_dir: str) -> str:
@@ -26,8 +28,7 @@ def build_model(out_dir: str, tokenizer_dir: str) -> str:
                       initializer_range=0.05, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out_dir)
-    for f in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
+    copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
 
 

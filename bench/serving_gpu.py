@@ -84,9 +84,19 @@ def build_model(out_dir: str, tokenizer_dir: str, shape: str = "llama3-8b") -> s
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
+
+
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens", "chat_template")
+
+
+def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
+    """The tokenizer's files only: a model directory given as TOK (its config.json, its weights)
+    must not replace the shape's (a run with the default model's directory served a 135M model)."""
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith(TOKENIZER_FILES):
+            shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
 
 
 def save_ratio_plot(fig, ax, json_path: str, xlabel: str, ylabel: str, title: str, **legend) -> str:

@@ -153,3 +153,18 @@ def test_serving_bench_servers_are_commands_pdserve_takes(system, want):
     cmd = bench("serving_gpu").server_cmd(system, "MODEL", 8000)
     args = build_parser().parse_args(cmd[cmd.index("serve"):])
     assert {k: getattr(args, k) for k in want} == want, cmd
+
+
+def test_a_benchs_model_has_its_shape_when_tok_is_a_whole_model_directory(default_model_dir, tmp_path):
+    """TOK given as a model's directory (config.json and weights beside the tokenizer): the bench's
+    model keeps the shape it wrote and takes only the tokenizer (a 2-GPU run served SmolLM2-135M
+    as "llama3-8b" when TOK's config.json replaced the shape's)."""
+    import json
+
+    from pdserve.engine.config import EngineConfig
+
+    out = bench("serving_gpu").build_model(str(tmp_path / "m"), default_model_dir, "llama3-8b")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (4096, 32)
+    assert not list((tmp_path / "m").glob("*.safetensors"))
+    assert EngineConfig(model=out, device="cpu").resolve(out).model_config.hidden_size == 4096
