@@ -52,12 +52,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         # a draft model's weights and KV first: the target's KV budget then counts them (GPU)
         self.drafter = Drafter(config.spec, config)
-        self.tp, self.shards = TPGroup(), None
-        if config.tensor_parallel_size > 1:
+        self.tp, self.shards, t0 = TPGroup(), None, time.perf_counter()
+        if config.tensor_parallel_size > 1:  # its ranks' start and groups: the worker's start says how long
             self.tp = TPGroup.serve(config.tensor_parallel_size)
             self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
             self.tp.connect(config.torch_device, custom_all_reduce=not config.disable_custom_all_reduce)
+        tp_s = time.perf_counter() - t0
         self.runner = ModelRunner(config, load_format, self.tp)
+        self.runner.startup = {**({"tensor_parallel_s": tp_s} if self.shards else {}), **self.runner.startup}
         self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, host=host)
@@ -86,9 +88,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.pending: PendingStep | None = None  # the launched step not yet resolved (core/overlap.py)
         self._in_turn: set[str] = set()  # live requests that are not overlap.plain
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        eos = {*self.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
         self.eos_token_ids = tuple(sorted(eos))
 
     # ---- requests ----------------------------------------------------------------------
