@@ -112,7 +112,8 @@ class Pools:
                 out.append(Candidate(w.worker_id, w.load, total - st.get("kv_blocks_used", 0), total,
                                      self.ahead_of(w, priority), st.get("prefill_tok_s"), st.get("prefill_chunk", 0),
                                      st.get("step_s", 0.0), 0,
-                                     st.get("max_num_seqs", 1 << 30) - st.get("num_running", 0) - 4))
+                                     st.get("max_num_seqs", 1 << 30) - st.get("num_running", 0) - 4,
+                                     bool(st.get("tpot_over"))))
         return out
 
     # ---- sizes --------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ class Candidate:
     step_s: float = 0.0  # its mean step time
     cached_tokens: int = 0  # of the prompt being placed, tokens cached there
     seats: int = 1 << 30  # more requests its engine admits (max_num_seqs - running): 0 queues a prompt
+    tpot_over: bool = False  # its requests' TPOT p90 is above its aim: it takes no prompt of the pool's
 
 
 @dataclass
@@ -120,7 +121,8 @@ def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo
     TTFT = (its queued tokens + the uncached prompt) / its prefill rate + the handoff; each
     decode worker predicts the same at the rate its TPOT-bounded chunks allow (its step
     model's, engine/core/step_model.py), with no handoff; decode workers whose engine admits no
-    more requests (max_num_seqs) are skipped. The prompt is prefilled on the best decode worker when
+    more requests (max_num_seqs), or whose requests' TPOT p90 is over its aim (`tpot_over`: a
+    prompt there would break it further), are skipped. The prompt is prefilled on the best decode worker when
 
       fits_decode_step  its uncached tokens fit one TPOT-bounded step there and that is no
                         slower than the pool (short prompts, mostly cached prompts: the old
@@ -134,7 +136,7 @@ def place_prompt(prompt_tokens: int, p: Candidate, decodes: list[Candidate], slo
     ttft_pool = predicted_ttft(p, prompt_tokens, p.prefill_tok_s, handoff_s)
     best, best_t = None, None
     for d in decodes:
-        if d.seats <= 0:  # its engine admits no new prompt until a request ends
+        if d.seats <= 0 or d.tpot_over:  # no new prompt until a request ends / its TPOT is back in target
             continue
         t = predicted_ttft(d, prompt_tokens, local_rate(d, p.prefill_tok_s))
         if t is not None and (best_t is None or t < best_t):

@@ -375,7 +375,7 @@ class LLMEngine:
             # the step-time model (core/step_model.py): what placement reads
             "step_s": self.step_model.step_s,
             "slo_tpot_s": self.step_model.slo_tpot_s,
-            "tpot_margin": self.step_model.margin,  # the share of the target its steps aim at
+            "tpot_margin": self.step_model.margin, "tpot_over": self.step_model.tpot_over,  # step_model.py
             "prefill_tok_s": self.step_model.prefill_rate(self.scheduler.running),
             "prefill_chunk": self.step_model.chunk_now(self.scheduler.running),
             "num_decoding": sum(r.is_decoding for r in self.scheduler.running), "max_num_seqs": sched.max_num_seqs,

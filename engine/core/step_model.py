@@ -67,6 +67,7 @@ class StepModel:
         self.slo_tpot_s = slo_tpot_s
         self.margin = self.base_margin = margin
         self.tpots: collections.deque = collections.deque(maxlen=TPOT_WINDOW)  # finished requests' TPOTs
+        self.tpot_p90: float | None = None  # their p90 when last measured (kept across a window's restart)
         self._since_adapt = 0
         # decode-graph rows -> seconds per replay, every row at 512 tokens of context, timed by the
         # runner at start (exec/graphs.py; empty without graphs): the `graph` feature, and the spec
@@ -178,11 +179,19 @@ class StepModel:
             return
         self._since_adapt = 0
         p90, aim = float(np.percentile(self.tpots, 90)), P90_AIM * self.slo_tpot_s
+        self.tpot_p90 = p90
         if p90 > aim:
             self.margin = max(MIN_MARGIN, self.margin * max(0.8, aim / p90))
             self.tpots.clear()
         elif p90 < 0.9 * aim and self.margin < self.base_margin:
             self.margin = min(self.base_margin, self.margin * 1.05)
+
+    @property
+    def tpot_over(self) -> bool:
+        """Its requests' TPOT p90, when last measured, was above P90_AIM x target: hybrid placement
+        lends it no prompt until a later measure is back under (cluster/routing.place_prompt)."""
+        return self.tpot_p90 is not None and self.slo_tpot_s is not None and \
+            self.tpot_p90 > P90_AIM * self.slo_tpot_s
 
     def _fit(self) -> None:
         """Fits every step kept; the prefill terms count once 8 steps with prefill are among them

@@ -63,6 +63,13 @@ def test_deep_queue_spills_to_the_faster_decode_worker():
 
 def test_full_or_unmeasured_decode_workers():
     assert place_prompt(4000, pool(queued=20000), [dec(seats=0)], 1.0, 0.5, 0.02).reason == "prefill_pool"
+    # a decode worker whose requests' TPOT p90 is over its aim takes no prompt, even from a deep queue
+    over = dec("decode-1", rate=20000)
+    over.tpot_over = True
+    pl = place_prompt(4000, pool(queued=20000), [over, dec("decode-2", rate=10000)], 1.0, 0.5, 0.02)
+    assert (pl.local, pl.reason, pl.decode) == (True, "decode_spare", "decode-2")
+    assert place_prompt(4000, pool(queued=20000), [over], 1.0, 0.5, 0.02).reason == "prefill_pool"
+    assert place_prompt(300, pool(), [over], 1.0, 0.5, 0.02).reason == "prefill_pool"
     # unmeasured pool: keep it; an unmeasured decode worker borrows the pool's rate
     assert place_prompt(4000, pool(rate=None), [dec()], 1.0, 0.5, 0.02).reason == "prefill_pool"
     pl = place_prompt(4000, pool(queued=20000), [dec(rate=None)], 1.0, 0.5, 0.02)

@@ -175,9 +175,10 @@ def test_the_margin_follows_the_finished_requests_p90_tpot():
     chunk, rate = m.chunk_at(32, 32 * 1001), m.rate_at(32, 32 * 1001)
     for _ in range(15):
         m.observe_tpot(0.024)
-    assert m.margin == 0.85  # fewer than 16 requests: nothing to read yet
+    assert m.margin == 0.85 and not m.tpot_over  # fewer than 16 requests: nothing to read yet
     m.observe_tpot(0.024)
     assert m.margin == pytest.approx(0.85 * 0.8)  # p90 24 ms vs 19 ms: lowered, by a fifth at most
+    assert m.tpot_over  # and hybrid placement lends it no prompt until it is back
     assert m.chunk_at(32, 32 * 1001) < chunk and m.rate_at(32, 32 * 1001) < rate
     for _ in range(16):
         m.observe_tpot(0.0195)  # just over 0.95 x 20 ms: lowered in proportion
@@ -185,7 +186,7 @@ def test_the_margin_follows_the_finished_requests_p90_tpot():
     low = m.margin
     for _ in range(64):
         m.observe_tpot(0.012)  # well inside: back up 5% each 8 requests, to 0.85 at most
-    assert low < m.margin <= 0.85
+    assert low < m.margin <= 0.85 and not m.tpot_over
     for _ in range(200):
         m.observe_tpot(0.012)
     assert m.margin == 0.85
