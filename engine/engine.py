@@ -206,11 +206,11 @@ class LLMEngine:
 
     @property
     def overlaps(self) -> bool:
-        """Whether the next step may run while the one in flight finishes (core/overlap.py): one rank,
-        every live request plain, no drafts in it (step()), not a prefill worker (its KV handoff
-        starts at the end of the step that wrote the KV, not one step later)."""
-        return self.config.async_scheduling and self.tp.size == 1 and not self._in_turn \
-            and not self.hold_blocks_on_finish
+        """Whether the next step may run while the one in flight finishes (core/overlap.py): every
+        live request plain, no drafts in it (step()), not a prefill worker (its KV handoff starts at
+        the end of the step that wrote the KV, not one step later). Tensor parallel too: the shards
+        take the previous step's ids from rank 0 on the device (model_runner._patcher)."""
+        return self.config.async_scheduling and not self._in_turn and not self.hold_blocks_on_finish
 
     def _launch(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Overlapped (core/overlap.py): queues `sched`, then finishes the step before it."""

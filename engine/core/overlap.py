@@ -16,8 +16,10 @@ A request whose length limit ends it at its pending token is not scheduled again
 
 Steps whose requests need the host between steps run in turn (resolve, then a synchronous
 step): log-probs, prompt log-probs, grammars, logit bias, penalties and allowed tokens read
-or change what the host holds per token; speculation verifies drafts on the host; tensor
-parallel shards receive their inputs from the host. `plain` says which requests may overlap.
+or change what the host holds per token; speculation verifies drafts on the host. A tensor
+parallel engine overlaps too: its shards receive the step's host inputs from rank 0 and the
+pending ids, which only rank 0 sampled, in a broadcast on the device before the step runs.
+`plain` says which requests may overlap.
 """
 
 from __future__ import annotations

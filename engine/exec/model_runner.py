@@ -220,10 +220,15 @@ class ModelRunner:
         if pending is None or not len(pending[0]):
             return None
         dst, src = (to_device(a, self.device) for a in pending)
-        tokens = self.last_tokens
+        if self.tp.size > 1:  # the shards sample nothing: rank 0's ids reach them on the device, in order
+            picked = self.last_tokens[src].to(torch.int64) if self.tp.rank == 0 else \
+                torch.empty(len(pending[0]), dtype=torch.int64, device=self.device)
+            tokens, src = self.tp.broadcast(picked), torch.arange(len(pending[0]), device=self.device)
+        else:
+            tokens = self.last_tokens
 
         def patch(ids: torch.Tensor) -> None:
-            ids[dst] = tokens[src]
+            ids[dst] = tokens[src].to(ids.dtype)
         return patch
 
     @torch.inference_mode()
@@ -243,6 +248,7 @@ class ModelRunner:
         if int((ids == PENDING).sum()) != len(dst):
             raise RuntimeError("a pending token outside a decode row")
         inp.pending = (np.array(dst, np.int64), np.array(src, np.int64))
+        self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
         logits = self.forward(inp)
         reqs = [s.request for s in batch if s.samples]
         self.last_tokens = self.sampler.sample_on_device(logits, reqs) if reqs else None

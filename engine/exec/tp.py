@@ -232,6 +232,12 @@ class TPGroup:
             self._wait(self.dev.allreduce([x]))
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x <- rank 0's x, in place (an overlapped step's pending token ids: model_runner._patcher)."""
+        if self.size > 1:
+            self._wait(self.dev.broadcast([x], _root0()))
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., N * n], rank-major along the last dim."""
         if self.size == 1:

@@ -65,6 +65,29 @@ def test_tp_with_biases_padded_vocab_preemption_and_prefix_hits(biased_llama):
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
 
 
+@pytest.mark.slow
+def test_tp_steps_overlap_and_the_shards_take_rank_0s_ids_on_the_device(tiny_models):
+    """Greedy plain requests at TP=2: each step is launched before the one in flight resolves
+    (the shards read the pending ids from rank 0's broadcast), and the tokens are TP=1's; a
+    request that needs the host between steps (log-probs) runs in turn beside them."""
+    ref = _greedy(tiny_models["llama"], 1)
+    with LLM(tiny_models["llama"], tensor_parallel_size=2) as llm:
+        e = llm.engine
+        for i, p in enumerate(_prompts()):
+            e.add_request(p, GREEDY, request_id=str(i))
+        overlapped, outs = 0, {}
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            overlapped += e.pending is not None
+        logprobs = llm.generate(_prompts()[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                               logprobs=1))
+    assert overlapped >= 5
+    assert [outs[str(i)] for i in range(len(ref))] == ref
+    assert [o.outputs[0].token_ids for o in logprobs] == ref[:2]
+
+
 def test_each_rank_loads_its_slices(tiny_models):
     """Rank 1 of 4 on the llama (4 q heads, 2 KV heads, head_dim 16, ff 128): q head 1,
     KV head 0 (replicated on ranks 0 and 1), gate/up rows 32:64, o/down columns."""
