@@ -168,3 +168,57 @@ def test_a_benchs_model_has_its_shape_when_tok_is_a_whole_model_directory(defaul
     assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (4096, 32)
     assert not list((tmp_path / "m").glob("*.safetensors"))
     assert EngineConfig(model=out, device="cpu").resolve(out).model_config.hidden_size == 4096
+
+
+def test_the_grid_report_reads_the_sweeps_laid_out_per_gpu_count(tmp_path):
+    """bench/grid_report.py: a hybrid sweep told its SLO counts at that SLO only, a disagg sweep at
+    each SLO from its requests; repeats give a mean and a range; the first rate's gap is read."""
+    import json
+
+    def sweep(path, attainment_by_rate: dict, tpot_s=0.015):
+        runs = []
+        for rate, ok in attainment_by_rate.items():
+            rows = [[0, 4096, 256, 0.5 if i < ok * 100 else 5.0, tpot_s, 9.0] for i in range(100)]
+            runs.append({"rate": rate, "slo_attainment": ok, "requests_detail": rows})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"runs": runs, "goodput": {}}))
+
+    g = tmp_path / "runs" / "gpus4"
+    sweep(g / "long_colocated-4-t20.json", {8: 1.0, 10: 0.95, 12: 0.5})
+    sweep(g / "long_disagg-2-2.json", {8: 1.0, 10: 0.8}, tpot_s=0.030)  # inside 40 ms, outside 20
+    sweep(g / "long_hybrid-2-2-t20.json", {8: 0.8, 10: 1.0, 12: 0.9})  # its first sweep: cold at 8
+    sweep(g / "long_hybrid-2-2-t20-r2.json", {8: 1.0, 10: 1.0, 12: 0.9})
+    sweep(g / "long_hybrid-2-2-t20_status.json", {8: 1.0})  # not a sweep of the grid
+    grid = bench("grid_report")
+    rows = grid.summarize(grid.collect(str(tmp_path / "runs")))
+    t20, t40 = rows
+    assert (t20["gpus"], t20["workload"], t20["tpot_ms"], t40["tpot_ms"]) == (4, "long", 20, 40)
+    assert t20["colocated"]["rps"] == pytest.approx(10 + 0.05 / 0.45 * 2, abs=1e-3)
+    assert t20["disagg"]["rps"] == 0.0 and t40["disagg"]["rps"] == pytest.approx(9.0)
+    assert t20["hybrid"]["repeats"] == [0.0, 12.0] and t20["hybrid"]["rps"] == 6.0
+    assert t20["first_rate_gap"] == {"hybrid-2-2": 20.0}
+    assert t40["hybrid"] is None and "hybrid_vs_best_pure" not in t40
+    assert t20["hybrid_vs_best_pure"] == pytest.approx(6.0 / t20["colocated"]["rps"], abs=1e-3)
+    assert "hybrid-2-2: 6.00 (0.00-12.00)" in grid.markdown(rows)
+
+
+def test_every_system_of_the_multi_gpu_grid_is_a_server_pdserve_takes(tmp_path):
+    """bench/multi_gpu_grid.sh parses and refuses an unknown part; each system it names is a server
+    command pdserve's parser takes (the adaptive one with the ratio policy in its serving config)."""
+    import re
+    import subprocess
+
+    from pdserve.cli import build_parser
+    from pdserve.cluster.serving_config import ServingConfig
+
+    script = BENCH / "multi_gpu_grid.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    r = subprocess.run(["bash", str(script), str(tmp_path), "nosuch"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown part nosuch" in r.stderr
+    systems = {s for line in re.findall(r"\) serve \d+ (\S+) ", script.read_text()) for s in line.split(",")}
+    assert {"colocated:4", "hybrid:2:2:adaptive", "hybrid:1:1:tp2"} <= systems
+    for system in systems:
+        cmd = bench("serving_gpu").server_cmd(system, "MODEL", 8000)
+        args = build_parser().parse_args(cmd[cmd.index("serve"):])
+        cfg = ServingConfig.from_yaml(args.config)
+        assert (cfg.autoscale.enabled and cfg.autoscale.policy == "ratio") == system.endswith("adaptive"), system
