@@ -148,10 +148,63 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                          # from "prefill done": sender thread started, sender posted, receiver done
                          "breakdown_ms": [statistics.median(p[i] for p in parts) * 1e3 for i in range(3)],
                          "link": h.link})
+    if args.kernel_sweep:
+        peer = exchange_slabs(rank, kv, q_to_peer, q_from_peer)
+        if rank == 1:
+            for r in rows:
+                if not r["contiguous"]:
+                    r["kernel_sweep"] = kernel_sweep(kv, peer, r["tokens"], num_blocks, g, args.iters)
+        q_to_peer.put("swept")
+        q_from_peer.get()  # the sender keeps its slab mapped until the receiver is done with it
     if rank == 1:
         results.put(rows)
     time.sleep(0.5)
     os._exit(0)  # never rely on process-group teardown at exit (NCCL may hang there)
+
+
+SWEEP = ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (16384, 16))  # (elements a load moves, warps)
+
+
+def exchange_slabs(rank: int, kv: torch.Tensor, q_to_peer, q_from_peer) -> torch.Tensor | None:
+    """The receiver maps the sender's KV (the same CUDA IPC mapping the pull uses)."""
+    from pdserve.transfer.shared import export, open_peer
+
+    if rank == 0:
+        q_to_peer.put(export(kv))
+        return None
+    peer = open_peer(q_from_peer.get(), kv)
+    assert not isinstance(peer, str), peer
+    return peer
+
+
+def kernel_sweep(kv: torch.Tensor, peer: torch.Tensor, tokens: int, num_blocks: int, g, iters: int) -> list[dict]:
+    """The copy kernel alone (ops/block_copy.py), random block ids, between this GPU's KV and the
+    peer GPU's mapped here: reading the peer (the pull) and writing into it (what a push would
+    do), per (load size, warps); CUDA-event time, median of `iters`."""
+    from pdserve.engine.ops.block_copy import copy_blocks
+
+    n = -(-tokens // BLOCK)
+    nbytes = n * kv[0].numel() * kv.element_size()
+    out = []
+    for direction in ("read", "write"):
+        for block, warps in SWEEP:
+            times = []
+            for it in range(iters + 2):
+                a = torch.randperm(num_blocks, generator=g)[:n].to(kv.device)
+                b = torch.randperm(num_blocks, generator=g)[:n].to(kv.device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                if direction == "read":
+                    copy_blocks(kv, a, peer, b, block=block, num_warps=warps)
+                else:
+                    copy_blocks(peer, b, kv, a, block=block, num_warps=warps)
+                end.record()
+                end.synchronize()
+                if it >= 2:
+                    times.append(start.elapsed_time(end) / 1e3)
+            out.append({"dir": direction, "block": block, "warps": warps,
+                        "GBps": nbytes / statistics.median(times) / 1e9})
+    return out
 
 
 def main() -> None:
@@ -163,7 +216,12 @@ def main() -> None:
     ap.add_argument("--same-gpu", action="store_true", help="both processes on GPU 0: the same-node (IPC) link")
     ap.add_argument("--link", default="nccl", choices=["nccl", "pull"],
                     help="two GPUs: over the pair's NCCL group, or pulled over CUDA IPC (the same-node link)")
+    ap.add_argument("--kernel-sweep", action="store_true",
+                    help="with --link pull: also time the copy kernel alone, reading the peer GPU's KV and "
+                         "writing into it, per load size and warps")
     args = ap.parse_args()
+    if args.kernel_sweep and (args.link != "pull" or args.device != "cuda"):
+        ap.error("--kernel-sweep needs --link pull on CUDA")
     args.tokens = [int(t) for t in args.tokens.split(",")]
     ctx = mp.get_context("spawn")
     a, b, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -179,7 +237,8 @@ def main() -> None:
         ("_pull" if args.link == "pull" and not args.same_gpu else "")
     with open(os.path.join(args.out, f"transfer{suffix}.json"), "w") as f:
         json.dump([{k: r[k] for k in ("tokens", "bytes", "handoff_ms", "effective_GBps", "raw_nccl_GBps",
-                                      "raw_ms", "efficiency", "contiguous", "breakdown_ms", "link")} for r in rows],
+                                      "raw_ms", "efficiency", "contiguous", "breakdown_ms", "link", "kernel_sweep")
+                   if k in r} for r in rows],
                   f, indent=2)
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     base = "local device-to-device copy" if args.same_gpu else \
@@ -197,6 +256,13 @@ def main() -> None:
         lines.append(f"| {r['tokens']} | {kind} | {r['bytes'] / 2**20:.0f} | {r['handoff_ms']:.2f} | "
                      f"{r['effective_GBps']:.0f} | {r['raw_ms']:.2f} | {r['raw_nccl_GBps']:.0f} | "
                      f"{r['efficiency']:.0%} | {' / '.join(f'{x:.2f}' for x in r['breakdown_ms'])} |")
+    for r in rows:
+        if r.get("kernel_sweep"):
+            lines += ["", f"Copy kernel alone, {r['tokens']} tokens, random block ids, against the copy engine's "
+                      f"{r['raw_nccl_GBps']:.0f} GB/s:", "", "| direction | elements a load | warps | GB/s |",
+                      "|---|---|---|---|"]
+            lines += [f"| {k['dir']} the peer | {k['block']} | {k['warps']} | {k['GBps']:.0f} |"
+                      for k in r["kernel_sweep"]]
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"transfer{suffix}.md"), "w") as f:
         f.write(md)

@@ -55,9 +55,11 @@ def _whole(kv: torch.Tensor, heads: tuple[int, int] | None) -> bool:
 
 def copy_blocks(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src_ids: torch.Tensor,
                 dst_heads: tuple[int, int] | None = None, src_heads: tuple[int, int] | None = None,
-                use_triton: bool | None = None) -> None:
+                use_triton: bool | None = None, block: int = 1024, num_warps: int = 4) -> None:
     """dst[dst_ids[i]] (its heads dst_heads) = src[src_ids[i]] (its heads src_heads), for every i;
-    ids are int64 tensors on the slabs' device. Queued on the current stream (CUDA)."""
+    ids are int64 tensors on the slabs' device. Queued on the current stream (CUDA). `block`
+    (elements one load of a program moves, a power of two <= CHUNK) and `num_warps` tune the
+    kernel (bench/transfer_bench.py --kernel-sweep: reads and writes of a peer GPU's memory)."""
     if src.dtype != dst.dtype or src.shape[1:4] != dst.shape[1:4] or src.shape[5] != dst.shape[5]:
         raise ValueError(f"blocks of {tuple(src.shape[1:])} {src.dtype} do not fit blocks of "
                          f"{tuple(dst.shape[1:])} {dst.dtype}")
@@ -82,4 +84,4 @@ def copy_blocks(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src
         return
     grid = (n * rows, triton.cdiv(width, CHUNK))
     _copy_blocks_kernel[grid](src, dst, src_ids, dst_ids, rows, width, src[0].numel(), dst[0].numel(),
-                              s_row, d_row, s_off, d_off, CHUNK=CHUNK, BLOCK=1024, num_warps=4)
+                              s_row, d_row, s_off, d_off, CHUNK=CHUNK, BLOCK=block, num_warps=num_warps)
