@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import torch
 from tqdm import tqdm
@@ -58,7 +59,9 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f)
         ec = EngineConfig(model=d, tokenizer=tokenizer, dtype="bfloat16", tensor_parallel_size=tp,
-                          load_format="dummy", num_gpu_blocks_override=max(max(batches) * per_seq, prefill // bs) + 8,
+                          load_format="dummy",
+                          num_gpu_blocks_override=max(max(batches) * (per_seq + SERVED_STEPS // bs + 2),
+                                                      prefill // bs) + 8,
                           max_model_len=max(prefill, ctx) + 64, max_num_batched_tokens=prefill,
                           max_num_seqs=max(batches), disable_custom_all_reduce=all_reduce == "nccl")
         engine = LLMEngine(ec)
@@ -83,6 +86,9 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
             floor = (weights + b * (ctx + 1) * kv_tok) / (ceil["copy_GBps"] * 1e9)
             rows.append({"kind": "decode", "batch": b, "context": ctx, "ms": t * 1e3, "floor_ms": floor * 1e3,
                          "ratio": t / floor})
+            t = served_step(engine, b, ctx, vocab)
+            rows.append({"kind": "served", "batch": b, "context": ctx, "ms": t * 1e3, "floor_ms": floor * 1e3,
+                         "ratio": t / floor})
         toks = torch.randint(0, min(vocab, 32000), (prefill,)).tolist()
         s = [ScheduledRequest(Request("p", toks, greedy, max_tokens=16), prefill, list(range(-(-prefill // bs))))]
         t = timed(lambda: runner.execute(SchedulerOutput(s)), 5, warmup=2)
@@ -95,6 +101,36 @@ def run(cfg: dict, tp: int, tokenizer: str, batches: list[int], ctx: int, prefil
         return {"tp": tp, "all_reduce": label, "rank_weight_GB": weights / 1e9, "hidden": h, "rows": rows}
     finally:
         engine.close()
+
+
+SERVED_STEPS = 40
+
+
+def served_step(engine, b: int, ctx: int, vocab: int) -> float:
+    """Seconds per engine.step() with b greedy requests decoding at ~ctx tokens of context: what a
+    worker serves (scheduling, inputs, overlapped steps, outputs), where `runner.execute` is one
+    step alone. Their prompts are prefilled first; they are aborted after."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=SERVED_STEPS + 16, ignore_eos=True)
+    ids = [f"served-{b}-{i}" for i in range(b)]
+    for rid in ids:
+        engine.add_request(torch.randint(0, min(vocab, 32000), (ctx,)).tolist(), params, request_id=rid)
+    while engine.scheduler.waiting or not all(r.is_decoding for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(SERVED_STEPS - 8):
+        engine.step()
+    engine.resolve()
+    sync()
+    t = (time.perf_counter() - t0) / (SERVED_STEPS - 8)
+    for rid in ids:
+        engine.abort_request(rid)
+    return t
 
 
 def parser() -> argparse.ArgumentParser:
@@ -136,9 +172,10 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     for r in results:
         for row in r["rows"]:
-            if row["kind"] == "decode":
+            if row["kind"] in ("decode", "served"):
+                what = "decode" if row["kind"] == "decode" else "served decode (engine.step)"
                 lines.append(f"| {r['tp']} | {r['all_reduce']} | {r['rank_weight_GB']:.1f} | "
-                             f"decode b={row['batch']} ctx {row['context']} | "
+                             f"{what} b={row['batch']} ctx {row['context']} | "
                              f"{row['ms']:.2f} | HBM floor {row['floor_ms']:.2f} ms | {row['ratio']:.2f}x floor |")
             else:
                 lines.append(f"| {r['tp']} | {r['all_reduce']} | {r['rank_weight_GB']:.1f} | "

@@ -118,6 +118,14 @@ def test_a_manual_step_over_an_overlapped_engine(engine):
     engine.kv.check_all_free()
 
 
+def test_tp_bench_times_served_steps_and_leaves_the_engine_empty(engine):
+    """bench/tp_gpu.py's served decode: b requests prefilled, then engine.step() timed while they
+    decode (overlapped), then aborted: no block is left held for the next batch."""
+    t = bench("tp_gpu").served_step(engine, 3, 40, engine.model_config.vocab_size)
+    assert t > 0 and not engine.has_unfinished_requests()
+    engine.kv.check_all_free()
+
+
 def test_every_headline_key_names_its_device_and_date():
     """bench/results/summary.json: each key says where and when it was measured (bench/summary.py
     keeps both while a value stands)."""
