@@ -180,7 +180,8 @@ def exchange_slabs(rank: int, kv: torch.Tensor, q_to_peer, q_from_peer) -> torch
 def kernel_sweep(kv: torch.Tensor, peer: torch.Tensor, tokens: int, num_blocks: int, g, iters: int) -> list[dict]:
     """The copy kernel alone (ops/block_copy.py), random block ids, between this GPU's KV and the
     peer GPU's mapped here: reading the peer (the pull) and writing into it (what a push would
-    do), per (load size, warps); CUDA-event time, median of `iters`."""
+    do), per (load size, warps); then one cudaMemcpyAsync per block (torch's copy_ of a 2 MiB
+    block, reading the peer); CUDA-event time, median of `iters`."""
     from pdserve.engine.ops.block_copy import copy_blocks
 
     n = -(-tokens // BLOCK)
@@ -204,6 +205,20 @@ def kernel_sweep(kv: torch.Tensor, peer: torch.Tensor, tokens: int, num_blocks: 
                     times.append(start.elapsed_time(end) / 1e3)
             out.append({"dir": direction, "block": block, "warps": warps,
                         "GBps": nbytes / statistics.median(times) / 1e9})
+    times = []
+    for it in range(iters + 2):
+        a = torch.randperm(num_blocks, generator=g)[:n].tolist()
+        b = torch.randperm(num_blocks, generator=g)[:n].tolist()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i, j in zip(a, b):
+            kv[i].copy_(peer[j], non_blocking=True)
+        end.record()
+        end.synchronize()
+        if it >= 2:
+            times.append(start.elapsed_time(end) / 1e3)
+    out.append({"dir": "read (cudaMemcpyAsync per block)", "block": 0, "warps": 0,
+                "GBps": nbytes / statistics.median(times) / 1e9})
     return out
 
 
