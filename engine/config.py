@@ -302,6 +302,10 @@ class EngineConfig:
         if mc.moe is not None and mc.moe.intermediate_size % self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's expert "
                              f"intermediate size {mc.moe.intermediate_size}")
+        if mc.mla is not None and self.kv_window_tokens is not None:
+            raise ValueError("kv_window_tokens rotates each cached key head's rope part as the window moves; a "
+                             "latent-attention (MLA) model caches one latent per token, its rope part inside it: "
+                             "the window does not run on it (unset kv_window_tokens)")
         if mc.mla is not None and self.kv_cache_dtype == "int4" and self.use_triton:
             raise ValueError("kv_cache_dtype='int4' on latent rows (MLA) runs in torch only (attention_backend="
                              "'torch'): the MLA kernels read bf16, int8 and fp8 rows (int8: 1.9x bf16's tokens)")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
 
 from helpers import ID_PROMPTS, hf_greedy, run_disagg, save_hf
@@ -56,6 +56,14 @@ def test_the_configuration_declares_a_latent_cache(model_dir):
     if name == "v3":  # YaRN's mscale_all_dim squared on the softmax scale
         mscale = 0.1 * 0.707 * torch.log(torch.tensor(4.0)).item() + 1.0
         assert mc.mla.softmax_scale == pytest.approx(32 ** -0.5 * mscale ** 2)
+
+
+def test_the_sliding_kv_window_is_refused_on_a_latent_cache(model_dir):
+    """The window rotates cached key heads' rope parts as it moves (engine/core/kv_window.py); an MLA
+    cache holds one latent per token: refused in one line before anything loads."""
+    _, path = model_dir
+    with pytest.raises(ValueError, match="latent-attention \\(MLA\\) model caches one latent per token"):
+        EngineConfig(model=path, device="cpu", kv_window_tokens=64).resolve(path)
 
 
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
