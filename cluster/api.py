@@ -74,6 +74,7 @@ class ClusterSnapshot:
     routing: dict  # placement decisions by reason
     autoscale_enabled: bool
     autoscale_events: list[dict]  # the latest autoscaling decisions
+    autoscale_plan: dict | None = None  # policy "ratio": its last look (the split, the load it measured)
 
 
 class ServingCluster(Protocol):

@@ -316,7 +316,8 @@ class Cluster:
         rows = [{"worker_id": w.worker_id, "role": w.role, **w.stats, "load": w.load}
                 for w in list(self.pools.workers.values())]
         return ClusterSnapshot(rows, self.pool_sizes(), dict(self.dispatcher.counters["routing"]),
-                               self.serving.autoscale.enabled, list(self.pools.autoscale_events[-20:]))
+                               self.serving.autoscale.enabled, list(self.pools.autoscale_events[-20:]),
+                               dict(self.pools.ratio.last) if self.pools.ratio is not None else None)
 
     def status(self) -> list[dict]:
         async def collect():

@@ -364,7 +364,8 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
         snap = cluster.snapshot()
         return {"pools": snap.pool_sizes, "workers": rows, "routing": snap.routing,
                 "registry": cluster.health()["registry"],
-                "autoscale": {"enabled": snap.autoscale_enabled, "events": snap.autoscale_events}}
+                "autoscale": {"enabled": snap.autoscale_enabled, "events": snap.autoscale_events,
+                              **({"ratio_plan": snap.autoscale_plan} if snap.autoscale_plan is not None else {})}}
 
     @app.get("/admin/slo")
     async def current_slo():

@@ -116,6 +116,8 @@ def test_a_prompt_heavy_load_moves_a_decode_worker_to_prefill(shared_ray):
             c.generate(prompts[:4], params)  # traffic goes on while it moves
         assert c.pool_sizes() == {"prefill": 2, "decode": 1}, c.counters["autoscale"]
         assert set(c.workers) == before  # moved, not started or stopped
+        plan = c.snapshot().autoscale_plan  # what /admin/status shows of its last look
+        assert plan["of"] == 3 and "tok/s" in plan["load"], plan
         event = c.counters["autoscale"][-1]
         assert event["role"] == "ratio" and event["reason"].startswith("ratio: 2.00 of 3 workers should prefill")
         again = [o.outputs[0].token_ids for o in c.generate(prompts * 3, params)]
