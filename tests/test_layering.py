@@ -42,7 +42,8 @@ INTRA = {
     "cluster": {
         "aio": set(), "gpus": set(), "serving_config": set(), "routing": {"api"}, "registry": {"aio"}, "api": set(),
         "local_ray": set(), "output_pipe": {"aio"}, "outlets": {"output_pipe", "worker_commands"},
-        "autoscale": {"serving_config"}, "ratio": {"api", "serving_config"}, "shard_actor": {"gpus", "serving_config"}, "worker_commands": set(),
+        "autoscale": {"serving_config"}, "ratio": {"api", "serving_config"},
+        "shard_actor": {"gpus", "serving_config"}, "worker_commands": set(),
         "peer_calls": set(),
         "worker_actor": {"gpus", "outlets", "output_pipe", "peer_calls", "registry", "serving_config", "shard_actor",
                          "worker_commands"},

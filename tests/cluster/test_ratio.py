@@ -11,7 +11,6 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.api import FinishedRequest
 from pdserve.cluster.ratio import LOOK_S, RatioLoad, RatioPlanner, interpolate
 from pdserve.cluster.serving_config import ServingConfig
 from pdserve.engine.core.scheduler import StepShape
