@@ -221,6 +221,10 @@ def test_every_system_of_the_multi_gpu_grid_is_a_server_pdserve_takes(tmp_path):
 
     script = BENCH / "multi_gpu_grid.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    check = BENCH / "multi_gpu_check.sh"  # its one-call companion: parses, and names what it needs
+    assert subprocess.run(["bash", "-n", str(check)]).returncode == 0
+    r = subprocess.run(["bash", str(check)], capture_output=True, text=True)
+    assert r.returncode != 0 and "usage: bash bench/multi_gpu_check.sh TOKENIZER_DIR OUT" in r.stderr
     r = subprocess.run(["bash", str(script), str(tmp_path), "nosuch"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown part nosuch" in r.stderr
     systems = {s for line in re.findall(r"\) serve \d+ (\S+) ", script.read_text()) for s in line.split(",")}
