@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -113,6 +115,19 @@ def serving_port(proc, timeout_s: float = 300) -> int:
     while "pdserve: serving" not in (line := proc.stdout.readline()):
         assert line and time.monotonic() < deadline, proc.stderr.read()[-3000:]
     return int(line.split(" on http://", 1)[1].split(" ", 1)[0].rsplit(":", 1)[1])
+
+
+def stop_server(proc, timeout_s: float = 120) -> str:
+    """Ctrl-C to a `pdserve serve` subprocess started in a process group of its own (it stops
+    its Ray, workers and router); SIGKILL to the group if it has not ended in `timeout_s`.
+    Returns what it wrote to stderr (text mode)."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    return err or ""
 
 
 class Server:

@@ -14,14 +14,13 @@ import os
 import pathlib
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers import serving_port
+from helpers import serving_port, stop_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -134,12 +133,8 @@ def test_every_command_runs_against_the_quick_start_server(tmp_path):
                 ran += run_block(name, code.replace("http://127.0.0.1:8000", url), env, tmp_path)
         assert ran >= 15
     finally:
-        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as the README says
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-    assert server.returncode == 0
+        err = stop_server(server)  # Ctrl-C, as the README says
+    assert server.returncode == 0, err[-2000:]
     for name, code in blocks("python"):  # those that start a cluster of their own, after the server is gone
         if any(s in code for s in NEEDS_SERVER) and not any(s in code for s in SERVER_URL):
             ran += run_block(name, code, env, tmp_path)
@@ -198,12 +193,8 @@ def test_every_serve_command_in_the_docs_starts_and_answers(tmp_path):
                                  capture_output=True, text=True, timeout=300)
             assert out.returncode == 0 and '"choices"' in out.stdout, f"{name}: {shlex.join(argv)}: {out.stdout}"
         finally:
-            os.killpg(server.pid, signal.SIGINT)
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-        assert server.returncode == 0, f"{name}: {shlex.join(argv)}: {server.stderr.read()[-2000:]}"
+            err = stop_server(server)
+        assert server.returncode == 0, f"{name}: {shlex.join(argv)}: {err[-2000:]}"
         started.append((name, argv))
     print("not started here:", *(f"{c}  ({why})" for c, why in skipped.items()), sep="\n  ", file=sys.stderr)
     assert len(started) >= 3, (started, skipped)

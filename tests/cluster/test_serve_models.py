@@ -6,13 +6,12 @@ in hybrid mode too, where the placement may prefill on the decode worker."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from helpers import hf_greedy, save_hf, serving_port
+from helpers import hf_greedy, save_hf, serving_port, stop_server
 
 openai = pytest.importorskip("openai")
 
@@ -53,8 +52,4 @@ def test_a_served_model_of_each_family_answers_through_the_handoff(tmp_path, def
         if mode == "disagg":
             assert facts["kv_handoff"] and facts["prefill_worker"] != facts["decode_worker"], facts
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)

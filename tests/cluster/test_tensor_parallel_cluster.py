@@ -181,14 +181,13 @@ def test_pdserve_serve_tensor_parallel_size_2_answers_on_two_gpus(tiny_models, t
     """The command a user runs: `pdserve serve --mode colocated --tensor-parallel-size 2` starts
     its own Ray on this host's GPUs and answers a completion over HTTP."""
     import os
-    import signal
     import subprocess
     import sys
     import urllib.request
 
     import torch
 
-    from helpers import serving_port
+    from helpers import serving_port, stop_server
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
@@ -205,9 +204,5 @@ def test_pdserve_serve_tensor_parallel_size_2_answers_on_two_gpus(tiny_models, t
         with urllib.request.urlopen(req, timeout=300) as r:
             assert r.status == 200 and b'"choices"' in r.read()
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-    assert server.returncode == 0, server.stderr.read()[-3000:]
+        err = stop_server(server)
+    assert server.returncode == 0, err[-3000:]
