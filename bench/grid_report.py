@@ -2,7 +2,9 @@
 hybrid (and the adaptive ratio) on the same GPUs, per workload and TPOT SLO, with the spread of
 repeated sweeps, from the runs of bench/serving_gpu.py (bench/multi_gpu_grid.sh lays them out):
 
-    RUNS/gpus<N>/<workload>_<system>[-t<ms>][-r<k>].json     e.g. gpus4/long_hybrid-2-2-t20-r2.json
+    RUNS/gpus<N>/<workload>_<system>[-t<ms>][-r<k>].json[.gz]     e.g. gpus4/long_hybrid-2-2-t20-r2.json.gz
+
+(committed runs are gzipped: their per-request records are most of a result's bytes)
 
 A server told its TPOT SLO (hybrid, colocated: `-t<ms>`) gives the point at that SLO; one that is
 not (disagg) gives every SLO from one sweep's per-request TTFT and TPOT (hybrid_report.curve).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import os
 import re
@@ -27,7 +30,7 @@ from hybrid_report import TTFT_SLO_S, curve  # noqa: E402
 
 TPOT_SLOS_MS = (20, 40)
 FAMILIES = ("colocated", "disagg", "hybrid", "adaptive")
-NAME = re.compile(r"(long|trace)_((?:colocated|disagg|hybrid)[-\w]*?)(?:-t(\d+))?(?:-r(\d+))?\.json")
+NAME = re.compile(r"(long|trace)_((?:colocated|disagg|hybrid)[-\w]*?)(?:-t(\d+))?(?:-r(\d+))?\.json(?:\.gz)?")
 
 
 def family(system: str) -> str:
@@ -38,13 +41,13 @@ def collect(runs_dir: str) -> dict:
     """(gpus, workload, tpot ms) -> family -> system -> [goodput per repeat, in repeat order], and
     the first rate's attainment per repeat (the warm-when-healthy check)."""
     out: dict = {}
-    for path in sorted(glob.glob(os.path.join(runs_dir, "gpus*", "*.json"))):
+    for path in sorted(glob.glob(os.path.join(runs_dir, "gpus*", "*.json*"))):
         m = NAME.fullmatch(os.path.basename(path))
-        if not m or path.endswith(("_status.json", "_handoff.json")):
+        if not m or "_status.json" in path or "_handoff.json" in path:
             continue
         gpus = int(os.path.basename(os.path.dirname(path))[4:])
         wl, system, told, rep = m.group(1), m.group(2), m.group(3), int(m.group(4) or 1)
-        with open(path) as f:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
             res = json.load(f)
         if "runs" not in res:
             continue
@@ -52,7 +55,8 @@ def collect(runs_dir: str) -> dict:
             p = curve(res, TTFT_SLO_S[wl], ms / 1000)
             cell = out.setdefault((gpus, wl, ms), {}).setdefault(family(system), {}).setdefault(system, {})
             cell[rep] = {"rps": p["rps"] or 0.0, "lower_bound": p["lower_bound"],
-                         "first_rate": next(iter(p["attainment"].items()), None)}
+                         "first_rate": next(iter(p["attainment"].items()), None),
+                         "rates": [r["rate"] for r in res["runs"]]}
     return out
 
 
@@ -63,17 +67,31 @@ def best(systems: dict) -> tuple[str, float, list[float]] | None:
     return max(rows, key=lambda r: r[1]) if rows else None
 
 
+def bounds(reps: dict) -> dict:
+    """What a best system's sweeps could not resolve: `lower_bound` when every sweep met the SLO at its
+    top rate (goodput is at least that), `below` the lowest rate when no sweep met it anywhere."""
+    out = {}
+    if all(r["lower_bound"] for r in reps.values()):
+        out["lower_bound"] = True
+    if not any(r["rps"] for r in reps.values()):
+        out["below"] = min(min(r["rates"]) for r in reps.values())
+    return out
+
+
 def summarize(data: dict) -> list[dict]:
     rows = []
     for (gpus, wl, ms), fams in sorted(data.items()):
         row = {"gpus": gpus, "workload": wl, "tpot_ms": ms}
         for fam in FAMILIES:
             b = best(fams.get(fam, {}))
-            row[fam] = None if b is None else {"system": b[0], "rps": round(b[1], 3), "repeats": b[2]}
-        pure = [row[f]["rps"] for f in ("colocated", "disagg") if row[f]]
+            row[fam] = None if b is None else {"system": b[0], "rps": round(b[1], 3), "repeats": b[2],
+                                               **bounds(fams[fam][b[0]])}
+        pure = [row[f] for f in ("colocated", "disagg") if row[f]]
+        top = max(pure, key=lambda c: c["rps"]) if pure else None
         for fam in ("hybrid", "adaptive"):
-            if row[fam] and pure and max(pure) > 0:
-                row[f"{fam}_vs_best_pure"] = round(row[fam]["rps"] / max(pure), 3)
+            # a ratio of two lower bounds says nothing: both met the SLO at every rate swept
+            if row[fam] and top and top["rps"] > 0 and not (row[fam].get("lower_bound") and top.get("lower_bound")):
+                row[f"{fam}_vs_best_pure"] = round(row[fam]["rps"] / top["rps"], 3)
         row["first_rate_gap"] = first_rate_gaps(fams)
         rows.append(row)
     return rows
@@ -93,8 +111,10 @@ def first_rate_gaps(fams: dict) -> dict:
 def fmt(cell: dict | None) -> str:
     if cell is None:
         return "not run"
+    if "below" in cell:
+        return f"{cell['system']}: < {cell['below']:g} (the lowest rate swept)"
     spread = "" if len(cell["repeats"]) < 2 else f" ({min(cell['repeats']):.2f}-{max(cell['repeats']):.2f})"
-    return f"{cell['system']}: {cell['rps']:.2f}{spread}"
+    return f"{cell['system']}: {'>= ' if cell.get('lower_bound') else ''}{cell['rps']:.2f}{spread}"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -106,7 +126,7 @@ def markdown(rows: list[dict]) -> str:
                      " | ".join(fmt(r[f]) for f in FAMILIES) + f" | {'-' if ratio is None else f'{ratio:.2f}'} |")
     gaps = [f"{s} {g:+.1f}" for r in rows for s, g in r["first_rate_gap"].items()]
     lines += ["", "Goodput: req/s with >= 90% of requests inside TTFT (long 1 s, trace 2 s) and the TPOT SLO; "
-              "the mean over repeats, their range in brackets.",
+              "the mean over repeats, their range in brackets; '>=': every sweep met the SLO at its top rate.",
               "First rate, attainment of a repeat minus the first sweep's (points): " + (", ".join(gaps) or "-")]
     return "\n".join(lines)
 

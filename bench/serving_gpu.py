@@ -188,9 +188,11 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None, rep: int = 1) -> tuple:
+def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None, rep: int = 1, seed: int = 0) -> tuple:
     """One rate sweep of one workload (`rep` > 1: a repeat, its results named -r<rep>); a hybrid or
-    colocated server first learns the SLO it serves."""
+    colocated server first learns the SLO it serves. `seed`: the sweep's prompts and arrivals; each
+    sweep on one server takes its own, or a repeat would be served from the prefix cache the sweep
+    before it filled."""
     wargs = list(WORKLOADS[wl])
     name = f"{wl}_{system.replace(':', '-')}"
     if tpot_ms is not None:
@@ -204,7 +206,7 @@ def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None, rep:
     rates = getattr(args, f"{wl.replace('-', '_')}_rates")
     cmd = [sys.executable, "-m", "pdserve", "bench", "--url", url, *wargs, "--rates", rates,
            "--num-requests", str(args.num_requests), "--label", name.split("_", 1)[1], "--out", args.out,
-           "--name", name]
+           "--name", name, "--seed", str(seed)]
     if wl.startswith("trace"):
         cmd += ["--trace", args.trace]
     t = time.time()
@@ -289,7 +291,7 @@ def main() -> None:
                                 stderr=subprocess.STDOUT,
                                 start_new_session=True)  # a process group of its own: stop() ends only it
         try:
-            up = wait_healthy(url, proc)
+            up, sweeps = wait_healthy(url, proc), 0
             print(f"== {system}: healthy after {up:.0f} s", flush=True)
             if args.warm_up == "client":  # 8 requests first (the server warms itself before /health says ready)
                 subprocess.run([sys.executable, "-m", "pdserve", "bench", "--url", url, "--workload", "synthetic",
@@ -305,7 +307,9 @@ def main() -> None:
                             if ":" not in x or x.startswith(wl + ":")]
                 for tpot in slos:
                     for rep in range(1, args.repeats + 1):
-                        summary.append(run_workload(args, url, system, wl, tpot, rep))
+                        # every system sees the same prompts in the same order; no sweep repeats one
+                        summary.append(run_workload(args, url, system, wl, tpot, rep, seed=sweeps))
+                        sweeps += 1
         except Exception as e:  # noqa: BLE001 - keep the other systems' results
             print(f"== {system} failed: {e}", flush=True)
             log.flush()

@@ -219,11 +219,14 @@ class C10dConnector(KVConnector):
 
     def links(self) -> dict[str, dict]:
         """Each connected pair's link: {"<peer> send|recv": {"link": cuda-ipc | shared-memory | nccl |
-        gloo, "why": ..., "gen": ...}}."""
+        gloo, "why": ..., "gen": ...}}; a pull's receiving side also says how it checks that its
+        sender lived through each copy ("liveness": process | store)."""
         with self._lock:
             pairs = list(self._pairs.values())
-        return {f"{p.peer} {'send' if p.is_sender else 'recv'}": {"link": p.link.name, "why": p.why, "gen": p.gen}
-                for p in pairs if p.link is not None}
+        return {f"{p.peer} {'send' if p.is_sender else 'recv'}": {
+            "link": p.link.name, "why": p.why, "gen": p.gen,
+            **({"liveness": p.link.liveness} if getattr(p.link, "liveness", None) else {})}
+            for p in pairs if p.link is not None}
 
     def close(self) -> None:
         for key in list(self._pairs):

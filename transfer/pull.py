@@ -64,12 +64,14 @@ def accept(conn, offer_json: str) -> tuple[dict, PullLink | None]:
         return {"link": "c10d", "why": peer}, None
     link = PullLink(conn, peer, o["address"])
     link.other_gpu = o["share"].get("kind") == "cuda" and o["share"]["uuid"] != gpu_uuid(conn.kv.device)
-    if link.other_gpu:
-        return {"link": "pull", "why": "the peer's KV is mapped here, from another GPU of this node",
-                "bell": link.listen()}, link
-    if o.get("started") is not None and process_start(o["pid"]) == o["started"]:  # its process is visible here
+    # its process visible here (one PID namespace: the same pid with the same start time), whatever
+    # GPU it holds: then each pull's liveness check reads /proc instead of a round trip to its store
+    # (that round trip cost 5-28 ms p50 of a served handoff across two H200s, against a 1.6 ms copy)
+    if o.get("started") is not None and process_start(o["pid"]) == o["started"]:
         link.peer_process = (o["pid"], o["started"])
-    return {"link": "pull", "why": "the peer's KV is mapped here", "bell": link.listen()}, link
+    where = "from another GPU of this node" if link.other_gpu else None
+    return {"link": "pull", "why": "the peer's KV is mapped here" + (f", {where}" if where else ""),
+            "bell": link.listen()}, link
 
 
 class Bell:
@@ -195,6 +197,14 @@ class PullLink:
             time.sleep(timeout)
             return
         self.bell.take(timeout)
+
+    @property
+    def liveness(self) -> str | None:
+        """Receiver: how a pull learns its sender outlived the copy: "process" (its pid and start
+        time, read here) or "store" (a round trip to its store); None on the sender's side."""
+        if self.peer_kv is None and self.peer_address is None:
+            return None
+        return "process" if self.peer_process is not None else "store"
 
     def close(self) -> None:
         self.peer_kv = None  # the mapping goes with the last reference (a copy in flight keeps it)

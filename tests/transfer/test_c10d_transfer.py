@@ -152,7 +152,8 @@ def test_a_sender_that_dies_during_a_pull_fails_the_handoff_and_a_new_pair_serve
     try:
         p2 = sender_dying_mid_pull_fails_it_by_name(p, d, lambda name, seed: Peer(name, seed, link="pull"))
         assert d.ask("links", kind="links") == {"prefill-1 recv": {"link": "shared-memory", "gen": 0,
-                                                                   "why": "the peer's KV is mapped here"}}
+                                                                   "why": "the peer's KV is mapped here",
+                                                                   "liveness": "process"}}
     finally:
         for peer in (p, d, p2):
             if peer is not None:

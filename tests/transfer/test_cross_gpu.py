@@ -36,7 +36,10 @@ def peers():
 def test_blocks_cross_gpus_bit_exact_over_the_link_the_pair_names(peers, link, name):
     p, d = peers("prefill-0", 1, link, "cuda:0"), peers("decode-0", 2, link, "cuda:1")
     blocks_arrive_bit_exact(p, d)
-    assert d.ask("links", kind="links")["prefill-0 recv"]["link"] == name
+    row = d.ask("links", kind="links")["prefill-0 recv"]
+    assert row["link"] == name
+    if link == "pull":  # the sender's process is visible: no store round trip after each copy
+        assert row["liveness"] == "process", row
 
 
 def test_a_sender_that_dies_during_a_pull_across_gpus_fails_it_by_name(peers):
