@@ -22,8 +22,9 @@ cd "$(dirname "$0")/.."
 TOK="${1:?usage: bash bench/multi_gpu_grid.sh TOKENIZER_DIR PART [OUT]}"
 PART="${2:?a part: g2-colocated g2-disagg g2-hybrid g4-colocated g4-disagg g4-hybrid g4-adaptive g4-static g4-32b}"
 OUT="${3:-bench/results/multi_gpu/runs}"
-LONG2=6,8,10,12
+LONG2=8,10,12,14  # 4x H200 (2 of them): colocated:2 and hybrid:1:1 reach 11-12 req/s at TPOT 40
 LONG4=12,16,20,24
+LONG4_T40=20,24,28,32  # 4x H200: both colocated:4 and hybrid:2:2 met TPOT 40 at 24 req/s
 TRACE4=24,30,36
 serve() {  # serve GPUS SYSTEMS WORKLOADS TPOTS RATES_LONG [more serving_gpu.py args]
   local gpus=$1 systems=$2 workloads=$3 tpots=$4 rates=$5
@@ -35,11 +36,13 @@ serve() {  # serve GPUS SYSTEMS WORKLOADS TPOTS RATES_LONG [more serving_gpu.py 
 }
 case $PART in
   g2-colocated) serve 2 colocated:2 long 20,40 $LONG2 ;;
-  g2-disagg) serve 2 disagg:1:1 long 40 $LONG2 ;;
+  g2-disagg) serve 2 disagg:1:1 long 40 4,6,8,10 ;;  # one prefill GPU: below 10 req/s
   g2-hybrid) serve 2 hybrid:1:1 long 20,40 $LONG2 ;;
-  g4-colocated) serve 4 colocated:4 long,trace long:20,long:40,trace:40 $LONG4 ;;
+  g4-colocated) serve 4 colocated:4 long,trace long:20,trace:40 $LONG4
+    serve 4 colocated:4 long 40 $LONG4_T40 ;;
   g4-disagg) serve 4 disagg:2:2,disagg:1:3 long,trace 40 $LONG4 ;;
-  g4-hybrid) serve 4 hybrid:2:2 long,trace long:20,long:40,trace:40 $LONG4 ;;
+  g4-hybrid) serve 4 hybrid:2:2 long,trace long:20,trace:40 $LONG4
+    serve 4 hybrid:2:2 long 40 $LONG4_T40 ;;
   g4-adaptive) serve 4 hybrid:2:2:adaptive long 20,40 $LONG4 ;;
   g4-static) serve 4 hybrid:1:3,hybrid:3:1 long 20,40 $LONG4 ;;
   g4-32b) serve 4 colocated:2:tp2,hybrid:1:1:tp2 long 20,30 2,3,4,5 --shape qwen3-32b ;;

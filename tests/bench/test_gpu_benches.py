@@ -180,7 +180,10 @@ def test_a_benchs_model_has_its_shape_when_tok_is_a_whole_model_directory(defaul
 
 def test_the_grid_report_reads_the_sweeps_laid_out_per_gpu_count(tmp_path):
     """bench/grid_report.py: a hybrid sweep told its SLO counts at that SLO only, a disagg sweep at
-    each SLO from its requests; repeats give a mean and a range; the first rate's gap is read."""
+    each SLO from its requests; repeats give a mean and a range; the first rate's gap is read; gzipped
+    runs are read like plain ones; a system that met the SLO at every rate is a lower bound, one that
+    met it at none is below the lowest rate, and neither gives a ratio that means nothing."""
+    import gzip
     import json
 
     def sweep(path, attainment_by_rate: dict, tpot_s=0.015):
@@ -189,11 +192,16 @@ def test_the_grid_report_reads_the_sweeps_laid_out_per_gpu_count(tmp_path):
             rows = [[0, 4096, 256, 0.5 if i < ok * 100 else 5.0, tpot_s, 9.0] for i in range(100)]
             runs.append({"rate": rate, "slo_attainment": ok, "requests_detail": rows})
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"runs": runs, "goodput": {}}))
+        text = json.dumps({"runs": runs, "goodput": {}})
+        if path.suffix == ".gz":
+            with gzip.open(path, "wt") as f:
+                f.write(text)
+        else:
+            path.write_text(text)
 
     g = tmp_path / "runs" / "gpus4"
     sweep(g / "long_colocated-4-t20.json", {8: 1.0, 10: 0.95, 12: 0.5})
-    sweep(g / "long_disagg-2-2.json", {8: 1.0, 10: 0.8}, tpot_s=0.030)  # inside 40 ms, outside 20
+    sweep(g / "long_disagg-2-2.json.gz", {8: 1.0, 10: 0.8}, tpot_s=0.030)  # inside 40 ms, outside 20
     sweep(g / "long_hybrid-2-2-t20.json", {8: 0.8, 10: 1.0, 12: 0.9})  # its first sweep: cold at 8
     sweep(g / "long_hybrid-2-2-t20-r2.json", {8: 1.0, 10: 1.0, 12: 0.9})
     sweep(g / "long_hybrid-2-2-t20_status.json", {8: 1.0})  # not a sweep of the grid
@@ -208,6 +216,16 @@ def test_the_grid_report_reads_the_sweeps_laid_out_per_gpu_count(tmp_path):
     assert t40["hybrid"] is None and "hybrid_vs_best_pure" not in t40
     assert t20["hybrid_vs_best_pure"] == pytest.approx(6.0 / t20["colocated"]["rps"], abs=1e-3)
     assert "hybrid-2-2: 6.00 (0.00-12.00)" in grid.markdown(rows)
+    assert "disagg-2-2: < 8 (the lowest rate swept)" in grid.markdown(rows)
+
+    two = tmp_path / "runs" / "gpus2"
+    sweep(two / "long_colocated-2-t40.json", {8: 1.0, 10: 0.95})  # met at its top rate: >= 10
+    sweep(two / "long_hybrid-2-2-t40.json", {8: 1.0, 10: 1.0})
+    rows = grid.summarize(grid.collect(str(tmp_path / "runs")))
+    (two40,) = [r for r in rows if r["gpus"] == 2]
+    assert two40["colocated"]["lower_bound"] and two40["hybrid"]["lower_bound"]
+    assert "hybrid_vs_best_pure" not in two40  # >= 10 against >= 10 says nothing
+    assert "colocated-2: >= 10.00" in grid.markdown(rows)
 
 
 def test_every_system_of_the_multi_gpu_grid_is_a_server_pdserve_takes(tmp_path):
