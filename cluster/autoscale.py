@@ -96,10 +96,10 @@ def pool_signals(workers, ttft: LatencyWindow, itl: LatencyWindow, now: float) -
         live = [w for w in workers if w.role == role and not w.draining and not w.switching_to]
         n = max(1, len(live))
         if role == "prefill":
-            waiting = sum(w.stats.get("num_waiting", 0) for w in live)
+            waiting = sum(w.stats.num_waiting for w in live)
             out[role] = PoolSignals(len(live), queue=waiting / n, latency=ttft.quantile(0.9, now))
         else:
-            used = sum(w.stats.get("kv_blocks_used", 0) for w in live)
-            total = sum(w.stats.get("kv_blocks_total", w.info.get("capacity_blocks", 0)) for w in live)
+            used = sum(w.stats.kv_blocks_used for w in live)
+            total = sum(w.blocks_total for w in live)
             out[role] = PoolSignals(len(live), usage=used / total if total else 0.0, latency=itl.quantile(0.9, now))
     return out

@@ -313,7 +313,7 @@ class Cluster:
 
     def snapshot(self) -> ClusterSnapshot:
         """What the monitor last saw (no call into the workers): for metrics scrapes."""
-        rows = [{"worker_id": w.worker_id, "role": w.role, **w.stats, "load": w.load}
+        rows = [{"worker_id": w.worker_id, "role": w.role, **w.stats.as_dict(), "load": w.load}
                 for w in list(self.pools.workers.values())]
         return ClusterSnapshot(rows, self.pool_sizes(), dict(self.dispatcher.counters["routing"]),
                                self.serving.autoscale.enabled, list(self.pools.autoscale_events[-20:]),
@@ -324,7 +324,7 @@ class Cluster:
             rows = []
             for w in list(self.pools.workers.values()):
                 try:
-                    st = await within(w.actor.stats.remote(), 10)
+                    st = (await within(w.actor.stats.remote(), 10)).as_dict()
                 except (ray.exceptions.RayError, asyncio.TimeoutError):
                     st = {"error": "unreachable"}
                 rows.append({"worker_id": w.worker_id, "role": w.role, "draining": w.draining,

@@ -47,7 +47,8 @@ from .api import FinishedRequest, NoWorker, RequestObserver
 from .attempt import Attempt
 from .output_pipe import OutputPipe
 from .placement import Placer
-from .pools import Pools, WorkerRecord
+from .pools import Pools
+from .records import WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class Dispatcher:
 
     async def _relay(self, a: Attempt, d: WorkerRecord, p: WorkerRecord | None) -> None:
         """Passes the worker's outputs to the attempt's sink until the last output."""
-        args = (a.wire_id, a.ids, a.params, *((p.worker_id, p.info.get("tp", 1)) if p is not None else
+        args = (a.wire_id, a.ids, a.params, *((p.worker_id, p.tp) if p is not None else
                                               (None, 1, a.fetch)))
         how = "pipe" if self.pipe is not None and self.pipe.connected(d.worker_id) else "ray"
         self.counters["outputs"][how] += 1

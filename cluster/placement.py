@@ -28,7 +28,8 @@ from pdserve.transfer.base import LayoutMismatch, check_layouts
 from pdserve.transfer.fetch import FetchPlan
 
 from .api import NoWorker
-from .pools import Pools, WorkerRecord
+from .pools import Pools
+from .records import WorkerRecord
 from .registry import PrefixRun, best_holder
 from .routing import Holder, pick_decode, pick_prefill, place_prompt, plan_fetch
 
@@ -114,7 +115,8 @@ class Placer:
         """One registry call (the workers' runs of the prompt's hashes) serves both decisions."""
         runs = await self.registry.runs(hashes) if hashes else {}
         placed = self._place(runs, hashes, ids, charges)
-        if runs and self.pools.serving.handoff.peer_fetch and placed.prefills_on.info.get("layout"):
+        info = placed.prefills_on.info
+        if runs and self.pools.serving.handoff.peer_fetch and info is not None and info.layout:
             self._plan_fetch(placed, runs)
         return placed
 
@@ -129,10 +131,10 @@ class Placer:
         holders = {h: self._holder(w, self.pools.workers[h]) for h in runs
                    if h in self.pools.workers and self._same_kv(w, h)}
         d = plan_fetch(w.worker_id, {h: (r.gpu, r.tier) for h, r in runs.items()}, holders, self.block_size,
-                       block_bytes(w.info["layout"]), w.stats.get("prefill_tok_s"))
+                       block_bytes(w.info.layout), w.stats.prefill_tok_s)
         if d is None:
             return
-        placed.fetch = FetchPlan(d.holder, d.blocks, self.pools.workers[d.holder].info.get("tp", 1))
+        placed.fetch = FetchPlan(d.holder, d.blocks, self.pools.workers[d.holder].tp)
         placed.explain = {**(placed.explain or {}), "fetch": {"holder": d.holder, "blocks": d.blocks,
                                                              "fetch_s": round(d.fetch_s, 4),
                                                              "recompute_s": round(d.recompute_s, 4)}}
@@ -143,13 +145,14 @@ class Placer:
         """A fetch from `h` into `w`: the bandwidth `w`'s own fetches measured, else the start value
         of the link a pair on one node or across nodes takes; a busy holder answers between its steps
         (half its mean step on average)."""
-        same = w.info.get("node_id") is not None and w.info.get("node_id") == h.info.get("node_id")
-        gbps = w.stats.get("kv_peer_fetch_gbps") or LINK_GBPS_START["same_node" if same else "network"]
-        return Holder(gbps, h.stats.get("step_s", 0.0) / 2 if h.load else 0.0)
+        same = w.info is not None and h.info is not None and w.info.same_node(h.info)
+        gbps = w.stats.kv_peer_fetch_gbps or LINK_GBPS_START["same_node" if same else "network"]
+        return Holder(gbps, h.stats.step_s / 2 if h.load else 0.0)
 
     def _same_kv(self, w: WorkerRecord, other: str) -> bool:
         try:
-            check_layouts(w.info["layout"], self.pools.workers[other].info.get("layout") or {}, other)
+            theirs = self.pools.workers[other].info
+            check_layouts(w.info.layout, theirs.layout if theirs is not None else {}, other)
             return True
         except LayoutMismatch:
             return False

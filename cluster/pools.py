@@ -9,21 +9,20 @@ Runs on the cluster's event loop thread.
                   pool); then one autoscaling decision when it is on
     candidates()  snapshots of the live, non-draining workers of a pool for placement
 
-A worker's record (`WorkerRecord`) is the cluster's view of one `WorkerActor`: its
-id, role, the actor handle, what it reported at start, the requests this cluster has
-in flight on it (`load`), whether it drains, and its last stats.
+A worker's record (`records.WorkerRecord`) is the cluster's view of one `WorkerActor`:
+its id, role, the actor handle, what it reported at start (`WorkerInfo`), the requests this
+cluster has in flight on it (`load`), whether it drains, and its last stats (`WorkerStats`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import dataclasses
 import itertools
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import RayError
@@ -33,30 +32,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from .aio import within
 from .autoscale import LatencyWindow, PoolSignals, PoolState, decide, pool_signals
 from .ratio import RatioPlanner
+from .records import WorkerRecord
 from .routing import Candidate
 from .serving_config import ROLES, ServingConfig
 from .worker_actor import WorkerActor
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerRecord:
-    worker_id: str
-    role: str  # the pool: "prefill" or "decode" (colocated engines are the decode pool)
-    actor: object
-    info: dict = field(default_factory=dict)
-    load: int = 0
-    queued_tokens: int = 0  # prompt tokens placed on it that have no first token yet
-    queued_by_priority: collections.Counter = field(default_factory=collections.Counter)  # the same, per priority
-    draining: bool = False
-    switching_to: str | None = None  # draining to change role: counted in that pool, placed in none
-    stats: dict = field(default_factory=dict)
-    placement_group: object = None  # a tensor-parallel worker's GPUs (one bundle per rank)
-    first_role: str = ""  # the pool it was started for (switching back goes to such workers first)
-
-    def __post_init__(self) -> None:
-        self.first_role = self.first_role or self.role
 
 
 class Pools:
@@ -107,13 +88,10 @@ class Pools:
         out = []
         for w in self.workers.values():
             if w.role == role and not w.draining and w.switching_to is None:
-                st = w.stats
-                total = st.get("kv_blocks_total", w.info.get("capacity_blocks", 1))
-                out.append(Candidate(w.worker_id, w.load, total - st.get("kv_blocks_used", 0), total,
-                                     self.ahead_of(w, priority), st.get("prefill_tok_s"), st.get("prefill_chunk", 0),
-                                     st.get("step_s", 0.0), 0,
-                                     st.get("max_num_seqs", 1 << 30) - st.get("num_running", 0) - 4,
-                                     bool(st.get("tpot_over"))))
+                st, total = w.stats, w.blocks_total or 1
+                out.append(Candidate(w.worker_id, w.load, total - st.kv_blocks_used, total, self.ahead_of(w, priority),
+                                     st.prefill_tok_s, st.prefill_chunk, st.step_s, 0,
+                                     st.max_num_seqs - st.num_running - 4, st.tpot_over))
         return out
 
     # ---- sizes --------------------------------------------------------------------------------
@@ -170,7 +148,8 @@ class Pools:
         goes back to its old pool."""
         try:
             await self._wait_drained(w)
-            w.info = await w.actor.switch_role.remote(role, self.engine_args(role))
+            info = await w.actor.switch_role.remote(role, self.engine_args(role))
+            w.info = dataclasses.replace(info, persist_slot=w.info.persist_slot if w.info else None)  # its tier stays
             self.switch_events.append({"time": time.time(), "worker": w.worker_id, "from": w.role, "to": role})
             log.warning("worker %s switched %s -> %s", w.worker_id, w.role, role)
             w.role = role
@@ -229,14 +208,14 @@ class Pools:
             raise RuntimeError(f"{role} worker did not start within {self.start_timeout:.0f} s: no node offers "
                                f"{self.actor_options[role]} (is the autoscaler at its node type's max?)") from None
         if args.get("kv_persist_dir"):
-            info = {**info, "persist_slot": os.path.basename(args["kv_persist_dir"])}
+            info = dataclasses.replace(info, persist_slot=os.path.basename(args["kv_persist_dir"]))
         w = WorkerRecord(wid, role, actor, info, placement_group=pg)
         self.workers[wid] = w
         self.start_s = 0.7 * self.start_s + 0.3 * (time.monotonic() - t0)
         log.info("worker %s started", wid)
-        parts = ", ".join(f"{k[:-2].replace('_', '-')} {v:.1f} s" for k, v in info.get("startup", {}).items())
+        parts = ", ".join(f"{k[:-2].replace('_', '-')} {v:.1f} s" for k, v in info.startup.items())
         self.progress(f"{role} worker {wid} ready ({time.monotonic() - t0:.1f} s{': ' + parts if parts else ''})")
-        tier = info.get("kv_persist_status")
+        tier = info.kv_persist_status
         if tier and ("refused" in tier or not tier.startswith("restored")):  # in the server's own log too
             log.warning("worker %s: persisted KV tier: %s", wid, tier)
         return w
@@ -276,7 +255,7 @@ class Pools:
                 st = await within(w.actor.stats.remote(), 10)
             except (RayError, asyncio.TimeoutError):
                 return  # gone already
-            if w.load == 0 and st["inflight"] == 0 and st.get("held_for_handoff", 0) == 0:
+            if w.load == 0 and st.inflight == 0 and st.held_for_handoff == 0:
                 return
             await asyncio.sleep(0.2)
 
@@ -296,7 +275,8 @@ class Pools:
         if w.placement_group is not None:  # its shard actors go with it
             remove_placement_group(w.placement_group)
         await self.registry.unregister(w.worker_id)
-        self._persist_slots.discard(w.info.get("persist_slot"))  # stopped: a replacement takes its tier over
+        # stopped: a replacement takes its tier over
+        self._persist_slots.discard(w.info.persist_slot if w.info else None)
 
     # ---- health and autoscaling ---------------------------------------------------------------
     async def monitor(self) -> None:

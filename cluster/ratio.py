@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from .api import RequestObserver
+from .records import WorkerStats
 from .serving_config import ROLES
 
 UTIL_P = 0.8  # a prefill pool planned to 80% busy keeps a queue short enough for TTFT
@@ -97,7 +98,8 @@ class RatioPlanner(RequestObserver):
             self.since = self.since or time.monotonic() - (done.ttft_s or 0.0) - done.decode_s
             self.finished.append((time.monotonic(), done.num_prompt_tokens, done.num_output_tokens, done.decode_s))
 
-    def measure(self, prefill_stats: list[dict], decode_stats: list[dict], now: float) -> RatioLoad | None:
+    def measure(self, prefill_stats: list[WorkerStats], decode_stats: list[WorkerStats],
+                now: float) -> RatioLoad | None:
         """The window's load, or None when too little finished or a worker's rate is unknown."""
         while self.finished and self.finished[0][0] < now - self.window_s:
             self.finished.popleft()
@@ -105,14 +107,13 @@ class RatioPlanner(RequestObserver):
         if len(reqs) < MIN_REQUESTS:
             return None
         span = min(self.window_s, max(now - (self.since or reqs[0][0]), 1.0))
-        rate = _median([s.get("prefill_tok_s") or 0.0 for s in prefill_stats])
+        rate = _median([s.prefill_tok_s or 0.0 for s in prefill_stats])
         ctx = sum(p + o / 2 for _, p, o, _ in reqs) / len(reqs)
         whole = sum(p + o for _, p, o, _ in reqs) / len(reqs)
         seqs = []
         for s in decode_stats:
-            at_target = interpolate(s.get("decode_capacity"), ctx) or s.get("max_num_seqs")
-            cache = s.get("cache_config") or {}
-            kv = s.get("kv_blocks_total", 0) * cache.get("block_size", 16) / max(whole, 1.0)
+            at_target = interpolate(s.decode_capacity, ctx) or s.max_num_seqs
+            kv = (s.kv_blocks_total or 0) * s.block_size / max(whole, 1.0)
             seqs.append(min(at_target or kv, kv) if kv else at_target)
         cap = _median(seqs)
         if not rate or not cap:

@@ -29,12 +29,14 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import ray
 from ray.exceptions import RayError
 
 from .aio import within
+from .records import WorkerInfo, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,19 @@ def best_holder(runs: dict[str, PrefixRun], role: str | None = None) -> tuple[st
     return best, depth
 
 
+@dataclass
+class Member:
+    """A registered worker: its registration, when it last beat and the stats of that beat."""
+    info: WorkerInfo
+    last_heartbeat: float
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+
 @ray.remote(num_cpus=0)
 class BlockRegistry:
     def __init__(self, stale_s: float = 5.0):
         self.stale_s = stale_s
-        self.workers: dict[str, dict] = {}
+        self.workers: dict[str, Member] = {}
         self.blocks: dict[str, set[str]] = {}  # worker -> hashes it holds on its GPU
         self.holders: dict[str, set[str]] = {}  # hash -> workers (GPU)
         self.host_blocks: dict[str, set[str]] = {}  # worker -> hashes in its host tier
@@ -78,23 +88,22 @@ class BlockRegistry:
         return os.getpid()
 
     # ---- membership ----------------------------------------------------------------------
-    def register(self, worker_id: str, info: dict) -> None:
+    def register(self, worker_id: str, info: WorkerInfo) -> None:
         old = self.workers.get(worker_id)
-        if old is not None and old.get("epoch") != info.get("epoch"):
+        if old is not None and old.info.epoch != info.epoch:  # a restarted worker: its blocks are gone
             self._forget_blocks(worker_id)
-        self.workers[worker_id] = {**info, "worker_id": worker_id, "last_heartbeat": time.monotonic()}
+        self.workers[worker_id] = Member(info, time.monotonic())
 
     def unregister(self, worker_id: str) -> bool:
         self._forget_blocks(worker_id)
         return self.workers.pop(worker_id, None) is not None
 
-    def heartbeat(self, worker_id: str, stats: dict, events: list[tuple[str, str]]) -> bool:
+    def heartbeat(self, worker_id: str, stats: WorkerStats, events: list[tuple[str, str]]) -> bool:
         """Returns False if the worker is unknown (purged): it should re-register."""
         w = self.workers.get(worker_id)
         if w is None:
             return False
-        w["last_heartbeat"] = time.monotonic()
-        w["stats"] = stats
+        w.last_heartbeat, w.stats = time.monotonic(), stats
         held = self.blocks.setdefault(worker_id, set())
         host = self.host_blocks.setdefault(worker_id, set())
         for kind, h in events:
@@ -125,23 +134,25 @@ class BlockRegistry:
 
     def purge_stale(self) -> list[str]:
         now = time.monotonic()
-        dead = [w for w, info in self.workers.items() if now - info["last_heartbeat"] > self.stale_s]
+        dead = [w for w, m in self.workers.items() if now - m.last_heartbeat > self.stale_s]
         for w in dead:
             self.unregister(w)
         return dead
 
     # ---- queries ----------------------------------------------------------------------------
     def list_workers(self) -> list[dict]:
+        """The members as status rows (JSON): registration, last beat's stats, blocks held."""
         self.purge_stale()
-        return [dict(w, num_cached_blocks=len(self.blocks.get(w["worker_id"], ())),
-                     num_host_blocks=len(self.host_blocks.get(w["worker_id"], ()))) for w in self.workers.values()]
+        return [{**m.info.as_dict(), "worker_id": w, "last_heartbeat": m.last_heartbeat, "stats": m.stats.as_dict(),
+                 "num_cached_blocks": len(self.blocks.get(w, ())), "num_host_blocks": len(self.host_blocks.get(w, ()))}
+                for w, m in self.workers.items()]
 
     def runs(self, hashes: list[str]) -> dict[str, PrefixRun]:
         """Each worker holding the first of these chained hashes, with its run of them: placement's
         one question per prompt (the holder to prefill on, and a peer to fetch from)."""
         self.purge_stale()
         out = {}
-        for w, info in self.workers.items():
+        for w, m in self.workers.items():
             gpu, host = self.blocks.get(w, set()), self.host_blocks.get(w, set())
             g, score, n = len(hashes), 0.0, 0
             for i, h in enumerate(hashes):
@@ -155,7 +166,7 @@ class BlockRegistry:
                     break
                 n += 1
             if n:
-                out[w] = PrefixRun(info.get("role"), g, n, score)
+                out[w] = PrefixRun(m.info.role, g, n, score)
         return out
 
     def longest_prefix(self, hashes: list[str], role: str | None = None) -> tuple[str | None, int]:
@@ -293,7 +304,7 @@ class Membership:
         self._beat = None  # the last beat's reply: False means the registry does not know us
         self._rejoin = False  # the next beat registers again, with every cached block
 
-    async def join(self, info: dict) -> None:
+    async def join(self, info: WorkerInfo) -> None:
         """Registers now, or (the registry is away) at a beat once it is back."""
         try:
             await within(self.actor.register.remote(self.worker_id, info), 5)
@@ -302,7 +313,7 @@ class Membership:
                         type(e).__name__)
             self._rejoin = True
 
-    def beat(self, info, stats: dict, news: list[tuple[str, str]], everything) -> None:
+    def beat(self, info, stats: WorkerStats, news: list[tuple[str, str]], everything) -> None:
         """`info()`: the registration; `everything()`: events announcing every cached block."""
         try:
             rejoin = self._rejoin

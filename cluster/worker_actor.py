@@ -52,6 +52,7 @@ from .gpus import see_node_gpus
 from .outlets import Outlets
 from .output_pipe import PipeSender
 from .peer_calls import PeerCalls
+from .records import WorkerInfo, WorkerStats
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RayShards
@@ -87,8 +88,7 @@ class WorkerActor:
         handoff = handoff or HandoffConfig()
         if config.tensor_parallel_size > 1:
             launch = RayShards.launcher(worker_id, placement_group, shard_options or {}, handoff, namespace)
-        self.engine = LLMEngine(config, launch_shards=launch)
-        self.tp = config.tensor_parallel_size
+        self.engine, self.tp = LLMEngine(config, launch_shards=launch), config.tensor_parallel_size
         self.engine.stream_deltas = True
         self.engine.kv.pool.record_events = True
         if self.engine.kv.host is not None:  # the host tier's blocks (a persisted tier's too) are announced
@@ -123,7 +123,7 @@ class WorkerActor:
         return ROLE_CLASSES[role](self.engine, self.connector, self.handoff_timeout_s, self.fetches)
 
     # ---- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> dict:
+    async def start(self) -> WorkerInfo:
         self.aloop = self.outlets.aloop = asyncio.get_running_loop()
         info = self.info()
         await self.membership.join(info)
@@ -146,11 +146,10 @@ class WorkerActor:
         log.error("%s: %s: ending the worker", self.worker_id, err)
         os._exit(1)
 
-    def info(self) -> dict:
-        return {"role": self.role_name, "address": self.connector.address, "epoch": self.epoch, "tp": self.tp,
-                "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "capacity_blocks": self.engine.kv.num_blocks, "layout": self.connector.layout,
-                "kv_persist_status": self.engine.persist_status, "startup": self.engine.runner.startup}
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.role_name, self.connector.address, self.epoch, self.tp, ray.util.get_node_ip_address(),
+                          ray.get_runtime_context().get_node_id(), self.engine.kv.num_blocks, self.connector.layout,
+                          self.engine.persist_status, dict(self.engine.runner.startup))
 
     async def stop(self) -> None:
         self.stopped = True
@@ -167,9 +166,9 @@ class WorkerActor:
         self._check_alive()
         return self.worker_id
 
-    async def stats(self) -> dict:
+    async def stats(self) -> WorkerStats:
         self._check_alive()
-        return self._stats()
+        return WorkerStats.of(self._stats())
 
     def _check_alive(self) -> None:
         """Its engine thread dead, the worker fails every call: the pools purge and replace it."""
@@ -274,7 +273,7 @@ class WorkerActor:
         self.aborted.add(request_id)
         self._post(Abort(request_id))
 
-    async def switch_role(self, role: str, engine_kwargs: dict) -> dict:
+    async def switch_role(self, role: str, engine_kwargs: dict) -> WorkerInfo:
         """Becomes a `role` worker on the same engine (weights, KV pool and prefix cache
         stay: cached blocks are as valid for the other role), and registers again under it.
         The cluster drains the worker first; a worker still holding requests refuses."""
@@ -396,5 +395,6 @@ class WorkerActor:
     def _heartbeat(self) -> None:
         pool, host = self.engine.kv.pool, self.engine.kv.host
         news = [(k, h.hex()) for k, h in pool.drain_events() + (host.drain_events() if host else [])]
-        self.membership.beat(self.info, self._stats(), news, lambda: [("stored", h.hex()) for h in pool.cached] + [
-            ("host_stored", h.hex()) for h, _ in (host.entries() if host else [])])
+        self.membership.beat(self.info, WorkerStats.of(self._stats()), news, lambda: [
+            ("stored", h.hex()) for h in pool.cached] + [("host_stored", h.hex()) for h, _ in (host.entries() if host
+                                                                                                else [])])

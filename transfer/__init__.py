@@ -1,8 +1,14 @@
 """pdserve.transfer: KV-block handoff between a prefill and a decode worker.
 
-    base.py      the KVConnector interface, the polled handoff state machine, channels and
-                 targets, gather/scatter, the layout check
-    c10d.py      pairwise NCCL (CUDA) / gloo (CPU) process groups formed at run time
+    base.py      the KVConnector interface (what roles use) and PairConnector (one process's
+                 pairs), the polled handoff state machine, channels and targets, gather/scatter,
+                 the layout check
+    c10d.py      C10dConnector: a worker's pairs with its peers, met through TCPStores at run time
+    pair.py      one (sender, receiver) pair: its link chosen on connect and the thread that runs it
+    pull.py      the same-node link: the receiver copies from the sender's KV mapped into it
+    shared.py    a KV slab as another process of the node maps it (CUDA IPC, shared memory files)
+    wire.py      the link over a 2-rank process group (NCCL on CUDA, gloo on CPU)
+    tp.py        TPConnector: handoffs between tensor-parallel workers of any sizes, rank to rank
     loopback.py  an in-process backend for unit tests
     fetch.py     peer fetch: a prompt's prefix blocks copied from a peer's GPU over the same links
 

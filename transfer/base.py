@@ -60,6 +60,17 @@ class Channel:
 
 
 @dataclass(frozen=True)
+class RankTarget:
+    """One rank of a tensor-parallel receiver: its name, its transfer address and, per sender
+    rank (by name), the channel generation it assigned that sender; `gens` None: the target's
+    own channel (a single-GPU receiver)."""
+
+    name: str
+    address: str
+    gens: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
 class HandoffTarget:
     """Where a sender's handoff goes: the receiver's name and transfer address, the
     channel it assigned, and how many leading blocks it already holds (prefix hits,
@@ -69,9 +80,9 @@ class HandoffTarget:
     address: str
     channel: Channel
     num_skip: int
-    # a tensor-parallel receiver: (rank name, address, channel) of each of its ranks, in rank
-    # order (rank 0's is peer/address/channel above); empty for a single-GPU receiver
-    ranks: tuple = ()
+    # a tensor-parallel receiver: each of its ranks, in rank order (rank 0's is peer/address/
+    # channel above); empty for a single-GPU receiver
+    ranks: tuple[RankTarget, ...] = ()
 
     @property
     def tp(self) -> int:
@@ -277,8 +288,10 @@ class StagingPool:
 
 
 class KVConnector(ABC):
-    """What a worker holds: start sends and receives, poll them, abort one, forget a peer.
-    Implementations: `c10d.C10dConnector` (NCCL / gloo), `loopback.LoopbackConnector` (tests)."""
+    """What a worker's roles use: a sender starts sends, a receiver posts receives (`receive`,
+    which also names the target its sender needs), both poll them, abort one, forget a peer.
+    Implementations: `PairConnector`s (one process's pairs with its peers) and
+    `tp.TPConnector` (a tensor-parallel worker: routes over its ranks' pair connectors)."""
 
     name: str
     address: str  # where peers reach this connector (a TCPStore host:port for c10d)
@@ -294,17 +307,10 @@ class KVConnector(ABC):
         the blocks' KV heads (tensor parallel, transfer/tp.py)."""
 
     @abstractmethod
-    def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-                   timeout_s: float | None = None, heads: tuple[int, int] | None = None) -> Handoff:
-        """Receives into `block_ids` on `channel` (from new_channel); `meta` arrives with it."""
-
     def receive(self, peer: str, request_id: str, block_ids: list[int], num_skip: int,
                 timeout_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
-        """Receiver: posts the receive of a handoff from `peer` on a new channel; returns it
-        and the target the sender needs (tensor-parallel workers: transfer/tp.py)."""
-        channel = self.new_channel(peer)
-        h = self.start_recv(peer, request_id, block_ids, channel, timeout_s)
-        return h, HandoffTarget(self.name, self.address, channel, num_skip)
+        """Receiver: posts the receive of a handoff from `peer` into `block_ids`; returns it and
+        the target the sender needs. `meta` arrives with it."""
 
     @abstractmethod
     def poll(self) -> list[Handoff]:
@@ -313,10 +319,6 @@ class KVConnector(ABC):
     @abstractmethod
     def abort(self, request_id: str) -> bool:
         """Fails the request's handoff if it is in flight; False if there is none."""
-
-    @abstractmethod
-    def new_channel(self, peer: str) -> Channel:
-        """Receiver side: the channel of the next handoff from `peer`."""
 
     @property
     @abstractmethod
@@ -330,3 +332,24 @@ class KVConnector(ABC):
     @abstractmethod
     def close(self) -> None:
         """Fails what is in flight and releases the connector's resources."""
+
+
+class PairConnector(KVConnector):
+    """One process's pairs with its peers, a receive at a time on a channel it assigns:
+    `c10d.C10dConnector` (NCCL / gloo, or the same-node pull), `loopback.LoopbackConnector`
+    (tests). A tensor-parallel worker's ranks each hold one (transfer/tp.py)."""
+
+    @abstractmethod
+    def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
+                   timeout_s: float | None = None, heads: tuple[int, int] | None = None) -> Handoff:
+        """Receives into `block_ids` on `channel` (from new_channel); `meta` arrives with it."""
+
+    @abstractmethod
+    def new_channel(self, peer: str) -> Channel:
+        """Receiver side: the channel of the next handoff from `peer`."""
+
+    def receive(self, peer: str, request_id: str, block_ids: list[int], num_skip: int,
+                timeout_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
+        channel = self.new_channel(peer)
+        h = self.start_recv(peer, request_id, block_ids, channel, timeout_s)
+        return h, HandoffTarget(self.name, self.address, channel, num_skip)

@@ -34,14 +34,14 @@ import torch.distributed as dist
 
 from pdserve.engine.exec.stores import BoundStore
 
-from .base import Channel, Handoff, HandoffTarget, KVConnector, StagingPool, wire_layout
+from .base import Channel, Handoff, HandoffTarget, PairConnector, StagingPool, wire_layout
 from .pair import Pair
 from .wire import td
 
 log = logging.getLogger(__name__)
 
 
-class C10dConnector(KVConnector):
+class C10dConnector(PairConnector):
     """One per worker. `kv` is the worker's block-major KV tensor (engine/exec/kv_cache.py)."""
 
     def __init__(self, name: str, kv: torch.Tensor, host: str = "127.0.0.1", default_timeout_s: float = 30.0,

@@ -13,8 +13,8 @@ from .base import (
     Channel,
     Handoff,
     HandoffTarget,
-    KVConnector,
     LayoutMismatch,
+    PairConnector,
     check_layouts,
     gather_blocks,
     scatter_blocks,
@@ -29,7 +29,7 @@ class LoopbackHub:
         self.posted: dict[tuple, Handoff] = {}
 
 
-class LoopbackConnector(KVConnector):
+class LoopbackConnector(PairConnector):
     def __init__(self, name: str, kv: torch.Tensor, hub: LoopbackHub, default_timeout_s: float = 30.0,
                  kv_cache_dtype: str = "auto"):
         self.name, self.kv, self.hub = name, kv, hub

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.exec.tp import kv_head_range
 
-from .base import Channel, Handoff, HandoffTarget, KVConnector, TransferState
+from .base import Channel, Handoff, HandoffTarget, KVConnector, PairConnector, RankTarget, TransferState
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class RecvPart:
     peer: str
     channel: Channel
 
-    def start(self, conn: KVConnector) -> Handoff:
+    def start(self, conn: PairConnector) -> Handoff:
         return conn.start_recv(self.peer, self.request_id, self.block_ids, self.channel, self.timeout_s,
                                heads=self.heads)
 
@@ -92,7 +92,7 @@ class SendPart:
     meta: dict | None = None
     ready: object = None
 
-    def start(self, conn: KVConnector) -> Handoff:
+    def start(self, conn: PairConnector) -> Handoff:
         return conn.start_send(self.target, self.request_id, self.block_ids, self.timeout_s, self.ready, self.meta,
                                heads=self.heads)
 
@@ -132,7 +132,7 @@ class RankLink(ABC):
 class LocalRankLink(RankLink):
     """A rank whose connector lives in this process (tests; in-process ranks)."""
 
-    def __init__(self, connector: KVConnector):
+    def __init__(self, connector: PairConnector):
         self.connector, self.name, self.address = connector, connector.name, connector.address
 
     def new_channels(self, peers: list[str]) -> list[Channel]:
@@ -163,7 +163,7 @@ def route_id(request_id: str, r: Route, single: bool) -> str:
 
 
 class TPConnector(KVConnector):
-    def __init__(self, local: KVConnector, links: list[RankLink], kv_heads: int):
+    def __init__(self, local: PairConnector, links: list[RankLink], kv_heads: int):
         self.local, self.links, self.kv_heads = local, links, kv_heads
         self.name, self.address, self.layout = local.name, local.address, local.layout
         self.size = 1 + len(links)
@@ -174,9 +174,6 @@ class TPConnector(KVConnector):
 
     def _addr(self, r: int) -> str:
         return self.local.address if r == 0 else self.links[r - 1].address
-
-    def new_channel(self, peer: str) -> Channel:
-        return self.local.new_channel(peer)
 
     # ---- receiver --------------------------------------------------------------------------------
     def receive(self, peer: str, request_id: str, block_ids: list[int], num_skip: int,
@@ -192,30 +189,27 @@ class TPConnector(KVConnector):
             senders = [rank_name(peer, r.src) for r in mine]
             chans = [self.local.new_channel(p) for p in senders] if d == 0 else \
                 (self.links[d - 1].new_channels(senders) if senders else [])
-            ranks.append((rank_name(self.name, d), self._addr(d), {p: c.gen for p, c in zip(senders, chans)}))
+            ranks.append(RankTarget(rank_name(self.name, d), self._addr(d), {p: c.gen for p, c in zip(senders, chans)}))
             for r, c in zip(mine, chans):
                 self._start_part(comp, r.dst, RecvPart(route_id(request_id, r, single), list(block_ids), r.dst_heads,
                                                        timeout_s, rank_name(peer, r.src), c))
         self._track(comp)
-        gen0 = next(iter(ranks[0][2].values()), 0)
+        gen0 = next(iter(ranks[0].gens.values()), 0)
         return comp, HandoffTarget(self.name, self.address, Channel(gen0), num_skip, tuple(ranks))
-
-    def start_recv(self, peer, request_id, block_ids, channel, timeout_s=None, heads=None) -> Handoff:
-        raise NotImplementedError("a tensor-parallel connector receives through receive()")
 
     # ---- sender ------------------------------------------------------------------------------------
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
                    timeout_s: float | None = None, ready=None, meta: dict | None = None,
                    heads=None) -> Handoff:
-        ranks = target.ranks or ((target.peer, target.address, None),)
+        ranks = target.ranks or (RankTarget(target.peer, target.address),)
         rs = routes(self.kv_heads, self.size, len(ranks))
         single = len(rs) == 1
         comp = _Composite(request_id, target.peer, list(block_ids), target.channel, True, timeout_s or 30.0,
                           meta=meta)
         for r in rs:
-            name, address, gens = ranks[r.dst]
-            gen = target.channel.gen if gens is None else gens[rank_name(self.name, r.src)]
-            to = HandoffTarget(name, address, Channel(gen), target.num_skip)
+            dst = ranks[r.dst]
+            gen = target.channel.gen if dst.gens is None else dst.gens[rank_name(self.name, r.src)]
+            to = HandoffTarget(dst.name, dst.address, Channel(gen), target.num_skip)
             self._start_part(comp, r.src, SendPart(route_id(request_id, r, single), list(block_ids), r.src_heads,
                                                    timeout_s, to, meta, ready))
         self._track(comp)

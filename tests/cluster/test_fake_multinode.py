@@ -69,7 +69,7 @@ def test_decode_pool_grows_its_own_node_type(fake_cluster):
     grow_s = time.monotonic() - t0
     assert node_counts() == {"prefill": 1, "decode": 3}, "growing decode must add decode nodes only"
     decode_workers = [w for w in c.workers.values() if w.role == "decode"]
-    placed = {w.info["node_id"] for w in decode_workers}
+    placed = {w.info.node_id for w in decode_workers}
     assert len(placed) == 3 and placed <= nodes_offering("decode")
     assert {w.worker_id for w in c.workers.values() if w.role == "prefill"} == prefill_ids
     assert nodes_offering("prefill") == prefill_nodes

@@ -14,7 +14,7 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.pools import WorkerRecord
+from pdserve.cluster.records import WorkerRecord
 from pdserve.cluster.worker_actor import WorkerActor
 from pdserve.router.app import build_app
 
@@ -62,7 +62,7 @@ def test_a_worker_whose_engine_thread_died_refuses_calls_and_is_replaced(tiny_mo
             ray.get(next(sick.generate.remote("r", [1, 2, 3], GREEDY)), timeout=30)
         assert time.monotonic() - t < 10
         async def join():  # as if the pools had started it: the monitor must see it cannot serve
-            c.pools.workers["sick-0"] = WorkerRecord("sick-0", "decode", sick, {})
+            c.pools.workers["sick-0"] = WorkerRecord("sick-0", "decode", sick)
 
         c._run(join(), 10)
         deadline = time.monotonic() + 30

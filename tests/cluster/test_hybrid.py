@@ -17,7 +17,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.pools import Pools, WorkerRecord
+from pdserve.cluster.pools import Pools
+from pdserve.cluster.records import WorkerRecord, WorkerStats
 from pdserve.cluster.routing import Candidate, place_prompt
 from pdserve.cluster.serving_config import ServingConfig
 
@@ -204,7 +205,7 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
     stats = {"prefill": {"prefill_tok_s": 177.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
              "decode": {"prefill_tok_s": 6024.0, "prefill_chunk": 256, "kv_blocks_total": 100}}
     for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
-        pools.workers[wid] = WorkerRecord(wid, role, None, stats=dict(stats[role]))
+        pools.workers[wid] = WorkerRecord(wid, role, None, stats=WorkerStats.of(stats[role]))
     pools.workers["prefill-0"].queued_tokens = 600  # a queue: the decode worker looks ~10x faster
     placer = Placer(pools, None, 16)
 
@@ -230,7 +231,7 @@ def test_placement_predicts_a_wait_behind_the_queued_tokens_of_its_priority_or_a
     for policy, want_high in (("priority", 100), ("fcfs", 700)):
         pools = Pools(ServingConfig.from_dict({}), "hybrid", {"prefill": {"scheduling_policy": policy}, "decode": {}},
                       {"prefill": {}, "decode": {}}, "ns", None, 1.0)
-        w = pools.workers["prefill-0"] = WorkerRecord("prefill-0", "prefill", None, stats=dict(stats))
+        w = pools.workers["prefill-0"] = WorkerRecord("prefill-0", "prefill", None, stats=WorkerStats.of(stats))
         low, high = Charges(priority=5), Charges(priority=0)
         low.charge(w, 600)
         high.charge(w, 100)

@@ -12,6 +12,7 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.cluster.records import WorkerInfo, WorkerStats
 from pdserve.cluster.registry import HOST_HIT_WEIGHT, BlockRegistry
 from pdserve.cluster.routing import FETCH_FIXED_S, Holder, plan_fetch
 from pdserve.engine.core.hashing import hash_block_tokens
@@ -26,15 +27,15 @@ def test_registry_scores_holders_by_tier(shared_ray):
     try:
         hs = [f"{i:064x}" for i in range(4)]
         for w in ("a", "b", "c"):
-            ray.get(reg.register.remote(w, {"role": "decode", "epoch": "1"}))
-        ray.get(reg.heartbeat.remote("a", {}, [("stored", hs[0]), ("stored", hs[1])]))  # GPU: 2 blocks
-        ray.get(reg.heartbeat.remote("b", {}, [("host_stored", h) for h in hs[:3]]))  # host: 3 blocks
-        ray.get(reg.heartbeat.remote("c", {}, [("stored", hs[0]), ("host_stored", hs[1])]))  # 1 + 1
+            ray.get(reg.register.remote(w, WorkerInfo("decode", "", "1")))
+        ray.get(reg.heartbeat.remote("a", WorkerStats(), [("stored", hs[0]), ("stored", hs[1])]))  # GPU: 2 blocks
+        ray.get(reg.heartbeat.remote("b", WorkerStats(), [("host_stored", h) for h in hs[:3]]))  # host: 3 blocks
+        ray.get(reg.heartbeat.remote("c", WorkerStats(), [("stored", hs[0]), ("host_stored", hs[1])]))  # 1 + 1
         assert 3 * HOST_HIT_WEIGHT > 2 > 1 + HOST_HIT_WEIGHT
         assert ray.get(reg.longest_prefix.remote(hs, "decode")) == ("b", 3)
         assert ray.get(reg.longest_prefix.remote(hs[:2], "decode")) == ("a", 2)  # 2 GPU beat 2 host
         assert ray.get(reg.tiers_of.remote("c", hs)) == ["gpu", "host", "", ""]
-        ray.get(reg.heartbeat.remote("b", {}, [("host_removed", hs[0])]))
+        ray.get(reg.heartbeat.remote("b", WorkerStats(), [("host_removed", hs[0])]))
         assert ray.get(reg.longest_prefix.remote(hs, "decode")) == ("a", 2)
         rows = {w["worker_id"]: w for w in ray.get(reg.list_workers.remote())}
         assert (rows["b"]["num_host_blocks"], rows["c"]["num_cached_blocks"]) == (2, 1)
@@ -127,11 +128,11 @@ def test_a_prefix_cached_on_a_busy_worker_is_fetched_by_the_worker_placed_instea
     c = Cluster.start(mode="colocated", decode=2, max_model_len=512)
     try:
         for i in range(12):  # prefills measured on both workers (consistent hash spreads these)
-            if all(w.stats.get("prefill_tok_s") for w in c.pools.workers.values()):
+            if all(w.stats.prefill_tok_s for w in c.pools.workers.values()):
                 break
             c.generate([list(range(5000 + 100 * i, 5100 + 100 * i))], PARAMS)
             time.sleep(1.2)  # the monitor gathers the workers' stats every second
-        assert all(w.stats.get("prefill_tok_s") for w in c.pools.workers.values())
+        assert all(w.stats.prefill_tok_s for w in c.pools.workers.values())
         out = c.generate([prompts[0]], PARAMS)[0]
         assert out.outputs[0].token_ids == want[0]
         a = out.decode_worker
@@ -175,7 +176,7 @@ def test_two_live_workers_share_one_disk_directory(shared_ray, tmp_path):
         for i in range(12):  # prefills measured on both, and a prompt served on w1
             prompt = list(range(5000 + 100 * i, 5100 + 100 * i))
             served.setdefault(c.generate([prompt], PARAMS)[0].decode_worker, prompt)
-            if w1 in served and all(w.stats.get("prefill_tok_s") for w in c.pools.workers.values()):
+            if w1 in served and all(w.stats.prefill_tok_s for w in c.pools.workers.values()):
                 break
             time.sleep(1.2)  # the monitor gathers the workers' stats every second
         prompt = served[w1] + [7, 8, 9]

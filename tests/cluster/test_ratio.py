@@ -12,18 +12,19 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.cluster.ratio import LOOK_S, RatioLoad, RatioPlanner, interpolate
+from pdserve.cluster.records import WorkerStats
 from pdserve.cluster.serving_config import ServingConfig
 from pdserve.engine.core.scheduler import StepShape
 from pdserve.engine.core.step_model import StepModel
 
 from helpers import PROMPTS
 
-PREFILL = {"prefill_tok_s": 10000.0}
+PREFILL = WorkerStats.of({"prefill_tok_s": 10000.0})
 
 
 def decode_stats(at_target=None, blocks=100000):
-    return {"decode_capacity": at_target or {}, "max_num_seqs": 256, "kv_blocks_total": blocks,
-            "cache_config": {"block_size": 16}}
+    return WorkerStats.of({"decode_capacity": at_target or {}, "max_num_seqs": 256, "kv_blocks_total": blocks,
+                           "cache_config": {"block_size": 16}})
 
 
 def window(planner: RatioPlanner, now: float, n: int, prompt: int, out: int, decode_s: float, span: float = 20.0):
@@ -56,7 +57,7 @@ def test_decode_capacity_is_read_at_the_workloads_context_and_bounded_by_kv():
     assert p.measure([PREFILL], [decode_stats({"512": 128}, blocks=1500)], now).decode_seqs == pytest.approx(20)
     # no step-model capacity yet: max_num_seqs, within the KV
     assert p.measure([PREFILL], [decode_stats()], now).decode_seqs == 256
-    assert p.measure([{"prefill_tok_s": None}], [decode_stats()], now) is None  # no rate measured yet
+    assert p.measure([WorkerStats.of({"prefill_tok_s": None})], [decode_stats()], now) is None  # no rate measured yet
     few = RatioPlanner(window_s=30, cooldown_s=0)
     window(few, now, 10, 1000, 200, 4.0)
     assert few.measure([PREFILL], [decode_stats()], now) is None  # too few to measure

@@ -39,7 +39,7 @@ def compile_s(cluster):
 
 def worker_stats(cluster) -> dict:
     (rec,) = cluster.pools.workers.values()
-    return ray.get(rec.actor.stats.remote())
+    return ray.get(rec.actor.stats.remote()).as_dict()
 
 
 def test_a_new_grammar_never_holds_up_the_steps_of_other_requests(cluster, compile_s):

@@ -108,7 +108,8 @@ def test_a_failing_route_fails_the_handoff_and_aborts_the_rest():
     try:
         recv, target = dst.receive("pre", "r2", [1, 2], num_skip=0, timeout_s=3)
         # only rank 0's route is sent: rank 1's never arrives, so its receive times out
-        part = src.local.start_send(target.__class__(*target.ranks[0][:2], target.channel, 0), "r2#0.0", [4, 5],
+        rank0 = target.ranks[0]
+        part = src.local.start_send(target.__class__(rank0.name, rank0.address, target.channel, 0), "r2#0.0", [4, 5],
                                     heads=(0, 2))
         wait([recv], dst, src, timeout=15)
         assert recv.state == TransferState.FAILED and "r2#1.1" in recv.error, recv.error

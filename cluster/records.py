@@ -1,0 +1,121 @@
+"""What crosses Ray between a worker and the cluster, as types: `WorkerInfo` (what a worker says
+of itself when it starts or switches role), `WorkerStats` (its counters at each monitor pass and
+heartbeat) and `WorkerRecord` (the cluster's view of one worker, holding both).
+
+Placement, autoscaling, the ratio planner and the pools read the typed fields; nothing in
+cluster/ looks a worker's info or stats up by a string key. The counters only metrics and
+`/admin/status` print (prefix-cache hits, tiers, links, iteration tokens, ...) travel in
+`WorkerStats.more`, and `WorkerStats.as_dict()` gives the flat row they print, the same keys
+as the engine's `stats()` plus the worker's own.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's registration: its pool, where its KV pairs meet it (`address`), the epoch of
+    its blocks (a new one after a restart), its tensor-parallel size, its node, its KV blocks
+    and their wire layout (transfer/base.wire_layout), its persisted tier's state, what its
+    start took (seconds by part) and, when it persists its host tier, the slot it holds."""
+    role: str
+    address: str
+    epoch: str
+    tp: int = 1
+    node: str = ""
+    node_id: str | None = None
+    capacity_blocks: int = 0
+    layout: dict = field(default_factory=dict)
+    kv_persist_status: str | None = None
+    startup: dict = field(default_factory=dict)
+    persist_slot: str | None = None
+
+    def same_node(self, other: WorkerInfo) -> bool:
+        return self.node_id is not None and self.node_id == other.node_id
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_FIELDS: tuple[str, ...] = ()  # WorkerStats' typed fields, set below
+
+
+@dataclass
+class WorkerStats:
+    """A worker's counters at one moment. A worker that has not reported yet has `kv_blocks_total`
+    None (its info's capacity stands in); `prefill_tok_s` is None until a prefill rate is measured.
+    `decode_capacity`: the step model's table of decode batch at the TPOT target by context."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int | None = None
+    kv_blocks_used: int = 0
+    max_num_seqs: int = 1 << 30
+    step_s: float = 0.0
+    prefill_tok_s: float | None = None
+    prefill_chunk: int = 0
+    tpot_over: bool = False
+    decode_capacity: dict = field(default_factory=dict)
+    block_size: int = 16
+    inflight: int = 0
+    held_for_handoff: int = 0
+    kv_peer_fetch_gbps: float | None = None
+    more: dict = field(default_factory=dict)  # what metrics and status print, by the engine's names
+    reported: bool = False  # False: the defaults of a worker not heard from yet
+
+    @classmethod
+    def of(cls, counters: dict) -> WorkerStats:
+        """From the flat counters a worker gathers (its engine's `stats()` and its own)."""
+        typed = {k: counters[k] for k in _FIELDS if k in counters and counters[k] is not None}
+        cache = counters.get("cache_config") or {}
+        if "block_size" in cache:
+            typed["block_size"] = cache["block_size"]
+        return cls(**typed, more={k: v for k, v in counters.items() if k not in _FIELDS}, reported=True)
+
+    def blocks_total(self, info: WorkerInfo | None) -> int:
+        return self.kv_blocks_total if self.kv_blocks_total is not None else (info.capacity_blocks if info else 0)
+
+    def as_dict(self) -> dict:
+        """The flat row metrics and status print (the engine's names); {} before the first report."""
+        if not self.reported:
+            return {}
+        out = {k: getattr(self, k) for k in _FIELDS if k != "block_size"}  # cache_config has it
+        return {**out, **self.more}
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerStats) if f.name not in ("more", "reported"))
+
+
+@dataclass
+class WorkerRecord:
+    """The cluster's view of one WorkerActor: its id, pool, actor handle, what it reported at
+    start (`info`), the requests this cluster has in flight on it (`load`), the prompt tokens
+    placed on it without a first token yet (`queued_tokens`, and by priority), whether it drains
+    or is switching pools, its last stats, a tensor-parallel worker's placement group and the
+    pool it was started for (switching back goes to such workers first)."""
+    worker_id: str
+    role: str  # the pool: "prefill" or "decode" (colocated engines are the decode pool)
+    actor: object
+    info: WorkerInfo | None = None
+    load: int = 0
+    queued_tokens: int = 0
+    queued_by_priority: collections.Counter = field(default_factory=collections.Counter)
+    draining: bool = False
+    switching_to: str | None = None  # draining to change role: counted in that pool, placed in none
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    placement_group: object = None
+    first_role: str = ""
+
+    def __post_init__(self) -> None:
+        self.first_role = self.first_role or self.role
+
+    @property
+    def tp(self) -> int:
+        return self.info.tp if self.info is not None else 1
+
+    @property
+    def blocks_total(self) -> int:
+        return self.stats.blocks_total(self.info)
