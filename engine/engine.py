@@ -79,8 +79,7 @@ class LLMEngine:
         self.disk = DiskTier.of(config, load_format, host, self.runner, self.step_model, self.kv)
         self.requests: dict[str, Request] = {}
         # prefill role: requests that finish normally keep their blocks until release()
-        self.hold_blocks_on_finish = False
-        self.held: dict[str, Request] = {}
+        self.hold_blocks_on_finish, self.held = False, {}  # a prefill worker's prompts kept for their handoff
         # outputs carry only what is new since the previous one (outputs.py; the cluster's
         # workers stream these: no per-token copy of the whole text and token list)
         self.stream_deltas = False
@@ -213,8 +212,9 @@ class LLMEngine:
         return self.config.async_scheduling and not self._in_turn and not self.hold_blocks_on_finish
 
     def _launch(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Overlapped (core/overlap.py): queues `sched`, then finishes the step before it."""
-        with self.step_model.timed(sched.shape):
+        """Overlapped (core/overlap.py): queues `sched`, then finishes the step before it (timed: its time on CUDA)."""
+        timed = (self.pending.sched.shape if self.pending else None) if self.runner.queues_steps else sched.shape
+        with self.step_model.timed(timed):
             rows = self.pending.rows if self.pending is not None else {}
             launched = PendingStep.start(sched, *self.runner.launch(sched, rows))
             outputs = self.resolve()

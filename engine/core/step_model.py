@@ -121,17 +121,22 @@ class StepModel:
 
     # ---- observing steps ----------------------------------------------------------------------
     @contextmanager
-    def timed(self, shape: StepShape):
+    def timed(self, shape: StepShape | None):
         """Times one step and learns from it. The time is the step's wall time from the end
         of the previous one (what a decode waits between its tokens: scheduling, the
         model, outputs, the role's work around it), unless the engine was idle between
-        them (a gap over IDLE_GAP_S more than the model's call)."""
+        them (a gap over IDLE_GAP_S more than the model's call). `shape`: the step whose
+        time the block ends with: an overlapped launch on an asynchronous device only queues
+        its own step and waits for the one in flight, so the time is that one's (the engine
+        passes its shape; None when nothing was in flight: the clock restarts, nothing is
+        learnt)."""
         t0 = time.perf_counter()
         yield
         end = time.perf_counter()
         wall = end - self._last_end if self._last_end is not None else end - t0
         self._last_end = end
-        self.observe(shape, wall if wall - (end - t0) < IDLE_GAP_S else end - t0)
+        if shape is not None:
+            self.observe(shape, wall if wall - (end - t0) < IDLE_GAP_S else end - t0)
 
     def observe(self, step: StepShape, seconds: float) -> None:
         shape = (step.rows, step.prefill_tokens, step.kv_tokens, step.attn)

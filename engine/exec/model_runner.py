@@ -103,6 +103,11 @@ class ModelRunner:
         self.graphs = StepGraphs(self.model, self.kv_views, self.config, self.num_blocks, capture=False)
 
     @property
+    def queues_steps(self) -> bool:
+        """`launch` queues its step on the device and returns (CUDA); False: it runs it (CPU)."""
+        return self.device.type == "cuda"
+
+    @property
     def graph_seconds(self) -> dict[int, float]:
         """Rows -> seconds per decode-graph replay (timed at start when speculation is configured;
         core/step_model.py)."""

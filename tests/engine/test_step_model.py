@@ -5,6 +5,7 @@ engine under a TPOT target keeps its decodes' mean step inside it while it prefi
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -42,6 +43,21 @@ def fitted(slo: float) -> StepModel:
         m.observe(StepShape.of(step(d, c)), cost(d, c))
     m._fit()
     return m
+
+
+def test_a_timed_block_is_learnt_as_the_shape_it_is_given_and_none_restarts_the_clock():
+    """An overlapped launch on CUDA only queues its step and waits for the one in flight: the engine
+    times the block as that step's shape (engine._launch). With nothing in flight (None) the clock
+    restarts and nothing is learnt; the next block's time runs from there."""
+    m = StepModel(8192, 0.02)
+    with m.timed(None):
+        time.sleep(0.005)
+    assert not m.decode_steps and not m.mixed_steps
+    mixed = StepShape.of(step(4, 1024))
+    with m.timed(mixed):
+        time.sleep(0.03)
+    (shape, seconds), = m.mixed_steps
+    assert shape[:2] == (4, 1024) and 0.03 <= seconds < 0.2 and not m.decode_steps
 
 
 def test_fit_recovers_the_cost():
