@@ -1,32 +1,18 @@
-"""What each supported Hugging Face architecture means for the engine: the model family that
-builds it (a file under engine/models/), its biases, its attention windows per layer, its
-mixture-of-experts layers, its latent attention (MLAConfig), and the KV cache it declares
-(KVCacheSpec). ModelConfig.from_dir
-reads a config.json through these rules; everything downstream of ModelConfig (the runner, the
-KV layout, the handoff, the tiers, tensor parallelism, `pdserve plan`) reads the declarations,
-never an architecture's name."""
+"""What each supported Hugging Face architecture means for the engine, one row each
+(`ARCHITECTURES`): the model_types a config.json without `architectures` names it by, the module
+and class under engine/models/ that build it, and the functions that declare its parts from the
+config.json: biases, attention windows per layer, mixture-of-experts layers (MoEConfig), latent
+attention (MLAConfig), per-head q/k norms, the rope scalings it takes. ModelConfig.from_dir reads
+a config.json through its row; everything downstream of ModelConfig (the runner, the KV layout,
+the handoff, the tiers, tensor parallelism, `pdserve plan`) reads the declarations, never an
+architecture's name. A Llama-like family is one file under engine/models/ plus one row."""
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-
-# architecture -> the family (engine/models/<family>.py builds it; exec/loader.MODEL_FAMILIES)
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "Qwen3MoeForCausalLM": "llama",
-    "MixtralForCausalLM": "llama",
-    "DeepseekV2ForCausalLM": "deepseek",
-    "DeepseekV3ForCausalLM": "deepseek",
-}
-
-# a config.json without `architectures`: its model_type
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -100,30 +86,27 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
-def biases(arch: str, cfg: dict) -> tuple[bool, bool, bool]:
-    """(q/k/v, o, mlp) biases as Hugging Face builds them: Qwen2 biases q/k/v only; Llama's and
-    Qwen3's `attention_bias` cover q/k/v and o, Llama's `mlp_bias` gate/up/down; Mistral and
-    Mixtral have none. DeepSeek's `attention_bias` covers q_a, kv_a and o; V2's `mlp_bias` its MLPs."""
-    if arch == "Qwen2ForCausalLM":
-        return True, False, False
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return False, False, False
+def _attention_biases(cfg: dict, mlp: bool) -> tuple[bool, bool, bool]:
+    """Llama's, Qwen3's and DeepSeek's `attention_bias` (q/k/v and o; DeepSeek: q_a, kv_a and o);
+    `mlp_bias` (gate/up/down) where the family's model reads it (Llama, DeepSeek-V2)."""
     attn = bool(cfg.get("attention_bias", False))
-    return attn, attn, bool(cfg.get("mlp_bias", False)) and arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
+    return attn, attn, mlp and bool(cfg.get("mlp_bias", False))
 
 
-def layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
-    """Each layer's attention window, as Hugging Face applies it. Qwen2 and Qwen3: a window only
-    with `use_sliding_window`, and only on the layers `layer_types` marks "sliding_attention" (by
-    default those from `max_window_layers` on). Mistral and Mixtral: the window on every layer
-    (their models ignore `layer_types`); Qwen3-MoE likewise, with `use_sliding_window`. Llama: none."""
-    n = cfg["num_hidden_layers"]
-    window = cfg.get("sliding_window")
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return (window,) * n
-    if arch == "Qwen3MoeForCausalLM":
-        return (window if cfg.get("use_sliding_window") else None,) * n
-    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not cfg.get("use_sliding_window") or window is None:
+def _no_windows(cfg: dict) -> tuple[int | None, ...]:
+    return (None,) * cfg["num_hidden_layers"]
+
+
+def _every_layer_window(cfg: dict) -> tuple[int | None, ...]:
+    """Mistral and Mixtral: the window on every layer (their models ignore `layer_types`)."""
+    return (cfg.get("sliding_window"),) * cfg["num_hidden_layers"]
+
+
+def _qwen_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Qwen2 and Qwen3: a window only with `use_sliding_window`, and only on the layers
+    `layer_types` marks "sliding_attention" (by default those from `max_window_layers` on)."""
+    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if not cfg.get("use_sliding_window") or window is None:
         return (None,) * n
     types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else
                                        "full_attention" for i in range(n)]
@@ -132,18 +115,22 @@ def layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-def moe_config(arch: str, cfg: dict) -> MoEConfig | None:
-    """The sparse layers as Hugging Face places them. Qwen3-MoE: layer i is sparse unless it is in
-    `mlp_only_layers`, when experts exist and (i + 1) is a multiple of `decoder_sparse_step`.
-    Mixtral: every layer, top-k always renormalized."""
-    n = cfg["num_hidden_layers"]
-    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
-    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-        return _deepseek_moe(arch, cfg)
-    if arch == "MixtralForCausalLM":
-        return MoEConfig(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], True, (True,) * n,
-                         weights_in_model_dtype=False)
-    if arch != "Qwen3MoeForCausalLM" or not experts:
+def _qwen3_moe_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Qwen3-MoE: the window on every layer with `use_sliding_window`."""
+    return (cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,) * cfg["num_hidden_layers"]
+
+
+def _mixtral_moe(cfg: dict) -> MoEConfig:
+    """Mixtral: every layer sparse, top-k always renormalized."""
+    return MoEConfig(cfg.get("num_local_experts", cfg.get("num_experts")), cfg.get("num_experts_per_tok", 2),
+                     cfg["intermediate_size"], True, (True,) * cfg["num_hidden_layers"], weights_in_model_dtype=False)
+
+
+def _qwen3_moe(cfg: dict) -> MoEConfig | None:
+    """Qwen3-MoE: layer i is sparse unless it is in `mlp_only_layers`, when experts exist and
+    (i + 1) is a multiple of `decoder_sparse_step`."""
+    n, experts = cfg["num_hidden_layers"], cfg.get("num_local_experts", cfg.get("num_experts"))
+    if not experts:
         return None
     only = set(cfg.get("mlp_only_layers") or [])
     step = cfg.get("decoder_sparse_step", 1)
@@ -152,7 +139,11 @@ def moe_config(arch: str, cfg: dict) -> MoEConfig | None:
                      bool(cfg.get("norm_topk_prob", False)), layers, weights_in_model_dtype=True)
 
 
-def _deepseek_moe(arch: str, cfg: dict) -> MoEConfig | None:
+def _none(cfg: dict) -> None:
+    return None
+
+
+def _deepseek_moe(v2: bool, cfg: dict) -> MoEConfig | None:
     """DeepSeek's MoE: layer i is sparse from `first_k_dense_replace` on, every `moe_layer_freq`-th
     (DeepSeek's own rule; Hugging Face's models assume a frequency of 1), with
     `n_shared_experts` x moe_intermediate_size of shared experts. V2 routes by softmax, greedy or
@@ -167,7 +158,7 @@ def _deepseek_moe(arch: str, cfg: dict) -> MoEConfig | None:
     common = dict(n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
                   routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
                   shared_intermediate_size=inter * (cfg.get("n_shared_experts") or 0))
-    if arch == "DeepseekV2ForCausalLM":
+    if v2:
         method = cfg.get("topk_method", "greedy")
         if method not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
@@ -181,15 +172,74 @@ def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def mla_config(arch: str, cfg: dict) -> MLAConfig | None:
-    """DeepSeek-V2/V3's latent attention; None for the GQA families. The softmax scale is
-    qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN rope scaling."""
-    if arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-        return None
+def _deepseek_mla(v2: bool, cfg: dict) -> MLAConfig:
+    """DeepSeek-V2/V3's latent attention. The softmax scale is qk_head_dim^-0.5, times
+    mscale(factor, mscale_all_dim)^2 under YaRN rope scaling."""
     nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
     scale = (nope + rope) ** -0.5
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if scaling.get("rope_type", scaling.get("type", "default")) == "yarn" and scaling.get("mscale_all_dim"):
         scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
-    interleave = arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True))
+    interleave = v2 or bool(cfg.get("rope_interleave", True))
     return MLAConfig(cfg["kv_lora_rank"], nope, rope, cfg["v_head_dim"], cfg.get("q_lora_rank"), scale, interleave)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One supported architecture: the `model_types` that name it in a config.json without
+    `architectures`, the class that builds it (`cls` in engine.models.`module`), and what it
+    declares from a config.json: (q/k/v, o, mlp) biases, each layer's attention window, its MoE
+    and MLA parts (None: dense, GQA), per-head q/k RMSNorms before rope, and the rope scaling
+    types it takes beyond default / llama3 / linear."""
+
+    name: str
+    model_types: tuple[str, ...]
+    module: str
+    cls: str
+    biases: Callable[[dict], tuple[bool, bool, bool]]
+    windows: Callable[[dict], tuple[int | None, ...]] = _no_windows
+    moe: Callable[[dict], MoEConfig | None] = _none
+    mla: Callable[[dict], MLAConfig | None] = _none
+    qk_norm: bool = False
+    rope_types: tuple[str, ...] = ()
+
+    def model_class(self) -> type:
+        """The class that builds this architecture (its module imported on first use)."""
+        return getattr(importlib.import_module(f"pdserve.engine.models.{self.module}"), self.cls)
+
+
+def _row(name: str, model_types: tuple[str, ...], module: str, cls: str, **parts) -> tuple[str, Architecture]:
+    return name, Architecture(name, model_types, module, cls, **parts)
+
+
+ARCHITECTURES: dict[str, Architecture] = dict((
+    _row("LlamaForCausalLM", ("llama",), "llama", "LlamaForCausalLM", biases=lambda c: _attention_biases(c, True)),
+    _row("MistralForCausalLM", ("mistral",), "llama", "LlamaForCausalLM", biases=lambda c: (False, False, False),
+         windows=_every_layer_window),
+    _row("Qwen2ForCausalLM", ("qwen2",), "llama", "LlamaForCausalLM", biases=lambda c: (True, False, False),
+         windows=_qwen_windows),
+    _row("Qwen3ForCausalLM", ("qwen3",), "llama", "LlamaForCausalLM", biases=lambda c: _attention_biases(c, False),
+         windows=_qwen_windows, qk_norm=True),
+    _row("Qwen3MoeForCausalLM", ("qwen3_moe",), "llama", "LlamaForCausalLM",
+         biases=lambda c: _attention_biases(c, False), windows=_qwen3_moe_windows, moe=_qwen3_moe, qk_norm=True),
+    _row("MixtralForCausalLM", ("mixtral",), "llama", "LlamaForCausalLM", biases=lambda c: (False, False, False),
+         windows=_every_layer_window, moe=_mixtral_moe),
+    _row("DeepseekV2ForCausalLM", ("deepseek_v2",), "deepseek", "DeepseekForCausalLM",
+         biases=lambda c: _attention_biases(c, True), moe=lambda c: _deepseek_moe(True, c),
+         mla=lambda c: _deepseek_mla(True, c), rope_types=("yarn",)),
+    _row("DeepseekV3ForCausalLM", ("deepseek_v3",), "deepseek", "DeepseekForCausalLM",
+         biases=lambda c: _attention_biases(c, False), moe=lambda c: _deepseek_moe(False, c),
+         mla=lambda c: _deepseek_mla(False, c), rope_types=("yarn",)),
+))
+
+
+def architecture_of(cfg: dict, where: str) -> Architecture:
+    """The row a config.json names: the first of its `architectures` pdserve supports, else its
+    `model_type`'s; a clear error naming what it says and what is supported otherwise."""
+    archs = cfg.get("architectures") or [a.name for a in ARCHITECTURES.values()
+                                         if cfg.get("model_type") in a.model_types]
+    row = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if row is None:
+        raise ValueError(f"model at {where!r} has architectures {archs} (model_type {cfg.get('model_type')!r}); "
+                         f"supported: {sorted(ARCHITECTURES)}")
+    return row

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import architectures
-from .architectures import SUPPORTED_ARCHITECTURES, KVCacheSpec, MLAConfig, MoEConfig
+from .architectures import KVCacheSpec, MLAConfig, MoEConfig, architecture_of
 from .core.kv_window import KVWindow, check_window
 from .exec.tp import check_tp
 from .ops.kv_quant import check_head_dim
@@ -77,14 +76,8 @@ class ModelConfig:
             raise ValueError(f"model path {path!r} has no config.json (not a Hugging Face model directory)")
         with open(cfg_path) as f:
             cfg = json.load(f)
-        archs = cfg.get("architectures") or []
-        if not archs and cfg.get("model_type") in architectures.MODEL_TYPES:
-            archs = [architectures.MODEL_TYPES[cfg["model_type"]]]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"model at {path!r} has architectures {archs} (model_type "
-                f"{cfg.get('model_type')!r}); supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        row = architecture_of(cfg, path)
+        arch = row.name
         quant = cfg.get("quantization_config")
         if quant:
             raise ValueError(f"model at {path!r} is a quantized checkpoint (quantization_config "
@@ -92,20 +85,19 @@ class ModelConfig:
                              "bf16/fp16/fp32 weights; convert the checkpoint to bf16 first")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        mla = architectures.mla_config(arch, cfg)
+        mla = row.mla(cfg)
         # transformers >= 5 writes rope settings under rope_parameters
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            allowed = ("default", "llama3", "linear") + (("yarn",) if mla is not None else ())
+            allowed = ("default", "llama3", "linear") + row.rope_types
             if rtype not in allowed:
                 raise ValueError(f"rope scaling type {rtype!r} is not supported for {arch} ({', '.join(allowed[1:])})")
             if rtype == "default":
                 scaling = None
-        biases = architectures.biases(arch, cfg)
-        windows = architectures.layer_windows(arch, cfg)
+        biases, windows = row.biases(cfg), row.windows(cfg)
         eos = cfg.get("eos_token_id")
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
@@ -132,9 +124,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             o_bias=biases[1],
             mlp_bias=biases[2],
-            family=SUPPORTED_ARCHITECTURES[arch],
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            moe=architectures.moe_config(arch, cfg),
+            family=row.module,
+            qk_norm=row.qk_norm,
+            moe=row.moe(cfg),
             mla=mla,
         )
 

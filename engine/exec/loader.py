@@ -9,22 +9,19 @@ import os
 import torch
 from tqdm import tqdm
 
+from ..architectures import ARCHITECTURES
 from ..config import EngineConfig
 from ..default_model import default_model_path
-from ..models.deepseek import DeepseekForCausalLM
 from ..models.llama import LlamaForCausalLM
 from .tp import TPGroup
-
-# ModelConfig.family -> the class that builds it
-MODEL_FAMILIES = {"llama": LlamaForCausalLM, "deepseek": DeepseekForCausalLM}
 
 
 def build_on_meta(config: EngineConfig, tp: TPGroup | None = None) -> LlamaForCausalLM:
     """This rank's model of `config` on the meta device: its parameters' shapes, no memory."""
     mc = config.model_config
     with torch.device("meta"):
-        return MODEL_FAMILIES[mc.family](mc, config.max_model_len, config.use_triton, fused=config.fused_ops,
-                                         tp=tp or TPGroup())
+        cls = ARCHITECTURES[mc.architecture].model_class()
+        return cls(mc, config.max_model_len, config.use_triton, fused=config.fused_ops, tp=tp or TPGroup())
 
 
 def resolve_model_path(model: str | None) -> str:
