@@ -159,8 +159,8 @@ ENGINE_ORDER = [
     "core.request", "core.block_pool", "tiers.offload", "tiers.disk", "core.kv_cache_manager", "core.scheduler",
     "core.overlap", "core.step_model",
     # executing a step: attention, graphs, the KV tensor, the model, sampling, the runner
-    "exec.attention", "exec.mla_attention", "exec.step_inputs", "exec.graphs", "exec.kv_cache", "models.moe",
-    "models.llama", "models.deepseek", "exec.loader",
+    "exec.attention", "exec.mla_attention", "exec.step_inputs", "exec.graphs", "exec.kv_cache", "models.protocol",
+    "models.moe", "models.llama", "models.deepseek", "exec.loader",
     "sample.sampling_noise", "sample.logits_process", "sample.sampler", "exec.model_runner", "exec.shard",
     "tiers.persist", "tiers.disk_tier",
     # speculative decoding drives a runner of its own

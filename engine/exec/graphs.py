@@ -80,7 +80,7 @@ class StepGraphs:
     # ---- buffers and capture ---------------------------------------------------------------
     def _buffers(self, dev) -> None:
         m, c = self.model, self.config.model_config
-        attn = m.layers[0].self_attn.attn  # the layer's paged attention: q's and its output's shapes
+        attn = m.attention(0)  # the layer's paged attention: q's and its output's shapes
         t = max(self.decode_sizes[-1], self.max_piece_tokens)
         rows = self.decode_sizes[-1]
         dtype = next(m.parameters()).dtype
@@ -107,13 +107,13 @@ class StepGraphs:
         to them, its keys and values stored in layer i's cache (padding rows: slot -1)."""
         x = self.ids[:t] if i == 0 else self.o[:t]
         out = self.model.piece(i, self.pos[:t], x, self.res[:t] if i else None)
-        if i == len(self.model.layers):
+        if i == self.model.num_layers:
             self.hidden[:t].copy_(out)
             return
         q, k, v, residual = out
         self.q[:t].copy_(q)
         self.res[:t].copy_(residual)
-        self.model.layers[i].self_attn.attn.store(k, v, *self.kv_views[i], self.piece_slots[:t])
+        self.model.attention(i).store(k, v, *self.kv_views[i], self.piece_slots[:t])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -125,7 +125,7 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 out = self._decode_step(b)
             self.decode[b] = (graph, out)
-        n = len(self.model.layers) + 1
+        n = self.model.num_layers + 1
         for t in reversed(self.piece_sizes):
             for i in range(n):
                 self._piece(t, i)
@@ -196,15 +196,15 @@ class StepGraphs:
         slots[:n] = inp.slots
         self.piece_slots[:t].copy_(pinned(slots, dev), non_blocking=True)
         graphs = self.pieces.get(t)
-        layers = self.model.layers
-        for i in range(len(layers) + 1):
+        layers = self.model.num_layers
+        for i in range(layers + 1):
             if graphs is not None:
                 graphs[i].replay()
             else:
                 self._piece(t, i)
-            if i < len(layers):
+            if i < layers:
                 k_cache, v_cache = self.kv_views[i]
-                layers[i].self_attn.attn(self.q[:n], None, None, k_cache, v_cache, meta, out=self.o[:n])
+                self.model.attention(i)(self.q[:n], None, None, k_cache, v_cache, meta, out=self.o[:n])
         return self.hidden[:n]
 
 

@@ -12,11 +12,11 @@ from tqdm import tqdm
 from ..architectures import ARCHITECTURES
 from ..config import EngineConfig
 from ..default_model import default_model_path
-from ..models.llama import LlamaForCausalLM
+from ..models.protocol import CausalLM
 from .tp import TPGroup
 
 
-def build_on_meta(config: EngineConfig, tp: TPGroup | None = None) -> LlamaForCausalLM:
+def build_on_meta(config: EngineConfig, tp: TPGroup | None = None) -> CausalLM:
     """This rank's model of `config` on the meta device: its parameters' shapes, no memory."""
     mc = config.model_config
     with torch.device("meta"):
@@ -34,7 +34,7 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None) -> LlamaForCausalLM:
+def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None) -> CausalLM:
     """This rank's shard of the model (the whole model without a group)."""
     mc = config.model_config
     tp = tp or TPGroup()
@@ -48,7 +48,7 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.cos, model.rotary.sin = (t.to(device) for t in rope)
     params = dict(model.named_parameters())
-    keep = model.float32_params() if hasattr(model, "float32_params") else set()  # e.g. DeepSeek's routers
+    keep = model.float32_params()  # e.g. DeepSeek's routers
     for name, p in params.items():
         want = torch.float32 if name in keep else dtype
         if p.dtype != want:
@@ -69,7 +69,7 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     return model.eval()
 
 
-def _load_safetensors(model: LlamaForCausalLM, path: str, params: dict) -> None:
+def _load_safetensors(model: CausalLM, path: str, params: dict) -> None:
     """Reads only this rank's slices of each tensor (safetensors' lazy slices)."""
     from safetensors import safe_open
 

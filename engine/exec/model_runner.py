@@ -66,7 +66,7 @@ class ModelRunner:
         self.startup = {"load_s": time.perf_counter() - t0}  # what each part of the start took (seconds)
         # every rank holds the same block ids: the count the fullest GPU allows
         graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
-                  and self.model.layers[0].self_attn.attn.capturable)
+                  and self.model.attention(0).capturable)
         scratch = activation_bytes(config, piece_tokens(config) if graphs else 0)
         self.num_blocks = self.tp.min_int(num_kv_blocks(config, scratch))
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
@@ -123,7 +123,7 @@ class ModelRunner:
         16 (Triton specializes the fused kernels' int arguments on that). Every rank runs the
         same steps, so their all-reduces pair up. Dummy requests over block 0; nothing is
         written (slots -1) or sampled."""
-        self.model.layers[0].self_attn.attn.warm_up(*self.kv_views[0], self.config.torch_dtype)
+        self.model.attention(0).warm_up(*self.kv_views[0], self.config.torch_dtype)
         first = (self.graphs.max_piece_tokens if self.graphs else 0) + 16  # the smallest eager step
         for t in (first, first + 1):
             for q_lens, seq_lens in (([1, 1, t - 2], [24, 40, t + 62]), ([t], [t + 64])):

@@ -213,6 +213,13 @@ class DeepseekForCausalLM(nn.Module):
         if cfg.tie_word_embeddings and tp.size == 1:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def attention(self, i: int) -> nn.Module:
+        return self.layers[i].self_attn.attn
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
     def float32_params(self) -> set[str]:
         """Parameters kept in float32 whatever the model's dtype: the routers (Hugging Face keeps
         DeepSeek's gate and its correction bias in float32)."""

@@ -257,6 +257,16 @@ class LlamaForCausalLM(nn.Module):
             return _fused_ops().add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)[0]
         return self.norm(h)
 
+    def attention(self, i: int) -> nn.Module:
+        return self.layers[i].self_attn.attn
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def float32_params(self) -> set[str]:
+        return set()  # every parameter in the model's dtype
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.tp.size > 1:
