@@ -160,7 +160,7 @@ ENGINE_ORDER = [
     "core.overlap", "core.step_model",
     # executing a step: attention, graphs, the KV tensor, the model, sampling, the runner
     "exec.attention", "exec.mla_attention", "exec.step_inputs", "exec.graphs", "exec.kv_cache", "models.protocol",
-    "models.moe", "models.llama", "models.deepseek", "exec.loader",
+    "models.layers", "models.moe", "models.llama", "models.deepseek", "exec.loader",
     "sample.sampling_noise", "sample.logits_process", "sample.sampler", "exec.model_runner", "exec.shard",
     "tiers.persist", "tiers.disk_tier",
     # speculative decoding drives a runner of its own

@@ -35,11 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..exec.attention import AttentionMetadata
 from ..exec.mla_attention import MLAPagedAttention
-from ..exec.tp import TPGroup, vocab_range
+from ..exec.tp import TPGroup
 from ..ops.moe_ref import fused_moe_ref, route_grouped
-from .llama import MLP, RMSNorm, RowParallelLinear, _fused_ops
+from .layers import MLP, DecoderLayer, DecoderStack, RMSNorm, RowParallelLinear, fused_ops
 from .moe import SparseMoE
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -113,7 +112,7 @@ class MLAttention(nn.Module):
         [T, 1, kv_lora_rank + rope] to cache, and None (no separate values)."""
         m = self.mla
         if self.fused:  # the norms and both ropes in Triton: two launches (one without q_lora)
-            ops = _fused_ops()
+            ops = fused_ops()
             if m.q_lora_rank:
                 qa = self.q_a_layernorm
                 q = self.q_b_proj(ops.add_rmsnorm(self.q_a_proj(x), None, qa.weight, qa.eps)[0])
@@ -161,96 +160,26 @@ class DeepseekMoE(SparseMoE):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: DeepseekRotary, use_triton: bool, layer: int, tp: TPGroup,
-                 fused: bool = False):
-        super().__init__()
-        self.fused = fused
-        self.self_attn = MLAttention(cfg, rotary, use_triton, tp, fused)
-        sparse = cfg.moe is not None and cfg.moe.layers[layer]
-        self.mlp = DeepseekMoE(cfg, tp, use_triton, fused) if sparse else MLP(cfg, fused, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def begin(self, positions, h, residual):
-        """The layer up to its attention: -> (q, latent, None, residual), as LlamaForCausalLM's
-        layers: unfused, the residual is h; fused, it travels beside h (the RMSNorm adds it)."""
-        ln1 = self.input_layernorm
-        x, residual = _fused_ops().add_rmsnorm(h, residual, ln1.weight, ln1.eps) if self.fused else (ln1(h), h)
-        return (*self.self_attn.project(positions, x), residual)
-
-    def finish(self, o, residual):
-        """The layer after its attention output o [T, H, v]: -> (h, residual); unfused, h is the
-        layer's output and the residual None; fused, the output is h + residual."""
-        h = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
-        ln2 = self.post_attention_layernorm
-        if not self.fused:
-            h = residual + h
-            return h + self.mlp(ln2(h)), None
-        x, residual = _fused_ops().add_rmsnorm(h, residual, ln2.weight, ln2.eps)
-        return self.mlp(x), residual
-
-
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(DecoderStack):
     def __init__(self, cfg: ModelConfig, max_positions: int, use_triton: bool, fused: bool = False,
                  tp: TPGroup | None = None):
         """`fused`: the elementwise parts through Triton (ops/triton_fused.py: the norms with the
         residual, both ropes with the latent's norm, SiLU x up) and the router in one launch."""
-        super().__init__()
-        self.cfg = cfg
-        self.tp = tp = tp or TPGroup()
-        self.fused = fused
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        m = cfg.mla
+        super().__init__(cfg, fused, tp)
+        m, tp = cfg.mla, self.tp
         self.rotary = DeepseekRotary(m.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                      m.rope_interleave)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, use_triton, i, tp, fused)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.vocab_rows = vocab_range(cfg.vocab_size, tp.size, tp.rank)
-        self.lm_head = nn.Linear(cfg.hidden_size, -(-cfg.vocab_size // tp.size), bias=False)
-        if cfg.tie_word_embeddings and tp.size == 1:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def attention(self, i: int) -> nn.Module:
-        return self.layers[i].self_attn.attn
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, MLAttention(cfg, self.rotary, use_triton, tp, fused),
+                         DeepseekMoE(cfg, tp, use_triton, fused) if cfg.moe is not None and cfg.moe.layers[i]
+                         else MLP(cfg, fused, tp), fused)
+            for i in range(cfg.num_layers))
+        self.add_head()
 
     def float32_params(self) -> set[str]:
         """Parameters kept in float32 whatever the model's dtype: the routers (Hugging Face keeps
         DeepSeek's gate and its correction bias in float32)."""
         return {n for n, _ in self.named_parameters() if ".mlp.gate." in n}
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
-                meta: AttentionMetadata) -> torch.Tensor:
-        out = self.piece(0, positions, input_ids)
-        for i, (layer, (cache, _)) in enumerate(zip(self.layers, kv_caches), 1):
-            q, latent, _, residual = out
-            out = self.piece(i, positions, layer.self_attn.attn(q, latent, None, cache, None, meta), residual)
-        return out
-
-    def piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """As LlamaForCausalLM.piece: piece 0 embeds and runs layer 0 up to its attention, piece i
-        finishes layer i-1 from its attention output and begins layer i, piece L ends the model."""
-        if i == 0:
-            h = self.embed_tokens(x)
-        else:
-            h, residual = self.layers[i - 1].finish(x, residual)
-        if i < len(self.layers):
-            return self.layers[i].begin(positions, h, residual)
-        if self.fused:
-            return _fused_ops().add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)[0]
-        return self.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.tp.size > 1:
-            logits = self.tp.all_gather_last(logits)[:, : self.cfg.vocab_size]
-        return logits.float()
 
     # ---- weights -----------------------------------------------------------------------
     def shard_targets(self, hf_name: str) -> list[tuple[str, slice | None, int, slice | None]]:
@@ -291,11 +220,3 @@ class DeepseekForCausalLM(nn.Module):
         if name == "embed_tokens.weight" and self.cfg.tie_word_embeddings and self.tp.size > 1:
             return [(name, None, 0, None), ("lm_head.weight", slice(0, hi - lo), 0, slice(lo, hi))]
         return [(name, None, 0, None)]
-
-    def expected_elements(self, name: str, p: torch.Tensor) -> int:
-        """How many of parameter `name`'s elements a checkpoint fills (the LM head's padding rows on
-        the last rank stay zero)."""
-        if name == "lm_head.weight":
-            lo, hi = self.vocab_rows
-            return (hi - lo) * p.shape[1]
-        return p.numel()

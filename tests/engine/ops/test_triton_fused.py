@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from pdserve.engine.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
+from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from pdserve.engine.ops.triton_fused import add_rmsnorm, rope_, silu_mul  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
