@@ -13,7 +13,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class BlockChange(enum.Enum):
+    """What happened to a cached block of a worker: on its GPU, or in its host tier."""
+    STORED = "stored"
+    REMOVED = "removed"
+    HOST_STORED = "host_stored"
+    HOST_REMOVED = "host_removed"
+
+
+class BlockEvent(NamedTuple):
+    """One change to a worker's prefix caches, as its heartbeat carries it to the registry."""
+    change: BlockChange
+    block_hash: str  # hex
+
+    @classmethod
+    def of(cls, kind: str, block_hash: bytes) -> BlockEvent:
+        """From the KV pool's and the host tier's own events: (kind, hash bytes)."""
+        return cls(BlockChange(kind), block_hash.hex())
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import ray
 from ray.exceptions import RayError
 
 from .aio import within
-from .records import WorkerInfo, WorkerStats
+from .records import BlockChange, BlockEvent, WorkerInfo, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class BlockRegistry:
         self._forget_blocks(worker_id)
         return self.workers.pop(worker_id, None) is not None
 
-    def heartbeat(self, worker_id: str, stats: WorkerStats, events: list[tuple[str, str]]) -> bool:
+    def heartbeat(self, worker_id: str, stats: WorkerStats, events: list[BlockEvent]) -> bool:
         """Returns False if the worker is unknown (purged): it should re-register."""
         w = self.workers.get(worker_id)
         if w is None:
@@ -106,12 +106,12 @@ class BlockRegistry:
         w.last_heartbeat, w.stats = time.monotonic(), stats
         held = self.blocks.setdefault(worker_id, set())
         host = self.host_blocks.setdefault(worker_id, set())
-        for kind, h in events:
-            if kind == "host_stored":
+        for change, h in events:
+            if change is BlockChange.HOST_STORED:
                 host.add(h)
-            elif kind == "host_removed":
+            elif change is BlockChange.HOST_REMOVED:
                 host.discard(h)
-            elif kind == "stored":
+            elif change is BlockChange.STORED:
                 held.add(h)
                 self.holders.setdefault(h, set()).add(worker_id)
             else:
@@ -313,7 +313,7 @@ class Membership:
                         type(e).__name__)
             self._rejoin = True
 
-    def beat(self, info, stats: WorkerStats, news: list[tuple[str, str]], everything) -> None:
+    def beat(self, info, stats: WorkerStats, news: list[BlockEvent], everything) -> None:
         """`info()`: the registration; `everything()`: events announcing every cached block."""
         try:
             rejoin = self._rejoin

@@ -52,7 +52,7 @@ from .gpus import see_node_gpus
 from .outlets import Outlets
 from .output_pipe import PipeSender
 from .peer_calls import PeerCalls
-from .records import WorkerInfo, WorkerStats
+from .records import BlockEvent, WorkerInfo, WorkerStats
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RayShards
@@ -394,7 +394,7 @@ class WorkerActor:
 
     def _heartbeat(self) -> None:
         pool, host = self.engine.kv.pool, self.engine.kv.host
-        news = [(k, h.hex()) for k, h in pool.drain_events() + (host.drain_events() if host else [])]
+        news = [BlockEvent.of(k, h) for k, h in pool.drain_events() + (host.drain_events() if host else [])]
         self.membership.beat(self.info, WorkerStats.of(self._stats()), news, lambda: [
-            ("stored", h.hex()) for h in pool.cached] + [("host_stored", h.hex()) for h, _ in (host.entries() if host
-                                                                                                else [])])
+            BlockEvent.of("stored", h) for h in pool.cached] + [BlockEvent.of("host_stored", h) for h, _ in
+                                                                 (host.entries() if host else [])])

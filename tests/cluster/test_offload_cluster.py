@@ -12,7 +12,7 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.records import WorkerInfo, WorkerStats
+from pdserve.cluster.records import BlockChange, BlockEvent, WorkerInfo, WorkerStats
 from pdserve.cluster.registry import HOST_HIT_WEIGHT, BlockRegistry
 from pdserve.cluster.routing import FETCH_FIXED_S, Holder, plan_fetch
 from pdserve.engine.core.hashing import hash_block_tokens
@@ -28,14 +28,15 @@ def test_registry_scores_holders_by_tier(shared_ray):
         hs = [f"{i:064x}" for i in range(4)]
         for w in ("a", "b", "c"):
             ray.get(reg.register.remote(w, WorkerInfo("decode", "", "1")))
-        ray.get(reg.heartbeat.remote("a", WorkerStats(), [("stored", hs[0]), ("stored", hs[1])]))  # GPU: 2 blocks
-        ray.get(reg.heartbeat.remote("b", WorkerStats(), [("host_stored", h) for h in hs[:3]]))  # host: 3 blocks
-        ray.get(reg.heartbeat.remote("c", WorkerStats(), [("stored", hs[0]), ("host_stored", hs[1])]))  # 1 + 1
+        gpu, host = BlockChange.STORED, BlockChange.HOST_STORED
+        ray.get(reg.heartbeat.remote("a", WorkerStats(), [BlockEvent(gpu, hs[0]), BlockEvent(gpu, hs[1])]))  # GPU: 2
+        ray.get(reg.heartbeat.remote("b", WorkerStats(), [BlockEvent(host, h) for h in hs[:3]]))  # host: 3 blocks
+        ray.get(reg.heartbeat.remote("c", WorkerStats(), [BlockEvent(gpu, hs[0]), BlockEvent(host, hs[1])]))  # 1 + 1
         assert 3 * HOST_HIT_WEIGHT > 2 > 1 + HOST_HIT_WEIGHT
         assert ray.get(reg.longest_prefix.remote(hs, "decode")) == ("b", 3)
         assert ray.get(reg.longest_prefix.remote(hs[:2], "decode")) == ("a", 2)  # 2 GPU beat 2 host
         assert ray.get(reg.tiers_of.remote("c", hs)) == ["gpu", "host", "", ""]
-        ray.get(reg.heartbeat.remote("b", WorkerStats(), [("host_removed", hs[0])]))
+        ray.get(reg.heartbeat.remote("b", WorkerStats(), [BlockEvent(BlockChange.HOST_REMOVED, hs[0])]))
         assert ray.get(reg.longest_prefix.remote(hs, "decode")) == ("a", 2)
         rows = {w["worker_id"]: w for w in ray.get(reg.list_workers.remote())}
         assert (rows["b"]["num_host_blocks"], rows["c"]["num_cached_blocks"]) == (2, 1)
