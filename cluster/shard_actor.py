@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.exec.shard import Shards, run_shard, shard_config
-from pdserve.transfer.base import Channel
+from pdserve.transfer.base import Channel, TransferState
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import Part, RankLink, rank_name
 
@@ -121,8 +121,8 @@ class ShardActor:
                         conn.forget_peer(arg)
                 except Exception as e:  # noqa: BLE001 - reported as the route's failure
                     if op == "start":
-                        failed.append((arg.request_id, "FAILED", f"{self.name}: {e}"))
-            finished = failed + [(h.request_id, h.state.name, h.error) for h in conn.poll()]
+                        failed.append((arg.request_id, TransferState.FAILED, f"{self.name}: {e}"))
+            finished = failed + [(h.request_id, h.state, h.error) for h in conn.poll()]
             with self.cv:
                 self.done += finished
                 if self.done:
@@ -155,7 +155,7 @@ class RayRankLink(RankLink):
     def forget_peer(self, peer: str) -> None:
         self._submit("forget", peer)
 
-    def finished(self) -> list[tuple[str, str, str | None]]:
+    def finished(self) -> list[tuple[str, TransferState, str | None]]:
         if self._poll is None:
             self._poll = self.actor.wait_finished.remote()
         if not ray.wait([self._poll], timeout=0)[0]:

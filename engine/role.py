@@ -24,6 +24,7 @@ Roles: pdserve.prefill.role.PrefillRole, pdserve.decode.role.DecodeRole.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -53,13 +54,25 @@ class Fetching:
     target: object
 
 
+class TransferState(enum.IntEnum):
+    """Where a KV handoff is (transfer/base.Handoff): waiting for its turn, moving, DONE or FAILED."""
+    WAITING = 0
+    TRANSFERRING = 1
+    DONE = 2
+    FAILED = 3
+
+    @property
+    def finished(self) -> bool:
+        return self >= TransferState.DONE
+
+
 @dataclass(frozen=True)
 class HandoffResult:
     """A prefill worker's report of one finished send, what its caller (the dispatcher) and the
-    metrics read: its state ("DONE" or "FAILED"), the error, bytes moved, seconds from the start
+    metrics read: its state (DONE or FAILED), the error, bytes moved, seconds from the start
     of the send to its end, the prefill side's spans (wall-clock times by name), and the link
     that moved it (transfer: cuda-ipc, shared-memory, nccl, gloo)."""
-    state: str
+    state: TransferState
     error: str | None = None
     nbytes: int = 0
     seconds: float | None = None
@@ -68,7 +81,7 @@ class HandoffResult:
 
     @property
     def ok(self) -> bool:
-        return self.state == "DONE"
+        return self.state is TransferState.DONE
 
 
 @dataclass

@@ -140,7 +140,7 @@ class PrefillRole(Role):
             if p is None:
                 continue
             p.spans.update(h.wall_spans("send"))
-            events.append(Sent(h.request_id, HandoffResult(h.state.name, h.error, h.nbytes, h.seconds, p.spans,
+            events.append(Sent(h.request_id, HandoffResult(h.state, h.error, h.nbytes, h.seconds, p.spans,
                                                                    h.link)))
         return events
 

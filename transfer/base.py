@@ -21,7 +21,6 @@ matches sends and receives in the order they are posted). The sender's small JSO
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -30,17 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.exec.kv_cache import KVLayout
-
-
-class TransferState(enum.IntEnum):
-    WAITING = 0
-    TRANSFERRING = 1
-    DONE = 2
-    FAILED = 3
-
-    @property
-    def finished(self) -> bool:
-        return self >= TransferState.DONE
+from pdserve.engine.role import TransferState  # noqa: F401 - a handoff's state; transfer's users import it here
 
 
 class TransferError(RuntimeError):

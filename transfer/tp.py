@@ -119,8 +119,8 @@ class RankLink(ABC):
         """Starts these routes' handoffs on the rank (each part as `Part.for_wire()` gives it)."""
 
     @abstractmethod
-    def finished(self) -> list[tuple[str, str, str | None]]:
-        """(request_id, state name, error) of its handoffs that finished since last asked."""
+    def finished(self) -> list[tuple[str, TransferState, str | None]]:
+        """(request_id, state, error) of its handoffs that finished since last asked."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None: ...
@@ -142,8 +142,8 @@ class LocalRankLink(RankLink):
         for part in parts:
             part.start(self.connector)
 
-    def finished(self) -> list[tuple[str, str, str | None]]:
-        return [(h.request_id, h.state.name, h.error) for h in self.connector.poll()]
+    def finished(self) -> list[tuple[str, TransferState, str | None]]:
+        return [(h.request_id, h.state, h.error) for h in self.connector.poll()]
 
     def abort(self, request_id: str) -> None:
         self.connector.abort(request_id)
@@ -225,7 +225,7 @@ class TPConnector(KVConnector):
             h = part.start(self.local)
             comp.local.append(h)
             if h.state == TransferState.FAILED:
-                comp.settle(rid, "FAILED", h.error)
+                comp.settle(rid, TransferState.FAILED, h.error)
         else:
             self.links[rank - 1].start([part.for_wire()])
 
@@ -236,7 +236,7 @@ class TPConnector(KVConnector):
             self._open[comp.request_id] = comp
 
     def poll(self) -> list[Handoff]:
-        finished = [(h.request_id, h.state.name, h.error) for h in self.local.poll()]
+        finished = [(h.request_id, h.state, h.error) for h in self.local.poll()]
         for link in self.links:
             finished += link.finished()
         for route, state, error in finished:
@@ -301,11 +301,11 @@ class _Composite(Handoff):
     def timed_out(self) -> bool:
         return time.monotonic() > self.deadline + 1.0  # the routes' own deadlines come first
 
-    def settle(self, route: str, state: str, error: str | None) -> None:
+    def settle(self, route: str, state: TransferState, error: str | None) -> None:
         self.waiting.discard(route)
         if self.state.finished:
             return
-        if state != "DONE":
+        if state is not TransferState.DONE:
             self.fail(f"route {route}: {error}")
             return
         if not self.is_sender:
