@@ -41,7 +41,7 @@ class Emitted:
 class Reserved:
     request_id: str
     peer: str
-    target: object  # pdserve.transfer.HandoffTarget (engine/ does not import transfer/)
+    target: HandoffTarget
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Fetching:
     request_id: str
     peer: str
     hashes: list[str]
-    target: object
+    target: HandoffTarget
 
 
 class TransferState(enum.IntEnum):
@@ -64,6 +64,44 @@ class TransferState(enum.IntEnum):
     @property
     def finished(self) -> bool:
         return self >= TransferState.DONE
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Where a handoff goes: the generation of its pair's process group (a new one after
+    any failure), assigned by the receiver when it reserves blocks."""
+
+    gen: int
+
+
+@dataclass(frozen=True)
+class RankTarget:
+    """One rank of a tensor-parallel receiver: its name, its transfer address and, per sender
+    rank (by name), the channel generation it assigned that sender; `gens` None: the target's
+    own channel (a single-GPU receiver)."""
+
+    name: str
+    address: str
+    gens: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class HandoffTarget:
+    """Where a sender's handoff goes: the receiver's name and transfer address, the
+    channel it assigned, and how many leading blocks it already holds (prefix hits,
+    never sent). The receiver makes it when it reserves blocks."""
+
+    peer: str
+    address: str
+    channel: Channel
+    num_skip: int
+    # a tensor-parallel receiver: each of its ranks, in rank order (rank 0's is peer/address/
+    # channel above); empty for a single-GPU receiver
+    ranks: tuple[RankTarget, ...] = ()
+
+    @property
+    def tp(self) -> int:
+        return max(1, len(self.ranks))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.exec.kv_cache import KVLayout
-from pdserve.engine.role import TransferState  # noqa: F401 - a handoff's state; transfer's users import it here
+
+# a handoff's state and where it goes: the roles' events carry them (engine/ does not import transfer/)
+from pdserve.engine.role import Channel, HandoffTarget, RankTarget, TransferState  # noqa: F401
 
 
 class TransferError(RuntimeError):
@@ -38,44 +40,6 @@ class TransferError(RuntimeError):
 
 class LayoutMismatch(TransferError, ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class Channel:
-    """Where a handoff goes: the generation of its pair's process group (a new one after
-    any failure), assigned by the receiver when it reserves blocks."""
-
-    gen: int
-
-
-@dataclass(frozen=True)
-class RankTarget:
-    """One rank of a tensor-parallel receiver: its name, its transfer address and, per sender
-    rank (by name), the channel generation it assigned that sender; `gens` None: the target's
-    own channel (a single-GPU receiver)."""
-
-    name: str
-    address: str
-    gens: dict[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class HandoffTarget:
-    """Where a sender's handoff goes: the receiver's name and transfer address, the
-    channel it assigned, and how many leading blocks it already holds (prefix hits,
-    never sent). The receiver makes it when it reserves blocks."""
-
-    peer: str
-    address: str
-    channel: Channel
-    num_skip: int
-    # a tensor-parallel receiver: each of its ranks, in rank order (rank 0's is peer/address/
-    # channel above); empty for a single-GPU receiver
-    ranks: tuple[RankTarget, ...] = ()
-
-    @property
-    def tp(self) -> int:
-        return max(1, len(self.ranks))
 
 
 @dataclass
