@@ -51,17 +51,29 @@ def start_or_join_ray(address: str | None, namespace: str) -> None:
     exits at once) is not installed; the caller's stays."""
     main = threading.current_thread() is threading.main_thread()
     caught: list[int] = []
-    saved = {sig: signal.signal(sig, lambda n, _f: caught.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)} \
-        if main else {}
+    signals = {signal.SIGINT, signal.SIGTERM}
+
+    def hold(n, _f):
+        caught.append(n)
+
+    saved = {sig: signal.signal(sig, hold) for sig in signals} if main else {}
     sets_handler = getattr(ray_utils, "set_sigterm_handler", None)
     if main and sets_handler is not None:
         ray_utils.set_sigterm_handler = lambda handler: None
+    # blocked, not only caught: ray.init installs Ray's C++ crash handler over Python's, and a
+    # SIGTERM it caught in the middle of the driver's connect aborted the process at exit (-6).
+    # The threads ray.init starts inherit the mask: their signals come to this thread too
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if main else set()
     try:
         with ray_on_loopback() if address is None else contextlib.nullcontext():
             ray.init(address=address or "local", namespace=namespace, **ray_init_options())
     finally:
         if main and sets_handler is not None:
             ray_utils.set_sigterm_handler = sets_handler
+        for sig in saved:  # Python's handler back over Ray's before a held signal is let through
+            signal.signal(sig, hold)
+        if main:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # runs `hold` for one that came
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     if caught:
