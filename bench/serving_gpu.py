@@ -188,6 +188,23 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def sweeps(system: str, workloads: str, tpot_slos: str, repeats: int) -> list[tuple[str, str | None, int, int]]:
+    """(workload, TPOT SLO in ms or None, repeat, seed) of each sweep one server runs, in order. A
+    hybrid or colocated server is told each TPOT SLO in turn (POST /admin/slo: its engines size
+    their prefill chunks by it); the others do not depend on it (their goodput at any TPOT SLO
+    comes from one sweep). Seeds: 100 x the workload's place, plus the sweep's count within it: no
+    sweep replays one before it on the same server (its prefix cache would serve it), and every
+    system's first sweeps of a workload see the same prompts in the same order."""
+    out = []
+    for w, wl in enumerate(workloads.split(",")):
+        slos = [None]
+        if system.startswith(("hybrid", "colocated")):
+            slos = [x.split(":")[-1] for x in tpot_slos.split(",") if ":" not in x or x.startswith(wl + ":")]
+        out += [(wl, tpot, rep, 100 * w + i) for i, (tpot, rep) in
+                enumerate((t, r) for t in slos for r in range(1, repeats + 1))]
+    return out
+
+
 def run_workload(args, url: str, system: str, wl: str, tpot_ms: str | None, rep: int = 1, seed: int = 0) -> tuple:
     """One rate sweep of one workload (`rep` > 1: a repeat, its results named -r<rep>); a hybrid or
     colocated server first learns the SLO it serves. `seed`: the sweep's prompts and arrivals; each
@@ -291,25 +308,14 @@ def main() -> None:
                                 stderr=subprocess.STDOUT,
                                 start_new_session=True)  # a process group of its own: stop() ends only it
         try:
-            up, sweeps = wait_healthy(url, proc), 0
+            up = wait_healthy(url, proc)
             print(f"== {system}: healthy after {up:.0f} s", flush=True)
             if args.warm_up == "client":  # 8 requests first (the server warms itself before /health says ready)
                 subprocess.run([sys.executable, "-m", "pdserve", "bench", "--url", url, "--workload", "synthetic",
                                 "--input-len", "2048", "--output-len", "16", "--num-requests", "8", "--rate", "inf"],
                                capture_output=True, timeout=300)
-            for wl in args.workloads.split(","):
-                # a hybrid or colocated server is told each TPOT SLO in turn (POST /admin/slo): its
-                # engines size their prefill chunks by it; the others do not depend on it (their
-                # goodput at any TPOT SLO comes from one sweep)
-                slos = [None]
-                if system.startswith(("hybrid", "colocated")):
-                    slos = [x.split(":")[-1] for x in args.tpot_slos.split(",")
-                            if ":" not in x or x.startswith(wl + ":")]
-                for tpot in slos:
-                    for rep in range(1, args.repeats + 1):
-                        # every system sees the same prompts in the same order; no sweep repeats one
-                        summary.append(run_workload(args, url, system, wl, tpot, rep, seed=sweeps))
-                        sweeps += 1
+            for wl, tpot, rep, seed in sweeps(system, args.workloads, args.tpot_slos, args.repeats):
+                summary.append(run_workload(args, url, system, wl, tpot, rep, seed=seed))
         except Exception as e:  # noqa: BLE001 - keep the other systems' results
             print(f"== {system} failed: {e}", flush=True)
             log.flush()

@@ -26,8 +26,6 @@ from collections.abc import Iterator, Sequence
 
 import ray
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.core.kv_window import check_window_mode
 from pdserve.engine.exec.loader import resolve_model_path
 from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -37,10 +35,11 @@ from pdserve.engine.validation import check_request
 from .aio import within
 from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
+from .engine_specs import EngineSpecs
 from .gpus import runtime_env as gpus_runtime_env
 from .local_ray import start_or_join_ray
 from .output_pipe import OutputPipe
-from .pool_args import pool_engine_args
+from .placement import LocalRules
 from .pools import Pools
 from .registry import REGISTRY_NAME, RegistryLink
 from .serving_config import ROLES, ServingConfig
@@ -63,30 +62,19 @@ class _AutoscaleLatency(RequestObserver):
 
 
 class Cluster:
-    def __init__(self, model: str | None, prefill: int | None, decode: int | None, address: str | None,
-                 namespace: str, actor_options: dict | None, engine_args: dict, local_prefill_tokens: int = 0,
-                 local_cached_fraction: float = 2.0, serving_config: ServingConfig | str | None = None,
-                 start_timeout: float = 900.0, mode: str = "disaggregated",
-                 prefill_engine_args: dict | None = None, prefill_tp: int | None = None,
-                 decode_tp: int | None = None, worker_cls=None, progress=None):
+    def __init__(self, serving: ServingConfig, specs: EngineSpecs, *, address: str | None = None,
+                 namespace: str = "pdserve", actor_options: dict | None = None, placement: LocalRules | None = None,
+                 start_timeout: float = 900.0, worker_cls=None, progress=None):
+        """A cluster of `specs.mode` serving `specs`' model, its pools as `serving` describes them
+        (validated); `Cluster.start` builds both from arguments. Starts (or joins, `address`) Ray,
+        the registry and the pools' first workers; raises, having stopped what it started, when a
+        worker cannot start."""
         say = progress or (lambda message: None)
-        mode = MODE_ALIASES.get(mode, mode)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)} (or 'disagg'), got {mode!r}")
-        if mode == "colocated" and prefill:
-            raise ValueError("colocated mode has no prefill pool: size it with decode=N (N colocated engines)")
-        self.mode = mode
-        self.serving = self._serving_config(serving_config, prefill, decode)
-        self.model_path = resolve_model_path(model)
-        # validate names and values here, not in an actor
-        self.engine_config = EngineConfig.from_kwargs(**{**engine_args, "model": self.model_path})
-        self.engine_config.resolve(self.model_path)
-        check_window_mode(self.engine_config, mode)
-        self.max_model_len, self.block_size = self.engine_config.max_model_len, self.engine_config.block_size
-        self.vocab_size = self.engine_config.model_config.vocab_size
-        role_engine_args = pool_engine_args(self.serving, mode, {**engine_args, "model": self.model_path},
-                                            prefill_engine_args, prefill_tp, decode_tp)
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.mode, self.serving, self.specs = specs.mode, serving.validate(), specs
+        spec = specs.decode
+        self.model_path, self.max_model_len, self.block_size = spec.model, spec.max_model_len, spec.block_size
+        self.vocab_size = spec.model_config.vocab_size
+        self.tokenizer = load_tokenizer(spec.tokenizer or self.model_path)
         say(f"model {self.model_path}: config and tokenizer read (max_model_len {self.max_model_len})")
         self._owns_ray = not ray.is_initialized()
         self.namespace = namespace
@@ -111,21 +99,20 @@ class Cluster:
         self._thread = threading.Thread(target=self._aloop.run_forever, name="pdserve-cluster", daemon=True)
         self._thread.start()
         options = {role: dict(actor_options) if actor_options else self._role_options(role) for role in ROLES}
-        self.pools = Pools(self.serving, mode, role_engine_args, options, namespace, self.registry, start_timeout,
-                           bind_host)
+        self.pools = Pools(self.serving, specs, options, namespace, self.registry, start_timeout, bind_host)
         self.pools.worker_cls = worker_cls or self.pools.worker_cls
         self.pipe = OutputPipe()  # workers' outputs straight to this process (output_pipe.py)
         self.pools.output_pipe = self._run(self.pipe.start(bind_host or ray.util.get_node_ip_address()), 30)
         self.pools.progress = say
-        self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, local_prefill_tokens,
-                                     local_cached_fraction, pipe=self.pipe)
+        self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, placement or LocalRules(),
+                                     pipe=self.pipe)
         self.dispatcher.observers.append(_AutoscaleLatency(self.pools))
         if self.pools.ratio is not None:
             self.dispatcher.observers.append(self.pools.ratio)
         self._closed = False
         self._monitor = None
         try:
-            sizes = {"prefill": None if mode == "colocated" else self.serving.prefill.replicas,
+            sizes = {"prefill": None if self.mode == "colocated" else self.serving.prefill.replicas,
                      "decode": self.serving.decode.replicas}
             say("starting " + " + ".join(f"{n} {role}" for role, n in sizes.items() if n) +
                 " worker(s); each loads the model")
@@ -152,10 +139,19 @@ class Cluster:
         handoff works between any two sizes whose KV heads divide); `tensor_parallel_size`
         sets both (colocated engines are the decode pool). `worker_cls`: a WorkerActor subclass
         (fault-injection tests). `progress(message)`: told each stage of the start (the CLI
-        prints them)."""
-        return cls(model, prefill, decode, address, namespace, actor_options, engine_args,
-                   local_prefill_tokens, local_cached_fraction, serving_config, start_timeout, mode,
-                   prefill_engine_args, prefill_tp, decode_tp, worker_cls, progress)
+        prints them). Every argument is checked, and the model's config read, here: before Ray
+        or any worker starts."""
+        mode = MODE_ALIASES.get(mode, mode)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)} (or 'disagg'), got {mode!r}")
+        if mode == "colocated" and prefill:
+            raise ValueError("colocated mode has no prefill pool: size it with decode=N (N colocated engines)")
+        serving = cls._serving_config(serving_config, prefill, decode)
+        specs = EngineSpecs.of(serving, mode, {**engine_args, "model": resolve_model_path(model)},
+                               prefill_engine_args, prefill_tp, decode_tp)
+        return cls(serving, specs, address=address, namespace=namespace, actor_options=actor_options,
+                   placement=LocalRules(local_prefill_tokens, local_cached_fraction), start_timeout=start_timeout,
+                   worker_cls=worker_cls, progress=progress)
 
     @staticmethod
     def _serving_config(cfg: ServingConfig | str | None, prefill: int | None, decode: int | None) -> ServingConfig:
@@ -199,7 +195,7 @@ class Cluster:
         """The one validation (engine/validation.py) against this cluster's model; returns
         max_tokens. Raises InvalidRequest (a ValueError) naming the field."""
         return check_request(ids, params, self.max_model_len, self.vocab_size,
-                             bounded=self.engine_config.kv_window_tokens is None)
+                             bounded=self.specs.decode.kv_window_tokens is None)
 
     def _prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
         if params.n != 1:

@@ -46,7 +46,7 @@ from .aio import within
 from .api import FinishedRequest, NoWorker, RequestObserver
 from .attempt import Attempt
 from .output_pipe import OutputPipe
-from .placement import Placer
+from .placement import LocalRules, Placer
 from .pools import Pools
 from .records import WorkerRecord
 
@@ -63,13 +63,12 @@ class WorkerLost(RuntimeError):
 
 
 class Dispatcher:
-    def __init__(self, pools: Pools, registry, block_size: int, local_prefill_tokens: int = 0,
-                 local_cached_fraction: float = 2.0, timeline_len: int = 4096, pipe: OutputPipe | None = None):
+    def __init__(self, pools: Pools, registry, block_size: int, local: LocalRules | None = None,
+                 timeline_len: int = 4096, pipe: OutputPipe | None = None):
         self.pools, self.registry, self.block_size, self.pipe = pools, registry, block_size, pipe
         self.observers: list[RequestObserver] = []
         self.counters = {"requests": 0, "retries": 0, "failed": 0, "routing": {}, "outputs": {"pipe": 0, "ray": 0}}
-        self.placer = Placer(pools, registry, block_size, local_prefill_tokens, local_cached_fraction,
-                             self.counters["routing"])
+        self.placer = Placer(pools, registry, block_size, local, self.counters["routing"])
         self.timeline: collections.deque = collections.deque(maxlen=timeline_len)
         self._early_spans: dict[str, dict] = {}
 

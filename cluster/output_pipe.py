@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from .aio import within
 
@@ -58,19 +59,28 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(n)
 
 
+@dataclass(frozen=True)
+class PipeAddress:
+    """Where a worker connects to send its outputs, and the secret it proves itself with."""
+
+    host: str
+    port: int
+    secret: str
+
+
 class OutputPipe:
     """The router's end: one listening socket, a queue per open request, the connected workers."""
 
     def __init__(self):
         self.secret = secrets.token_hex(16)
-        self.address: tuple[str, int, str] | None = None
+        self.address: PipeAddress | None = None
         self.server: asyncio.Server | None = None
         self.links: dict[str, asyncio.StreamWriter] = {}  # worker id -> its current connection
         self.queues: dict[str, tuple[asyncio.StreamWriter, asyncio.Queue]] = {}  # wire id -> (its connection, q)
 
-    async def start(self, host: str) -> tuple[str, int, str]:
+    async def start(self, host: str) -> PipeAddress:
         self.server = await asyncio.start_server(self._serve, host, 0)
-        self.address = (host, self.server.sockets[0].getsockname()[1], self.secret)
+        self.address = PipeAddress(host, self.server.sockets[0].getsockname()[1], self.secret)
         return self.address
 
     def close(self) -> None:
@@ -161,8 +171,8 @@ class OutputPipe:
 class PipeSender:
     """A worker's end: `send()` from any thread; a daemon thread connects and writes."""
 
-    def __init__(self, address: tuple[str, int, str], worker_id: str):
-        self.host, self.port, self.secret = address
+    def __init__(self, address: PipeAddress, worker_id: str):
+        self.host, self.port, self.secret = address.host, address.port, address.secret
         self.worker_id = worker_id
         self.pending: collections.deque = collections.deque()
         self.wake = threading.Event()

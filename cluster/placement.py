@@ -92,16 +92,22 @@ class Charges:
         self._charged = []
 
 
+@dataclass(frozen=True)
+class LocalRules:
+    """Conditional disaggregation: a prompt of at most `prefill_tokens` tokens, or one with at
+    least `cached_fraction` of its tokens cached on a decode worker, prefills on that decode
+    worker (defaults: off; a fraction above 1 turns the cached rule off)."""
+
+    prefill_tokens: int = 0
+    cached_fraction: float = 2.0
+
+
 class Placer:
-    def __init__(self, pools: Pools, registry, block_size: int, local_prefill_tokens: int = 0,
-                 local_cached_fraction: float = 2.0, routing_counts: dict | None = None):
+    def __init__(self, pools: Pools, registry, block_size: int, local: LocalRules | None = None,
+                 routing_counts: dict | None = None):
         self.pools, self.registry, self.block_size = pools, registry, block_size
         self.handoff_s = 0.02  # EWMA of the kv_to_first_token phase: hybrid placement's handoff cost
-        # conditional disaggregation: prompts up to this many tokens, or with at least this
-        # fraction of their blocks cached on a decode worker, prefill on that decode worker
-        # (defaults: off; values above 1 turn the cached rule off)
-        self.local_prefill_tokens = local_prefill_tokens
-        self.local_cached_fraction = local_cached_fraction
+        self.local = local or LocalRules()
         self.routing = routing_counts if routing_counts is not None else {}
         self._error: dict[str, tuple[float, float]] = {}  # worker id -> (EWMA of observed / predicted, when)
 
@@ -248,13 +254,14 @@ class Placer:
     def _local_decode(self, runs: dict[str, PrefixRun], hashes: list[str],
                       ids: list[int]) -> tuple[WorkerRecord | None, str]:
         """Conditional disaggregation: the decode worker to prefill on, if any."""
-        if len(ids) <= self.local_prefill_tokens:
+        rules = self.local
+        if len(ids) <= rules.prefill_tokens:
             return self.pools.worker(pick_decode(self.pools.candidates("decode"))), "local_short"
-        if hashes and self.local_cached_fraction <= 1.0 and \
-                self.local_cached_fraction * len(ids) <= len(hashes) * self.block_size:
+        if hashes and rules.cached_fraction <= 1.0 and \
+                rules.cached_fraction * len(ids) <= len(hashes) * self.block_size:
             holder, depth = best_holder(runs, "decode")
             w = self.pools.workers.get(holder)
-            if w is not None and not w.draining and depth * self.block_size >= self.local_cached_fraction * len(ids):
+            if w is not None and not w.draining and depth * self.block_size >= rules.cached_fraction * len(ids):
                 return w, "local_cached"
         return None, ""
 

@@ -29,26 +29,32 @@ from ray.exceptions import RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.engine.config import EngineConfig
+
 from .aio import within
 from .autoscale import LatencyWindow, PoolSignals, PoolState, decide, pool_signals
+from .engine_specs import EngineSpecs
+from .output_pipe import PipeAddress
 from .ratio import RatioPlanner
 from .records import WorkerRecord
 from .routing import Candidate
 from .serving_config import ROLES, ServingConfig
+from .shard_actor import RankPlacement
 from .worker_actor import WorkerActor
 
 log = logging.getLogger(__name__)
 
 
 class Pools:
-    def __init__(self, serving: ServingConfig, mode: str, role_engine_args: dict, actor_options: dict,
+    def __init__(self, serving: ServingConfig, specs: EngineSpecs, actor_options: dict,
                  namespace: str, registry, start_timeout: float, bind_host: str | None = None):
-        """`bind_host`: where the workers' KV stores listen (None: each node's address)."""
-        self.serving, self.mode, self.bind_host = serving, mode, bind_host
+        """`specs`: each pool's engine spec, and the cluster's mode. `bind_host`: where the workers'
+        KV stores listen (None: each node's address)."""
+        self.serving, self.specs, self.mode, self.bind_host = serving, specs, specs.mode, bind_host
         self.worker_cls = WorkerActor  # the actor class (fault-injection tests use a subclass)
-        self.output_pipe: tuple[str, int, str] | None = None  # the router's OutputPipe address, given to workers
+        self.output_pipe: PipeAddress | None = None  # the router's OutputPipe address, given to workers
         self.progress = lambda message: None  # told each worker that starts (the CLI prints it)
-        self.role_engine_args, self.actor_options = role_engine_args, actor_options
+        self.actor_options = actor_options
         self.namespace, self.registry, self.start_timeout = namespace, registry, start_timeout
         self.workers: dict[str, WorkerRecord] = {}
         self.targets = {"prefill": 0, "decode": 0}
@@ -79,7 +85,8 @@ class Pools:
     def ahead_of(self, w: WorkerRecord, priority: int | None) -> int:
         """The prompt tokens queued on w that a request of `priority` waits behind: all of them,
         or under scheduling_policy "priority" those of its priority or a more urgent one."""
-        if priority is None or self.role_engine_args.get(w.role, {}).get("scheduling_policy") != "priority":
+        spec = self.specs.get(w.role)
+        if priority is None or spec is None or spec.scheduling_policy != "priority":
             return w.queued_tokens
         return sum(n for p, n in w.queued_by_priority.items() if p <= priority)
 
@@ -134,21 +141,20 @@ class Pools:
         await asyncio.gather(*(w.actor.retune.remote(slo_tpot_s) for w in list(self.workers.values())
                                if w.role == role), return_exceptions=True)
 
-    def engine_args(self, role: str) -> dict:
-        """A new `role` worker's engine settings. Decode workers that prefill too (hybrid: what
-        placement lends them; colocated: every prompt) take the serving SLO's TPOT target as it
-        is now: it lives in `serving.slo` alone (POST /admin/slo changes it there)."""
-        args = self.role_engine_args[role]
+    def spec(self, role: str, **changes) -> EngineConfig:
+        """A new `role` worker's engine spec (with `changes`). Decode workers that prefill too
+        (hybrid: what placement lends them; colocated: every prompt) take the serving SLO's TPOT
+        target as it is now: it lives in `serving.slo` alone (POST /admin/slo changes it there)."""
         if role == "decode" and self.mode in ("hybrid", "colocated"):
-            args = {**args, "slo_tpot_s": self.serving.slo.tpot_s}
-        return args
+            changes["slo_tpot_s"] = self.serving.slo.tpot_s
+        return self.specs.worker(role, **changes)
 
     async def _switch(self, w: WorkerRecord, role: str) -> None:
         """Drains `w` (placement already skips it), then switches its role; on failure it
         goes back to its old pool."""
         try:
             await self._wait_drained(w)
-            info = await w.actor.switch_role.remote(role, self.engine_args(role))
+            info = await w.actor.switch_role.remote(role, self.spec(role))
             w.info = dataclasses.replace(info, persist_slot=w.info.persist_slot if w.info else None)  # its tier stays
             self.switch_events.append({"time": time.time(), "worker": w.worker_id, "from": w.role, "to": role})
             log.warning("worker %s switched %s -> %s", w.worker_id, w.role, role)
@@ -180,35 +186,35 @@ class Pools:
         label = "colocated" if self.mode == "colocated" else role  # its persistence slot's kind
         wid = f"w{next(self._ids)}-{uuid.uuid4().hex[:4]}"  # the worker, whatever role it has now or later
         opts, tp = dict(self.actor_options[role]), self.tp(role)
-        args = self.engine_args(role)
-        if args.get("kv_persist_dir"):  # one file per worker slot, found again after a restart or by a
+        spec, slot = self.spec(role), None
+        if spec.kv_persist_dir:  # one file per worker slot, found again after a restart or by a
             # replacement: the lowest slot no live worker of this kind holds
             slot = next(f"{label}-{i}" for i in itertools.count() if f"{label}-{i}" not in self._persist_slots)
             self._persist_slots.add(slot)  # taken now: workers start concurrently
-            args = {**args, "kv_persist_dir": os.path.join(args["kv_persist_dir"], slot)}
-        pg = shard_opts = None
+            spec = self.spec(role, kv_persist_dir=os.path.join(spec.kv_persist_dir, slot))
+        pg = ranks = None
         if tp > 1:
             pg = await self._placement_group(wid, role, tp)
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-            shard_opts = {k: opts[k] for k in ("num_gpus", "num_cpus", "runtime_env") if k in opts}
+            ranks = RankPlacement(pg, opts.get("num_gpus", 0), opts.get("num_cpus", 0), opts.get("runtime_env"))
         t0 = time.monotonic()
         cls = ray.remote(self.worker_cls).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
-        actor = cls.remote(wid, role, args, self.namespace, placement_group=pg, bind_host=self.bind_host,
-                           shard_options=shard_opts, handoff=self.serving.handoff, output_pipe=self.output_pipe)
+        actor = cls.remote(wid, role, spec, self.namespace, ranks=ranks, bind_host=self.bind_host,
+                           handoff=self.serving.handoff, output_pipe=self.output_pipe)
         try:
             info = await within(actor.start.remote(), self.start_timeout)
         except (asyncio.TimeoutError, RayError) as e:
             ray.kill(actor)
-            if args.get("kv_persist_dir"):
-                self._persist_slots.discard(os.path.basename(args["kv_persist_dir"]))
+            if slot is not None:
+                self._persist_slots.discard(slot)
             if pg is not None:
                 remove_placement_group(pg)
             if isinstance(e, RayError):
                 raise
             raise RuntimeError(f"{role} worker did not start within {self.start_timeout:.0f} s: no node offers "
                                f"{self.actor_options[role]} (is the autoscaler at its node type's max?)") from None
-        if args.get("kv_persist_dir"):
-            info = dataclasses.replace(info, persist_slot=os.path.basename(args["kv_persist_dir"]))
+        if slot is not None:
+            info = dataclasses.replace(info, persist_slot=slot)
         w = WorkerRecord(wid, role, actor, info, placement_group=pg)
         self.workers[wid] = w
         self.start_s = 0.7 * self.start_s + 0.3 * (time.monotonic() - t0)
@@ -221,7 +227,7 @@ class Pools:
         return w
 
     def tp(self, role: str) -> int:
-        return self.role_engine_args[role].get("tensor_parallel_size") or 1
+        return self.specs.tp(role)
 
     def _bundles(self, role: str, tp: int) -> list[dict]:
         """One bundle per rank, each what one rank's actor asks for; the pool's custom

@@ -29,6 +29,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
@@ -59,7 +60,7 @@ class ShardActor:
         self.cv = threading.Condition()
         self.ops: dict[int, tuple[str, object]] = {}
         self.next_seq = 0
-        self.done: list[tuple[str, str, str | None]] = []
+        self.done: list[tuple[str, TransferState, str | None]] = []
 
     # ---- the shard's life --------------------------------------------------------------------
     def run(self) -> None:
@@ -96,7 +97,7 @@ class ShardActor:
             self.ops[seq] = (op, arg)
             self.cv.notify_all()
 
-    def wait_finished(self, timeout_s: float = 1.0) -> list[tuple[str, str, str | None]]:
+    def wait_finished(self, timeout_s: float = 1.0) -> list[tuple[str, TransferState, str | None]]:
         with self.cv:
             self.cv.wait_for(lambda: self.done or self.stopped, timeout_s)
             out, self.done = self.done, []
@@ -167,29 +168,40 @@ class RayRankLink(RankLink):
             return []
 
 
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where a tensor-parallel worker's ranks 1..N-1 run: bundles 1..N-1 of its placement group
+    (None: wherever Ray places them), each asking what rank 0's actor asks for."""
+
+    placement_group: object = None
+    num_gpus: float = 0
+    num_cpus: float = 0
+    runtime_env: dict | None = None
+
+
 class RayShards(Shards):
     """Ranks 1..N-1 on bundles 1..N-1 of the worker's placement group."""
 
-    def __init__(self, worker_id: str, placement_group, options: dict, handoff: HandoffConfig, namespace: str,
+    def __init__(self, worker_id: str, ranks: RankPlacement, handoff: HandoffConfig, namespace: str,
                  config: EngineConfig, load_format: str, address: str):
         self.worker_id = worker_id
         self.actors, self.runs = [], []
+        pg = ranks.placement_group
         for rank in range(1, config.tensor_parallel_size):
-            strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank) \
-                if placement_group is not None else None
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) \
+                if pg is not None else None
             actor = ray.remote(ShardActor).options(
-                name=rank_name(worker_id, rank), namespace=namespace, max_concurrency=8,
-                num_cpus=options.get("num_cpus", 0), num_gpus=options.get("num_gpus", 0),
-                runtime_env=options.get("runtime_env"), scheduling_strategy=strategy,
+                name=rank_name(worker_id, rank), namespace=namespace, max_concurrency=8, num_cpus=ranks.num_cpus,
+                num_gpus=ranks.num_gpus, runtime_env=ranks.runtime_env, scheduling_strategy=strategy,
             ).remote(worker_id, rank, shard_config(config, rank, False), load_format, address, handoff)
             self.actors.append(actor)
             self.runs.append(actor.run.remote())
 
     @classmethod
-    def launcher(cls, worker_id: str, placement_group, options: dict, handoff: HandoffConfig, namespace: str):
+    def launcher(cls, worker_id: str, ranks: RankPlacement, handoff: HandoffConfig, namespace: str):
         """The `launch_shards` an LLMEngine takes (rank r is the actor "<worker_id>#r" in `namespace`)."""
-        return lambda config, load_format, address: cls(worker_id, placement_group, options, handoff,
-                                                        namespace, config, load_format, address)
+        return lambda config, load_format, address: cls(worker_id, ranks, handoff, namespace, config,
+                                                        load_format, address)
 
     def links(self) -> list[RayRankLink]:
         addresses = ray.get([a.address.remote() for a in self.actors])

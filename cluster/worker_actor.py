@@ -50,12 +50,12 @@ from pdserve.transfer.tp import TPConnector
 
 from .gpus import see_node_gpus
 from .outlets import Outlets
-from .output_pipe import PipeSender
+from .output_pipe import PipeAddress, PipeSender
 from .peer_calls import PeerCalls
 from .records import BlockEvent, WorkerInfo, WorkerStats
 from .registry import Membership
 from .serving_config import HandoffConfig
-from .shard_actor import RayShards
+from .shard_actor import RankPlacement, RayShards
 from .worker_commands import Abort, Aborted, AbortLog, Add, ForgetPeer, SwitchRole
 
 ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
@@ -64,14 +64,14 @@ log = logging.getLogger(__name__)
 
 
 class WorkerActor:
-    def __init__(self, worker_id: str, role: str, engine_kwargs: dict, namespace: str,
-                 heartbeat_s: float = 1.0, handoff: HandoffConfig | None = None, placement_group=None,
-                 shard_options: dict | None = None, bind_host: str | None = None,
-                 output_pipe: tuple[str, int, str] | None = None):
-        """`bind_host`: where its KV store listens and peers reach it (default: the node's address).
+    def __init__(self, worker_id: str, role: str, spec: EngineConfig, namespace: str,
+                 heartbeat_s: float = 1.0, handoff: HandoffConfig | None = None, ranks: RankPlacement | None = None,
+                 bind_host: str | None = None, output_pipe: PipeAddress | None = None):
+        """`spec`: its engine's, resolved where the cluster started (EngineSpecs; not parsed again).
+        `bind_host`: where its KV store listens and peers reach it (default: the node's address).
         `handoff`: its KV handoffs' timeout and links. `output_pipe`: the router's OutputPipe address
-        (host, port, secret), if any. A worker of tensor_parallel_size N > 1 is rank 0 of N: it starts
-        ranks 1..N-1 as shard actors on bundles 1..N-1 of `placement_group` (shard_actor.py)."""
+        if any. A worker of tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as shard
+        actors where `ranks` says (bundles 1..N-1 of its placement group; shard_actor.py)."""
         see_node_gpus()  # before CUDA starts: its GPU is cuda:0, its node's others visible after it
         import torch
         if role not in ROLE_CLASSES:
@@ -81,13 +81,10 @@ class WorkerActor:
         # 0.5 ms cut kv_to_first_token p50 at 7 req/s from 1.5 s to 0.13 s (bench/results/serving.md)
         sys.setswitchinterval(float(os.environ.get("PDSERVE_SWITCH_INTERVAL", "0.0005")))
         self.worker_id, self.role_name, self.namespace = worker_id, role, namespace
-        self.epoch = uuid.uuid4().hex[:8]
-        self.heartbeat_s = heartbeat_s
-        config = EngineConfig.from_kwargs(**engine_kwargs)
-        launch = None
+        self.epoch, self.heartbeat_s, config, launch = uuid.uuid4().hex[:8], heartbeat_s, spec, None
         handoff = handoff or HandoffConfig()
         if config.tensor_parallel_size > 1:
-            launch = RayShards.launcher(worker_id, placement_group, shard_options or {}, handoff, namespace)
+            launch = RayShards.launcher(worker_id, ranks or RankPlacement(), handoff, namespace)
         self.engine, self.tp = LLMEngine(config, launch_shards=launch), config.tensor_parallel_size
         self.engine.stream_deltas = True
         self.engine.kv.pool.record_events = True
@@ -273,12 +270,13 @@ class WorkerActor:
         self.aborted.add(request_id)
         self._post(Abort(request_id))
 
-    async def switch_role(self, role: str, engine_kwargs: dict) -> WorkerInfo:
+    async def switch_role(self, role: str, spec: EngineConfig) -> WorkerInfo:
         """Becomes a `role` worker on the same engine (weights, KV pool and prefix cache
         stay: cached blocks are as valid for the other role), and registers again under it.
-        The cluster drains the worker first; a worker still holding requests refuses."""
+        It takes the step budget and TPOT target of `spec` (the new pool's). The cluster
+        drains the worker first; a worker still holding requests refuses."""
         done = asyncio.get_running_loop().create_future()
-        self._post(SwitchRole(role, engine_kwargs, done))
+        self._post(SwitchRole(role, spec, done))
         info = await done
         await self.membership.join(info)
         return info
@@ -372,7 +370,7 @@ class WorkerActor:
                 raise RuntimeError(f"{self.worker_id} still holds {busy} request(s): drain it first")
             self.role = self._make_role(cmd.role)
             self.role_name = cmd.role
-            self.engine.retune(cmd.engine_kwargs.get("slo_tpot_s"), cmd.engine_kwargs.get("max_num_batched_tokens"))
+            self.engine.retune(cmd.spec.slo_tpot_s, cmd.spec.max_num_batched_tokens)
             info = self.info()
             self.aloop.call_soon_threadsafe(lambda: cmd.done.done() or cmd.done.set_result(info))
         except Exception as e:  # noqa: BLE001 - the caller learns why; the worker keeps its role

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -45,7 +46,7 @@ class ForgetPeer:
 @dataclass
 class SwitchRole:
     role: str
-    engine_kwargs: dict  # the new pool's slo_tpot_s and max_num_batched_tokens
+    spec: EngineConfig  # the new pool's: its slo_tpot_s and max_num_batched_tokens
     done: object  # a future on the actor's loop: the new info, or the error
 
 

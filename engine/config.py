@@ -28,6 +28,8 @@ _DTYPES = {
 # int4: two values a byte with a float16 scale per 32 (ops/kv_quant.py); its storage dtype
 _KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
               "int4": torch.uint8}
+_FUSED_NEEDS_TRITON = ("fused_ops needs Triton: the triton attention backend (auto on CUDA, or "
+                       "attention_backend='triton' with TRITON_INTERPRET=1 on CPU)")
 
 
 @dataclass
@@ -283,11 +285,27 @@ class EngineConfig:
 
     # ---- resolution against the model and the device ---------------------------------
     def resolve(self, model_path: str) -> EngineConfig:
+        """Against the model (`resolve_model`), then this process's device: the engine's call."""
+        self.resolve_model(model_path)
         if self.fused_ops is None:
             self.fused_ops = self.use_triton and self.torch_device.type == "cuda"
         if self.fused_ops and not self.use_triton:
-            raise ValueError("fused_ops needs Triton: the triton attention backend (auto on CUDA, or "
-                             "attention_backend='triton' with TRITON_INTERPRET=1 on CPU)")
+            raise ValueError(_FUSED_NEEDS_TRITON)
+        mc = self.model_config
+        if mc.mla is not None and self.kv_cache_dtype == "int4" and self.use_triton:
+            raise ValueError("kv_cache_dtype='int4' on latent rows (MLA) runs in torch only (attention_backend="
+                             "'torch'): the MLA kernels read bf16, int8 and fp8 rows (int8: 1.9x bf16's tokens)")
+        return self
+
+    def resolve_model(self, model_path: str) -> EngineConfig:
+        """Reads the model's config.json and checks the settings against it, once: a spec
+        resolved where the cluster starts crosses to its workers resolved, and they read the
+        model's config again for nothing. Device-free: what depends on the GPU a process holds
+        (fused_ops auto, the Triton kernels' limits) is `resolve`'s, in that process."""
+        if self.model_config is not None and self.model == model_path:
+            return self
+        if self.fused_ops and self.attention_backend == "torch":
+            raise ValueError(_FUSED_NEEDS_TRITON)
         self.model = model_path
         self.model_config = mc = ModelConfig.from_dir(model_path)
         check_tp(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, self.tensor_parallel_size)
@@ -298,9 +316,6 @@ class EngineConfig:
             raise ValueError("kv_window_tokens rotates each cached key head's rope part as the window moves; a "
                              "latent-attention (MLA) model caches one latent per token, its rope part inside it: "
                              "the window does not run on it (unset kv_window_tokens)")
-        if mc.mla is not None and self.kv_cache_dtype == "int4" and self.use_triton:
-            raise ValueError("kv_cache_dtype='int4' on latent rows (MLA) runs in torch only (attention_backend="
-                             "'torch'): the MLA kernels read bf16, int8 and fp8 rows (int8: 1.9x bf16's tokens)")
         check_head_dim(self.kv_cache_dtype, mc.kv_cache_spec.head_dim, kernels=mc.mla is None)
         shared = mc.moe.shared_intermediate_size if mc.moe is not None else 0
         if shared % self.tensor_parallel_size:

@@ -82,7 +82,7 @@ def test_serve_refuses_pools_whose_memory_shares_overfill_a_gpu(tmp_path):
 def test_prefill_pool_chunk_budget():
     from pdserve.cli import build_parser
     from pdserve.cli_common import engine_kwargs
-    from pdserve.cluster.pool_args import PREFILL_CHUNK_TOKENS, prefill_pool_args
+    from pdserve.cluster.engine_specs import PREFILL_CHUNK_TOKENS, prefill_pool_args
     from pdserve.serve_cli import prefill_engine_kwargs
 
     args = build_parser().parse_args(["serve"])
@@ -306,16 +306,16 @@ def test_the_window_command_of_the_docs_passes_the_pools_checks(default_model_di
     the window. Colocated checks its one pool; disagg still refuses the window by name."""
     from pdserve.cli import build_parser
     from pdserve.cli_common import engine_kwargs
-    from pdserve.cluster.pool_args import pool_engine_args
+    from pdserve.cluster.engine_specs import EngineSpecs
     from pdserve.cluster.serving_config import ServingConfig
 
     args = build_parser().parse_args(["serve", "--mode", "colocated", "--kv-window-tokens", "2048",
                                       "--kv-sink-tokens", "4"])
     kw = {**engine_kwargs(args), "model": default_model_dir}
-    roles = pool_engine_args(ServingConfig(), "colocated", kw, None, None, None)
-    assert roles["decode"]["kv_window_tokens"] == 2048
+    specs = EngineSpecs.of(ServingConfig(), "colocated", kw)
+    assert specs.decode.kv_window_tokens == 2048 and specs.prefill is None
     with pytest.raises(ValueError, match="kv_window_tokens 2048"):
-        pool_engine_args(ServingConfig(), "disagg", kw, None, None, None)
+        EngineSpecs.of(ServingConfig(), "disagg", kw)
 
 
 @pytest.mark.slow

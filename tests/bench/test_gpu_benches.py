@@ -163,6 +163,23 @@ def test_serving_bench_servers_are_commands_pdserve_takes(system, want):
     assert {k: getattr(args, k) for k in want} == want, cmd
 
 
+def test_every_sweep_on_a_server_has_its_own_seed_and_systems_share_them():
+    """A repeat sweep replayed the sweep before it on the same server, so its prefix cache served
+    it (100% hits, TTFT 36 ms): each sweep of a server takes its own seed, and the systems' first
+    sweeps of each workload take the same ones."""
+    plan = bench("serving_gpu").sweeps
+    hybrid = plan("hybrid:2:2", "long,trace", "20,trace:40", 2)
+    disagg = plan("disagg:2:2", "long,trace", "20,trace:40", 2)
+    assert [(wl, t, r) for wl, t, r, _ in hybrid] == [("long", "20", 1), ("long", "20", 2), ("trace", "20", 1),
+                                                      ("trace", "20", 2), ("trace", "40", 1), ("trace", "40", 2)]
+    assert [(wl, t, r) for wl, t, r, _ in disagg] == [("long", None, 1), ("long", None, 2), ("trace", None, 1),
+                                                      ("trace", None, 2)]
+    for sweeps in (hybrid, disagg):
+        assert len({seed for *_, seed in sweeps}) == len(sweeps)
+    first = {(wl, seed) for wl, _, r, seed in disagg}
+    assert first <= {(wl, seed) for wl, _, _, seed in hybrid}  # the same prompts, in the same order
+
+
 def test_a_benchs_model_has_its_shape_when_tok_is_a_whole_model_directory(default_model_dir, tmp_path):
     """TOK given as a model's directory (config.json and weights beside the tokenizer): the bench's
     model keeps the shape it wrote and takes only the tokenizer (a 2-GPU run served SmolLM2-135M

@@ -42,9 +42,8 @@ def test_a_worker_whose_engine_thread_died_refuses_calls_and_is_replaced(tiny_mo
             def _heartbeat(self):
                 raise TypeError("'str' object has no attribute 'hex'")
 
-        args = c.pools.role_engine_args["decode"]
         sick = ray.remote(HeartbeatBug).options(namespace=c.pools.namespace, max_concurrency=100).remote(
-            "sick-0", "decode", args, c.pools.namespace)
+            "sick-0", "decode", c.pools.spec("decode"), c.pools.namespace)
         ray.get(sick.start.remote())
         deadline = time.monotonic() + 30
         while True:

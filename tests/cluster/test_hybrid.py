@@ -17,10 +17,12 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.cluster.engine_specs import EngineSpecs
 from pdserve.cluster.pools import Pools
 from pdserve.cluster.records import WorkerRecord, WorkerStats
 from pdserve.cluster.routing import Candidate, place_prompt
 from pdserve.cluster.serving_config import ServingConfig
+from pdserve.engine.config import EngineConfig
 
 from helpers import PROMPTS
 
@@ -78,10 +80,15 @@ def test_full_or_unmeasured_decode_workers():
 
 
 # ---- the autoscaler switches roles when no worker can be added ----------------------------------
+def hybrid_specs(prefill: EngineConfig | None = None) -> EngineSpecs:
+    """A hybrid cluster's specs, for the pools' own logic (no worker starts from them)."""
+    return EngineSpecs("hybrid", EngineConfig(), prefill or EngineConfig())
+
+
 def test_autoscaler_switches_instead_of_adding():
     cfg = ServingConfig.from_dict({"autoscale": {"enabled": True, "max_workers": 3},
                                    "decode": {"min": 1, "max": 4}, "prefill": {"min": 1, "max": 4}})
-    pools = Pools(cfg, "hybrid", {}, {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+    pools = Pools(cfg, hybrid_specs(), {"prefill": {}, "decode": {}}, "ns", None, 1.0)
     for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode"), ("decode-2", "decode")):
         pools.workers[wid] = WorkerRecord(wid, role, None)
     assert not pools.can_add("prefill")
@@ -113,9 +120,11 @@ def reference(prompts):
 
 
 @pytest.fixture(scope="module")
-def hybrid(shared_ray):
+def hybrid(shared_ray, tmp_path_factory):
     cfg = ServingConfig.from_dict({"slo": {"ttft_s": 0.4, "tpot_s": 0.5}, "decode": {"replicas": 2}})
-    c = Cluster.start(mode="hybrid", prefill=1, serving_config=cfg, max_model_len=512)
+    # a persisted host tier: each worker holds a slot (its file) that a role switch keeps
+    c = Cluster.start(mode="hybrid", prefill=1, serving_config=cfg, max_model_len=512, kv_offloading_size=0.01,
+                      kv_persist_dir=str(tmp_path_factory.mktemp("persist")))
     yield c
     c.shutdown()
 
@@ -158,6 +167,8 @@ def test_mixed_load_with_cancels_holds_no_block(hybrid, prompts):
 @pytest.mark.slow
 def test_switch_roles_under_load(hybrid, prompts, reference):
     before = set(hybrid.workers)
+    slots = {wid: w.info.persist_slot for wid, w in hybrid.workers.items()}
+    assert sorted(slots.values()) == ["decode-0", "decode-1", "prefill-0"]
     decode_ids = sorted(w for w, r in hybrid.workers.items() if r.role == "decode")
     results, errors = {}, []
 
@@ -181,6 +192,8 @@ def test_switch_roles_under_load(hybrid, prompts, reference):
     assert len(moved) == 1 and moved[0] in decode_ids and hybrid.workers[moved[0]].role == "prefill"
     roles = {w["worker_id"]: w["role"] for w in hybrid.registry_workers()}
     assert roles[moved[0]] == "prefill"  # registered again under its new role
+    # its persisted tier's slot stays its own: a replacement would otherwise take the same file
+    assert {wid: w.info.persist_slot for wid, w in hybrid.workers.items()} == slots
     # an id names the worker, not a role it may leave (it was `decode-1-xxxx` serving as prefill)
     assert not any(w.startswith(("prefill", "decode", "colocated")) for w in hybrid.workers)
     outs = hybrid.generate(prompts, GREEDY)  # the switched worker serves as a prefill worker
@@ -201,7 +214,7 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
     from pdserve.cluster.placement import Charges, Placer
 
     cfg = ServingConfig.from_dict({"slo": {"ttft_s": 1.0}})
-    pools = Pools(cfg, "hybrid", {}, {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+    pools = Pools(cfg, hybrid_specs(), {"prefill": {}, "decode": {}}, "ns", None, 1.0)
     stats = {"prefill": {"prefill_tok_s": 177.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
              "decode": {"prefill_tok_s": 6024.0, "prefill_chunk": 256, "kv_blocks_total": 100}}
     for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
@@ -229,7 +242,7 @@ def test_placement_predicts_a_wait_behind_the_queued_tokens_of_its_priority_or_a
 
     stats = {"prefill_tok_s": 1000.0, "prefill_chunk": 8192, "kv_blocks_total": 100}
     for policy, want_high in (("priority", 100), ("fcfs", 700)):
-        pools = Pools(ServingConfig.from_dict({}), "hybrid", {"prefill": {"scheduling_policy": policy}, "decode": {}},
+        pools = Pools(ServingConfig.from_dict({}), hybrid_specs(EngineConfig(scheduling_policy=policy)),
                       {"prefill": {}, "decode": {}}, "ns", None, 1.0)
         w = pools.workers["prefill-0"] = WorkerRecord("prefill-0", "prefill", None, stats=WorkerStats.of(stats))
         low, high = Charges(priority=5), Charges(priority=0)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pdserve.cluster.output_pipe import OutputPipe, PipeSender, frame
+from pdserve.cluster.output_pipe import OutputPipe, PipeAddress, PipeSender, frame
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -174,7 +174,7 @@ def test_the_sender_keeps_trying_a_router_that_is_not_there_yet():
         port = s.getsockname()[1]
 
     async def main():
-        sender = PipeSender(("127.0.0.1", port, "s"), "w0")
+        sender = PipeSender(PipeAddress("127.0.0.1", port, "s"), "w0")
         try:
             await asyncio.sleep(0.3)
             assert not sender.alive

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.cluster.placement import LocalRules
 from pdserve.engine.core.hashing import hash_block_tokens
 from pdserve.router.app import build_app
 
@@ -403,14 +404,15 @@ def test_pdserve_scale_and_status_find_the_server_by_url_and_read_the_env_key(se
 
 def test_conditional_disaggregation(client, cluster):
     """Short prompts, and prompts mostly cached on a decode worker, prefill on that decode worker."""
-    cluster.dispatcher.placer.local_prefill_tokens = 8
+    placer = cluster.dispatcher.placer
+    placer.local = LocalRules(prefill_tokens=8)
     try:
         raw = client.completions.with_raw_response.create(model=model_id(client), prompt="Hi", max_tokens=4,
                                                           temperature=0)
         assert raw.headers["x-pdserve-prefill"] == raw.headers["x-pdserve-decode"]
         assert role_of(cluster, raw.headers["x-pdserve-decode"]) == "decode"
     finally:
-        cluster.dispatcher.placer.local_prefill_tokens = 0
+        placer.local = LocalRules()
     doc = "The history of the lighthouse keepers of the northern coast, told in order. " * 4
     first = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 1.",
                                                         max_tokens=2, temperature=0)
@@ -427,14 +429,14 @@ def test_conditional_disaggregation(client, cluster):
     else:
         pytest.fail(f"the registry never showed {first.headers['x-pdserve-decode']} holding >= 70% of "
                     f"{len(ids)} tokens; last (holder, blocks) = {seen}")
-    cluster.dispatcher.placer.local_cached_fraction = 0.7
+    placer.local = LocalRules(cached_fraction=0.7)
     try:
         again = client.completions.with_raw_response.create(model=model_id(client), prompt=doc + "Part 2.",
                                                             max_tokens=2, temperature=0)
         assert again.headers["x-pdserve-prefill"] == again.headers["x-pdserve-decode"] == \
             first.headers["x-pdserve-decode"]
     finally:
-        cluster.dispatcher.placer.local_cached_fraction = 2.0
+        placer.local = LocalRules()
     assert cluster.counters["routing"].get("local_short", 0) >= 1
     assert cluster.counters["routing"].get("local_cached", 0) >= 1
 

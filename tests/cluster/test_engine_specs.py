@@ -1,0 +1,56 @@
+"""Each pool's engine spec (cluster/engine_specs.py): parsed and resolved against the model once,
+where the cluster starts; what crosses to a worker is that spec, and the worker neither parses
+an argument nor reads the model's config again."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+from pdserve.cluster.engine_specs import PREFILL_CHUNK_TOKENS, EngineSpecs
+from pdserve.cluster.pools import Pools
+from pdserve.cluster.serving_config import ServingConfig
+
+
+def test_each_pool_gets_its_spec_resolved_once_and_the_device_part_is_left_to_the_worker(tiny_models, tmp_path):
+    import shutil
+
+    model = str(tmp_path / "m")
+    shutil.copytree(tiny_models["llama"], model)
+    specs = EngineSpecs.of(ServingConfig(), "hybrid", {"model": model, "max_model_len": 128, "max_num_seqs": 8})
+    # hybrid decode workers prefill with the prefill pool's chunk budget
+    assert specs.prefill.max_num_batched_tokens == specs.decode.max_num_batched_tokens == PREFILL_CHUNK_TOKENS
+    assert specs.decode.model_config.num_layers == 2 and specs.decode.max_model_len == 128
+    # fused ops depend on the GPU the worker holds, not on where the cluster starts
+    assert specs.decode.fused_ops is None
+    sent = pickle.loads(pickle.dumps(specs.decode))  # what a worker receives
+    os.remove(os.path.join(model, "config.json"))  # read again, it would fail
+    assert sent.resolve(model).model_config == specs.decode.model_config
+    assert sent.fused_ops is False  # this process's device: a CPU
+    with pytest.raises(ValueError, match="has no config.json"):  # a spec not yet resolved reads it
+        EngineSpecs.of(ServingConfig(), "hybrid", {"model": model})
+
+
+def test_a_worker_spec_takes_the_slo_as_it_is_now_and_a_missing_pool_is_named(tiny_models):
+    serving = ServingConfig.from_dict({"slo": {"tpot_s": 0.03}})
+    specs = EngineSpecs.of(serving, "colocated", {"model": tiny_models["llama"], "max_model_len": 128,
+                                                  "kv_offloading_size": 0.001, "kv_persist_dir": "/persist"})
+    assert specs.prefill is None and specs.tp("prefill") == 1
+    pools = Pools(serving, specs, {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+    assert pools.spec("decode").slo_tpot_s == 0.03
+    serving.slo.tpot_s = 0.02  # POST /admin/slo: the next worker starts with it
+    spec = pools.spec("decode", kv_persist_dir="/persist/colocated-0")
+    assert (spec.slo_tpot_s, spec.kv_persist_dir) == (0.02, "/persist/colocated-0")
+    assert specs.decode.slo_tpot_s is None and spec.model_config is specs.decode.model_config
+    with pytest.raises(ValueError, match="a colocated cluster has no prefill pool"):
+        pools.spec("prefill")
+
+
+def test_an_unknown_or_bad_engine_argument_is_refused_before_anything_starts(tiny_models):
+    with pytest.raises(TypeError, match=r"unknown engine argument\(s\) \['max_num_seq'\]"):
+        EngineSpecs.of(ServingConfig(), "disaggregated", {"model": tiny_models["llama"], "max_num_seq": 8})
+    with pytest.raises(ValueError, match="max_model_len 100000 exceeds"):
+        EngineSpecs.of(ServingConfig(), "disaggregated", {"model": tiny_models["llama"], "max_model_len": 100000},
+                       {"max_num_batched_tokens": 512})
