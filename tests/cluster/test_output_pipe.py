@@ -96,7 +96,8 @@ def test_a_connection_without_the_secret_is_closed_unread(tmp_path):
 
     async def main():
         pipe = OutputPipe()
-        host, port, _ = await pipe.start("127.0.0.1")
+        address = await pipe.start("127.0.0.1")
+        host, port = address.host, address.port
 
         def intrude():
             with socket.create_connection((host, port)) as s:
