@@ -1,5 +1,5 @@
 """The tensor-parallel all-reduce on two GPUs of one node: the one-shot kernel over CUDA IPC
-buffers (engine/exec/ipc_allreduce.py) against NCCL's, per call, for a decode step's sizes
+buffers (engine/base/ipc_allreduce.py) against NCCL's, per call, for a decode step's sizes
 ([batch, hidden] bf16), each timed as 64 calls replayed from one CUDA graph (as a decode step
 runs them), results checked against NCCL's.
 
@@ -46,7 +46,7 @@ def _graph_time(fn, xs, iters: int = 20) -> float:
 
 
 def _rank(rank: int, address, out) -> None:
-    from pdserve.engine.exec.tp import TPGroup
+    from pdserve.engine.base.tp import TPGroup
 
     try:
         torch.cuda.set_device(rank)

@@ -36,10 +36,10 @@ from serving_gpu import build_model  # noqa: E402
 
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.bench.workloads import DEFAULT_TRACE, trace_workload  # noqa: E402
+from pdserve.engine.base.hashing import hash_block_tokens  # noqa: E402
+from pdserve.engine.base.kv_layout import kv_layout  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.core.hashing import hash_block_tokens  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.exec.kv_cache import kv_layout  # noqa: E402
 from pdserve.plan import plan  # noqa: E402
 
 

@@ -33,8 +33,8 @@ TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "a
 
 def perplexity(model: str, fmt: str, dtype: str, device: str, tokens: list[int], chunk: int) -> float:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.exec.attention import AttentionMetadata
     from pdserve.engine.exec.model_runner import ModelRunner
+    from pdserve.engine.models.attention import AttentionMetadata
 
     n = len(tokens)
     cfg = EngineConfig(model=model, dtype=dtype, device=device, kv_cache_dtype=fmt, max_model_len=n + 16,
@@ -66,8 +66,8 @@ def greedy(model: str, fmt: str, dtype: str, device: str, max_tokens: int) -> li
 
 
 def main() -> None:
+    from pdserve.engine.base.kv_layout import kv_layout
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.exec.kv_cache import kv_layout
     from pdserve.engine.exec.loader import resolve_model_path
     from pdserve.engine.tokenizer import load_tokenizer
 

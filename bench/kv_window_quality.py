@@ -1,4 +1,4 @@
-"""Quality of sink + window eviction (`kv_window_tokens`, `kv_sink_tokens`; engine/core/kv_window.py)
+"""Quality of sink + window eviction (`kv_window_tokens`, `kv_sink_tokens`; engine/base/kv_window.py)
 on the default model's real weights: perplexity of a long text against full attention over
 the same tokens.
 

@@ -126,7 +126,7 @@ def profile(engine: LLMEngine, chunks=(64, 256)) -> dict:
     return out
 
 
-VARIANTS = {  # AttentionTuning for steps that are not all decodes (engine/config.py, exec/attention.py)
+VARIANTS = {  # AttentionTuning for steps that are not all decodes (engine/config.py, models/attention.py)
     "one launch, mixed tiles": AttentionTuning(decodes_apart=False, prefill_tiles="mixed"),
     "one launch, prefill tiles": AttentionTuning(decodes_apart=False, prefill_tiles="prefill"),
     "decodes apart, mixed tiles": AttentionTuning(decodes_apart=True, prefill_tiles="mixed"),

@@ -95,11 +95,11 @@ def eager_time(fn, n: int = 10) -> float:
 
 def form_sweep(chunks: list[int], contexts: list[int]) -> list[dict]:
     """One chunk of `q` new tokens over a context (bf16, V2-Lite's attention) in each form of
-    exec/mla_attention.py: expanded (the context's keys and values built, then SDPA) and absorbed
+    models/mla_attention.py: expanded (the context's keys and values built, then SDPA) and absorbed
     (each token a decode-kernel row), the layer's attention with its absorption GEMMs."""
     from pdserve.engine.config import ModelConfig
-    from pdserve.engine.exec.attention import AttentionMetadata
-    from pdserve.engine.exec.mla_attention import MLAPagedAttention
+    from pdserve.engine.models.attention import AttentionMetadata
+    from pdserve.engine.models.mla_attention import MLAPagedAttention
 
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -221,7 +221,7 @@ def markdown(res: dict) -> str:
                 what = f"decode, batch {r['batch']}" if "batch" in r else f"prefill of {r['tokens']} tokens"
                 lines += profile_lines(what, r["profile"], "graph replays included")
     if "forms" in res:
-        lines += ["", "## A prefill chunk's attention by form (one layer, eager; exec/mla_attention.py)", "",
+        lines += ["", "## A prefill chunk's attention by form (one layer, eager; models/mla_attention.py)", "",
                   "| context | chunk | expanded (us) | absorbed (us) | faster |", "|---|---|---|---|---|"]
         lines += [f"| {r['context']} | {r['chunk']} | {r['expanded_us']:.0f} | {r['absorbed_us']:.0f} | "
                   f"{'absorbed' if r['absorbed_us'] < r['expanded_us'] else 'expanded'} |" for r in res["forms"]]

@@ -32,10 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving_gpu import build_model, save_ratio_plot  # noqa: E402
 
 from pdserve import SamplingParams  # noqa: E402
+from pdserve.engine.base.speculative import DISABLE_BY_BATCH_SIZE  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.core.step_model import StepModel  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.spec.config import DISABLE_BY_BATCH_SIZE  # noqa: E402
 from pdserve.engine.spec.switch import SpecSwitch  # noqa: E402
 
 

@@ -191,7 +191,7 @@ BY_SHAPE = {64: "one launch, mixed tiles", 256: "one launch, mixed tiles", 1024:
 
 def mixed_step() -> dict:
     """The step with a prefill chunk minus the same 16 decodes alone, with attention as the
-    engine picks it by shape (engine/exec/attention.py: one paged-prefill launch in mixed tiles up
+    engine picks it by shape (engine/models/attention.py: one paged-prefill launch in mixed tiles up
     to 256 chunk tokens, decode rows apart and the chunk in prefill tiles from 512), from the
     variants run (piecewise graphs up to 2048 tokens); the graphs/eager table and the torch
     reference path it replaced (gather, mask, SDPA; an earlier call) for comparison."""
@@ -503,7 +503,7 @@ def mla_steps() -> dict:
         "command": "python bench/mla_gpu.py --forms --no-kernel --out bench/results/mla  # one H200",
         "workload": "the longest prefill chunk at which the absorbed form (decode-kernel rows) beats the expanded "
                     "one (keys and values built, SDPA) at every context; the largest such chunk by context: "
-                    + ", ".join(f"{c}: {w}" for c, w in wins.items()) + " (exec/mla_attention.ABSORB_MAX_QUERY)"}
+                    + ", ".join(f"{c}: {w}" for c, w in wins.items()) + " (models/mla_attention.ABSORB_MAX_QUERY)"}
     return out
 
 

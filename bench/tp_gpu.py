@@ -9,7 +9,7 @@ rank's FLOPs (random bf16 weights: speed does not depend on the values).
                                                                 # (no all-reduce: the compute part)
 Ranks 1..N-1 run as child processes (engine/exec/shard.py), one GPU each; rank 0 is this
 process. TP > 1 runs once per --all-reduce: the one-shot kernel over CUDA IPC buffers for the
-small all-reduces (engine/exec/ipc_allreduce.py; the default engine) and NCCL for all.
+small all-reduces (engine/base/ipc_allreduce.py; the default engine) and NCCL for all.
 Prints a table last; writes tp_gpu_<shape>.{json,md,png} under --out.
 """
 

@@ -37,7 +37,7 @@ import uuid
 
 from ray.exceptions import RayActorError, RayError
 
-from pdserve.engine.core.hashing import hash_block_tokens
+from pdserve.engine.base.hashing import hash_block_tokens
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import HandoffResult
 from pdserve.engine.sampling_params import SamplingParams

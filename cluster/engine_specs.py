@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pdserve.engine.base.kv_window import check_window_mode
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.core.kv_window import check_window_mode
 
 from .serving_config import ServingConfig
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.exec.kv_cache import KVLayout
+from pdserve.engine.base.kv_layout import KVLayout
 from pdserve.transfer.base import LayoutMismatch, check_layouts
 from pdserve.transfer.fetch import FetchPlan
 

@@ -12,7 +12,7 @@ worker, and a node's workers share its directory anyway. Workers whose heartbeat
 is older than `stale_s` (or that re-register with a new epoch) are purged; a purged
 worker that is still alive sees its next heartbeat refused (False) and registers
 again with all its cached blocks.
-Hashes travel as hex strings (sha256 chain, engine/core/hashing.py). In-flight handoffs are
+Hashes travel as hex strings (sha256 chain, engine/base/hashing.py). In-flight handoffs are
 not tracked here: each has its own deadline on both workers (transfer/pair.py), which
 is what reaps a stuck one.
 

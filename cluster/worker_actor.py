@@ -36,9 +36,9 @@ import uuid
 import ray
 
 from pdserve.decode.role import DecodeRole
+from pdserve.engine.base.tp import TPError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.exec.tp import TPError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Failed, Fetching, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .architectures import KVCacheSpec, MLAConfig, MoEConfig, architecture_of
-from .core.kv_window import KVWindow, check_window
-from .exec.tp import check_tp
+from .base.kv_window import KVWindow, check_window
+from .base.speculative import SpeculativeConfig
+from .base.tp import check_tp
 from .ops.kv_quant import check_head_dim
-from .spec.config import SpeculativeConfig
 
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: serve past the model's max_position_embeddings anyway
 ALLOW_LONG = "PDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
@@ -135,7 +135,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class AttentionTuning:
-    """How a CUDA step that is not all decodes runs attention (exec/attention.AttentionPlan):
+    """How a CUDA step that is not all decodes runs attention (models/attention.AttentionPlan):
     `decodes_apart` sends its decode rows through the paged-decode kernel and the rest through
     paged-prefill, False runs every row through one paged-prefill launch, None decides by shape
     (apart from `apart_from_tokens` prefill tokens on); `prefill_tiles` picks the paged-prefill
@@ -175,7 +175,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
     # tensor parallel on CUDA: NCCL for every all-reduce, in place of the one-shot all-reduce over
-    # CUDA IPC buffers that takes the small ones (engine/exec/ipc_allreduce.py)
+    # CUDA IPC buffers that takes the small ones (engine/base/ipc_allreduce.py)
     disable_custom_all_reduce: bool = False
     # the host's work for step n+1 (scheduling, inputs, step n's outputs) while step n runs, the
     # sampled tokens feeding step n+1 on the device (engine/core/overlap.py); steps with requests that
@@ -193,7 +193,7 @@ class EngineConfig:
     # a time-per-output-token target in seconds: while requests decode, a step carries only the
     # prefill chunk that keeps it inside this (engine/core/step_model.py); None: the step budget only
     slo_tpot_s: float | None = None
-    # ranks (GPUs) one engine spans, Megatron-style (engine/exec/tp.py); rank 0 schedules and samples
+    # ranks (GPUs) one engine spans, Megatron-style (engine/base/tp.py); rank 0 schedules and samples
     tensor_parallel_size: int = 1
     # the host-memory tier of the prefix cache, GiB per rank (engine/tiers/offload.py); 0: off
     kv_offloading_size: float = 0.0
@@ -207,7 +207,7 @@ class EngineConfig:
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
     # "prompt_lookup_min": n} (spec/decode.py); None: off
     speculative_config: dict | None = None
-    # StreamingLLM's eviction for long sessions (engine/core/kv_window.py): each request keeps its first
+    # StreamingLLM's eviction for long sessions (engine/base/kv_window.py): each request keeps its first
     # kv_sink_tokens (whole blocks) and its last kv_window_tokens; None: off
     kv_sink_tokens: int = 0
     kv_window_tokens: int | None = None

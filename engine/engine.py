@@ -15,10 +15,11 @@ import itertools
 import logging
 import time
 
+from .base.kv_window import KVWindow
+from .base.tp import TPGroup
 from .config import EngineConfig
 from .core.iteration_stats import TokenHistogram, step_tokens
 from .core.kv_cache_manager import KVCacheManager
-from .core.kv_window import KVWindow
 from .core.overlap import PendingStep, plain
 from .core.request import Request, RequestStatus
 from .core.scheduler import Scheduler, SchedulerOutput
@@ -27,7 +28,6 @@ from .exec.loader import resolve_model_path
 from .exec.model_runner import ModelRunner
 from .exec.shard import ProcessShards
 from .exec.step_result import StepResult
-from .exec.tp import TPGroup
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sample.structured import Grammars
 from .sampling_params import SamplingParams

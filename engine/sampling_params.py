@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .sample.structured import check_spec
+from .base.grammar_spec import check_spec
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat limit; vLLM's default)

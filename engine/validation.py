@@ -20,7 +20,7 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
                   kv_capacity_tokens: int | None = None, bounded: bool = True) -> int:
     """Raises InvalidRequest naming the problem; returns the request's max_tokens (the
     rest of max_model_len when params.max_tokens is None). `bounded` False (kv_window_tokens,
-    engine/core/kv_window.py): a request's length is not bounded by max_model_len or the KV cache;
+    engine/base/kv_window.py): a request's length is not bounded by max_model_len or the KV cache;
     max_tokens defaults to max_model_len."""
     if not token_ids:
         raise InvalidRequest("prompt is empty (no tokens)", "prompt")

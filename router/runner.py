@@ -25,8 +25,9 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from pdserve.cluster.api import NoWorker
+from pdserve.engine.base.grammar_spec import BUDGET, nesting_depth
 from pdserve.engine.outputs import Accumulator, RequestOutput
-from pdserve.engine.sample.structured import BUDGET, Grammars, nesting_depth
+from pdserve.engine.sample.structured import Grammars
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import InvalidRequest
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.exec.kv_cache import KVLayout
+from pdserve.engine.base.kv_layout import KVLayout
 
 # a handoff's state and where it goes: the roles' events carry them (engine/ does not import transfer/)
 from pdserve.engine.role import Channel, HandoffTarget, RankTarget, TransferState  # noqa: F401

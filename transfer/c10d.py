@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.exec.stores import BoundStore
+from pdserve.engine.base.stores import BoundStore
 
 from .base import Channel, Handoff, HandoffTarget, PairConnector, StagingPool, wire_layout
 from .pair import Pair
@@ -59,7 +59,7 @@ class C10dConnector(PairConnector):
         self.staging = StagingPool(kv, min_chunk_bytes)
         self.default_timeout_s = default_timeout_s
         self.host = host
-        # peers reach it at `host`, and only there (engine/exec/stores.py)
+        # peers reach it at `host`, and only there (engine/base/stores.py)
         self.bound = BoundStore(host, default_timeout_s)
         self.store, self.address = self.bound.store, self.bound.address
         # high priority: the handoff's gather / NCCL / scatter kernels get SMs as soon as

@@ -33,8 +33,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.exec.cuda_ipc import gpu_uuid
-from pdserve.engine.exec.step_channel import process_start
+from pdserve.engine.base.cuda_ipc import gpu_uuid
+from pdserve.engine.base.step_channel import process_start
 from pdserve.engine.ops.block_copy import copy_blocks
 
 from .base import Handoff, TransferError, block_bytes, block_index

@@ -4,7 +4,7 @@ handoff (transfer/pull.py).
     export(kv)          -> a JSON-able description a peer can map, or None
     open_peer(desc, kv) -> the peer's slab mapped into this process, or the reason it cannot be
 
-CUDA: a CUDA IPC handle of the slab's allocation, with its GPU's UUID (engine/exec/cuda_ipc.py).
+CUDA: a CUDA IPC handle of the slab's allocation, with its GPU's UUID (engine/base/cuda_ipc.py).
 A peer opens it when that GPU is its own (workers sharing a GPU) or a GPU it can reach
 peer-to-peer and sees (a pdserve worker sees its node's GPUs: cluster/gpus.py); the mapping lives
 as long as the peer keeps the tensor. CPU: the slab lives on a memory file (engine/exec/kv_cache.zeros_on_demand) that a
@@ -21,7 +21,7 @@ import socket
 
 import torch
 
-from pdserve.engine.exec.cuda_ipc import export_cuda, open_cuda
+from pdserve.engine.base.cuda_ipc import export_cuda, open_cuda
 from pdserve.engine.exec.kv_cache import shared_file
 
 

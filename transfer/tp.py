@@ -1,6 +1,6 @@
 """The handoff between tensor-parallel workers of any sizes: rank to rank, head slices.
 
-A worker of TP=N holds its KV heads split across its ranks (engine/exec/tp.py: evenly, or one
+A worker of TP=N holds its KV heads split across its ranks (engine/base/tp.py: evenly, or one
 head per rank replicated when the model has fewer KV heads than ranks). A handoff from a
 prefill worker of TP=P to a decode worker of TP=D is a set of routes, one per (prefill
 rank, decode rank) that share heads: each decode rank receives every head it holds from
@@ -25,7 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from pdserve.engine.exec.tp import kv_head_range
+from pdserve.engine.base.tp import kv_head_range
 
 from .base import Channel, Handoff, HandoffTarget, KVConnector, PairConnector, RankTarget, TransferState
 

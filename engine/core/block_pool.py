@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .hashing import BlockHash
+from ..base.hashing import BlockHash
 
 
 @dataclass(eq=False)

@@ -17,10 +17,14 @@ Counters for metrics: prefix-cache queries/hits in tokens (host hits included), 
 
 from __future__ import annotations
 
-from ..tiers.offload import HostIndex
+from typing import TYPE_CHECKING
+
+from ..base.hashing import ROOT_HASH, BlockHash, hash_block
 from .block_pool import Block, BlockPool
-from .hashing import ROOT_HASH, BlockHash, hash_block
 from .request import Request
+
+if TYPE_CHECKING:
+    from ..tiers.offload import HostIndex
 
 
 def cdiv(a: int, b: int) -> int:

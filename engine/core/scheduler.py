@@ -25,8 +25,8 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from ..base.kv_window import KVShift, KVWindow
     from ..tiers.offload import TierOps
-    from .kv_window import KVShift, KVWindow
 
 
 @dataclass

@@ -28,8 +28,8 @@ import time
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, AttentionPlan
-from .host_to_device import pinned
+from ..base.host_to_device import pinned
+from ..models.attention import AttentionMetadata, AttentionPlan
 from .step_inputs import StepPath
 
 

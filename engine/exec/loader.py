@@ -10,10 +10,10 @@ import torch
 from tqdm import tqdm
 
 from ..architectures import ARCHITECTURES
+from ..base.tp import TPGroup
 from ..config import EngineConfig
 from ..default_model import default_model_path
 from ..models.protocol import CausalLM
-from .tp import TPGroup
 
 
 def build_on_meta(config: EngineConfig, tp: TPGroup | None = None) -> CausalLM:

@@ -18,7 +18,7 @@ Which path a step takes is one decision (graphs.StepGraphs.route): an all-decode
 larger steps, and every step without graphs, run eagerly. On CPU,
 `use_graph_layouts()` runs both graph layouts without capturing (tests).
 
-Tensor parallel (engine/exec/tp.py): rank 0's runner builds a step's host inputs (`StepInputs`:
+Tensor parallel (engine/base/tp.py): rank 0's runner builds a step's host inputs (`StepInputs`:
 numpy arrays, cheap to pickle), sends them to the shards and runs `forward` on them; each
 shard's runner receives them and runs the same `forward` (shard.py). Only rank 0 samples.
 """
@@ -31,22 +31,22 @@ import time
 import numpy as np
 import torch
 
+from ..base.host_to_device import to_device
+from ..base.kv_window import rotate_keys
+from ..base.tp import TPGroup
 from ..config import EngineConfig
-from ..core.kv_window import rotate_keys
 from ..core.request import PENDING, Request
 from ..core.scheduler import ScheduledRequest, SchedulerOutput, StepShape
+from ..models.attention import AttentionMetadata, AttentionPlan
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
 from ..tiers.offload import HostCache, host_slots
 from . import step_inputs
-from .attention import AttentionMetadata, AttentionPlan
 from .graphs import StepGraphs, piece_tokens
-from .host_to_device import to_device
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
 from .step_inputs import StepInputs, StepPath
 from .step_result import StepResult
-from .tp import TPGroup
 
 
 class ModelRunner:

@@ -26,8 +26,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..base.tp import TPError, TPGroup
 from ..config import EngineConfig
-from .tp import TPError, TPGroup
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ shards (cheap to pickle).
 
 `token_rows` owns the arithmetic of a batch's new tokens, vectorized over the batch: their ids
 (a request's tokens after its computed ones, then its drafts), their cache positions (shifted
-back by the tokens a KV window dropped: core/kv_window.py) and their KV slots. `build` lays those out for the step's
+back by the tokens a KV window dropped: base/kv_window.py) and their KV slots. `build` lays those out for the step's
 path: DECODE as a decode graph's padded rows (one row per query token, each with its request's
 block table), PIECES and EAGER as the flat batch (one block table per sequence). Built in numpy:
 a per-row torch tensor costs tens of microseconds on the host, per step, while the GPU waits.
@@ -48,7 +48,7 @@ class StepInputs:
     sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
     prompt_rows: np.ndarray | None = None  # int64 rows whose logits score a prompt token (after sample_rows)
     tier_ops: TierOps | None = None  # host-tier copies to apply first (tiers/offload.py)
-    kv_shifts: list | None = None  # keys to rotate back first (core/kv_window.py)
+    kv_shifts: list | None = None  # keys to rotate back first (base/kv_window.py)
     # rows whose input token is still on the device (request.PENDING), and each one's row in
     # the previous launch's sampled tokens (core/overlap.py); rank 0 only
     pending: tuple[np.ndarray, np.ndarray] | None = None

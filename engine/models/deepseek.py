@@ -6,7 +6,7 @@ the config has one (q_a_proj, q_a_layernorm, q_b_proj; else q_proj) and splits p
 no-rope part and a rope part; kv_a_proj_with_mqa makes each token's latent (kv_lora_rank values,
 RMS-normalized by kv_a_layernorm) and one rope key part shared by all heads. The latent and the
 rotated rope part are what the token caches: one row per layer (exec/kv_cache.py, parts 1), read
-by exec/mla_attention.py through kv_b_proj (each head's key and value up-projections). Rope
+by models/mla_attention.py through kv_b_proj (each head's key and value up-projections). Rope
 rotates interleaved pairs (x0, x1), (x2, x3), ... (V2 always; V3 with `rope_interleave`, else
 the halves as Llama does), under YaRN scaling as the configs set it (its mscale on cos and sin,
 and mscale_all_dim squared on the softmax scale).
@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..base.tp import TPGroup
 from ..config import ModelConfig
-from ..exec.mla_attention import MLAPagedAttention
-from ..exec.tp import TPGroup
 from ..ops.moe_ref import fused_moe_ref, route_grouped
 from .layers import MLP, DecoderLayer, DecoderStack, RMSNorm, RowParallelLinear, fused_ops
+from .mla_attention import MLAPagedAttention
 from .moe import SparseMoE
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")

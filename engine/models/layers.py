@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..base.tp import TPGroup, vocab_range
 from ..config import ModelConfig
-from ..exec.attention import AttentionMetadata
-from ..exec.tp import TPGroup, vocab_range
+from .attention import AttentionMetadata
 
 
 def fused_ops():

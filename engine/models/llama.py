@@ -14,7 +14,7 @@ outputs match it.
 The norms, rope tables, parallel linears, MLP, the pre-norm layer and the decoder stack are the
 shared floor (models/layers.py); this file is the GQA attention and the checkpoint mapping.
 
-With a tensor-parallel group of N (engine/exec/tp.py) each rank builds its shard: its q and KV
+With a tensor-parallel group of N (engine/base/tp.py) each rank builds its shard: its q and KV
 heads, its ff/N of gate/up, o and down reading only those, an all-reduce after each of
 o and down (their biases added once, after it), its ceil(V/N) rows of the LM head.
 """
@@ -25,9 +25,9 @@ import re
 
 from torch import nn
 
+from ..base.tp import TPGroup, kv_head_range
 from ..config import ModelConfig
-from ..exec.attention import PagedAttention
-from ..exec.tp import TPGroup, kv_head_range
+from .attention import PagedAttention
 from .layers import MLP, DecoderLayer, DecoderStack, RMSNorm, RotaryEmbedding, RowParallelLinear, fused_ops
 from .moe import SparseMoE
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..architectures import MoEConfig
-from ..exec.tp import TPGroup
+from ..base.tp import TPGroup
 from ..ops.moe_ref import moe_ref
 
 

@@ -7,7 +7,7 @@ hidden], a few KiB to 2 MiB) and latency-bound; NCCL's ring costs ~60-70 us each
 
 Each rank owns one buffer of two slots (`bufs[r]`: 2 x SLOT_BYTES) and one flag array (`flags[r]`:
 int32 [MAX_RANKS, MAX_PROGRAMS]); every rank holds every rank's buffer and flags mapped
-(exec/ipc_allreduce.py). Program p of a launch owns bytes [p x CHUNK_BYTES, (p + 1) x CHUNK_BYTES)
+(base/ipc_allreduce.py). Program p of a launch owns bytes [p x CHUNK_BYTES, (p + 1) x CHUNK_BYTES)
 of x, whatever x's dtype; its call count `epochs[p]` (this rank's own memory) picks the slot
 (count mod 2) and marks the round:
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..base.host_to_device import to_device
 from ..core.request import Request
-from ..exec.host_to_device import to_device
 
 
 def adjusts(req: Request) -> bool:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from ..base.host_to_device import to_device
 from ..core.request import Request
-from ..exec.host_to_device import to_device
 from ..sampling_params import SamplingParams
-from ..spec.verify import verify_greedy, verify_sampled
 from . import sampling_noise
 from .logits_process import process
+from .verify import verify_greedy, verify_sampled
 
 
 class Sampler:

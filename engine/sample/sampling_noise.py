@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..exec.host_to_device import to_device
+from ..base.host_to_device import to_device
 
 M32 = 0xFFFFFFFF
 

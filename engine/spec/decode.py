@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import time
 
+from ..base.speculative import SpeculativeConfig
 from ..sample.logits_process import one_token_steps
-from .config import SpeculativeConfig
 from .switch import SpecSwitch
 
 

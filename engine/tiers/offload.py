@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.hashing import BlockHash
+from ..base.hashing import BlockHash
 
 
 @dataclass

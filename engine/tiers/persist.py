@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base.kv_layout import kv_layout
 from ..config import EngineConfig
-from ..exec.kv_cache import kv_layout
 from .offload import HostCache, HostIndex
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.base.kv_layout import kv_layout
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.exec.kv_cache import activation_bytes, kv_layout
+from pdserve.engine.exec.kv_cache import activation_bytes
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ DECODE_OVER_FLOOR = 1.25  # step time / HBM floor (Llama-3-8B: 1.25-1.28x on H10
 
 def weight_bytes(config: EngineConfig) -> int:
     """One rank's parameter and buffer bytes, from the model built on the meta device."""
+    from pdserve.engine.base.tp import TPGroup
     from pdserve.engine.exec.loader import build_on_meta
-    from pdserve.engine.exec.tp import TPGroup
 
     model = build_on_meta(config, TPGroup(0, config.tensor_parallel_size))
     elem = torch.empty((), dtype=config.torch_dtype).element_size()

@@ -12,7 +12,7 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.engine.core.hashing import hash_block_tokens
+from pdserve.engine.base.hashing import hash_block_tokens
 
 from helpers import PROMPTS, RayHead, role_of
 
@@ -280,7 +280,7 @@ def test_own_ray_without_an_address_and_joining_one_with_it(own_ray, tiny_models
 
 
 def test_a_colocated_cluster_serves_a_session_past_max_model_len_with_a_window(tiny_models):
-    """kv_window_tokens (engine/core/kv_window.py): a 300-token prompt and 200 new tokens on
+    """kv_window_tokens (engine/base/kv_window.py): a 300-token prompt and 200 new tokens on
     max_model_len 128 give the tokens of a local engine with the same window; the
     disaggregated mode is refused by name before anything starts."""
     model = tiny_models["llama"]

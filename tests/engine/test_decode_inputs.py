@@ -49,7 +49,7 @@ def test_a_request_with_drafts_takes_a_row_per_query_token():
 
 
 def test_a_request_past_its_window_takes_its_cache_position():
-    """kv_window_tokens (core/kv_window.py): after 8 tokens were evicted, sequence index 13 sits at
+    """kv_window_tokens (base/kv_window.py): after 8 tokens were evicted, sequence index 13 sits at
     cache position 5 (block 2 of the kept list [7, 2], offset 1) and attends to 6 tokens."""
     bs = 4
     s = _decoding("a", list(range(100, 114)), [7, 2])

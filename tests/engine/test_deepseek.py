@@ -59,7 +59,7 @@ def test_the_configuration_declares_a_latent_cache(model_dir):
 
 
 def test_the_sliding_kv_window_is_refused_on_a_latent_cache(model_dir):
-    """The window rotates cached key heads' rope parts as it moves (engine/core/kv_window.py); an MLA
+    """The window rotates cached key heads' rope parts as it moves (engine/base/kv_window.py); an MLA
     cache holds one latent per token: refused in one line before anything loads."""
     _, path = model_dir
     with pytest.raises(ValueError, match="latent-attention \\(MLA\\) model caches one latent per token"):
@@ -68,7 +68,7 @@ def test_the_sliding_kv_window_is_refused_on_a_latent_cache(model_dir):
 
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
 def test_greedy_tokens_equal_hf_generate_with_prefix_hits_and_chunks(model_dir, form):
-    """Every prefill chunk in one form (exec/mla_attention.py picks by chunk length)."""
+    """Every prefill chunk in one form (models/mla_attention.py picks by chunk length)."""
     name, path = model_dir
     want = hf_greedy(path, PROMPTS, 8)
     with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, enable_prefix_caching=True,
@@ -129,8 +129,8 @@ def test_each_chunk_runs_in_the_form_its_length_picks(monkeypatch, use_triton):
     runs absorbed (with Triton, each token a decode-kernel row over its causal prefix), the long
     one expanded, and every row equals the all-expanded attention."""
     from pdserve.engine.architectures import MLAConfig
-    from pdserve.engine.exec import mla_attention
-    from pdserve.engine.exec.attention import AttentionMetadata
+    from pdserve.engine.models import mla_attention
+    from pdserve.engine.models.attention import AttentionMetadata
 
     if use_triton:
         pytest.importorskip("triton")

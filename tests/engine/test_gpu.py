@@ -78,7 +78,7 @@ def test_cuda_graph_decode_equals_eager(tiny_models, kv):
 
 
 def test_a_window_past_its_evictions_in_graphs_equals_eager(tiny_models):
-    """kv_window_tokens (core/kv_window.py): decode graphs read cache positions and the rotated keys;
+    """kv_window_tokens (base/kv_window.py): decode graphs read cache positions and the rotated keys;
     a 150-token prompt and 200 new tokens on a 64-token window give eager's tokens."""
     from pdserve import LLM, SamplingParams
 

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from pdserve.engine.core.hashing import ROOT_HASH, hash_block, hash_block_tokens
+from pdserve.engine.base.hashing import ROOT_HASH, hash_block, hash_block_tokens
 
 
 def test_chain_covers_full_blocks_only_and_extends():
@@ -26,7 +26,7 @@ def test_hash_depends_on_parent_tokens_and_extra_keys():
 
 @pytest.mark.slow
 def test_hash_is_stable_across_processes():
-    code = ("from pdserve.engine.core.hashing import hash_block_tokens;"
+    code = ("from pdserve.engine.base.hashing import hash_block_tokens;"
             "print(hash_block_tokens(list(range(64)), 16, ('m',))[-1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.base.kv_layout import KVLayout, kv_layout
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.exec.kv_cache import KVLayout, kv_layout
 from pdserve.transfer.base import LayoutMismatch, check_layouts, wire_layout
 
 

@@ -1,4 +1,4 @@
-"""Sink + window eviction (engine/core/kv_window.py): a request shorter than its window is
+"""Sink + window eviction (engine/base/kv_window.py): a request shorter than its window is
 unchanged; evicted requests keep their sinks and window with each key rotated to its cache
 position (layer 0's keys and values equal a fresh run over the kept tokens at those
 positions); a session longer than max_model_len runs in bounded blocks; bad settings are

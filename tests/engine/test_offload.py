@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.core.hashing import hash_block_tokens
+from pdserve.engine.base.hashing import hash_block_tokens
 from pdserve.engine.tiers import persist
 from pdserve.engine.tiers.offload import HostIndex
 

@@ -1,5 +1,5 @@
 """GPU, two: the tensor-parallel group's one-shot all-reduce over CUDA IPC buffers
-(engine/exec/ipc_allreduce.py) between two processes on two GPUs, against NCCL's all-reduce of the
+(engine/base/ipc_allreduce.py) between two processes on two GPUs, against NCCL's all-reduce of the
 same numbers: eager, across sizes and dtypes, and replayed from a CUDA graph many times with new
 inputs. Skipped without two CUDA GPUs."""
 
@@ -18,7 +18,7 @@ SHAPES = [((1, 4096), torch.bfloat16), ((64, 4096), torch.bfloat16), ((128, 8192
 
 
 def _rank(rank: int, address, out) -> None:
-    from pdserve.engine.exec.tp import TPGroup
+    from pdserve.engine.base.tp import TPGroup
 
     try:
         torch.cuda.set_device(rank)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.base.speculative import SpeculativeConfig
 from pdserve.engine.core.kv_cache_manager import KVCacheManager
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import ScheduledRequest, StepShape
-from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.sample.verify import verify_greedy, verify_sampled
 from pdserve.engine.spec.decode import Drafter, ngram_propose
-from pdserve.engine.spec.verify import verify_greedy, verify_sampled
 
 from helpers import PROMPTS
 

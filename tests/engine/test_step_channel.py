@@ -1,4 +1,4 @@
-"""The step ring (engine/exec/step_channel.py): a tensor-parallel group's step inputs from rank 0
+"""The step ring (engine/base/step_channel.py): a tensor-parallel group's step inputs from rank 0
 to its shards through shared memory, real processes over a real gloo group on CPU."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.exec.step_channel import SLOT_BYTES, SLOTS, StepChannel, process_start
-from pdserve.engine.exec.tp import TPError, TPGroup
+from pdserve.engine.base.step_channel import SLOT_BYTES, SLOTS, StepChannel, process_start
+from pdserve.engine.base.tp import TPError, TPGroup
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 CPU = torch.device("cpu")

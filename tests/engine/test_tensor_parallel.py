@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
+from pdserve.engine.base.tp import TPError, TPGroup, check_tp, kv_head_range, vocab_range
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.exec.loader import load_model
-from pdserve.engine.exec.tp import TPError, TPGroup, check_tp, kv_head_range, vocab_range
 from pdserve.engine.llm import LLM
 
 from helpers import save_hf

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.exec.tp import kv_head_range
+from pdserve.engine.base.tp import kv_head_range
 from pdserve.transfer.base import TransferState
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import LocalRankLink, Route, TPConnector, rank_name, routes

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from pdserve.engine.config import AttentionTuning  # noqa: E402
-from pdserve.engine.exec.attention import AttentionMetadata, AttentionPlan, PagedAttention  # noqa: E402
+from pdserve.engine.models.attention import AttentionMetadata, AttentionPlan, PagedAttention  # noqa: E402
 from pdserve.engine.ops.attention_core import MAX_SPLITS, split_count  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -100,7 +100,7 @@ def test_both_tile_settings_and_the_mask_free_keys_match_the_reference():
 def test_warm_up_runs_every_variant_and_writes_nothing():
     """PagedAttention.warm_up (the runner calls it on CUDA before serving, so no step waits
     for Triton to compile a variant) runs each launch and leaves the cache as it was."""
-    from pdserve.engine.exec.attention import PagedAttention
+    from pdserve.engine.models.attention import PagedAttention
 
     kv = torch.randn(70, 2, 16, 2, 32, device=DEV)
     before = kv.clone()

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..base.host_to_device import to_device
 from ..config import AttentionTuning
 from ..ops.attention_ref import paged_attention_ref, store_kv_ref
-from .host_to_device import to_device
 
 
 @dataclass

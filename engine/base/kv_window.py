@@ -36,8 +36,8 @@ import torch
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
-    from .kv_cache_manager import KVCacheManager
-    from .request import Request
+    from ..core.kv_cache_manager import KVCacheManager
+    from ..core.request import Request
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def check_window_mode(config: EngineConfig, mode: str) -> None:
     """A cluster's mode: the window runs colocated only."""
     if config.kv_window_tokens is not None and mode != "colocated":
         raise ValueError("kv_window_tokens runs in colocated mode: a handoff carries a request's blocks by "
-                         f"sequence position, and the window moves them (engine/core/kv_window.py); got mode {mode!r}")
+                         f"sequence position, and the window moves them (engine/base/kv_window.py); got mode {mode!r}")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Paged multi-head latent attention for one layer: PagedAttention's interface (exec/attention.py)
+"""Paged multi-head latent attention for one layer: PagedAttention's interface (models/attention.py)
 over a latent cache, so the runner, the piecewise graphs and the decode graphs drive it alike.
 
     store(latent, None, cache, None, slots)   each new token's latent row into its slot
