@@ -19,3 +19,11 @@ def test_wheel_maps_folders_into_pdserve(tmp_path):
         assert mod in names, mod
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"pdserve"}
+    # every module of every folder (a subpackage missing from pyproject's list was left out)
+    folders = {"engine": "pdserve/engine", "transfer": "pdserve/transfer", "prefill": "pdserve/prefill",
+               "decode": "pdserve/decode", "cluster": "pdserve/cluster", "router": "pdserve/router",
+               "src/pdserve": "pdserve"}
+    missing = [f"{folder}/{path.relative_to(ROOT / folder)}" for folder, into in folders.items()
+               for path in (ROOT / folder).rglob("*.py") if "__pycache__" not in path.parts
+               and f"{into}/{path.relative_to(ROOT / folder).as_posix()}" not in names]
+    assert not missing, f"modules the wheel lacks (pyproject.toml's packages): {missing}"
