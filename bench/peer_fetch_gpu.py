@@ -32,6 +32,7 @@ from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
 from pdserve.engine.role import Emitted, Fetching  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.validation import check_request  # noqa: E402
 from pdserve.transfer.c10d import C10dConnector  # noqa: E402
 from pdserve.transfer.fetch import FetchPlan, PeerFetches  # noqa: E402
 
@@ -66,7 +67,8 @@ def holder(conn, kw: dict, cuda: bool) -> None:
 def served(role: DecodeRole, conn, rid: str, ids: list[int], fetch: FetchPlan | None, cuda: bool) -> float:
     """Seconds to the first token of one request on the receiver, its fetch (if any) included."""
     t = time.perf_counter()
-    role.add(rid, ids, ONE, None, fetch)
+    e = role.engine  # the bench is the edge: it validates what a cluster's dispatcher would
+    role.add(rid, check_request(ids, ONE, e.config.max_model_len, e.model_config.vocab_size), None, fetch)
     while True:
         for ev in role.step():
             if isinstance(ev, Fetching):

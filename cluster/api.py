@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from pdserve.engine.role import HandoffResult
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import ValidRequest
 
 
 class NoWorker(RuntimeError):
@@ -85,11 +86,11 @@ class ServingCluster(Protocol):
     vocab_size: int
     mode: str  # "disaggregated" | "hybrid" | "colocated"
 
-    def validate(self, ids: list[int], params: SamplingParams) -> int:
-        """Raises InvalidRequest (a ValueError with .param) or returns max_tokens."""
+    def validate(self, ids: list[int], params: SamplingParams) -> ValidRequest:
+        """The request's one validation: raises InvalidRequest (a ValueError with .param)."""
 
-    def submit(self, prompt: str | None, ids: list[int], params: SamplingParams, sink, stream: bool = True) -> Future:
-        """Runs a request; sink(out) gets its delta outputs (stream=False: all at its end, and a
+    def submit(self, prompt: str | None, request: ValidRequest, sink, stream: bool = True) -> Future:
+        """Runs a request `validate` passed; sink(out) gets its delta outputs (stream=False: all at its end, and a
         token-less one at its first token; a worker lost in between is retried). Cancel the
         future to abort it."""
 

@@ -14,16 +14,17 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import ValidRequest
 
 from .placement import Charges, Placement
 
 
 class Attempt:
-    def __init__(self, rid: str, n: int, ids: list[int], hashes: list[str], params: SamplingParams,
+    def __init__(self, rid: str, n: int, request: ValidRequest, hashes: list[str],
                  sink: Callable[[RequestOutput], None], stream: bool = True):
         self.rid, self.wire_id = rid, f"{rid}-{n}"
-        self.ids, self.hashes, self.params, self.sink = ids, hashes, params, sink
+        self.request, self.hashes, self.sink = request, hashes, sink  # request: what the workers get
+        self.ids, self.params = request.prompt_token_ids, request.params
         self.t0, self.last, self.first_at = time.monotonic(), None, None
         # a client that reads the whole reply at once (JSON): the outputs wait here until the
         # last one, so a worker lost after the first token is still retried (nothing was shown)
@@ -32,7 +33,7 @@ class Attempt:
         self.tokens = 0
         self.placement: Placement | None = None
         self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
-        self.charges = Charges(params.priority)
+        self.charges = Charges(self.params.priority)
 
     @property
     def fetch(self):

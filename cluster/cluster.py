@@ -3,7 +3,7 @@
     c = Cluster.start(model=None, prefill=1, decode=1, address=None, **engine_args)
     c.generate(prompts, params)      vLLM-shaped outputs, like LLM.generate
     c.stream(prompt, params)         iterator of cumulative RequestOutputs
-    c.submit(prompt, ids, params, sink) -> future; sink gets delta outputs (the router)
+    c.submit(prompt, c.validate(ids, params), sink) -> future; sink gets delta outputs (the router)
     c.scale(prefill=2, decode=3)     grow now; shrink after draining
     c.status()                       per worker: role, blocks, running, prefix hits
     c.shutdown()
@@ -30,7 +30,7 @@ from pdserve.engine.exec.loader import resolve_model_path
 from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.engine.validation import check_request
+from pdserve.engine.validation import ValidRequest, check_request
 
 from .aio import within
 from .api import ClusterSnapshot, RequestObserver
@@ -191,26 +191,25 @@ class Cluster:
         return self._submit(coro).result(timeout)
 
     # ---- requests --------------------------------------------------------------------------------
-    def validate(self, ids: list[int], params: SamplingParams) -> int:
-        """The one validation (engine/validation.py) against this cluster's model; returns
-        max_tokens. Raises InvalidRequest (a ValueError) naming the field."""
+    def validate(self, ids: list[int], params: SamplingParams) -> ValidRequest:
+        """The one validation (engine/validation.py) against this cluster's model: what `submit`
+        takes and the workers get. Raises InvalidRequest (a ValueError) naming the field."""
         return check_request(ids, params, self.max_model_len, self.vocab_size,
                              bounded=self.specs.decode.kv_window_tokens is None)
 
-    def _prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+    def _prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, ValidRequest]:
         if params.n != 1:
             raise ValueError(f"n={params.n}: submit one sequence per request (SamplingParams.samples(); the HTTP "
                              "server does this for n > 1)")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-        self.validate(ids, params)
-        return text, ids
+        return text, self.validate(ids, params)
 
-    def submit(self, prompt: str | None, ids: list[int], params: SamplingParams, sink, stream: bool = True):
-        """Starts one request on the cluster's loop; `sink(out)` gets its delta outputs (from
-        that loop's thread; with stream=False all at the end, so that a worker lost after the
-        first token is retried). Returns a concurrent future; cancelling it aborts the request
-        on every worker and frees its blocks."""
-        return self._submit(self.dispatcher.request(ids, params, sink, stream))
+    def submit(self, prompt: str | None, request: ValidRequest, sink, stream: bool = True):
+        """Starts one request (`validate`'s) on the cluster's loop; `sink(out)` gets its delta
+        outputs (from that loop's thread; with stream=False all at the end, so that a worker lost
+        after the first token is retried). Returns a concurrent future; cancelling it aborts the
+        request on every worker and frees its blocks."""
+        return self._submit(self.dispatcher.request(request, sink, stream))
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -222,22 +221,22 @@ class Cluster:
             [sampling_params or SamplingParams()] * len(prompts)
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
 
-        async def one(text, ids, sp):
-            acc, final = Accumulator(text, ids), []
-            await self.dispatcher.request(ids, sp, lambda out: final.append(acc.add(out)), stream=False)
+        async def one(text, request):
+            acc, final = Accumulator(text, request.prompt_token_ids), []
+            await self.dispatcher.request(request, lambda out: final.append(acc.add(out)), stream=False)
             return final[-1]
 
         async def all_():
-            return await asyncio.gather(*(one(t, i, sp) for (t, i), sp in zip(prepared, params)))
+            return await asyncio.gather(*(one(t, r) for t, r in prepared))
 
         return self._run(all_(), timeout)
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                timeout: float = 600) -> Iterator[RequestOutput]:
         params = sampling_params or SamplingParams()
-        text, ids = self._prepare(prompt, params)
-        acc, q = Accumulator(text, ids), queue.Queue()
-        fut = self.submit(text, ids, params, q.put)
+        text, request = self._prepare(prompt, params)
+        acc, q = Accumulator(text, request.prompt_token_ids), queue.Queue()
+        fut = self.submit(text, request, q.put)
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -40,7 +40,7 @@ from ray.exceptions import RayActorError, RayError
 from pdserve.engine.base.hashing import hash_block_tokens
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import HandoffResult
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import ValidRequest
 
 from .aio import within
 from .api import FinishedRequest, NoWorker, RequestObserver
@@ -73,17 +73,17 @@ class Dispatcher:
         self._early_spans: dict[str, dict] = {}
 
     # ---- one request ---------------------------------------------------------------------------
-    async def request(self, ids: list[int], params: SamplingParams, sink, stream: bool = True) -> None:
-        """Runs one request; `sink(out)` gets its delta outputs, the last one finished. With
-        stream=False the sink gets them all when the last one comes (and, at the first token, one
-        output without tokens: the request runs), so a worker lost after the first token is
-        retried like one lost before it."""
+    async def request(self, request: ValidRequest, sink, stream: bool = True) -> None:
+        """Runs one request (validated at the edge); `sink(out)` gets its delta outputs, the last
+        one finished. With stream=False the sink gets them all when the last one comes (and, at
+        the first token, one output without tokens: the request runs), so a worker lost after the
+        first token is retried like one lost before it."""
         rid = uuid.uuid4().hex[:16]
-        hashes = [h.hex() for h in hash_block_tokens(ids, self.block_size)]
+        hashes = [h.hex() for h in hash_block_tokens(request.prompt_token_ids, self.block_size)]
         self.counters["requests"] += 1
         last_error = None
         for n in range(3):
-            a = Attempt(rid, n, ids, hashes, params, sink, stream)
+            a = Attempt(rid, n, request, hashes, sink, stream)
             try:
                 await self._attempt(a)
                 return
@@ -98,7 +98,7 @@ class Dispatcher:
             finally:
                 a.charges.settle()
         self.counters["failed"] += 1
-        self._finish(Attempt(rid, 3, ids, hashes, params, sink), RequestOutput.error(rid, str(last_error)), None, None)
+        self._finish(Attempt(rid, 3, request, hashes, sink), RequestOutput.error(rid, str(last_error)), None, None)
 
     async def _attempt(self, a: Attempt):
         a.placement = placed = await self.placer.plan(a.hashes, a.ids, a.charges)
@@ -111,7 +111,7 @@ class Dispatcher:
     async def _disaggregated(self, a: Attempt, p: WorkerRecord, d: WorkerRecord) -> None:
         p.load += 1
         d.load += 1
-        call = p.actor.prefill.remote(a.wire_id, a.ids, a.params, d.worker_id, a.fetch)
+        call = p.actor.prefill.remote(a.wire_id, a.request, d.worker_id, a.fetch)
         prefill = asyncio.ensure_future(self._await_prefill(p, call, a.rid))
         relay = asyncio.ensure_future(self._relay(a, d, p))
         try:
@@ -207,8 +207,7 @@ class Dispatcher:
     async def _prefill_only(self, a: Attempt, p: WorkerRecord) -> None:
         p.load += 1
         try:
-            out = await self._await_prefill(p, p.actor.prefill.remote(a.wire_id, a.ids, a.params, None,
-                                                                      a.fetch))
+            out = await self._await_prefill(p, p.actor.prefill.remote(a.wire_id, a.request, None, a.fetch))
             self._finish(a, out, p, None)
         except asyncio.CancelledError:
             p.actor.abort.remote(a.wire_id)
@@ -218,8 +217,7 @@ class Dispatcher:
 
     async def _relay(self, a: Attempt, d: WorkerRecord, p: WorkerRecord | None) -> None:
         """Passes the worker's outputs to the attempt's sink until the last output."""
-        args = (a.wire_id, a.ids, a.params, *((p.worker_id, p.tp) if p is not None else
-                                              (None, 1, a.fetch)))
+        args = (a.wire_id, a.request, *((p.worker_id, p.tp) if p is not None else (None, 1, a.fetch)))
         how = "pipe" if self.pipe is not None and self.pipe.connected(d.worker_id) else "ray"
         self.counters["outputs"][how] += 1
         if how == "pipe":

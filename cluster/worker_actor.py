@@ -42,6 +42,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Failed, Fetching, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import ValidRequest
 from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector
@@ -189,18 +190,18 @@ class WorkerActor:
         return self.role.num_inflight + len(self.inbox)
 
     # ---- requests ---------------------------------------------------------------------------
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      decode_id: str | None, fetch: FetchPlan | None = None):
+    async def prefill(self, request_id: str, request: ValidRequest, decode_id: str | None,
+                      fetch: FetchPlan | None = None):
         """Prefill role. With a decode peer: the handoff's result dict once the KV is sent
         (or the final output if the request ended here otherwise); without: the output.
         `fetch`: the prompt's prefix is fetched from that peer first (transfer/fetch.py)."""
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
         self.done[request_id] = fut
-        if not await self._admitted(request_id, params):
+        if not await self._admitted(request_id, request.params):
             self.done.pop(request_id, None)
             raise Aborted(f"request {request_id} aborted")
-        self._post(Add(request_id, prompt_token_ids, params, decode_id, fetch))
+        self._post(Add(request_id, request, decode_id, fetch))
         return await fut
 
     async def target(self, request_id: str, target: HandoffTarget) -> None:
@@ -209,39 +210,38 @@ class WorkerActor:
         self.role.target(request_id, target)
         self.wake.set()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prefill_id: str | None = None, prefill_tp: int = 1, fetch: FetchPlan | None = None):
+    async def generate(self, request_id: str, request: ValidRequest, prefill_id: str | None = None,
+                       prefill_tp: int = 1, fetch: FetchPlan | None = None):
         """Decode role: a stream of delta outputs. With `prefill_id` (of tensor-parallel
         size `prefill_tp`) the KV and the first token come from that prefill worker;
         without, the prompt is prefilled here."""
         self._check_alive()
         q = self.outlets.open_stream(request_id)
         try:
-            if not await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch):
+            if not await self._decode(request_id, request, prefill_id, prefill_tp, fetch):
                 return  # aborted before it started: the stream just ends, as after an abort
             async for out in self.outlets.stream(q):
                 yield out
         finally:
             self.outlets.streams.pop(request_id, None)
 
-    async def generate_piped(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                             prefill_id: str | None = None, prefill_tp: int = 1,
-                             fetch: FetchPlan | None = None) -> bool:
+    async def generate_piped(self, request_id: str, request: ValidRequest, prefill_id: str | None = None,
+                             prefill_tp: int = 1, fetch: FetchPlan | None = None) -> bool:
         """generate() with its outputs over the output pipe: True once the last is on it, False
         if the request was aborted here; raises the request's error (ConnectionError: no pipe)."""
         self._check_alive()
         fut = self.outlets.open_piped(request_id)
-        started = await self._decode(request_id, prompt_token_ids, params, prefill_id, prefill_tp, fetch)
+        started = await self._decode(request_id, request, prefill_id, prefill_tp, fetch)
         return await self.outlets.piped_end(request_id, fut if started else None)
 
-    async def _decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prefill_id: str | None, prefill_tp: int, fetch: FetchPlan | None) -> bool:
+    async def _decode(self, request_id: str, request: ValidRequest, prefill_id: str | None, prefill_tp: int,
+                      fetch: FetchPlan | None) -> bool:
         """Posts the request to the engine thread; False if it was aborted before it could start."""
         if prefill_id is not None:
             self.connector.peer_tp[prefill_id] = prefill_tp
-        if not await self._admitted(request_id, params):
+        if not await self._admitted(request_id, request.params):
             return False
-        self._post(Add(request_id, prompt_token_ids, params, prefill_id, fetch))
+        self._post(Add(request_id, request, prefill_id, fetch))
         return True
 
     async def _admitted(self, request_id: str, params: SamplingParams) -> bool:
@@ -346,7 +346,7 @@ class WorkerActor:
     def _handle(self, cmd) -> None:
         try:
             if isinstance(cmd, Add):
-                self.role.add(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.peer, cmd.fetch)
+                self.role.add(cmd.request_id, cmd.request, cmd.peer, cmd.fetch)
             elif isinstance(cmd, Abort):
                 self.role.abort(cmd.request_id)
                 self._deliver(cmd.request_id, error=Aborted(f"request {cmd.request_id} aborted"))

@@ -16,7 +16,7 @@ import collections
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import ValidRequest
 
 
 class Aborted(RuntimeError):
@@ -27,8 +27,7 @@ class Aborted(RuntimeError):
 @dataclass
 class Add:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: ValidRequest  # validated at the edge (engine/validation.py)
     peer: str | None
     fetch: object = None  # a transfer.fetch.FetchPlan: its prefix fetched from that peer first
 

@@ -28,7 +28,7 @@ from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Event, Reserved, Role
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import ValidRequest
 from pdserve.transfer.base import HandoffMeta, KVConnector, TransferState
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
 
@@ -52,11 +52,11 @@ class DecodeRole(Role):
         self.receiving: dict[str, _Incoming] = {}  # reserved, KV on its way
         self.local: dict[str, dict] = {}  # prefilled here, no first token yet: their spans
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            peer: str | None = None, fetch: FetchPlan | None = None) -> None:
+    def add(self, request_id: str, request: ValidRequest, peer: str | None = None,
+            fetch: FetchPlan | None = None) -> None:
         if request_id in self.receiving or any(i.request.request_id == request_id for i in self.backlog):
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.engine.make_request(prompt_token_ids, params, request_id)
+        req = self.engine.admit(request, request_id)
         if peer is None:
             if fetch is None or not self.fetches.start(req, fetch):  # else the engine gets it after
                 self.engine.add_request(req)

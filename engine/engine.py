@@ -3,10 +3,10 @@
     step():  schedule -> run -> postprocess
              (overlapped: schedule -> launch -> resolve the previous step -> advance; core/overlap.py)
 
-add_request() validates and queues; step() schedules a batch under the token budget, runs it, appends
-sampled tokens, detokenizes, applies stop conditions and frees the blocks of finished requests. Prefill
-and decode workers are roles of this engine (pdserve.prefill / pdserve.decode): the same step, with
-other request settings and a KV handoff around it."""
+add_request() validates (make_request; admit() for a request validated at the edge) and queues; step()
+schedules a batch under the token budget, runs it, appends sampled tokens, detokenizes, applies stop
+conditions and frees finished requests' blocks. Prefill and decode workers are roles of this engine
+(pdserve.prefill / pdserve.decode): the same step, other request settings, a KV handoff around it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from .tiers import persist
 from .tiers.disk_tier import DiskTier
 from .tiers.offload import HostIndex
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
-from .validation import check_request
+from .validation import ValidRequest, check_capacity, check_request
 
 log = logging.getLogger(__name__)
 
@@ -96,29 +96,29 @@ class LLMEngine:
 
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None) -> Request:
-        """Validates a prompt and its sampling parameters; raises ValueError naming the
-        problem. Nothing is queued."""
-        params = params or SamplingParams()
+        """Validates a prompt and its sampling parameters (check_request; its caller is the edge)."""
+        if (text := prompt if isinstance(prompt, str) else None) == "":
+            raise ValueError("prompt is empty")
+        token_ids = self.tokenize(prompt) if text is not None else list(prompt)
+        valid = check_request(token_ids, params or SamplingParams(), self.config.max_model_len,
+                              self.model_config.vocab_size, bounded=self.config.kv_window_tokens is None)
+        return self.admit(valid, request_id, text)
+
+    def admit(self, valid: ValidRequest, request_id: str | None = None, text: str | None = None) -> Request:
+        """A request validated at the edge (check_request) as one of this engine's: checks only what
+        it alone knows (its grammars, KV capacity, request ids); raises ValueError. Queues nothing."""
+        params = valid.params
         if params.structured_outputs:
             self.grammars.check(params.structured_outputs)  # a bad grammar: refused now
         if params.n != 1:
             raise ValueError(f"n={params.n}: an engine request is one sequence; LLM.generate and the HTTP server "
                              "run n of them (SamplingParams.samples())")
-        if isinstance(prompt, str):
-            text = prompt
-            if not prompt:
-                raise ValueError("prompt is empty")
-            token_ids = self.tokenize(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        max_tokens = check_request(token_ids, params, self.config.max_model_len, self.model_config.vocab_size,
-                                   self.kv.num_blocks * self.config.block_size,
-                                   bounded=self.config.kv_window_tokens is None)
+        if self.config.kv_window_tokens is None:
+            check_capacity(valid, self.kv.num_blocks * self.config.block_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        return Request(rid, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-                       max_tokens=max_tokens)
+        return Request(rid, valid.prompt_token_ids, params, text, self.eos_token_ids, max_tokens=valid.max_tokens)
 
     def add_request(self, prompt: str | list[int] | Request, params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
@@ -126,8 +126,8 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self._track(req)
-        self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
+        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                             req.sampling_params.skip_special_tokens)
         if self.disk is None or not self.disk.hold(req):  # its prefix read from disk first
             self.scheduler.add(req)
         return req

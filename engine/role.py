@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .validation import ValidRequest
 
 
 @dataclass
@@ -139,12 +139,12 @@ Event = Emitted | Reserved | Sent | Failed | Fetching
 
 class Role(ABC):
     @abstractmethod
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            peer: str | None = None, fetch=None) -> None:
-        """Queues a request. `peer`: the worker on the other side of its handoff (prefill:
-        the decode worker to send to; decode: the prefill worker to receive from); None
-        for a request that stays on this worker. `fetch`: a transfer.fetch.FetchPlan for a
-        request prefilled here, whose prefix a peer caches. Raises ValueError on bad input."""
+    def add(self, request_id: str, request: ValidRequest, peer: str | None = None, fetch=None) -> None:
+        """Queues a request, validated at the edge (the engine checks its own KV capacity).
+        `peer`: the worker on the other side of its handoff (prefill: the decode worker to
+        send to; decode: the prefill worker to receive from); None for a request that stays
+        on this worker. `fetch`: a transfer.fetch.FetchPlan for a request prefilled here,
+        whose prefix a peer caches. Raises ValueError on bad input."""
 
     @abstractmethod
     def step(self) -> list[Event]:

@@ -1,9 +1,13 @@
-"""The one validation of a request against the model's limits, used by the engine
-(`LLMEngine.make_request`), the cluster before it places a request, and the HTTP router
-before it queues one (so a refusal is a 400 naming the field, before any worker or
-stream is involved)."""
+"""The one validation of a request against the model's limits (`check_request`), made at the
+edge: the HTTP router before it queues a request (a refusal is a 400 naming the field, before any
+worker or stream is involved) through the cluster, or `LLMEngine.make_request` for a caller of
+the engine itself. What it returns, a `ValidRequest`, is what crosses to the workers: an engine
+admits it checking only what it alone knows (its KV capacity: `check_capacity`)."""
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 from .sampling_params import SamplingParams
 
@@ -16,10 +20,38 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class ValidRequest:
+    """A prompt and its sampling parameters that `check_request` passed, with the max_tokens it
+    resolved (the rest of max_model_len when the client set none). Made by `check_request` only."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+    def samples(self) -> list[ValidRequest]:
+        """One per sequence of n (SamplingParams.samples(): their seeds differ, their limits do not)."""
+        return [dataclasses.replace(self, params=p) for p in self.params.samples()]
+
+    def first_token(self) -> ValidRequest:
+        """The prefill role's part: the first token only (min_tokens >= 1 still keeps EOS and the
+        stop ids out of it)."""
+        params = dataclasses.replace(self.params, max_tokens=1, min_tokens=min(self.params.min_tokens, 1))
+        return dataclasses.replace(self, params=params, max_tokens=1)
+
+
+def check_capacity(request: ValidRequest, kv_capacity_tokens: int) -> None:
+    """What only an engine knows: whether the request fits its KV cache whole."""
+    n = len(request.prompt_token_ids) + request.max_tokens
+    if n > kv_capacity_tokens:
+        raise InvalidRequest(f"prompt + max_tokens = {n} tokens cannot fit in the KV cache "
+                             f"({kv_capacity_tokens} tokens)", "max_tokens")
+
+
 def check_request(token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                  kv_capacity_tokens: int | None = None, bounded: bool = True) -> int:
-    """Raises InvalidRequest naming the problem; returns the request's max_tokens (the
-    rest of max_model_len when params.max_tokens is None). `bounded` False (kv_window_tokens,
+                  bounded: bool = True) -> ValidRequest:
+    """Raises InvalidRequest naming the problem. The request's max_tokens: the rest of
+    max_model_len when params.max_tokens is None. `bounded` False (kv_window_tokens,
     engine/base/kv_window.py): a request's length is not bounded by max_model_len or the KV cache;
     max_tokens defaults to max_model_len."""
     if not token_ids:
@@ -40,7 +72,7 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         if params.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
-        return max_tokens
+        return ValidRequest(list(token_ids), params, max_tokens)
     if n >= max_model_len:
         raise InvalidRequest(f"prompt has {n} tokens; max_model_len is {max_model_len} "
                              "(at least one token must be left to generate)", "prompt")
@@ -51,7 +83,4 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
     if params.min_tokens > max_tokens:  # max_tokens unset: what the context leaves
         raise InvalidRequest(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this prompt "
                              f"can generate (max_model_len {max_model_len})", "min_tokens")
-    if kv_capacity_tokens is not None and n + max_tokens > kv_capacity_tokens:
-        raise InvalidRequest(f"prompt + max_tokens = {n + max_tokens} tokens cannot fit in the KV cache "
-                             f"({kv_capacity_tokens} tokens)", "max_tokens")
-    return max_tokens
+    return ValidRequest(list(token_ids), params, max_tokens)

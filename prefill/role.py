@@ -29,7 +29,7 @@ import torch
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Event, Failed, HandoffResult, Role, Sent
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import ValidRequest
 from pdserve.transfer.base import HandoffMeta, HandoffTarget, KVConnector
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
 
@@ -63,14 +63,12 @@ class PrefillRole(Role):
         # starts the send, decided under this lock
         self._lock = threading.Lock()
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            peer: str | None = None, fetch: FetchPlan | None = None) -> None:
+    def add(self, request_id: str, request: ValidRequest, peer: str | None = None,
+            fetch: FetchPlan | None = None) -> None:
         if request_id in self.pending:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # the first token only; min_tokens >= 1 still keeps EOS / stop ids out of it
-        one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         try:
-            req = self.engine.make_request(prompt_token_ids, one, request_id)
+            req = self.engine.admit(request.first_token(), request_id)
             if fetch is None or not self.fetches.start(req, fetch):  # else the engine gets it after
                 self.engine.add_request(req)
         except ValueError:

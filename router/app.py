@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve import __version__
 from pdserve.cluster.api import ServingCluster
 from pdserve.engine.default_model import model_name as served_name
+from pdserve.engine.validation import ValidRequest
 
 from .chat import chat_ids, special_tokens
 from .errors import GuardMiddleware, HTTPError, error_response
@@ -146,13 +147,14 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         except ValueError as e:  # InvalidParam
             raise HTTPError(400, str(e), param=e.param) from None
 
-    async def serve(request: Request, req, prompts: list[tuple[str | None, list[int]]], params: list, chat: bool):
+    async def serve(request: Request, req, prompts: list[tuple[str | None, list[int]]], params: list[ValidRequest],
+                    chat: bool):
         """Both endpoints: run the request's sequences (its prompts x n), render them as the
         endpoint's OpenAI shape: choice index = prompt i x n + copy j, usage summed."""
         seqs = sequences(prompts, params)
         runner.admit(len(seqs), len(prompts))
-        for p in params:
-            app.state.metrics.on_params(p.n, p.max_tokens)
+        for r in params:
+            app.state.metrics.on_params(r.params.n, r.params.max_tokens)
         prefix = "chatcmpl" if chat else "cmpl"
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         n_prompt = sum(len(ids) for _, ids in prompts)

@@ -29,7 +29,7 @@ from pdserve.engine.base.grammar_spec import BUDGET, nesting_depth
 from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.sample.structured import Grammars
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.validation import InvalidRequest
+from pdserve.engine.validation import InvalidRequest, ValidRequest
 
 from .errors import HTTPError
 from .schemas import screen
@@ -71,13 +71,20 @@ class Sequence:
     take a batch), one of its n copies (SamplingParams.samples())."""
     prompt: int
     text: str | None
-    ids: list[int]
-    params: SamplingParams
+    request: ValidRequest  # what the cluster runs (validated once, RequestRunner.params)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
-def sequences(prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[Sequence]:
+def sequences(prompts: list[tuple[str | None, list[int]]], requests: list[ValidRequest]) -> list[Sequence]:
     """The request's sequences in OpenAI's choice order: index = prompt i x n + copy j."""
-    return [Sequence(k, text, ids, c) for k, ((text, ids), p) in enumerate(zip(prompts, params)) for c in p.samples()]
+    return [Sequence(k, text, c) for k, ((text, _), r) in enumerate(zip(prompts, requests)) for c in r.samples()]
 
 
 def first_copies(seqs: list[Sequence]) -> list[int]:
@@ -136,14 +143,16 @@ class RequestRunner:
             kind = f" [type={err['type']}]" if err.get("type") else ""  # pydantic's error type, as vLLM shows it
             raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}{kind}", param=param or None) from None
 
-    async def params(self, req, ids: list[int], default_max: int | None):
+    async def params(self, req, ids: list[int], default_max: int | None) -> ValidRequest:
+        """The prompt `ids` and the request's sampling parameters, validated (the request's one
+        validation: cluster.validate); raises HTTPError 400 naming the field."""
         try:
             params = req.sampling_params(default_max, self.tool_parser)
         except ValueError as e:  # InvalidParam names the field; a grammar's is the field it came from
             param = getattr(e, "param", None)
             raise HTTPError(400, str(e), param=grammar_param(req) if param == "structured_outputs" else param) from None
         try:
-            max_tokens = self.cluster.validate(ids, params)
+            valid = self.cluster.validate(ids, params)
             if params.structured_outputs:  # a grammar that does not compile: refused before queueing
                 await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
                     self.compiling, self.grammars.check, params.structured_outputs), BUDGET.compile_timeout_s)
@@ -155,7 +164,7 @@ class RequestRunner:
                             param=grammar_param(req)) from None
         except ValueError as e:  # the grammar: of a tool's parameters, or of response_format / guided_*
             raise HTTPError(400, str(e), param=grammar_param(req)) from None
-        return dataclasses.replace(params, max_tokens=max_tokens)
+        return dataclasses.replace(valid, params=dataclasses.replace(params, max_tokens=valid.max_tokens))
 
     def admit(self, n: int = 1, prompts: int = 1) -> None:
         """Takes n slots of the bounded queue (one per sequence: `prompts` x the request's n);
@@ -181,7 +190,7 @@ class RequestRunner:
         async def pump(i: int) -> None:
             s = seqs[i]
             try:
-                async for out in self.outputs(s.text, s.ids, s.params, stream):
+                async for out in self.outputs(s.text, s.request, stream):
                     q.put_nowait((i, out))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 q.put_nowait((i, e))
@@ -207,14 +216,13 @@ class RequestRunner:
                 t.cancel()  # a sequence still running is cancelled on every worker (outputs())
             self.inflight -= len(seqs)
 
-    async def outputs(self, text, ids, params, stream: bool = True):
+    async def outputs(self, text: str | None, request: ValidRequest, stream: bool = True):
         """Yields the request's delta outputs as the cluster produces them (stream=False: at its
         end; ServingCluster.submit); cancels the request if the consumer stops early (client
         disconnect)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        fut = self.cluster.submit(text, ids, params, lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
-                                  stream)
+        fut = self.cluster.submit(text, request, lambda out: loop.call_soon_threadsafe(q.put_nowait, out), stream)
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(q.put_nowait, _Done(f)))
         finished = False
         try:

@@ -257,9 +257,9 @@ def run_disagg(pw, dw, prompts, params):
     for i, (p, sp) in enumerate(zip(prompts, each)):
         ids = pw.engine.tokenize(p)
         to_decode = sp.max_tokens != 1
-        pw.add(f"r{i}", ids, sp, "decode-0" if to_decode else None)
+        pw.add(f"r{i}", valid(pw.engine, ids, sp), "decode-0" if to_decode else None)
         if to_decode:
-            dw.add(f"r{i}", ids, sp, "prefill-0")
+            dw.add(f"r{i}", valid(dw.engine, ids, sp), "prefill-0")
     while pw.num_inflight or dw.num_inflight:
         for ev in pw.step() + dw.step():
             if isinstance(ev, Reserved):
@@ -272,3 +272,12 @@ def run_disagg(pw, dw, prompts, params):
             elif isinstance(ev, Emitted) and ev.output.finished:
                 finals[ev.output.request_id] = ev.output
     return [finals[f"r{i}"] for i in range(len(prompts))], sent
+
+
+def valid(engine, ids: list[int], params):
+    """`ids` and `params` as the edge hands them to a role (engine/validation.check_request against
+    the engine's model): what a cluster's dispatcher gives a worker."""
+    from pdserve.engine.validation import check_request
+
+    return check_request(list(ids), params, engine.config.max_model_len, engine.model_config.vocab_size,
+                         bounded=engine.config.kv_window_tokens is None)

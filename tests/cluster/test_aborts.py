@@ -55,17 +55,17 @@ def test_an_abort_that_comes_before_its_request_keeps_it_from_starting(tiny_mode
         workers = {w.role: w for w in c.pools.workers.values()}
         p, d = workers["prefill"].actor, workers["decode"].actor
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        ids = list(range(10, 60))
+        request = c.validate(list(range(10, 60)), params)
         for rid in ("early-p", "early-d", "early-pipe"):
             ray.get((p if rid == "early-p" else d).abort.remote(rid))
         with pytest.raises(ray.exceptions.RayTaskError, match="request early-p aborted"):
-            ray.get(p.prefill.remote("early-p", ids, params, workers["decode"].worker_id), timeout=30)
-        stream = d.generate.options(num_returns="streaming").remote("early-d", ids, params)
+            ray.get(p.prefill.remote("early-p", request, workers["decode"].worker_id), timeout=30)
+        stream = d.generate.options(num_returns="streaming").remote("early-d", request)
         assert [ray.get(ref) for ref in stream] == []
         if c.pipe is not None and c.pipe.connected(workers["decode"].worker_id):
-            assert ray.get(d.generate_piped.remote("early-pipe", ids, params), timeout=30) is False
+            assert ray.get(d.generate_piped.remote("early-pipe", request), timeout=30) is False
         assert wait_quiet(c, 10) == {}
-        out = c.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        out = c.generate([request.prompt_token_ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
         assert out.outputs[0].finish_reason == "length"
     finally:
         c.shutdown()

@@ -58,7 +58,7 @@ def test_a_worker_whose_engine_thread_died_refuses_calls_and_is_replaced(tiny_mo
             ray.get(sick.stats.remote())
         t = time.monotonic()
         with pytest.raises(ray.exceptions.RayTaskError, match="cannot serve"):  # at once, not a hang
-            ray.get(next(sick.generate.remote("r", [1, 2, 3], GREEDY)), timeout=30)
+            ray.get(next(sick.generate.remote("r", c.validate([1, 2, 3], GREEDY))), timeout=30)
         assert time.monotonic() - t < 10
         async def join():  # as if the pools had started it: the monitor must see it cannot serve
             c.pools.workers["sick-0"] = WorkerRecord("sick-0", "decode", sick)
@@ -155,7 +155,7 @@ def test_a_request_whose_kv_landed_survives_its_prefill_worker(tiny_models):
             outs.append(out)
             first.set()
 
-        fut = c.submit(None, prompt, params, sink)
+        fut = c.submit(None, c.validate(prompt, params), sink)
         assert first.wait(60)
         ray.kill(ray.get_actor(outs[0].prefill_worker, namespace="pdserve"))  # its reply still on the way
         fut.result(120)
@@ -250,8 +250,8 @@ def test_a_worker_lost_mid_generation_reports_no_ray_internals(tiny_models):
             outs.append(out)
             first.set()
 
-        fut = c.submit(None, list(range(100, 120)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
-                       sink)
+        fut = c.submit(None, c.validate(list(range(100, 120)), SamplingParams(temperature=0, max_tokens=200,
+                                                                              ignore_eos=True)), sink)
         assert first.wait(60)
         ray.kill(ray.get_actor(outs[0].decode_worker, namespace="pdserve"))
         fut.result(120)

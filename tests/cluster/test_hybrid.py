@@ -154,7 +154,7 @@ def test_mixed_load_with_cancels_holds_no_block(hybrid, prompts):
     for i, p in enumerate(prompts * 2):
         ids = hybrid.tokenizer.encode(p)
         sp = SamplingParams(temperature=0, max_tokens=1 if i % 5 == 0 else 24, ignore_eos=True)
-        futures.append(hybrid.submit(p, ids, sp, got.append))
+        futures.append(hybrid.submit(p, hybrid.validate(ids, sp), got.append))
     time.sleep(1.0)
     for f in futures[1::3]:
         f.cancel()

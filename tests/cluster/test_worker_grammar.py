@@ -50,13 +50,13 @@ def test_a_new_grammar_never_holds_up_the_steps_of_other_requests(cluster, compi
         arrivals.append(time.monotonic())
         first.set()
 
-    long = cluster.submit(None, list(range(100, 140)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                          sink)
+    long = cluster.submit(None, cluster.validate(list(range(100, 140)), SamplingParams(
+        temperature=0, max_tokens=400, ignore_eos=True)), sink)
     assert first.wait(60)
     got = []
     t0 = time.monotonic()
-    constrained = cluster.submit(None, list(range(200, 220)), SamplingParams(temperature=0, max_tokens=8,
-                                                                             structured_outputs=SLOW), got.append)
+    constrained = cluster.submit(None, cluster.validate(list(range(200, 220)), SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=SLOW)), got.append)
     constrained.result(timeout=120)
     t1 = time.monotonic()
     long.result(timeout=120)
@@ -71,13 +71,13 @@ def test_a_new_grammar_never_holds_up_the_steps_of_other_requests(cluster, compi
 def test_a_request_aborted_while_its_grammar_compiles_never_starts(cluster, compile_s):
     grammar = {"regex": SLOW["regex"] + "y"}  # another grammar: not in the worker's cache yet
     queries = worker_stats(cluster)["prefix_cache_queries"]
-    fut = cluster.submit(None, list(range(300, 340)), SamplingParams(temperature=0, max_tokens=300,
-                                                                     structured_outputs=grammar), lambda out: None)
+    fut = cluster.submit(None, cluster.validate(list(range(300, 340)), SamplingParams(
+        temperature=0, max_tokens=300, structured_outputs=grammar)), lambda out: None)
     time.sleep(min(1.0, compile_s / 4))  # the worker is compiling it
     fut.cancel()
     # the same grammar again, now cached: the compile thread takes it after the aborted one
-    again = cluster.submit(None, list(range(400, 420)), SamplingParams(temperature=0, max_tokens=4,
-                                                                       structured_outputs=grammar), lambda out: None)
+    again = cluster.submit(None, cluster.validate(list(range(400, 420)), SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs=grammar)), lambda out: None)
     again.result(timeout=120)
     deadline = time.monotonic() + 30
     while (s := worker_stats(cluster))["inflight"] or s["request_blocks"] or s["open_outputs"]:

@@ -101,6 +101,32 @@ def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, kwargs, match):
     assert len(out.outputs[0].token_ids) >= 1
 
 
+def test_a_request_validated_at_the_edge_is_admitted_checking_only_the_engines_capacity(tiny_models):
+    """What a worker gets (check_request's ValidRequest): its engine checks no model limit again,
+    only what it alone knows, its KV capacity; the prefill role's part asks one token."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.validation import InvalidRequest, check_request
+
+    eng = LLMEngine(EngineConfig(model=tiny_models["llama"], max_model_len=512, num_gpu_blocks_override=4))
+    ids = list(range(10, 50))
+    valid = check_request(ids, SamplingParams(max_tokens=20, min_tokens=5), 512, eng.model_config.vocab_size)
+    req = eng.admit(valid, "r0")
+    assert (req.prompt_token_ids, req.max_tokens) == (ids, 20) and req.request_id == "r0"
+    first = valid.first_token()
+    assert (first.max_tokens, first.params.max_tokens, first.params.min_tokens) == (1, 1, 1)
+    assert (valid.params.max_tokens, valid.params.min_tokens) == (20, 5)  # the request's own stays
+    # within max_model_len (the edge passed it), past this engine's 4 blocks of 16 tokens
+    big = check_request(ids, SamplingParams(max_tokens=100), 512, eng.model_config.vocab_size)
+    with pytest.raises(InvalidRequest, match=r"prompt \+ max_tokens = 140 tokens cannot fit in the KV cache \(64"):
+        eng.admit(big, "r1")
+    assert eng.admit(big.first_token(), "r1").max_tokens == 1  # its prefill alone fits
+    with pytest.raises(ValueError, match="n=2: an engine request is one sequence"):
+        eng.admit(check_request(ids, SamplingParams(n=2, max_tokens=2), 512, eng.model_config.vocab_size))
+    assert [v.params.seed for v in check_request(ids, SamplingParams(n=2, max_tokens=2, seed=7), 512,
+                                                  eng.model_config.vocab_size).samples()] == [7, 8]
+
+
 def test_abort_frees_blocks(llm):
     eng = llm.engine
     reqs = [eng.add_request(f"Story number {i}:", SamplingParams(max_tokens=50)) for i in range(4)]

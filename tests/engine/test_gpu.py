@@ -217,6 +217,8 @@ def test_seeded_sampling_is_the_same_across_the_handoff_on_cuda(tiny_models):
     from pdserve.prefill.role import PrefillRole
     from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
+    from helpers import valid
+
     path = tiny_models["llama"]
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=24, seed=7, ignore_eos=True)
     prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]
@@ -232,8 +234,8 @@ def test_seeded_sampling_is_the_same_across_the_handoff_on_cuda(tiny_models):
     dw = DecodeRole(de, LoopbackConnector("decode-0", de.runner.kv, hub))
     got = []
     for i, ids in enumerate(prompts):
-        pw.add(f"r{i}", ids, sp, "decode-0")
-        dw.add(f"r{i}", ids, sp, "prefill-0")
+        pw.add(f"r{i}", valid(pw.engine, ids, sp), "decode-0")
+        dw.add(f"r{i}", valid(dw.engine, ids, sp), "prefill-0")
         final = None
         while pw.num_inflight or dw.num_inflight:
             for ev in pw.step() + dw.step():

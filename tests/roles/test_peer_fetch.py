@@ -15,6 +15,8 @@ from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.fetch import FetchPlan
 from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
+from helpers import valid
+
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SHARED = list(range(500, 564))  # 4 blocks
 PROMPTS = [SHARED + list(range(900 + 20 * i, 911 + 20 * i)) for i in range(3)]
@@ -54,9 +56,9 @@ def test_a_prefix_cached_on_a_is_fetched_by_b_with_the_tokens_of_recomputing(tin
     model = tiny_models[MODELS[kv_cache_dtype]]
     want = alone(model, kv_cache_dtype)
     ws = workers(model, kv_cache_dtype)
-    ws["a"].add("r0", PROMPTS[0], PARAMS)
+    ws["a"].add("r0", valid(ws["a"].engine, PROMPTS[0], PARAMS))
     assert drive(ws)["r0"].outputs[0].token_ids == want[0]
-    ws["b"].add("r1", PROMPTS[1], PARAMS, None, FetchPlan("a", 4))
+    ws["b"].add("r1", valid(ws["b"].engine, PROMPTS[1], PARAMS), None, FetchPlan("a", 4))
     assert ws["b"].fetches.busy == 1 and "r1" not in ws["b"].engine.requests  # waits outside the engine
     out = drive(ws)["r1"]
     assert out.outputs[0].token_ids == want[1]
@@ -66,13 +68,14 @@ def test_a_prefix_cached_on_a_is_fetched_by_b_with_the_tokens_of_recomputing(tin
     assert sb["prefix_cache_peer_hits"] == 64 and sb["kv_peer_fetched_bytes"] == 4 * block == sa["kv_peer_served_bytes"]
     assert sb["kv_peer_fetches_failed"] == 0 and sb["kv_peer_waiting"] == 0
     assert sb["kv_peer_fetch_gbps"] is None  # the first fetch from a holder connects the pair: not measured
-    ws["b"].add("r2", PROMPTS[2], PARAMS, None, FetchPlan("a", 4))  # b holds the prefix now: nothing fetched
+    # b holds the prefix now: nothing fetched
+    ws["b"].add("r2", valid(ws["b"].engine, PROMPTS[2], PARAMS), None, FetchPlan("a", 4))
     assert ws["b"].fetches.busy == 0
     assert drive(ws)["r2"].outputs[0].token_ids == want[2]
     other = [list(range(700, 764)) + p[64:] for p in PROMPTS[:2]]  # another shared prefix: a's, then b's
-    ws["a"].add("r3", other[0], PARAMS)
+    ws["a"].add("r3", valid(ws["a"].engine, other[0], PARAMS))
     drive(ws)
-    ws["b"].add("r4", other[1], PARAMS, None, FetchPlan("a", 4))
+    ws["b"].add("r4", valid(ws["b"].engine, other[1], PARAMS), None, FetchPlan("a", 4))
     drive(ws)
     assert ws["b"].fetches.stats()["kv_peer_fetch_gbps"] > 0  # the link's speed, what placement predicts by
     for w in ws.values():
@@ -87,20 +90,20 @@ def test_a_refused_or_aborted_fetch_recomputes_and_leaks_no_block(tiny_models):
     want = alone(model, "auto")
     ws = workers(model, "auto", PrefillRole, names=("a", "b", "c"))
     one = SamplingParams(temperature=0, max_tokens=1)
-    ws["b"].add("r0", PROMPTS[0], one, None, FetchPlan("a", 4))  # a caches nothing: refused
+    ws["b"].add("r0", valid(ws["b"].engine, PROMPTS[0], one), None, FetchPlan("a", 4))  # a caches nothing: refused
     out = drive(ws)["r0"]
     assert out.outputs[0].token_ids == want[0][:1] and out.num_cached_tokens == 0
     s = ws["b"].fetches.stats()
     assert s["kv_peer_fetches_failed"] == 1 and s["prefix_cache_peer_hits"] == 0
-    ws["a"].add("r1", PROMPTS[1], one, None)
+    ws["a"].add("r1", valid(ws["a"].engine, PROMPTS[1], one), None)
     drive(ws)
     c = ws["c"]
-    c.add("r2", PROMPTS[2], one, None, FetchPlan("a", 4))
+    c.add("r2", valid(c.engine, PROMPTS[2], one), None, FetchPlan("a", 4))
     assert c.engine.kv.num_blocks - c.engine.kv.num_free_blocks == 4  # reserved for the fetch
     c.abort("r2")
     assert c.num_inflight == 0 and c.fetches.busy == 0 and c.engine.kv.num_free_blocks == c.engine.kv.num_blocks
     assert drive(ws) == {}
-    c.add("r3", PROMPTS[2], one, None, FetchPlan("a", 4))  # the holder refuses (a dead or drained one)
+    c.add("r3", valid(c.engine, PROMPTS[2], one), None, FetchPlan("a", 4))  # the holder refuses (a dead or drained one)
     assert drive(ws, refuse=True)["r3"].outputs[0].token_ids == want[2][:1]
     assert c.fetches.stats()["kv_peer_fetches_failed"] == 1
     for w in ws.values():

@@ -15,7 +15,7 @@ from pdserve.engine.role import Reserved
 from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
-from helpers import PROMPTS, run_disagg
+from helpers import PROMPTS, run_disagg, valid
 
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -148,7 +148,7 @@ def test_a_priority_decode_worker_reserves_for_handoffs_in_priority_order(tiny_m
                                      scheduling_policy=policy))
         dw = DecodeRole(eng, LoopbackConnector("decode-0", eng.runner.kv, LoopbackHub()))
         for rid in ("big", "small", "urgent"):
-            dw.add(rid, ids[rid], SamplingParams(max_tokens=4, priority=prio[rid]), "prefill-0")
+            dw.add(rid, valid(dw.engine, ids[rid], SamplingParams(max_tokens=4, priority=prio[rid])), "prefill-0")
         got = [ev.request_id for ev in dw._reserve() if isinstance(ev, Reserved)]
         assert got == want, policy
         for rid in list(dw.receiving) + [i.request.request_id for i in dw.backlog]:
@@ -167,7 +167,7 @@ def test_a_prompt_whose_decode_worker_never_reserves_is_released_after_the_hando
     hub = LoopbackHub()
     pe = LLMEngine(EngineConfig(model=tiny_models["llama"], max_model_len=256))
     pw = PrefillRole(pe, LoopbackConnector("prefill-0", pe.runner.kv, hub), handoff_timeout_s=0.5)
-    pw.add("r0", list(range(10, 60)), SP, peer="decode-0")
+    pw.add("r0", valid(pw.engine, list(range(10, 60)), SP), peer="decode-0")
     events = []
     deadline = time.monotonic() + 30
     while not any(isinstance(e, Failed) for e in events):
