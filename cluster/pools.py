@@ -1,9 +1,10 @@
-"""The prefill and decode pools: worker records, sizes, scaling, health, autoscaling.
-Runs on the cluster's event loop thread.
+"""The prefill and decode pools: worker records, sizes, scaling and each worker's lifecycle (start,
+placement group, persistence slot, drain, role switch, removal); their health and autoscaling
+are `PoolMonitor`'s (pool_monitor.py). Runs on the cluster's event loop thread.
 
     scale(want)   set pool targets; growth is awaited, the surplus drains (no new
                   requests, in-flight ones finish) and then stops
-    monitor()     every second: the registry's probe (registry.RegistryLink.check), each
+    monitor()     (pool_monitor.py) every second: the registry's probe (registry.RegistryLink.check), each
                   worker's stats (or, if it does not answer, purge it from the registry,
                   tell its peers to drop their process groups with it, and refill the
                   pool); then one autoscaling decision when it is on
@@ -32,9 +33,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pdserve.engine.config import EngineConfig
 
 from .aio import within
-from .autoscale import LatencyWindow, PoolSignals, PoolState, decide, pool_signals
+from .autoscale import LatencyWindow, PoolState
 from .engine_specs import EngineSpecs
 from .output_pipe import PipeAddress
+from .pool_monitor import PoolMonitor
 from .ratio import RatioPlanner
 from .records import WorkerRecord
 from .routing import Candidate
@@ -45,7 +47,7 @@ from .worker_actor import WorkerActor
 log = logging.getLogger(__name__)
 
 
-class Pools:
+class Pools(PoolMonitor):
     def __init__(self, serving: ServingConfig, specs: EngineSpecs, actor_options: dict,
                  namespace: str, registry, start_timeout: float, bind_host: str | None = None):
         """`specs`: each pool's engine spec, and the cluster's mode. `bind_host`: where the workers'
@@ -283,98 +285,3 @@ class Pools:
         await self.registry.unregister(w.worker_id)
         # stopped: a replacement takes its tier over
         self._persist_slots.discard(w.info.persist_slot if w.info else None)
-
-    # ---- health and autoscaling ---------------------------------------------------------------
-    async def monitor(self) -> None:
-        """Every second: the registry's probe, each worker's stats (one that does not answer is
-        purged and replaced), the refill, the autoscaler. One pass that raises is logged and the
-        next runs: health, refills and the registry's return all hang on this loop."""
-        while not self.closed:
-            await asyncio.sleep(1.0)
-            try:
-                await self._monitor_pass()
-                self.monitor_error = None
-            except Exception as e:  # noqa: BLE001
-                self.monitor_error = f"{type(e).__name__}: {e}"[:300]
-                log.exception("pool monitor pass failed; the next one runs in 1 s")
-
-    def monitor_state(self) -> dict:
-        return {"status": "ok" if self.monitor_error is None else "error",
-                **({"error": self.monitor_error} if self.monitor_error else {})}
-
-    async def _monitor_pass(self) -> None:
-        await self.registry.check()
-        for w in list(self.workers.values()):
-            try:
-                w.stats = await within(w.actor.stats.remote(), 5)
-            except (RayError, asyncio.TimeoutError) as e:
-                await asyncio.sleep(0.5)  # a signal that ended the worker ends this process too: closed by then
-                if w.worker_id in self.workers and not self.closed:
-                    why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-                    log.warning("worker %s cannot serve (%s): purging and replacing it", w.worker_id, why)
-                    await self.remove(w, graceful=False)
-        if not self.closed and not self._scaling.locked():
-            async with self._scaling:
-                try:
-                    await self._reconcile()  # drains it starts run on their own
-                except RayError as e:
-                    log.warning("refilling pools failed: %s", e)
-        if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():
-            self._autoscale_step(time.monotonic())
-
-    def _switch_instead(self, want: dict) -> dict | None:
-        """The policy wants a pool to grow and no worker can be added: move one worker from
-        the other pool if that one is not growing and stays within its bounds (the
-        prefill:decode ratio is what was wrong). None: scale as asked."""
-        sizes = self.pool_sizes()
-        grow = [r for r in ROLES if want.get(r, sizes[r]) > sizes[r]]
-        if not self.serving.autoscale.switch_roles or len(grow) != 1 or self.can_add(grow[0]):
-            return None
-        donor = ROLES[1 - ROLES.index(grow[0])]
-        if sizes[donor] - 1 < self.serving.pool(donor).min or len(self.candidates(donor)) < 2:
-            return None
-        self.autoscale_events.append({"time": time.time(), "role": donor, "from": sizes[donor],
-                                      "to": sizes[donor] - 1, "reason": f"switch to {grow[0]}: no worker can be added"})
-        return {grow[0]: sizes[grow[0]] + 1, donor: sizes[donor] - 1}
-
-    def can_add(self, role: str) -> bool:
-        """Whether one more worker of `role` can start now: under autoscale.max_workers, and
-        Ray has the resources its actor asks for free (a Ray autoscaler that could add a
-        node is not asked: set switch_roles false to wait for it instead)."""
-        cap = self.serving.autoscale.max_workers
-        if cap is not None and len(self.workers) >= cap:
-            return False
-        opts, free, tp = self.actor_options[role], ray.available_resources(), self.tp(role)
-        need = {"GPU": opts.get("num_gpus", 0) * tp, "CPU": opts.get("num_cpus", 0) * tp,
-                **(opts.get("resources") or {})}
-        return all(free.get(k, 0.0) >= v for k, v in need.items() if v)
-
-    def pool_signals(self, now: float | None = None) -> dict[str, PoolSignals]:
-        return pool_signals(self.workers.values(), self.ttft, self.itl, time.monotonic() if now is None else now)
-
-    def _autoscale_step(self, now: float) -> None:
-        cfg, want, switch = self.serving.autoscale, {}, False
-        if self.ratio is not None:  # policy "ratio": the split of the workers there are (ratio.py)
-            got = self.ratio.plan(list(self.workers.values()), self.serving, now)
-            if got:
-                want, switch = got[0], True
-                self.autoscale_events.append({"time": time.time(), "role": "ratio", "from": self.pool_sizes(),
-                                              "to": want, "reason": got[1]})
-                log.warning("autoscale %s", got[1])
-        for role, sig in (self.pool_signals(now) if self.ratio is None else {}).items():
-            if sig.size != self.targets[role] or (role == "prefill" and self.mode == "colocated"):
-                continue  # a change is still being applied
-            size, why = decide(role, sig, cfg, self.serving.pool(role), self._pool_state[role], now)
-            if size != sig.size:
-                want[role] = size
-                self._pool_state[role].last_change = now
-                self._pool_state[role].calm_since = None
-                self.autoscale_events.append({"time": time.time(), "role": role, "from": sig.size, "to": size,
-                                              "reason": why})
-                log.warning("autoscale %s: %d -> %d (%s)", role, sig.size, size, why)
-        if self.ratio is None and (moved := self._switch_instead(want)):
-            want, switch = moved, True
-        if want:
-            task = asyncio.ensure_future(self.scale(want, switch_roles=bool(switch)))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or
-                                   log.warning("autoscale failed: %s", t.exception()))

@@ -1,24 +1,27 @@
 """`WorkerActor`: a Ray actor that hosts one engine in one role (prefill or decode),
-role-agnostic: it feeds the role commands and forwards the role's events.
+role-agnostic. This module is the actor's side: its start and stop, its health (`ping`, `stats`,
+a dead rank or engine thread), and its intake (requests, targets, fetches, aborts, role switches
+and retunes posted to the engine thread). The engine thread's side, which feeds the role those
+commands, steps it, forwards its events and heartbeats, is `EngineLoop` (engine_loop.py).
 
 Threads: the engine is owned by one thread (the engine loop); the actor's async methods
 only post commands to it (small dataclasses on `inbox`) and await futures or queues
 that the loop resolves through the actor's event loop, so an engine step never blocks
 a Ray call and no lock is needed around the engine (worker_commands.py names the commands).
 A request with a grammar is posted once its grammar has compiled on the actor's compile
-thread, so a new grammar never holds up a step. The loop also heartbeats to the registry
-with the worker's stats and the prefix-cache events.
+thread, so a new grammar never holds up a step.
 
 A disaggregated request touches two actors, each once, at the same time (the cluster
-calls both; nothing goes back through the cluster before the first token):
+calls both; nothing goes back through the cluster before the first token). `request` is the
+cluster's ValidRequest (validated once, at the edge):
 
-    prefill actor  prefill(rid, ids, params, decode_id)   -> the handoff's result when done
-    decode actor   generate(rid, ids, params, prefill_id) -> stream of delta outputs
+    prefill actor  prefill(rid, request, decode_id)   -> the handoff's result when done
+    decode actor   generate(rid, request, prefill_id) -> stream of delta outputs
                    (or generate_piped: the same outputs over the output pipe, output_pipe.py)
                    its role reserves blocks (Reserved) -> prefill actor.target(rid, target),
                    actor to actor; the prefill role sends the KV + first token when ready
-A request served by one worker: generate(rid, ids, params) on a decode (or colocated)
-actor, or prefill(rid, ids, params, None) when max_tokens == 1.
+A request served by one worker: generate(rid, request) on a decode (or colocated) actor, or
+prefill(rid, request, None) when max_tokens == 1.
 """
 
 from __future__ import annotations
@@ -35,36 +38,31 @@ import uuid
 
 import ray
 
-from pdserve.decode.role import DecodeRole
 from pdserve.engine.base.tp import TPError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.role import Emitted, Failed, Fetching, Reserved, Sent
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import ValidRequest
-from pdserve.prefill.role import PrefillRole
 from pdserve.transfer.base import HandoffTarget
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
 from pdserve.transfer.tp import TPConnector
 
+from .engine_loop import ROLE_CLASSES, EngineLoop
 from .gpus import see_node_gpus
 from .outlets import Outlets
 from .output_pipe import PipeAddress, PipeSender
 from .peer_calls import PeerCalls
-from .records import BlockEvent, WorkerInfo, WorkerStats
+from .records import WorkerInfo, WorkerStats
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RankPlacement, RayShards
 from .worker_commands import Abort, Aborted, AbortLog, Add, ForgetPeer, SwitchRole
 
-ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
-
 log = logging.getLogger(__name__)
 
 
-class WorkerActor:
+class WorkerActor(EngineLoop):
     def __init__(self, worker_id: str, role: str, spec: EngineConfig, namespace: str,
                  heartbeat_s: float = 1.0, handoff: HandoffConfig | None = None, ranks: RankPlacement | None = None,
                  bind_host: str | None = None, output_pipe: PipeAddress | None = None):
@@ -115,10 +113,6 @@ class WorkerActor:
         self.compiling_now: set[str] = set()  # requests whose grammar compiles now
         self.aborted = AbortLog()  # an abort that comes before its request keeps it from starting
         self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
-
-    def _make_role(self, role: str):
-        self.engine.hold_blocks_on_finish = False  # the prefill role sets it
-        return ROLE_CLASSES[role](self.engine, self.connector, self.handoff_timeout_s, self.fetches)
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -288,111 +282,3 @@ class WorkerActor:
     async def forget_peer(self, worker_id: str) -> None:
         self.peers.forget(worker_id)
         self._post(ForgetPeer(worker_id))
-
-    # ---- the engine thread -> the actor's event loop ---------------------------------------------
-    def _post(self, cmd) -> None:
-        self.inbox.append(cmd)
-        self.wake.set()
-
-    def _deliver(self, request_id: str, result=None, output: RequestOutput | None = None,
-                 error: Exception | None = None) -> None:
-        self.outlets.deliver(request_id, result, output, error)
-
-    # ---- the engine thread ---------------------------------------------------------------------
-    def _loop(self) -> None:
-        """The engine thread. Whatever escapes the step's own guard (a bug in the heartbeat,
-        a command) ends the thread: the worker then says so to every call (`dead`) and its
-        requests fail at once, instead of /health staying 200 while every request waits."""
-        try:
-            self._serve()
-        except BaseException as e:  # noqa: BLE001 - recorded and reported, never silent
-            self.dead = f"engine thread died: {type(e).__name__}: {e}"
-            log.exception("%s: %s", self.worker_id, self.dead)
-            for rid in self.outlets.requests():
-                self._deliver(rid, error=RuntimeError(f"{self.worker_id}: {self.dead}"))
-
-    def _serve(self) -> None:
-        last_beat = 0.0
-        while not self.stopped:
-            self.wake.clear()
-            while self.inbox:
-                self._handle(self.inbox.popleft())
-            try:
-                events = self.role.step()
-            except TPError as e:
-                self._die(e)
-            except Exception as e:  # noqa: BLE001 - a bug must not leave the thread dead and requests hanging
-                events = self._fail_all(e)
-            for ev in events:
-                self._forward(ev)
-            now = time.monotonic()
-            if now - last_beat >= self.heartbeat_s:
-                last_beat = now
-                self._heartbeat()
-                if not self.role.has_work():  # busy, the steps keep the interval; idle, this does
-                    self.engine.persist_if_due()
-            if not self.role.has_work() and not self.inbox:
-                self.wake.wait(0.005 if self.role.num_inflight or self.fetches.busy else 0.2)
-
-    def _fail_all(self, err: Exception) -> list:
-        """An unexpected error in a step: which request caused it is unknown, so every request
-        here ends with the error (their blocks freed) and the engine goes on with new ones."""
-        log.exception("%s: engine step failed; failing its %d request(s)", self.worker_id, len(self.engine.requests))
-        for rid in set(self.engine.requests) | self.outlets.requests():
-            self.role.abort(rid)
-            self._deliver(rid, error=RuntimeError(f"{self.worker_id}: engine step failed: {err!r}"))
-        return []
-
-    def _handle(self, cmd) -> None:
-        try:
-            if isinstance(cmd, Add):
-                self.role.add(cmd.request_id, cmd.request, cmd.peer, cmd.fetch)
-            elif isinstance(cmd, Abort):
-                self.role.abort(cmd.request_id)
-                self._deliver(cmd.request_id, error=Aborted(f"request {cmd.request_id} aborted"))
-            elif isinstance(cmd, ForgetPeer):
-                self.connector.forget_peer(cmd.peer)
-            elif isinstance(cmd, SwitchRole):
-                self._switch(cmd)
-            else:  # a setting the engine thread changes between steps (retune)
-                cmd()
-        except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
-            self._deliver(getattr(cmd, "request_id", ""), error=e)
-
-    def _switch(self, cmd: SwitchRole) -> None:
-        """On the engine thread, between steps: the old role holds nothing, so nothing is lost."""
-        try:
-            if cmd.role not in ROLE_CLASSES:
-                raise ValueError(f"role must be prefill or decode, got {cmd.role!r}")
-            busy = self.role.num_inflight + len(self.engine.held) + self.engine.scheduler.num_unfinished + \
-                self.fetches.busy
-            if busy:
-                raise RuntimeError(f"{self.worker_id} still holds {busy} request(s): drain it first")
-            self.role = self._make_role(cmd.role)
-            self.role_name = cmd.role
-            self.engine.retune(cmd.spec.slo_tpot_s, cmd.spec.max_num_batched_tokens)
-            info = self.info()
-            self.aloop.call_soon_threadsafe(lambda: cmd.done.done() or cmd.done.set_result(info))
-        except Exception as e:  # noqa: BLE001 - the caller learns why; the worker keeps its role
-            self.aloop.call_soon_threadsafe(lambda err=e: cmd.done.done() or cmd.done.set_exception(err))
-
-    def _forward(self, ev) -> None:
-        if isinstance(ev, Emitted):
-            self._deliver(ev.output.request_id, output=ev.output)
-        elif isinstance(ev, Sent):
-            self._deliver(ev.request_id, result=ev.result)
-        elif isinstance(ev, Failed):
-            self._deliver(ev.request_id, error=RuntimeError(ev.error))
-        elif isinstance(ev, Fetching):
-            self.peers.fetch(ev, lambda fid, why: self._post(lambda: self.fetches.refused(fid, why)))
-        elif isinstance(ev, Reserved) and not self.peers.target(ev):  # the prefill worker is gone
-            self.role.abort(ev.request_id)
-            why = f"prefill worker {ev.peer} unreachable"
-            self._deliver(ev.request_id, output=RequestOutput.error(ev.request_id, why))
-
-    def _heartbeat(self) -> None:
-        pool, host = self.engine.kv.pool, self.engine.kv.host
-        news = [BlockEvent.of(k, h) for k, h in pool.drain_events() + (host.drain_events() if host else [])]
-        self.membership.beat(self.info, WorkerStats.of(self._stats()), news, lambda: [
-            BlockEvent.of("stored", h) for h in pool.cached] + [BlockEvent.of("host_stored", h) for h, _ in
-                                                                 (host.entries() if host else [])])
