@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import ValidRequest
 
 from .placement import Charges, Placement
@@ -24,7 +25,6 @@ class Attempt:
                  sink: Callable[[RequestOutput], None], stream: bool = True):
         self.rid, self.wire_id = rid, f"{rid}-{n}"
         self.request, self.hashes, self.sink = request, hashes, sink  # request: what the workers get
-        self.ids, self.params = request.prompt_token_ids, request.params
         self.t0, self.last, self.first_at = time.monotonic(), None, None
         # a client that reads the whole reply at once (JSON): the outputs wait here until the
         # last one, so a worker lost after the first token is still retried (nothing was shown)
@@ -34,6 +34,14 @@ class Attempt:
         self.placement: Placement | None = None
         self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
         self.charges = Charges(self.params.priority)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     @property
     def fetch(self):

@@ -22,12 +22,15 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class ValidRequest:
-    """A prompt and its sampling parameters that `check_request` passed, with the max_tokens it
-    resolved (the rest of max_model_len when the client set none). Made by `check_request` only."""
+    """A prompt and its sampling parameters that `check_request` passed, their max_tokens resolved
+    (the rest of max_model_len when the client set none). Made by `check_request` only."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
     def samples(self) -> list[ValidRequest]:
         """One per sequence of n (SamplingParams.samples(): their seeds differ, their limits do not)."""
@@ -37,7 +40,7 @@ class ValidRequest:
         """The prefill role's part: the first token only (min_tokens >= 1 still keeps EOS and the
         stop ids out of it)."""
         params = dataclasses.replace(self.params, max_tokens=1, min_tokens=min(self.params.min_tokens, 1))
-        return dataclasses.replace(self, params=params, max_tokens=1)
+        return dataclasses.replace(self, params=params)
 
 
 def check_capacity(request: ValidRequest, kv_capacity_tokens: int) -> None:
@@ -72,7 +75,7 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         if params.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
-        return ValidRequest(list(token_ids), params, max_tokens)
+        return _valid(token_ids, params, max_tokens)
     if n >= max_model_len:
         raise InvalidRequest(f"prompt has {n} tokens; max_model_len is {max_model_len} "
                              "(at least one token must be left to generate)", "prompt")
@@ -83,4 +86,10 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
     if params.min_tokens > max_tokens:  # max_tokens unset: what the context leaves
         raise InvalidRequest(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this prompt "
                              f"can generate (max_model_len {max_model_len})", "min_tokens")
-    return ValidRequest(list(token_ids), params, max_tokens)
+    return _valid(token_ids, params, max_tokens)
+
+
+def _valid(token_ids: list[int], params: SamplingParams, max_tokens: int) -> ValidRequest:
+    if params.max_tokens != max_tokens:
+        params = dataclasses.replace(params, max_tokens=max_tokens)
+    return ValidRequest(list(token_ids), params)

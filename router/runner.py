@@ -164,7 +164,7 @@ class RequestRunner:
                             param=grammar_param(req)) from None
         except ValueError as e:  # the grammar: of a tool's parameters, or of response_format / guided_*
             raise HTTPError(400, str(e), param=grammar_param(req)) from None
-        return dataclasses.replace(valid, params=dataclasses.replace(params, max_tokens=valid.max_tokens))
+        return valid
 
     def admit(self, n: int = 1, prompts: int = 1) -> None:
         """Takes n slots of the bounded queue (one per sequence: `prompts` x the request's n);
