@@ -18,41 +18,73 @@
 #   fusions     decode_fusions_speedup_b64                                  120
 #   grammar     grammar_step_cost_worst                                     180
 #   int4        kv_int4_decode_kernel_vs_bf16                               60
-# On one H200 `mixed prefix spec` fit one 10-minute call, the rest a second one.
+# On one H200 the groups take ~20 minutes: more than a 10-minute call. With several GPUs visible
+# the groups are dealt over them (each GPU a lane that runs its groups one after another, the
+# longest first, to the lane with the least time so far), so that the suite runs in one call on a
+# 4-GPU host (~6.5 minutes). SUITE_GPUS picks the GPUs (default: every one nvidia-smi lists).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TOK="${1:?usage: bash bench/gpu_suite.sh TOKENIZER_DIR [GROUP ...]}"
 shift
 groups=("$@")
-[ ${#groups[@]} -eq 0 ] || [ "${groups[0]}" = all ] && groups=(mixed prefix spec engine sampling overlap fusions grammar int4)
+[ ${#groups[@]} -eq 0 ] || [ "${groups[0]}" = all ] && groups=(spec engine grammar mixed overlap fusions prefix sampling int4)
 R=bench/results
-failed=()
+declare -A LIMIT=([mixed]=150 [prefix]=90 [spec]=330 [engine]=240 [sampling]=60 [overlap]=120 [fusions]=120
+                  [grammar]=180 [int4]=60)
+FAILED=$(mktemp)
 run() {  # run GROUP LIMIT CMD...
   local name=$1 limit=$2
   shift 2
   echo "== $name: $*" >&2
   local t0=$SECONDS
-  timeout "$limit" "$@" || failed+=("$name (exit $?)")
+  timeout "$limit" "$@" || echo "$name (exit $?)" >>"$FAILED"
   echo "== $name: $((SECONDS - t0)) s" >&2
 }
-for g in "${groups[@]}"; do
+group() {  # group NAME: one group's bench, under its limit
+  local g=$1 l=${LIMIT[$1]:-0}
   case $g in
-    mixed) run mixed 150 python3 bench/mixed_step_gpu.py --tokenizer "$TOK" --out $R/hybrid --batches 16 --reps 5 \
+    mixed) run mixed $l python3 bench/mixed_step_gpu.py --tokenizer "$TOK" --out $R/hybrid --batches 16 --reps 5 \
              --tag _variants --variants ;;
-    prefix) run prefix 90 python3 bench/prefill_prefix_gpu.py --tokenizer "$TOK" --out $R/attention ;;
-    spec) run spec 330 python3 bench/spec_gpu.py --tokenizer "$TOK" --batches 1,8,32,64 --acceptance 0,0.7 \
+    prefix) run prefix $l python3 bench/prefill_prefix_gpu.py --tokenizer "$TOK" --out $R/attention ;;
+    spec) run spec $l python3 bench/spec_gpu.py --tokenizer "$TOK" --batches 1,8,32,64 --acceptance 0,0.7 \
             --auto-acceptance 0,0.3,0.7 --repeats 3 --out $R/spec --name llama3-8b_chain_stepmodel ;;
-    engine) run engine 240 python3 bench/engine_gpu.py --batches 1,8,64 --prefill 4096 --hf-batches 1,64 --profile \
+    engine) run engine $l python3 bench/engine_gpu.py --batches 1,8,64 --prefill 4096 --hf-batches 1,64 --profile \
               --out $R --name engine_gpu_b64 ;;
-    sampling) run sampling 60 python3 bench/sampling_gpu.py --out $R/sampling ;;
-    overlap) run overlap 120 python3 bench/decode_overlap_gpu.py --tokenizer "$TOK" --batches 1,16,64 \
+    sampling) run sampling $l python3 bench/sampling_gpu.py --out $R/sampling ;;
+    overlap) run overlap $l python3 bench/decode_overlap_gpu.py --tokenizer "$TOK" --batches 1,16,64 \
                --out $R/overlap/h200 ;;
-    fusions) run fusions 120 python3 bench/decode_fusions_gpu.py --tokenizer "$TOK" --out $R/fusions ;;
-    grammar) run grammar 180 python3 bench/grammar_gpu.py --tokenizer "$TOK" --repeats 5 --out $R/grammar ;;
-    int4) run int4 60 python3 bench/kv_int4_gpu.py --out $R/kv_int4 ;;
-    *) echo "unknown group $g" >&2; failed+=("$g (unknown)") ;;
+    fusions) run fusions $l python3 bench/decode_fusions_gpu.py --tokenizer "$TOK" --out $R/fusions ;;
+    grammar) run grammar $l python3 bench/grammar_gpu.py --tokenizer "$TOK" --repeats 5 --out $R/grammar ;;
+    int4) run int4 $l python3 bench/kv_int4_gpu.py --out $R/kv_int4 ;;
+    *) echo "unknown group $g" >&2; echo "$g (unknown)" >>"$FAILED" ;;
   esac
-done
+}
+if [ -n "${SUITE_GPUS:-}" ]; then
+  IFS=, read -ra gpus <<<"$SUITE_GPUS"
+else
+  mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null)
+fi
+if [ ${#gpus[@]} -le 1 ]; then
+  for g in "${groups[@]}"; do group "$g"; done
+else  # deal the groups (in the order given: longest first by default) to the least-loaded lane
+  declare -a lane_groups lane_time
+  for i in "${!gpus[@]}"; do lane_groups[i]=""; lane_time[i]=0; done
+  for g in "${groups[@]}"; do
+    best=0
+    for i in "${!gpus[@]}"; do [ "${lane_time[i]}" -lt "${lane_time[best]}" ] && best=$i; done
+    lane_groups[best]+=" $g"
+    lane_time[best]=$((lane_time[best] + ${LIMIT[$g]:-0}))
+  done
+  for i in "${!gpus[@]}"; do
+    [ -z "${lane_groups[i]}" ] && continue
+    echo "== GPU ${gpus[i]}:${lane_groups[i]}" >&2
+    ( export CUDA_VISIBLE_DEVICES=${gpus[i]}; for g in ${lane_groups[i]}; do group "$g"; done ) 2>&1 \
+      | sed -u "s/^/[gpu ${gpus[i]}] /" >&2 &
+  done
+  wait
+fi
+mapfile -t failed <"$FAILED"
+rm -f "$FAILED"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_suite: not refreshed: ${failed[*]}" >&2
   exit 1

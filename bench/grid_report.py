@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
 import json
 import os
 import re
@@ -27,6 +26,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybrid_report import TTFT_SLO_S, curve  # noqa: E402
+
+from pdserve.bench.report import read_result  # noqa: E402
 
 TPOT_SLOS_MS = (20, 40)
 FAMILIES = ("colocated", "disagg", "hybrid", "adaptive")
@@ -47,8 +48,7 @@ def collect(runs_dir: str) -> dict:
             continue
         gpus = int(os.path.basename(os.path.dirname(path))[4:])
         wl, system, told, rep = m.group(1), m.group(2), m.group(3), int(m.group(4) or 1)
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-            res = json.load(f)
+        res = read_result(path)
         if "runs" not in res:
             continue
         for ms in [int(told)] if told else TPOT_SLOS_MS:

@@ -17,7 +17,7 @@ import json
 import os
 import re
 
-from pdserve.bench.report import goodput
+from pdserve.bench.report import goodput, read_result
 
 TPOT_SLOS_MS = (15, 20, 25, 30, 40, 50)
 TTFT_SLO_S = {"long": 1.0, "trace": 2.0}
@@ -41,13 +41,12 @@ def curve(result: dict, ttft: float, tpot: float) -> dict:
 def collect(runs_dir: str) -> dict:
     """workload -> system -> tpot ms -> {rps, lower_bound, attainment}."""
     out: dict = {}
-    for path in sorted(glob.glob(os.path.join(runs_dir, "*.json"))):
-        m = re.fullmatch(r"(long|trace)_(hybrid|disagg|colocated)(?:-t(\d+))?\.json", os.path.basename(path))
+    for path in sorted(glob.glob(os.path.join(runs_dir, "*.json*"))):
+        m = re.fullmatch(r"(long|trace)_(hybrid|disagg|colocated)(?:-t(\d+))?\.json(?:\.gz)?", os.path.basename(path))
         if not m:
             continue
         wl, system, told = m.group(1), m.group(2), m.group(3)
-        with open(path) as f:
-            res = json.load(f)
+        res = read_result(path)
         slos = [int(told)] if told else TPOT_SLOS_MS
         for ms in slos:
             point = curve(res, TTFT_SLO_S[wl], ms / 1000)

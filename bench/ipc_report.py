@@ -9,7 +9,8 @@ stacked p50s of the timeline's handoff parts per rate, from two serving runs' re
 from __future__ import annotations
 
 import argparse
-import json
+
+from pdserve.bench.report import read_result
 
 PARTS = (("kv_transfer", "KV transfer", "#4c72b0"), ("kv_pickup", "decode worker takes it", "#dd8452"),
          ("first_token_emit", "to the worker's outlet", "#8172b3"),
@@ -28,7 +29,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     runs = [(label, r) for label, path in (("Ray stream", args.ray), ("output pipe", args.pipe))
-            for r in json.load(open(path))["runs"]]
+            for r in read_result(path)["runs"]]
     fig, ax = plt.subplots(figsize=(8, 4))
     labels, bottom = [], [0.0] * len(runs)
     for key, name, color in PARTS:

@@ -11,6 +11,8 @@ import datetime
 import json
 import os
 
+from pdserve.bench.report import read_result
+
 RES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SERVE = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --workloads long --num-requests 200 "
          "--systems disagg --long-rates 6,7,8 --out bench/results/serving; the same with --systems colocated "
@@ -31,8 +33,7 @@ WIRE = ("python3 bench/transfer_bench.py --tokens 4096 --out bench/results/servi
 
 
 def load(*parts):
-    with open(os.path.join(RES, *parts)) as f:
-        return json.load(f)
+    return read_result(os.path.join(RES, *parts))
 
 
 def goodput_entry(path: str, extra_note: str = "") -> dict:

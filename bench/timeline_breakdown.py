@@ -17,8 +17,9 @@ Segments (p50 / p90 ms over the requests of each rate):
 from __future__ import annotations
 
 import argparse
-import json
 import os
+
+from pdserve.bench.report import read_result
 
 SEGMENTS = (("sender queue", "send_start", "send_taken"), ("sender post", "send_taken", "send_posted"),
             ("receiver sees order", "send_start", "recv_taken"), ("receiver post", "recv_taken", "recv_posted"),
@@ -100,9 +101,8 @@ def main() -> None:
     args = ap.parse_args()
     named = []
     for path in args.results:
-        with open(path) as f:
-            stem = os.path.splitext(os.path.basename(path))[0]
-            named.append((stem.removeprefix("long_disagg").lstrip("_") or "final", breakdown(json.load(f))))
+        stem = os.path.basename(path).removesuffix(".gz").removesuffix(".json")
+        named.append((stem.removeprefix("long_disagg").lstrip("_") or "final", breakdown(read_result(path))))
     if args.plot:
         plot(named, args.plot)
     print(markdown(named))

@@ -9,6 +9,7 @@ rate (a lower bound, flagged).
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -17,6 +18,15 @@ import re
 from .client import Record
 
 ATTAINMENT = 0.9
+
+
+def read_result(path: str) -> dict:
+    """A result file as `write` left it, or gzipped (committed runs are: their per-request records
+    are most of their bytes): `path` itself, else `path` + ".gz"."""
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        path += ".gz"
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
 
 
 def percentile(values: list[float], q: float) -> float | None:
