@@ -2,9 +2,13 @@
 hybrid (and the adaptive ratio) on the same GPUs, per workload and TPOT SLO, with the spread of
 repeated sweeps, from the runs of bench/serving_gpu.py (bench/multi_gpu_grid.sh lays them out):
 
-    RUNS/gpus<N>/<workload>_<system>[-t<ms>][-r<k>].json[.gz]     e.g. gpus4/long_hybrid-2-2-t20-r2.json.gz
+    RUNS/gpus<N>/<workload>_<system>[-t<ms>][-r<k>][.p<j>].json[.gz]   e.g. gpus4/long_hybrid-2-2-t20-r2.json.gz
 
-(committed runs are gzipped: their per-request records are most of a result's bytes)
+(committed runs are gzipped: their per-request records are most of a result's bytes). `.p<j>`
+(j >= 2) is a later part of the same sweep: the same system and repeat, run on its own server at
+higher rates when the first part met the SLO at its top rate. A sweep's parts are one curve: their
+rates merged in order (a rate two parts share counts once, from the earlier part); the first-rate
+check reads the first part.
 
 A server told its TPOT SLO (hybrid, colocated: `-t<ms>`) gives the point at that SLO; one that is
 not (disagg) gives every SLO from one sweep's per-request TTFT and TPOT (hybrid_report.curve).
@@ -31,27 +35,44 @@ from pdserve.bench.report import read_result  # noqa: E402
 
 TPOT_SLOS_MS = (20, 40)
 FAMILIES = ("colocated", "disagg", "hybrid", "adaptive")
-NAME = re.compile(r"(long|trace)_((?:colocated|disagg|hybrid)[-\w]*?)(?:-t(\d+))?(?:-r(\d+))?\.json(?:\.gz)?")
+NAME = re.compile(r"(long|trace)_((?:colocated|disagg|hybrid)[-\w]*?)(?:-t(\d+))?(?:-r(\d+))?(?:\.p(\d+))?"
+                  r"\.json(?:\.gz)?")
 
 
 def family(system: str) -> str:
     return "adaptive" if "adaptive" in system else system.split("-", 1)[0]
 
 
-def collect(runs_dir: str) -> dict:
-    """(gpus, workload, tpot ms) -> family -> system -> [goodput per repeat, in repeat order], and
-    the first rate's attainment per repeat (the warm-when-healthy check)."""
-    out: dict = {}
+def sweeps(runs_dir: str) -> dict:
+    """(gpus, workload, system, told tpot ms or None, repeat) -> the sweep: its parts' runs merged
+    by rate, and its first part's first rate."""
+    parts: dict = {}
     for path in sorted(glob.glob(os.path.join(runs_dir, "gpus*", "*.json*"))):
         m = NAME.fullmatch(os.path.basename(path))
         if not m or "_status.json" in path or "_handoff.json" in path:
             continue
-        gpus = int(os.path.basename(os.path.dirname(path))[4:])
-        wl, system, told, rep = m.group(1), m.group(2), m.group(3), int(m.group(4) or 1)
         res = read_result(path)
         if "runs" not in res:
             continue
-        for ms in [int(told)] if told else TPOT_SLOS_MS:
+        gpus = int(os.path.basename(os.path.dirname(path))[4:])
+        wl, system, told, rep, part = m.group(1), m.group(2), m.group(3), int(m.group(4) or 1), int(m.group(5) or 1)
+        parts.setdefault((gpus, wl, system, told and int(told), rep), []).append((part, res["runs"]))
+    out = {}
+    for key, got in parts.items():
+        merged: dict = {}
+        for _, runs in sorted(got, key=lambda g: g[0]):
+            for r in runs:
+                merged.setdefault(r["rate"], r)
+        out[key] = {"runs": [merged[rate] for rate in sorted(merged)]}
+    return out
+
+
+def collect(runs_dir: str) -> dict:
+    """(gpus, workload, tpot ms) -> family -> system -> repeat -> its point (goodput, whether a lower
+    bound, the first rate's attainment, the rates swept)."""
+    out: dict = {}
+    for (gpus, wl, system, told, rep), res in sweeps(runs_dir).items():
+        for ms in [told] if told else TPOT_SLOS_MS:
             p = curve(res, TTFT_SLO_S[wl], ms / 1000)
             cell = out.setdefault((gpus, wl, ms), {}).setdefault(family(system), {}).setdefault(system, {})
             cell[rep] = {"rps": p["rps"] or 0.0, "lower_bound": p["lower_bound"],

@@ -25,13 +25,14 @@ OUT="${3:-bench/results/multi_gpu/runs}"
 LONG2=8,10,12,14  # 4x H200 (2 of them): colocated:2 and hybrid:1:1 reach 11-12 req/s at TPOT 40
 LONG4=12,16,20,24
 LONG4_T40=20,24,28,32  # 4x H200: both colocated:4 and hybrid:2:2 met TPOT 40 at 24 req/s
-TRACE4=24,30,36
-serve() {  # serve GPUS SYSTEMS WORKLOADS TPOTS RATES_LONG [more serving_gpu.py args]
-  local gpus=$1 systems=$2 workloads=$3 tpots=$4 rates=$5
-  shift 5
+TRACE4=40,48,56,64  # 4x H200, TPOT 40: colocated:4 49.6-55.4, hybrid:2:2 55.1-64.7 req/s
+TRACE4_DISAGG=24,30,36  # disagg:2:2: 31.4-31.6
+serve() {  # serve GPUS SYSTEMS WORKLOADS TPOTS RATES_LONG [RATES_TRACE] [more serving_gpu.py args]
+  local gpus=$1 systems=$2 workloads=$3 tpots=$4 rates=$5 trace=${6:-$TRACE4}
+  shift 5; [ $# -gt 0 ] && shift
   mkdir -p "$OUT/gpus$gpus"
   python3 bench/serving_gpu.py --tokenizer "$TOK" --systems "$systems" --workloads "$workloads" \
-    --tpot-slos "$tpots" --long-rates "$rates" --trace-rates "$TRACE4" --num-requests 200 --repeats 2 \
+    --tpot-slos "$tpots" --long-rates "$rates" --trace-rates "$trace" --num-requests 200 --repeats 2 \
     --out "$OUT/gpus$gpus" "$@"
 }
 case $PART in
@@ -40,11 +41,11 @@ case $PART in
   g2-hybrid) serve 2 hybrid:1:1 long 20,40 $LONG2 ;;
   g4-colocated) serve 4 colocated:4 long,trace long:20,trace:40 $LONG4
     serve 4 colocated:4 long 40 $LONG4_T40 ;;
-  g4-disagg) serve 4 disagg:2:2,disagg:1:3 long,trace 40 $LONG4 ;;
+  g4-disagg) serve 4 disagg:2:2,disagg:1:3 long,trace 40 $LONG4 $TRACE4_DISAGG ;;
   g4-hybrid) serve 4 hybrid:2:2 long,trace long:20,trace:40 $LONG4
     serve 4 hybrid:2:2 long 40 $LONG4_T40 ;;
   g4-adaptive) serve 4 hybrid:2:2:adaptive long 20,40 $LONG4 ;;
   g4-static) serve 4 hybrid:1:3,hybrid:3:1 long 20,40 $LONG4 ;;
-  g4-32b) serve 4 colocated:2:tp2,hybrid:1:1:tp2 long 20,30 2,3,4,5 --shape qwen3-32b ;;
+  g4-32b) serve 4 colocated:2:tp2,hybrid:1:1:tp2 long 20,30 2,3,4,5 "$TRACE4" --shape qwen3-32b ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

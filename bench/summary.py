@@ -568,6 +568,44 @@ def mla() -> dict:
     }
 
 
+GRID_SERVE = ("python3 bench/serving_gpu.py --tokenizer TOK --systems {systems} --workloads {wl} --tpot-slos {tpot} "
+              "--{wl}-rates {rates} --num-requests 200 --repeats 2 --out bench/results/multi_gpu/runs/gpus{gpus}")
+GRID_RUNS = {  # (gpus, workload, tpot ms) -> the serving_gpu.py runs behind the grid's point (one per part)
+    (4, "long", 20): [dict(systems="hybrid:2:2,colocated:4", rates="16,20,24")],
+    (4, "long", 40): [dict(systems="hybrid:2:2,colocated:4", rates="20,24,28,32")],
+    (4, "trace", 40): [dict(systems="hybrid:2:2,colocated:4,disagg:2:2", rates="24,30,36"),
+                       dict(systems="hybrid:2:2,colocated:4", rates="40,46,52"),
+                       dict(systems="hybrid:2:2,colocated:4", rates="56,62,68")],
+    (2, "long", 40): [dict(systems="hybrid:1:1,colocated:2,disagg:1:1", rates="10,12,14")],
+}
+
+
+def multi_gpu() -> dict:
+    """The multi-GPU grid's ratios (bench/results/multi_gpu/grid.json, bench/grid_report.py): hybrid
+    against the better pure mode on the same GPUs, and the first rate's gap after health."""
+    rows = {(r["gpus"], r["workload"], r["tpot_ms"]): r for r in load("multi_gpu", "grid.json")}
+    out = {}
+    for (gpus, wl, ms), parts in GRID_RUNS.items():
+        row = rows[(gpus, wl, ms)]
+        cmd = "; ".join(GRID_SERVE.format(wl=wl, tpot=ms, gpus=gpus, **p) for p in parts)
+        cmd += (" (CUDA_VISIBLE_DEVICES=2,3)" if gpus == 2 else "") + "; python3 bench/grid_report.py"
+        cells = [row[f] for f in ("colocated", "disagg", "hybrid") if row[f]]
+        work = f"{wl}, TPOT <= {ms} ms, 200 requests a rate, two sweeps each: " + "; ".join(
+            f"{c['system']} {'>= ' if c.get('lower_bound') else ''}{c['rps']:.2f} req/s "
+            f"({min(c['repeats']):.2f}-{max(c['repeats']):.2f})" for c in cells)
+        out[f"hybrid_vs_best_pure_{gpus}gpu_{wl}_t{ms}"] = {
+            "value": row.get("hybrid_vs_best_pure"), "goal": 0.97, "workload": work, "command": cmd,
+            "device": "4x H200 (NV18), one host" if gpus == 4 else "2 of 4x H200, one host"}
+    t20 = rows[(4, "long", 20)]
+    out["first_rate_attainment_gap_colocated4"] = {
+        "value": t20["first_rate_gap"].get(t20["colocated"]["system"]), "goal": 2.0,
+        "workload": "long, TPOT <= 20 ms, colocated:4: attainment at the first rate after /health (16 req/s), "
+                    "second sweep minus first, points",
+        "command": GRID_SERVE.format(wl="long", tpot=20, gpus=4, **GRID_RUNS[(4, "long", 20)][0]),
+        "device": "4x H200 (NV18), one host"}
+    return out
+
+
 def kv_tiers() -> dict:
     """The disk tier and peer fetch on the Mooncake trace (bench/results/kv_tiers/, CPU)."""
     res = load("kv_tiers", "tier_sim_disk.json")
@@ -691,6 +729,7 @@ def main() -> None:
     summary.update(ipc())
     summary.update(mla())
     summary.update(kv_tiers())
+    summary.update(multi_gpu())
     path = os.path.join(RES, "summary.json")
     with open(path) as f:
         previous = json.load(f)
