@@ -18,10 +18,13 @@
 #   fusions     decode_fusions_speedup_b64                                  120
 #   grammar     grammar_step_cost_worst                                     180
 #   int4        kv_int4_decode_kernel_vs_bf16                               60
-# On one H200 the groups take ~20 minutes: more than a 10-minute call. With several GPUs visible
-# the groups are dealt over them (each GPU a lane that runs its groups one after another, the
-# longest first, to the lane with the least time so far), so that the suite runs in one call on a
-# 4-GPU host (~6.5 minutes). SUITE_GPUS picks the GPUs (default: every one nvidia-smi lists).
+# The limits are generous: on H200s (2026-11-28) the groups took 351 s in all, so the suite fits
+# one 10-minute call on one GPU (spec 93 s, engine 59 s, fusions 45 s, mixed 43 s, grammar 33 s,
+# the rest 18-21 s each).
+# SUITE_GPUS=0,1,2,3 deals the groups over those GPUs (each a lane that runs its groups one after
+# another, the longest first, to the lane with the least time so far). Lanes share the host's
+# CPUs: keys bound by the host read worse there (HF generate's batch-1 step 11.4 -> 17.6 ms, spec at
+# batch 64 0.40x -> 0.24x in one such run); measure those groups alone (engine, spec, fusions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TOK="${1:?usage: bash bench/gpu_suite.sh TOKENIZER_DIR [GROUP ...]}"
@@ -59,11 +62,8 @@ group() {  # group NAME: one group's bench, under its limit
     *) echo "unknown group $g" >&2; echo "$g (unknown)" >>"$FAILED" ;;
   esac
 }
-if [ -n "${SUITE_GPUS:-}" ]; then
-  IFS=, read -ra gpus <<<"$SUITE_GPUS"
-else
-  mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null)
-fi
+gpus=()
+[ -n "${SUITE_GPUS:-}" ] && IFS=, read -ra gpus <<<"$SUITE_GPUS"
 if [ ${#gpus[@]} -le 1 ]; then
   for g in "${groups[@]}"; do group "$g"; done
 else  # deal the groups (in the order given: longest first by default) to the least-loaded lane
