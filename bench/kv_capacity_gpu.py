@@ -175,7 +175,7 @@ def main() -> None:
             sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
             from helpers import save_tiny
 
-            model = save_tiny("llama", d, args.tokenizer)
+            model = save_tiny("llama", d, args.tokenizer, max_positions=32768)
             unit = 4096  # bytes of a tiny-llama block (float32)
         else:
             model = build_model(d, args.tokenizer)

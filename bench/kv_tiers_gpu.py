@@ -164,7 +164,7 @@ def tier_model(shape: str, d: str, tokenizer: str) -> tuple[str, int]:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from helpers import save_tiny
 
-        return save_tiny("llama", os.path.join(d, "model"), tokenizer), 4096
+        return save_tiny("llama", os.path.join(d, "model"), tokenizer, max_positions=32768), 4096
     return build_model(os.path.join(d, "model"), tokenizer), 2 << 20
 
 

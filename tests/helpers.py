@@ -66,9 +66,11 @@ def save_hf(kind: str, cfg_kwargs: dict, out_dir: str, tokenizer_dir: str, seed:
     return model
 
 
-def save_tiny(kind: str, out_dir: str, tokenizer_dir: str) -> str:
+def save_tiny(kind: str, out_dir: str, tokenizer_dir: str, max_positions: int = 512) -> str:
+    """A tiny random model of `kind` under out_dir (Hugging Face's own classes), with the
+    tokenizer's files; `max_positions`: its max_position_embeddings (what max_model_len may reach)."""
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=512, initializer_range=0.15,
+                  num_attention_heads=4, max_position_embeddings=max_positions, initializer_range=0.15,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if kind == "llama":  # GQA 4:2 + llama3 rope scaling that changes low frequencies
         cfg = dict(common, num_key_value_heads=2, rope_theta=500000.0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -244,6 +245,15 @@ def test_the_grid_report_reads_the_sweeps_laid_out_per_gpu_count(tmp_path):
     assert "hybrid_vs_best_pure" not in two40  # >= 10 against >= 10 says nothing
     assert "colocated-2: >= 10.00" in grid.markdown(rows)
 
+    # a later part of a sweep (its own server, higher rates) extends the curve: >= 10 becomes 13
+    sweep(two / "long_colocated-2-t40.p2.json.gz", {10: 0.5, 12: 1.0, 14: 0.5})  # 10 counts once, from part 1
+    sweep(two / "long_hybrid-2-2-t40.p2.json", {12: 1.0, 14: 0.9, 16: 0.5})
+    rows = grid.summarize(grid.collect(str(tmp_path / "runs")))
+    (two40,) = [r for r in rows if r["gpus"] == 2]
+    assert two40["colocated"]["rps"] == pytest.approx(12 + 0.1 / 0.5 * 2) and "lower_bound" not in two40["colocated"]
+    assert two40["hybrid"]["rps"] == pytest.approx(14 + 0.0 / 0.4 * 2)
+    assert two40["hybrid_vs_best_pure"] == pytest.approx(14 / 12.4, abs=1e-3)
+
 
 def test_every_system_of_the_multi_gpu_grid_is_a_server_pdserve_takes(tmp_path):
     """bench/multi_gpu_grid.sh parses and refuses an unknown part; each system it names is a server
@@ -269,3 +279,20 @@ def test_every_system_of_the_multi_gpu_grid_is_a_server_pdserve_takes(tmp_path):
         args = build_parser().parse_args(cmd[cmd.index("serve"):])
         cfg = ServingConfig.from_yaml(args.config)
         assert (cfg.autoscale.enabled and cfg.autoscale.policy == "ratio") == system.endswith("adaptive"), system
+
+
+@pytest.mark.parametrize("script, args", [
+    ("peer_fetch_gpu", ["--tokens", "512"]),
+    ("kv_capacity_gpu", ["--requests", "12", "--parts", "concurrency,restart"]),
+])
+def test_a_tier_bench_runs_its_tiny_shape_on_cpu(script, args, tok_dir, tmp_path):
+    """The tier benches' `--shape tiny` (their CPU check) runs to its table: its model's positions
+    reach the prompts' lengths (the engine refuses a max_model_len past max_position_embeddings)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--shape", "tiny", "--tokenizer", tok_dir,
+                        "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "|---|" in r.stdout or "| --- |" in r.stdout, r.stdout[-2000:]
