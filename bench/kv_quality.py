@@ -49,7 +49,7 @@ def perplexity(model: str, fmt: str, dtype: str, device: str, tokens: list[int],
             ids = torch.tensor(tokens[start:start + chunk], device=dev)
             pos = torch.arange(start, start + len(ids), device=dev)
             lens = [start + len(ids)]
-            meta = AttentionMetadata.build(pos, table, lens, [len(ids)], dev)
+            meta = AttentionMetadata.build(pos, table, lens, [len(ids)], dev, runner.planner)
             logits = runner.model.compute_logits(runner.model(ids, pos, runner.kv_views, meta)).float()
             target = torch.tensor(tokens[start + 1:start + 1 + len(ids)], device=dev)
             nll += F.cross_entropy(logits[: len(target)], target, reduction="sum").item()

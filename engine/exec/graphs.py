@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..base.host_to_device import pinned
-from ..models.attention import AttentionMetadata, AttentionPlan
+from ..models.attention import AttentionMetadata, AttentionPlanner
 from .step_inputs import StepPath
 
 
@@ -46,8 +46,10 @@ def piece_buckets(top: int) -> list[int]:
 class StepGraphs:
     """The captured graphs of one model runner and the static buffers they read."""
 
-    def __init__(self, model, kv_views: list, config, num_blocks: int, capture: bool = True):
+    def __init__(self, model, kv_views: list, config, num_blocks: int, planner: AttentionPlanner,
+                 capture: bool = True):
         self.model, self.kv_views, self.config, self.num_blocks = model, kv_views, config, num_blocks
+        self.planner = planner  # the runner's: each step's attention plan (models/attention.py)
         self.capture = capture
         self.block_size = config.block_size
         self.decode_sizes = decode_sizes(config)
@@ -98,8 +100,7 @@ class StepGraphs:
         self.hidden = torch.zeros_like(self.res)
 
     def _decode_step(self, b: int) -> torch.Tensor:
-        meta = AttentionMetadata.build(self.slots[:b], self.tables[:b], self.lens[:b], None)
-        meta.plan = AttentionPlan.of(meta, self.config.attention_tuning, self.config.use_triton)
+        meta = AttentionMetadata.build(self.slots[:b], self.tables[:b], self.lens[:b], None, planner=self.planner)
         return self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], self.kv_views, meta))
 
     def _piece(self, t: int, i: int) -> None:

@@ -37,7 +37,7 @@ from ..base.tp import TPGroup
 from ..config import EngineConfig
 from ..core.request import PENDING, Request
 from ..core.scheduler import ScheduledRequest, SchedulerOutput, StepShape
-from ..models.attention import AttentionMetadata, AttentionPlan
+from ..models.attention import AttentionMetadata, AttentionPlanner
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
 from ..tiers.offload import HostCache, host_slots
@@ -63,6 +63,7 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         t0 = time.perf_counter()
         self.model = load_model(config, load_format, self.tp)
+        self.planner = AttentionPlanner.of_model(self.model, config.attention_tuning, config.use_triton)
         self.startup = {"load_s": time.perf_counter() - t0}  # what each part of the start took (seconds)
         # every rank holds the same block ids: the count the fullest GPU allows
         graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
@@ -80,7 +81,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None  # None: every step eager
         t0 = time.perf_counter()
         if graphs:
-            self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks)
+            self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks, self.planner)
             self.startup["graphs_s"] = time.perf_counter() - t0
         if self.device.type == "cuda" and config.use_triton:
             t0 = time.perf_counter()
@@ -100,7 +101,8 @@ class ModelRunner:
 
     def use_graph_layouts(self) -> None:
         """Runs every step in the graphs' layouts without capturing (the GPU path on CPU)."""
-        self.graphs = StepGraphs(self.model, self.kv_views, self.config, self.num_blocks, capture=False)
+        self.graphs = StepGraphs(self.model, self.kv_views, self.config, self.num_blocks, self.planner,
+                                 capture=False)
 
     @property
     def queues_steps(self) -> bool:
@@ -205,8 +207,7 @@ class ModelRunner:
             if len(inp.sample_rows) == inp.num_rows:
                 return logits
             return logits[to_device(inp.sample_rows, logits.device)] if len(inp.sample_rows) else None
-        meta = AttentionMetadata.build(inp.slots, inp.tables, inp.seq_lens, inp.query_lens, self.device)
-        meta.plan = AttentionPlan.of(meta, self.config.attention_tuning, self.config.use_triton)
+        meta = AttentionMetadata.build(inp.slots, inp.tables, inp.seq_lens, inp.query_lens, self.device, self.planner)
         if inp.path == StepPath.PIECES:
             hidden = self.graphs.run_pieces(inp, meta, patch)
         else:

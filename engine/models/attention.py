@@ -23,22 +23,87 @@ from ..ops.attention_ref import paged_attention_ref, store_kv_ref
 
 
 @dataclass
+class AttentionPlan:
+    """How every layer runs one step's attention, built with the step's metadata before the first
+    layer runs (AttentionPlanner.plan): `decode_only`: every row through the paged-decode kernel;
+    else the first `apart` rows (decodes) through the paged-decode kernel and the rest through one
+    paged-prefill launch over `tiles` (ops/triton_prefill.PrefillPlan, shared by every layer);
+    `fresh`: one fresh prompt alone, which a layer without a sliding window runs through torch's
+    causal flash kernel (one launch, faster there than the paged kernel; `tiles` then only where a
+    layer has a window). Without kernels (CPU, the torch backend) every row goes through the
+    torch reference."""
+
+    kernels: bool
+    decode_only: bool = False
+    apart: int = 0
+    fresh: bool = False
+    tiles: object = None  # triton_prefill.PrefillPlan of the rows after `apart`, where a layer launches it
+
+
+@dataclass(frozen=True)
+class AttentionPlanner:
+    """What decides each step's AttentionPlan, fixed for an engine and its model (`of_model`):
+    whether the Triton kernels run, the query heads per key head (the paged-prefill tiles'
+    group), whether a layer has a sliding window (it takes the paged kernel for a fresh prompt
+    too), whether any layer launches the paged-prefill kernel (MLA's layers do not) and the
+    config's AttentionTuning. The default plans the torch reference for every row."""
+
+    kernels: bool = False
+    group: int = 1
+    windowed: bool = False
+    prefill_tiles: bool = True
+    tuning: AttentionTuning = AttentionTuning()
+
+    @classmethod
+    def of_model(cls, model, tuning: AttentionTuning, kernels: bool) -> AttentionPlanner:
+        paged = [a for a in (model.attention(i) for i in range(model.num_layers)) if isinstance(a, PagedAttention)]
+        group = paged[0].num_heads // paged[0].num_kv_heads if paged else 1
+        return cls(kernels, group, any(a.sliding_window is not None for a in paged), bool(paged), tuning)
+
+    def plan(self, num_decodes: int, num_seqs: int, query_lens: list[int] | None, seq_lens: list[int] | None,
+             device) -> AttentionPlan:
+        if not self.kernels:
+            return AttentionPlan(False)
+        if num_decodes == num_seqs:
+            return AttentionPlan(True, decode_only=True)
+        nd, tuning = num_decodes, self.tuning
+        apart = tuning.decodes_apart
+        if apart is None:
+            apart = len(query_lens) > nd and sum(query_lens[nd:]) >= tuning.apart_from_tokens
+        apart = nd if apart else 0
+        fresh = num_seqs - apart == 1 and query_lens[-1] == seq_lens[-1]
+        tiles = None
+        if self.prefill_tiles and (self.windowed or not fresh):
+            from ..ops.triton_prefill import MIXED, PREFILL, PrefillPlan
+
+            launch = None if tuning.prefill_tiles is None else MIXED if tuning.prefill_tiles == "mixed" else PREFILL
+            tiles = PrefillPlan.build(query_lens[apart:], seq_lens[apart:], self.group, device, launch)
+        return AttentionPlan(True, apart=apart, fresh=fresh, tiles=tiles)
+
+
+REFERENCE = AttentionPlanner()
+
+
+@dataclass
 class AttentionMetadata:
-    """What a layer's attention reads about the step's sequences, built once per step by
-    `build` (eager and piecewise steps, decode graphs and their capture, TP shards alike)."""
+    """What a layer's attention reads about the step's sequences, with the step's plan, built
+    once per step by `build` before the first layer (eager and piecewise steps, decode graphs and
+    their capture, TP shards alike)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not store
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     seq_lens_t: torch.Tensor  # context length after this step, [num_seqs] int32 on the device
     num_decodes: int  # leading sequences with one query token (all of them in a decode graph)
-    seq_lens: list[int] | None = None  # host copies (None: a decode graph's device buffers)
-    query_lens: list[int] | None = None  # new tokens per sequence (None: one each)
-    plan: AttentionPlan | None = None  # how every layer runs this step (the runner's; None: the defaults')
+    seq_lens: list[int] | None  # host copies (None: a decode graph's device buffers)
+    query_lens: list[int] | None  # new tokens per sequence (None: one each)
+    plan: AttentionPlan  # how every layer runs this step
 
     @classmethod
-    def build(cls, slots, tables, seq_lens, query_lens: list[int] | None, device=None) -> AttentionMetadata:
+    def build(cls, slots, tables, seq_lens, query_lens: list[int] | None, device=None,
+              planner: AttentionPlanner = REFERENCE) -> AttentionMetadata:
         """Host arrays (numpy, lists) are copied to `device`; device tensors are used as they
-        are (a graph's static buffers: `seq_lens` a tensor, every row a decode, query_lens None)."""
+        are (a graph's static buffers: `seq_lens` a tensor, every row a decode, query_lens None).
+        `planner`: the engine's (ModelRunner.planner); the default runs the torch reference."""
         def put(a, dtype=None):
             if isinstance(a, torch.Tensor):
                 return a
@@ -51,59 +116,13 @@ class AttentionMetadata:
             nd = num_seqs
         else:
             nd = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
-        return cls(put(slots, np.int64), put(tables, np.int32), put(seq_lens, np.int32), nd, lens_list,
-                   None if query_lens is None else list(query_lens))
+        queries = None if query_lens is None else list(query_lens)
+        plan = planner.plan(nd, num_seqs, queries, lens_list, device)
+        return cls(put(slots, np.int64), put(tables, np.int32), put(seq_lens, np.int32), nd, lens_list, queries, plan)
 
     @property
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
-
-
-@dataclass
-class AttentionPlan:
-    """How every layer runs one step's attention, decided once per step (`of`, by the runner):
-    `decode_only`: every row through the paged-decode kernel; else the first `apart` rows
-    (decodes) through the paged-decode kernel and the rest through one paged-prefill launch,
-    whose tiles (`prefill_tiles`) are built by the first layer that launches it and shared by
-    the rest; `fresh`: one fresh prompt alone, which a layer without a sliding window runs
-    through torch's causal flash kernel (one launch, faster there than the paged kernel).
-    Without kernels (CPU, the torch backend) every row goes through the torch reference."""
-
-    kernels: bool
-    decode_only: bool = False
-    apart: int = 0
-    fresh: bool = False
-    launch: object = None  # triton_prefill.PrefillLaunch (None: by the step's rows)
-    tiles: object = None  # triton_prefill.PrefillPlan, once built
-
-    @classmethod
-    def of(cls, meta: AttentionMetadata, tuning: AttentionTuning, kernels: bool) -> AttentionPlan:
-        if not kernels:
-            return cls(False)
-        if meta.num_decodes == meta.num_seqs:
-            return cls(True, decode_only=True)
-        query_lens, seq_lens, nd = meta.query_lens, meta.seq_lens, meta.num_decodes
-        apart = tuning.decodes_apart
-        if apart is None:
-            apart = len(query_lens) > nd and sum(query_lens[nd:]) >= tuning.apart_from_tokens
-        apart = nd if apart else 0
-        fresh = meta.num_seqs - apart == 1 and query_lens[-1] == seq_lens[-1]
-        launch = None
-        if tuning.prefill_tiles is not None:
-            from ..ops.triton_prefill import MIXED, PREFILL
-            launch = MIXED if tuning.prefill_tiles == "mixed" else PREFILL
-        return cls(True, apart=apart, fresh=fresh, launch=launch)
-
-    def prefill_plan(self, meta: AttentionMetadata, group: int, device):
-        """The paged-prefill kernel's tiles for the rows after `apart`, built once per step."""
-        if self.tiles is None:
-            from ..ops.triton_prefill import PrefillPlan
-            self.tiles = PrefillPlan.build(meta.query_lens[self.apart:], meta.seq_lens[self.apart:], group, device,
-                                           self.launch)
-        return self.tiles
-
-
-DEFAULT_TUNING = AttentionTuning()
 
 
 class PagedAttention:
@@ -163,8 +182,6 @@ class PagedAttention:
         if k is not None:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = meta.plan
-        if plan is None:  # a caller that built the metadata itself: the default tuning
-            plan = meta.plan = AttentionPlan.of(meta, DEFAULT_TUNING, self._decode is not None)
         if plan.decode_only:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
                                 self.scale, self.sliding_window, out=out)
@@ -176,8 +193,7 @@ class PagedAttention:
             self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
                          self.scale, self.sliding_window, out=out[:nd])
         if plan.kernels and self._prefill is not None and not (plan.fresh and self.sliding_window is None):
-            tiles = plan.prefill_plan(meta, self.num_heads // self.num_kv_heads, q.device)
-            self._prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], tiles, self.scale,
+            self._prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], plan.tiles, self.scale,
                           self.sliding_window, out=out[nd:])
             return out
         out[nd:] = paged_attention_ref(q[nd:], k_cache, v_cache, meta.block_tables[nd:], seq_lens[nd:],

@@ -24,7 +24,7 @@ from torch import nn
 from ..architectures import MLAConfig
 from ..ops.attention_ref import store_kv_ref
 from ..ops.mla_ref import mla_absorbed_ref, mla_expanded_ref
-from .attention import DEFAULT_TUNING, AttentionMetadata, AttentionPlan
+from .attention import AttentionMetadata
 
 # a chunk of up to this many new tokens runs absorbed: on an H200 (V2-Lite, bench/results/mla/mla_gpu_forms.md)
 # absorbed is faster up to 64 at every context measured (1K-16K) and slower at 128 on 16K
@@ -79,8 +79,6 @@ class MLAPagedAttention:
                  meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         if k is not None:
             self.store(k, None, k_cache, None, meta.slot_mapping)
-        if meta.plan is None:
-            meta.plan = AttentionPlan.of(meta, DEFAULT_TUNING, False)
         out = q.new_empty(q.shape[0], self.num_heads, self.out_dim) if out is None else out
         w = self.w_kv_b()
         nd = meta.num_decodes  # leading rows of one query token each

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from pdserve.engine.config import AttentionTuning  # noqa: E402
-from pdserve.engine.models.attention import AttentionMetadata, AttentionPlan, PagedAttention  # noqa: E402
+from pdserve.engine.models.attention import AttentionMetadata, AttentionPlanner, PagedAttention  # noqa: E402
 from pdserve.engine.ops.attention_core import MAX_SPLITS, split_count  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,8 +18,9 @@ PAGE = 16
 
 
 def step(layer, q, kc, vc, tables, seq_lens, query_lens, tuning):
-    meta = AttentionMetadata.build(torch.full((q.shape[0],), -1), tables, seq_lens, query_lens, DEV)
-    meta.plan = AttentionPlan.of(meta, tuning, kernels=True)
+    planner = AttentionPlanner(True, layer.num_heads // layer.num_kv_heads, layer.sliding_window is not None,
+                               tuning=tuning)
+    meta = AttentionMetadata.build(torch.full((q.shape[0],), -1), tables, seq_lens, query_lens, DEV, planner)
     return layer(q, None, None, kc, vc, meta), meta.plan
 
 
@@ -53,6 +54,7 @@ def test_a_decode_row_gives_identical_output_in_an_all_decode_step_and_in_a_mixe
         mixed, plan = step(layer, q.clone(), kc, vc, tables, seq_lens, [1] * nd + [chunk_len],
                            AttentionTuning(decodes_apart=apart))
         assert plan.apart == (nd if apart else 0)
+        assert plan.tiles.seqs.shape[0] == len(seq_lens) - plan.apart  # built with the metadata, before a layer
         if DEV == "cuda" and dtype == torch.float32:
             # fp32 on CUDA: tl.dot's IEEE path sums in an order that follows the tile's shape (1 ulp)
             torch.testing.assert_close(mixed[:nd], alone, rtol=1e-6, atol=1e-6)
@@ -94,3 +96,20 @@ def test_one_launch_check_names_what_is_wrong():
                  lambda: paged_prefill_triton(q, kv[:, 0], kv[:, 1], tables, plan, 1.0, splits=0)):
         with pytest.raises(ValueError, match="splits must be in"):
             call()
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_the_plan_of_a_fresh_prompt_has_tiles_only_where_a_layer_has_a_window(windowed):
+    """A fresh prompt alone runs torch's flash kernel in a layer without a sliding window; the
+    plan builds the paged-prefill tiles before the first layer only for a model with a windowed
+    layer (which takes the paged kernel), and a step of decodes only needs none."""
+    from pdserve.engine.models.attention import AttentionMetadata, AttentionPlanner
+
+    planner = AttentionPlanner(True, 4, windowed)
+    tables = torch.zeros(1, 4, dtype=torch.int32, device=DEV)
+    fresh = AttentionMetadata.build(torch.full((40,), -1), tables, [40], [40], DEV, planner).plan
+    assert fresh.fresh and (fresh.tiles is not None) == windowed
+    decodes = AttentionMetadata.build(torch.full((2,), -1), tables.expand(2, -1), [40, 9], [1, 1], DEV, planner).plan
+    assert decodes.decode_only and decodes.tiles is None
+    reference = AttentionMetadata.build(torch.full((40,), -1), tables, [40], [40], DEV).plan
+    assert not reference.kernels and reference.tiles is None
