@@ -1,7 +1,7 @@
 """Running a scheduled step on a device.
 
     model_runner   the runner: a step's inputs, the forward, sampling; the host tier's copies
-    step_inputs    `StepInputs` and the one builder of a step's ids, positions and slots
+    step_inputs    `DecodeRows` and `FlatBatch` (a step's inputs) and the one builder of their ids, positions, slots
     step_result    `StepResult`, what a step gives back
     graphs         the step's one path decision, decode graphs and piecewise graphs
     kv_cache       the KV tensor: its size, allocation and per-layer views

@@ -30,7 +30,7 @@ import torch
 
 from ..base.host_to_device import pinned
 from ..models.attention import AttentionMetadata, AttentionPlanner
-from .step_inputs import StepPath
+from .step_inputs import DecodeRows, FlatBatch, StepPath
 
 
 def piece_buckets(top: int) -> list[int]:
@@ -168,7 +168,7 @@ class StepGraphs:
         return out
 
     # ---- replay ------------------------------------------------------------------------------
-    def run_decode(self, inp, patch=None) -> torch.Tensor:
+    def run_decode(self, inp: DecodeRows, patch=None) -> torch.Tensor:
         """Logits of an all-decode step's rows (`inp.cols`: ids, positions, slots, context lengths)."""
         b = inp.cols.shape[1]
         dev = self.ids.device
@@ -185,7 +185,7 @@ class StepGraphs:
             out = self._decode_step(b)
         return out[: inp.num_rows]
 
-    def run_pieces(self, inp, meta: AttentionMetadata, patch=None) -> torch.Tensor:
+    def run_pieces(self, inp: FlatBatch, meta: AttentionMetadata, patch=None) -> torch.Tensor:
         """Hidden states of a flat step's real rows: the pieces of its bucket, attention between."""
         n, t = len(inp.ids), inp.padded
         dev = self.ids.device

@@ -45,7 +45,7 @@ from . import step_inputs
 from .graphs import StepGraphs, piece_tokens
 from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
-from .step_inputs import StepInputs, StepPath
+from .step_inputs import FlatBatch, StepInputs, StepPath
 from .step_result import StepResult
 
 
@@ -173,10 +173,7 @@ class ModelRunner:
         """A step's inputs for requests of these query and context lengths, every block 0,
         storing nothing."""
         inp = self.host_inputs(self.order(self._dummy_batch(query_lens, seq_lens)))
-        if inp.cols is not None:  # a decode graph's rows: their slots are the layout's third column
-            inp.cols[2] = -1
-        else:
-            inp.slots[:] = -1
+        inp.store_nothing()
         return inp
 
     # ---- one step ----------------------------------------------------------------------
@@ -215,7 +212,7 @@ class ModelRunner:
             if patch is not None:
                 patch(ids)
             hidden = self.model(ids, positions, self.kv_views, meta)
-        rows = inp.sample_rows if inp.prompt_rows is None else np.concatenate([inp.sample_rows, inp.prompt_rows])
+        rows = np.concatenate([inp.sample_rows, inp.prompt_rows]) if len(inp.prompt_rows) else inp.sample_rows
         if not len(rows):
             return None
         return self.model.compute_logits(hidden[to_device(rows, self.device)])
@@ -244,7 +241,7 @@ class ModelRunner:
         input is PENDING reads it from the previous launch's tokens (`pending_rows`: request id
         -> its row there). Requests here need nothing from the host between steps (overlap.plain)."""
         batch, inp = self._prepare(step)
-        ids = inp.cols[0] if inp.path == StepPath.DECODE else inp.ids
+        ids = inp.ids
         dst, src, row = [], [], 0
         for s in batch:  # only a request's newest token can be pending: its one decode row
             row += s.num_new_tokens
@@ -281,7 +278,7 @@ class ModelRunner:
         self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
         logits = self.forward(inp)
         samplers = [s for s in batch if s.samples]
-        if inp.prompt_rows is not None and len(inp.prompt_rows):
+        if isinstance(inp, FlatBatch) and len(inp.prompt_rows):
             n = len(inp.sample_rows)
             self.sampler.score_prompts(logits[n:], [s for s in batch if s.prompt_positions])
             logits = logits[:n] if n else None

@@ -4,8 +4,9 @@ shards (cheap to pickle).
 `token_rows` owns the arithmetic of a batch's new tokens, vectorized over the batch: their ids
 (a request's tokens after its computed ones, then its drafts), their cache positions (shifted
 back by the tokens a KV window dropped: base/kv_window.py) and their KV slots. `build` lays those out for the step's
-path: DECODE as a decode graph's padded rows (one row per query token, each with its request's
-block table), PIECES and EAGER as the flat batch (one block table per sequence). Built in numpy:
+path, as one of two types: DECODE as a decode graph's padded rows (`DecodeRows`: one row per query
+token, each with its request's block table), PIECES and EAGER as the flat batch (`FlatBatch`: one
+block table per sequence); `StepCarry` is what either carries beside its rows. Built in numpy:
 a per-row torch tensor costs tens of microseconds on the host, per step, while the GPU waits.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -30,28 +31,61 @@ class StepPath(enum.StrEnum):
     EAGER = "eager"  # kernel by kernel: larger steps, and every step without graphs
 
 
+@dataclass(kw_only=True)
+class StepCarry:
+    """What a step carries beside its rows, in either layout: the host tier's copies to apply
+    first (tiers/offload.py), the keys to rotate back first (base/kv_window.py) and, rank 0 only,
+    the rows whose input token is still on the device (request.PENDING) with each one's row in the
+    previous launch's sampled tokens (core/overlap.py)."""
+
+    tier_ops: TierOps | None = None
+    kv_shifts: list | None = None
+    pending: tuple[np.ndarray, np.ndarray] | None = None
+
+
 @dataclass
-class StepInputs:
-    """DECODE: the rows padded to a decode graph's size (`cols`: decode_inputs' rows); PIECES or
-    EAGER: the flat batch (`padded`: the token bucket whose piecewise graphs run it)."""
+class DecodeRows(StepCarry):
+    """A decode graph's step: one row per query token (a request with drafts takes k + 1, each
+    with the request's block table and its own context length), padded to the graph's size.
+    Padding rows store nothing (slot -1) and attend to one token of block 0."""
+
+    path: ClassVar[StepPath] = StepPath.DECODE
+    num_rows: int  # real rows
+    cols: np.ndarray  # int64 [4, padded]: ids, positions, slots, context lengths
+    tables: np.ndarray  # int32 [padded, width]
+    sample_rows: np.ndarray  # int64 rows whose logits are sampled
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.cols[0]
+
+    def store_nothing(self) -> None:
+        """Every row's slot -1 (the warm-up's steps: they write nothing to the cache)."""
+        self.cols[2] = -1
+
+
+@dataclass
+class FlatBatch(StepCarry):
+    """A PIECES or EAGER step: each sequence's new tokens back to back (`padded`: the token bucket
+    whose piecewise graphs run it; 0 eager), one block table per sequence."""
 
     path: StepPath
-    num_rows: int  # real rows (decode) / sequences (flat)
-    tables: np.ndarray  # int32 [rows, max_blocks]
-    cols: np.ndarray | None = None  # decode: int64 [4, padded] ids, positions, slots, context lengths
-    ids: np.ndarray | None = None  # flat: int64 [T] each
-    positions: np.ndarray | None = None
-    slots: np.ndarray | None = None
-    seq_lens: list | None = None
-    query_lens: list | None = None
-    padded: int = 0
-    sample_rows: np.ndarray | None = None  # int64 rows of the flat batch whose logits are needed
-    prompt_rows: np.ndarray | None = None  # int64 rows whose logits score a prompt token (after sample_rows)
-    tier_ops: TierOps | None = None  # host-tier copies to apply first (tiers/offload.py)
-    kv_shifts: list | None = None  # keys to rotate back first (base/kv_window.py)
-    # rows whose input token is still on the device (request.PENDING), and each one's row in
-    # the previous launch's sampled tokens (core/overlap.py); rank 0 only
-    pending: tuple[np.ndarray, np.ndarray] | None = None
+    num_rows: int  # sequences
+    tables: np.ndarray  # int32 [sequences, max_blocks]
+    ids: np.ndarray  # int64 [T] each
+    positions: np.ndarray
+    slots: np.ndarray
+    seq_lens: list[int]
+    query_lens: list[int]
+    padded: int
+    sample_rows: np.ndarray  # int64 rows whose logits are needed
+    prompt_rows: np.ndarray  # int64 rows whose logits score a prompt token (after sample_rows)
+
+    def store_nothing(self) -> None:
+        self.slots[:] = -1
+
+
+StepInputs = DecodeRows | FlatBatch
 
 
 def block_tables(batch: list[ScheduledRequest], width: int) -> np.ndarray:
@@ -80,13 +114,8 @@ def token_rows(batch: list[ScheduledRequest], block_size: int,
     return ids, pos, slots, seq
 
 
-def decode_inputs(batch: list[ScheduledRequest], padded: int, block_size: int,
-                  max_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The host side of a decode-graph step: ([4, padded] int64 rows of token ids, positions,
-    KV slots and context lengths; [padded, max_blocks] int32 block tables; the rows whose
-    logits are sampled). A request with drafts takes a row per query token, each with the
-    request's table and its own context length. Padding rows store nothing (slot -1) and
-    attend to one token of block 0."""
+def decode_inputs(batch: list[ScheduledRequest], padded: int, block_size: int, max_blocks: int) -> DecodeRows:
+    """The host side of a decode-graph step, `padded` rows with tables `max_blocks` wide."""
     seq_tables = block_tables(batch, max_blocks)
     ids, pos, slots, seq = token_rows(batch, block_size, seq_tables)
     n = len(ids)
@@ -97,10 +126,10 @@ def decode_inputs(batch: list[ScheduledRequest], padded: int, block_size: int,
     tables = np.zeros((padded, max_blocks), dtype=np.int32)
     tables[:n] = seq_tables[seq]
     samples = np.array([s.samples for s in batch], dtype=bool)
-    return cols, tables, np.flatnonzero(samples[seq]).astype(np.int64)
+    return DecodeRows(n, cols, tables, np.flatnonzero(samples[seq]).astype(np.int64))
 
 
-def flat_inputs(batch: list[ScheduledRequest], path: StepPath, padded: int, block_size: int) -> StepInputs:
+def flat_inputs(batch: list[ScheduledRequest], path: StepPath, padded: int, block_size: int) -> FlatBatch:
     """The flat batch of a PIECES or EAGER step: each sequence's new tokens back to back, with
     its context length, its block table, the rows it samples from (its last, or each of its
     k + 1 with drafts) and the rows that score its prompt (prompt_logprobs)."""
@@ -117,9 +146,8 @@ def flat_inputs(batch: list[ScheduledRequest], path: StepPath, padded: int, bloc
             sample_rows += range(row + k - 1 - len(s.draft_token_ids), row + k)
         row += k
     i64 = np.int64
-    return StepInputs(path, len(batch), tables, ids=np.array(ids, i64), positions=pos, slots=slots,
-                      seq_lens=seq_lens, query_lens=query_lens, padded=padded,
-                      sample_rows=np.array(sample_rows, i64), prompt_rows=np.array(prompt_rows, i64))
+    return FlatBatch(path, len(batch), tables, np.array(ids, i64), pos, slots, seq_lens, query_lens, padded,
+                     np.array(sample_rows, i64), np.array(prompt_rows, i64))
 
 
 def build(batch: list[ScheduledRequest], path: StepPath, padded: int, block_size: int,
@@ -127,6 +155,5 @@ def build(batch: list[ScheduledRequest], path: StepPath, padded: int, block_size
     """The step's inputs for its path (`padded`: the decode graph's rows or the piecewise token
     bucket; 0 for an eager step; `table_width`: a decode graph's block-table width)."""
     if path == StepPath.DECODE:
-        cols, tables, sample_rows = decode_inputs(batch, padded, block_size, table_width)
-        return StepInputs(path, sum(s.num_new_tokens for s in batch), tables, cols=cols, sample_rows=sample_rows)
+        return decode_inputs(batch, padded, block_size, table_width)
     return flat_inputs(batch, path, padded, block_size)

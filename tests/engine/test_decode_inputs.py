@@ -23,7 +23,9 @@ def test_decode_inputs_rows_and_padding():
     batch = [_decoding("a", [11, 12, 13, 14, 15, 16], [7, 2]),  # position 5: block 2, offset 1
              _decoding("b", [21, 22, 23, 24], [9]),  # position 3: block 9, offset 3
              _decoding("c", [31], [5])]  # position 0
-    cols, tables, rows = decode_inputs(batch, padded=4, block_size=bs, max_blocks=3)
+    d = decode_inputs(batch, padded=4, block_size=bs, max_blocks=3)
+    cols, tables, rows = d.cols, d.tables, d.sample_rows
+    assert d.num_rows == 3 and d.path == "decode" and (d.ids == cols[0]).all()
     assert rows.tolist() == [0, 1, 2]  # every real row samples
     assert cols.dtype == np.int64 and tables.dtype == np.int32
     assert cols[0].tolist() == [16, 24, 31, 0]  # input token: the last one
@@ -40,7 +42,8 @@ def test_a_request_with_drafts_takes_a_row_per_query_token():
     s = _decoding("a", [11, 12, 13, 14], [7, 2])  # position 3 (block 7, offset 3)
     s.draft_token_ids, s.num_new_tokens = [40, 41], 3
     plain = _decoding("b", [21, 22], [9])
-    cols, tables, rows = decode_inputs([s, plain], padded=8, block_size=bs, max_blocks=2)
+    d = decode_inputs([s, plain], padded=8, block_size=bs, max_blocks=2)
+    cols, tables, rows = d.cols, d.tables, d.sample_rows
     assert cols[0, :4].tolist() == [14, 40, 41, 22]
     assert cols[1, :4].tolist() == [3, 4, 5, 1]
     assert cols[2, :5].tolist() == [7 * bs + 3, 2 * bs + 0, 2 * bs + 1, 9 * bs + 1, -1]
@@ -54,7 +57,8 @@ def test_a_request_past_its_window_takes_its_cache_position():
     bs = 4
     s = _decoding("a", list(range(100, 114)), [7, 2])
     s.request.kv_shift = 8
-    cols, tables, _ = decode_inputs([s], padded=1, block_size=bs, max_blocks=2)
+    d = decode_inputs([s], padded=1, block_size=bs, max_blocks=2)
+    cols, tables = d.cols, d.tables
     assert cols[:, 0].tolist() == [113, 5, 2 * bs + 1, 6] and tables.tolist() == [[7, 2]]
 
 
@@ -68,7 +72,8 @@ def test_the_flat_layout_gives_the_same_tokens_positions_and_slots_as_the_graph_
     shifted = _decoding("b", list(range(100, 114)), [7, 2])
     shifted.request.kv_shift = 8
     batch = [drafted, shifted, _decoding("c", [21, 22], [9])]
-    cols, _, rows = decode_inputs(batch, padded=8, block_size=bs, max_blocks=2)
+    d = decode_inputs(batch, padded=8, block_size=bs, max_blocks=2)
+    cols, rows = d.cols, d.sample_rows
     flat = flat_inputs(batch, StepPath.EAGER, 0, bs)
     assert flat.ids.tolist() == cols[0, :5].tolist() == [14, 40, 41, 113, 22]
     assert flat.positions.tolist() == cols[1, :5].tolist() == [3, 4, 5, 5, 1]
