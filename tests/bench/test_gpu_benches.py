@@ -148,6 +148,19 @@ def test_gpu_suite_names_its_groups(tmp_path):
     assert r.returncode == 1 and "nosuch (unknown)" in r.stderr, r.stderr
 
 
+def test_suite_ab_refuses_a_commit_it_cannot_check_out(tmp_path):
+    """bench/suite_ab.sh parses, and a base that is no commit stops it at once (exit 2, naming it),
+    with no worktree left behind."""
+    import subprocess
+
+    script = BENCH / "suite_ab.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    before = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, cwd=BENCH).stdout
+    r = subprocess.run(["bash", str(script), str(tmp_path), "no-such-commit"], capture_output=True, text=True)
+    assert r.returncode == 2 and "no commit no-such-commit" in r.stderr, r.stderr
+    assert subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, cwd=BENCH).stdout == before
+
+
 @pytest.mark.parametrize("system, want", [
     ("hybrid:1:1:tp2", {"prefill_tp": 2, "decode_tp": 2, "mode": "hybrid"}),
     ("disagg:1:1:dtp2", {"prefill_tp": None, "decode_tp": 2, "mode": "disagg"}),
