@@ -39,17 +39,20 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MAGIC = b"PDKVBLK1"
+DIGEST_BYTES = 16  # a block's checksum
 HEADER = struct.Struct("<8s32sQ16s")  # magic, block hash, byte count, checksum
 SUFFIX = ".kvb"
 
 
 def layout_digest(meta: dict) -> str:
-    """The directory name for blocks of this meaning (persist._meta's fields)."""
+    """The directory name for blocks of this meaning (persist.layout_meta's fields)."""
     return hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 def checksum(block_hash: bytes, data) -> bytes:
-    h = hashlib.blake2b(block_hash, digest_size=16)
+    """A block's checksum, the one both the disk tier's files and the persisted host tier keep:
+    blake2b over its hash and its bytes (a block moved under another hash fails too)."""
+    h = hashlib.blake2b(block_hash, digest_size=DIGEST_BYTES)
     h.update(data)
     return h.digest()
 

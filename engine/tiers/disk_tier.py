@@ -39,7 +39,7 @@ import torch
 
 from .disk import DiskStore
 from .offload import HostIndex
-from .persist import _meta
+from .persist import layout_meta
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class DiskTier:
         self.index, self.runner, self.step_model, self.kv = index, runner, step_model, kv
         self.block_size = config.block_size
         self.block_nbytes = runner.host.buf[0].numel() * runner.host.buf.element_size()
-        self.store = DiskStore(config.kv_disk_dir, _meta(config, load_format), self.block_nbytes,
+        self.store = DiskStore(config.kv_disk_dir, layout_meta(config, load_format), self.block_nbytes,
                                int(config.kv_disk_size * (1 << 30)))
         index.on_evict = self.spill
         # several readers: each read verifies a checksum (hashlib lets go of the GIL for it)

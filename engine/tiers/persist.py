@@ -35,13 +35,13 @@ import torch
 
 from ..base.kv_layout import kv_layout
 from ..config import EngineConfig
+from .disk import DIGEST_BYTES, checksum
 from .offload import HostCache, HostIndex
 
 log = logging.getLogger(__name__)
 
 FILE = "kv_host_tier.pt"
 FORMAT = 2  # 2: per-block checksums
-DIGEST_BYTES = 16
 
 
 class PersistError(ValueError):
@@ -65,7 +65,10 @@ def fingerprint(config: EngineConfig, load_format: str) -> str:
     return h.hexdigest()
 
 
-def _meta(config: EngineConfig, load_format: str) -> dict:
+def layout_meta(config: EngineConfig, load_format: str) -> dict:
+    """What a KV block's bytes mean, for both tiers on disk: the persisted host tier's file carries
+    it (a file whose fields differ is refused), the disk tier's directory is named by its digest
+    (disk.layout_digest)."""
     return {"format": FORMAT, "fingerprint": fingerprint(config, load_format),
             "kv_cache_dtype": kv_layout(config).dtype, "block_size": config.block_size,
             "layout": kv_layout(config).as_dict()}
@@ -93,10 +96,8 @@ class Restored:
 
 
 def block_digest(block_hash: bytes, block: torch.Tensor) -> bytes:
-    """A block's checksum: its hash and its bytes (a block moved under another hash fails too)."""
-    h = hashlib.blake2b(block_hash, digest_size=DIGEST_BYTES)
-    h.update(block.contiguous().view(torch.uint8).numpy())
-    return h.digest()
+    """A block's checksum (disk.checksum, the disk tier's) over its tensor's bytes."""
+    return checksum(block_hash, block.contiguous().view(torch.uint8).numpy())
 
 
 class Checksums:
@@ -126,7 +127,7 @@ def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
     path = os.path.join(config.kv_persist_dir, FILE)
     entries = index.entries()
     slots = torch.tensor([s for _, s in entries], dtype=torch.int64)
-    payload = {**_meta(config, load_format), "hashes": [h for h, _ in entries],
+    payload = {**layout_meta(config, load_format), "hashes": [h for h, _ in entries],
                "checksums": (checksums or Checksums()).of(entries, cache.buf),
                # the used blocks only, in a tensor of their own: torch.save of a view writes its
                # whole storage (an empty tier was once saved as the whole host buffer)
@@ -150,7 +151,7 @@ def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
             raise ValueError(f"{len(hashes)} hashes for {getattr(blocks, 'shape', ['?'])[0]} blocks")
     except Exception as e:  # noqa: BLE001 - whatever torch.load or the shape check says
         raise PersistError(f"{path} is corrupt ({type(e).__name__}: {e}): starting with an empty host tier") from None
-    want = _meta(config, load_format)
+    want = layout_meta(config, load_format)
     for key in ("format", "fingerprint", "kv_cache_dtype", "block_size", "layout"):
         if payload.get(key) != want[key]:
             raise PersistError(f"{path} was written for another {key.replace('_', ' ')} "
