@@ -139,7 +139,7 @@ def restart(model: str, cuda: bool, host_gib: float) -> dict:
         cold = ttft(eng, prefix + [1, 2, 3], cuda)
         gpu_hit = ttft(eng, prefix + [7, 8, 9], cuda)  # the prefix still on the GPU: no load-back
         eng.close()  # writes the tier
-        size = os.path.getsize(os.path.join(d, "kv_host_tier.pt"))
+        size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)  # index + blocks
         t = time.perf_counter()
         eng = engine(model, cuda, **kw)
         start_s = time.perf_counter() - t

@@ -73,7 +73,7 @@ class LLMEngine:
             self.calibrate()
         self.iteration_tokens = TokenHistogram()  # tokens per step (metrics)
         self.load_format = load_format
-        # the host tier's snapshot file (restored now), or its disk tier (tiers/disk_tier.py)
+        # the host tier's files (tiers/persist.py, restored now), or its disk tier (tiers/disk_tier.py)
         self.tier_file = persist.HostTierFile(config, load_format, host, self.runner) if config.kv_persist_dir \
             else None
         self.disk = DiskTier.of(config, load_format, host, self.runner, self.step_model, self.kv)
@@ -179,7 +179,10 @@ class LLMEngine:
         first, self._closed = not self.__dict__.get("_closed"), True
         try:
             if first and self.tier_file is not None:
-                self.tier_file.write()
+                try:
+                    self.tier_file.write()
+                finally:
+                    self.tier_file.close()
             if first and self.disk is not None:
                 self.disk.close()
         except OSError as e:
@@ -258,11 +261,11 @@ class LLMEngine:
         return result
 
     def persist_if_due(self) -> bool:
-        """The host tier's snapshot on its interval (persist.HostTierFile.due); True if it wrote."""
+        """The persisted host tier on its interval (persist.HostTierFile.due); True if it wrote."""
         return self.tier_file is not None and self.tier_file.due()
 
     def persist_host_tier(self) -> str:
-        """Writes the host tier's snapshot now (persist.HostTierFile.write)."""
+        """Writes the persisted host tier now (persist.HostTierFile.write)."""
         return self.tier_file.write()
 
     @property

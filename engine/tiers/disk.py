@@ -142,6 +142,18 @@ class DiskStore:
         self.stats.read_seconds += time.perf_counter() - t
         return True
 
+    def keep(self, hashes: list[bytes]) -> set[bytes]:
+        """Those of `hashes` this store has (on disk or queued), moved to the recently used end in
+        their order: eviction takes the others first. Returns them."""
+        kept = set()
+        for h in hashes:
+            if h in self:
+                with self.lock:
+                    if h in self.index:
+                        self.index.move_to_end(h)
+                kept.add(h)
+        return kept
+
     # ---- writes (the side thread) -------------------------------------------------------------
     def put(self, block_hash: bytes, data: np.ndarray, done=None) -> None:
         """Queues the block's bytes (uint8, block_nbytes; not changed until `done()` is called on

@@ -1,20 +1,28 @@
-"""The host tier on disk (`kv_persist_dir`): hot KV survives a restart.
+"""The host tier on disk (`kv_persist_dir`): hot KV survives a restart, in the disk tier's format.
 
-    save(dir)   on close and every kv_persist_interval_s (a timer on the engine's thread, idle
-                or not; skipped while the tier is as last saved): the used blocks and their index
-                (hash -> slot, LRU order), one checksum per block (blake2b over the block's
-                hash and bytes), with what the blocks depend on: the model's fingerprint,
-                KV dtype, block size and block layout. The caller first applies the copies
-                still queued (blocks freed after the last step: their slots are assigned, their
-                contents not yet copied). Written to a temporary file, then renamed: a crash
-                mid-write leaves the previous file.
-    load(dir)   on start: the whole file is refused (PersistError naming the mismatch; the engine
-                starts with an empty tier) if it is corrupt, malformed or any of those differ;
-                each block whose checksum does not verify, or whose values are not finite, is
-                refused alone. `Restored` says what came back and what was refused, and why.
-Checksums of unchanged slots are kept between
-saves (a slot is rewritten only when it is given to another hash), so the periodic save hashes
-only the blocks offloaded since the previous one (why checksums: docs/design/persist.md).
+    <kv_persist_dir>/host_tier.json                        the tier's index: what its blocks
+                                                           mean (layout_meta) and their hashes,
+                                                           least recently used first
+    <kv_persist_dir>/<layout digest>/<hash[:2]>/<hash>.kvb one block (tiers/disk.py's block files:
+                                                           a header with its hash, byte count and
+                                                           checksum, then its bytes)
+
+    save        on close and every kv_persist_interval_s (a timer on the engine's thread, idle
+                or not; skipped while the tier is as last saved): the blocks not on disk yet are
+                written as block files (a block's file is named by its hash, so a save writes
+                only the blocks offloaded since the previous one), then the index, to a
+                temporary name and renamed (a crash mid-save leaves the previous index, whose
+                blocks are still there: the store keeps as many files as the tier has slots and
+                evicts those the index no longer names first). The caller first applies the
+                copies still queued (blocks freed after the last step: their slots are assigned,
+                their contents not yet copied).
+    load        on start: the whole tier is refused (PersistError naming the mismatch; the engine
+                starts with an empty tier) if the index is corrupt or malformed, if any of what
+                the blocks mean differs (the model's fingerprint, KV dtype, block size, block
+                layout), or if only an earlier version's snapshot (kv_host_tier.pt, one torch
+                file) is there; each block whose file is missing or fails its checks, or whose
+                values are not finite, is refused alone. `Restored` says what came back and what
+                was refused, and why (why checksums: docs/design/persist.md).
 
 The fingerprint is a hash of the model's config.json and, per safetensors file, its name,
 size and its first and last MiB (a fine-tune of the same shapes differs there; hashing
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import logging
 import os
 import time
@@ -35,13 +44,14 @@ import torch
 
 from ..base.kv_layout import kv_layout
 from ..config import EngineConfig
-from .disk import DIGEST_BYTES, checksum
+from .disk import HEADER, DiskStore
 from .offload import HostCache, HostIndex
 
 log = logging.getLogger(__name__)
 
-FILE = "kv_host_tier.pt"
-FORMAT = 2  # 2: per-block checksums
+INDEX = "host_tier.json"
+OLD_SNAPSHOT = "kv_host_tier.pt"  # an earlier version's format: one torch file, refused
+FORMAT = 2  # what a block file holds (2: a per-block checksum); a part of the layout digest
 
 
 class PersistError(ValueError):
@@ -89,67 +99,60 @@ class Restored:
     def describe(self, where: str) -> str:
         text = f"restored {self.blocks} blocks from {where}"
         if self.refused:
-            why = [f"{n} {what}" for n, what in ((self.bad_checksum, "failed their checksum"),
+            why = [f"{n} {what}" for n, what in ((self.bad_checksum, "missing or failed their checksum"),
                                                  (self.not_finite, "hold NaN or Inf")) if n]
             text += f"; refused {self.refused} ({', '.join(why)})"
         return text
 
 
-def block_digest(block_hash: bytes, block: torch.Tensor) -> bytes:
-    """A block's checksum (disk.checksum, the disk tier's) over its tensor's bytes."""
-    return checksum(block_hash, block.contiguous().view(torch.uint8).numpy())
+def store(config: EngineConfig, load_format: str, cache: HostCache) -> DiskStore:
+    """The persisted tier's block files: as many as the tier has slots (the blocks its index no
+    longer names are evicted first)."""
+    block_nbytes = cache.buf[0].numel() * cache.buf.element_size()
+    files = max(1, cache.buf.shape[0])
+    return DiskStore(config.kv_persist_dir, layout_meta(config, load_format), block_nbytes,
+                     files * (HEADER.size + block_nbytes))
 
 
-class Checksums:
-    """Digests of the host tier's blocks by hash, kept between saves: a slot's bytes change
-    only when the slot goes to another hash, so each save hashes only the new blocks."""
-
-    def __init__(self):
-        self.by_hash: dict[bytes, tuple[int, bytes]] = {}  # hash -> (slot, digest)
-
-    def of(self, entries: list[tuple[bytes, int]], buf: torch.Tensor) -> list[bytes]:
-        fresh = {}
-        for h, slot in entries:
-            known = self.by_hash.get(h)
-            fresh[h] = known if known is not None and known[0] == slot else (slot, block_digest(h, buf[slot]))
-        self.by_hash = fresh
-        return [fresh[h][1] for h, _ in entries]
+def _slot_bytes(cache: HostCache, slot: int):
+    return cache.buf[slot].view(-1).view(torch.uint8).numpy()
 
 
-def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache,
-         checksums: Checksums | None = None) -> str:
-    """Writes the tier; the copies queued in `index` must have been applied (HostTierFile.write
-    does it)."""
+def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache, files: DiskStore) -> str:
+    """Writes the tier: its blocks not on disk yet, then its index. The copies queued in `index`
+    must have been applied (HostTierFile.write does it)."""
     if index.ops.offloads:
         raise RuntimeError("persist.save: offloads are still queued; apply them first (their slots hold no data yet)")
     cache.synchronize()  # the offloads issued so far have landed
-    os.makedirs(config.kv_persist_dir, exist_ok=True)
-    path = os.path.join(config.kv_persist_dir, FILE)
     entries = index.entries()
-    slots = torch.tensor([s for _, s in entries], dtype=torch.int64)
-    payload = {**layout_meta(config, load_format), "hashes": [h for h, _ in entries],
-               "checksums": (checksums or Checksums()).of(entries, cache.buf),
-               # the used blocks only, in a tensor of their own: torch.save of a view writes its
-               # whole storage (an empty tier was once saved as the whole host buffer)
-               "blocks": cache.buf.index_select(0, slots)}
-    tmp = path + ".tmp"
-    torch.save(payload, tmp)
+    kept = files.keep([h for h, _ in entries])
+    for h, slot in entries:
+        if h not in kept:
+            files.put(h, _slot_bytes(cache, slot).copy())
+    files.flush()
+    path = os.path.join(config.kv_persist_dir, INDEX)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({**layout_meta(config, load_format), "hashes": [h.hex() for h, _ in entries]}, f)
     os.replace(tmp, path)
     return path
 
 
-def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache) -> Restored:
-    """Fills the tier from the file (nothing without one). Raises PersistError naming the
+def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache, files: DiskStore) -> Restored:
+    """Fills the tier from its files (nothing without an index). Raises PersistError naming the
     problem (the tier is then left empty); blocks that do not verify are left out."""
-    path = os.path.join(config.kv_persist_dir, FILE)
+    path = os.path.join(config.kv_persist_dir, INDEX)
     if not os.path.exists(path):
+        old = os.path.join(config.kv_persist_dir, OLD_SNAPSHOT)
+        if os.path.exists(old):
+            raise PersistError(f"{old} is a host tier saved by an earlier version (one torch file); the tier is "
+                               "now kept as block files: starting with an empty host tier (remove the file)")
         return Restored()
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        hashes, sums, blocks = payload["hashes"], payload.get("checksums"), payload["blocks"]
-        if not isinstance(hashes, list) or not isinstance(blocks, torch.Tensor) or blocks.shape[0] != len(hashes):
-            raise ValueError(f"{len(hashes)} hashes for {getattr(blocks, 'shape', ['?'])[0]} blocks")
-    except Exception as e:  # noqa: BLE001 - whatever torch.load or the shape check says
+        with open(path) as f:
+            payload = json.load(f)
+        hashes = [bytes.fromhex(h) for h in payload["hashes"]]
+    except Exception as e:  # noqa: BLE001 - whatever the JSON or the hex says
         raise PersistError(f"{path} is corrupt ({type(e).__name__}: {e}): starting with an empty host tier") from None
     want = layout_meta(config, load_format)
     for key in ("format", "fingerprint", "kv_cache_dtype", "block_size", "layout"):
@@ -157,30 +160,20 @@ def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
             raise PersistError(f"{path} was written for another {key.replace('_', ' ')} "
                                f"({_short(payload.get(key))} there, {_short(want[key])} here): "
                                "starting with an empty host tier")
-    if not all(isinstance(h, bytes) and len(h) == 32 for h in hashes) or len(set(hashes)) != len(hashes):
+    if not all(len(h) == 32 for h in hashes) or len(set(hashes)) != len(hashes):
         raise PersistError(f"{path} is corrupt (block hashes must be distinct 32-byte digests): "
                            "starting with an empty host tier")
-    if not isinstance(sums, list) or len(sums) != len(hashes) or \
-            not all(isinstance(d, bytes) and len(d) == DIGEST_BYTES for d in sums):
-        raise PersistError(f"{path} is corrupt (one {DIGEST_BYTES}-byte checksum per block expected): "
-                           "starting with an empty host tier")
-    if blocks.dtype != cache.buf.dtype or tuple(blocks.shape[1:]) != tuple(cache.buf.shape[1:]):
-        raise PersistError(f"{path}: blocks of {blocks.dtype} {tuple(blocks.shape[1:])}, this tier holds "
-                           f"{cache.buf.dtype} {tuple(cache.buf.shape[1:])}: starting with an empty host tier")
-    done = Restored()
-    good = []
-    for i, (h, digest) in enumerate(zip(hashes, sums)):
-        if block_digest(h, blocks[i]) != digest:
+    done, restored, slot = Restored(), [], 0
+    for h in hashes[max(0, len(hashes) - index.num_slots):]:  # the most recently used, if the tier shrank
+        if not files.read_into(h, _slot_bytes(cache, slot)):
             done.bad_checksum += 1
-        elif blocks.is_floating_point() and not bool(torch.isfinite(blocks[i]).all()):
+        elif cache.buf.is_floating_point() and not bool(torch.isfinite(cache.buf[slot]).all()):
             done.not_finite += 1
         else:
-            good.append(i)
-    good = good[max(0, len(good) - index.num_slots):]  # the most recently used ones, if the tier shrank
-    for slot, i in enumerate(good):
-        cache.buf[slot].copy_(blocks[i])
-    index.restore([(hashes[i], slot) for slot, i in enumerate(good)])
-    done.blocks = len(good)
+            restored.append((h, slot))
+            slot += 1
+    index.restore(restored)
+    done.blocks = len(restored)
     return done
 
 
@@ -198,11 +191,11 @@ class HostTierFile:
     def __init__(self, config: EngineConfig, load_format: str, index: HostIndex, runner):
         self.config, self.load_format, self.index, self.runner = config, load_format, index, runner
         self.at = time.monotonic()
-        self.checksums = Checksums()
+        self.files = store(config, load_format, runner.host)
         self.entries: list | None = None  # the tier's index as last written
         self.status: str | None = None
         try:
-            done = load(config, load_format, index, runner.host)
+            done = load(config, load_format, index, runner.host, self.files)
             self.status = done.describe(config.kv_persist_dir)
             if done.refused:
                 log.warning("%s", self.status)
@@ -227,6 +220,10 @@ class HostTierFile:
         ops = self.index.take()
         if ops is not None:
             self.runner.host.apply(self.runner.kv, ops)
-        path = save(self.config, self.load_format, self.index, self.runner.host, self.checksums)
+        path = save(self.config, self.load_format, self.index, self.runner.host, self.files)
         self.entries = self.index.entries()
         return path
+
+    def close(self) -> None:
+        """After the last write: the block files' writer thread stops."""
+        self.files.close()

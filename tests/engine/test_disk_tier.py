@@ -241,23 +241,3 @@ def test_the_disk_tier_needs_the_host_tier_and_one_rank(tiny_models, tmp_path):
                           kv_persist_dir=str(tmp_path)), "drop kv_persist_dir")):
         with pytest.raises(ValueError, match=why):
             LLM(tiny_models["llama"], max_model_len=256, **kw)
-
-
-def test_both_tiers_on_disk_keep_one_checksum_of_a_block(tmp_path):
-    """The disk tier's block file and the persisted host tier check a block with one checksum
-    (disk.checksum): the digest in a block file's header is the one the host tier's save keeps."""
-    import torch
-
-    from pdserve.engine.tiers import disk, persist
-
-    block = torch.randn(2, 16, 2, 8)
-    h = hashlib.sha256(b"a block").digest()
-    store = disk.DiskStore(str(tmp_path), {"layout": "test"}, block.numel() * 4, 1 << 20)
-    store.put(h, block.numpy().view(np.uint8).reshape(-1))
-    store.flush()
-    store.close()
-    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(disk.SUFFIX)]
-    with open(path, "rb") as f:
-        _, got_hash, nbytes, digest = disk.HEADER.unpack(f.read(disk.HEADER.size))
-    assert got_hash == h and nbytes == block.numel() * 4
-    assert digest == persist.block_digest(h, block) == disk.checksum(h, block.numpy().tobytes())

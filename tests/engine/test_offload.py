@@ -4,14 +4,17 @@ shards following rank 0's copies, a restart that finds its prefix on disk, and r
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 
+import numpy as np
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.base.hashing import hash_block_tokens
-from pdserve.engine.tiers import persist
+from pdserve.engine.tiers import disk
 from pdserve.engine.tiers.offload import HostIndex
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -135,7 +138,8 @@ def test_persisted_tier_serves_a_known_prefix_after_restart(tiny_models, referen
     with LLM(tiny_models["llama"], **kw) as llm:
         assert churn(llm, PROMPTS[:2]) == reference[:2]
         used = llm.engine.stats()["kv_host_blocks_used"]
-    assert (tmp_path / "kv_host_tier.pt").exists()
+    index = json.loads((tmp_path / "host_tier.json").read_text())
+    assert len(index["hashes"]) == used == len(block_files(tmp_path))  # one disk-tier block file each
     with LLM(tiny_models["llama"], **kw) as llm:
         assert llm.engine.persist_status == f"restored {used} blocks from {tmp_path}"
         assert llm.engine.stats()["kv_host_blocks_used"] == used
@@ -150,7 +154,7 @@ def test_an_engine_persists_once_when_closed_twice(tiny_models, tmp_path):
     kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
     with LLM(tiny_models["llama"], **kw) as llm:
         churn(llm, PROMPTS[:1])
-    path = tmp_path / "kv_host_tier.pt"
+    path = tmp_path / "host_tier.json"
     assert path.exists()
     path.unlink()
     llm.close()
@@ -171,46 +175,50 @@ def test_blocks_freed_after_the_last_step_are_copied_before_the_tier_is_saved(ti
         assert out.outputs[0].token_ids == reference[0]
 
 
-def _rewrite(path, edit) -> None:
-    payload = torch.load(path, weights_only=True)
-    edit(payload)
-    torch.save(payload, path)
+def block_files(d) -> dict[bytes, pathlib.Path]:
+    """The persisted tier's block files (tiers/disk.py's format), by block hash."""
+    return {bytes.fromhex(p.stem): p for p in pathlib.Path(d).rglob("*" + disk.SUFFIX)}
 
 
 def test_blocks_that_fail_their_checksum_or_hold_nan_are_refused_one_by_one(tiny_models, reference, tmp_path):
+    """One block file with flipped bits (its checksum fails: refused, the file removed), one whose
+    values are NaN under a checksum that matches them (refused), one missing: the rest restore."""
     kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
     with LLM(tiny_models["llama"], **kw) as llm:
         churn(llm, PROMPTS[:1])
         used = llm.engine.stats()["kv_host_blocks_used"]
-    path = tmp_path / "kv_host_tier.pt"
-    hashes = torch.load(path, weights_only=True)["hashes"]
-    head = hashes.index(hash_block_tokens(SHARED, 16)[0])
-    second = hashes.index(hash_block_tokens(SHARED, 16)[1])
-
-    def damage(p):
-        p["blocks"][head].view(-1).view(torch.uint8)[123] ^= 0x40  # flipped bits inside the tensor data
-        p["blocks"][second] = float("nan")  # NaN, with a checksum that matches it
-        p["checksums"][second] = persist.block_digest(p["hashes"][second], p["blocks"][second])
-
-    _rewrite(path, damage)
+    files = block_files(tmp_path)
+    head, second, third = hash_block_tokens(SHARED, 16)[:3]
+    raw = bytearray(files[head].read_bytes())
+    raw[disk.HEADER.size + 123] ^= 0x40  # flipped bits inside the block's bytes
+    files[head].write_bytes(bytes(raw))
+    nan = np.full(len(raw) - disk.HEADER.size, 0xFF, dtype=np.uint8)  # float32 NaNs, checksummed as such
+    files[second].write_bytes(disk.HEADER.pack(disk.MAGIC, second, nan.nbytes, disk.checksum(second, nan)) +
+                              nan.tobytes())
+    files[third].unlink()
     with LLM(tiny_models["llama"], **kw) as llm:
-        assert llm.engine.persist_status == (f"restored {used - 2} blocks from {tmp_path}; refused 2 "
-                                             "(1 failed their checksum, 1 hold NaN or Inf)")
+        assert llm.engine.persist_status == (f"restored {used - 3} blocks from {tmp_path}; refused 3 "
+                                             "(2 missing or failed their checksum, 1 hold NaN or Inf)")
         assert llm.engine.stats()["kv_persist_status"] == llm.engine.persist_status
+        assert not files[head].exists()
         out = llm.generate([PROMPTS[0]], PARAMS)[0]
         assert out.outputs[0].token_ids == reference[0] and out.num_cached_tokens == 0  # recomputed
 
 
 @pytest.mark.parametrize("edit,why", [
-    (lambda p: p.update(hashes=[h.hex() for h in p["hashes"]]), "32-byte digests"),
-    (lambda p: p.pop("checksums"), "checksum per block"),
-    (lambda p: p.update(blocks=p["blocks"].double()), "this tier holds"),
-], ids=["hashes as strings", "no checksums", "another dtype"])
-def test_a_malformed_persist_file_is_refused_whole_and_the_engine_serves(tiny_models, reference, tmp_path, edit, why):
+    (lambda p: p.update(hashes=[h[:16] for h in p["hashes"]]), "32-byte digests"),
+    (lambda p: p.update(hashes=[p["hashes"][0]] * 2), "distinct"),
+    (lambda p: p.update(layout={**p["layout"], "dtype": "float64"}), "another layout"),
+    (lambda p: p.pop("hashes"), "is corrupt (KeyError"),
+], ids=["short hashes", "a hash twice", "another layout", "no hashes"])
+def test_a_malformed_persist_index_is_refused_whole_and_the_engine_serves(tiny_models, reference, tmp_path, edit, why):
     kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
     with LLM(tiny_models["llama"], **kw) as llm:
         churn(llm, PROMPTS[:1])
-    _rewrite(tmp_path / "kv_host_tier.pt", edit)
+    path = tmp_path / "host_tier.json"
+    payload = json.loads(path.read_text())
+    edit(payload)
+    path.write_text(json.dumps(payload))
     with LLM(tiny_models["llama"], **kw) as llm:
         assert why in llm.engine.persist_status and llm.engine.stats()["kv_host_blocks_used"] == 0
         assert llm.generate([PROMPTS[0]], PARAMS)[0].outputs[0].token_ids == reference[0]
@@ -220,7 +228,7 @@ def test_the_tier_is_also_written_every_interval(tiny_models, tmp_path):
     with LLM(tiny_models["llama"], max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001,
              kv_persist_dir=str(tmp_path), kv_persist_interval_s=0.01) as llm:
         churn(llm, PROMPTS[:1])
-        assert (tmp_path / "kv_host_tier.pt").exists()  # before close
+        assert (tmp_path / "host_tier.json").exists()  # before close
         llm.engine.persist_host_tier()
 
 
@@ -232,9 +240,14 @@ def test_a_corrupt_or_mismatched_persist_file_is_refused_and_the_server_starts_e
         assert "was written for another fingerprint" in llm.engine.persist_status
         assert llm.engine.stats()["kv_host_blocks_used"] == 0
         assert len(llm.generate([PROMPTS[0]], PARAMS)[0].outputs[0].token_ids) == 8
-    (tmp_path / "kv_host_tier.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "host_tier.json").write_bytes(b"not json")
     with LLM(tiny_models["llama"], **kw) as llm:
-        assert "kv_host_tier.pt is corrupt" in llm.engine.persist_status
+        assert "host_tier.json is corrupt" in llm.engine.persist_status
+        assert llm.engine.stats()["kv_host_blocks_used"] == 0
+    (tmp_path / "host_tier.json").unlink()  # an earlier version's snapshot alone: refused by name
+    torch.save({"format": 2, "hashes": [], "blocks": torch.zeros(0)}, tmp_path / "kv_host_tier.pt")
+    with LLM(tiny_models["llama"], **kw) as llm:
+        assert "kv_host_tier.pt is a host tier saved by an earlier version" in llm.engine.persist_status
         assert llm.engine.stats()["kv_host_blocks_used"] == 0
     with pytest.raises(ValueError, match="set kv_offloading_size"):
         LLM(tiny_models["llama"], kv_persist_dir=str(tmp_path))
