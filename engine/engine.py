@@ -74,9 +74,9 @@ class LLMEngine:
         self.iteration_tokens = TokenHistogram()  # tokens per step (metrics)
         self.load_format = load_format
         # the host tier's files (tiers/persist.py, restored now), or its disk tier (tiers/disk_tier.py)
-        self.tier_file = persist.HostTierFile(config, load_format, host, self.runner) if config.kv_persist_dir \
+        self.tier_file = persist.HostTierFile(config, load_format, host, self.runner.host) if config.kv_persist_dir \
             else None
-        self.disk = DiskTier.of(config, load_format, host, self.runner, self.step_model, self.kv)
+        self.disk = DiskTier.of(config, load_format, host, self.runner.host, self.step_model, self.kv)
         self.requests: dict[str, Request] = {}
         # prefill role: requests that finish normally keep their blocks until release()
         self.hold_blocks_on_finish, self.held = False, {}  # a prefill worker's prompts kept for their handoff
@@ -179,10 +179,7 @@ class LLMEngine:
         first, self._closed = not self.__dict__.get("_closed"), True
         try:
             if first and self.tier_file is not None:
-                try:
-                    self.tier_file.write()
-                finally:
-                    self.tier_file.close()
+                self.tier_file.close()
             if first and self.disk is not None:
                 self.disk.close()
         except OSError as e:

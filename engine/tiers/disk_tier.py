@@ -35,10 +35,9 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from .disk import DiskStore
-from .offload import HostIndex
+from .offload import HostCache, HostIndex
 from .persist import layout_meta
 
 log = logging.getLogger(__name__)
@@ -51,16 +50,18 @@ READERS = 4
 
 class DiskTier:
     @classmethod
-    def of(cls, config, load_format: str, index: HostIndex | None, runner, step_model, kv) -> DiskTier | None:
-        """The engine's disk tier, or None without kv_disk_dir."""
+    def of(cls, config, load_format: str, index: HostIndex | None, cache: HostCache | None, step_model,
+           kv) -> DiskTier | None:
+        """The engine's disk tier below its host tier (`index` its slots, `cache` its buffer), or None
+        without kv_disk_dir; `kv` the engine's KV cache manager (the prompt's block hashes, GPU hits)."""
         if config.kv_disk_dir is None or index is None:
             return None
-        return cls(config, load_format, index, runner, step_model, kv)
+        return cls(config, load_format, index, cache, step_model, kv)
 
-    def __init__(self, config, load_format: str, index: HostIndex, runner, step_model, kv):
-        self.index, self.runner, self.step_model, self.kv = index, runner, step_model, kv
+    def __init__(self, config, load_format: str, index: HostIndex, cache: HostCache, step_model, kv):
+        self.index, self.cache, self.step_model, self.kv = index, cache, step_model, kv
         self.block_size = config.block_size
-        self.block_nbytes = runner.host.buf[0].numel() * runner.host.buf.element_size()
+        self.block_nbytes = cache.block_nbytes
         self.store = DiskStore(config.kv_disk_dir, layout_meta(config, load_format), self.block_nbytes,
                                int(config.kv_disk_size * (1 << 30)))
         index.on_evict = self.spill
@@ -68,7 +69,7 @@ class DiskTier:
         self.reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-reader")
         self.holding: dict[str, tuple] = {}  # request id -> (request, its reads, when they started)
         self.read_gbps = self._probe()
-        self.device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
+        self.device = cache.device_name()
         if not step_model.prefill_tok_s:  # a restart knows what reading a block is worth from the start
             step_model.prefill_tok_s = self._rates().get(self.device, 0.0)
         self.hit_tokens = 0  # prompt tokens whose KV came back from disk
@@ -77,12 +78,12 @@ class DiskTier:
         self.prefetches = 0
 
     def _slot_bytes(self, slot: int) -> np.ndarray:
-        return self.runner.host.buf[slot].view(-1).view(torch.uint8).numpy()
+        return self.cache.slot_bytes(slot)
 
     def _settle(self) -> None:
         """The host buffer's copies in flight have landed (a slot about to be read or written)."""
-        if self.runner.host.stream is not None:
-            self.runner.host.stream.synchronize()
+        if self.cache.stream is not None:
+            self.cache.stream.synchronize()
 
     # ---- down ---------------------------------------------------------------------------------
     def spill(self, block_hash: bytes, slot: int) -> None:
@@ -204,9 +205,7 @@ class DiskTier:
     def close(self) -> None:
         """The host tier's blocks written to disk (their queued copies applied first), the writer
         drained, and the prefill rate measured here saved beside them."""
-        ops = self.index.take()
-        if ops is not None:
-            self.runner.host.apply(self.runner.kv, ops)
+        self.cache.apply_queued(self.index)
         self._settle()
         for h, slot in self.index.entries():
             self.store.put(h, self._slot_bytes(slot).copy())

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..base.hashing import BlockHash
@@ -139,9 +140,11 @@ class HostIndex:
 
 
 class HostCache:
-    """A rank's host buffer (pinned on CUDA) and the side stream its copies run on."""
+    """A rank's host buffer (pinned on CUDA) for the blocks of its KV cache `kv`, and the side
+    stream its copies run on."""
 
     def __init__(self, kv: torch.Tensor, num_slots: int):
+        self.kv = kv
         self.cuda = kv.is_cuda
         self.buf = torch.empty((num_slots, *kv.shape[1:]), dtype=kv.dtype, pin_memory=self.cuda)
         self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
@@ -173,6 +176,23 @@ class HostCache:
             self._timing.append((start, end))
         if ops.loads or ops.wait:
             compute.wait_event(end)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.buf[0].numel() * self.buf.element_size()
+
+    def slot_bytes(self, slot: int) -> np.ndarray:
+        """A slot's bytes as a uint8 view of the buffer (what the tiers on disk write and read into)."""
+        return self.buf[slot].view(-1).view(torch.uint8).numpy()
+
+    def apply_queued(self, index: HostIndex) -> None:
+        """The copies `index` has queued, applied now (before a slot's bytes are read)."""
+        ops = index.take()
+        if ops is not None:
+            self.apply(self.kv, ops)
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.kv.device) if self.cuda else "cpu"
 
     def _settle(self) -> None:
         while self._timing and self._timing[0][1].query():

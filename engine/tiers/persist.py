@@ -108,14 +108,9 @@ class Restored:
 def store(config: EngineConfig, load_format: str, cache: HostCache) -> DiskStore:
     """The persisted tier's block files: as many as the tier has slots (the blocks its index no
     longer names are evicted first)."""
-    block_nbytes = cache.buf[0].numel() * cache.buf.element_size()
     files = max(1, cache.buf.shape[0])
-    return DiskStore(config.kv_persist_dir, layout_meta(config, load_format), block_nbytes,
-                     files * (HEADER.size + block_nbytes))
-
-
-def _slot_bytes(cache: HostCache, slot: int):
-    return cache.buf[slot].view(-1).view(torch.uint8).numpy()
+    return DiskStore(config.kv_persist_dir, layout_meta(config, load_format), cache.block_nbytes,
+                     files * (HEADER.size + cache.block_nbytes))
 
 
 def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache, files: DiskStore) -> str:
@@ -128,7 +123,7 @@ def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
     kept = files.keep([h for h, _ in entries])
     for h, slot in entries:
         if h not in kept:
-            files.put(h, _slot_bytes(cache, slot).copy())
+            files.put(h, cache.slot_bytes(slot).copy())
     files.flush()
     path = os.path.join(config.kv_persist_dir, INDEX)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -165,7 +160,7 @@ def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
                            "starting with an empty host tier")
     done, restored, slot = Restored(), [], 0
     for h in hashes[max(0, len(hashes) - index.num_slots):]:  # the most recently used, if the tier shrank
-        if not files.read_into(h, _slot_bytes(cache, slot)):
+        if not files.read_into(h, cache.slot_bytes(slot)):
             done.bad_checksum += 1
         elif cache.buf.is_floating_point() and not bool(torch.isfinite(cache.buf[slot]).all()):
             done.not_finite += 1
@@ -186,16 +181,16 @@ class HostTierFile:
     """An engine's host tier on disk: restored at start (`status` says what came back), written
     by `due()` when kv_persist_interval_s has passed and the tier changed since (after every step
     and, idle, by the loop that owns the engine: a crash loses at most one interval) and by
-    `write()` (also at close)."""
+    `write()`, and a last time by `close()`."""
 
-    def __init__(self, config: EngineConfig, load_format: str, index: HostIndex, runner):
-        self.config, self.load_format, self.index, self.runner = config, load_format, index, runner
+    def __init__(self, config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache):
+        self.config, self.load_format, self.index, self.cache = config, load_format, index, cache
         self.at = time.monotonic()
-        self.files = store(config, load_format, runner.host)
+        self.files = store(config, load_format, cache)
         self.entries: list | None = None  # the tier's index as last written
         self.status: str | None = None
         try:
-            done = load(config, load_format, index, runner.host, self.files)
+            done = load(config, load_format, index, cache, self.files)
             self.status = done.describe(config.kv_persist_dir)
             if done.refused:
                 log.warning("%s", self.status)
@@ -217,13 +212,14 @@ class HostTierFile:
         """Writes the tier now, after applying the copies still queued: blocks freed since the
         last forward have host slots but no contents there yet (docs/design/persist.md)."""
         self.at = time.monotonic()
-        ops = self.index.take()
-        if ops is not None:
-            self.runner.host.apply(self.runner.kv, ops)
-        path = save(self.config, self.load_format, self.index, self.runner.host, self.files)
+        self.cache.apply_queued(self.index)
+        path = save(self.config, self.load_format, self.index, self.cache, self.files)
         self.entries = self.index.entries()
         return path
 
     def close(self) -> None:
-        """After the last write: the block files' writer thread stops."""
-        self.files.close()
+        """Writes the tier a last time (the engine's close), then stops the block files' writer."""
+        try:
+            self.write()
+        finally:
+            self.files.close()
