@@ -11,9 +11,10 @@
                 or not; skipped while the tier is as last saved): the blocks not on disk yet are
                 written as block files (a block's file is named by its hash, so a save writes
                 only the blocks offloaded since the previous one), then the index, to a
-                temporary name and renamed (a crash mid-save leaves the previous index, whose
-                blocks are still there: the store keeps as many files as the tier has slots and
-                evicts those the index no longer names first). The caller first applies the
+                temporary name and renamed. The store keeps as many files as the tier has slots
+                and evicts first those the new index no longer names: a crash mid-save leaves the
+                previous index, whose blocks this save evicted are then refused as missing, never
+                read wrong. The caller first applies the
                 copies still queued (blocks freed after the last step: their slots are assigned,
                 their contents not yet copied).
     load        on start: the whole tier is refused (PersistError naming the mismatch; the engine
