@@ -41,6 +41,7 @@ from .local_ray import start_or_join_ray
 from .output_pipe import OutputPipe
 from .placement import LocalRules
 from .pools import Pools
+from .records import RegisteredWorker
 from .registry import REGISTRY_NAME, RegistryLink
 from .serving_config import ROLES, ServingConfig
 
@@ -329,7 +330,7 @@ class Cluster:
 
         return self._run(collect(), 60)
 
-    def registry_workers(self) -> list[dict]:
+    def registry_workers(self) -> list[RegisteredWorker]:
         """The registry's view of the workers; [] while it is away."""
         return self._run(self.registry.list_workers(), 30) or []
 

@@ -110,6 +110,29 @@ class WorkerStats:
 _FIELDS = tuple(f.name for f in dataclasses.fields(WorkerStats) if f.name not in ("more", "reported"))
 
 
+@dataclass(frozen=True)
+class RegisteredWorker:
+    """The block registry's row for one member: its registration, its last heartbeat's stats and
+    when that came (the registry's monotonic clock), and how many blocks it holds on its GPU and
+    in its host tier."""
+    worker_id: str
+    info: WorkerInfo
+    stats: WorkerStats
+    last_heartbeat: float
+    num_cached_blocks: int
+    num_host_blocks: int
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    def as_dict(self) -> dict:
+        """The JSON status row: the registration's fields flattened, stats nested."""
+        return {**self.info.as_dict(), "worker_id": self.worker_id, "last_heartbeat": self.last_heartbeat,
+                "stats": self.stats.as_dict(), "num_cached_blocks": self.num_cached_blocks,
+                "num_host_blocks": self.num_host_blocks}
+
+
 @dataclass
 class WorkerRecord:
     """The cluster's view of one WorkerActor: its id, pool, actor handle, what it reported at

@@ -36,7 +36,7 @@ import ray
 from ray.exceptions import RayError
 
 from .aio import within
-from .records import BlockChange, BlockEvent, WorkerInfo, WorkerStats
+from .records import BlockChange, BlockEvent, RegisteredWorker, WorkerInfo, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +140,11 @@ class BlockRegistry:
         return dead
 
     # ---- queries ----------------------------------------------------------------------------
-    def list_workers(self) -> list[dict]:
-        """The members as status rows (JSON): registration, last beat's stats, blocks held."""
+    def list_workers(self) -> list[RegisteredWorker]:
+        """The members: registration, last beat's stats, blocks held."""
         self.purge_stale()
-        return [{**m.info.as_dict(), "worker_id": w, "last_heartbeat": m.last_heartbeat, "stats": m.stats.as_dict(),
-                 "num_cached_blocks": len(self.blocks.get(w, ())), "num_host_blocks": len(self.host_blocks.get(w, ()))}
-                for w, m in self.workers.items()]
+        return [RegisteredWorker(w, m.info, m.stats, m.last_heartbeat, len(self.blocks.get(w, ())),
+                                 len(self.host_blocks.get(w, ()))) for w, m in self.workers.items()]
 
     def runs(self, hashes: list[str]) -> dict[str, PrefixRun]:
         """Each worker holding the first of these chained hashes, with its run of them: placement's
@@ -254,7 +253,7 @@ class RegistryLink:
         if self.up:
             await self._call(self.actor.unregister.remote(worker_id), 5.0)
 
-    async def list_workers(self) -> list[dict] | None:
+    async def list_workers(self) -> list[RegisteredWorker] | None:
         return await self._call(self.actor.list_workers.remote(), 10.0)
 
     async def check(self) -> None:

@@ -57,7 +57,7 @@ INTRA = {
         "attempt": {"placement"},
         "dispatch": {"aio", "api", "attempt", "output_pipe", "placement", "pools", "records"},
         "cluster": {"aio", "api", "dispatch", "engine_specs", "gpus", "local_ray", "output_pipe", "placement",
-                    "pools", "registry", "serving_config"},
+                    "pools", "records", "registry", "serving_config"},
         "__init__": {"cluster"},
     },
     "router": {

@@ -168,14 +168,14 @@ class TestScalingAndFailures:
         cluster.generate("A prompt long enough to fill a few blocks of the prefix cache. " * 3, GREEDY)
         d = next(w for w in cluster.workers.values() if w.role == "decode")
         for _ in range(50):  # a heartbeat carries the new blocks to the registry
-            held = {w["worker_id"]: w["num_cached_blocks"] for w in cluster.registry_workers()}
+            held = {w.worker_id: w.num_cached_blocks for w in cluster.registry_workers()}
             if held[d.worker_id] >= 3:
                 break
             time.sleep(0.1)
         assert held[d.worker_id] >= 3
         assert ray.get(cluster.registry.actor.unregister.remote(d.worker_id))
         for _ in range(100):
-            back = {w["worker_id"]: w["num_cached_blocks"] for w in cluster.registry_workers()}
+            back = {w.worker_id: w.num_cached_blocks for w in cluster.registry_workers()}
             if back.get(d.worker_id, 0) >= held[d.worker_id]:
                 break
             time.sleep(0.1)
@@ -209,7 +209,7 @@ class TestScalingAndFailures:
         served_by = {o.decode_worker for _, o in results}
         assert len(served_by) >= 2  # the added workers took traffic
         assert len(cluster.workers) == 2
-        registered = {w["worker_id"] for w in cluster.registry_workers()}
+        registered = {w.worker_id for w in cluster.registry_workers()}
         assert registered == set(cluster.workers)
         no_request_blocks(cluster)
 
@@ -240,7 +240,7 @@ class TestScalingAndFailures:
         assert all("died" in str(o.outputs[0].stop_reason) for o in errors)
         assert reasons.count("length") >= 1 and all(r in ("length", "error") for r in reasons)
         assert all(len(o.outputs[0].token_ids) == 400 for o in outs if o.outputs[0].finish_reason == "length")
-        while victim in {w["worker_id"] for w in cluster.registry_workers()}:
+        while victim in {w.worker_id for w in cluster.registry_workers()}:
             assert time.monotonic() - t_kill < 10
             time.sleep(0.2)
         for _ in range(150):  # the pool refills to its size

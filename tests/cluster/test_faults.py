@@ -309,7 +309,7 @@ def test_the_registry_killed_or_frozen_under_load_comes_back_and_no_request_fail
 
     def cached_again() -> bool:
         rows = c.registry_workers()
-        return len(rows) == 2 and any(r["num_cached_blocks"] for r in rows)
+        return len(rows) == 2 and any(r.num_cached_blocks for r in rows)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)] + [threading.Thread(target=watch)]
     for t in threads:

@@ -190,7 +190,7 @@ def test_switch_roles_under_load(hybrid, prompts, reference):
     assert set(hybrid.workers) == before  # no worker started or stopped
     moved = [e["worker"] for e in hybrid.counters["switches"]]
     assert len(moved) == 1 and moved[0] in decode_ids and hybrid.workers[moved[0]].role == "prefill"
-    roles = {w["worker_id"]: w["role"] for w in hybrid.registry_workers()}
+    roles = {w.worker_id: w.role for w in hybrid.registry_workers()}
     assert roles[moved[0]] == "prefill"  # registered again under its new role
     # its persisted tier's slot stays its own: a replacement would otherwise take the same file
     assert {wid: w.info.persist_slot for wid, w in hybrid.workers.items()} == slots

@@ -38,8 +38,10 @@ def test_registry_scores_holders_by_tier(shared_ray):
         assert ray.get(reg.tiers_of.remote("c", hs)) == ["gpu", "host", "", ""]
         ray.get(reg.heartbeat.remote("b", WorkerStats(), [BlockEvent(BlockChange.HOST_REMOVED, hs[0])]))
         assert ray.get(reg.longest_prefix.remote(hs, "decode")) == ("a", 2)
-        rows = {w["worker_id"]: w for w in ray.get(reg.list_workers.remote())}
-        assert (rows["b"]["num_host_blocks"], rows["c"]["num_cached_blocks"]) == (2, 1)
+        rows = {w.worker_id: w for w in ray.get(reg.list_workers.remote())}
+        assert (rows["b"].num_host_blocks, rows["c"].num_cached_blocks) == (2, 1)
+        assert (rows["b"].role, rows["b"].as_dict()["num_host_blocks"], rows["b"].as_dict()["role"]) == \
+            ("decode", 2, "decode")  # a typed row; as_dict is its JSON status row
     finally:
         ray.kill(reg)
 

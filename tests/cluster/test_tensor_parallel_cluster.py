@@ -46,7 +46,7 @@ def test_prefill_tp1_to_decode_tp2_equals_llm(p1_d2, tiny_models):
     rows = {r["worker_id"]: r for r in p1_d2.status()}
     assert sorted(r["tensor_parallel_size"] for r in rows.values()) == [1, 2]
     # the registry and routing see one worker per TP group, its ranks are its own actors
-    assert {w["worker_id"] for w in p1_d2.registry_workers()} == set(rows)
+    assert {w.worker_id for w in p1_d2.registry_workers()} == set(rows)
     dec = next(w for w in rows if rows[w]["role"] == "decode")
     assert ray.get(ray.get_actor(f"{dec}#1", namespace="pdserve").address.remote())
     no_request_blocks(p1_d2)
@@ -86,7 +86,7 @@ def test_a_killed_rank_takes_its_worker_out_and_it_is_replaced(p1_d2):
         if dec not in p1_d2.workers and p1_d2.pool_sizes() == {"prefill": 1, "decode": 1}:
             break
         time.sleep(0.2)
-    assert dec not in p1_d2.workers and dec not in {w["worker_id"] for w in p1_d2.registry_workers()}
+    assert dec not in p1_d2.workers and dec not in {w.worker_id for w in p1_d2.registry_workers()}
     assert time.monotonic() - t_kill < 60
     new = next(w for w in p1_d2.workers if role_of(p1_d2, w) == "decode")
     out = p1_d2.generate(PROMPTS8[:2], GREEDY)
