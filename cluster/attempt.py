@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import ValidRequest
 
 from .placement import Charges, Placement
@@ -33,15 +32,7 @@ class Attempt:
         self.tokens = 0
         self.placement: Placement | None = None
         self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
-        self.charges = Charges(self.params.priority)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
+        self.charges = Charges(self.request.params.priority)
 
     @property
     def fetch(self):

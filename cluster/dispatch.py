@@ -101,10 +101,10 @@ class Dispatcher:
         self._finish(Attempt(rid, 3, request, hashes, sink), RequestOutput.error(rid, str(last_error)), None, None)
 
     async def _attempt(self, a: Attempt):
-        a.placement = placed = await self.placer.plan(a.hashes, a.ids, a.charges)
+        a.placement = placed = await self.placer.plan(a.hashes, a.request.prompt_token_ids, a.charges)
         if placed.local:
             return await self._single(a, placed.decode)
-        if a.params.max_tokens == 1:
+        if a.request.params.max_tokens == 1:
             return await self._prefill_only(a, placed.prefill)
         return await self._disaggregated(a, placed.prefill, placed.decode)
 
@@ -271,10 +271,11 @@ class Dispatcher:
         if out.finished:
             c = out.outputs[0] if out.outputs else None
             self._observe("e2e", now - a.t0)
-            done = FinishedRequest((c.finish_reason if c else None) or "abort", len(a.ids), a.tokens,
+            done = FinishedRequest((c.finish_reason if c else None) or "abort", len(a.request.prompt_token_ids),
+                                   a.tokens,
                                    a.queue_s, a.prefill_s,
                                    now - a.first_at if a.first_at is not None else None,
-                                   a.params.priority,
+                                   a.request.params.priority,
                                    a.first_at - a.t0 if a.first_at is not None else None,
                                    out.metrics.num_preemptions if out.metrics is not None else 0)
             for o in self.observers:

@@ -207,8 +207,9 @@ def renderers(req, chat: bool, seqs, rid: str, created: int, model_name: str, to
               tools: ToolCalls | None) -> list[Renderer]:
     """One renderer per sequence (choice index i), with what the request asked of its replies
     (`tools`: a chat request's tool mode)."""
-    return [Renderer(chat, rid, created, model_name, tokenizer, top_n=s.params.logprobs or 0,
-                     echo=echo_text(req, chat, s, tokenizer), index=i, tools=tools, prompt_ids=s.ids,
+    return [Renderer(chat, rid, created, model_name, tokenizer, top_n=s.request.params.logprobs or 0,
+                     echo=echo_text(req, chat, s, tokenizer), index=i, tools=tools,
+                     prompt_ids=s.request.prompt_token_ids,
                      vllm_prompt_logprobs=req.prompt_logprobs is not None, token_ids=req.return_token_ids,
                      scores_only=getattr(req, "scores_only", False), asked_ids=tuple(req.logprob_token_ids or ()),
                      as_ids=bool(req.return_tokens_as_token_ids))
@@ -230,7 +231,7 @@ def echo_text(req, chat: bool, s, tokenizer) -> str:
         return ""
     if chat:
         return req.messages[-1].text() if req.messages[-1].role == "assistant" else ""
-    return s.text if s.text is not None else tokenizer.decode(s.ids)
+    return s.text if s.text is not None else tokenizer.decode(s.request.prompt_token_ids)
 
 
 def handoff_facts(out) -> dict:

@@ -28,7 +28,6 @@ from pdserve.cluster.api import NoWorker
 from pdserve.engine.base.grammar_spec import BUDGET, nesting_depth
 from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.sample.structured import Grammars
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import InvalidRequest, ValidRequest
 
 from .errors import HTTPError
@@ -72,14 +71,6 @@ class Sequence:
     prompt: int
     text: str | None
     request: ValidRequest  # what the cluster runs (validated once, RequestRunner.params)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
 
 
 def sequences(prompts: list[tuple[str | None, list[int]]], requests: list[ValidRequest]) -> list[Sequence]:
@@ -249,7 +240,7 @@ class RequestRunner:
     async def run_to_end(self, seqs: list[Sequence], request: Request) -> list[RequestOutput]:
         """Non-streaming: each sequence's final (cumulative) output; cancels if the client
         disconnects first."""
-        accs, final = [Accumulator(s.text, s.ids) for s in seqs], {}
+        accs, final = [Accumulator(s.text, s.request.prompt_token_ids) for s in seqs], {}
 
         async def consume():
             async for i, out in self.merged(seqs, stream=False):
