@@ -19,6 +19,10 @@ groups=("$@")
 [ ${#groups[@]} -eq 0 ] && groups=(engine spec grammar)
 OUT=${SUITE_AB_OUT:-/tmp/suite_ab}
 ROUNDS=${SUITE_AB_ROUNDS:-2}
+# one lane, both sides: a base whose gpu_suite.sh deals groups over every GPU it sees by default
+# (3fb8024 did) would otherwise run its groups side by side and load its host more than this side's
+export SUITE_GPUS=${SUITE_GPUS:-${CUDA_VISIBLE_DEVICES:-0}}
+[[ $SUITE_GPUS == *,* ]] && { echo "suite_ab: one GPU only (SUITE_GPUS=$SUITE_GPUS)" >&2; exit 2; }
 HERE=$PWD
 if [ -d "$BASE" ]; then
   WT=$(cd "$BASE" && pwd)
