@@ -130,7 +130,11 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                     assert abs(got - checksum) <= 1e-9 * max(1.0, abs(checksum)), (got, checksum)
                 if it >= 2:
                     hand.append(t1 - t0)
-                    parts.append((t_sent[0] - t0, t_sent[1] - t0, h.finished_at - t0))
+                    # sender: thread took it, posted its order; receiver: took the order, queued the
+                    # copy, saw it done (the link's copy; gather + send over c10d), finished
+                    rx = [getattr(h, a, None) for a in ("t_started", "t_first_post", "t_posted")]
+                    parts.append((t_sent[0] - t0, t_sent[1] - t0, *[(x if x is not None else t0) - t0 for x in rx],
+                                  h.finished_at - t0))
             else:
                 ch = q_from_peer.get()
                 sync(device)  # "prefill done"
@@ -146,7 +150,7 @@ def worker(rank: int, args, q_to_peer, q_from_peer, results) -> None:
                          "effective_GBps": nbytes / hs / 1e9, "raw_nccl_GBps": nbytes / raw_s / 1e9,
                          "raw_ms": raw_s * 1e3, "efficiency": raw_s / hs,
                          # from "prefill done": sender thread started, sender posted, receiver done
-                         "breakdown_ms": [statistics.median(p[i] for p in parts) * 1e3 for i in range(3)],
+                         "breakdown_ms": [statistics.median(p[i] for p in parts) * 1e3 for i in range(6)],
                          "link": h.link})
     if args.kernel_sweep:
         peer = exchange_slabs(rank, kv, q_to_peer, q_from_peer)
@@ -264,7 +268,7 @@ def main() -> None:
              f"{'--same-gpu ' if args.same_gpu else ''}{'--link pull ' if args.link == 'pull' else ''}"
              f"--tokens {','.join(map(str, args.tokens))}`.", "",
              f"| tokens | block ids | MiB | handoff ms | effective GB/s | {base} ms | its GB/s | effective / "
-             "baseline | sender started / posted / receiver done (ms) |",
+             "baseline | sender: started / posted; receiver: order taken / copy queued / copy done / done (ms) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kind = "one run (in place)" if r["contiguous"] else "random (staged)"
