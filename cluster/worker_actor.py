@@ -77,8 +77,9 @@ class WorkerActor(EngineLoop):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
         # the engine thread's GIL turns: Python's 5 ms made a handoff's receive take 20-40 ms on 2x H200;
-        # 0.5 ms cut kv_to_first_token p50 at 7 req/s from 1.5 s to 0.13 s (bench/results/serving.md)
-        sys.setswitchinterval(float(os.environ.get("PDSERVE_SWITCH_INTERVAL", "0.0005")))
+        # 0.5 ms cut kv_to_first_token p50 at 7 req/s from 1.5 s to 0.13 s (bench/results/serving.md);
+        # 0.1 ms took a served handoff's host steps from 2.4 to 1.6 ms p50 (bench/results/ipc/served_2gpu.md)
+        sys.setswitchinterval(float(os.environ.get("PDSERVE_SWITCH_INTERVAL", "0.0001")))
         self.worker_id, self.role_name, self.namespace = worker_id, role, namespace
         self.epoch, self.heartbeat_s, config, launch = uuid.uuid4().hex[:8], heartbeat_s, spec, None
         handoff = handoff or HandoffConfig()

@@ -236,15 +236,17 @@ class TPConnector(KVConnector):
             self._open[comp.request_id] = comp
 
     def poll(self) -> list[Handoff]:
-        finished = [(h.request_id, h.state, h.error) for h in self.local.poll()]
+        # (route, state, error, when it ended): this rank's routes carry their own end; another
+        # rank's is known from the moment its link reports it
+        finished = [(h.request_id, h.state, h.error, h.finished_at) for h in self.local.poll()]
         for link in self.links:
-            finished += link.finished()
-        for route, state, error in finished:
+            finished += [(*f, None) for f in link.finished()]
+        for route, state, error, ended in finished:
             with self._lock:
                 rid = self._route_of.pop(route, None)
                 comp = self._open.get(rid)
             if comp is not None:
-                comp.settle(route, state, error)
+                comp.settle(route, state, error, ended)
         done = []
         with self._lock:
             items = list(self._open.items())
@@ -291,18 +293,24 @@ class TPConnector(KVConnector):
 
 class _Composite(Handoff):
     """One request's handoff over its routes: DONE when all are, FAILED at the first failure
-    (its other routes are aborted). The receiver's meta comes from a route of rank 0."""
+    (its other routes are aborted). The receiver's meta comes from a route of rank 0. Its
+    `finished_at` is when its last route ended, not when a poll noticed it (the decode loop polls
+    between steps: that wait is the handoff's pickup, not its transfer)."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.waiting: set[str] = set()
         self.local: list[Handoff] = []
+        self._last_end: float | None = None
 
     def timed_out(self) -> bool:
         return time.monotonic() > self.deadline + 1.0  # the routes' own deadlines come first
 
-    def settle(self, route: str, state: TransferState, error: str | None) -> None:
+    def settle(self, route: str, state: TransferState, error: str | None, ended: float | None = None) -> None:
+        """Route `route` ended in `state` at `ended` (monotonic; None: now)."""
         self.waiting.discard(route)
+        ended = time.monotonic() if ended is None else ended
+        self._last_end = ended if self._last_end is None else max(self._last_end, ended)
         if self.state.finished:
             return
         if state is not TransferState.DONE:
@@ -317,4 +325,5 @@ class _Composite(Handoff):
                 for k in ("t_started", "t_first_post", "t_posted"):
                     if getattr(self, k) is None:
                         setattr(self, k, getattr(h, k))
-            self.complete()
+            if self.complete():
+                self.finished_at = self._last_end

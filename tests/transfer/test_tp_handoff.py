@@ -99,6 +99,31 @@ def test_handoff_between_tp_sizes_lands_every_head(heads, p, d):
                 (c.local if r == 0 else c.links[r - 1].connector).close()
 
 
+def test_a_handoff_ends_when_its_routes_land_not_when_a_poll_notices():
+    """The decode loop polls between steps: a handoff's end (its `finished_at`, the timeline's
+    recv_done) is when its blocks landed, so the wait for the poll counts as pickup, not transfer."""
+    heads = 4
+    full = torch.randn(NB, LAYERS, 2, BS, heads, DIM)
+    src, dst = worker("pre", 1, heads, full), worker("dec", 1, heads, None)
+    dst.peer_tp["pre"] = 1
+    try:
+        recv, target = dst.receive("pre", "r1", [2, 3], num_skip=0)
+        send = src.start_send(target, "r1", [5, 6], meta={"first_token": 1})
+        t0 = time.monotonic()
+        while not all(h.state.finished for h in recv.local + send.local) and time.monotonic() - t0 < 30:
+            time.sleep(0.002)  # nobody polls: the routes end on their pairs' threads
+        landed = max(h.finished_at for h in recv.local)
+        time.sleep(0.3)
+        before_poll = time.monotonic()
+        wait([recv, send], src, dst)
+        assert (recv.state, send.state) == (TransferState.DONE, TransferState.DONE), (recv.error, send.error)
+        assert recv.finished_at == landed < before_poll - 0.25
+        assert send.finished_at == max(h.finished_at for h in send.local) < before_poll - 0.25
+    finally:
+        for c in (src, dst):
+            c.local.close()
+
+
 @pytest.mark.slow
 def test_a_failing_route_fails_the_handoff_and_aborts_the_rest():
     heads = 4
