@@ -2,7 +2,9 @@
 and "the first token is back at the cluster", from the per-request timelines that
 `pdserve bench` saves (the server's own spans, GET /admin/timeline).
 
-    python3 bench/timeline_breakdown.py RESULT.json [RESULT.json ...] [--plot out.png]
+    python3 bench/timeline_breakdown.py RESULT.json [RESULT.json ...] [--plot out.png] [--json out.json]
+
+A run is named by its file, or by its folder when the files share one name.
 
 Segments (p50 / p90 ms over the requests of each rate):
     sender queue        send_start -> send_taken      (the pair's thread takes it up)
@@ -17,6 +19,7 @@ Segments (p50 / p90 ms over the requests of each rate):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from pdserve.bench.report import read_result
@@ -79,7 +82,7 @@ def plot(named: list[tuple[str, list[dict]]], path: str) -> None:
         vals = [s[i] for s in stacks]
         ax.bar(range(len(labels)), vals, bottom=bottom, label=seg)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    cap = 400.0
+    cap = min(400.0, 1.15 * max(bottom, default=1.0))
     for x, top in enumerate(bottom):
         if top > cap:
             ax.annotate(f"{top:.0f} ms", (x, cap * 0.97), ha="center", va="top", fontsize=7)
@@ -98,13 +101,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+")
     ap.add_argument("--plot")
+    ap.add_argument("--json", help="write the segments (p50, p90 ms) of each run and rate here")
     args = ap.parse_args()
     named = []
-    for path in args.results:
-        stem = os.path.basename(path).removesuffix(".gz").removesuffix(".json")
-        named.append((stem.removeprefix("long_disagg").lstrip("_") or "final", breakdown(read_result(path))))
+    stems = [os.path.basename(p).removesuffix(".gz").removesuffix(".json") for p in args.results]
+    for path, stem in zip(args.results, stems):
+        name = stem.removeprefix("long_disagg").lstrip("_") or "final"
+        if stems.count(stem) > 1:
+            name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        named.append((name, breakdown(read_result(path))))
     if args.plot:
         plot(named, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"run": n, "rows": rows} for n, rows in named], f, indent=1)
     print(markdown(named))
 
 
