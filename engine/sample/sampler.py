@@ -128,8 +128,8 @@ class Sampler:
         noise = sampling_noise.unseeded(*probs.shape, probs.device)
         if seeded:  # each at the index of the output token it draws now
             m = len(seeded)
-            noise.index_copy_(0, ints[n:n + m], sampling_noise.keyed_exponentials(ints[n + m:n + 2 * m],
-                                                                                  ints[n + 2 * m:], probs.shape[1]))
+            noise[ints[n:n + m]] = sampling_noise.keyed_exponentials(ints[n + m:n + 2 * m], ints[n + 2 * m:],
+                                                                     probs.shape[1])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(rows.greedy, greedy, sampled)[:n]
 

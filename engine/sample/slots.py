@@ -93,9 +93,7 @@ class SamplingSlots:
 
     def rows(self, slots: torch.Tensor) -> Rows:
         """The rows of `slots` (int64, on the device)."""
-        # index_select: advanced indexing costs several times its host time a call
-        return Rows(self.floats.index_select(0, slots), self.top_k.index_select(0, slots),
-                    self.greedy.index_select(0, slots))
+        return Rows(self.floats[slots], self.top_k[slots], self.greedy[slots])
 
     def repeat(self, slot: int, n: int) -> Rows:
         """One slot's row, n times (a request's verification rows)."""
