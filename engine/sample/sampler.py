@@ -17,7 +17,7 @@ from ..core.request import Request
 from ..sampling_params import SamplingParams
 from . import sampling_noise
 from .logits_process import process
-from .slots import Rows, SamplingSlots
+from .slots import GREEDY, MIN_P, SEED_KEY, TEMPERATURE, TOP_K, TOP_P, SamplingSlots
 from .verify import verify_greedy, verify_sampled
 
 
@@ -117,33 +117,33 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], reqs: list[Request],
                 greedy: torch.Tensor) -> torch.Tensor:
         """The exponential race over the rows' distributions. One upload: the rows' slots, then for
-        the seeded rows their row and the two keys of the output token each draws now."""
+        the seeded rows their row and the index of the output token each draws now."""
         n = logits.shape[0]
         slots = [self.slots.slot(r.request_id, p) for r, p in zip(reqs, params)]
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
-        keys = [sampling_noise.stream_keys(params[i].seed, reqs[i].num_output_tokens) for i in seeded]
-        ints = to_device(slots + seeded + [k[0] for k in keys] + [k[1] for k in keys], logits.device, torch.int64)
-        rows = self.slots.rows(ints[:n])
+        ints = to_device(slots + seeded + [reqs[i].num_output_tokens for i in seeded], logits.device, torch.int64)
+        rows = self.slots.table[ints[:n]]
         probs = self.probs(logits, params, rows)
         noise = sampling_noise.unseeded(*probs.shape, probs.device)
         if seeded:  # each at the index of the output token it draws now
             m = len(seeded)
-            noise[ints[n:n + m]] = sampling_noise.keyed_exponentials(ints[n + m:n + 2 * m], ints[n + 2 * m:],
-                                                                     probs.shape[1])
+            at = ints[n:n + m]
+            ka, kb = sampling_noise.index_keys(rows[at, SEED_KEY].to(torch.int64), ints[n + m:])
+            noise[at] = sampling_noise.keyed_exponentials(ka, kb, probs.shape[1])
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(rows.greedy, greedy, sampled)[:n]
+        return torch.where(rows[:, GREEDY] > 0, greedy, sampled)[:n]
 
-    def probs(self, logits: torch.Tensor, params: list[SamplingParams], rows: Rows) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor) -> torch.Tensor:
         """The distribution each row samples from: temperature, then top-k and top-p. `rows`: the
-        rows' parameters on the device (slots.py); `params` decides on the host which steps any
-        row needs."""
-        logits = logits / rows.temperature[:, None]
+        rows' parameters (SamplingSlots' table rows, on the device); `params` decides on the host
+        which steps any row needs."""
+        logits = logits / rows[:, TEMPERATURE].to(torch.float32)[:, None]
         vocab = logits.shape[1]
         if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1.0 for p in params):
             logits = self._top_k_top_p(logits, rows)
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the row's top probability
-            min_p = rows.min_p.to(probs.dtype)[:, None]
+            min_p = rows[:, MIN_P].to(probs.dtype)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
@@ -159,19 +159,23 @@ class Sampler:
         if params.greedy:
             return verify_greedy(argmax if argmax is not None else logits.argmax(dim=-1).tolist(), drafts)
         slot = self.slots.slot(request.request_id, params)
-        probs = self.probs(logits, [params], self.slots.repeat(slot, len(logits)))
+        probs = self.probs(logits, [params], self.slots.table[slot].expand(len(logits), -1))
         noise = self.noise(len(logits), probs.shape[1], probs.device, params.seed, request.num_output_tokens)
         return verify_sampled(probs, drafts, noise)
 
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
+    def _top_k_top_p(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-        mask = ranks >= rows.top_k[:, None]  # outside top-k (slots.ALL: none)
+        vocab = logits.shape[1]
+        k = rows[:, TOP_K].to(torch.int64)
+        k = torch.where((k > 0) & (k < vocab), k, vocab)[:, None]  # 0 (or more than the vocabulary): all
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        mask = ranks >= k  # outside top-k
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        p = rows[:, TOP_P].to(torch.float32)[:, None]
         # drop a token when the mass before it already reaches top_p (the first always stays:
         # a top_p below float32's smallest, 1e-300, is 0 here)
-        mask |= (probs.cumsum(dim=-1) - probs) >= rows.top_p[:, None]
+        mask |= (probs.cumsum(dim=-1) - probs) >= p
         mask[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         return torch.empty_like(logits).scatter_(1, idx, sorted_logits)

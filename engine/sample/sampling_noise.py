@@ -43,12 +43,22 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-def stream_keys(seed: int, index: int) -> tuple[int, int]:
-    """The two 32-bit keys of a seed's draw at one output index."""
+def seed_key(seed: int) -> int:
+    """A seed's own 32-bit key: what its draws at every output index start from."""
     s = seed & ((1 << 64) - 1)  # a negative seed: its two's complement
-    a = _mix(_mix((s & M32) ^ 0x9E3779B9) ^ (s >> 32))
+    return _mix(_mix((s & M32) ^ 0x9E3779B9) ^ (s >> 32))
+
+
+def index_keys(a, index):
+    """The two 32-bit keys of the draw at output `index` of the seed whose key is `a` (ints, or
+    int64 tensors of one shape: the same bits either way)."""
     b = _mix(a ^ _mix(index & M32) ^ 0x85EBCA6B)
     return _mix(b ^ (index >> 32)), _mix(b ^ 0xC2B2AE35)
+
+
+def stream_keys(seed: int, index: int) -> tuple[int, int]:
+    """The two 32-bit keys of a seed's draw at one output index."""
+    return index_keys(seed_key(seed), index)
 
 
 def unseeded(rows: int, vocab: int, device) -> torch.Tensor:
