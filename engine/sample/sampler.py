@@ -17,21 +17,18 @@ from ..core.request import Request
 from ..sampling_params import SamplingParams
 from . import sampling_noise
 from .logits_process import process
-from .slots import GREEDY, MIN_P, SEED_KEY, TEMPERATURE, TOP_K, TOP_P, SamplingSlots
 from .verify import verify_greedy, verify_sampled
 
 
 class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
-        self.slots = SamplingSlots(device)  # each live request's parameters on the device (slots.py)
         self.logprobs: dict[str, dict[int, float]] = {}  # this step's, for requests that ask (runner clears)
         # this step's prompt scores (the same): per position, ({token: log-prob, top N}, the token's rank)
         self.prompt_logprobs: dict[str, list[tuple[dict[int, float], int]]] = {}
         self.grammars = None  # structured.Grammars: the engine sets it (rank 0)
 
     def forget(self, request_id: str) -> None:
-        self.slots.release(request_id)
         if self.grammars is not None:
             self.grammars.forget(request_id)
 
@@ -116,34 +113,28 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], reqs: list[Request],
                 greedy: torch.Tensor) -> torch.Tensor:
-        """The exponential race over the rows' distributions. One upload: the rows' slots, then for
-        the seeded rows their row and the index of the output token each draws now."""
         n = logits.shape[0]
-        slots = [self.slots.slot(r.request_id, p) for r, p in zip(reqs, params)]
-        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
-        ints = to_device(slots + seeded + [reqs[i].num_output_tokens for i in seeded], logits.device, torch.int64)
-        rows = self.slots.table[ints[:n]]
-        probs = self.probs(logits, params, rows)
+        probs = self.probs(logits, params)
         noise = sampling_noise.unseeded(*probs.shape, probs.device)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         if seeded:  # each at the index of the output token it draws now
-            m = len(seeded)
-            at = ints[n:n + m]
-            ka, kb = sampling_noise.index_keys(rows[at, SEED_KEY].to(torch.int64), ints[n + m:])
-            noise[at] = sampling_noise.keyed_exponentials(ka, kb, probs.shape[1])
+            keys = [sampling_noise.stream_keys(params[i].seed, reqs[i].num_output_tokens) for i in seeded]
+            noise[seeded] = sampling_noise.exponentials(keys, probs.shape[1], probs.device)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(rows[:, GREEDY] > 0, greedy, sampled)[:n]
+        is_greedy = to_device([p.greedy for p in params], logits.device)
+        return torch.where(is_greedy, greedy, sampled)[:n]
 
-    def probs(self, logits: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor) -> torch.Tensor:
-        """The distribution each row samples from: temperature, then top-k and top-p. `rows`: the
-        rows' parameters (SamplingSlots' table rows, on the device); `params` decides on the host
-        which steps any row needs."""
-        logits = logits / rows[:, TEMPERATURE].to(torch.float32)[:, None]
-        vocab = logits.shape[1]
-        if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1.0 for p in params):
-            logits = self._top_k_top_p(logits, rows)
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k and top-p."""
+        temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], logits.device, torch.float32)
+        logits = logits / temps[:, None]
+        top_ks = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]
+        top_ps = [p.top_p for p in params]
+        if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
+            logits = self._top_k_top_p(logits, top_ks, top_ps)
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the row's top probability
-            min_p = rows[:, MIN_P].to(probs.dtype)[:, None]
+            min_p = to_device([p.min_p for p in params], logits.device, probs.dtype)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
@@ -158,21 +149,19 @@ class Sampler:
         params = request.sampling_params
         if params.greedy:
             return verify_greedy(argmax if argmax is not None else logits.argmax(dim=-1).tolist(), drafts)
-        slot = self.slots.slot(request.request_id, params)
-        probs = self.probs(logits, [params], self.slots.table[slot].expand(len(logits), -1))
+        probs = self.probs(logits, [params] * len(logits))
         noise = self.noise(len(logits), probs.shape[1], probs.device, params.seed, request.num_output_tokens)
         return verify_sampled(probs, drafts, noise)
 
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = rows[:, TOP_K].to(torch.int64)
-        k = torch.where((k > 0) & (k < vocab), k, vocab)[:, None]  # 0 (or more than the vocabulary): all
+        k = to_device(top_ks, logits.device, torch.int64)[:, None]
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         mask = ranks >= k  # outside top-k
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        p = rows[:, TOP_P].to(torch.float32)[:, None]
+        p = to_device(top_ps, logits.device, torch.float32)[:, None]
         # drop a token when the mass before it already reaches top_p (the first always stays:
         # a top_p below float32's smallest, 1e-300, is 0 here)
         mask |= (probs.cumsum(dim=-1) - probs) >= p

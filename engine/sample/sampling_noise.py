@@ -43,22 +43,12 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-def seed_key(seed: int) -> int:
-    """A seed's own 32-bit key: what its draws at every output index start from."""
-    s = seed & ((1 << 64) - 1)  # a negative seed: its two's complement
-    return _mix(_mix((s & M32) ^ 0x9E3779B9) ^ (s >> 32))
-
-
-def index_keys(a, index):
-    """The two 32-bit keys of the draw at output `index` of the seed whose key is `a` (ints, or
-    int64 tensors of one shape: the same bits either way)."""
-    b = _mix(a ^ _mix(index & M32) ^ 0x85EBCA6B)
-    return _mix(b ^ (index >> 32)), _mix(b ^ 0xC2B2AE35)
-
-
 def stream_keys(seed: int, index: int) -> tuple[int, int]:
     """The two 32-bit keys of a seed's draw at one output index."""
-    return index_keys(seed_key(seed), index)
+    s = seed & ((1 << 64) - 1)  # a negative seed: its two's complement
+    a = _mix(_mix((s & M32) ^ 0x9E3779B9) ^ (s >> 32))
+    b = _mix(a ^ _mix(index & M32) ^ 0x85EBCA6B)
+    return _mix(b ^ (index >> 32)), _mix(b ^ 0xC2B2AE35)
 
 
 def unseeded(rows: int, vocab: int, device) -> torch.Tensor:
@@ -70,15 +60,10 @@ def unseeded(rows: int, vocab: int, device) -> torch.Tensor:
 def exponentials(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
     """[len(keys), vocab] float32 Exp(1) draws, row r a pure function of keys[r] and the
     token id."""
-    ka = to_device([k[0] for k in keys], device, torch.int64)
-    kb = to_device([k[1] for k in keys], device, torch.int64)
-    return keyed_exponentials(ka, kb, vocab)
-
-
-def keyed_exponentials(ka: torch.Tensor, kb: torch.Tensor, vocab: int) -> torch.Tensor:
-    """exponentials() of keys already on the device: int64 [rows] each."""
-    v = torch.arange(vocab, dtype=torch.int64, device=ka.device)[None, :]
-    return -torch.log(uniform(_mix(_mix((v + ka[:, None]) & M32) ^ kb[:, None])))
+    ka = to_device([k[0] for k in keys], device, torch.int64)[:, None]
+    kb = to_device([k[1] for k in keys], device, torch.int64)[:, None]
+    v = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]
+    return -torch.log(uniform(_mix(_mix((v + ka) & M32) ^ kb)))
 
 
 def uniform(h: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.core.request import Request
 from pdserve.engine.sample.logits_process import process
 from pdserve.engine.sample.sampler import Sampler
-from pdserve.engine.sample.slots import row
 from pdserve.engine.sampling_params import InvalidParam
 
 
@@ -45,8 +44,7 @@ def test_adjustments_exactly():
 
 def test_min_p_and_the_sampler():
     s = Sampler(torch.device("cpu"))
-    p = SamplingParams(min_p=0.2)
-    probs = s.probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), [p], torch.tensor([row(p)], dtype=torch.float64))
+    probs = s.probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), [SamplingParams(min_p=0.2)])
     assert probs[0, 3] == 0 and torch.allclose(probs[0, :3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
     logits = torch.zeros(1, 8)
     assert s(logits, [req(temperature=0, logit_bias={6: 5})]) == [6]
