@@ -133,3 +133,47 @@ def test_seeded_noise_is_never_zero_so_a_masked_token_is_never_drawn():
     p = torch.tensor([[0.0, 1.0]])
     noise = -torch.log(uniform(torch.tensor([[(1 << 32) - 1, 0]], dtype=torch.int64)))
     assert (p / noise).argmax(-1).item() == 1
+
+
+def _reference_draw(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
+    """The exponential race computed from the parameters themselves, row by row (no slots)."""
+    from pdserve.engine.sample.sampling_noise import seeded_exponentials
+
+    out = []
+    for x, p, i in zip(logits, params, indices):
+        if p.greedy:
+            out.append(int(x.argmax()))
+            continue
+        x = x / torch.tensor(p.temperature, dtype=torch.float32)
+        order = x.argsort(descending=True)
+        keep = torch.zeros_like(x, dtype=torch.bool)
+        k = p.top_k if 0 < p.top_k < len(x) else len(x)
+        pr = x[order][:k].softmax(-1)
+        n = max(1, int(((pr.cumsum(-1) - pr) < torch.tensor(p.top_p, dtype=torch.float32)).sum()))
+        keep[order[:n]] = True
+        probs = x.masked_fill(~keep, float("-inf")).softmax(-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < torch.tensor(p.min_p, dtype=torch.float32) * probs.max(), 0.0)
+            probs = probs / probs.sum()
+        assert p.seed is not None
+        out.append(int((probs / seeded_exponentials(p.seed, i, 1, len(x), "cpu")[0]).argmax()))
+    return out
+
+
+def test_a_batchs_draws_equal_each_rows_own_reference_whatever_shares_it():
+    """The batched race (temperature, top-k, top-p, min-p, seeds, greedy rows beside sampled ones)
+    draws what each row's parameters give alone, step after step, in any row order."""
+    torch.manual_seed(0)
+    s = Sampler(torch.device("cpu"))
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.3, top_p=0.8, seed=2), SamplingParams(min_p=0.1, seed=3),
+              SamplingParams(temperature=0.9, top_k=5, top_p=0.5, min_p=0.05, seed=-4)]
+    batch = reqs(params, [f"r{i}" for i in range(len(params))])
+    for step in range(5):
+        logits = torch.randn(len(batch), 300)
+        got = s(logits.clone(), batch)
+        assert got == _reference_draw(logits, params, [r.num_output_tokens for r in batch]), step
+        for r, t in zip(batch, got):
+            r.append_token(t)
+        batch = batch[1:] + batch[:1]  # each request in another row next step
+        params = params[1:] + params[:1]
