@@ -86,9 +86,9 @@ def one_length(model: str, cuda: bool, tokens: int, disk_dir: str, unit: int) ->
         eng = LLMEngine(EngineConfig(**kw))
         ttft(eng, list(range(5, 5 + min(295, tokens))), cuda)  # a prefill measured
         drop_page_cache(disk_dir)
-        row[f"{key[:-2]}_predicted_read_gbps"] = eng.disk.read_gbps
+        row[f"{key[:-2]}_predicted_read_gbps"] = eng.tiers.get("disk").read_gbps
         if forced:
-            eng.disk.read_gbps = 1e6
+            eng.tiers.get("disk").read_gbps = 1e6
         row[key] = ttft(eng, prefix + [4 + forced], cuda)
         s = eng.stats()
         row[f"{key[:-2]}_hit_tokens"], row[f"{key[:-2]}_skipped_tokens"] = \

@@ -35,6 +35,7 @@ from .spec.decode import Drafter
 from .tiers import persist
 from .tiers.disk_tier import DiskTier
 from .tiers.offload import HostIndex
+from .tiers.tier import Tiers
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from .validation import ValidRequest, check_capacity, check_request
 
@@ -76,7 +77,8 @@ class LLMEngine:
         # the host tier's files (tiers/persist.py, restored now), or its disk tier (tiers/disk_tier.py)
         self.tier_file = persist.HostTierFile(config, load_format, host, self.runner.host) if config.kv_persist_dir \
             else None
-        self.disk = DiskTier.of(config, load_format, host, self.runner.host, self.step_model, self.kv)
+        disk = DiskTier.of(config, load_format, host, self.runner.host, self.step_model, self.kv)
+        self.tiers = Tiers(self.kv, [t for t in (host, disk) if t is not None])  # below the GPU, in lookup order
         self.requests: dict[str, Request] = {}
         # prefill role: requests that finish normally keep their blocks until release()
         self.hold_blocks_on_finish, self.held = False, {}  # a prefill worker's prompts kept for their handoff
@@ -128,7 +130,7 @@ class LLMEngine:
         self._track(req)
         self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                              req.sampling_params.skip_special_tokens)
-        if self.disk is None or not self.disk.hold(req):  # its prefix read from disk first
+        if not self.tiers.hold(req):  # else its prefix comes up from a tier first (disk reads)
             self.scheduler.add(req)
         return req
 
@@ -142,8 +144,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        if self.disk is not None:
-            self.disk.holding.pop(request_id, None)
+        self.tiers.forget(request_id)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
@@ -180,8 +181,8 @@ class LLMEngine:
         try:
             if first and self.tier_file is not None:
                 self.tier_file.close()
-            if first and self.disk is not None:
-                self.disk.close()
+            if first:
+                self.tiers.close()
         except OSError as e:
             log.warning("could not persist the host tier: %s", e)
         shards, self.shards = self.shards, None
@@ -192,7 +193,7 @@ class LLMEngine:
             shards.close()
 
     def has_unfinished_requests(self) -> bool:  # a request whose last token is in flight is still running
-        return self.scheduler.num_unfinished > 0 or (self.disk is not None and bool(self.disk.holding))
+        return self.scheduler.num_unfinished > 0 or bool(self.tiers.waiting)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -238,11 +239,10 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         """Drafts (speculative decoding), then the scheduler's batch under the step budget."""
         self.drafter.propose(self.scheduler.running)
-        if self.disk is not None:
-            if not self.scheduler.num_unfinished:  # nothing else to run: wait for the reads, no spinning
-                self.disk.wait()
-            for req in self.disk.ready():  # their disk blocks are host hits now
-                self.scheduler.add(req)
+        if self.tiers.waiting and not self.scheduler.num_unfinished:  # nothing else to run: wait, no spinning
+            self.tiers.wait()
+        for req in self.tiers.ready():  # their blocks are host hits now
+            self.scheduler.add(req)
         return self.scheduler.schedule(self.step_model.prefill_cap(self.scheduler.running, self.scheduler.waiting))
 
     def _execute(self, sched: SchedulerOutput) -> StepResult:
@@ -386,15 +386,13 @@ class LLMEngine:
                              "num_gpu_blocks": kv.num_blocks, "num_cpu_blocks": kv.host.num_slots if kv.host else 0,
                              "enable_prefix_caching": c.enable_prefix_caching, "max_model_len": c.max_model_len},
             **({"kv_persist_status": self.persist_status} if self.persist_status else {}),
-            **self._host_stats(), **(self.disk.stats() if self.disk is not None else {}),
+            **self.tiers.stats(), **self._host_stats(),
             **self.drafter.stats(),
         }
 
     def _host_stats(self) -> dict:
-        host = self.kv.host
-        if host is None:
+        """What the host tier's index does not count itself: its hits in tokens, the copies' time."""
+        if self.kv.host is None:
             return {}
-        return {"kv_host_blocks_total": host.num_slots, "kv_host_blocks_used": len(host),
-                "kv_offloaded_blocks": host.offloaded_blocks, "kv_host_loaded_blocks": host.loaded_blocks,
-                "prefix_cache_host_hits": self.kv.host_hit_tokens,
+        return {"prefix_cache_host_hits": self.kv.host_hit_tokens,
                 "kv_load_back_seconds": self.runner.host.load_seconds}

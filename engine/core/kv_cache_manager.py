@@ -46,7 +46,7 @@ class KVCacheManager:
         self.host = host if enable_caching else None
         self.host_hit_tokens = 0  # of prefix_hits, tokens loaded back from the host tier
         if self.host is not None:
-            self.pool.on_free = lambda b: self.host.offload(b.block_id, b.block_hash)
+            self.pool.on_free = lambda b: self.host.store(b.block_hash, b.block_id)
             self.pool.on_realloc = lambda b: self.host.reallocated(b.block_id)
 
     # ---- hashing -------------------------------------------------------------------
@@ -90,12 +90,12 @@ class KVCacheManager:
         loaded = []
         try:
             for h in hashes:
-                slot = self.host.lookup(h)
+                slot = self.host.slot_of(h)
                 if slot is None or self.pool.num_free_blocks == 0:
                     break
                 block = self.pool.allocate(1)[0]
                 self.pool.cache_block(block, h)
-                self.host.load(slot, block.block_id)
+                self.host.queue_load(slot, block.block_id)
                 loaded.append(block)
         finally:
             self.pool.free(reversed(pinned + loaded))
@@ -184,6 +184,13 @@ class KVCacheManager:
         return self.block_ids(request.request_id)[num_skip: cdiv(request.num_prompt_tokens, self.block_size)]
 
     # ---- a peer fetch's accounting (transfer/fetch.py: holder and receiver) ---------------------
+    def gpu_run(self, hashes: list[BlockHash]) -> int:
+        """How many of `hashes`, from the first, are cached on this GPU."""
+        n = 0
+        while n < len(hashes) and self.pool.lookup(hashes[n]) is not None:
+            n += 1
+        return n
+
     def local_run(self, hashes: list[BlockHash]) -> int:
         """How many of `hashes`, from the first, this worker's tiers hold (GPU, then host)."""
         n = 0

@@ -131,7 +131,7 @@ class DiskStore:
         if not ok:
             self.stats.refused_blocks += 1
             log.warning("disk tier: refused %s (a wrong size, hash or checksum)", path)
-            self._remove(block_hash)
+            self.remove(block_hash)
             return False
         os.utime(path)  # the LRU order a rescan rebuilds
         with self.lock:
@@ -236,7 +236,8 @@ class DiskStore:
         with self.lock:
             self.index.pop(block_hash, None)
 
-    def _remove(self, block_hash: bytes) -> None:
+    def remove(self, block_hash: bytes) -> None:
+        """The block's file and its index entry gone."""
         self._forget(block_hash)
         try:
             os.remove(self.path(block_hash))

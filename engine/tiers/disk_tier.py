@@ -3,10 +3,11 @@ block files of tiers/disk.py.
 
 A block's way down and back up:
 
-    host tier drops a block     (HostIndex.on_evict) its slot's bytes are copied out and queued
-                                for the store's writer thread; the step does not wait on the disk
-    a new request               (`hold`) its prompt's blocks past the GPU and host hits that are
-                                on disk, in a run: read back if the predicted read time (their
+    host tier drops a block     (`store`, HostIndex.on_evict) its slot's bytes are copied out and
+                                queued for the files' writer thread; the step does not wait on the disk
+    a new request               (`lookup`, `load`: the engine's Tiers.hold, tier.py) its prompt's
+                                blocks past the GPU and host hits that are on disk, in a run: read
+                                back if the predicted read time (their
                                 bytes over the bandwidth measured so far, reads and installs) is
                                 below the predicted time to recompute them (the step-cost model;
                                 before it knows any prefill: the rate saved with the tier, else
@@ -49,6 +50,10 @@ READERS = 4
 
 
 class DiskTier:
+    """The disk tier (a KVTier, tier.py) below the host tier."""
+
+    name = "disk"
+
     @classmethod
     def of(cls, config, load_format: str, index: HostIndex | None, cache: HostCache | None, step_model,
            kv) -> DiskTier | None:
@@ -62,9 +67,9 @@ class DiskTier:
         self.index, self.cache, self.step_model, self.kv = index, cache, step_model, kv
         self.block_size = config.block_size
         self.block_nbytes = cache.block_nbytes
-        self.store = DiskStore(config.kv_disk_dir, layout_meta(config, load_format), self.block_nbytes,
+        self.files = DiskStore(config.kv_disk_dir, layout_meta(config, load_format), self.block_nbytes,
                                int(config.kv_disk_size * (1 << 30)))
-        index.on_evict = self.spill
+        index.on_evict = self.store
         # several readers: each read verifies a checksum (hashlib lets go of the GIL for it)
         self.reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-reader")
         self.holding: dict[str, tuple] = {}  # request id -> (request, its reads, when they started)
@@ -86,35 +91,41 @@ class DiskTier:
             self.cache.stream.synchronize()
 
     # ---- down ---------------------------------------------------------------------------------
-    def spill(self, block_hash: bytes, slot: int) -> None:
+    def store(self, block_hash: bytes, slot: int) -> None:
+        """The host tier drops the block in `slot` (HostIndex.on_evict): its bytes are copied out and
+        queued for the writer thread."""
         self._settle()
-        self.store.put(block_hash, self._slot_bytes(slot).copy())
+        self.files.put(block_hash, self._slot_bytes(slot).copy())
+
+    def evict(self, block_hash: bytes) -> bool:
+        if block_hash not in self.files:
+            return False
+        self.files.remove(block_hash)
+        return True
 
     # ---- up -----------------------------------------------------------------------------------
-    def hold(self, request) -> bool:
-        """Starts reading the request's prompt blocks that continue on disk, if that pays; True
-        if the request now waits for them (ready() hands it to the scheduler)."""
-        if not self.kv.enable_caching or request.scoring_prompt:
-            return False
-        hashes = self.kv.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
-        i = 0
-        while i < len(hashes) and (self.kv.pool.lookup(hashes[i]) is not None or hashes[i] in self.index):
-            i += 1
-        run = []
-        for h in hashes[i:]:
-            if h not in self.store:
-                break
-            run.append(h)
-        if not run:
-            return False
-        tokens = len(run) * self.block_size
-        read_s = len(run) * self.block_nbytes / (self.read_gbps * 1e9)
-        if read_s >= self.recompute_seconds(tokens, i * self.block_size):
+    def lookup(self, hashes: list[bytes]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.files:
+            n += 1
+        return n
+
+    def load(self, request, hashes: list[bytes]) -> bool:
+        """Starts reading the run `hashes` of the request's prompt (after its GPU and host hits),
+        if that pays; True if the request now waits for them (ready() returns it)."""
+        tokens = len(hashes) * self.block_size
+        read_s = len(hashes) * self.block_nbytes / (self.read_gbps * 1e9)
+        before = self.kv.block_hashes(request).index(hashes[0])  # the blocks cached above the run
+        if read_s >= self.recompute_seconds(tokens, before * self.block_size):
             self.skipped_tokens += tokens
             return False
-        reads = [(h, self.reader.submit(self._read, h)) for h in run]
+        reads = [(h, self.reader.submit(self._read, h)) for h in hashes]
         self.holding[request.request_id] = (request, reads, time.monotonic())
         return True
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request's reads land unclaimed."""
+        self.holding.pop(request_id, None)
 
     def recompute_seconds(self, tokens: int, context: int) -> float:
         """What prefilling `tokens` after `context` cached ones is predicted to take: the step
@@ -128,7 +139,7 @@ class DiskTier:
     def _rates(self) -> dict[str, float]:
         """The prefill rates measured on this tier's model and layout, by device name."""
         try:
-            with open(os.path.join(self.store.dir, RATE_FILE)) as f:
+            with open(os.path.join(self.files.dir, RATE_FILE)) as f:
                 rates = json.load(f)
             return {str(k): float(v) for k, v in rates.items() if float(v) > 0}
         except (OSError, ValueError, TypeError, AttributeError):
@@ -140,7 +151,7 @@ class DiskTier:
         if not self.step_model.prefill_tok_s:
             return
         rates = {**self._rates(), self.device: self.step_model.prefill_tok_s}
-        path = os.path.join(self.store.dir, RATE_FILE)
+        path = os.path.join(self.files.dir, RATE_FILE)
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w") as f:
@@ -154,15 +165,15 @@ class DiskTier:
         every read after updates it."""
         out = np.empty(self.block_nbytes, dtype=np.uint8)
         took = done = 0
-        for h in list(self.store.index)[-PROBE_BLOCKS:]:
+        for h in list(self.files.index)[-PROBE_BLOCKS:]:
             t = time.perf_counter()
-            if self.store.read_into(h, out):
+            if self.files.read_into(h, out):
                 took, done = took + time.perf_counter() - t, done + 1
         return done * self.block_nbytes / took / 1e9 if done and took > 0 else READ_GBPS_START
 
     def _read(self, block_hash: bytes) -> np.ndarray | None:
         out = np.empty(self.block_nbytes, dtype=np.uint8)
-        return out if self.store.read_into(block_hash, out) else None
+        return out if self.files.read_into(block_hash, out) else None
 
     def wait(self, timeout: float = 0.05) -> None:
         """Blocks until the first held request's reads finish (at most `timeout`): an engine with
@@ -208,15 +219,15 @@ class DiskTier:
         self.cache.apply_queued(self.index)
         self._settle()
         for h, slot in self.index.entries():
-            self.store.put(h, self._slot_bytes(slot).copy())
+            self.files.put(h, self._slot_bytes(slot).copy())
         self.reader.shutdown(wait=True)
-        self.store.close()
+        self.files.close()
         self._save_rate()
 
     def stats(self) -> dict:
-        s = self.store.stats
+        s = self.files.stats
         return {"prefix_cache_disk_hits": self.hit_tokens, "kv_disk_skipped_tokens": self.skipped_tokens,
-                "kv_disk_blocks": len(self.store.index), "kv_disk_blocks_total": self.store.capacity,
+                "kv_disk_blocks": len(self.files.index), "kv_disk_blocks_total": self.files.capacity,
                 "kv_disk_written_bytes": s.written_bytes, "kv_disk_read_bytes": s.read_bytes,
                 "kv_disk_refused_blocks": s.refused_blocks, "kv_disk_read_gbps": self.read_gbps,
                 "kv_disk_prefetch_seconds": self.prefetch_seconds / max(1, self.prefetches),

@@ -45,6 +45,11 @@ class TierOps:
 
 
 class HostIndex:
+    """The host tier's index (a KVTier, tier.py): which block hash each pinned host slot holds,
+    least recently used first, and the copies the next step makes."""
+
+    name = "host"
+
     def __init__(self, num_slots: int):
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one block slot, got {num_slots}")
@@ -65,13 +70,54 @@ class HostIndex:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def lookup(self, block_hash: BlockHash) -> int | None:
+    # ---- the tier protocol (tier.py) --------------------------------------------------------
+    def lookup(self, hashes: list[BlockHash]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.slots:
+            n += 1
+        return n
+
+    def load(self, request, hashes: list[BlockHash]) -> bool:
+        """Nothing to wait for: the request's GPU lookup (KVCacheManager) queues the copies of
+        these blocks into fresh GPU blocks when it is scheduled."""
+        return False
+
+    def ready(self) -> list:
+        return []
+
+    def wait(self, timeout: float = 0.05) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # its files, when it keeps them, are persist.HostTierFile's; below a disk tier, the disk's
+
+    def evict(self, block_hash: BlockHash) -> bool:
+        """Drops the block's copy (and a queued offload into its slot); its slot is free again."""
+        slot = self.slots.pop(block_hash, None)
+        if slot is None:
+            return False
+        self.ops.offloads = [(b, s) for b, s in self.ops.offloads if s != slot]
+        self.free.append(slot)
+        if self.record_events:
+            self.events.append(("host_removed", block_hash))
+        return True
+
+    def stats(self) -> dict:
+        return {"kv_host_blocks_total": self.num_slots, "kv_host_blocks_used": len(self.slots),
+                "kv_offloaded_blocks": self.offloaded_blocks, "kv_host_loaded_blocks": self.loaded_blocks}
+
+    # ---- slots --------------------------------------------------------------------------------
+    def slot_of(self, block_hash: BlockHash) -> int | None:
+        """The block's slot (now the most recently used), None if the tier does not hold it."""
         slot = self.slots.get(block_hash)
         if slot is not None:
             self.slots.move_to_end(block_hash)
         return slot
 
-    def offload(self, block_id: int, block_hash: BlockHash) -> None:
+    def store(self, block_hash: BlockHash, block_id: int) -> None:
         """A cached GPU block was freed: keep a copy unless the tier has its hash."""
         if block_hash in self.slots:
             self.slots.move_to_end(block_hash)
@@ -104,7 +150,8 @@ class HostIndex:
             self.events.append(("host_stored", block_hash))
         return slot
 
-    def load(self, slot: int, block_id: int) -> None:
+    def queue_load(self, slot: int, block_id: int) -> None:
+        """The copy of a slot into a GPU block, made before the next step's forward."""
         self.ops.loads.append((slot, block_id))
         self.loaded_blocks += 1
 

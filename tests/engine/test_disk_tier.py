@@ -214,7 +214,7 @@ def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_pat
         for p in PROMPTS[1:4]:  # steps enough for the step model's fit
             llm.generate([list(range(2000 + p[-1], 2100 + p[-1]))], PARAMS)
         assert llm.engine.step_model.prefill_tok_s > 0
-        llm.engine.disk.read_gbps = 1e-9  # a disk that would take ages
+        llm.engine.tiers.get("disk").read_gbps = 1e-9  # a disk that would take ages
         before = llm.engine.stats()["prefix_cache_disk_hits"]
         assert churn(llm, PROMPTS[4]) == want[4]
         s = llm.engine.stats()

@@ -16,6 +16,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.base.hashing import hash_block_tokens
 from pdserve.engine.tiers import disk
 from pdserve.engine.tiers.offload import HostIndex
+from pdserve.engine.tiers.tier import KVTier
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -29,13 +30,13 @@ def test_host_index_lru_slots_events_and_ops():
     idx = HostIndex(3)
     idx.record_events = True
     for block, h in ((5, H[0]), (6, H[1]), (7, H[2])):
-        idx.offload(block, h)
-    idx.offload(9, H[0])  # already there: no copy, just recently used
+        idx.store(h, block)
+    idx.store(H[0], 9)  # already there: no copy, just recently used
     assert idx.entries() == [(H[1], 1), (H[2], 2), (H[0], 0)]
-    assert idx.lookup(H[1]) == 1 and idx.lookup(H[5]) is None
-    idx.offload(8, H[3])  # full: reuses the least recently used slot (H[2]'s)
+    assert idx.slot_of(H[1]) == 1 and idx.slot_of(H[5]) is None
+    idx.store(H[3], 8)  # full: reuses the least recently used slot (H[2]'s)
     assert idx.entries() == [(H[0], 0), (H[1], 1), (H[3], 2)]
-    idx.load(1, 40)
+    idx.queue_load(1, 40)
     idx.reallocated(6)  # its offload is still queued: the step must wait for it
     ops = idx.take()
     assert ops.offloads == [(5, 0), (6, 1), (7, 2), (8, 2)] and ops.loads == [(1, 40)] and ops.wait
@@ -45,6 +46,24 @@ def test_host_index_lru_slots_events_and_ops():
     assert idx.take().wait and idx.take() is None
     with pytest.raises(ValueError, match="at least one block slot"):
         HostIndex(0)
+
+
+def test_the_host_tier_as_a_kv_tier_looks_up_runs_and_evicts():
+    """tiers/tier.py's protocol on the host index: a run from the first hash, nothing to wait for
+    on load (the GPU lookup copies), an evicted block's slot free again and its queued copy dropped."""
+    idx = HostIndex(3)
+    idx.record_events = True
+    assert isinstance(idx, KVTier) and idx.name == "host"
+    idx.store(H[0], 5)
+    idx.store(H[1], 6)
+    assert idx.lookup([H[0], H[1], H[2], H[0]]) == 2 and idx.lookup([H[2], H[0]]) == 0
+    assert idx.load(None, [H[0], H[1]]) is False and idx.ready() == []
+    assert idx.evict(H[1]) and not idx.evict(H[1]) and H[1] not in idx
+    assert idx.drain_events()[-1] == ("host_removed", H[1])
+    assert idx.take().offloads == [(5, 0)]  # H[1]'s copy into its slot is no longer made
+    idx.store(H[2], 7)
+    assert idx.slot_of(H[2]) == 1  # the evicted block's slot, reused first
+    assert idx.stats()["kv_host_blocks_used"] == 2
 
 
 def churn(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -91,7 +91,7 @@ def test_a_step_carries_the_host_tiers_copies_and_an_empty_one_leaves_them_queue
 
     kv = KVCacheManager(16, 4, host=HostIndex(4))
     s = Scheduler(kv, 8, 32)
-    kv.host.offload(5, bytes(32))  # a block evicted earlier: its copy to host slot 0 is queued
+    kv.host.store(bytes(32), 5)  # a block evicted earlier: its copy to host slot 0 is queued
     empty = s.schedule()
     assert not empty and empty.tier_ops is None
     s.add(req("a", 6))

@@ -1,0 +1,121 @@
+"""The KV tiers below the GPU's block pool, behind one protocol, and the engine's list of them.
+
+Every tier keeps KV blocks by chained block hash (engine/base/hashing.py), whatever its medium:
+
+    tier    its blocks                  load: up a level                     store: a copy kept of
+    host    pinned host slots           queued copies into fresh GPU blocks, a cached GPU block the
+            (offload.HostIndex)         made when the request's GPU lookup   pool frees
+                                        runs (nothing waits)
+    disk    block files                 reader threads into host slots; the  a block the host tier
+            (disk_tier.DiskTier)        request waits outside the scheduler  drops
+
+The engine composes the tiers it runs (host, then disk) in one `Tiers` list; a new request's
+prompt is looked up in each after the GPU's hits, and the first tier whose run must be waited for
+holds the request until ready() hands it to the scheduler.
+
+A peer fetch (transfer/fetch.py: another worker's GPU, pulled into reserved GPU blocks) is not one
+of these tiers: its holder and link come from placement (the cluster's registry), which the engine
+does not see, and its landing comes through the connector that the worker's role polls, so the
+request waits in the role and enters the engine (and this list's lookup) when the fetch ended.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from ..base.hashing import BlockHash
+from ..core.request import Request
+
+
+@runtime_checkable
+class KVTier(Protocol):
+    name: str
+
+    def lookup(self, hashes: list[BlockHash]) -> int:
+        """How many of `hashes`, from the first, this tier holds now (nothing moves)."""
+
+    def load(self, request: Request, hashes: list[BlockHash]) -> bool:
+        """Starts bringing the blocks of `hashes` (a run lookup() found) up a level for `request`:
+        True when the request must wait for them (ready() returns it once they landed), False when
+        there is nothing to wait for (they come up with the request's GPU lookup, or reading
+        them was predicted slower than recomputing)."""
+
+    def ready(self) -> list[Request]:
+        """The requests whose loads landed, in the order they did."""
+
+    def store(self, block_hash: BlockHash, source: int) -> None:
+        """Keeps a copy of the block the tier above lets go (`source`: where its bytes are now,
+        the GPU block or the host slot)."""
+
+    def evict(self, block_hash: BlockHash) -> bool:
+        """Drops this tier's copy of a block; False if it had none."""
+
+    def wait(self, timeout: float = 0.05) -> None:
+        """Blocks until one of its loads may have landed, at most `timeout` (an engine with nothing
+        else to run waits here rather than spinning)."""
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request: what it still loads for it lands unclaimed."""
+
+    def close(self) -> None:
+        """Keeps what it holds for a restart where it can (the disk tier writes the host tier's blocks)."""
+
+    def stats(self) -> dict:
+        """Its metrics (the engine's stats carry them)."""
+
+
+class Tiers:
+    """The engine's tiers below its GPU pool, in lookup order, and the requests waiting on one."""
+
+    def __init__(self, kv, tiers: list[KVTier]):
+        self.kv, self.tiers = kv, tiers
+        self.waiting: dict[str, KVTier] = {}  # request id -> the tier it waits on
+
+    def __iter__(self):
+        return iter(self.tiers)
+
+    def get(self, name: str) -> KVTier | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def hold(self, request: Request) -> bool:
+        """Looks a new request's prompt up past the GPU's hits, tier by tier; True if a tier now
+        loads a run of it and the request waits (ready() hands it to the scheduler)."""
+        kv = self.kv
+        if not self.tiers or not kv.enable_caching or request.scoring_prompt:
+            return False
+        hashes = kv.block_hashes(request)[:(request.num_tokens - 1) // kv.block_size]
+        i = kv.gpu_run(hashes)
+        for tier in self.tiers:
+            n = tier.lookup(hashes[i:])
+            if n and tier.load(request, hashes[i:i + n]):
+                self.waiting[request.request_id] = tier
+                return True
+            i += n
+        return False
+
+    def ready(self) -> list[Request]:
+        """The held requests whose runs landed (their blocks now in a tier the GPU lookup reads)."""
+        out = []
+        for tier in self.tiers:
+            for req in tier.ready():
+                if self.waiting.pop(req.request_id, None) is not None:
+                    out.append(req)
+        return out
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request: whatever its tier still reads for it lands unclaimed."""
+        tier = self.waiting.pop(request_id, None)
+        if tier is not None:
+            tier.forget(request_id)
+
+    def wait(self) -> None:
+        """Waits on the tiers some request waits on (the engine has nothing else to run)."""
+        for tier in {id(t): t for t in self.waiting.values()}.values():
+            tier.wait()
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    def stats(self) -> dict:
+        return {k: v for tier in self.tiers for k, v in tier.stats().items()}
