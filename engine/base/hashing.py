@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -52,3 +52,12 @@ def hash_block_tokens(
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def held_run(hashes: Sequence[BlockHash], holds: Callable[[BlockHash], bool]) -> int:
+    """How many of `hashes`, from the first, `holds` is true for: the run a tier can serve of a
+    chain (a block past a gap is no use without the ones before it)."""
+    n = 0
+    while n < len(hashes) and holds(hashes[n]):
+        n += 1
+    return n

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..base.hashing import ROOT_HASH, BlockHash, hash_block
+from ..base.hashing import ROOT_HASH, BlockHash, hash_block, held_run
 from .block_pool import Block, BlockPool
 from .request import Request
 
@@ -186,18 +186,11 @@ class KVCacheManager:
     # ---- a peer fetch's accounting (transfer/fetch.py: holder and receiver) ---------------------
     def gpu_run(self, hashes: list[BlockHash]) -> int:
         """How many of `hashes`, from the first, are cached on this GPU."""
-        n = 0
-        while n < len(hashes) and self.pool.lookup(hashes[n]) is not None:
-            n += 1
-        return n
+        return held_run(hashes, lambda h: self.pool.lookup(h) is not None)
 
     def local_run(self, hashes: list[BlockHash]) -> int:
         """How many of `hashes`, from the first, this worker's tiers hold (GPU, then host)."""
-        n = 0
-        while n < len(hashes) and (self.pool.lookup(hashes[n]) is not None
-                                   or (self.host is not None and hashes[n] in self.host)):
-            n += 1
-        return n
+        return held_run(hashes, lambda h: self.pool.lookup(h) is not None or (self.host is not None and h in self.host))
 
     def pin_run(self, hashes: list[BlockHash]) -> list[Block]:
         """Holder: the GPU blocks of the run of `hashes` from the first, pinned (a reference

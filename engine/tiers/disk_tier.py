@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from ..base.hashing import held_run
 from .disk import DiskStore
 from .offload import HostCache, HostIndex
 from .persist import layout_meta
@@ -105,10 +106,7 @@ class DiskTier:
 
     # ---- up -----------------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> int:
-        n = 0
-        while n < len(hashes) and hashes[n] in self.files:
-            n += 1
-        return n
+        return held_run(hashes, self.files.__contains__)
 
     def load(self, request, hashes: list[bytes]) -> bool:
         """Starts reading the run `hashes` of the request's prompt (after its GPU and host hits),

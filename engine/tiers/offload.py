@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..base.hashing import BlockHash
+from ..base.hashing import BlockHash, held_run
 
 
 @dataclass
@@ -72,10 +72,7 @@ class HostIndex:
 
     # ---- the tier protocol (tier.py) --------------------------------------------------------
     def lookup(self, hashes: list[BlockHash]) -> int:
-        n = 0
-        while n < len(hashes) and hashes[n] in self.slots:
-            n += 1
-        return n
+        return held_run(hashes, self.slots.__contains__)
 
     def load(self, request, hashes: list[BlockHash]) -> bool:
         """Nothing to wait for: the request's GPU lookup (KVCacheManager) queues the copies of
