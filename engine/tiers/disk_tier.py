@@ -54,6 +54,7 @@ class DiskTier:
     """The disk tier (a KVTier, tier.py) below the host tier."""
 
     name = "disk"
+    waits = True
 
     @classmethod
     def of(cls, config, load_format: str, index: HostIndex | None, cache: HostCache | None, step_model,

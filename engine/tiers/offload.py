@@ -49,6 +49,7 @@ class HostIndex:
     least recently used first, and the copies the next step makes."""
 
     name = "host"
+    waits = False
 
     def __init__(self, num_slots: int):
         if num_slots < 1:

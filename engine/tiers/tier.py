@@ -30,6 +30,7 @@ from ..core.request import Request
 @runtime_checkable
 class KVTier(Protocol):
     name: str
+    waits: bool  # whether load() can make a request wait (the disk's reads), or never (the host's copies)
 
     def lookup(self, hashes: list[BlockHash]) -> int:
         """How many of `hashes`, from the first, this tier holds now (nothing moves)."""
@@ -71,9 +72,6 @@ class Tiers:
         self.kv, self.tiers = kv, tiers
         self.waiting: dict[str, KVTier] = {}  # request id -> the tier it waits on
 
-    def __iter__(self):
-        return iter(self.tiers)
-
     def get(self, name: str) -> KVTier | None:
         return next((t for t in self.tiers if t.name == name), None)
 
@@ -81,8 +79,8 @@ class Tiers:
         """Looks a new request's prompt up past the GPU's hits, tier by tier; True if a tier now
         loads a run of it and the request waits (ready() hands it to the scheduler)."""
         kv = self.kv
-        if not self.tiers or not kv.enable_caching or request.scoring_prompt:
-            return False
+        if not any(t.waits for t in self.tiers) or not kv.enable_caching or request.scoring_prompt:
+            return False  # nothing could make it wait: its lookup happens once, when it is scheduled
         hashes = kv.block_hashes(request)[:(request.num_tokens - 1) // kv.block_size]
         i = kv.gpu_run(hashes)
         for tier in self.tiers:

@@ -53,7 +53,7 @@ def test_the_host_tier_as_a_kv_tier_looks_up_runs_and_evicts():
     on load (the GPU lookup copies), an evicted block's slot free again and its queued copy dropped."""
     idx = HostIndex(3)
     idx.record_events = True
-    assert isinstance(idx, KVTier) and idx.name == "host"
+    assert isinstance(idx, KVTier) and idx.name == "host" and not idx.waits
     idx.store(H[0], 5)
     idx.store(H[1], 6)
     assert idx.lookup([H[0], H[1], H[2], H[0]]) == 2 and idx.lookup([H[2], H[0]]) == 0
