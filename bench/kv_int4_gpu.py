@@ -24,7 +24,8 @@ import torch
 from pdserve.engine.exec.kv_cache import layer_views
 from pdserve.engine.ops import kv_quant
 from pdserve.engine.ops.attention_ref import paged_attention_ref
-from pdserve.engine.ops.triton_attention import paged_decode_triton, store_kv_triton
+from pdserve.engine.ops.kv_store import store_kv_triton
+from pdserve.engine.ops.triton_attention import paged_decode_triton
 from pdserve.engine.ops.triton_prefill import PrefillPlan, paged_prefill_triton
 
 H, KVH, D, PAGE = 32, 8, 128, 16

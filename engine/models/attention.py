@@ -138,7 +138,8 @@ class PagedAttention:
         self.sliding_window = sliding_window
         self.use_triton = use_triton
         if use_triton:
-            from ..ops.triton_attention import paged_decode_triton, store_kv_triton
+            from ..ops.kv_store import store_kv_triton
+            from ..ops.triton_attention import paged_decode_triton
             from ..ops.triton_prefill import paged_prefill_triton
 
             self._store, self._decode, self._prefill = store_kv_triton, paged_decode_triton, paged_prefill_triton

@@ -44,7 +44,7 @@ class MLAPagedAttention:
         self.capturable = use_triton  # decode steps without a host sync: the decode graphs capture them
         self._store, self._decode = store_kv_ref, None
         if use_triton:
-            from ..ops.triton_attention import store_kv_triton
+            from ..ops.kv_store import store_kv_triton
             from ..ops.triton_mla import mla_decode_triton
 
             self._store, self._decode = store_kv_triton, mla_decode_triton
@@ -68,12 +68,8 @@ class MLAPagedAttention:
                          self.scale, splits=splits)
 
     def store(self, k: torch.Tensor, v: None, k_cache, v_cache: None, slot_mapping: torch.Tensor) -> None:
-        """The latent rows into their slots (the KV-store kernel writes them as K and again as V of
-        the same cache: one small row per token)."""
-        if self._decode is not None:
-            self._store(k, k, k_cache, k_cache, slot_mapping)
-        else:
-            store_kv_ref(k, None, k_cache, None, slot_mapping)
+        """The latent rows into their slots, one row per token written once."""
+        self._store(k, None, k_cache, None, slot_mapping)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: None, k_cache, v_cache: None,
                  meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,8 +3,10 @@ kernels share, so that a decode row gets the same bits whichever kernel a step s
 
     kv_tile      one tile of a sequence's keys and values through its block table (bf16/fp32,
                  int8/fp8 with a scale per row, int4 unpacked)
-    attend       one key tile into the rows' online softmax, base 2: fp32 scores scaled by
-                 softmax_scale x log2(e) after the dot (q is never rounded with the scale in it)
+    attend       one key tile into the rows' online softmax: the scores q k^T, then softmax_tile
+    softmax_tile a tile's scores into the online softmax, base 2: fp32 scores scaled by
+                 softmax_scale x log2(e) after the dot (q is never rounded with the scale in it);
+                 the MLA kernel's too (triton_mla.py: its scores have a latent and a rope part)
     store_partial / _combine_kernel
                  key splits (flash-decoding): each split writes its unnormalized (acc, max, sum)
                  per live row; one combine kernel rescales them to the common max (per row for
@@ -79,15 +81,24 @@ def kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, offs_n, in_seq, valid, kvh,
 @triton.jit
 def attend(q, k, v, ks, vs, seen, acc, m_i, l_i, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr,
            COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
-    """One tile of keys (K transposed, as kv_tile gives it) into the rows' online softmax (base 2):
-    (acc, max, sum) updated. A quantized cache's K scale multiplies a token's column of scores, its
-    V scale its row of probabilities. MASKED: scores where not `seen` drop out (else every row sees
-    every key of the tile)."""
+    """One tile of keys (K transposed, as kv_tile gives it) into the rows' online softmax: the
+    scores q k^T, then `softmax_tile`."""
     if IEEE:
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = s * qk_scale
+    return softmax_tile(s * qk_scale, v, ks, vs, seen, acc, m_i, l_i, MASKED, IEEE, COMPUTE_DTYPE, SCALED)
+
+
+@triton.jit
+def softmax_tile(s, v, ks, vs, seen, acc, m_i, l_i, MASKED: tl.constexpr, IEEE: tl.constexpr,
+                 COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
+    """A tile's scores s [rows, keys] (already scaled by softmax_scale x log2(e)) into the rows'
+    online softmax (base 2): (acc, max, sum) updated with p v. A quantized cache's K scale `ks`
+    multiplies a token's column of scores, its V scale `vs` its column of probabilities. MASKED:
+    scores where not `seen` drop out (else every row sees every key of the tile). Every kernel's
+    softmax: the GQA decode and prefill kernels through `attend`, the MLA kernel with its two-part
+    scores (triton_mla.py)."""
     if SCALED:
         s = s * ks[None, :]
     if MASKED:
@@ -233,14 +244,18 @@ def combine(part: Partials, out: torch.Tensor, programs: int, num_kv_heads: int,
     )
 
 
-def split_count(programs: int, max_context: int, sms: int, per_sm: int, full_at: int | None = None) -> int:
+def split_count(programs: int, max_context: int, sms: int, per_sm: int, full_at: int | None = None,
+                min_keys: int = 256, whole_wave: bool = False) -> int:
     """Pieces to cut each program's keys into so that a launch on `sms` SMs has about `per_sm`
     programs per SM: 1 when the programs alone reach `full_at` per SM (default `per_sm`), and each
-    piece at least 256 keys (below that the combine costs more than it saves). Depends on shapes
-    only, so a CUDA graph captures a fixed grid."""
+    piece at least `min_keys` keys (below 256 the GQA kernels' combine costs more than it saves).
+    `whole_wave`: never more pieces than one wave holds (rounded down, not up: for kernels whose
+    program fills an SM, where a second, partly filled wave costs more than the combine saves).
+    Depends on shapes only, so a CUDA graph captures a fixed grid."""
     if programs >= (per_sm if full_at is None else full_at) * sms:
         return 1
-    return max(1, min(-(-per_sm * sms // programs), max_context // 256, MAX_SPLITS))
+    wave = per_sm * sms // programs if whole_wave else -(-per_sm * sms // programs)
+    return max(1, min(wave, max_context // min_keys, MAX_SPLITS))
 
 
 @functools.cache

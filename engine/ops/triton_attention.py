@@ -1,4 +1,4 @@
-"""Triton kernels for the paged KV cache: KV store and paged decode attention.
+"""The paged decode attention kernel (the KV store is kv_store.py).
 
 Written for both the GPU machines' Triton (3.6) and the CPU interpreter
 (TRITON_INTERPRET=1, Triton 3.9) that CI uses. The launchers check shapes, dtypes
@@ -18,7 +18,6 @@ from .attention_core import (
     Partials,
     attend,
     cache_args,
-    check_cache,
     check_launch,
     combine,
     compute_dtype,
@@ -28,69 +27,6 @@ from .attention_core import (
     split_count,
     store_partial,
 )
-from .triton_int4 import store_kv_int4
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    blk = slot // PAGE
-    off = slot % PAGE
-    offs_h = tl.arange(0, H_PAD)[:, None]
-    offs_d = tl.arange(0, D_PAD)[None, :]
-    # the slot test is broadcast through a tensor: the interpreter rejects scalar masks
-    mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM) & ((offs_h * 0 + slot) >= 0)
-    k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
-    kc = kc_ptr + blk * stride_kcb + off * stride_kct + offs_h * stride_kch + offs_d
-    vc = vc_ptr + blk * stride_vcb + off * stride_vct + offs_h * stride_vch + offs_d
-    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _store_kv_quant_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-    QMAX: tl.constexpr, INT8: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-):
-    # quantized KV (engine/ops/kv_quant.py): each (token, head) row gets scale = amax / QMAX
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    blk = slot // PAGE
-    off = slot % PAGE
-    offs_h = tl.arange(0, H_PAD)
-    offs_d = tl.arange(0, D_PAD)[None, :]
-    live = (offs_h * 0 + slot) >= 0
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d < HEAD_DIM) & live[:, None]
-    mask_h = (offs_h < NUM_KV_HEADS) & live
-    for which in tl.static_range(2):
-        if which == 0:
-            x = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d, mask=mask, other=0.0)
-            vals = kc_ptr + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch + offs_d
-            scales = ks_ptr + blk * stride_ksb + off * stride_kst + offs_h * stride_ksh
-        else:
-            x = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=mask, other=0.0)
-            vals = vc_ptr + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d
-            scales = vs_ptr + blk * stride_vsb + off * stride_vst + offs_h * stride_vsh
-        x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8) / QMAX
-        q = x / scale[:, None]
-        if INT8:
-            q = tl.minimum(tl.maximum(tl.floor(q + 0.5), -QMAX), QMAX)
-        tl.store(vals, q.to(vals.dtype.element_ty), mask=mask)
-        tl.store(scales, scale, mask=mask_h)
 
 
 # One program = one sequence x one kv head x one split of the context; the GROUP query
@@ -154,47 +90,6 @@ def _paged_decode_kernel(
     else:
         tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  finish(acc, l_i).to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-
-
-def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """k, v [num_tokens, num_kv_heads, head_dim] -> their slots; slot -1 is skipped. A
-    quantized cache (kv_quant.QuantKV, Int4KV) gets each row's values and its scale(s)."""
-    c = cache_args(k_cache, v_cache)
-    check_cache(c.k, c.v)
-    T, H, D = k.shape
-    if v.shape != k.shape or c.shape[2:] != (H, D):
-        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match cache {tuple(c.shape)}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("k and v must have a contiguous last dimension")
-    if slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32/int64 [{T}], "
-                         f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if T == 0:
-        return
-    if c.int4:
-        store_kv_int4(k, v, k_cache, v_cache, slot_mapping)
-        return
-    k_cache, v_cache = c.k, c.v
-    if c.scaled:
-        _store_kv_quant_kernel[(T,)](
-            k, v, k_cache, v_cache, c.ks, c.vs, slot_mapping,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *c.sstrides,
-            QMAX=127.0 if k_cache.dtype == torch.int8 else 448.0, INT8=k_cache.dtype == torch.int8,
-            NUM_KV_HEADS=H, HEAD_DIM=D, PAGE=k_cache.shape[1],
-            H_PAD=triton.next_power_of_2(H), D_PAD=triton.next_power_of_2(D),
-        )
-        return
-    _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=H, HEAD_DIM=D, PAGE=k_cache.shape[1],
-        H_PAD=triton.next_power_of_2(H), D_PAD=triton.next_power_of_2(D),
-    )
 
 
 DECODE_SPLITS = dict(per_sm=2, full_at=1)  # split_count's aim for decode launches: 2 programs per SM

@@ -8,9 +8,10 @@ q_lat [B, H, rank]: each head's no-rope query mapped into latent space (q_nope W
 with one float32 scale each: kv_quant.QuantKV). A program takes BLOCK_H heads of one sequence
 and a split of its context; per tile of BLOCK_N cached rows it loads the latent part c
 [BLOCK_N, rank] and the rope part once, scores every head (q_lat c^T + q_rope pe^T), and adds
-p c to the heads' latent outputs: c is the keys' and the values' source at once. Splits
-(flash-decoding) go through attention_core's partials and combine, their count from its
-planner (shapes only, so a decode CUDA graph captures a fixed grid). W_UV maps o_lat out.
+p c to the heads' latent outputs: c is the keys' and the values' source at once. The online
+softmax is attention_core's (`softmax_tile`), so are the splits (flash-decoding): its partials,
+combine and planner (`split_count` at MLA_SPLITS; shapes only, so a decode CUDA graph captures a
+fixed grid). W_UV maps o_lat out.
 """
 
 from __future__ import annotations
@@ -19,7 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, MAX_SPLITS, Partials, combine, compute_dtype, sm_count, store_partial
+from .attention_core import (
+    LOG2E,
+    Partials,
+    combine,
+    compute_dtype,
+    finish,
+    sm_count,
+    softmax_tile,
+    split_count,
+    store_partial,
+)
 from .kv_quant import QuantKV
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -64,37 +75,24 @@ def _mla_decode_kernel(
                                                                              input_precision="ieee")
         else:
             s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(pe))
-        s = s * qk_scale
         if SCALED:  # a row's one scale multiplies its scores and, through p, its values
             sc = tl.load(s_ptr + blk * stride_sb + (offs_n % PAGE) * stride_st, mask=valid, other=0.0)
-            s = s * sc[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if SCALED:
-            p = p * sc[None, :]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c)
-        m_i = m_new
+            sc = valid  # not read
+        acc, m_i, l_i = softmax_tile(s * qk_scale, c, sc, sc, valid[None, :], acc, m_i, l_i, True, IEEE,
+                                     COMPUTE_DTYPE, SCALED)
     if SPLIT:
         store_partial(part_acc_ptr, part_ml_ptr, seq, split, SPLITS, heads, live, offs_r, acc, m_i, l_i, H_ALL, RANK)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_r[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=live[:, None])
+                 finish(acc, l_i).to(o_ptr.dtype.element_ty), mask=live[:, None])
 
 
-def mla_splits(programs: int, max_context: int, sms: int, block_n: int) -> int:
-    """Key splits for a launch of `programs` (sequence x head block): as many as fit one wave of
-    one program per SM (a program's latent tiles fill an SM's shared memory), at least a tile each.
-    A second, partly filled wave costs more than the combine saves: 64 sequences on 132 SMs ran
-    1.45x their HBM floor with 2 splits and 1.65x with 5 (bench/results/mla/mla_gpu.md)."""
-    return max(1, min(MAX_SPLITS, max_context // block_n, sms // programs))
+MLA_SPLITS = dict(per_sm=1, whole_wave=True)
+"""split_count's aim for the MLA kernel: one wave of one program (sequence x head block) per SM,
+at least a tile of keys each; a program's latent tiles fill an SM's shared memory, and a second,
+partly filled wave costs more than the combine saves: 64 sequences on 132 SMs ran 1.45x their HBM
+floor with 2 splits and 1.65x with 5 (bench/results/mla/mla_gpu.md)."""
 
 
 def mla_decode_triton(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, block_tables: torch.Tensor,
@@ -121,8 +119,8 @@ def mla_decode_triton(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, block_ta
     head_blocks = triton.cdiv(heads, block_h)
     page = values.shape[1]
     if splits is None:
-        splits = mla_splits(b * head_blocks, block_tables.shape[1] * page, sm_count(q_lat.device), block_n) \
-            if q_lat.is_cuda else 1
+        splits = split_count(b * head_blocks, block_tables.shape[1] * page, sm_count(q_lat.device),
+                             min_keys=block_n, **MLA_SPLITS) if q_lat.is_cuda else 1
     h_all = head_blocks * block_h
     part = Partials.empty(b, splits, h_all, rank, q_lat.device) if splits > 1 else Partials(out, out)
     dtype = compute_dtype(q_lat)

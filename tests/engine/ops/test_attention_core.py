@@ -62,9 +62,12 @@ def test_a_decode_row_gives_identical_output_in_an_all_decode_step_and_in_a_mixe
             assert torch.equal(mixed[:nd], alone), (apart, (mixed[:nd].float() - alone.float()).abs().max().item())
 
 
-def test_one_split_planner_for_both_kernels():
+def test_one_split_planner_for_every_kernel():
     """Pieces per sequence (decode) or tile (prefill) so that a launch has about `per_sm`
-    programs per SM; 1 once `full_at` programs per SM are there; at least 256 keys a piece."""
+    programs per SM; 1 once `full_at` programs per SM are there; at least 256 keys a piece (the
+    MLA kernel's: a tile, and never a second, partly filled wave)."""
+    from pdserve.engine.ops.triton_mla import MLA_SPLITS
+
     assert split_count(512, 8192, sms=132, per_sm=2, full_at=1) == 1  # 64 decodes x 8 kv heads fill 132 SMs
     assert split_count(8, 8192, sms=132, per_sm=2, full_at=1) == MAX_SPLITS  # 33 wanted, capped
     assert split_count(32, 8192, sms=132, per_sm=2, full_at=1) == 9
@@ -72,6 +75,11 @@ def test_one_split_planner_for_both_kernels():
     assert split_count(8, 100, sms=132, per_sm=2, full_at=1) == 1
     assert split_count(200, 8192, sms=132, per_sm=8) == 6  # prefill: 8 per SM wanted, not yet full
     assert split_count(8 * 132, 8192, sms=132, per_sm=8) == 1
+    assert split_count(64, 8192, sms=132, min_keys=128, **MLA_SPLITS) == 2  # 132 / 64 rounded down
+    assert split_count(1, 8192, sms=132, min_keys=128, **MLA_SPLITS) == MAX_SPLITS
+    assert split_count(1, 1000, sms=132, min_keys=128, **MLA_SPLITS) == 7  # a tile of keys each at least
+    assert split_count(132, 8192, sms=132, min_keys=128, **MLA_SPLITS) == 1
+    assert split_count(100, 8192, sms=132, min_keys=128, **MLA_SPLITS) == 1  # a second wave would be partial
 
 
 def test_one_launch_check_names_what_is_wrong():

@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from pdserve.engine.ops.attention_ref import paged_attention_ref, store_kv_ref  # noqa: E402
-from pdserve.engine.ops.triton_attention import paged_decode_triton, store_kv_triton  # noqa: E402
+from pdserve.engine.ops.kv_store import store_kv_triton
+from pdserve.engine.ops.triton_attention import paged_decode_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -72,6 +73,30 @@ def test_store_kv_matches_reference(dtype):
         assert torch.equal(a[:, [0, 2]].view(torch.uint8), kv[:, [0, 2]].view(torch.uint8))
     else:
         assert torch.equal(a, b)  # bit-exact, other layers untouched
+
+
+@pytest.mark.parametrize("fmt", ["auto", "int8"])
+def test_a_latent_row_is_stored_once_as_the_reference_stores_it(fmt):
+    """An MLA cache holds one row per token (rank + rope values, not a power of two) and no V:
+    the one store kernel writes it once, bit-equal to the torch path, scales included."""
+    from pdserve.engine.ops import kv_quant
+
+    blocks, page, width = 5, 16, 80
+    if fmt == "auto":
+        kv = torch.zeros(blocks, 2, 1, page, 1, width, device=DEV)
+        a, b = kv.clone(), kv.clone()
+        ca, cb = a[:, 1, 0], b[:, 1, 0]
+    else:
+        raw = torch.zeros(blocks, 2, 1, page, 1, kv_quant.row_bytes(fmt, width), dtype=torch.uint8, device=DEV)
+        a, b = raw.clone(), raw.clone()
+        ca, cb = kv_quant.views(a[:, 1, 0], fmt), kv_quant.views(b[:, 1, 0], fmt)
+    rows = torch.randn(7, 1, width, device=DEV)
+    slots = torch.tensor([3, 40, -1, 79, 16, 0, 17], device=DEV)
+    store_kv_triton(rows, None, ca, None, slots)
+    store_kv_ref(rows, None, cb, None, slots)
+    assert torch.equal(a, b) and a.count_nonzero() > 0 and a[:, 0].eq(0).all()
+    with pytest.raises(ValueError, match="together"):
+        store_kv_triton(rows, rows, ca, None, slots)
 
 
 def test_launchers_check_shapes():
