@@ -41,6 +41,7 @@ import ray
 from pdserve.engine.base.tp import TPError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.ops.compile_watch import CompileWatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import ValidRequest
 from pdserve.transfer.base import HandoffTarget
@@ -114,10 +115,12 @@ class WorkerActor(EngineLoop):
         self.compiling_now: set[str] = set()  # requests whose grammar compiles now
         self.aborted = AbortLog()  # an abort that comes before its request keeps it from starting
         self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
+        self.kernels: CompileWatch | None = None  # kernel variants compiled once serving (armed by start())
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
         self.aloop = self.outlets.aloop = asyncio.get_running_loop()
+        self.kernels = CompileWatch.arm(self.worker_id)  # the engine is warm: a compile from here on is a stall
         info = self.info()
         await self.membership.join(info)
         self.thread = threading.Thread(target=self._loop, name=f"engine-{self.worker_id}", daemon=True)
@@ -177,6 +180,8 @@ class WorkerActor(EngineLoop):
                  request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks,
                  kv_links=self.connector.local.links(),  # each KV pair's link and why (transfer/pull.py)
                  **self.fetches.stats())
+        if self.kernels is not None:
+            s.update(kernel_compiles_serving=self.kernels.count, kernel_compiles_recent=self.kernels.recent())
         s["num_deferred"] = s["waiting_for_kv"] + len(self.compiling_now)  # waiting on KV or a grammar
         return s
 

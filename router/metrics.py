@@ -86,6 +86,8 @@ WORKER_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted", "spec_decode_num_accepted_tokens"),
     "pdserve:spec_decode_draft_seconds": ("Time spent proposing drafts", "spec_decode_draft_seconds"),
     "pdserve:spec_decode_steps_off": ("Steps the off-switch ran without drafts", "spec_decode_steps_off"),
+    "pdserve:kernel_compiles_serving": ("Triton kernel variants compiled after the worker started (a step waited "
+                                        "for each)", "kernel_compiles_serving"),
 }
 
 

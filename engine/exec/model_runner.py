@@ -124,8 +124,16 @@ class ModelRunner:
         decodes beside a chunk and a chunk alone, of a token count with and without a factor of
         16 (Triton specializes the fused kernels' int arguments on that). Every rank runs the
         same steps, so their all-reduces pair up. Dummy requests over block 0; nothing is
-        written (slots -1) or sampled."""
+        written (slots -1) or sampled. On CUDA also the same-node handoff's block copy (ops/block_copy.py:
+        whole blocks, and a head slice as tensor-parallel routes take), block 0 onto itself: its first
+        compile otherwise lands on a worker's first handoff."""
         self.model.attention(0).warm_up(*self.kv_views[0], self.config.torch_dtype)
+        if self.device.type == "cuda":
+            from ..ops.block_copy import copy_blocks
+
+            block0 = torch.zeros(1, dtype=torch.int64, device=self.device)
+            for heads in (None, (0, 1)) if self.kv.shape[4] > 1 else (None,):
+                copy_blocks(self.kv, block0, self.kv, block0, heads, heads)
         first = (self.graphs.max_piece_tokens if self.graphs else 0) + 16  # the smallest eager step
         for t in (first, first + 1):
             for q_lens, seq_lens in (([1, 1, t - 2], [24, 40, t + 62]), ([t], [t + 64])):

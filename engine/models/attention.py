@@ -149,10 +149,14 @@ class PagedAttention:
     def warm_up(self, k_cache, v_cache, dtype: torch.dtype) -> None:
         """Compiles, before serving, every kernel variant a step can launch: paged prefill in
         mixed and in prefill tiles, each with and without key splits (and their combine), and
-        paged decode with and without, each for block tables whose width has a factor of 16 and
-        one whose width has not (Triton specializes an int argument on that). Triton compiles
-        a variant on first use, a second or more each, which a first request would otherwise
-        wait for (docs/design/graphs.md). Reads block 0 only and writes nothing to the cache."""
+        paged decode with and without, each for block tables whose width has a factor of 16, one
+        whose width has not (Triton specializes an int argument on that) and tables that start
+        off a 16-byte boundary (and a pointer on its alignment: a step whose decodes run apart
+        hands the prefill kernel `block_tables[nd:]`, unaligned when nd x width is not a multiple
+        of 4; its first such step on a fresh hybrid decode worker waited for that compile).
+        Triton compiles a variant on first use, a second or more each, which a first request would
+        otherwise wait for (docs/design/graphs.md; ops/compile_watch.py counts what is left).
+        Reads block 0 only and writes nothing to the cache."""
         if self._prefill is None:
             return
         from ..ops.triton_prefill import MIXED, PREFILL, PrefillPlan
@@ -160,8 +164,8 @@ class PagedAttention:
         page = k_cache.shape[1]
         device = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache.values).device  # or a QuantKV
         group = self.num_heads // self.num_kv_heads
-        for width in (64, 65):  # blocks per table: contexts long enough for key splits
-            tables = torch.zeros(1, width, dtype=torch.int32, device=device)
+        for width, skip in ((64, 0), (65, 0), (65, 1)):  # blocks per table (contexts long enough for key
+            tables = torch.zeros(1 + skip, width, dtype=torch.int32, device=device)[skip:]  # splits), alignment
             for launch in (MIXED, PREFILL):
                 for splits in (1, 2):
                     q = torch.zeros(16, self.num_heads, self.head_dim, dtype=dtype, device=device)

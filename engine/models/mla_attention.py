@@ -54,18 +54,21 @@ class MLAPagedAttention:
         return self.kv_b_proj.weight.view(self.num_heads, -1, self.mla.kv_lora_rank)
 
     def warm_up(self, k_cache, v_cache, dtype: torch.dtype) -> None:
-        """Compiles the decode kernel with and without key splits before serving (block 0 read,
-        nothing written)."""
+        """Compiles the decode kernel with and without key splits before serving, for block tables
+        whose width has a factor of 16, one whose width has not, and tables off a 16-byte boundary
+        (a prefill's rows take one sequence's row of the step's tables): the specializations
+        PagedAttention.warm_up covers. Block 0 read, nothing written."""
         if self._decode is None:
             return
         device = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache.values).device
         m, h = self.mla, self.num_heads
-        tables = torch.zeros(1, 64, dtype=torch.int32, device=device)
-        lens = torch.full((1,), 64 * k_cache.shape[1], dtype=torch.int32, device=device)
-        for splits in (1, 2):
-            self._decode(torch.zeros(1, h, m.kv_lora_rank, dtype=dtype, device=device),
-                         torch.zeros(1, h, m.qk_rope_head_dim, dtype=dtype, device=device), k_cache, tables, lens,
-                         self.scale, splits=splits)
+        for width, skip in ((64, 0), (65, 0), (65, 1)):
+            tables = torch.zeros(1 + skip, width, dtype=torch.int32, device=device)[skip:]
+            lens = torch.full((1,), width * k_cache.shape[1], dtype=torch.int32, device=device)
+            for splits in (1, 2):
+                self._decode(torch.zeros(1, h, m.kv_lora_rank, dtype=dtype, device=device),
+                             torch.zeros(1, h, m.qk_rope_head_dim, dtype=dtype, device=device), k_cache, tables,
+                             lens, self.scale, splits=splits)
 
     def store(self, k: torch.Tensor, v: None, k_cache, v_cache: None, slot_mapping: torch.Tensor) -> None:
         """The latent rows into their slots, one row per token written once."""

@@ -305,3 +305,30 @@ def test_a_moe_model_in_cuda_graphs_equals_eager_and_its_torch_experts(tmp_path,
     assert outs["graphs"] == outs["eager"]
     first = sum(a[:4] == b[:4] for a, b in zip(outs["eager"], outs["torch"]))
     assert first >= 10, (outs["eager"], outs["torch"])
+
+
+def test_nothing_compiles_once_warm_when_decodes_run_apart_from_chunks(tmp_path, tok_dir):
+    """A warm engine meets no new kernel variant: decodes beside chunks of a long prompt over its
+    cached context (the decodes apart, the prefill kernel handed `block_tables[nd:]`, off a 16-byte
+    boundary when nd x width is not a multiple of 4) and tables of every width. A fresh hybrid
+    decode worker's first such step once waited ~1 s for that compile (ops/compile_watch.py found it)."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.config import AttentionTuning
+    from pdserve.engine.ops.compile_watch import CompileWatch
+
+    from helpers import save_tiny
+
+    path = save_tiny("llama", str(tmp_path / "llama"), tok_dir, max_positions=2048)
+    llm = LLM(path, dtype="bfloat16", gpu_memory_utilization=0.3, max_num_batched_tokens=256,
+              attention_tuning=AttentionTuning(decodes_apart=True))
+    watch = CompileWatch.arm()
+    before = watch.count
+    short = [[7 + i] * (9 + 5 * i) for i in range(3)]  # decoding while the long prompts' chunks run
+    for n in (700, 1090, 1500):  # widths 16..97 blocks over the chunks: aligned and not, 16 | width and not
+        outs = llm.generate(short + [[11] * n], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert watch.count == before, watch.recent()
+    llm.engine.kv.check_all_free()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -263,6 +263,7 @@ def test_metrics_parse_and_move(client, server):
     assert total(after, "pdserve:kv_handoff_bytes_total") > total(before, "pdserve:kv_handoff_bytes_total")
     assert total(after, "pdserve:routing_decisions_total") > total(before, "pdserve:routing_decisions_total")
     assert any(k.startswith("vllm:kv_cache_usage_perc{") for k in after)
+    assert any(k.startswith("pdserve:kernel_compiles_serving_total{") for k in after)  # 0 here: nothing compiles on CPU
     assert total(after, "vllm:inter_token_latency_seconds_count") > 0
     by7 = json.dumps({"model_name": model_id(client), "priority": "7"}, sort_keys=True)
     assert after["pdserve:requests_by_priority_total" + by7] == before.get("pdserve:requests_by_priority_total" + by7,
