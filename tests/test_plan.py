@@ -104,3 +104,36 @@ def test_a_mixture_of_experts_model_is_sized_by_what_a_token_activates(tmp_path,
     text = render(p)  # what `pdserve plan --model DIR` prints for it
     assert "8 per sparse layer (1 layers), 2 per token" in text and "~2.0 of 8 experts per layer at batch 1" in text
     assert plan(default_model_dir, [(100, 20)], gpu="h200", max_model_len=256)["moe"] is None  # a dense model
+
+
+def test_layouts_name_the_smallest_tensor_parallel_size_that_holds_a_full_decode_batch(tmp_path):
+    """Qwen3-30B-A3B's shape (a config alone; weights counted on the meta device) on an H100 at
+    4096 in / 256 out: one GPU keeps ~7 GB of KV beside 61 GB of weights and holds 35 requests, not
+    a batch of 128; at TP=2 the worker holds 211 and is the smallest that fits. A size that does not
+    divide the heads is named and why; a worker whose weights leave no room says so."""
+    import json
+
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+           "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+           "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 151936,
+           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = plan(str(tmp_path), [(4096, 256)], gpu="h100", max_num_seqs=128)
+    rows = {r["tensor_parallel_size"]: r for r in p["layouts"]}
+    assert rows[1]["weight_bytes_rank"] == p["weight_bytes_rank"] and rows[1]["sequences_held"] == \
+        p["max_concurrency_paged"] < 128 and not rows[1]["fits"]
+    assert rows[2]["fits"] and rows[2]["best"] and rows[2]["sequences_held"] >= 128 and rows[2]["decode_batch"] == 128
+    assert not rows[4]["best"] and rows[4]["weight_bytes_rank"] < rows[2]["weight_bytes_rank"] < \
+        rows[1]["weight_bytes_rank"]
+    text = render(p)
+    assert "TP=1: weights 61.11 GB per rank" in text and "decode batch 35 of 128: does not hold a full batch" in text
+    assert "TP=2:" in text and "fits (the smallest that does)" in text
+    small = plan(str(tmp_path), [(4096, 256)], gpu_memory_gib=40, max_num_seqs=128)["layouts"]
+    assert small[0]["kv_tokens"] == 0 and not small[0]["fits"]  # 61 GB of weights on 40 GiB
+    assert "no KV room after the weights" in render(plan(str(tmp_path), [(4096, 256)], gpu_memory_gib=40))
+    cfg["num_attention_heads"] = 12  # 12 heads: TP=8 cannot split them
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rows = {r["tensor_parallel_size"]: r for r in plan(str(tmp_path), [(4096, 256)], gpu="h200")["layouts"]}
+    assert "must divide" in rows[8]["error"]

@@ -13,6 +13,8 @@ output lengths, or the Mooncake trace's):
     prefill:decode ratio     prefill workers per decode worker so that both keep up: a
                              prefill worker finishes prefill_tok_s / mean prompt requests/s;
                              a decode worker batch / (mean output x step time)
+    layouts                  the same worker at TP 1, 2, 4 and 8 on the GPU: which hold a full
+                             decode batch of the workload, the smallest that does
 
 Rates: given (`prefill_tok_s`, `decode_step_ms`, e.g. from `bench/engine_gpu.py`), or
 estimated from the GPU preset's measured ceilings and this engine's measured efficiency
@@ -89,11 +91,16 @@ def workload_lengths(prompt_len: int | None, output_len: int | None, trace: str 
     return [(prompt_len, output_len)]
 
 
+TP_SIZES = (1, 2, 4, 8)  # the worker layouts `layouts` compares
+
+
 def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu_memory_gib: float | None = None,
          kv_cache_memory_bytes: int | None = None, prefill_tok_s: float | None = None,
-         decode_step_ms: float | None = None, **engine_args) -> dict:
+         decode_step_ms: float | None = None, compare_layouts: bool = True, **engine_args) -> dict:
     """The plan as a dict (what `pdserve plan --json` prints). `engine_args`: EngineConfig's
-    (dtype, kv_cache_dtype, tensor_parallel_size, block_size, max_model_len, max_num_seqs, ...)."""
+    (dtype, kv_cache_dtype, tensor_parallel_size, block_size, max_model_len, max_num_seqs, ...).
+    With a GPU (not a fixed KV budget) and `compare_layouts`, also `layouts`: the same worker at
+    each tensor-parallel size (layouts())."""
     if os.path.isfile(model):
         model = os.path.dirname(os.path.abspath(model))
     spec = None
@@ -146,7 +153,7 @@ def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu
         prefill_rps = prefill_tok_s / mean_p
         decode_rps = batch / (mean_o * decode_step_ms / 1e3)
         ratio = decode_rps / prefill_rps
-    return {
+    out = {
         "model": model, "tensor_parallel_size": cfg.tensor_parallel_size, "dtype": str(cfg.torch_dtype)[6:],
         "kv_cache_dtype": layout.dtype, "block_size": bs, "max_model_len": cap,
         "kv_bytes_per_token_rank": kv_tok,
@@ -166,6 +173,36 @@ def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu
             "decode_weight_bytes_at_batch": weights - sparse * experts * (1 - top_k / experts) ** batch * one,
         },
     }
+    if compare_layouts and kv_cache_memory_bytes is None:
+        out["layouts"] = layouts(model, lengths, gpu, gpu_memory_gib, engine_args)
+    return out
+
+
+def layouts(model: str, lengths: list[tuple[int, int]], gpu: str | None, gpu_memory_gib: float | None,
+            engine_args: dict) -> list[dict]:
+    """The worker at each tensor-parallel size of TP_SIZES on this GPU, for the workload: its GPUs,
+    weights per rank, KV room (tokens per worker), the workload's sequences it holds, the decode
+    batch it runs (those, up to max_num_seqs) and `fits`: its weights leave KV room and the room
+    holds a full decode batch (max_num_seqs sequences); a size the model cannot split to has
+    `error`. The smallest size that fits is `best`. Experts are split by intermediate size under
+    TP (expert parallelism, experts whole across ranks, is not built: not a row)."""
+    rows, args = [], {k: v for k, v in engine_args.items() if k != "tensor_parallel_size"}
+    for tp in TP_SIZES:
+        row = {"tensor_parallel_size": tp}
+        try:
+            p = plan(model, lengths, gpu=gpu, gpu_memory_gib=gpu_memory_gib, compare_layouts=False,
+                     tensor_parallel_size=tp, **args)
+        except ValueError as e:
+            rows.append({**row, "error": str(e).split("\n")[0]})
+            continue
+        held = p["max_concurrency_paged"]
+        rows.append({**row, "weight_bytes_rank": p["weight_bytes_rank"], "kv_tokens": p["kv_tokens"],
+                     "sequences_held": held, "decode_batch": p["decode_batch"],
+                     "fits": p["kv_blocks"] > 0 and held >= p["max_num_seqs"], "best": False})
+    best = next((r for r in rows if r.get("fits")), None)
+    if best is not None:
+        best["best"] = True
+    return rows
 
 
 def render(p: dict) -> str:
@@ -200,4 +237,16 @@ def render(p: dict) -> str:
                  ("decode step", f"{p['decode_step_ms']:.2f} ms at batch {p['decode_batch']}"),
                  ("prefill : decode workers", f"{p['prefill_per_decode_worker']:.2f} : 1")]
     w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+    text = "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+    if p.get("layouts"):
+        text += "\n\nlayouts (one worker on this GPU; full batch: the KV room holds max_num_seqs of these requests)"
+        for r in p["layouts"]:
+            if "error" in r:
+                text += f"\n  TP={r['tensor_parallel_size']}: not possible ({r['error']})"
+                continue
+            verdict = ("fits" + (" (the smallest that does)" if r["best"] else "")) if r["fits"] else \
+                "does not hold a full batch" if r["kv_tokens"] else "no KV room after the weights"
+            text += (f"\n  TP={r['tensor_parallel_size']}: weights {r['weight_bytes_rank'] / gb:.2f} GB per rank, "
+                     f"KV {r['kv_tokens']} tokens, holds {r['sequences_held']} requests, decode batch "
+                     f"{r['decode_batch']} of {p['max_num_seqs']}: {verdict}")
+    return text
