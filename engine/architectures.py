@@ -52,6 +52,9 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0  # the shared experts beside the routed ones, as one dense MLP
+    # a deployment's layout, not the checkpoint's: set when the engine resolves the model with
+    # enable_expert_parallel (models/moe.py: experts whole, num_experts / N per rank)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:

@@ -195,6 +195,9 @@ class EngineConfig:
     slo_tpot_s: float | None = None
     # ranks (GPUs) one engine spans, Megatron-style (engine/base/tp.py); rank 0 schedules and samples
     tensor_parallel_size: int = 1
+    # a mixture-of-experts model's experts whole, num_experts / N on each of the N ranks (expert
+    # parallelism), instead of I / N rows of every expert (engine/models/moe.py)
+    enable_expert_parallel: bool = False
     # the host-memory tier of the prefix cache, GiB per rank (engine/tiers/offload.py); 0: off
     kv_offloading_size: float = 0.0
     # the host tier written here on close (and every kv_persist_interval_s), read back on start
@@ -309,9 +312,12 @@ class EngineConfig:
         self.model = model_path
         self.model_config = mc = ModelConfig.from_dir(model_path)
         check_tp(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, self.tensor_parallel_size)
-        if mc.moe is not None and mc.moe.intermediate_size % self.tensor_parallel_size:
+        if self.enable_expert_parallel:
+            mc = self.model_config = dataclasses.replace(mc, moe=expert_parallel(mc.moe, self.tensor_parallel_size))
+        elif mc.moe is not None and mc.moe.intermediate_size % self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's expert "
-                             f"intermediate size {mc.moe.intermediate_size}")
+                             f"intermediate size {mc.moe.intermediate_size} (or enable_expert_parallel: experts "
+                             "whole, split across the ranks)")
         if mc.mla is not None and self.kv_window_tokens is not None:
             raise ValueError("kv_window_tokens rotates each cached key head's rope part as the window moves; a "
                              "latent-attention (MLA) model caches one latent per token, its rope part inside it: "
@@ -375,3 +381,16 @@ class EngineConfig:
         if self.attention_backend == "triton":
             return True
         return self.torch_device.type == "cuda"
+
+
+def expert_parallel(moe: MoEConfig | None, size: int) -> MoEConfig:
+    """The model's experts laid out whole across `size` ranks, or ValueError naming why not. One
+    rank holds every expert either way (a TP=1 pool of a cluster whose other pool splits them)."""
+    if moe is None:
+        raise ValueError("enable_expert_parallel: the model has no experts (not a mixture-of-experts model)")
+    if size < 2:
+        return moe
+    if moe.num_experts % size:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {size} must divide the model's "
+                         f"{moe.num_experts} experts")
+    return dataclasses.replace(moe, expert_parallel=True)

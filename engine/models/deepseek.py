@@ -36,7 +36,7 @@ from torch import nn
 
 from ..base.tp import TPGroup
 from ..config import ModelConfig
-from ..ops.moe_ref import fused_moe_ref, route_grouped
+from ..ops.moe_ref import fused_moe_ref, local_ids, route_grouped
 from .layers import MLP, DecoderLayer, DecoderStack, RMSNorm, RowParallelLinear, fused_ops
 from .mla_attention import MLAPagedAttention
 from .moe import SparseMoE
@@ -152,10 +152,13 @@ class DeepseekMoE(SparseMoE):
 
             renorm = moe.routing == "sigmoid_group" and moe.norm_topk_prob
             weights, ids, ranked = route_triton(logits, moe.top_k, renorm, torch.float32, moe, bias)
-            out = fused_moe_triton(x, self.w_gate_up, self.w_down, weights, ids, ranked=ranked)
+            if self.held is not None:  # expert parallel: the ranks' own experts (models/moe.py)
+                ids, ranked = local_ids(ids, self.held), None
+            out = fused_moe_triton(x, self.w_gate_up, self.w_down, weights, ids, ranked=ranked,
+                                   skip=self.held is not None)
         else:
             weights, ids = route_grouped(logits, moe, bias)
-            out = fused_moe_ref(x, self.w_gate_up, self.w_down, weights, ids)
+            out = fused_moe_ref(x, self.w_gate_up, self.w_down, weights, local_ids(ids, self.held))
         out = self.tp.all_reduce(out)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 

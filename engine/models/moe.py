@@ -9,7 +9,13 @@ it) when the model runs its Triton kernels, else through its torch reference (op
 
 With a tensor-parallel group of N each rank holds I/N of every expert's intermediate rows (its
 gate and up rows, the matching columns of down) and the whole router; the partial outputs are
-summed by one all-reduce after the combine.
+summed by one all-reduce after the combine. With expert parallelism (`moe.expert_parallel`,
+EngineConfig.enable_expert_parallel) each rank holds E/N experts whole, [rank x E/N, (rank + 1) x
+E/N): every rank routes every token (attention is tensor-parallel, so each holds all of the
+step's tokens), runs the assignments to its own experts (the others' are skipped: ops/moe_ref's
+`local_ids`), and the same all-reduce sums each token's experts across the ranks. No all-to-all:
+that pays where attention is data-parallel and a rank holds only its own tokens, which a
+pdserve worker does not do (its data parallelism is more workers).
 """
 
 from __future__ import annotations
@@ -33,24 +39,32 @@ class SparseMoE(nn.Module):
             self.experts = moe_triton
         self.tp = tp = tp or TPGroup()
         self.moe = moe
-        inter = moe.intermediate_size // tp.size
+        ep = moe.expert_parallel and tp.size > 1
+        inter = moe.intermediate_size if ep else moe.intermediate_size // tp.size
+        count = moe.num_experts // tp.size if ep else moe.num_experts
+        # the experts this rank holds: [first, first + count) of the router's; None: all of them
+        self.held = (tp.rank * count, count) if ep else None
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.w_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden_size))
-        self.w_down = nn.Parameter(torch.empty(moe.num_experts, hidden_size, inter))
+        self.w_gate_up = nn.Parameter(torch.empty(count, 2 * inter, hidden_size))
+        self.w_down = nn.Parameter(torch.empty(count, hidden_size, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)
         out = self.experts(x, logits, self.w_gate_up, self.w_down, self.moe.top_k, self.moe.norm_topk_prob,
-                           x.dtype if self.moe.weights_in_model_dtype else torch.float32)
+                           x.dtype if self.moe.weights_in_model_dtype else torch.float32, held=self.held)
         return self.tp.all_reduce(out)
 
     def expert_targets(self, prefix: str, expert: int, part: str) -> list[tuple[str, slice | None, int, slice | None]]:
         """Where expert `expert`'s checkpoint tensor `part` ("gate", "up" or "down") goes on this
         rank, in the loader's form (our parameter + "[expert]", rows within it, the source dim
-        sliced, this rank's slice of it)."""
+        sliced, this rank's slice of it); [] for an expert another rank holds (expert parallel)."""
         inter = self.w_down.shape[2]
-        r = self.tp.rank
-        mine = slice(r * inter, (r + 1) * inter)
+        mine = slice(self.tp.rank * inter, (self.tp.rank + 1) * inter)
+        if self.held is not None:
+            first, count = self.held
+            if not first <= expert < first + count:
+                return []
+            expert, mine = expert - first, None  # whole, at its place among this rank's
         if part == "gate":
             return [(f"{prefix}.w_gate_up[{expert}]", slice(0, inter), 0, mine)]
         if part == "up":

@@ -4,7 +4,8 @@ against, and the path on CPU.
     fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids) -> [T, hidden]
 
 x [T, hidden]; w_gate_up [E, 2 x I, hidden] (each expert's gate rows, then its up rows);
-w_down [E, hidden, I]; topk_weights / topk_ids [T, k]. Each expert runs once on the tokens that
+w_down [E, hidden, I]; topk_weights / topk_ids [T, k] (an id E: an expert another rank holds,
+skipped; `local_ids`). Each expert runs once on the tokens that
 chose it (SiLU(gate) x up, then down), its rows scaled by their top-k weight and added into the
 output in expert order, as Hugging Face's expert loop does, so float32 outputs match its bits.
 """
@@ -59,8 +60,20 @@ def route_grouped(logits: torch.Tensor, moe, correction_bias: torch.Tensor | Non
     return weights * moe.routed_scaling_factor, ids
 
 
+def local_ids(ids: torch.Tensor, held: tuple[int, int] | None) -> torch.Tensor:
+    """The router's expert ids [T, k] as indices into a rank's experts `held` = (first, count)
+    (expert parallelism): ids - first, and `count` (no expert here: skipped) for the experts other
+    ranks hold; `ids` themselves when every expert is here (held None). On the device, no sync."""
+    if held is None:
+        return ids
+    first, count = held
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
+
+
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """An id equal to the number of experts (local_ids' "not here") contributes nothing."""
     out = torch.zeros_like(x)
     num_experts = w_gate_up.shape[0]
     hit = torch.zeros(num_experts + 1, dtype=torch.bool, device=x.device)
@@ -74,7 +87,8 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 
 def moe_ref(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
-            renormalize: bool, weights_dtype: torch.dtype) -> torch.Tensor:
-    """A sparse layer's experts from its router logits [T, E]: `route`, then `fused_moe_ref`."""
+            renormalize: bool, weights_dtype: torch.dtype, held: tuple[int, int] | None = None) -> torch.Tensor:
+    """A sparse layer's experts from its router logits [T, E]: `route`, then `fused_moe_ref`
+    (`held`: the experts this rank holds, expert parallel: the others' assignments skipped)."""
     weights, ids = route(logits, top_k, renormalize, weights_dtype)
-    return fused_moe_ref(x, w_gate_up, w_down, weights, ids)
+    return fused_moe_ref(x, w_gate_up, w_down, weights, local_ids(ids, held))

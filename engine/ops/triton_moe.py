@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_ref import local_ids
+
 
 @dataclass(frozen=True)
 class Alignment:
@@ -184,10 +186,14 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype:
     return weights, ids, (counts, rank)
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple | None = None) -> Alignment:
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple | None = None,
+          skip: bool = False) -> Alignment:
     """The assignments of `topk_ids` [T, k] grouped by expert, each group padded to block_m rows:
     ranks by atomics (`ranked`: the (counts, ranks) route_triton already made), the blocks, the
-    rows; a few launches, no host sync."""
+    rows; a few launches, no host sync. `skip`: ids equal to num_experts (another rank's experts,
+    expert parallel) are placed past `used`, in blocks no kernel runs."""
+    if skip:
+        num_experts += 1  # the "not here" id as one more expert, its run emptied below
     ids = topk_ids.flatten().to(torch.int32)
     m = ids.numel()
     capacity = (-(-m // block_m) + min(m, num_experts)) * block_m
@@ -199,6 +205,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple 
         _moe_rank_kernel[(triton.cdiv(m, block),)](ids, counts, rank, m, BLOCK=block)
     else:
         counts, rank = ranked
+    if skip:  # its assignments keep their ranks; with no rows counted they land past `used`
+        counts[num_experts - 1] = 0
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     used = torch.empty(1, dtype=torch.int32, device=dev)
     rows = torch.empty(capacity, dtype=torch.int32, device=dev)
@@ -320,7 +328,9 @@ class MoETiles:
 
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, tiles: MoETiles | None = None,
-                     ranked: tuple | None = None) -> torch.Tensor:
+                     ranked: tuple | None = None, skip: bool = False) -> torch.Tensor:
+    """`skip`: ids equal to the number of experts here (moe_ref.local_ids: another rank's experts)
+    contribute nothing: their rows are never computed and read as zeros by the combine."""
     T, H = x.shape
     E, two_i, Hw = w_gate_up.shape
     inter = two_i // 2
@@ -337,7 +347,7 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     if T == 0:
         return torch.zeros_like(x)
     tiles = tiles or MoETiles.for_rows(m)
-    al = align(topk_ids, E, tiles.block_m, ranked)
+    al = align(topk_ids, E, tiles.block_m, ranked, skip)
     blocks = al.experts.shape[0]
     ieee = x.dtype == torch.float32
     h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
@@ -346,7 +356,7 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
         num_warps=tiles.warps, num_stages=tiles.stages)
-    y = torch.empty(m, H, dtype=x.dtype, device=x.device)
+    y = (torch.zeros if skip else torch.empty)(m, H, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(triton.cdiv(H, tiles.block_n), blocks)](
         h, w_down, y, al.rows, al.experts, al.used, m, H, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
@@ -359,8 +369,11 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
 
 
 def moe_triton(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
-               renormalize: bool, weights_dtype: torch.dtype) -> torch.Tensor:
+               renormalize: bool, weights_dtype: torch.dtype, held: tuple[int, int] | None = None) -> torch.Tensor:
     """A sparse layer's experts from its router logits [T, E]: routing and ranking in one launch,
-    then the fused experts (ops/moe_ref.moe_ref is the same in torch)."""
+    then the fused experts (ops/moe_ref.moe_ref is the same in torch). `held`: this rank's experts
+    (expert parallel): the ranking is redone over them, the others' assignments skipped."""
     weights, ids, ranked = route_triton(logits, top_k, renormalize, weights_dtype)
+    if held is not None:
+        return fused_moe_triton(x, w_gate_up, w_down, weights, local_ids(ids, held), skip=True)
     return fused_moe_triton(x, w_gate_up, w_down, weights, ids, ranked=ranked)

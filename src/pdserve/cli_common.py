@@ -42,6 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs per engine (Megatron shards, one process / Ray actor per GPU)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture-of-experts model's experts whole, split across the tensor-parallel ranks")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--kv-offloading-size", type=float, default=0.0,
@@ -137,6 +139,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
            "disable_custom_all_reduce": args.disable_custom_all_reduce,
            "async_scheduling": args.async_scheduling, "scheduling_policy": args.scheduling_policy,
            "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size,
+           "enable_expert_parallel": args.enable_expert_parallel,
            "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
            "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config,
            "kv_disk_dir": args.kv_disk_dir, "kv_disk_size": args.kv_disk_size,

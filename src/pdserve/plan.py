@@ -65,14 +65,17 @@ def weight_bytes(config: EngineConfig) -> int:
 
 
 def expert_bytes(config: EngineConfig) -> tuple[int, int, float]:
-    """A mixture-of-experts model's (sparse layers, experts per layer, bytes of one expert on one
-    rank: gate, up and down); (0, 0, 0) for a dense model."""
+    """A mixture-of-experts model's (sparse layers, experts per layer on one rank, bytes of one
+    expert on one rank: gate, up and down); (0, 0, 0) for a dense model. Tensor parallel: every
+    expert, I / N of each; expert parallel: E / N experts, whole."""
     moe = config.model_config.moe
     if moe is None:
         return 0, 0, 0.0
     elem = torch.empty((), dtype=config.torch_dtype).element_size()
-    one = 3 * config.model_config.hidden_size * moe.intermediate_size // config.tensor_parallel_size * elem
-    return sum(moe.layers), moe.num_experts, one
+    n = config.tensor_parallel_size
+    if moe.expert_parallel:
+        return sum(moe.layers), moe.num_experts // n, 3 * config.model_config.hidden_size * moe.intermediate_size * elem
+    return sum(moe.layers), moe.num_experts, 3 * config.model_config.hidden_size * moe.intermediate_size // n * elem
 
 
 def workload_lengths(prompt_len: int | None, output_len: int | None, trace: str | None,
@@ -139,12 +142,14 @@ def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu
     # (expected distinct experts under uniform routing), every other weight once
     sparse, experts, one = expert_bytes(cfg)
     top_k = cfg.model_config.moe.top_k if sparse else 0
-    active = weights - sparse * (experts - top_k) * one
+    # a token's share of one rank's experts: top_k of all E (expert parallel: E / N of them here)
+    pick = top_k / cfg.model_config.moe.num_experts if sparse else 0.0
+    active = weights - sparse * experts * (1 - pick) * one
     params = active / torch.empty((), dtype=cfg.torch_dtype).element_size()
     if prefill_tok_s is None and spec is not None:
         prefill_tok_s = PREFILL_EFFICIENCY * spec.matmul_flops / (2 * params)
     if decode_step_ms is None and spec is not None:
-        touched = experts * (1 - (1 - top_k / experts) ** batch) if sparse else 0
+        touched = experts * (1 - (1 - pick) ** batch) if sparse else 0
         step_weights = weights - sparse * (experts - touched) * one
         floor = (step_weights + batch * (mean_p + mean_o / 2) * kv_tok) / spec.copy_bytes_s
         decode_step_ms = DECODE_OVER_FLOOR * floor * 1e3
@@ -169,8 +174,9 @@ def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu
             "sparse_layers": sparse, "experts": experts, "top_k": top_k,
             "params_total": weights / torch.empty((), dtype=cfg.torch_dtype).element_size(),
             "params_activated": params,  # what one token runs: prefill's FLOPs
-            "experts_touched_at_batch": experts * (1 - (1 - top_k / experts) ** batch),  # per layer, uniform routing
-            "decode_weight_bytes_at_batch": weights - sparse * experts * (1 - top_k / experts) ** batch * one,
+            "experts_touched_at_batch": experts * (1 - (1 - pick) ** batch),  # per layer and rank, uniform routing
+            "decode_weight_bytes_at_batch": weights - sparse * experts * (1 - pick) ** batch * one,
+            "expert_parallel": cfg.model_config.moe.expert_parallel,
         },
     }
     if compare_layouts and kv_cache_memory_bytes is None:
@@ -185,19 +191,22 @@ def layouts(model: str, lengths: list[tuple[int, int]], gpu: str | None, gpu_mem
     batch it runs (those, up to max_num_seqs) and `fits`: its weights leave KV room and the room
     holds a full decode batch (max_num_seqs sequences); a size the model cannot split to has
     `error`. The smallest size that fits is `best`. Experts are split by intermediate size under
-    TP (expert parallelism, experts whole across ranks, is not built: not a row)."""
-    rows, args = [], {k: v for k, v in engine_args.items() if k != "tensor_parallel_size"}
-    for tp in TP_SIZES:
-        row = {"tensor_parallel_size": tp}
+    TP, or kept whole with E / N on each rank (`expert_parallel` rows, for a mixture-of-experts
+    model): the same bytes per rank, a different share of them a small decode batch reads."""
+    fixed = ("tensor_parallel_size", "enable_expert_parallel")  # what the rows vary
+    rows, args = [], {k: v for k, v in engine_args.items() if k not in fixed}
+    sparse = EngineConfig(model=model, device="cpu").resolve_model(model).model_config.moe is not None
+    for tp, ep in [(tp, False) for tp in TP_SIZES] + ([(tp, True) for tp in TP_SIZES[1:]] if sparse else []):
+        row = {"tensor_parallel_size": tp, "expert_parallel": ep}
         try:
             p = plan(model, lengths, gpu=gpu, gpu_memory_gib=gpu_memory_gib, compare_layouts=False,
-                     tensor_parallel_size=tp, **args)
+                     tensor_parallel_size=tp, enable_expert_parallel=ep, **args)
         except ValueError as e:
             rows.append({**row, "error": str(e).split("\n")[0]})
             continue
         held = p["max_concurrency_paged"]
         rows.append({**row, "weight_bytes_rank": p["weight_bytes_rank"], "kv_tokens": p["kv_tokens"],
-                     "sequences_held": held, "decode_batch": p["decode_batch"],
+                     "sequences_held": held, "decode_batch": p["decode_batch"], "decode_step_ms": p["decode_step_ms"],
                      "fits": p["kv_blocks"] > 0 and held >= p["max_num_seqs"], "best": False})
     best = next((r for r in rows if r.get("fits")), None)
     if best is not None:
@@ -242,11 +251,14 @@ def render(p: dict) -> str:
         text += "\n\nlayouts (one worker on this GPU; full batch: the KV room holds max_num_seqs of these requests)"
         for r in p["layouts"]:
             if "error" in r:
-                text += f"\n  TP={r['tensor_parallel_size']}: not possible ({r['error']})"
+                text += f"\n  {'EP' if r['expert_parallel'] else 'TP'}={r['tensor_parallel_size']}: not possible " \
+                        f"({r['error']})"
                 continue
             verdict = ("fits" + (" (the smallest that does)" if r["best"] else "")) if r["fits"] else \
                 "does not hold a full batch" if r["kv_tokens"] else "no KV room after the weights"
-            text += (f"\n  TP={r['tensor_parallel_size']}: weights {r['weight_bytes_rank'] / gb:.2f} GB per rank, "
+            name = f"{'EP' if r['expert_parallel'] else 'TP'}={r['tensor_parallel_size']}"
+            step = f", step ~{r['decode_step_ms']:.1f} ms" if r["decode_step_ms"] and r["kv_tokens"] else ""
+            text += (f"\n  {name}: weights {r['weight_bytes_rank'] / gb:.2f} GB per rank, "
                      f"KV {r['kv_tokens']} tokens, holds {r['sequences_held']} requests, decode batch "
-                     f"{r['decode_batch']} of {p['max_num_seqs']}: {verdict}")
+                     f"{r['decode_batch']} of {p['max_num_seqs']}{step}: {verdict}")
     return text

@@ -60,6 +60,23 @@ def test_moe_handoff_to_a_tp2_decode_worker_and_local_prefill_equal_colocated(mo
         c.shutdown()
 
 
+def test_a_tp1_prefill_worker_hands_off_to_an_expert_parallel_tp2_decode_worker(model, shared_ray):
+    """The decode worker's two ranks each hold half the experts whole (enable_expert_parallel); the
+    prefill worker (TP=1) holds them all. The KV does not depend on how the experts are laid out:
+    the handoff gives Hugging Face's greedy tokens."""
+    greedy = hf_greedy(model, LONG, 8)
+    c = Cluster.start(model, prefill=1, decode=1, prefill_tp=1, decode_tp=2, max_model_len=256,
+                      enable_expert_parallel=True)
+    try:
+        outs = c.generate(LONG, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == greedy
+        assert all(o.prefill_worker != o.decode_worker for o in outs)
+        for row in c.status():
+            assert row["request_blocks"] == 0 and row["inflight"] == 0, row
+    finally:
+        c.shutdown()
+
+
 def test_a_tp2_prefill_worker_hands_latent_rows_to_a_tp1_decode_worker(model, shared_ray):
     """Latent rows are the same on every rank of a TP prefill worker: a TP=1 decode worker gets them
     (from one of its ranks) and answers with Hugging Face's greedy tokens."""

@@ -329,3 +329,10 @@ def test_tensor_parallel_2_on_gloo_keeps_hf_tokens(model_dir):
         assert llm.engine.runner.kv.shape[2:] == (1, 16, 1, 48)  # the whole latent row on every rank
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert got == hf_greedy(path, PROMPTS, 8)
+    # expert parallel: 4 of the 8 routed experts whole on each rank, the shared experts split as before
+    with LLM(path, dtype="float32", max_model_len=128, tensor_parallel_size=2, enable_expert_parallel=True,
+             kv_cache_memory_bytes=8 << 20) as llm:
+        moe = llm.engine.runner.model.layers[1].mlp
+        assert moe.held == (0, 4) and moe.w_gate_up.shape[0] == 4
+        assert moe.w_down.shape[2] == BASE["moe_intermediate_size"]  # whole experts
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == got

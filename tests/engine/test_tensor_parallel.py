@@ -175,3 +175,49 @@ def test_tp_shards_each_experts_intermediate_rows(tmp_path, default_model_dir, k
     moe_layer = model.layers[0].mlp
     assert torch.equal(moe_layer.w_gate_up[3], torch.cat([gate[half:], up[half:]]))
     assert torch.equal(moe_layer.w_down[3], down[:, half:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_keeps_experts_whole_on_their_rank_and_tp1s_tokens(tmp_path, default_model_dir, kind):
+    """enable_expert_parallel, TP=2 on gloo: rank r holds experts [r x E/2, (r + 1) x E/2) whole
+    and skips the others' assignments; the all-reduce after the combine sums each token's experts
+    across the ranks: TP=1's greedy tokens. Rank 1 loads expert 5 (qwen3_moe) / 3 (mixtral) whole
+    as its own expert 1, and nothing of rank 0's."""
+    from safetensors import safe_open
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16) if kind == "qwen3_moe" \
+        else dict(num_local_experts=4, num_experts_per_tok=2)
+    save_hf(kind, dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=2, **moe),
+            str(tmp_path), default_model_dir)
+    assert _greedy(str(tmp_path), 2, enable_expert_parallel=True) == _greedy(str(tmp_path), 1)
+    cfg = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True).resolve(str(tmp_path))
+    model = load_model(cfg, tp=TPGroup(rank=1, size=2))
+    e = 5 if kind == "qwen3_moe" else 3
+    names = tuple(f"mlp.experts.{e}.{p}_proj" for p in ("gate", "up", "down")) if kind == "qwen3_moe" else \
+        tuple(f"block_sparse_moe.experts.{e}.w{i}" for i in (1, 3, 2))
+    with safe_open(os.path.join(str(tmp_path), "model.safetensors"), framework="pt") as f:
+        gate, up, down = (f.get_tensor(f"model.layers.0.{n}.weight") for n in names)
+    layer = model.layers[0].mlp
+    count = 4 if kind == "qwen3_moe" else 2
+    assert layer.held == (count, count) and layer.w_gate_up.shape[0] == count
+    assert torch.equal(layer.w_gate_up[1], torch.cat([gate, up])) and torch.equal(layer.w_down[1], down)
+
+
+def test_expert_parallel_is_refused_where_it_cannot_split(tmp_path, default_model_dir, tiny_models):
+    save_hf("qwen3_moe", dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                              num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+            str(tmp_path), default_model_dir)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide the model's 6 experts"):
+        EngineConfig(model=str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=True).resolve(str(tmp_path))
+    one = EngineConfig(model=str(tmp_path), enable_expert_parallel=True).resolve(str(tmp_path)).model_config.moe
+    assert not one.expert_parallel  # one rank holds every expert: nothing to split
+    with pytest.raises(ValueError, match="has no experts"):
+        EngineConfig(model=tiny_models["llama"], tensor_parallel_size=2,
+                     enable_expert_parallel=True).resolve(tiny_models["llama"])
+    moe = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True).resolve(
+        str(tmp_path)).model_config.moe
+    assert moe.expert_parallel and moe.num_experts == 6  # the router still sees every expert

@@ -49,6 +49,40 @@ def test_fused_moe_matches_the_reference(T, E, k, H, inter, dtype):
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("T,E,k,ranks", [(1, 8, 2, 2), (37, 16, 4, 4), (300, 8, 4, 2)])  # 1200: placed apart
+def test_each_rank_runs_only_its_experts_and_the_ranks_sum_to_all_of_them(T, E, k, ranks):
+    """Expert parallelism: a rank holds E / N experts whole; ids of the others' (local_ids: the
+    sentinel E / N) are skipped, never computed and read as zero. Each rank's kernel output equals
+    the reference over its experts, and the ranks' outputs sum to every expert's (what the layer's
+    all-reduce does)."""
+    from pdserve.engine.ops.moe_ref import local_ids, moe_ref
+    from pdserve.engine.ops.triton_moe import moe_triton
+
+    g = torch.Generator().manual_seed(T + E)
+    H, inter = 32, 48
+    x = torch.randn(T, H, generator=g).to(DEV)
+    w1 = (torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5).to(DEV)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter ** 0.5).to(DEV)
+    logits = torch.randn(T, E, generator=g).to(DEV)
+    weights, ids = route(logits, k, renormalize=True, out_dtype=torch.float32)
+    whole = fused_moe_ref(x, w1, w2, weights, ids)
+    per, total = E // ranks, torch.zeros_like(whole)
+    for r in range(ranks):
+        held = (r * per, per)
+        local = local_ids(ids, held)
+        assert ((local == per) == ((ids < r * per) | (ids >= (r + 1) * per))).all()
+        mine = slice(r * per, (r + 1) * per)
+        ref = fused_moe_ref(x, w1[mine], w2[mine], weights, local)
+        out = fused_moe_triton(x, w1[mine].contiguous(), w2[mine].contiguous(), weights, local, skip=True)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        from_logits = moe_triton(x, logits, w1[mine].contiguous(), w2[mine].contiguous(), k, True, torch.float32,
+                                 held=held)
+        torch.testing.assert_close(from_logits, moe_ref(x, logits, w1[mine], w2[mine], k, True, torch.float32,
+                                                        held=held), rtol=1e-5, atol=1e-5)
+        total += out
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_moe_refuses_shapes_that_do_not_fit():
     x = torch.randn(3, 32, device=DEV)
     w1, w2 = torch.randn(4, 64, 32, device=DEV), torch.randn(4, 32, 16, device=DEV)  # down's I is not 32
