@@ -103,7 +103,8 @@ def test_a_mixture_of_experts_model_is_sized_by_what_a_token_activates(tmp_path,
     assert moe["decode_weight_bytes_at_batch"] == pytest.approx(weights - 6 * expert)
     text = render(p)  # what `pdserve plan --model DIR` prints for it
     assert "8 per sparse layer (1 layers), 2 per token" in text and "~2.0 of 8 experts per layer at batch 1" in text
-    assert plan(default_model_dir, [(100, 20)], gpu="h200", max_model_len=256)["moe"] is None  # a dense model
+    dense = plan(default_model_dir, [(100, 20)], gpu="h200", max_model_len=256)
+    assert dense["moe"] is None and not any(r["expert_parallel"] for r in dense["layouts"])  # a dense model
 
 
 def test_layouts_name_the_smallest_tensor_parallel_size_that_holds_a_full_decode_batch(tmp_path):
@@ -121,12 +122,15 @@ def test_layouts_name_the_smallest_tensor_parallel_size_that_holds_a_full_decode
            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     p = plan(str(tmp_path), [(4096, 256)], gpu="h100", max_num_seqs=128)
-    rows = {r["tensor_parallel_size"]: r for r in p["layouts"]}
+    rows = {r["tensor_parallel_size"]: r for r in p["layouts"] if not r["expert_parallel"]}
     assert rows[1]["weight_bytes_rank"] == p["weight_bytes_rank"] and rows[1]["sequences_held"] == \
         p["max_concurrency_paged"] < 128 and not rows[1]["fits"]
     assert rows[2]["fits"] and rows[2]["best"] and rows[2]["sequences_held"] >= 128 and rows[2]["decode_batch"] == 128
     assert not rows[4]["best"] and rows[4]["weight_bytes_rank"] < rows[2]["weight_bytes_rank"] < \
         rows[1]["weight_bytes_rank"]
+    ep = {r["tensor_parallel_size"]: r for r in p["layouts"] if r["expert_parallel"]}
+    assert sorted(ep) == [2, 4, 8] and ep[2]["weight_bytes_rank"] == rows[2]["weight_bytes_rank"]  # the same bytes
+    assert "EP=2:" in render(p)
     text = render(p)
     assert "TP=1: weights 61.11 GB per rank" in text and "decode batch 35 of 128: does not hold a full batch" in text
     assert "TP=2:" in text and "fits (the smallest that does)" in text
@@ -135,5 +139,6 @@ def test_layouts_name_the_smallest_tensor_parallel_size_that_holds_a_full_decode
     assert "no KV room after the weights" in render(plan(str(tmp_path), [(4096, 256)], gpu_memory_gib=40))
     cfg["num_attention_heads"] = 12  # 12 heads: TP=8 cannot split them
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    rows = {r["tensor_parallel_size"]: r for r in plan(str(tmp_path), [(4096, 256)], gpu="h200")["layouts"]}
+    rows = {r["tensor_parallel_size"]: r for r in plan(str(tmp_path), [(4096, 256)], gpu="h200")["layouts"]
+            if not r["expert_parallel"]}
     assert "must divide" in rows[8]["error"]
