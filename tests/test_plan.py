@@ -142,4 +142,4 @@ def test_layouts_name_the_smallest_tensor_parallel_size_that_holds_a_full_decode
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     rows = {r["tensor_parallel_size"]: r for r in plan(str(tmp_path), [(4096, 256)], gpu="h200")["layouts"]
             if not r["expert_parallel"]}
-    assert "must divide" in rows[8]["error"]
+    assert "must divide" in rows[8]["why_not"]

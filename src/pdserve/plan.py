@@ -190,7 +190,7 @@ def layouts(model: str, lengths: list[tuple[int, int]], gpu: str | None, gpu_mem
     weights per rank, KV room (tokens per worker), the workload's sequences it holds, the decode
     batch it runs (those, up to max_num_seqs) and `fits`: its weights leave KV room and the room
     holds a full decode batch (max_num_seqs sequences); a size the model cannot split to has
-    `error`. The smallest size that fits is `best`. Experts are split by intermediate size under
+    `why_not`. The smallest size that fits is `best`. Experts are split by intermediate size under
     TP, or kept whole with E / N on each rank (`expert_parallel` rows, for a mixture-of-experts
     model): the same bytes per rank, a different share of them a small decode batch reads."""
     fixed = ("tensor_parallel_size", "enable_expert_parallel")  # what the rows vary
@@ -202,7 +202,7 @@ def layouts(model: str, lengths: list[tuple[int, int]], gpu: str | None, gpu_mem
             p = plan(model, lengths, gpu=gpu, gpu_memory_gib=gpu_memory_gib, compare_layouts=False,
                      tensor_parallel_size=tp, enable_expert_parallel=ep, **args)
         except ValueError as e:
-            rows.append({**row, "error": str(e).split("\n")[0]})
+            rows.append({**row, "why_not": str(e).split("\n")[0]})
             continue
         held = p["max_concurrency_paged"]
         rows.append({**row, "weight_bytes_rank": p["weight_bytes_rank"], "kv_tokens": p["kv_tokens"],
@@ -250,9 +250,9 @@ def render(p: dict) -> str:
     if p.get("layouts"):
         text += "\n\nlayouts (one worker on this GPU; full batch: the KV room holds max_num_seqs of these requests)"
         for r in p["layouts"]:
-            if "error" in r:
+            if "why_not" in r:
                 text += f"\n  {'EP' if r['expert_parallel'] else 'TP'}={r['tensor_parallel_size']}: not possible " \
-                        f"({r['error']})"
+                        f"({r['why_not']})"
                 continue
             verdict = ("fits" + (" (the smallest that does)" if r["best"] else "")) if r["fits"] else \
                 "does not hold a full batch" if r["kv_tokens"] else "no KV room after the weights"
