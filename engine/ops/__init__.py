@@ -12,6 +12,7 @@ Triton is imported lazily so that a CPU install without it still works.
     triton_moe         the fused mixture-of-experts kernel
     block_copy         blocks by id from one slab into another (the same-node handoff's pull)
     oneshot_allreduce  the TP all-reduce over buffers every rank maps
+    compile_watch      kernel variants compiled while serving, counted and named
     attention_ref, mla_ref, moe_ref   the torch references
 """
 
