@@ -60,13 +60,11 @@ def test_moe_handoff_to_a_tp2_decode_worker_and_local_prefill_equal_colocated(mo
         c.shutdown()
 
 
-def test_a_tp1_prefill_worker_hands_off_to_an_expert_parallel_tp2_decode_worker(model, shared_ray):
-    """The decode worker's two ranks each hold half the experts whole (enable_expert_parallel); the
-    prefill worker (TP=1) holds them all. The KV does not depend on how the experts are laid out:
-    the handoff gives Hugging Face's greedy tokens."""
+def handed_off_tokens_equal_hf(model: str, **cluster_kw) -> None:
+    """LONG through a prefill and a decode worker of `cluster_kw`'s layouts: HF's greedy tokens,
+    every request handed off, no block or request left on a worker."""
     greedy = hf_greedy(model, LONG, 8)
-    c = Cluster.start(model, prefill=1, decode=1, prefill_tp=1, decode_tp=2, max_model_len=256,
-                      enable_expert_parallel=True)
+    c = Cluster.start(model, prefill=1, decode=1, max_model_len=256, **cluster_kw)
     try:
         outs = c.generate(LONG, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == greedy
@@ -75,6 +73,13 @@ def test_a_tp1_prefill_worker_hands_off_to_an_expert_parallel_tp2_decode_worker(
             assert row["request_blocks"] == 0 and row["inflight"] == 0, row
     finally:
         c.shutdown()
+
+
+def test_a_tp1_prefill_worker_hands_off_to_an_expert_parallel_tp2_decode_worker(model, shared_ray):
+    """The decode worker's two ranks each hold half the experts whole (enable_expert_parallel); the
+    prefill worker (TP=1) holds them all. The KV does not depend on how the experts are laid out:
+    the handoff gives Hugging Face's greedy tokens."""
+    handed_off_tokens_equal_hf(model, prefill_tp=1, decode_tp=2, enable_expert_parallel=True)
 
 
 def test_a_tp2_prefill_worker_hands_latent_rows_to_a_tp1_decode_worker(model, shared_ray):
@@ -82,13 +87,4 @@ def test_a_tp2_prefill_worker_hands_latent_rows_to_a_tp1_decode_worker(model, sh
     (from one of its ranks) and answers with Hugging Face's greedy tokens."""
     if "deepseek" not in model:
         pytest.skip("the latent cache (GQA heads are split across ranks: test_tensor_parallel_cluster.py)")
-    greedy = hf_greedy(model, LONG, 8)
-    c = Cluster.start(model, prefill=1, decode=1, prefill_tp=2, decode_tp=1, max_model_len=256)
-    try:
-        outs = c.generate(LONG, GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == greedy
-        assert all(o.prefill_worker != o.decode_worker for o in outs)
-        for row in c.status():
-            assert row["request_blocks"] == 0 and row["inflight"] == 0, row
-    finally:
-        c.shutdown()
+    handed_off_tokens_equal_hf(model, prefill_tp=2, decode_tp=1)

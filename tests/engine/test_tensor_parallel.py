@@ -149,6 +149,15 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(tiny_models):
         llm.close()
 
 
+def save_tiny_moe(kind: str, path: str, tok_dir: str) -> None:
+    """A tiny Qwen3-MoE (8 experts of 32) or Mixtral (4 experts) with HF's classes."""
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16) if kind == "qwen3_moe" \
+        else dict(num_local_experts=4, num_experts_per_tok=2)
+    save_hf(kind, dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=2, **moe), path, tok_dir)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_tp_shards_each_experts_intermediate_rows(tmp_path, default_model_dir, kind):
@@ -157,12 +166,7 @@ def test_tp_shards_each_experts_intermediate_rows(tmp_path, default_model_dir, k
     exactly its rows of expert 3."""
     from safetensors import safe_open
 
-    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16) if kind == "qwen3_moe" \
-        else dict(num_local_experts=4, num_experts_per_tok=2)
-    save_hf(kind, dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=2, **moe),
-            str(tmp_path), default_model_dir)
+    save_tiny_moe(kind, str(tmp_path), default_model_dir)
     assert _greedy(str(tmp_path), 2) == _greedy(str(tmp_path), 1)
     cfg = EngineConfig(model=str(tmp_path), tensor_parallel_size=2).resolve(str(tmp_path))
     model = load_model(cfg, tp=TPGroup(rank=1, size=2))
@@ -186,12 +190,7 @@ def test_expert_parallel_keeps_experts_whole_on_their_rank_and_tp1s_tokens(tmp_p
     as its own expert 1, and nothing of rank 0's."""
     from safetensors import safe_open
 
-    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16) if kind == "qwen3_moe" \
-        else dict(num_local_experts=4, num_experts_per_tok=2)
-    save_hf(kind, dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=2, **moe),
-            str(tmp_path), default_model_dir)
+    save_tiny_moe(kind, str(tmp_path), default_model_dir)
     assert _greedy(str(tmp_path), 2, enable_expert_parallel=True) == _greedy(str(tmp_path), 1)
     cfg = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True).resolve(str(tmp_path))
     model = load_model(cfg, tp=TPGroup(rank=1, size=2))
