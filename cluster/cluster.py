@@ -359,6 +359,8 @@ class Cluster:
                 self._monitor.cancel()
             self._run(stop_all(), 60)
         finally:
+            for w in list(self.pools.leaving.values()):  # removals still under way (a drain, a switch)
+                self.pools.kill(w)
             self.registry.kill()
             self._aloop.call_soon_threadsafe(self.pipe.close)
             self._aloop.call_soon_threadsafe(self._aloop.stop)

@@ -59,6 +59,7 @@ class Pools(PoolMonitor):
         self.actor_options = actor_options
         self.namespace, self.registry, self.start_timeout = namespace, registry, start_timeout
         self.workers: dict[str, WorkerRecord] = {}
+        self.leaving: dict[str, WorkerRecord] = {}  # out of placement, not yet killed (remove() runs)
         self.targets = {"prefill": 0, "decode": 0}
         self._ids = itertools.count()
         self._persist_slots: set[str] = set()  # kv_persist_dir subfolders of live workers
@@ -202,7 +203,8 @@ class Pools(PoolMonitor):
         t0 = time.monotonic()
         cls = ray.remote(self.worker_cls).options(name=wid, namespace=self.namespace, max_concurrency=1000, **opts)
         actor = cls.remote(wid, role, spec, self.namespace, ranks=ranks, bind_host=self.bind_host,
-                           handoff=self.serving.handoff, output_pipe=self.output_pipe)
+                           handoff=self.serving.handoff, output_pipe=self.output_pipe,
+                           cluster_id=self.registry.cluster_id)
         try:
             info = await within(actor.start.remote(), self.start_timeout)
         except (asyncio.TimeoutError, RayError) as e:
@@ -254,6 +256,20 @@ class Pools(PoolMonitor):
         await self._wait_drained(w)
         await self.remove(w, graceful=True)
 
+    def kill(self, w: WorkerRecord) -> None:
+        """Kills the worker's actor now (no stop), and its shard actors with its placement group."""
+        if self.leaving.pop(w.worker_id, None) is None:
+            return  # killed already
+        try:
+            ray.kill(w.actor)
+        except Exception:  # noqa: BLE001
+            pass
+        if w.placement_group is not None:
+            try:
+                remove_placement_group(w.placement_group)
+            except Exception:  # noqa: BLE001 - removed already
+                pass
+
     @staticmethod
     async def _wait_drained(w: WorkerRecord, timeout: float = 300) -> None:
         """Until the worker holds no request (or is gone, or `timeout` passed)."""
@@ -268,7 +284,11 @@ class Pools(PoolMonitor):
             await asyncio.sleep(0.2)
 
     async def remove(self, w: WorkerRecord, graceful: bool) -> None:
+        """Out of placement at once; then (graceful) its stop, its kill, its placement group and
+        its registration go. Until the kill it stays in `leaving`, which shutdown kills outright:
+        a removal cut short by the cluster going down leaves no actor behind."""
         self.workers.pop(w.worker_id, None)
+        self.leaving[w.worker_id] = w
         if graceful:
             try:
                 await within(w.actor.stop.remote(), 15)
@@ -276,12 +296,7 @@ class Pools(PoolMonitor):
                 pass
         for other in self.workers.values():  # peers drop their pair groups with it
             other.actor.forget_peer.remote(w.worker_id)
-        try:
-            ray.kill(w.actor)
-        except Exception:  # noqa: BLE001
-            pass
-        if w.placement_group is not None:  # its shard actors go with it
-            remove_placement_group(w.placement_group)
+        self.kill(w)
         await self.registry.unregister(w.worker_id)
         # stopped: a replacement takes its tier over
         self._persist_slots.discard(w.info.persist_slot if w.info else None)

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -76,8 +77,11 @@ class Member:
 
 @ray.remote(num_cpus=0)
 class BlockRegistry:
-    def __init__(self, stale_s: float = 5.0):
-        self.stale_s = stale_s
+    """`cluster_id`: the cluster it serves; a worker of another cluster (an actor that outlived
+    its own cluster, finding this registry by its name) is refused membership."""
+
+    def __init__(self, stale_s: float = 5.0, cluster_id: str = ""):
+        self.stale_s, self.cluster_id = stale_s, cluster_id
         self.workers: dict[str, Member] = {}
         self.blocks: dict[str, set[str]] = {}  # worker -> hashes it holds on its GPU
         self.holders: dict[str, set[str]] = {}  # hash -> workers (GPU)
@@ -88,11 +92,15 @@ class BlockRegistry:
         return os.getpid()
 
     # ---- membership ----------------------------------------------------------------------
-    def register(self, worker_id: str, info: WorkerInfo) -> None:
+    def register(self, worker_id: str, info: WorkerInfo, cluster_id: str = "") -> bool:
+        """False (and nothing recorded) for a worker of another cluster."""
+        if cluster_id != self.cluster_id:
+            return False
         old = self.workers.get(worker_id)
         if old is not None and old.info.epoch != info.epoch:  # a restarted worker: its blocks are gone
             self._forget_blocks(worker_id)
         self.workers[worker_id] = Member(info, time.monotonic())
+        return True
 
     def unregister(self, worker_id: str) -> bool:
         self._forget_blocks(worker_id)
@@ -197,6 +205,7 @@ class RegistryLink:
 
     def __init__(self, namespace: str, call_timeout_s: float = 1.0, frozen_s: float = 10.0):
         self.namespace, self.call_timeout_s, self.frozen_s = namespace, call_timeout_s, frozen_s
+        self.cluster_id = uuid.uuid4().hex[:12]  # every incarnation of the registry serves this cluster
         self.actor = None
         self.down_since: float | None = None  # monotonic time of the first failure of this outage
         self.reason: str | None = None
@@ -207,7 +216,8 @@ class RegistryLink:
         self.closed = False
 
     def create(self):
-        self.actor = BlockRegistry.options(name=REGISTRY_NAME, namespace=self.namespace, max_restarts=-1).remote()
+        self.actor = BlockRegistry.options(name=REGISTRY_NAME, namespace=self.namespace,
+                                           max_restarts=-1).remote(cluster_id=self.cluster_id)
         return self.actor
 
     @property
@@ -295,18 +305,23 @@ class Membership:
     A beat sends the worker's stats and the prefix caches' news. A registry that refused the
     last beat (it purged us, or came back empty after a restart) or died under it gets a full
     registration with every cached block instead; one that died for good is looked up again
-    by name (the cluster creates a new one). Nothing here raises into the engine thread."""
+    by name (the cluster creates a new one). A registry that refuses us serves another cluster
+    (ours is gone, and a new one took its namespace): the worker is an orphan and stops announcing
+    itself (`orphaned`), so that the new cluster never places on it. Nothing here raises into the
+    engine thread."""
 
-    def __init__(self, worker_id: str, namespace: str):
-        self.worker_id, self.namespace = worker_id, namespace
+    def __init__(self, worker_id: str, namespace: str, cluster_id: str = ""):
+        self.worker_id, self.namespace, self.cluster_id = worker_id, namespace, cluster_id
         self.actor = ray.get_actor(REGISTRY_NAME, namespace=namespace)
         self._beat = None  # the last beat's reply: False means the registry does not know us
+        self._joined = None  # the last re-registration's reply: False means another cluster's registry
         self._rejoin = False  # the next beat registers again, with every cached block
+        self.orphaned = False
 
     async def join(self, info: WorkerInfo) -> None:
         """Registers now, or (the registry is away) at a beat once it is back."""
         try:
-            await within(self.actor.register.remote(self.worker_id, info), 5)
+            self._orphan_if(await within(self.actor.register.remote(self.worker_id, info, self.cluster_id), 5))
         except (RayError, asyncio.TimeoutError) as e:
             log.warning("%s: the registry is away (%s): joining at a later heartbeat", self.worker_id,
                         type(e).__name__)
@@ -314,7 +329,13 @@ class Membership:
 
     def beat(self, info, stats: WorkerStats, news: list[BlockEvent], everything) -> None:
         """`info()`: the registration; `everything()`: events announcing every cached block."""
+        if self.orphaned:
+            return
         try:
+            if self._joined is not None and ray.wait([self._joined], timeout=0)[0]:
+                joined, self._joined = self._joined, None
+                if self._orphan_if(ray.get(joined)):
+                    return
             rejoin = self._rejoin
             if self._beat is not None and ray.wait([self._beat], timeout=0)[0]:
                 try:
@@ -323,9 +344,16 @@ class Membership:
                     rejoin = True
                     self.actor = ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
             if rejoin:
-                self.actor.register.remote(self.worker_id, info())
+                self._joined = self.actor.register.remote(self.worker_id, info(), self.cluster_id)
                 news = everything()
             self._beat = self.actor.heartbeat.remote(self.worker_id, stats, news)
             self._rejoin = False
         except Exception:  # noqa: BLE001 - the registry restarting must not stop the engine
             self._beat, self._rejoin = None, True
+
+    def _orphan_if(self, refused_or_joined: bool) -> bool:
+        if refused_or_joined is False:
+            self.orphaned = True
+            log.error("%s: the registry in namespace %r serves another cluster (this worker's cluster is gone): "
+                      "it stops announcing itself", self.worker_id, self.namespace)
+        return self.orphaned

@@ -66,12 +66,13 @@ log = logging.getLogger(__name__)
 class WorkerActor(EngineLoop):
     def __init__(self, worker_id: str, role: str, spec: EngineConfig, namespace: str,
                  heartbeat_s: float = 1.0, handoff: HandoffConfig | None = None, ranks: RankPlacement | None = None,
-                 bind_host: str | None = None, output_pipe: PipeAddress | None = None):
+                 bind_host: str | None = None, output_pipe: PipeAddress | None = None, cluster_id: str = ""):
         """`spec`: its engine's, resolved where the cluster started (EngineSpecs; not parsed again).
         `bind_host`: where its KV store listens and peers reach it (default: the node's address).
         `handoff`: its KV handoffs' timeout and links. `output_pipe`: the router's OutputPipe address
-        if any. A worker of tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as shard
-        actors where `ranks` says (bundles 1..N-1 of its placement group; shard_actor.py)."""
+        if any. `cluster_id`: the cluster that started it (its registry refuses another's workers). A
+        worker of tensor_parallel_size N > 1 is rank 0 of N: it starts ranks 1..N-1 as shard actors
+        where `ranks` says (bundles 1..N-1 of its placement group; shard_actor.py)."""
         see_node_gpus()  # before CUDA starts: its GPU is cuda:0, its node's others visible after it
         import torch
         if role not in ROLE_CLASSES:
@@ -102,7 +103,7 @@ class WorkerActor(EngineLoop):
         self.handoff_timeout_s = handoff.timeout_s
         self.fetches = PeerFetches(self.engine, self.connector)  # prefixes fetched from peers, served to them
         self.role = self._make_role(role)
-        self.membership = Membership(worker_id, namespace)
+        self.membership = Membership(worker_id, namespace, cluster_id)
         self.inbox: collections.deque = collections.deque()
         self.wake = threading.Event()
         self.stopped = False

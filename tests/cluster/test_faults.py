@@ -472,3 +472,51 @@ def test_the_persisted_tier_is_saved_idle_on_its_interval_with_only_its_used_blo
         assert c.generate([prompt], GREEDY)[0].num_cached_tokens == 96
     finally:
         c.shutdown()
+
+
+def slow_stop():
+    """A real worker whose graceful stop takes 60 s: the window in which a removal (a drain's)
+    is under way when the cluster shuts down."""
+
+    class SlowStop(WorkerActor):
+        async def stop(self):
+            await asyncio.sleep(60)
+            await super().stop()
+
+    return SlowStop
+
+
+def test_a_removal_cut_short_by_shutdown_leaves_no_actor_and_a_stray_worker_joins_no_other_cluster(tiny_models):
+    from pdserve.cluster.registry import REGISTRY_NAME, Membership
+
+    c = Cluster.start(tiny_models["llama"], prefill=1, decode=2, max_model_len=256, worker_cls=slow_stop())
+    try:
+        threading.Thread(target=lambda: c.scale(decode=1, timeout=30), daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not c.pools.leaving and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (leaving,) = list(c.pools.leaving)  # out of placement, its stop under way
+        old_cluster = c.registry.cluster_id
+    finally:
+        c.shutdown()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(leaving, namespace="pdserve")
+        except ValueError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"{leaving} outlived its cluster's shutdown")
+
+    # a worker that outlived its cluster anyway finds the next cluster's registry by name: refused
+    c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, max_model_len=256)
+    try:
+        assert ray.get_actor(REGISTRY_NAME, namespace="pdserve") is not None
+        stray = Membership("stray-worker", "pdserve", old_cluster)
+        asyncio.run(stray.join(c.pools.workers[next(iter(c.pools.workers))].info))
+        assert stray.orphaned
+        assert "stray-worker" not in {w.worker_id for w in c.registry_workers()}
+        assert len(c.registry_workers()) == 2
+    finally:
+        c.shutdown()
