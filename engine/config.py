@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .architectures import KVCacheSpec, MLAConfig, MoEConfig, architecture_of
-from .base.kv_window import KVWindow, check_window
+from .base.kv_window import KVWindow, settle_window
 from .base.speculative import SpeculativeConfig
 from .base.tp import check_tp
 from .ops.kv_quant import check_head_dim
@@ -210,10 +210,12 @@ class EngineConfig:
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
     # "prompt_lookup_min": n} (spec/decode.py); None: off
     speculative_config: dict | None = None
-    # StreamingLLM's eviction for long sessions (engine/base/kv_window.py): each request keeps its first
-    # kv_sink_tokens (whole blocks) and its last kv_window_tokens; None: off
+    # eviction for long sessions (engine/base/kv_window.py): each request keeps its first kv_sink_tokens
+    # (whole blocks) and kv_window_tokens more; None: off. kv_evict: which ones: "window", the last
+    # (StreamingLLM); "h2o", the last half and the blocks that drew the most attention (heavy hitters)
     kv_sink_tokens: int = 0
     kv_window_tokens: int | None = None
+    kv_evict: str = "window"
     # how mixed steps run attention on CUDA (benchmarks compare the variants through it)
     attention_tuning: AttentionTuning = field(default_factory=AttentionTuning)
     # resolved by resolve()
@@ -259,9 +261,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        check_window(self)
-        if self.kv_window_tokens is not None:  # a block's keys move with the window: never shared
-            self.enable_prefix_caching = self.async_scheduling = False
+        settle_window(self)
 
     def _check_tiers(self, tp: int) -> None:
         off = self.kv_offloading_size

@@ -1,4 +1,4 @@
-"""Sink + window eviction for long sessions (StreamingLLM): `kv_sink_tokens`, `kv_window_tokens`.
+"""Eviction for long sessions: `kv_sink_tokens`, `kv_window_tokens`, `kv_evict`.
 
 A request keeps its first blocks (the attention sinks: `kv_sink_tokens` rounded up to whole
 blocks) and at least its last `kv_window_tokens` tokens; the blocks between them are freed as
@@ -21,6 +21,16 @@ Why `chunk` (a quarter of the window): each rotation rounds the keys again in bf
 a quarter window at a time bounds a key's rotations to about four and the cache to
 sinks + window + chunk + one step's tokens.
 
+Heavy hitters (`kv_evict="h2o"`, H2O; docs/design/h2o.md): the same budget, the same trigger and
+the same count of blocks dropped, but which ones differs. The last half of the window (whole
+blocks, `recent`) always stays; the blocks dropped are the n with the least accumulated
+attention (`Request.kv_scores`: per block, the softmax mass every query of every layer and head
+put on its tokens, which the attention adds up as it runs: models/attention.py) among the whole
+blocks between the sinks and that recent half. Dropping a middle block moves every later block
+forward: each later run of blocks is rotated by the tokens dropped before it (one KVShift per
+distance). A block is the unit: its 16 positions stay one run (prefix hashes, handoffs, tiers
+and the block copy rely on it), so a block with one heavy token stays whole.
+
 The window needs exclusive blocks and unquantized keys: prefix caching, the host tier and the
 quantized KV dtypes are refused with it, and it runs without overlapped scheduling,
 speculative decoding or tensor parallelism. A prefill/decode handoff carries a request's
@@ -38,6 +48,7 @@ if TYPE_CHECKING:
     from ..config import EngineConfig
     from ..core.kv_cache_manager import KVCacheManager
     from ..core.request import Request
+    from ..core.scheduler import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -48,14 +59,32 @@ class KVShift:
     distance: int
 
 
+def settle_window(config: EngineConfig) -> None:
+    """Bad values name the setting (ValueError); a window turns off what it cannot run with: prefix
+    caching and overlapped scheduling (a block's keys move with it: never shared), and for heavy
+    hitters the CUDA graphs (the attention's score buffer is a per-step tensor)."""
+    check_window(config)
+    if config.kv_window_tokens is not None:
+        config.enable_prefix_caching = config.async_scheduling = False
+        config.enforce_eager = config.enforce_eager or config.kv_evict == "h2o"
+
+
 def check_window(config: EngineConfig) -> None:
     """Bad values name the setting (ValueError)."""
     sink, window, bs = config.kv_sink_tokens, config.kv_window_tokens, config.block_size
+    if config.kv_evict not in ("window", "h2o"):
+        raise ValueError(f"kv_evict must be window or h2o, got {config.kv_evict!r}")
+    if config.kv_evict == "h2o" and window is not None and window < 2 * bs:
+        raise ValueError(f"kv_window_tokens must be >= 2 blocks ({2 * bs}) with kv_evict h2o: half stays the "
+                         f"recent window, half the heavy hitters; got {window}")
     if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
         raise ValueError(f"kv_sink_tokens must be an integer >= 0, got {sink!r}")
     if window is None:
         if sink:
             raise ValueError("kv_sink_tokens keeps the first tokens of a window: set kv_window_tokens too")
+        if config.kv_evict != "window":
+            raise ValueError(f"kv_evict {config.kv_evict!r} chooses what a budget keeps: set kv_window_tokens "
+                             "(the budget) too")
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < bs:
         raise ValueError(f"kv_window_tokens must be an integer >= the block size ({bs}): the window is kept "
@@ -83,14 +112,20 @@ class KVWindow:
     sink_blocks: int
     window: int  # tokens kept at least
     chunk: int  # blocks evicted at a time, at least
+    recent: int | None = None  # heavy hitters (h2o): the last tokens always kept (whole blocks); None: window
 
     @classmethod
     def of(cls, config: EngineConfig) -> KVWindow | None:
         if config.kv_window_tokens is None:
             return None
-        bs = config.block_size
-        return cls(bs, -(-config.kv_sink_tokens // bs), config.kv_window_tokens,
-                   max(1, config.kv_window_tokens // 4 // bs))
+        bs, window = config.block_size, config.kv_window_tokens
+        recent = window // 2 // bs * bs if config.kv_evict == "h2o" else None
+        return cls(bs, -(-config.kv_sink_tokens // bs), window, max(1, window // 4 // bs), recent)
+
+    @property
+    def scores(self) -> bool:
+        """Whether eviction reads the attention's scores (heavy hitters)."""
+        return self.recent is not None
 
     @property
     def max_cache_tokens(self) -> int:
@@ -98,19 +133,32 @@ class KVWindow:
         the partial block at the window's start."""
         return (self.sink_blocks + self.chunk + 1) * self.block_size + self.window
 
-    def trim(self, kv: KVCacheManager, req: Request) -> KVShift | None:
-        bs = self.block_size
+    def trim(self, kv: KVCacheManager, req: Request) -> list[KVShift]:
+        """Frees the blocks a request is over its budget by (a chunk at least; nothing below), and
+        returns the rotations its later computed blocks need."""
+        bs, s = self.block_size, self.sink_blocks
         cached = req.num_computed_tokens - req.kv_shift
-        n = (cached - self.window) // bs - self.sink_blocks
+        n = (cached - self.window) // bs - s
         if n < self.chunk:
-            return None
+            return []
         blocks = kv.req_blocks[req.request_id]
-        s = self.sink_blocks
-        kv.pool.free(reversed(blocks[s:s + n]))
-        kv.req_blocks[req.request_id] = blocks = blocks[:s] + blocks[s + n:]
+        if self.recent is None:  # the oldest after the sinks
+            drop = list(range(s, s + n))
+        else:  # the least attended between the sinks and the recent half
+            scores = req.kv_scores + [0.0] * (len(blocks) - len(req.kv_scores))
+            drop = sorted(sorted(range(s, (cached - self.recent) // bs), key=lambda j: scores[j])[:n])
+        gone = set(drop)
+        if self.recent is not None:
+            req.kv_scores = [x for j, x in enumerate(scores) if j not in gone]
+        kv.pool.free(reversed([blocks[j] for j in drop]))
+        computed = -(-cached // bs)  # blocks holding computed keys (the last may be partial)
+        shifts: dict[int, list[int]] = {}
+        for j in range(drop[0] + 1, computed):  # each later kept block moves by the tokens dropped before it
+            if j not in gone:
+                shifts.setdefault(bs * sum(d < j for d in drop), []).append(blocks[j].block_id)
+        kv.req_blocks[req.request_id] = [b for j, b in enumerate(blocks) if j not in gone]
         req.kv_shift += n * bs
-        later = blocks[s:-(-(cached - n * bs) // bs)]
-        return KVShift([b.block_id for b in later], n * bs) if later else None
+        return [KVShift(ids, d) for d, ids in shifts.items()]
 
 
 def rotate_keys(kv_views: list, rotary, shifts: list[KVShift]) -> None:
@@ -124,3 +172,13 @@ def rotate_keys(kv_views: list, rotary, shifts: list[KVShift]) -> None:
             half = k.shape[-1] // 2
             k_half = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
             k_cache[ids] = (k * cos - k_half * sin).to(k_cache.dtype)
+
+
+def add_scores(batch: list[ScheduledRequest], scores: torch.Tensor) -> None:
+    """Adds a step's attention mass per block ([sequences, max_blocks], the batch's order) to each
+    request's `kv_scores` (one host copy for the batch)."""
+    rows = scores.tolist()
+    for s, row in zip(batch, rows):
+        n, req = len(s.block_ids), s.request
+        mine = req.kv_scores + [0.0] * (n - len(req.kv_scores))
+        req.kv_scores = [a + b for a, b in zip(mine, row[:n])]

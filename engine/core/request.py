@@ -63,6 +63,9 @@ class Request:
     # tokens evicted between the sinks and the window (kv_window.py): a computed token's cache
     # position is its sequence index minus this (after the sinks)
     kv_shift: int = 0
+    # heavy-hitter eviction (kv_window.py, kv_evict "h2o"): per block of the request's list, the attention
+    # mass its tokens received so far (every layer, head and query), added after each step
+    kv_scores: list[float] = field(default_factory=list)
     # prompt tokens found in the prefix cache when last admitted
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -213,8 +213,8 @@ class Scheduler:
                 budget -= used
                 i += 1
                 continue
-            if self.window is not None and (shift := self.window.trim(self.kv, req)) is not None:
-                out.kv_shifts.append(shift)
+            if self.window is not None:
+                out.kv_shifts.extend(self.window.trim(self.kv, req))
             while True:
                 blocks = self.kv.allocate_slots(req, num_new)
                 if blocks is not None:
@@ -290,6 +290,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = req.kv_shift = 0
+        req.kv_scores = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..base.host_to_device import to_device
-from ..base.kv_window import rotate_keys
+from ..base.kv_window import KVWindow, add_scores, rotate_keys
 from ..base.tp import TPGroup
 from ..config import EngineConfig
 from ..core.request import PENDING, Request
@@ -63,7 +63,9 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         t0 = time.perf_counter()
         self.model = load_model(config, load_format, self.tp)
-        self.planner = AttentionPlanner.of_model(self.model, config.attention_tuning, config.use_triton)
+        self.planner = AttentionPlanner.of_model(self.model, config.attention_tuning, config.use_triton,
+                                                 scoring=KVWindow.of(config) is not None and KVWindow.of(config).scores)
+        self.step_scores: torch.Tensor | None = None  # the last forward's attention mass per block (scoring)
         self.startup = {"load_s": time.perf_counter() - t0}  # what each part of the start took (seconds)
         # every rank holds the same block ids: the count the fullest GPU allows
         graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
@@ -213,6 +215,7 @@ class ModelRunner:
                 return logits
             return logits[to_device(inp.sample_rows, logits.device)] if len(inp.sample_rows) else None
         meta = AttentionMetadata.build(inp.slots, inp.tables, inp.seq_lens, inp.query_lens, self.device, self.planner)
+        self.step_scores = meta.scores
         if inp.path == StepPath.PIECES:
             hidden = self.graphs.run_pieces(inp, meta, patch)
         else:
@@ -285,6 +288,8 @@ class ModelRunner:
         batch, inp = self._prepare(step)
         self.tp.send(inp)  # the shards run the same forward (tensor parallel; no-op alone)
         logits = self.forward(inp)
+        if self.step_scores is not None:
+            add_scores(batch, self.step_scores)
         samplers = [s for s in batch if s.samples]
         if isinstance(inp, FlatBatch) and len(inp.prompt_rows):
             n = len(inp.sample_rows)

@@ -46,19 +46,23 @@ class AttentionPlanner:
     whether the Triton kernels run, the query heads per key head (the paged-prefill tiles'
     group), whether a layer has a sliding window (it takes the paged kernel for a fresh prompt
     too), whether any layer launches the paged-prefill kernel (MLA's layers do not) and the
-    config's AttentionTuning. The default plans the torch reference for every row."""
+    config's AttentionTuning. `scoring` (heavy-hitter eviction, base/kv_window.py): every step also
+    sums each block's attention mass; a step of decodes only runs the paged-decode kernel, which
+    sums it from its own softmax, and any other step the torch reference, which does too. The
+    default plans the torch reference for every row."""
 
     kernels: bool = False
     group: int = 1
     windowed: bool = False
     prefill_tiles: bool = True
     tuning: AttentionTuning = AttentionTuning()
+    scoring: bool = False
 
     @classmethod
-    def of_model(cls, model, tuning: AttentionTuning, kernels: bool) -> AttentionPlanner:
+    def of_model(cls, model, tuning: AttentionTuning, kernels: bool, scoring: bool = False) -> AttentionPlanner:
         paged = [a for a in (model.attention(i) for i in range(model.num_layers)) if isinstance(a, PagedAttention)]
         group = paged[0].num_heads // paged[0].num_kv_heads if paged else 1
-        return cls(kernels, group, any(a.sliding_window is not None for a in paged), bool(paged), tuning)
+        return cls(kernels, group, any(a.sliding_window is not None for a in paged), bool(paged), tuning, scoring)
 
     def plan(self, num_decodes: int, num_seqs: int, query_lens: list[int] | None, seq_lens: list[int] | None,
              device) -> AttentionPlan:
@@ -66,6 +70,8 @@ class AttentionPlanner:
             return AttentionPlan(False)
         if num_decodes == num_seqs:
             return AttentionPlan(True, decode_only=True)
+        if self.scoring:
+            return AttentionPlan(False)
         nd, tuning = num_decodes, self.tuning
         apart = tuning.decodes_apart
         if apart is None:
@@ -97,6 +103,8 @@ class AttentionMetadata:
     seq_lens: list[int] | None  # host copies (None: a decode graph's device buffers)
     query_lens: list[int] | None  # new tokens per sequence (None: one each)
     plan: AttentionPlan  # how every layer runs this step
+    # the planner's scoring: [num_seqs, max_blocks] float32, each layer adds the attention mass per block
+    scores: torch.Tensor | None = None
 
     @classmethod
     def build(cls, slots, tables, seq_lens, query_lens: list[int] | None, device=None,
@@ -118,7 +126,9 @@ class AttentionMetadata:
             nd = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         queries = None if query_lens is None else list(query_lens)
         plan = planner.plan(nd, num_seqs, queries, lens_list, device)
-        return cls(put(slots, np.int64), put(tables, np.int32), put(seq_lens, np.int32), nd, lens_list, queries, plan)
+        scores = torch.zeros(tables.shape, dtype=torch.float32, device=device) if planner.scoring else None
+        return cls(put(slots, np.int64), put(tables, np.int32), put(seq_lens, np.int32), nd, lens_list, queries, plan,
+                   scores)
 
     @property
     def num_seqs(self) -> int:
@@ -189,7 +199,7 @@ class PagedAttention:
         plan = meta.plan
         if plan.decode_only:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
-                                self.scale, self.sliding_window, out=out)
+                                self.scale, self.sliding_window, out=out, scores=meta.scores)
         out = torch.empty_like(q) if out is None else out
         seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.seq_lens_t.tolist()  # CPU layouts
         query_lens = meta.query_lens if meta.query_lens is not None else [1] * meta.num_seqs
@@ -202,5 +212,6 @@ class PagedAttention:
                           self.sliding_window, out=out[nd:])
             return out
         out[nd:] = paged_attention_ref(q[nd:], k_cache, v_cache, meta.block_tables[nd:], seq_lens[nd:],
-                                       query_lens[nd:], self.scale, self.sliding_window)
+                                       query_lens[nd:], self.scale, self.sliding_window,
+                                       None if meta.scores is None else meta.scores[nd:])
         return out

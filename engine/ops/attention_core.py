@@ -79,15 +79,20 @@ def kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, offs_n, in_seq, valid, kvh,
 
 
 @triton.jit
+def qk_dot(q, k, IEEE: tl.constexpr):
+    """q k^T of a tile (K transposed, as kv_tile gives it), unscaled, fp32."""
+    if IEEE:
+        return tl.dot(q, k, input_precision="ieee")
+    return tl.dot(q, k)
+
+
+@triton.jit
 def attend(q, k, v, ks, vs, seen, acc, m_i, l_i, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr,
            COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
     """One tile of keys (K transposed, as kv_tile gives it) into the rows' online softmax: the
     scores q k^T, then `softmax_tile`."""
-    if IEEE:
-        s = tl.dot(q, k, input_precision="ieee")
-    else:
-        s = tl.dot(q, k)
-    return softmax_tile(s * qk_scale, v, ks, vs, seen, acc, m_i, l_i, MASKED, IEEE, COMPUTE_DTYPE, SCALED)
+    return softmax_tile(qk_dot(q, k, IEEE) * qk_scale, v, ks, vs, seen, acc, m_i, l_i, MASKED, IEEE, COMPUTE_DTYPE,
+                        SCALED)
 
 
 @triton.jit

@@ -50,6 +50,7 @@ def paged_attention_ref(
     query_lens: list[int],  # new tokens of each sequence (its queries are the last ones)
     scale: float,
     sliding_window: int | None = None,
+    scores: torch.Tensor | None = None,  # [num_seqs, max_blocks] float32: each block's attention mass added
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     start = 0
@@ -58,14 +59,12 @@ def paged_attention_ref(
         k = gather_kv(k_cache, block_tables[i], seq_len, q.dtype).transpose(0, 1).unsqueeze(0)
         v = gather_kv(v_cache, block_tables[i], seq_len, q.dtype).transpose(0, 1).unsqueeze(0)
         gqa = q.shape[1] != k.shape[1]
-        if q_len == seq_len and sliding_window is None:
+        if scores is not None:
+            o = _attention_scored(qi, k, v, scale, sliding_window, scores[i], k_cache.shape[1])
+        elif q_len == seq_len and sliding_window is None:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            k_pos = torch.arange(seq_len, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= (q_pos - k_pos) < sliding_window
+            mask = _visible(q_len, seq_len, sliding_window, q.device)
             if gqa:  # an explicit mask with enable_gqa falls back to the math kernel on CUDA
                 # ([H, q, k] scores in memory: seconds for an 8K prompt's later chunks);
                 # repeated K/V heads keep it on the memory-efficient kernel
@@ -75,3 +74,29 @@ def paged_attention_ref(
         out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
         start += q_len
     return out
+
+
+def _visible(q_len: int, seq_len: int, sliding_window: int | None, device) -> torch.Tensor:
+    """[q_len, seq_len]: which keys each of a sequence's last q_len queries sees (causal, windowed)."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos) < sliding_window
+    return mask
+
+
+def _attention_scored(q, k, v, scale: float, sliding_window: int | None, scores: torch.Tensor,
+                      page: int) -> torch.Tensor:
+    """One sequence's attention from its explicit softmax (q [1, H, q, D], k/v [1, KVH, seq, D]),
+    whose probabilities, summed over heads and query rows per block of `page` keys, are added to
+    `scores` (the row's [max_blocks]): one pass, the same probabilities give both."""
+    q_len, seq_len = q.shape[2], k.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1).float(), v.repeat_interleave(rep, dim=1).float()
+    s = (q.float() @ k.transpose(-1, -2)) * scale  # [1, H, q, seq]
+    p = s.masked_fill(~_visible(q_len, seq_len, sliding_window, q.device), float("-inf")).softmax(dim=-1)
+    mass = p.sum(dim=(0, 1, 2))
+    nb = -(-seq_len // page)
+    scores[:nb] += F.pad(mass, (0, nb * page - seq_len)).view(nb, page).sum(dim=1)
+    return (p @ v).to(q.dtype)

@@ -23,7 +23,9 @@ from .attention_core import (
     compute_dtype,
     finish,
     kv_tile,
+    qk_dot,
     sm_count,
+    softmax_tile,
     split_count,
     store_partial,
 )
@@ -36,17 +38,22 @@ from .attention_core import (
 # few sequences to fill the GPU) writes the split's partial. SPLITS is a runtime value,
 # never specialized: eager mixed batches vary it from step to step, and a new constant would
 # compile a new kernel in the middle of serving. SCALED: a quantized cache
-# (engine/ops/kv_quant.py) with a float32 scale per (token, head) row.
-@triton.jit(do_not_specialize=["SPLITS"])
+# (engine/ops/kv_quant.py) with a float32 scale per (token, head) row. SCORES (heavy-hitter
+# eviction, base/kv_window.py): from each tile's scores, every row's log2 of its unnormalized
+# mass per cache block, m + log2(sum 2^(s - m)) with the block's own max m, goes to lm
+# [sequence, kv head, row, table width], and the program's final (max, sum) to the partials'
+# layout (a split's are its partials): `block_mass` turns them into probabilities afterwards.
+@triton.jit(do_not_specialize=["SPLITS", "NB"])
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr,
-    qk_scale, window,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr, lm_ptr,
+    qk_scale, window, NB,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     SPLITS, SPLIT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALED: tl.constexpr, INT4: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -82,8 +89,25 @@ def _paged_decode_kernel(
                                offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                                PAGE, COMPUTE_DTYPE, SCALED, INT4, IEEE)
-        acc, m_i, l_i = attend(q, k, v, ks, vs, valid[None, :], acc, m_i, l_i, qk_scale, True,
-                               IEEE, COMPUTE_DTYPE, SCALED)
+        if SCORES:
+            sc = tl.where(valid[None, :], qk_dot(q, k, IEEE) * qk_scale, float("-inf"))
+            blocks = tl.reshape(sc, (GROUP_PAD, BLOCK_N // PAGE, PAGE))
+            mb = tl.max(blocks, axis=2)
+            mb = tl.where(mb == float("-inf"), 0.0, mb)  # a block this row sees nothing of: -inf below, no NaN
+            total = tl.sum(tl.exp2(blocks - mb[:, :, None]), axis=2)
+            lm = tl.where(total > 0, mb + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+            blk = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+            tl.store(lm_ptr + ((seq * NUM_KV_HEADS + kvh) * GROUP_PAD + offs_g[:, None]) * NB + blk[None, :], lm,
+                     mask=mask_g[:, None] & (blk < NB)[None, :])
+            acc, m_i, l_i = softmax_tile(sc, v, ks, vs, valid[None, :], acc, m_i, l_i, True, IEEE, COMPUTE_DTYPE,
+                                         SCALED)
+        else:
+            acc, m_i, l_i = attend(q, k, v, ks, vs, valid[None, :], acc, m_i, l_i, qk_scale, True,
+                                   IEEE, COMPUTE_DTYPE, SCALED)
+    if SCORES and not SPLIT:  # the final (max, sum) where a split's partials would hold them
+        at = (seq * NUM_KV_HEADS + kvh) * GROUP_PAD + offs_g
+        tl.store(part_ml_ptr + at * 2, m_i, mask=mask_g)
+        tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=mask_g)
     if SPLIT:
         store_partial(part_acc_ptr, part_ml_ptr, seq * NUM_KV_HEADS + kvh, split, SPLITS, offs_g, mask_g, offs_d,
                       acc, m_i, l_i, GROUP_PAD, D_PAD)
@@ -98,13 +122,15 @@ DECODE_SPLITS = dict(per_sm=2, full_at=1)  # split_count's aim for decode launch
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                         sliding_window: int | None = None, out: torch.Tensor | None = None,
-                        splits: int | None = None) -> torch.Tensor:
+                        splits: int | None = None, scores: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence. q [num_seqs, num_heads, head_dim] -> same shape.
 
     splits: pieces each context is cut into (flash-decoding), combined by a second launch;
     None picks by shape (split_count, DECODE_SPLITS), 1 on CPU. A quantized cache's scales are
     applied to the scores (K) and the probabilities (V); an int4 cache's rows are unpacked in
-    the tile loader."""
+    the tile loader. `scores` [num_seqs, >= table width] float32: each block's attention mass
+    (its probabilities summed over the query heads) is added to it, from the kernel's own
+    softmax (unquantized caches)."""
     c = cache_args(k_cache, v_cache)
     B, H, D = q.shape
     _, page, KVH, _ = c.shape
@@ -124,15 +150,34 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     block_n = max(16, min(64, page * 4)) if page <= 64 else page
     d_pad = max(16, triton.next_power_of_2(D))
     part = Partials.empty(B * KVH, splits, group_pad, d_pad, q.device) if splits > 1 else Partials(out, out)
+    nb, lm = block_tables.shape[1], out
+    if scores is not None:
+        if c.scaled or c.int4:
+            raise ValueError("attention scores need an unquantized cache")
+        lm = torch.full((B, KVH, group_pad, nb), float("-inf"), dtype=torch.float32, device=q.device)
+        if splits == 1:  # the final (max, sum) per row, in the partials' layout
+            part = Partials(out, torch.empty(B * KVH * group_pad, 2, dtype=torch.float32, device=q.device))
     _paged_decode_kernel[(B, KVH, splits)](
-        q, c.k, c.v, out, block_tables, seq_lens, part.acc, part.ml, c.ks, c.vs,
-        scale * LOG2E, sliding_window or 0,
+        q, c.k, c.v, out, block_tables, seq_lens, part.acc, part.ml, c.ks, c.vs, lm,
+        scale * LOG2E, sliding_window or 0, nb,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *c.strides(), block_tables.stride(0), *c.sstrides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, SPLIT=splits > 1, NUM_KV_HEADS=KVH,
-        SCALED=c.scaled, INT4=c.int4, num_warps=4,
+        SCALED=c.scaled, INT4=c.int4, SCORES=scores is not None, num_warps=4,
     )
     if splits > 1:
         combine(part, out, B, KVH, splits, group, group_pad, group_pad)
+    if scores is not None:
+        scores[:, :nb] += block_mass(lm, part.ml.view(B, KVH, splits, group_pad, 2), group)
     return out
+
+
+def block_mass(lm: torch.Tensor, ml: torch.Tensor, group: int) -> torch.Tensor:
+    """[sequences, blocks]: each block's probability mass summed over a sequence's query heads,
+    from the decode kernel's per-row log2 masses lm [B, KVH, rows, blocks] and its (max, sum) per
+    row and split ml [B, KVH, splits, rows, 2] (the split combine's arithmetic, base 2)."""
+    m, l_sum = ml[:, :, :, :group, 0], ml[:, :, :, :group, 1]
+    top = m.amax(dim=2)
+    total = (l_sum * torch.exp2(m - top[:, :, None])).sum(dim=2)
+    return (torch.exp2(lm[:, :, :group] - top[..., None]) / total[..., None]).sum(dim=(1, 2))

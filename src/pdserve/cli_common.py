@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cache, so sessions longer than the cache or max_model_len go on (colocated mode)")
     p.add_argument("--kv-sink-tokens", type=int, default=0,
                    help="with --kv-window-tokens: the first tokens every request keeps (whole blocks)")
+    p.add_argument("--kv-evict", choices=("window", "h2o"), default="window",
+                   help="with --kv-window-tokens: which tokens the budget keeps: window (the last) or h2o (the "
+                        "last half and the blocks that drew the most attention)")
     p.add_argument("--speculative-config", type=json_object, default=None,
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights of the config's shape)")
@@ -143,7 +146,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
            "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
            "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config,
            "kv_disk_dir": args.kv_disk_dir, "kv_disk_size": args.kv_disk_size,
-           "kv_window_tokens": args.kv_window_tokens, "kv_sink_tokens": args.kv_sink_tokens}
+           "kv_window_tokens": args.kv_window_tokens, "kv_sink_tokens": args.kv_sink_tokens,
+           "kv_evict": args.kv_evict}
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):  # None: the engine's default
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)

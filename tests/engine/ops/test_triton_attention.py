@@ -244,3 +244,31 @@ def test_int4_store_and_decode_match_reference(D):
     ref = paged_attention_ref(q.double(), ka, va, tables, seq_lens, [1] * len(seq_lens), D ** -0.5)
     for splits in (1, 3):
         assert rel_err(paged_decode_triton(q, ka, va, tables, lens, D ** -0.5, splits=splits), ref) < 1e-4
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_block_scores_equal_the_references_attention_mass(splits):
+    """Heavy-hitter scores (kv_evict h2o): the kernel's per-block attention mass, summed over the
+    query heads, from its own softmax (one split or three, a sliding window too) equals the torch
+    reference's explicit probabilities summed per block; the output is unchanged."""
+    H, KVH, D, page = 8, 2, 32, 16
+    seq_lens = [1, 17, 70, 130]
+    max_blocks = -(-max(seq_lens) // page) + 1  # a column past every sequence: stays zero
+    num_blocks = len(seq_lens) * max_blocks + 2
+    _, kc, vc = make_cache(num_blocks, 2, page, KVH, D, torch.float32)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    perm = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * max_blocks]
+    tables = perm.view(len(seq_lens), max_blocks).to(torch.int32).to(DEV)
+    q = torch.randn(len(seq_lens), H, D, device=DEV)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    for window in (None, 40):
+        got = torch.zeros(len(seq_lens), max_blocks, device=DEV)
+        out = paged_decode_triton(q, kc, vc, tables, lens_t, D ** -0.5, window, splits=splits, scores=got)
+        want = torch.zeros(len(seq_lens), max_blocks, device=DEV)
+        ref = paged_attention_ref(q, kc, vc, tables, seq_lens, [1] * len(seq_lens), D ** -0.5, window, scores=want)
+        assert rel_err(out, ref) < 1e-4
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        assert torch.allclose(got.sum(dim=1), torch.full((len(seq_lens),), float(H), device=DEV), atol=1e-4)
+        assert (got[:, -1] == 0).all()
+        if window is not None:
+            assert (got[3, : (130 - 40) // page] == 0).all()  # blocks wholly outside the window drew nothing
