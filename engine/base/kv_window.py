@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -61,12 +62,10 @@ class KVShift:
 
 def settle_window(config: EngineConfig) -> None:
     """Bad values name the setting (ValueError); a window turns off what it cannot run with: prefix
-    caching and overlapped scheduling (a block's keys move with it: never shared), and for heavy
-    hitters the CUDA graphs (the attention's score buffer is a per-step tensor)."""
+    caching and overlapped scheduling (a block's keys move with it: never shared)."""
     check_window(config)
     if config.kv_window_tokens is not None:
         config.enable_prefix_caching = config.async_scheduling = False
-        config.enforce_eager = config.enforce_eager or config.kv_evict == "h2o"
 
 
 def check_window(config: EngineConfig) -> None:
@@ -144,12 +143,11 @@ class KVWindow:
         blocks = kv.req_blocks[req.request_id]
         if self.recent is None:  # the oldest after the sinks
             drop = list(range(s, s + n))
-        else:  # the least attended between the sinks and the recent half
-            scores = req.kv_scores + [0.0] * (len(blocks) - len(req.kv_scores))
-            drop = sorted(sorted(range(s, (cached - self.recent) // bs), key=lambda j: scores[j])[:n])
+        else:  # the least attended between the sinks and the recent half (ties: the older)
+            scores = np.pad(req.kv_scores, (0, len(blocks) - len(req.kv_scores)))
+            drop = sorted((s + np.argsort(scores[s:(cached - self.recent) // bs], kind="stable")[:n]).tolist())
+            req.kv_scores = np.delete(scores, drop)
         gone = set(drop)
-        if self.recent is not None:
-            req.kv_scores = [x for j, x in enumerate(scores) if j not in gone]
         kv.pool.free(reversed([blocks[j] for j in drop]))
         computed = -(-cached // bs)  # blocks holding computed keys (the last may be partial)
         shifts: dict[int, list[int]] = {}
@@ -177,8 +175,9 @@ def rotate_keys(kv_views: list, rotary, shifts: list[KVShift]) -> None:
 def add_scores(batch: list[ScheduledRequest], scores: torch.Tensor) -> None:
     """Adds a step's attention mass per block ([sequences, max_blocks], the batch's order) to each
     request's `kv_scores` (one host copy for the batch)."""
-    rows = scores.tolist()
+    rows = scores.cpu().numpy()
     for s, row in zip(batch, rows):
         n, req = len(s.block_ids), s.request
-        mine = req.kv_scores + [0.0] * (n - len(req.kv_scores))
-        req.kv_scores = [a + b for a, b in zip(mine, row[:n])]
+        if len(req.kv_scores) < n:
+            req.kv_scores = np.pad(req.kv_scores, (0, n - len(req.kv_scores)))
+        req.kv_scores[:n] += row[:n]

@@ -12,6 +12,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..sampling_params import SamplingParams
 
 # A sampled token still on the device (the overlapped step, overlap.py): the last output token
@@ -64,8 +66,8 @@ class Request:
     # position is its sequence index minus this (after the sinks)
     kv_shift: int = 0
     # heavy-hitter eviction (kv_window.py, kv_evict "h2o"): per block of the request's list, the attention
-    # mass its tokens received so far (every layer, head and query), added after each step
-    kv_scores: list[float] = field(default_factory=list)
+    # mass its tokens received so far (every layer, head and query; float64), added after each step
+    kv_scores: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False)
     # prompt tokens found in the prefix cache when last admitted
     num_cached_tokens: int = 0
     num_preemptions: int = 0

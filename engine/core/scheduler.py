@@ -290,7 +290,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = req.kv_shift = 0
-        req.kv_scores = []
+        req.kv_scores = req.kv_scores[:0]
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

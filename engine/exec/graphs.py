@@ -55,7 +55,8 @@ class StepGraphs:
         self.decode_sizes = decode_sizes(config)
         self.piece_sizes = piece_buckets(piece_tokens(config))
         self.max_piece_tokens = self.piece_sizes[-1]
-        self.decode: dict[int, tuple] = {}  # rows -> (graph, logits)
+        self.decode: dict[int, tuple] = {}  # rows -> (graph, logits, attention mass per block or None)
+        self.scores: torch.Tensor | None = None  # the last decode step's attention mass per block (scoring)
         self.pieces: dict[int, list] = {}  # tokens -> [graph per piece]
         self.decode_seconds: dict[int, float] = {}  # rows -> seconds per replay (core/step_model.py's `graph` feature)
         self._buffers(next(model.parameters()).device)
@@ -99,9 +100,11 @@ class StepGraphs:
         self.res = torch.zeros(p, c.hidden_size, dtype=dtype, device=dev)
         self.hidden = torch.zeros_like(self.res)
 
-    def _decode_step(self, b: int) -> torch.Tensor:
+    def _decode_step(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits of b decode rows over the static buffers, and their attention mass per block
+        where the planner scores (heavy-hitter eviction: zeroed and filled inside the graph)."""
         meta = AttentionMetadata.build(self.slots[:b], self.tables[:b], self.lens[:b], None, planner=self.planner)
-        return self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], self.kv_views, meta))
+        return self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], self.kv_views, meta)), meta.scores
 
     def _piece(self, t: int, i: int) -> None:
         """Piece i over the first t rows of the static buffers: its q and residual written back
@@ -124,8 +127,8 @@ class StepGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._decode_step(b)
-            self.decode[b] = (graph, out)
+                out, scores = self._decode_step(b)
+            self.decode[b] = (graph, out, scores)
         n = self.model.num_layers + 1
         for t in reversed(self.piece_sizes):
             for i in range(n):
@@ -155,7 +158,7 @@ class StepGraphs:
         self.tables[:, :blocks] = torch.arange(blocks, device=self.tables.device, dtype=torch.int32) % self.num_blocks
         self.lens.fill_(ctx)
         out = {}
-        for b, (graph, _) in sorted(self.decode.items()):
+        for b, (graph, *_) in sorted(self.decode.items()):
             graph.replay()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -179,10 +182,11 @@ class StepGraphs:
         if patch is not None:
             patch(self.ids)
         if self.capture:
-            graph, out = self.decode[b]
+            graph, out, scores = self.decode[b]
             graph.replay()
         else:
-            out = self._decode_step(b)
+            out, scores = self._decode_step(b)
+        self.scores = None if scores is None else scores[: inp.num_rows]
         return out[: inp.num_rows]
 
     def run_pieces(self, inp: FlatBatch, meta: AttentionMetadata, patch=None) -> torch.Tensor:

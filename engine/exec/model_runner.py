@@ -129,7 +129,7 @@ class ModelRunner:
         written (slots -1) or sampled. On CUDA also the same-node handoff's block copy (ops/block_copy.py:
         whole blocks, and a head slice as tensor-parallel routes take), block 0 onto itself: its first
         compile otherwise lands on a worker's first handoff."""
-        self.model.attention(0).warm_up(*self.kv_views[0], self.config.torch_dtype)
+        self.model.attention(0).warm_up(*self.kv_views[0], self.config.torch_dtype, self.planner.scoring)
         if self.device.type == "cuda":
             from ..ops.block_copy import copy_blocks
 
@@ -211,6 +211,7 @@ class ModelRunner:
         patch = self._patcher(inp.pending)
         if inp.path == StepPath.DECODE:
             logits = self.graphs.run_decode(inp, patch)
+            self.step_scores = self.graphs.scores
             if len(inp.sample_rows) == inp.num_rows:
                 return logits
             return logits[to_device(inp.sample_rows, logits.device)] if len(inp.sample_rows) else None

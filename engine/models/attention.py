@@ -156,7 +156,7 @@ class PagedAttention:
         else:
             self._store, self._decode, self._prefill = store_kv_ref, None, None
 
-    def warm_up(self, k_cache, v_cache, dtype: torch.dtype) -> None:
+    def warm_up(self, k_cache, v_cache, dtype: torch.dtype, scoring: bool = False) -> None:
         """Compiles, before serving, every kernel variant a step can launch: paged prefill in
         mixed and in prefill tiles, each with and without key splits (and their combine), and
         paged decode with and without, each for block tables whose width has a factor of 16, one
@@ -166,7 +166,8 @@ class PagedAttention:
         of 4; its first such step on a fresh hybrid decode worker waited for that compile).
         Triton compiles a variant on first use, a second or more each, which a first request would
         otherwise wait for (docs/design/graphs.md; ops/compile_watch.py counts what is left).
-        Reads block 0 only and writes nothing to the cache."""
+        `scoring`: the decode kernel's block-score variant too (heavy-hitter eviction). Reads block 0
+        only and writes nothing to the cache."""
         if self._prefill is None:
             return
         from ..ops.triton_prefill import MIXED, PREFILL, PrefillPlan
@@ -184,7 +185,9 @@ class PagedAttention:
             for splits in (1, 2):
                 q = torch.zeros(1, self.num_heads, self.head_dim, dtype=dtype, device=device)
                 lens = torch.full((1,), width * page, dtype=torch.int32, device=device)
-                self._decode(q, k_cache, v_cache, tables, lens, self.scale, self.sliding_window, splits=splits)
+                for scores in ((None, torch.zeros(1, width, device=device)) if scoring else (None,)):
+                    self._decode(q, k_cache, v_cache, tables, lens, self.scale, self.sliding_window, splits=splits,
+                                 scores=scores)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
         """Writes the step's new keys and values to their slots (-1: skip)."""

@@ -53,11 +53,12 @@ class MLAPagedAttention:
         """kv_b_proj's weight by head: [H, nope + v, kv_lora_rank]."""
         return self.kv_b_proj.weight.view(self.num_heads, -1, self.mla.kv_lora_rank)
 
-    def warm_up(self, k_cache, v_cache, dtype: torch.dtype) -> None:
+    def warm_up(self, k_cache, v_cache, dtype: torch.dtype, scoring: bool = False) -> None:
         """Compiles the decode kernel with and without key splits before serving, for block tables
         whose width has a factor of 16, one whose width has not, and tables off a 16-byte boundary
         (a prefill's rows take one sequence's row of the step's tables): the specializations
-        PagedAttention.warm_up covers. Block 0 read, nothing written."""
+        PagedAttention.warm_up covers (no score variant: eviction by scores refuses MLA). Block 0
+        read, nothing written."""
         if self._decode is None:
             return
         device = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache.values).device

@@ -3,10 +3,12 @@ kernels share, so that a decode row gets the same bits whichever kernel a step s
 
     kv_tile      one tile of a sequence's keys and values through its block table (bf16/fp32,
                  int8/fp8 with a scale per row, int4 unpacked)
-    attend       one key tile into the rows' online softmax: the scores q k^T, then softmax_tile
+    attend       one key tile into the rows' online softmax: the scores q k^T (qk_dot), then softmax_tile
     softmax_tile a tile's scores into the online softmax, base 2: fp32 scores scaled by
                  softmax_scale x log2(e) after the dot (q is never rounded with the scale in it);
-                 the MLA kernel's too (triton_mla.py: its scores have a latent and a rope part)
+                 the MLA kernel's too (triton_mla.py: its scores have a latent and a rope part).
+                 Its halves, tile_probs and tile_values, for a kernel that reads p between them
+                 (the decode kernel's block scores)
     store_partial / _combine_kernel
                  key splits (flash-decoding): each split writes its unnormalized (acc, max, sum)
                  per live row; one combine kernel rescales them to the common max (per row for
@@ -103,7 +105,16 @@ def softmax_tile(s, v, ks, vs, seen, acc, m_i, l_i, MASKED: tl.constexpr, IEEE: 
     multiplies a token's column of scores, its V scale `vs` its column of probabilities. MASKED:
     scores where not `seen` drop out (else every row sees every key of the tile). Every kernel's
     softmax: the GQA decode and prefill kernels through `attend`, the MLA kernel with its two-part
-    scores (triton_mla.py)."""
+    scores (triton_mla.py). It is `tile_probs`, then `tile_values`."""
+    p, alpha, m_new, l_i = tile_probs(s, ks, seen, m_i, l_i, MASKED, SCALED)
+    return tile_values(p, v, vs, acc, alpha, IEEE, COMPUTE_DTYPE, SCALED), m_new, l_i
+
+
+@triton.jit
+def tile_probs(s, ks, seen, m_i, l_i, MASKED: tl.constexpr, SCALED: tl.constexpr):
+    """The online softmax's first half: the tile's p = 2^(s - new max) [rows, keys], the factor
+    alpha that rescales what came before, the new max and the new sum. A caller that needs p itself
+    (the decode kernel's block scores) calls this and `tile_values` apart."""
     if SCALED:
         s = s * ks[None, :]
     if MASKED:
@@ -112,14 +123,19 @@ def softmax_tile(s, v, ks, vs, seen, acc, m_i, l_i, MASKED: tl.constexpr, IEEE: 
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def tile_values(p, v, vs, acc, alpha, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SCALED: tl.constexpr):
+    """The online softmax's second half: acc rescaled by alpha, plus p v."""
     if SCALED:
         p = p * vs[None, :]
     if IEEE:
         pv = tl.dot(p.to(COMPUTE_DTYPE), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(COMPUTE_DTYPE), v)
-    return acc * alpha[:, None] + pv, m_new, l_i
+    return acc * alpha[:, None] + pv
 
 
 @triton.jit

@@ -25,9 +25,10 @@ from .attention_core import (
     kv_tile,
     qk_dot,
     sm_count,
-    softmax_tile,
     split_count,
     store_partial,
+    tile_probs,
+    tile_values,
 )
 
 
@@ -39,10 +40,11 @@ from .attention_core import (
 # never specialized: eager mixed batches vary it from step to step, and a new constant would
 # compile a new kernel in the middle of serving. SCALED: a quantized cache
 # (engine/ops/kv_quant.py) with a float32 scale per (token, head) row. SCORES (heavy-hitter
-# eviction, base/kv_window.py): from each tile's scores, every row's log2 of its unnormalized
-# mass per cache block, m + log2(sum 2^(s - m)) with the block's own max m, goes to lm
-# [sequence, kv head, row, table width], and the program's final (max, sum) to the partials'
-# layout (a split's are its partials): `block_mass` turns them into probabilities afterwards.
+# eviction, base/kv_window.py): the softmax's own p of each tile, summed per cache block by one
+# dot with a 0/1 block-membership matrix (BLOCKS_PAD columns), gives every row's log2 of its
+# unnormalized mass per block, m + log2(sum p) with the running max m, into lm [sequence, kv head,
+# row, table width]; the program's final (max, sum) goes to the partials' layout (a split's are its
+# partials), and `_block_mass_kernel` turns them into probabilities after the launch.
 @triton.jit(do_not_specialize=["SPLITS", "NB"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr, lm_ptr,
@@ -53,7 +55,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     SPLITS, SPLIT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALED: tl.constexpr, INT4: tl.constexpr,
-    SCORES: tl.constexpr,
+    SCORES: tl.constexpr, BLOCKS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -89,18 +91,21 @@ def _paged_decode_kernel(
                                offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                                PAGE, COMPUTE_DTYPE, SCALED, INT4, IEEE)
-        if SCORES:
-            sc = tl.where(valid[None, :], qk_dot(q, k, IEEE) * qk_scale, float("-inf"))
-            blocks = tl.reshape(sc, (GROUP_PAD, BLOCK_N // PAGE, PAGE))
-            mb = tl.max(blocks, axis=2)
-            mb = tl.where(mb == float("-inf"), 0.0, mb)  # a block this row sees nothing of: -inf below, no NaN
-            total = tl.sum(tl.exp2(blocks - mb[:, :, None]), axis=2)
-            lm = tl.where(total > 0, mb + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
-            blk = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+        if SCORES:  # p itself, between the softmax's halves: each block's sum of it, by one dot
+            sc = qk_dot(q, k, IEEE) * qk_scale
+            p, alpha, m_i, l_i = tile_probs(sc, ks, valid[None, :], m_i, l_i, True, SCALED)
+            blk = tl.arange(0, BLOCKS_PAD)
+            member = ((tl.arange(0, BLOCK_N) // PAGE)[:, None] == blk[None, :]).to(tl.float32)
+            if IEEE:
+                mass = tl.dot(p, member, input_precision="ieee")
+            else:
+                mass = tl.dot(p, member)
+            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+            lm = tl.where(mass > 0, m_use[:, None] + tl.log2(tl.where(mass > 0, mass, 1.0)), float("-inf"))
+            blk = n0 // PAGE + blk
             tl.store(lm_ptr + ((seq * NUM_KV_HEADS + kvh) * GROUP_PAD + offs_g[:, None]) * NB + blk[None, :], lm,
-                     mask=mask_g[:, None] & (blk < NB)[None, :])
-            acc, m_i, l_i = softmax_tile(sc, v, ks, vs, valid[None, :], acc, m_i, l_i, True, IEEE, COMPUTE_DTYPE,
-                                         SCALED)
+                     mask=mask_g[:, None] & (blk < NB)[None, :] & (blk < n0 // PAGE + BLOCK_N // PAGE)[None, :])
+            acc = tile_values(p, v, vs, acc, alpha, IEEE, COMPUTE_DTYPE, SCALED)
         else:
             acc, m_i, l_i = attend(q, k, v, ks, vs, valid[None, :], acc, m_i, l_i, qk_scale, True,
                                    IEEE, COMPUTE_DTYPE, SCALED)
@@ -154,7 +159,10 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if scores is not None:
         if c.scaled or c.int4:
             raise ValueError("attention scores need an unquantized cache")
-        lm = torch.full((B, KVH, group_pad, nb), float("-inf"), dtype=torch.float32, device=q.device)
+        if scores.dtype != torch.float32 or scores.shape[0] != B or scores.shape[1] < nb or scores.stride(1) != 1:
+            raise ValueError(f"scores must be float32 [{B}, >= {nb}] with contiguous rows, got {scores.dtype} "
+                             f"{tuple(scores.shape)}")
+        lm = torch.empty(B, KVH, group_pad, nb, dtype=torch.float32, device=q.device)  # read only where written
         if splits == 1:  # the final (max, sum) per row, in the partials' layout
             part = Partials(out, torch.empty(B * KVH * group_pad, 2, dtype=torch.float32, device=q.device))
     _paged_decode_kernel[(B, KVH, splits)](
@@ -164,20 +172,54 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         *c.strides(), block_tables.stride(0), *c.sstrides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, SPLIT=splits > 1, NUM_KV_HEADS=KVH,
-        SCALED=c.scaled, INT4=c.int4, SCORES=scores is not None, num_warps=4,
+        SCALED=c.scaled, INT4=c.int4, SCORES=scores is not None, BLOCKS_PAD=max(16, block_n // page), num_warps=4,
     )
     if splits > 1:
         combine(part, out, B, KVH, splits, group, group_pad, group_pad)
     if scores is not None:
-        scores[:, :nb] += block_mass(lm, part.ml.view(B, KVH, splits, group_pad, 2), group)
+        _block_mass_kernel[(B, triton.cdiv(nb, MASS_BLOCKS))](
+            lm, part.ml, scores, seq_lens, scores.stride(0), sliding_window or 0, nb, splits,
+            NUM_KV_HEADS=KVH, GROUP=group, GROUP_PAD=group_pad, PAGE=page, BLOCK_N=block_n, BLOCK_B=MASS_BLOCKS,
+        )
     return out
 
 
-def block_mass(lm: torch.Tensor, ml: torch.Tensor, group: int) -> torch.Tensor:
-    """[sequences, blocks]: each block's probability mass summed over a sequence's query heads,
-    from the decode kernel's per-row log2 masses lm [B, KVH, rows, blocks] and its (max, sum) per
-    row and split ml [B, KVH, splits, rows, 2] (the split combine's arithmetic, base 2)."""
-    m, l_sum = ml[:, :, :, :group, 0], ml[:, :, :, :group, 1]
-    top = m.amax(dim=2)
-    total = (l_sum * torch.exp2(m - top[:, :, None])).sum(dim=2)
-    return (torch.exp2(lm[:, :, :group] - top[..., None]) / total[..., None]).sum(dim=(1, 2))
+MASS_BLOCKS = 64  # cache blocks per program of _block_mass_kernel
+
+
+# One program = one sequence x MASS_BLOCKS of its cache blocks: per kv head, each row's final (max,
+# sum) from its splits (the split combine's arithmetic, base 2), then each block's 2^(lm - max) / sum
+# summed over the rows (the query heads), added to the sequence's scores. Blocks the decode kernel
+# wrote nothing to (before a sliding window's first tile, past the context) are not read.
+@triton.jit(do_not_specialize=["SPLITS", "NB"])
+def _block_mass_kernel(lm_ptr, ml_ptr, scores_ptr, seq_lens_ptr, stride_sb, window, NB, SPLITS,
+                       NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    seq = tl.program_id(0)
+    blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(seq_len - window, 0)
+    live_b = (blk >= lo // BLOCK_N * BLOCK_N // PAGE) & (blk < (seq_len + PAGE - 1) // PAGE) & (blk < NB)
+    g = tl.arange(0, GROUP_PAD)
+    live_g = g < GROUP
+    total = tl.zeros([BLOCK_B], tl.float32)
+    for kvh in range(NUM_KV_HEADS):
+        program = seq * NUM_KV_HEADS + kvh
+        m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_all = tl.zeros([GROUP_PAD], tl.float32)
+        for sp in range(0, SPLITS):
+            at = (program * SPLITS + sp) * GROUP_PAD + g
+            m = tl.load(ml_ptr + at * 2, mask=live_g, other=float("-inf"))
+            lsum = tl.load(ml_ptr + at * 2 + 1, mask=live_g, other=0.0)
+            m_new = tl.maximum(m_all, m)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split weighs nothing, no NaN
+            l_all = l_all * tl.exp2(m_all - m_use) + lsum * tl.exp2(m - m_use)
+            m_all = m_new
+        lm = tl.load(lm_ptr + (program * GROUP_PAD + g[:, None]) * NB + blk[None, :],
+                     mask=live_g[:, None] & live_b[None, :], other=float("-inf"))
+        m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+        total += tl.sum(tl.exp2(lm - m_use[:, None]) / tl.where(l_all > 0, l_all, 1.0)[:, None], axis=0)
+    at = scores_ptr + seq * stride_sb + blk
+    tl.store(at, tl.load(at, mask=live_b, other=0.0) + total, mask=live_b)

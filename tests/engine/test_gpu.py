@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,6 +94,31 @@ def test_a_window_past_its_evictions_in_graphs_equals_eager(tiny_models):
         gc.collect()
         torch.cuda.empty_cache()
     assert outs[False] == outs[True]
+
+
+def test_h2o_scores_from_the_decode_kernel_equal_the_cpu_reference_and_evict_alike(tiny_models):
+    """kv_evict h2o on CUDA (float32): decodes score blocks in the paged-decode kernel, chunks in the
+    torch reference; the per-block scores equal the CPU engine's (reference only) with no eviction,
+    and past a 64-token budget the same blocks go and the same tokens come."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    def run(device: str, budget: int):
+        eng = LLMEngine(EngineConfig(model=tiny_models["llama"], dtype="float32", device=device, max_model_len=512,
+                                     max_num_batched_tokens=32, kv_window_tokens=budget, kv_sink_tokens=4,
+                                     kv_evict="h2o", gpu_memory_utilization=0.3))
+        req = eng.add_request(list(range(300, 450)), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "h")
+        while eng.has_unfinished_requests():
+            eng.step()
+        eng.kv.check_all_free()
+        return req
+
+    for budget in (192, 64):
+        gpu, cpu = run("cuda", budget), run("cpu", budget)
+        assert gpu.output_token_ids == cpu.output_token_ids and gpu.kv_shift == cpu.kv_shift
+        assert np.allclose(gpu.kv_scores, cpu.kv_scores, rtol=1e-3, atol=1e-3)
+    assert gpu.kv_shift > 0
 
 
 def test_piecewise_graphs_for_mixed_steps_equal_eager(tiny_models):

@@ -28,15 +28,18 @@ def test_with_the_budget_above_the_sequence_tokens_equal_the_unbounded_cache(tin
         llm.engine.kv.check_all_free()
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_block_scores_are_the_attention_mass_of_hugging_faces_eager_attention(tiny_models, kind):
+@pytest.mark.parametrize("kind,layouts", [("llama", False), ("mistral", False), ("llama", True)])
+def test_block_scores_are_the_attention_mass_of_hugging_faces_eager_attention(tiny_models, kind, layouts):
     """A 40-token prompt prefilled in chunks of 16, then 12 decodes: per block, the probability
     every query (every layer and head) put on its tokens, against HF's attention weights over
-    the same tokens (a sliding window too: mistral)."""
+    the same tokens (a sliding window too: mistral; the CUDA graphs' step layouts too, whose
+    decode steps fill the graph's own score buffer)."""
     from transformers import AutoModelForCausalLM
 
     eng = LLMEngine(EngineConfig(model=tiny_models[kind], max_model_len=256, max_num_batched_tokens=16,
                                  kv_window_tokens=128, kv_evict="h2o", dtype="float32"))
+    if layouts:
+        eng.runner.use_graph_layouts()
     req = eng.add_request(list(range(500, 540)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "s")
     while eng.has_unfinished_requests():
         eng.step()
@@ -48,7 +51,7 @@ def test_block_scores_are_the_attention_mass_of_hugging_faces_eager_attention(ti
         att = hf(torch.tensor([req.all_token_ids[:n]]), output_attentions=True).attentions
     mass = sum(a[0].sum(dim=(0, 1)) for a in att)  # per key: over layers, heads and queries
     want = torch.nn.functional.pad(mass, (0, -n % 16)).view(-1, 16).sum(dim=1)
-    got = torch.tensor(req.kv_scores[: len(want)])
+    got = torch.tensor(req.kv_scores[: len(want)], dtype=torch.float32)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got, want)
     assert abs(sum(req.kv_scores) - n * 2 * 4) < 1e-3  # each query row of each layer and head sums to 1
 
