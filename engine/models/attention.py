@@ -126,7 +126,8 @@ class AttentionMetadata:
             nd = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         queries = None if query_lens is None else list(query_lens)
         plan = planner.plan(nd, num_seqs, queries, lens_list, device)
-        scores = torch.zeros(tables.shape, dtype=torch.float32, device=device) if planner.scoring else None
+        at = tables.device if isinstance(tables, torch.Tensor) else device  # a graph's buffers: their device
+        scores = torch.zeros(tables.shape, dtype=torch.float32, device=at) if planner.scoring else None
         return cls(put(slots, np.int64), put(tables, np.int32), put(seq_lens, np.int32), nd, lens_list, queries, plan,
                    scores)
 
