@@ -95,11 +95,11 @@ def _paged_decode_kernel(
             sc = qk_dot(q, k, IEEE) * qk_scale
             p, alpha, m_i, l_i = tile_probs(sc, ks, valid[None, :], m_i, l_i, True, SCALED)
             blk = tl.arange(0, BLOCKS_PAD)
-            member = ((tl.arange(0, BLOCK_N) // PAGE)[:, None] == blk[None, :]).to(tl.float32)
+            member = ((tl.arange(0, BLOCK_N) // PAGE)[:, None] == blk[None, :]).to(COMPUTE_DTYPE)
             if IEEE:
                 mass = tl.dot(p, member, input_precision="ieee")
-            else:
-                mass = tl.dot(p, member)
+            else:  # p as p v takes it (bf16): the one operand both dots read
+                mass = tl.dot(p.to(COMPUTE_DTYPE), member)
             m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
             lm = tl.where(mass > 0, m_use[:, None] + tl.log2(tl.where(mass > 0, mass, 1.0)), float("-inf"))
             blk = n0 // PAGE + blk
@@ -153,6 +153,8 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
     cdt = compute_dtype(q)
     block_n = max(16, min(64, page * 4)) if page <= 64 else page
+    if scores is not None:  # twice the keys a tile: the block sums cost per tile (+50% a step at 64, +20% so)
+        block_n = max(16, min(128, page * 8)) if page <= 128 else page
     d_pad = max(16, triton.next_power_of_2(D))
     part = Partials.empty(B * KVH, splits, group_pad, d_pad, q.device) if splits > 1 else Partials(out, out)
     nb, lm = block_tables.shape[1], out
@@ -172,7 +174,8 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         *c.strides(), block_tables.stride(0), *c.sstrides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, SPLIT=splits > 1, NUM_KV_HEADS=KVH,
-        SCALED=c.scaled, INT4=c.int4, SCORES=scores is not None, BLOCKS_PAD=max(16, block_n // page), num_warps=4,
+        SCALED=c.scaled, INT4=c.int4, SCORES=scores is not None,
+        BLOCKS_PAD=max(16, block_n // page), num_warps=4,
     )
     if splits > 1:
         combine(part, out, B, KVH, splits, group, group_pad, group_pad)
