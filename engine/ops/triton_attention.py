@@ -43,8 +43,9 @@ from .attention_core import (
 # eviction, base/kv_window.py): the softmax's own p of each tile, summed per cache block by one
 # dot with a 0/1 block-membership matrix (BLOCKS_PAD columns), gives every row's log2 of its
 # unnormalized mass per block, m + log2(sum p) with the running max m, into lm [sequence, kv head,
-# row, table width]; the program's final (max, sum) goes to the partials' layout (a split's are its
-# partials), and `_block_mass_kernel` turns them into probabilities after the launch.
+# table width, row] (a tile's blocks and rows are one contiguous run: one coalesced store); the
+# program's final (max, sum) goes to the partials' layout (a split's are its partials), and
+# `_block_mass_kernel` turns them into probabilities after the launch.
 @triton.jit(do_not_specialize=["SPLITS", "NB"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr, lm_ptr,
@@ -103,7 +104,7 @@ def _paged_decode_kernel(
             m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
             lm = tl.where(mass > 0, m_use[:, None] + tl.log2(tl.where(mass > 0, mass, 1.0)), float("-inf"))
             blk = n0 // PAGE + blk
-            tl.store(lm_ptr + ((seq * NUM_KV_HEADS + kvh) * GROUP_PAD + offs_g[:, None]) * NB + blk[None, :], lm,
+            tl.store(lm_ptr + ((seq * NUM_KV_HEADS + kvh) * NB + blk[None, :]) * GROUP_PAD + offs_g[:, None], lm,
                      mask=mask_g[:, None] & (blk < NB)[None, :] & (blk < n0 // PAGE + BLOCK_N // PAGE)[None, :])
             acc = tile_values(p, v, vs, acc, alpha, IEEE, COMPUTE_DTYPE, SCALED)
         else:
@@ -164,7 +165,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if scores.dtype != torch.float32 or scores.shape[0] != B or scores.shape[1] < nb or scores.stride(1) != 1:
             raise ValueError(f"scores must be float32 [{B}, >= {nb}] with contiguous rows, got {scores.dtype} "
                              f"{tuple(scores.shape)}")
-        lm = torch.empty(B, KVH, group_pad, nb, dtype=torch.float32, device=q.device)  # read only where written
+        lm = torch.empty(B, KVH, nb, group_pad, dtype=torch.float32, device=q.device)  # read only where written
         if splits == 1:  # the final (max, sum) per row, in the partials' layout
             part = Partials(out, torch.empty(B * KVH * group_pad, 2, dtype=torch.float32, device=q.device))
     _paged_decode_kernel[(B, KVH, splits)](
@@ -220,7 +221,7 @@ def _block_mass_kernel(lm_ptr, ml_ptr, scores_ptr, seq_lens_ptr, stride_sb, wind
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split weighs nothing, no NaN
             l_all = l_all * tl.exp2(m_all - m_use) + lsum * tl.exp2(m - m_use)
             m_all = m_new
-        lm = tl.load(lm_ptr + (program * GROUP_PAD + g[:, None]) * NB + blk[None, :],
+        lm = tl.load(lm_ptr + (program * NB + blk[None, :]) * GROUP_PAD + g[:, None],
                      mask=live_g[:, None] & live_b[None, :], other=float("-inf"))
         m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
         total += tl.sum(tl.exp2(lm - m_use[:, None]) / tl.where(l_all > 0, l_all, 1.0)[:, None], axis=0)
