@@ -73,7 +73,7 @@ def steps(model_dir: str, batches: list[int], ctx: int) -> list[dict]:
         q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=k.device)
         tables = torch.arange(B * per_seq, dtype=torch.int32, device=k.device).view(B, per_seq)
         lens = torch.full((B,), ctx + 1, dtype=torch.int32, device=k.device)
-        sc = torch.zeros(B, per_seq, dtype=torch.float32, device=k.device)
+        sc = torch.zeros(B, 8, per_seq, dtype=torch.float32, device=k.device)
 
         def attention(scores=None, args=(q, k, v, tables, lens, 128 ** -0.5)):
             paged_decode_triton(*args, scores=scores)

@@ -173,9 +173,9 @@ def rotate_keys(kv_views: list, rotary, shifts: list[KVShift]) -> None:
 
 
 def add_scores(batch: list[ScheduledRequest], scores: torch.Tensor) -> None:
-    """Adds a step's attention mass per block ([sequences, max_blocks], the batch's order) to each
-    request's `kv_scores` (one host copy for the batch)."""
-    rows = scores.cpu().numpy()
+    """Adds a step's attention mass per block ([sequences, kv heads, max_blocks], the batch's order;
+    a block's is its sum over the kv heads) to each request's `kv_scores` (one host copy a step)."""
+    rows = scores.sum(dim=1).cpu().numpy()
     for s, row in zip(batch, rows):
         n, req = len(s.block_ids), s.request
         if len(req.kv_scores) < n:

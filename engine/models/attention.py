@@ -57,12 +57,14 @@ class AttentionPlanner:
     prefill_tiles: bool = True
     tuning: AttentionTuning = AttentionTuning()
     scoring: bool = False
+    kv_heads: int = 1  # a layer's (the score buffer's middle dimension)
 
     @classmethod
     def of_model(cls, model, tuning: AttentionTuning, kernels: bool, scoring: bool = False) -> AttentionPlanner:
         paged = [a for a in (model.attention(i) for i in range(model.num_layers)) if isinstance(a, PagedAttention)]
         group = paged[0].num_heads // paged[0].num_kv_heads if paged else 1
-        return cls(kernels, group, any(a.sliding_window is not None for a in paged), bool(paged), tuning, scoring)
+        return cls(kernels, group, any(a.sliding_window is not None for a in paged), bool(paged), tuning, scoring,
+                   paged[0].num_kv_heads if paged else 1)
 
     def plan(self, num_decodes: int, num_seqs: int, query_lens: list[int] | None, seq_lens: list[int] | None,
              device) -> AttentionPlan:
@@ -103,7 +105,8 @@ class AttentionMetadata:
     seq_lens: list[int] | None  # host copies (None: a decode graph's device buffers)
     query_lens: list[int] | None  # new tokens per sequence (None: one each)
     plan: AttentionPlan  # how every layer runs this step
-    # the planner's scoring: [num_seqs, max_blocks] float32, each layer adds the attention mass per block
+    # the planner's scoring: [num_seqs, kv heads, max_blocks] float32, each layer adds the attention mass per
+    # block (the decode kernel per kv head, the reference into the first; their sum is the block's)
     scores: torch.Tensor | None = None
 
     @classmethod
@@ -127,7 +130,9 @@ class AttentionMetadata:
         queries = None if query_lens is None else list(query_lens)
         plan = planner.plan(nd, num_seqs, queries, lens_list, device)
         at = tables.device if isinstance(tables, torch.Tensor) else device  # a graph's buffers: their device
-        scores = torch.zeros(tables.shape, dtype=torch.float32, device=at) if planner.scoring else None
+        scores = None
+        if planner.scoring:
+            scores = torch.zeros(tables.shape[0], planner.kv_heads, tables.shape[1], dtype=torch.float32, device=at)
         return cls(put(slots, np.int64), put(tables, np.int32), put(seq_lens, np.int32), nd, lens_list, queries, plan,
                    scores)
 

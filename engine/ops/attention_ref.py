@@ -50,7 +50,7 @@ def paged_attention_ref(
     query_lens: list[int],  # new tokens of each sequence (its queries are the last ones)
     scale: float,
     sliding_window: int | None = None,
-    scores: torch.Tensor | None = None,  # [num_seqs, max_blocks] float32: each block's attention mass added
+    scores: torch.Tensor | None = None,  # [num_seqs, kv heads, max_blocks] float32: each block's mass added to head 0's
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     start = 0
@@ -60,7 +60,7 @@ def paged_attention_ref(
         v = gather_kv(v_cache, block_tables[i], seq_len, q.dtype).transpose(0, 1).unsqueeze(0)
         gqa = q.shape[1] != k.shape[1]
         if scores is not None:
-            o = _attention_scored(qi, k, v, scale, sliding_window, scores[i], k_cache.shape[1])
+            o = _attention_scored(qi, k, v, scale, sliding_window, scores[i, 0], k_cache.shape[1])
         elif q_len == seq_len and sliding_window is None:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:

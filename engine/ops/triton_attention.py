@@ -43,20 +43,21 @@ from .attention_core import (
 # eviction, base/kv_window.py): the softmax's own p of each tile, summed per cache block by one
 # dot with a 0/1 block-membership matrix (BLOCKS_PAD columns), gives every row's log2 of its
 # unnormalized mass per block, m + log2(sum p) with the running max m, into lm [sequence, kv head,
-# table width, row] (a tile's blocks and rows are one contiguous run: one coalesced store); the
-# program's final (max, sum) goes to the partials' layout (a split's are its partials), and
-# `_block_mass_kernel` turns them into probabilities after the launch.
+# table width, row] (a tile's blocks and rows are one contiguous run: one coalesced store). A
+# program without splits then has its rows' final (max, sum): its epilogue reads its scratch back
+# (still in L2) and adds 2^(lm - max) / sum, summed over its rows, to its kv head's row of
+# scores; a split launch's `_block_mass_kernel` does that from the splits' partials after the launch.
 @triton.jit(do_not_specialize=["SPLITS", "NB"])
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr, lm_ptr,
-    qk_scale, window, NB,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, ks_ptr, vs_ptr, lm_ptr, scores_ptr,
+    qk_scale, window, NB, stride_sr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     SPLITS, SPLIT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALED: tl.constexpr, INT4: tl.constexpr,
-    SCORES: tl.constexpr, BLOCKS_PAD: tl.constexpr,
+    SCORES: tl.constexpr, BLOCKS_PAD: tl.constexpr, EPILOGUE_BLOCKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -110,10 +111,20 @@ def _paged_decode_kernel(
         else:
             acc, m_i, l_i = attend(q, k, v, ks, vs, valid[None, :], acc, m_i, l_i, qk_scale, True,
                                    IEEE, COMPUTE_DTYPE, SCALED)
-    if SCORES and not SPLIT:  # the final (max, sum) where a split's partials would hold them
-        at = (seq * NUM_KV_HEADS + kvh) * GROUP_PAD + offs_g
-        tl.store(part_ml_ptr + at * 2, m_i, mask=mask_g)
-        tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=mask_g)
+    if SCORES and not SPLIT:  # the final (max, sum) are this program's: normalize here, the scratch still in L2
+        tl.debug_barrier()  # every thread's scratch rows written before any thread reads them back
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        row = seq * NUM_KV_HEADS + kvh
+        last = tl.minimum((seq_len + PAGE - 1) // PAGE, NB)
+        for b0 in range(lo_tile // PAGE, last, EPILOGUE_BLOCKS):
+            bb = b0 + tl.arange(0, EPILOGUE_BLOCKS)
+            live = bb < last
+            lm = tl.load(lm_ptr + (row * NB + bb[None, :]) * GROUP_PAD + offs_g[:, None],
+                         mask=mask_g[:, None] & live[None, :], other=float("-inf"))
+            mass = tl.sum(tl.exp2(lm - m_use[:, None]) * inv[:, None], axis=0)
+            at = scores_ptr + row * stride_sr + bb
+            tl.store(at, tl.load(at, mask=live, other=0.0) + mass, mask=live)
     if SPLIT:
         store_partial(part_acc_ptr, part_ml_ptr, seq * NUM_KV_HEADS + kvh, split, SPLITS, offs_g, mask_g, offs_d,
                       acc, m_i, l_i, GROUP_PAD, D_PAD)
@@ -134,9 +145,10 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     splits: pieces each context is cut into (flash-decoding), combined by a second launch;
     None picks by shape (split_count, DECODE_SPLITS), 1 on CPU. A quantized cache's scales are
     applied to the scores (K) and the probabilities (V); an int4 cache's rows are unpacked in
-    the tile loader. `scores` [num_seqs, >= table width] float32: each block's attention mass
-    (its probabilities summed over the query heads) is added to it, from the kernel's own
-    softmax (unquantized caches)."""
+    the tile loader. `scores` [num_seqs, num_kv_heads, >= table width] float32, contiguous: each
+    block's attention mass (its probabilities summed over the query heads of a kv head's group) is
+    added to it, from the kernel's own softmax (unquantized caches); a split launch adds all of a
+    sequence's to its first kv head's row. The sum over the kv heads is the caller's."""
     c = cache_args(k_cache, v_cache)
     B, H, D = q.shape
     _, page, KVH, _ = c.shape
@@ -158,29 +170,28 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_n = max(16, min(128, page * 8)) if page <= 128 else page
     d_pad = max(16, triton.next_power_of_2(D))
     part = Partials.empty(B * KVH, splits, group_pad, d_pad, q.device) if splits > 1 else Partials(out, out)
-    nb, lm = block_tables.shape[1], out
+    nb, lm, sc = block_tables.shape[1], out, out
     if scores is not None:
         if c.scaled or c.int4:
             raise ValueError("attention scores need an unquantized cache")
-        if scores.dtype != torch.float32 or scores.shape[0] != B or scores.shape[1] < nb or scores.stride(1) != 1:
-            raise ValueError(f"scores must be float32 [{B}, >= {nb}] with contiguous rows, got {scores.dtype} "
+        if scores.dtype != torch.float32 or scores.shape[:2] != (B, KVH) or scores.shape[2] < nb or \
+                not scores.is_contiguous():
+            raise ValueError(f"scores must be contiguous float32 [{B}, {KVH}, >= {nb}], got {scores.dtype} "
                              f"{tuple(scores.shape)}")
-        lm = torch.empty(B, KVH, nb, group_pad, dtype=torch.float32, device=q.device)  # read only where written
-        if splits == 1:  # the final (max, sum) per row, in the partials' layout
-            part = Partials(out, torch.empty(B * KVH * group_pad, 2, dtype=torch.float32, device=q.device))
+        lm, sc = torch.empty(B, KVH, nb, group_pad, dtype=torch.float32, device=q.device), scores  # read where written
     _paged_decode_kernel[(B, KVH, splits)](
-        q, c.k, c.v, out, block_tables, seq_lens, part.acc, part.ml, c.ks, c.vs, lm,
-        scale * LOG2E, sliding_window or 0, nb,
+        q, c.k, c.v, out, block_tables, seq_lens, part.acc, part.ml, c.ks, c.vs, lm, sc,
+        scale * LOG2E, sliding_window or 0, nb, sc.stride(1),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *c.strides(), block_tables.stride(0), *c.sstrides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
         IEEE=cdt == torch.float32, COMPUTE_DTYPE=_COMPUTE[cdt], SPLITS=splits, SPLIT=splits > 1, NUM_KV_HEADS=KVH,
         SCALED=c.scaled, INT4=c.int4, SCORES=scores is not None,
-        BLOCKS_PAD=max(16, block_n // page), num_warps=4,
+        BLOCKS_PAD=max(16, block_n // page), EPILOGUE_BLOCKS=MASS_BLOCKS, num_warps=4,
     )
     if splits > 1:
         combine(part, out, B, KVH, splits, group, group_pad, group_pad)
-    if scores is not None:
+    if scores is not None and splits > 1:  # the splits' (max, sum) are combined first
         _block_mass_kernel[(B, triton.cdiv(nb, MASS_BLOCKS))](
             lm, part.ml, scores, seq_lens, scores.stride(0), sliding_window or 0, nb, splits,
             NUM_KV_HEADS=KVH, GROUP=group, GROUP_PAD=group_pad, PAGE=page, BLOCK_N=block_n, BLOCK_B=MASS_BLOCKS,
@@ -188,12 +199,14 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-MASS_BLOCKS = 64  # cache blocks per program of _block_mass_kernel
+MASS_BLOCKS = 64  # cache blocks a program of _block_mass_kernel (or the decode kernel's epilogue) sums at once
 
 
+# A split launch's scores (without splits the decode program normalizes its own in its epilogue).
 # One program = one sequence x MASS_BLOCKS of its cache blocks: per kv head, each row's final (max,
 # sum) from its splits (the split combine's arithmetic, base 2), then each block's 2^(lm - max) / sum
-# summed over the rows (the query heads), added to the sequence's scores. Blocks the decode kernel
+# summed over the rows (the query heads) and the kv heads, added to the sequence's first kv head's
+# scores (the caller sums the kv heads). Blocks the decode kernel
 # wrote nothing to (before a sliding window's first tile, past the context) are not read.
 @triton.jit(do_not_specialize=["SPLITS", "NB"])
 def _block_mass_kernel(lm_ptr, ml_ptr, scores_ptr, seq_lens_ptr, stride_sb, window, NB, SPLITS,

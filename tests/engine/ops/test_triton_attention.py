@@ -262,10 +262,14 @@ def test_decode_block_scores_equal_the_references_attention_mass(splits):
     q = torch.randn(len(seq_lens), H, D, device=DEV)
     lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     for window in (None, 40):
-        got = torch.zeros(len(seq_lens), max_blocks, device=DEV)
+        got = torch.zeros(len(seq_lens), KVH, max_blocks, device=DEV)
         out = paged_decode_triton(q, kc, vc, tables, lens_t, D ** -0.5, window, splits=splits, scores=got)
-        want = torch.zeros(len(seq_lens), max_blocks, device=DEV)
+        want = torch.zeros(len(seq_lens), KVH, max_blocks, device=DEV)
         ref = paged_attention_ref(q, kc, vc, tables, seq_lens, [1] * len(seq_lens), D ** -0.5, window, scores=want)
+        assert (want[:, 1:] == 0).all()  # the reference adds to the first kv head's row
+        if splits == 1:  # each kv head's program its own row: its group's mass, H / KVH in all
+            assert torch.allclose(got.sum(dim=2), torch.full((len(seq_lens), KVH), H / KVH, device=DEV), atol=1e-4)
+        got, want = got.sum(dim=1), want.sum(dim=1)
         assert rel_err(out, ref) < 1e-4
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
         assert torch.allclose(got.sum(dim=1), torch.full((len(seq_lens),), float(H), device=DEV), atol=1e-4)
