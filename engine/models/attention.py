@@ -191,7 +191,7 @@ class PagedAttention:
             for splits in (1, 2):
                 q = torch.zeros(1, self.num_heads, self.head_dim, dtype=dtype, device=device)
                 lens = torch.full((1,), width * page, dtype=torch.int32, device=device)
-                for scores in ((None, torch.zeros(1, width, device=device)) if scoring else (None,)):
+                for scores in ((None, torch.zeros(1, self.num_kv_heads, width, device=device)) if scoring else (None,)):
                     self._decode(q, k_cache, v_cache, tables, lens, self.scale, self.sliding_window, splits=splits,
                                  scores=scores)
 

@@ -107,6 +107,8 @@ def test_warm_up_runs_every_variant_and_writes_nothing():
     attn = PagedAttention(8, 2, 32, 32 ** -0.5, None, use_triton=True)
     attn.warm_up(kv[:, 0], kv[:, 1], torch.float32)
     assert torch.equal(kv, before)
+    attn.warm_up(kv[:, 0], kv[:, 1], torch.float32, scoring=True)  # heavy hitters' decode variant too
+    assert torch.equal(kv, before)
     slab = torch.zeros(70, 2, 16, 2, 32 + kv_quant.SCALE_BYTES, dtype=torch.uint8, device=DEV)
     kc, vc = kv_quant.views(slab[:, 0], "int8"), kv_quant.views(slab[:, 1], "int8")  # values + row scales
     store_kv_ref(torch.randn(70 * 16, 2, 32, device=DEV), torch.randn(70 * 16, 2, 32, device=DEV), kc, vc,
