@@ -14,18 +14,8 @@ import os
 from pdserve.bench.report import read_result
 
 RES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SERVE = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --workloads long --num-requests 200 "
-         "--systems disagg --long-rates 6,7,8 --out bench/results/serving; the same with --systems colocated "
-         "--long-rates 6,7,8  # 2x H200, one host")
 ENGINE = ("python3 bench/engine_gpu.py --batches 1,8,64 --prefill 4096 --hf-batches 1,64 --profile "
           "--out bench/results  # one H200 (files renamed engine_gpu_b64.*)")
-COLOCATED_NOTE = (
-    "0 here is a cold start, not steady state: 37 of the 43 SLO misses at 6 req/s came in the run's first 40 "
-    "requests (Triton compiled the split-decode kernel once per split count in eager mixed batches; the count "
-    "is a runtime argument since). In the 96-request sweep of the same build colocated met 100% at 6 req/s and "
-    "89% / 93% at 7 / 8 (serving/long_colocated_96req.md): read disaggregated vs colocated as about 1x on 2 GPUs. "
-    "Before the fused kernels: 5.13 (serving/long_colocated_fused_off.md)")
-TRANSFER = "python3 bench/transfer_bench.py --out bench/results  # 2x H200, one host"
 ONE_RT = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --systems disagg --workloads long --num-requests 200 "
           "--long-rates 5,6.5 --out bench/results/serving/one_round_trip  # 2x H200, one host")
 WIRE = ("python3 bench/transfer_bench.py --tokens 4096 --out bench/results/serving/one_round_trip  # the same session; "
@@ -36,22 +26,10 @@ def load(*parts):
     return read_result(os.path.join(RES, *parts))
 
 
-def goodput_entry(path: str, extra_note: str = "") -> dict:
-    res = load("serving", path)
-    runs = [{"rate": r["rate"], "slo_attainment": round(r["slo_attainment"], 3)} for r in res["runs"]]
-    g = res["goodput"]
-    lowest = min(r["rate"] for r in res["runs"])
-    note = ("lower bound: every swept rate met 90%" if g["lower_bound"] else
-            f"below the lowest swept rate ({lowest:g} req/s): 0 means < {lowest:g}" if g["rps"] == 0 else "")
-    note = "; ".join(x for x in (note, extra_note) if x)
-    return {"value": round(g["rps"], 3), "workload": res["config"]["workload_desc"] +
-            f"; SLO TTFT <= {res['config']['ttft_slo']} s, TPOT <= {res['config']['tpot_slo'] * 1000:.0f} ms",
-            "command": SERVE, "sweep": runs, **({"note": note} if note else {})}
-
-
 def one_round_trip() -> dict:
-    """kv_to_first_token p50 at ~80% of disaggregated goodput, beside the wire time of the same
-    bytes (raw NCCL send/recv of one 4096-token prompt's KV, measured in the same session)."""
+    """The decode reservation's wait at ~80% of disaggregated goodput, beside the wire time of the
+    same bytes (raw NCCL send/recv of one 4096-token prompt's KV, measured in the same session). Its
+    kv_to_first_token was replaced by served_kv_transfer_p50_ms_4k (2 GPUs over CUDA IPC)."""
     res = load("serving", "one_round_trip", "long_disagg.json")
     wire = next(r for r in load("serving", "one_round_trip", "transfer_4096.json") if not r["contiguous"])
     g = res["goodput"]["rps"]
@@ -59,10 +37,6 @@ def one_round_trip() -> dict:
     wl = (f"synthetic 4096 in / 256 out, 200 requests at {run['rate']:g} req/s ({run['rate'] / g:.0%} of the "
           f"measured disaggregated goodput {g:.2f}), 1 prefill + 1 decode, Llama-3-8B shape, 2x H200")
     return {
-        "kv_to_first_token_p50_ms": {
-            "value": round(run["phase_ms"]["kv_to_first_token"]["p50"], 1), "workload": wl, "command": ONE_RT,
-            "note": "send start on the prefill worker -> first token at the cluster, from the server's own spans; "
-                    "goal <= wire + 5 ms not met: bench/results/one_round_trip.md says where the time goes"},
         "decode_reserve_p50_ms": {"value": round(run["phase_ms"]["decode_reserve"]["p50"], 2), "workload": wl,
                                   "command": ONE_RT,
                                   "note": "the finished prefill waiting for the decode reservation (off the "
@@ -73,41 +47,6 @@ def one_round_trip() -> dict:
                                            f"{wire['handoff_ms']:.2f} ms",
                                "command": WIRE},
     }
-
-
-HYBRID = ("python3 bench/serving_gpu.py --tokenizer TOKENIZER_DIR --systems hybrid --workloads long,trace "
-          "--tpot-slos long:40,trace:40,long:20 --num-requests 200 --long-rates 7,9,11 --trace-rates 6,9,12 "
-          "--out bench/results/hybrid/runs; the same with --systems disagg,colocated --long-rates 6,8 "
-          "--trace-rates 8,11; then python3 bench/hybrid_report.py  # 2x H200, one host")
-
-
-def hybrid() -> dict:
-    """Hybrid's goodput over the better pure mode at a TPOT SLO (bench/results/hybrid/)."""
-    g = load("hybrid", "goodput_vs_tpot.json")
-
-    def entry(wl: str, ms: int, against: tuple[str, ...], ttft: str) -> dict:
-        h = g[wl]["hybrid"][str(ms)]
-        pure = {s: g[wl][s][str(ms)] for s in against}
-        best = max(pure, key=lambda s: pure[s]["rps"] or 0.0)
-        desc = {"long": "synthetic 4096 in / 256 out", "trace": "Mooncake conversation trace x0.25 lengths"}[wl]
-        wl_text = f"{desc}, 200 requests per rate, 1P1D vs colocated-2 on 2x H200; SLO TTFT <= {ttft}, TPOT <= {ms} ms"
-        def rps(p: dict) -> str:
-            if not p["rps"]:
-                return f"< {min(p['rates']):g} req/s"
-            return f"{'>= ' if p['lower_bound'] else ''}{p['rps']:.2f} req/s"
-
-        note = "; ".join(f"{s} {rps(p)} (attainment by rate {p['attainment']})"
-                         for s, p in {"hybrid": h, **pure}.items())
-        if not h["rps"] or not pure[best]["rps"]:
-            return {"value": None, "workload": wl_text, "command": HYBRID,
-                    "note": "no ratio: a system misses 90% at its lowest swept rate; " + note}
-        bound = " (hybrid / a lower bound: an upper bound)" if pure[best]["lower_bound"] else ""
-        return {"value": round(h["rps"] / pure[best]["rps"], 3), "workload": wl_text, "command": HYBRID,
-                "note": f"against {best}{bound}; " + note}
-
-    return {"hybrid_vs_best_pure_long": entry("long", 40, ("disagg", "colocated"), "1 s"),
-            "hybrid_vs_best_pure_trace": entry("trace", 40, ("disagg", "colocated"), "2 s"),
-            "hybrid_vs_colocated_tpot20_long": entry("long", 20, ("colocated",), "1 s")}
 
 
 def kv_capacity() -> dict:
@@ -576,8 +515,9 @@ GRID_RUNS = {  # (gpus, workload, tpot ms) -> the serving_gpu.py runs behind the
     (4, "trace", 40): [dict(systems="hybrid:2:2,colocated:4,disagg:2:2", rates="24,30,36"),
                        dict(systems="hybrid:2:2,colocated:4", rates="40,46,52"),
                        dict(systems="hybrid:2:2,colocated:4", rates="56,62,68")],
-    (2, "long", 40): [dict(systems="hybrid:1:1,colocated:2,disagg:1:1", rates="10,12,14")],
+    (2, "long", 40): [dict(systems="hybrid:1:1,colocated:2", rates="10,12,14")],  # disagg:1:1: 2026-11-28's
 }
+GRID_DEVICES = {4: "4x H200 (NV18), one host", 2: "2x H200 (nvidia-h200-x2, a host of its own)"}
 
 
 def multi_gpu() -> dict:
@@ -588,14 +528,15 @@ def multi_gpu() -> dict:
     for (gpus, wl, ms), parts in GRID_RUNS.items():
         row = rows[(gpus, wl, ms)]
         cmd = "; ".join(GRID_SERVE.format(wl=wl, tpot=ms, gpus=gpus, **p) for p in parts)
-        cmd += (" (CUDA_VISIBLE_DEVICES=2,3)" if gpus == 2 else "") + "; python3 bench/grid_report.py"
+        cmd += "; python3 bench/grid_report.py"
         cells = [row[f] for f in ("colocated", "disagg", "hybrid") if row[f]]
         work = f"{wl}, TPOT <= {ms} ms, 200 requests a rate, two sweeps each: " + "; ".join(
+            f"{c['system']} below {c['below']:g} req/s (the lowest rate swept)" if c.get("below") else
             f"{c['system']} {'>= ' if c.get('lower_bound') else ''}{c['rps']:.2f} req/s "
             f"({min(c['repeats']):.2f}-{max(c['repeats']):.2f})" for c in cells)
         out[f"hybrid_vs_best_pure_{gpus}gpu_{wl}_t{ms}"] = {
             "value": row.get("hybrid_vs_best_pure"), "goal": 0.97, "workload": work, "command": cmd,
-            "device": "4x H200 (NV18), one host" if gpus == 4 else "2 of 4x H200, one host"}
+            "device": GRID_DEVICES[gpus]}
     t20 = rows[(4, "long", 20)]
     out["first_rate_attainment_gap_colocated4"] = {
         "value": t20["first_rate_gap"].get(t20["colocated"]["system"]), "goal": 2.0,
@@ -665,6 +606,32 @@ def kv_window() -> dict:
                     f"{ppl[(1024, 0)] / ppl[(None, 0)]:.2f}x)"}}
 
 
+def kv_h2o() -> dict:
+    """Heavy hitters against sink + window, and what their scores cost a decode step (bench/results/kv_h2o/)."""
+    q = load("kv_h2o", "kv_h2o_quality.json")
+    ppl = {(r["budget"], r["evict"]): r["perplexity"] for r in q["rows"]}
+    budgets = sorted({b for b, _ in ppl}, reverse=True)
+    ratio = {b: ppl[(b, "h2o")] / ppl[(b, "window")] for b in budgets}
+    quarter = min(budgets, key=lambda b: abs(b - q["tokens"] / 4))
+    cost = {r["batch"]: r for r in load("kv_h2o", "kv_h2o_gpu.json")["rows"]}
+    gpu = "python bench/kv_h2o_gpu.py --out bench/results/kv_h2o  # one H200"
+    shape = "Llama-3-8B config, random bf16, context 4096, batch {}: a decode step in CUDA graphs with h2o's score " \
+            "tracking over the same without"
+    return {
+        "kv_h2o_vs_window_ppl_quarter": {
+            "value": round(ratio[quarter], 3),
+            "command": "python bench/kv_window_quality.py --h2o --out bench/results/kv_h2o",
+            "workload": f"{q['model']}, {q['device']}, {q['tokens']} tokens of the docs prefilled in {q['chunk']}-"
+                        f"token steps: H2O's perplexity over sink + window's at a {quarter}-token budget, "
+                        f"{q['sink_tokens']} sink tokens; "
+                        + ", ".join(f"{b}: {ratio[b]:.3f}" for b in budgets if b != quarter)},
+        "kv_h2o_decode_overhead_b64": {"value": round(cost[64]["overhead"], 3), "goal": 0.1, "command": gpu,
+                                       "workload": shape.format(64)},
+        "kv_h2o_decode_overhead_b1": {"value": round(cost[1]["overhead"], 3), "command": gpu,
+                                      "workload": shape.format(1)},
+    }
+
+
 def device_of(command: str) -> str:
     """The machine a command's note names (`... # one H100`), else CPU for a CPU script."""
     note = command.rsplit("#", 1)[1].split("(")[0].split(";")[0].strip() if "#" in command else ""
@@ -693,11 +660,8 @@ def main() -> None:
     dec = {r["batch"]: r for r in eng["decode"]}
     hf = {r["batch"]: r for r in eng["hf"]["decode"]}
     pre = {r["tokens"]: r for r in eng["prefill"]}
-    xfer = {r["tokens"]: r for r in load("transfer.json")}
     wl_dec = "Llama-3-8B config, random bf16, context 1024, one H200"
     summary = {
-        "goodput_disagg_rps": goodput_entry("long_disagg.json"),
-        "goodput_colocated_rps": goodput_entry("long_colocated.json", COLOCATED_NOTE),
         "decode_vs_hf_b64": {"value": round(dec[64]["tokens_per_s"] / hf[64]["tokens_per_s"], 2),
                              "workload": wl_dec + ", batch 64 (HF generate, same process)", "command": ENGINE},
         "decode_vs_hf_b1": {"value": round(dec[1]["tokens_per_s"] / hf[1]["tokens_per_s"], 2),
@@ -708,12 +672,8 @@ def main() -> None:
         "prefill_mfu": {"value": round(pre[4096]["frac_of_matmul"], 3),
                         "workload": "4096-token prompt, Llama-3-8B config, one H200, of the measured bf16 matmul "
                                     f"ceiling ({eng['ceilings']['matmul_TFLOPs']:.0f} TFLOP/s)", "command": ENGINE},
-        "handoff_efficiency": {"value": round(xfer[2048]["effective_GBps"] / xfer[2048]["raw_nccl_GBps"], 3),
-                               "workload": "2048-token handoff (256 MiB of KV, random block ids) vs raw NCCL "
-                                           "send/recv of the same bytes, 2x H200", "command": TRANSFER},
     }
     summary.update(one_round_trip())
-    summary.update(hybrid())
     summary.update(kv_capacity())
     summary.update(speculative())
     summary.update(structured_output())
@@ -724,6 +684,7 @@ def main() -> None:
     summary.update(priority())
     summary.update(kv_int4())
     summary.update(kv_window())
+    summary.update(kv_h2o())
     summary.update(attention_core())
     summary.update(moe())
     summary.update(ipc())
