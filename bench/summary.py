@@ -172,26 +172,21 @@ def mixed_step() -> dict:
 
 
 def colocated_one() -> dict:
+    """One engine on one H200 (colocated:1), Llama-3-8B shape, TPOT <= 40 ms: the same runs the one-GPU
+    disaggregated and hybrid keys are read against (bench/results/ipc/README.md)."""
     cmd = "python3 bench/serving_gpu.py --tokenizer TOK --systems colocated:1 --num-requests 200 "
     out = {}
-    for wl, rates, goal, what in (
-            ("long", "2.5,3,3.5", 3.5, "4096 in / 256 out, TTFT <= 1 s"),
-            ("trace", "3,5", None, "the Mooncake trace (lengths x0.25, outputs x0.5), TTFT <= 2 s")):
-        res = load("serving", f"{wl}_colocated1_h100_{'warmup' if wl == 'long' else 'tpot40'}.json")
-        runs = {r["rate"]: r for r in res["runs"]}
-        repeats = ""
-        if wl == "long":  # the same build's other runs: at 3 req/s the queue is at the edge of capacity
-            other = [load("serving", f"long_colocated1_h100_{t}.json") for t in ("attnwarm", "cold")]
-            repeats = "; the other runs of this change at 3 req/s (their engines warmed up less, which costs " \
-                "the first rate only): " + ", ".join(
-                f"{r['slo_attainment']:.0%}" for o in other for r in o["runs"] if r["rate"] == 3) + \
-                " (serving/long_colocated1_h100_repeats.md)"
+    for wl, path, rates, what in (
+            ("long", ("moe", "serving", "llama3_8b_long.json.gz"), "3,4,5,6", "4096 in / 256 out, TTFT <= 1 s"),
+            ("trace", ("ipc", "serving", "trace_colocated-1-t40.json.gz"), "4,6,8,11",
+             "the Mooncake trace (lengths x0.25), TTFT <= 2 s")):
+        res = load(*path)
         out[f"colocated1_goodput_{wl}"] = {
-            "value": round(res["goodput"]["rps"], 2), **({"goal": goal} if goal else {}),
-            "command": cmd + f"--workloads {wl} --{wl}-rates {rates}  # one H100",
-            "workload": f"{what}, TPOT <= 40 ms, one engine on one GPU whose prefill chunks follow the 40 ms target, "
-                        "Llama-3-8B shape; SLO attainment by rate: "
-                        + ", ".join(f"{k:g}: {v['slo_attainment']:.0%}" for k, v in runs.items()) + repeats}
+            "value": round(res["goodput"]["rps"], 2), "device": "one H200", "date": "2026-11-26",
+            "command": cmd + f"--workloads {wl} --{wl}-rates {rates} --out bench/results/{path[0]}/serving  # one H200 "
+                       f"(file {path[-1]})",
+            "workload": f"{what}, TPOT <= 40 ms, one engine on one GPU, Llama-3-8B shape; SLO attainment by rate: "
+                        + ", ".join(f"{r['rate']:g}: {r['slo_attainment']:.0%}" for r in res["runs"])}
     return out
 
 
@@ -641,7 +636,7 @@ def device_of(command: str) -> str:
 def provenance(summary: dict, previous: dict) -> dict:
     """Every key names the machine and the date of its measurement. A key whose value is what
     the committed summary says keeps that entry's device and date; a new or changed value takes
-    its own device (the result file's), else the one its command names, and today's date (a key
+    its own device (the result file's), else the one its command names, and its own date, else today's (a key
     measured again by another command is new). Keys
     the committed summary has that no function here makes (entered by hand with their result)
     stay as they are."""
@@ -650,7 +645,7 @@ def provenance(summary: dict, previous: dict) -> dict:
         old = previous.get(k, {})
         same = old.get("value") == v["value"] and old.get("command") == v["command"] and "date" in old
         v["device"] = old["device"] if same else v.get("device") or device_of(v["command"])
-        v["date"] = old["date"] if same else datetime.date.today().isoformat()
+        v["date"] = old["date"] if same else v.get("date") or datetime.date.today().isoformat()
         out[k] = v
     return {**out, **{k: v for k, v in previous.items() if k not in out}}
 
