@@ -316,6 +316,7 @@ class Membership:
         self._beat = None  # the last beat's reply: False means the registry does not know us
         self._joined = None  # the last re-registration's reply: False means another cluster's registry
         self._rejoin = False  # the next beat registers again, with every cached block
+        self._lost = False  # the actor died under a call: the next beat looks the name up again
         self.orphaned = False
 
     async def join(self, info: WorkerInfo) -> None:
@@ -332,17 +333,20 @@ class Membership:
         if self.orphaned:
             return
         try:
+            if self._lost:  # it died under a call: the name may hold a new actor by now (ValueError: not yet)
+                self.actor = ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+                self._lost, self._rejoin = False, True
+            rejoin = self._rejoin
             if self._joined is not None and ray.wait([self._joined], timeout=0)[0]:
                 joined, self._joined = self._joined, None
-                if self._orphan_if(ray.get(joined)):
+                if self._orphan_if(self._reply(joined)):
                     return
-            rejoin = self._rejoin
             if self._beat is not None and ray.wait([self._beat], timeout=0)[0]:
-                try:
-                    rejoin = ray.get(self._beat) is False or rejoin
-                except RayError:  # it died under the call: maybe a new actor by now
-                    rejoin = True
-                    self.actor = ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+                done, self._beat = self._beat, None
+                rejoin = self._reply(done) is False or rejoin
+            if self._lost:
+                self._rejoin = True
+                return
             if rejoin:
                 self._joined = self.actor.register.remote(self.worker_id, info(), self.cluster_id)
                 news = everything()
@@ -350,6 +354,14 @@ class Membership:
             self._rejoin = False
         except Exception:  # noqa: BLE001 - the registry restarting must not stop the engine
             self._beat, self._rejoin = None, True
+
+    def _reply(self, ref):
+        """A settled call's answer; None, and the actor marked lost, if it died under the call."""
+        try:
+            return ray.get(ref)
+        except RayError:
+            self._lost = True
+            return None
 
     def _orphan_if(self, refused_or_joined: bool) -> bool:
         if refused_or_joined is False:

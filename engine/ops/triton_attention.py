@@ -93,44 +93,61 @@ def _paged_decode_kernel(
                                offs_d, mask_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                                PAGE, COMPUTE_DTYPE, SCALED, INT4, IEEE)
-        if SCORES:  # p itself, between the softmax's halves: each block's sum of it, by one dot
+        if SCORES:  # p itself, between the softmax's halves: each block's sum of it, into the scratch
             sc = qk_dot(q, k, IEEE) * qk_scale
             p, alpha, m_i, l_i = tile_probs(sc, ks, valid[None, :], m_i, l_i, True, SCALED)
-            blk = tl.arange(0, BLOCKS_PAD)
-            member = ((tl.arange(0, BLOCK_N) // PAGE)[:, None] == blk[None, :]).to(COMPUTE_DTYPE)
-            if IEEE:
-                mass = tl.dot(p, member, input_precision="ieee")
-            else:  # p as p v takes it (bf16): the one operand both dots read
-                mass = tl.dot(p.to(COMPUTE_DTYPE), member)
-            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-            lm = tl.where(mass > 0, m_use[:, None] + tl.log2(tl.where(mass > 0, mass, 1.0)), float("-inf"))
-            blk = n0 // PAGE + blk
-            tl.store(lm_ptr + ((seq * NUM_KV_HEADS + kvh) * NB + blk[None, :]) * GROUP_PAD + offs_g[:, None], lm,
-                     mask=mask_g[:, None] & (blk < NB)[None, :] & (blk < n0 // PAGE + BLOCK_N // PAGE)[None, :])
+            _store_block_mass(lm_ptr + (seq * NUM_KV_HEADS + kvh) * NB * GROUP_PAD, p, m_i, n0, NB, offs_g, mask_g,
+                              IEEE, COMPUTE_DTYPE, PAGE, BLOCK_N, BLOCKS_PAD, GROUP_PAD)
             acc = tile_values(p, v, vs, acc, alpha, IEEE, COMPUTE_DTYPE, SCALED)
         else:
             acc, m_i, l_i = attend(q, k, v, ks, vs, valid[None, :], acc, m_i, l_i, qk_scale, True,
                                    IEEE, COMPUTE_DTYPE, SCALED)
     if SCORES and not SPLIT:  # the final (max, sum) are this program's: normalize here, the scratch still in L2
-        tl.debug_barrier()  # every thread's scratch rows written before any thread reads them back
-        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
         row = seq * NUM_KV_HEADS + kvh
-        last = tl.minimum((seq_len + PAGE - 1) // PAGE, NB)
-        for b0 in range(lo_tile // PAGE, last, EPILOGUE_BLOCKS):
-            bb = b0 + tl.arange(0, EPILOGUE_BLOCKS)
-            live = bb < last
-            lm = tl.load(lm_ptr + (row * NB + bb[None, :]) * GROUP_PAD + offs_g[:, None],
-                         mask=mask_g[:, None] & live[None, :], other=float("-inf"))
-            mass = tl.sum(tl.exp2(lm - m_use[:, None]) * inv[:, None], axis=0)
-            at = scores_ptr + row * stride_sr + bb
-            tl.store(at, tl.load(at, mask=live, other=0.0) + mass, mask=live)
+        _add_block_scores(lm_ptr + row * NB * GROUP_PAD, scores_ptr + row * stride_sr, lo_tile // PAGE,
+                          tl.minimum((seq_len + PAGE - 1) // PAGE, NB), m_i, l_i, offs_g, mask_g, GROUP_PAD,
+                          EPILOGUE_BLOCKS)
     if SPLIT:
         store_partial(part_acc_ptr, part_ml_ptr, seq * NUM_KV_HEADS + kvh, split, SPLITS, offs_g, mask_g, offs_d,
                       acc, m_i, l_i, GROUP_PAD, D_PAD)
     else:
         tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  finish(acc, l_i).to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _store_block_mass(lm_ptr, p, m_i, n0, NB, offs_g, mask_g, IEEE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr):
+    # a tile's p [rows, keys] summed per cache block (one dot with a 0/1 membership matrix), kept as
+    # log2 of each row's unnormalized mass, m + log2(sum p), at the program's scratch [block, row]
+    blk = tl.arange(0, BLOCKS_PAD)
+    member = ((tl.arange(0, BLOCK_N) // PAGE)[:, None] == blk[None, :]).to(COMPUTE_DTYPE)
+    if IEEE:
+        mass = tl.dot(p, member, input_precision="ieee")
+    else:  # p as p v takes it (bf16): the one operand both dots read
+        mass = tl.dot(p.to(COMPUTE_DTYPE), member)
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lm = tl.where(mass > 0, m_use[:, None] + tl.log2(tl.where(mass > 0, mass, 1.0)), float("-inf"))
+    blk = n0 // PAGE + blk
+    tl.store(lm_ptr + blk[None, :] * GROUP_PAD + offs_g[:, None], lm,
+             mask=mask_g[:, None] & (blk < NB)[None, :] & (blk < n0 // PAGE + BLOCK_N // PAGE)[None, :])
+
+
+@triton.jit
+def _add_block_scores(lm_ptr, scores_ptr, first, last, m_i, l_i, offs_g, mask_g, GROUP_PAD: tl.constexpr,
+                      BLOCKS: tl.constexpr):
+    # a program's own normalization (no splits): blocks [first, last) of its scratch, each row's
+    # 2^(lm - max) / sum summed over its rows, added to its kv head's row of scores
+    tl.debug_barrier()  # every thread's scratch rows written before any thread reads them back
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    for b0 in range(first, last, BLOCKS):
+        bb = b0 + tl.arange(0, BLOCKS)
+        live = bb < last
+        lm = tl.load(lm_ptr + bb[None, :] * GROUP_PAD + offs_g[:, None], mask=mask_g[:, None] & live[None, :],
+                     other=float("-inf"))
+        mass = tl.sum(tl.exp2(lm - m_use[:, None]) * inv[:, None], axis=0)
+        tl.store(scores_ptr + bb, tl.load(scores_ptr + bb, mask=live, other=0.0) + mass, mask=live)
 
 
 DECODE_SPLITS = dict(per_sm=2, full_at=1)  # split_count's aim for decode launches: 2 programs per SM
