@@ -7,7 +7,7 @@ handoffs, failures, reservations to the prefill worker, peer fetches) and heartb
 registry with the worker's stats and the prefix-cache events.
 
 It reads what the actor sets up: engine, role, role_name, connector, fetches, peers,
-membership, outlets, inbox, wake, stopped, heartbeat_s, handoff_timeout_s, aloop, and the actor's
+membership, outlets, inbox, wake, stopped, heartbeat_s, handoff (HandoffConfig), aloop, and the actor's
 `info()`, `_stats()` and `_die()`; it writes `dead` when the thread ends on an error.
 """
 
@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 class EngineLoop:
     def _make_role(self, role: str):
         self.engine.hold_blocks_on_finish = False  # the prefill role sets it
-        return ROLE_CLASSES[role](self.engine, self.connector, self.handoff_timeout_s, self.fetches)
+        if role == "decode":
+            return DecodeRole(self.engine, self.connector, self.handoff.timeout_s, self.fetches, self.handoff.wait_s)
+        return ROLE_CLASSES[role](self.engine, self.connector, self.handoff.timeout_s, self.fetches)
 
     # ---- the engine thread -> the actor's event loop ---------------------------------------------
     def _post(self, cmd) -> None:

@@ -23,6 +23,8 @@
     handoff:
       timeout_s: 30             # a KV handoff not done by then fails (--handoff-timeout); long
                                 # prompts on a busy host may need more
+      wait_s: 300               # a decode worker's reservation waits this long for its prompt's
+                                # prefill (queued behind others) to start the handoff
       same_node: true           # pairs on one host pull KV through CUDA IPC / shared memory
       peer_fetch: true          # a prefix another worker's GPU caches is fetched over the same
                                 # links when predicted faster than recomputing it (transfer/fetch.py)
@@ -134,6 +136,10 @@ class SloConfig:
 @dataclass
 class HandoffConfig:
     timeout_s: float = 30.0  # a reservation, send or receive of one request's KV
+    # a reserved receive waits this long for its sender's order, i.e. for the prompt's prefill,
+    # which may queue behind others (a burst): a receive that gave up would fail a request that
+    # is only late, and its retry would add to the queue that made it late
+    wait_s: float = 300.0
     # a pair on one host whose peer's KV maps into the receiver pulls it (CUDA IPC / shared
     # memory, transfer/pull.py); false: always NCCL (gloo on CPU)
     same_node: bool = True
@@ -142,9 +148,10 @@ class HandoffConfig:
     peer_fetch: bool = True
 
     def validate(self) -> None:
-        v = self.timeout_s
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"handoff.timeout_s must be a number > 0, got {v!r}")
+        for name in ("timeout_s", "wait_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"handoff.{name} must be a number > 0, got {v!r}")
         for name in ("same_node", "peer_fetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"handoff.{name} must be true or false, got {getattr(self, name)!r}")

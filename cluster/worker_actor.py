@@ -100,7 +100,7 @@ class WorkerActor(EngineLoop):
                               same_node=handoff.same_node)
         # rank to rank handoffs with workers of any TP (transfer/tp.py); one route at TP 1 <-> 1
         self.connector = TPConnector(local, self.engine.shards.links() if self.engine.shards else [], kv_heads)
-        self.handoff_timeout_s = handoff.timeout_s
+        self.handoff = handoff
         self.fetches = PeerFetches(self.engine, self.connector)  # prefixes fetched from peers, served to them
         self.role = self._make_role(role)
         self.membership = Membership(worker_id, namespace, cluster_id)

@@ -15,6 +15,9 @@ One handed-off request's way through this role (queues named as in `step()`):
     step(): receiving -> running     the KV landed; the first token (sampled by prefill,
             carried in the handoff's meta) is appended and the request joins the batch
             -> Emitted(first output). A failed handoff frees the blocks -> Emitted(error).
+    abort(rid)                       the receive ends; a receive already on the wire finishes
+            first (`settling`), so that the pair and the handoffs queued on it live on, and
+            its blocks are freed when it does
     step(): the engine step          -> Emitted(delta outputs); preemption recomputes here
 """
 
@@ -29,7 +32,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.validation import ValidRequest
-from pdserve.transfer.base import HandoffMeta, KVConnector, TransferState
+from pdserve.transfer.base import Abort, HandoffMeta, KVConnector, TransferState
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
 
 
@@ -43,13 +46,15 @@ class _Incoming:
 
 class DecodeRole(Role):
     def __init__(self, engine: LLMEngine, connector: KVConnector, handoff_timeout_s: float = 30.0,
-                 fetches: PeerFetches | None = None):
+                 fetches: PeerFetches | None = None, wait_s: float | None = None):
         self.engine = engine
         self.connector = connector
         self.handoff_timeout_s = handoff_timeout_s
+        self.wait_s = wait_s  # a posted receive waits this long for its sender (None: the timeout)
         self.fetches = fetches or PeerFetches(engine, connector)  # the worker's, shared by its roles
         self.backlog: collections.deque[_Incoming] = collections.deque()  # waiting for free blocks
         self.receiving: dict[str, _Incoming] = {}  # reserved, KV on its way
+        self.settling: dict[str, _Incoming] = {}  # aborted on the wire: blocks freed when it ends
         self.local: dict[str, dict] = {}  # prefilled here, no first token yet: their spans
 
     def add(self, request_id: str, request: ValidRequest, peer: str | None = None,
@@ -100,7 +105,8 @@ class DecodeRole(Role):
             fill, skip = res
             req.num_cached_tokens = skip * self.engine.config.block_size
             # one receive, or one per route from a tensor-parallel peer's ranks (transfer/tp.py)
-            _, target = self.connector.receive(inc.peer, req.request_id, fill, skip, self.handoff_timeout_s)
+            _, target = self.connector.receive(inc.peer, req.request_id, fill, skip, self.handoff_timeout_s,
+                                               self.wait_s)
             inc.spans["reserved"] = time.time()
             self.receiving[req.request_id] = inc
             events.append(Reserved(req.request_id, inc.peer, target))
@@ -112,6 +118,9 @@ class DecodeRole(Role):
         for h in self.fetches.take(self.connector.poll()):
             inc = self.receiving.pop(h.request_id, None)
             if inc is None:
+                gone = self.settling.pop(h.request_id, None)
+                if gone is not None:
+                    self.engine.kv.free(gone.request)
                 continue
             req = inc.request
             if h.state != TransferState.DONE:
@@ -138,8 +147,10 @@ class DecodeRole(Role):
         self.backlog = collections.deque(i for i in self.backlog if i.request.request_id != request_id)
         inc = self.receiving.pop(request_id, None)
         if inc is not None:
-            self.connector.abort(request_id)
-            self.engine.kv.free(inc.request)
+            if self.connector.abort(request_id, settle=True) is Abort.SETTLING:
+                self.settling[request_id] = inc  # the pair lives on; the blocks wait for its end
+            else:
+                self.engine.kv.free(inc.request)
         self.engine.abort_request(request_id)
 
     @property

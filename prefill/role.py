@@ -13,6 +13,8 @@ until the handoff that reads them is over. One request's way through this role:
              first token and the spans in the handoff's meta
     step()   the finished send -> Sent(rid, result); the request's references are dropped
              (full blocks stay cached at ref 0)
+    abort(rid)   the request ends here; a send already on the wire finishes first (its pair,
+                 and the sends queued behind it, live on) and poll() releases its blocks then
 
 A request with no decode peer (max_tokens == 1: nothing to decode) ends here: step()
 returns its output as Emitted.
@@ -30,7 +32,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Event, Failed, HandoffResult, Role, Sent
 from pdserve.engine.validation import ValidRequest
-from pdserve.transfer.base import HandoffMeta, HandoffTarget, KVConnector
+from pdserve.transfer.base import Abort, HandoffMeta, HandoffTarget, KVConnector
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
 
 
@@ -187,9 +189,10 @@ class PrefillRole(Role):
             self.pending.pop(request_id, None)
             self.early.pop(request_id, None)
         self.fetches.abort(request_id)
-        self.connector.abort(request_id)
+        settling = self.connector.abort(request_id, settle=True) is Abort.SETTLING
         self.engine.abort_request(request_id)
-        self.engine.release(request_id)
+        if not settling:  # else its send finishes first (the pair lives on); poll() releases it then
+            self.engine.release(request_id)
 
     @property
     def num_inflight(self) -> int:

@@ -95,8 +95,8 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
         return conn.start_send(HandoffTarget(peer, address, channel, 0), rid, block_ids, timeout,
                                meta={"first_token": len(block_ids), "rid": rid}, heads=heads)
 
-    def recv(peer, _address, rid, block_ids, channel, timeout=None):
-        return conn.start_recv(peer, rid, block_ids, channel, timeout)
+    def recv(peer, _address, rid, block_ids, channel, timeout=None, wait_s=None):
+        return conn.start_recv(peer, rid, block_ids, channel, timeout, wait_s=wait_s)
 
     if link == "pull-no-doorbell":  # a receiver whose doorbell cannot be made: both sides poll
         from pdserve.transfer.pull import PullLink
@@ -135,6 +135,11 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                 time.sleep(0.3)
                 conn.abort(args[2])
                 res_q.put(("results", _wait_all(conn, [h])))
+            elif cmd == "send_abort_settle":  # sends; the first is given up on the wire, to settle
+                hs = [send(*a) for a in args["ops"]]
+                time.sleep(0.3)
+                res_q.put(("abort", conn.abort(args["ops"][0][2], settle=True).name))
+                res_q.put(("results", _wait_all(conn, hs)))
             elif cmd == "recv":
                 if args.get("slow_pull"):  # a copy that takes this long (the sender may die meanwhile)
                     import pdserve.transfer.pull as pull

@@ -9,6 +9,11 @@ decode worker (receiver):
                   receiver: the blocks are written and usable
     FAILED        timeout, abort, dead peer or layout mismatch; `error` says which
 
+An abort before the wire ends a handoff at once. One on the wire is either cut (its pair
+dies with its group, and every handoff queued on that pair with it) or, asked with
+`settle=True`, left to finish its messages: it then ends FAILED "aborted", the pair lives
+on, and the caller frees the blocks when poll() returns it (`Abort.SETTLING`).
+
 Worker loops call `poll()` between engine steps; it never blocks. Both sides name
 a handoff by (peer, request_id). The receiver reserves blocks and posts its receive
 first, then hands the sender a `HandoffTarget`: itself, its address, the `Channel` (the
@@ -21,6 +26,7 @@ matches sends and receives in the order they are posted). The sender's small JSO
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -36,6 +42,16 @@ from pdserve.engine.role import Channel, HandoffTarget, RankTarget, TransferStat
 
 class TransferError(RuntimeError):
     pass
+
+
+class Abort(enum.IntEnum):
+    """What `abort()` did. NONE: no handoff of that id in flight. ENDED: failed now; nothing
+    touches its blocks any more. SETTLING: on the wire (asked with settle=True): it ends
+    FAILED "aborted" once its messages are done with the blocks, and poll() returns it then."""
+
+    NONE = 0
+    ENDED = 1
+    SETTLING = 2
 
 
 class LayoutMismatch(TransferError, ValueError):
@@ -99,13 +115,25 @@ class Handoff:
     heads: tuple[int, int] | None = None
     # the pair's link that moved it: cuda-ipc | shared-memory (pulled) | nccl | gloo; None: no blocks
     link: str | None = None
+    # aborted while on the wire, with settle=True: it ends FAILED "aborted" when its messages are done
+    cancelled: bool = False
+    # how long it may wait for the wire (a receive: for its sender's order, which comes when the
+    # prompt's prefill is done); None: timeout_s
+    wait_s: float | None = None
 
     @property
     def deadline(self) -> float:
-        return self.created + self.timeout_s
+        """`wait_s` (default `timeout_s`) from its start for its turn on the wire, then `timeout_s`
+        from when the pair's thread took it up."""
+        if self.t_started is not None:
+            return self.t_started + self.timeout_s
+        return self.created + (self.timeout_s if self.wait_s is None else self.wait_s)
 
     def complete(self) -> bool:
-        """DONE: the blocks moved (the receiver's `meta` is set first). False if it had ended."""
+        """DONE: the blocks moved (the receiver's `meta` is set first); FAILED "aborted" instead
+        when it was cancelled on the wire. False if it had ended."""
+        if self.cancelled:
+            return self._end(TransferState.FAILED, "aborted")
         return self._end(TransferState.DONE)
 
     def fail(self, error: str) -> bool:
@@ -261,17 +289,20 @@ class KVConnector(ABC):
 
     @abstractmethod
     def receive(self, peer: str, request_id: str, block_ids: list[int], num_skip: int,
-                timeout_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
+                timeout_s: float | None = None, wait_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
         """Receiver: posts the receive of a handoff from `peer` into `block_ids`; returns it and
-        the target the sender needs. `meta` arrives with it."""
+        the target the sender needs. `meta` arrives with it. It waits up to `wait_s` (default
+        `timeout_s`) for the sender's order, then `timeout_s` for the blocks."""
 
     @abstractmethod
     def poll(self) -> list[Handoff]:
         """Handoffs that finished (DONE or FAILED) since the last poll; fails overdue ones."""
 
     @abstractmethod
-    def abort(self, request_id: str) -> bool:
-        """Fails the request's handoff if it is in flight; False if there is none."""
+    def abort(self, request_id: str, settle: bool = False) -> Abort:
+        """Fails the request's handoff if it is in flight. One already on the wire is cut (its
+        pair dies), or with `settle` finishes its messages first (Abort.SETTLING: free its
+        blocks when poll() returns it)."""
 
     @property
     @abstractmethod
@@ -294,7 +325,8 @@ class PairConnector(KVConnector):
 
     @abstractmethod
     def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-                   timeout_s: float | None = None, heads: tuple[int, int] | None = None) -> Handoff:
+                   timeout_s: float | None = None, heads: tuple[int, int] | None = None,
+                   wait_s: float | None = None) -> Handoff:
         """Receives into `block_ids` on `channel` (from new_channel); `meta` arrives with it."""
 
     @abstractmethod
@@ -302,7 +334,7 @@ class PairConnector(KVConnector):
         """Receiver side: the channel of the next handoff from `peer`."""
 
     def receive(self, peer: str, request_id: str, block_ids: list[int], num_skip: int,
-                timeout_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
+                timeout_s: float | None = None, wait_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
         channel = self.new_channel(peer)
-        h = self.start_recv(peer, request_id, block_ids, channel, timeout_s)
+        h = self.start_recv(peer, request_id, block_ids, channel, timeout_s, wait_s=wait_s)
         return h, HandoffTarget(self.name, self.address, channel, num_skip)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from pdserve.engine.base.stores import BoundStore
 
-from .base import Channel, Handoff, HandoffTarget, PairConnector, StagingPool, wire_layout
+from .base import Abort, Channel, Handoff, HandoffTarget, PairConnector, StagingPool, wire_layout
 from .pair import Pair
 from .wire import td
 
@@ -137,9 +137,9 @@ class C10dConnector(PairConnector):
     # ---- the interface -------------------------------------------------------------------------
     def _start(self, is_sender: bool, peer: str, peer_address: str, request_id: str, block_ids: list[int],
                channel: Channel, timeout_s: float | None, ready=None, meta: dict | None = None,
-               heads=None) -> Handoff:
+               heads=None, wait_s: float | None = None) -> Handoff:
         h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s,
-                    meta=meta, heads=None if heads is None else tuple(heads))
+                    meta=meta, heads=None if heads is None else tuple(heads), wait_s=wait_s)
         if self.stream is not None:
             # on the caller's stream: a sender's blocks are written by the steps before it; a
             # receiver's blocks may still be written by the step in flight (a request that ended
@@ -167,8 +167,8 @@ class C10dConnector(PairConnector):
                            ready, meta, heads)
 
     def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-                   timeout_s: float | None = None, heads=None) -> Handoff:
-        return self._start(False, peer, "", request_id, block_ids, channel, timeout_s, heads=heads)
+                   timeout_s: float | None = None, heads=None, wait_s: float | None = None) -> Handoff:
+        return self._start(False, peer, "", request_id, block_ids, channel, timeout_s, heads=heads, wait_s=wait_s)
 
     def poll(self) -> list[Handoff]:
         now = time.monotonic()
@@ -193,13 +193,21 @@ class C10dConnector(PairConnector):
         if pair is not None and pair.gen == h.channel.gen and not pair.forget(h):
             pair.kill(f"handoff {h.request_id}: {h.error}")
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, settle: bool = False) -> Abort:
         with self._lock:
             h = self._handoffs.get(request_id)
-        if h is None or not h.fail("aborted"):
-            return False
+            pair = None if h is None else self._pairs.get((h.peer, h.is_sender))
+        if h is None or h.state.finished:
+            return Abort.NONE
+        if settle and pair is not None and pair.gen == h.channel.gen and not pair.forget(h):
+            # on the wire: let its messages finish (a pair cut here fails every handoff queued
+            # on it, and a retry of those meets a new group); complete() then ends it "aborted"
+            h.cancelled = True  # (if it ended just now, poll() returns it all the same)
+            return Abort.SETTLING
+        if not h.fail("aborted"):
+            return Abort.NONE
         self._drop(h)
-        return True
+        return Abort.ENDED
 
     def forget_peer(self, peer: str) -> None:
         """The peer left the cluster: close both directions of its pairs (with each of its

@@ -10,6 +10,7 @@ import time
 import torch
 
 from .base import (
+    Abort,
     Channel,
     Handoff,
     HandoffTarget,
@@ -43,9 +44,9 @@ class LoopbackConnector(PairConnector):
         return Channel(0)
 
     def _start(self, is_sender: bool, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-               timeout_s: float | None, meta: dict | None = None, heads=None) -> Handoff:
+               timeout_s: float | None, meta: dict | None = None, heads=None, wait_s: float | None = None) -> Handoff:
         h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s,
-                    meta=meta, heads=heads)
+                    meta=meta, heads=heads, wait_s=wait_s)
         self._handoffs[request_id] = h
         sender, receiver = (self.name, peer) if is_sender else (peer, self.name)
         key = (sender, receiver, request_id)
@@ -83,8 +84,8 @@ class LoopbackConnector(PairConnector):
         return self._start(True, target.peer, request_id, block_ids, target.channel, timeout_s, meta, heads)
 
     def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-                   timeout_s: float | None = None, heads=None) -> Handoff:
-        return self._start(False, peer, request_id, block_ids, channel, timeout_s, heads=heads)
+                   timeout_s: float | None = None, heads=None, wait_s: float | None = None) -> Handoff:
+        return self._start(False, peer, request_id, block_ids, channel, timeout_s, heads=heads, wait_s=wait_s)
 
     def poll(self) -> list[Handoff]:
         now = time.monotonic()
@@ -96,9 +97,10 @@ class LoopbackConnector(PairConnector):
                 done.append(self._handoffs.pop(rid))
         return done
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, settle: bool = False) -> Abort:
+        """A loopback handoff is never on a wire: it ends at once."""
         h = self._handoffs.get(request_id)
-        return h is not None and h.fail("aborted")
+        return Abort.ENDED if h is not None and h.fail("aborted") else Abort.NONE
 
     @property
     def num_pending(self) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.base.tp import kv_head_range
 
-from .base import Channel, Handoff, HandoffTarget, KVConnector, PairConnector, RankTarget, TransferState
+from .base import Abort, Channel, Handoff, HandoffTarget, KVConnector, PairConnector, RankTarget, TransferState
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,11 @@ class RecvPart:
     timeout_s: float | None
     peer: str
     channel: Channel
+    wait_s: float | None = None  # for the sender's order (Handoff.wait_s)
 
     def start(self, conn: PairConnector) -> Handoff:
         return conn.start_recv(self.peer, self.request_id, self.block_ids, self.channel, self.timeout_s,
-                               heads=self.heads)
+                               heads=self.heads, wait_s=self.wait_s)
 
     def for_wire(self) -> RecvPart:
         """What crosses to another process (a rank's actor): all of it."""
@@ -177,12 +178,12 @@ class TPConnector(KVConnector):
 
     # ---- receiver --------------------------------------------------------------------------------
     def receive(self, peer: str, request_id: str, block_ids: list[int], num_skip: int,
-                timeout_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
+                timeout_s: float | None = None, wait_s: float | None = None) -> tuple[Handoff, HandoffTarget]:
         """Posts the receive of every route from `peer` (of TP peer_tp[peer]) on this
         worker's ranks; the target tells each sender rank where and on which channel."""
         rs = routes(self.kv_heads, self.peer_tp.get(peer, 1), self.size)
         single = len(rs) == 1
-        comp = _Composite(request_id, peer, list(block_ids), Channel(0), False, timeout_s or 30.0)
+        comp = _Composite(request_id, peer, list(block_ids), Channel(0), False, timeout_s or 30.0, wait_s=wait_s)
         ranks = []
         for d in range(self.size):
             mine = [r for r in rs if r.dst == d]
@@ -192,7 +193,7 @@ class TPConnector(KVConnector):
             ranks.append(RankTarget(rank_name(self.name, d), self._addr(d), {p: c.gen for p, c in zip(senders, chans)}))
             for r, c in zip(mine, chans):
                 self._start_part(comp, r.dst, RecvPart(route_id(request_id, r, single), list(block_ids), r.dst_heads,
-                                                       timeout_s, rank_name(peer, r.src), c))
+                                                       timeout_s, rank_name(peer, r.src), c, wait_s))
         self._track(comp)
         gen0 = next(iter(ranks[0].gens.values()), 0)
         return comp, HandoffTarget(self.name, self.address, Channel(gen0), num_skip, tuple(ranks))
@@ -270,13 +271,24 @@ class TPConnector(KVConnector):
                 self._route_of.pop(route, None)
         comp.waiting.clear()
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, settle: bool = False) -> Abort:
+        """With `settle`, a handoff whose routes all run on this rank lets a route on the wire
+        finish (Abort.SETTLING: the composite ends "aborted" with its last route). Routes on
+        other ranks are cut: their blocks are freed here, where no answer from them can wait."""
         with self._lock:
             comp = self._open.get(request_id)
-        if comp is None or not comp.fail("aborted"):
-            return False
+        if comp is None or comp.state.finished:
+            return Abort.NONE
+        if settle and not self.links:
+            wired = [r for r in list(comp.waiting) if self.local.abort(r, settle=True) is Abort.SETTLING]
+            if wired:
+                comp.cancelled = True
+                comp.waiting = set(wired)
+                return Abort.SETTLING
+        if not comp.fail("aborted"):
+            return Abort.NONE
         self._abort_parts(comp)
-        return True
+        return Abort.ENDED
 
     @property
     def num_pending(self) -> int:
@@ -304,10 +316,16 @@ class _Composite(Handoff):
         self._last_end: float | None = None
 
     def timed_out(self) -> bool:
-        return time.monotonic() > self.deadline + 1.0  # the routes' own deadlines come first
+        """Past its routes' longest possible deadline (theirs come first: this covers a rank that
+        never reports)."""
+        wait = self.timeout_s if self.wait_s is None else self.wait_s
+        return time.monotonic() > self.created + wait + self.timeout_s + 1.0
 
     def settle(self, route: str, state: TransferState, error: str | None, ended: float | None = None) -> None:
-        """Route `route` ended in `state` at `ended` (monotonic; None: now)."""
+        """Route `route` ended in `state` at `ended` (monotonic; None: now). One no longer waited
+        for (aborted, while another route settles) changes nothing."""
+        if route not in self.waiting:
+            return
         self.waiting.discard(route)
         ended = time.monotonic() if ended is None else ended
         self._last_end = ended if self._last_end is None else max(self._last_end, ended)

@@ -214,6 +214,50 @@ def test_sender_side_abort_moves_the_pair_to_a_new_generation(peers):
     assert torch.equal(blocks["next"], make_kv(81)[[5, 6]])
 
 
+def test_a_send_aborted_on_the_wire_settles_and_the_send_queued_behind_it_lands_on_the_same_gen(peers):
+    """A request given up while its KV is on the wire (its client left, or its attempt failed
+    elsewhere): aborted with settle, the send finishes its messages and ends "aborted", and the
+    pair lives on. Cut instead, the pair failed every send queued behind it, and under a burst
+    their retries met the next cut: a whole batch answered with errors."""
+    p, d = peers("prefill-0", 85), peers("decode-0", 86)
+    handoff(p, d, "warm", [1], [1])
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    ch, ch_behind = d.ask("channel", (p.name, 2), "channels")
+    # "gone" (1.2 MB) waits on the wire for a receiver that never posts it; "behind" queues after it
+    p.call("send_abort_settle", {"ops": [(d.name, d.address, "gone", list(range(300)), ch, 30.0),
+                                         (d.name, d.address, "behind", [5, 6], ch_behind, 30.0)]})
+    assert p.get("abort") == "SETTLING"
+    d.call("recv", {"ops": [(p.name, "", "behind", [7, 8], ch_behind, 30.0)]})  # "gone" is drained first
+    sent = p.get("results")
+    assert sent["gone"][:2] == ("FAILED", "aborted") and sent["behind"][0] == "DONE", sent
+    out, blocks = d.get("results")
+    assert out["behind"][0] == "DONE" and torch.equal(blocks["behind"], make_kv(85)[[5, 6]])
+    assert ch_behind.gen == ch.gen and d.ask("channel", (p.name, 1), "channels")[0].gen == ch.gen  # not retired
+    assert p.ask("stats", kind="stats")["pairs"] == 1
+
+
+@pytest.mark.slow
+def test_a_receive_waits_for_a_late_sender_up_to_its_wait_then_for_the_timeout(peers):
+    """A burst queues prompts at the prefill worker: a receive, posted when its blocks are
+    reserved, waits `wait_s` for its sender's order (the prompt's prefill) and the handoff
+    timeout only from there. A sender later than `wait_s` fails it."""
+    p, d = peers("prefill-0", 87), peers("decode-0", 88)
+    handoff(p, d, "warm", [1], [1])
+    assert p.get("results")["warm"][0] == "DONE" and d.get("results")[0]["warm"][0] == "DONE"
+    late, never = d.ask("channel", (p.name, 2), "channels")
+    d.call("recv", {"ops": [(p.name, "", "late", [7, 8], late, 1.0, 8.0)]})
+    time.sleep(2.5)  # past the 1 s timeout, inside the 8 s wait
+    p.call("send", {"ops": [(d.name, d.address, "late", [5, 6], late, 1.0)]})
+    assert p.get("results")["late"][0] == "DONE"
+    out, blocks = d.get("results")
+    assert out["late"][0] == "DONE" and torch.equal(blocks["late"], make_kv(87)[[5, 6]])
+    t = time.monotonic()
+    d.call("recv", {"ops": [(p.name, "", "never", [9], never, 1.0, 2.0)]})
+    out, _ = d.get("results", timeout=30)
+    assert out["never"][0] == "FAILED" and "timed out" in out["never"][1]
+    assert 1.9 < time.monotonic() - t < 10
+
+
 def test_a_receive_on_a_gen_the_sender_retired_fails_at_once_and_the_next_channel_moves_on(peers):
     """The race after a burst of aborts: the receiver hands out a channel (gen 0), then the
     sender retires gen 0 (a send aborted on the wire). The send on that channel is refused
