@@ -188,7 +188,9 @@ class WorkerActor(EngineLoop):
 
     @property
     def inflight(self) -> int:
-        return self.role.num_inflight + len(self.inbox)
+        """Requests here: the role's, and those still on `inbox` (a peer to forget or a role
+        switch queued there is no request: counted, it showed an idle worker busy)."""
+        return self.role.num_inflight + sum(isinstance(c, Add) for c in list(self.inbox))
 
     # ---- requests ---------------------------------------------------------------------------
     async def prefill(self, request_id: str, request: ValidRequest, decode_id: str | None,

@@ -178,3 +178,23 @@ def test_a_prompt_whose_decode_worker_never_reserves_is_released_after_the_hando
     assert failed.request_id == "r0" and "no KV reservation from its decode worker within 0.5 s" in failed.error
     assert pw.num_inflight == 0 and not pe.held
     pe.kv.check_all_free()
+
+
+def test_a_worker_counts_the_requests_it_holds_not_its_control_commands(pair):
+    """A worker's `inflight` (what status, drains and the nothing-left checks read) counts the
+    requests its role holds and those still queued on its inbox. A peer to forget queued there is
+    no request: counted, a worker read busy right after a peer left (a CI run's failure)."""
+    import collections
+
+    from pdserve.cluster.worker_actor import WorkerActor
+    from pdserve.cluster.worker_commands import Add, ForgetPeer
+
+    _, dw = pair
+    worker = object.__new__(WorkerActor)  # its count alone: no actor, no engine thread
+    worker.role, worker.inbox = dw, collections.deque([ForgetPeer("decode-9")])
+    assert worker.inflight == 0
+    params = SamplingParams(max_tokens=4)
+    worker.inbox.append(Add("r1", valid(dw.engine, [5, 6, 7], params), "prefill-0"))
+    assert worker.inflight == 1
+    dw.add("r2", valid(dw.engine, [5, 6, 8], params), peer="prefill-0")  # waiting for its KV
+    assert worker.inflight == 2
