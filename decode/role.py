@@ -155,7 +155,10 @@ class DecodeRole(Role):
 
     @property
     def num_inflight(self) -> int:
-        return len(self.backlog) + len(self.receiving) + len(self.engine.requests) + len(self.fetches.incoming)
+        """Requests here, and aborted handoffs still settling on the wire (their blocks are held:
+        a role switch waits for them)."""
+        return len(self.backlog) + len(self.receiving) + len(self.settling) + len(self.engine.requests) + \
+            len(self.fetches.incoming)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
