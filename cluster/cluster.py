@@ -42,7 +42,8 @@ from .output_pipe import OutputPipe
 from .placement import LocalRules
 from .pools import Pools
 from .records import RegisteredWorker
-from .registry import REGISTRY_NAME, RegistryLink
+from .registry import REGISTRY_NAME
+from .registry_link import RegistryLink
 from .serving_config import ROLES, ServingConfig
 
 MODES = ("disaggregated", "hybrid", "colocated")

@@ -4,7 +4,7 @@ are `PoolMonitor`'s (pool_monitor.py). Runs on the cluster's event loop thread.
 
     scale(want)   set pool targets; growth is awaited, the surplus drains (no new
                   requests, in-flight ones finish) and then stops
-    monitor()     (pool_monitor.py) every second: the registry's probe (registry.RegistryLink.check), each
+    monitor()     (pool_monitor.py) every second: the registry's probe (registry_link.RegistryLink.check), each
                   worker's stats (or, if it does not answer, purge it from the registry,
                   tell its peers to drop their process groups with it, and refill the
                   pool); then one autoscaling decision when it is on

@@ -18,8 +18,8 @@ is what reaps a stuck one.
 
 The registry holds only what the workers can tell it again, so it is restartable: Ray
 restarts it when its process dies, a restarted (empty) registry refuses the workers'
-heartbeats and they register again with every block they cache. `RegistryLink` is the
-cluster's side of it: placement asks through it and gets "no hint" instead of an error
+heartbeats and they register again with every block they cache. `RegistryLink`
+(registry_link.py) is the cluster's side of it: placement asks through it and gets "no hint" instead of an error
 while the registry is away.
 """
 
@@ -29,7 +29,6 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -187,115 +186,6 @@ class BlockRegistry:
 
     def holders_of(self, block_hash: str) -> list[str]:
         return sorted(self.holders.get(block_hash, ()))
-
-
-class RegistryLink:
-    """The cluster's handle on the registry, for a registry that may die.
-
-    Lifecycle: `create()` starts the named actor with unlimited restarts. `runs`
-    answers from it within `call_timeout_s`; a call that fails or times out marks the
-    registry down, and while it is down placement gets no runs at once (consistent hash
-    with bounded load) without asking. The pools' monitor calls `check()` every second: a
-    registry that answers is up again; one whose name is gone (killed for good) is created
-    anew under the same name (the workers look it up again); one that has not answered
-    for `frozen_s` is killed so that Ray restarts it. Each incarnation (created or restarted)
-    gets its own clock, and each kill in one outage doubles the next one's allowance (up to
-    16 x `frozen_s`): a registry whose process takes longer than `frozen_s` to start on a busy
-    machine is not killed over and over while it starts. `state()` is what /health reports."""
-
-    def __init__(self, namespace: str, call_timeout_s: float = 1.0, frozen_s: float = 10.0):
-        self.namespace, self.call_timeout_s, self.frozen_s = namespace, call_timeout_s, frozen_s
-        self.cluster_id = uuid.uuid4().hex[:12]  # every incarnation of the registry serves this cluster
-        self.actor = None
-        self.down_since: float | None = None  # monotonic time of the first failure of this outage
-        self.reason: str | None = None
-        self.outages = 0  # outages seen since the cluster started
-        self.recreated = 0  # times the registry was created anew (its name was gone)
-        self.waiting_since: float | None = None  # when this incarnation's wait began (down, created, killed)
-        self.kills = 0  # kills in this outage: each doubles the next incarnation's allowance
-        self.closed = False
-
-    def create(self):
-        self.actor = BlockRegistry.options(name=REGISTRY_NAME, namespace=self.namespace,
-                                           max_restarts=-1).remote(cluster_id=self.cluster_id)
-        return self.actor
-
-    @property
-    def up(self) -> bool:
-        return self.down_since is None
-
-    def state(self) -> dict:
-        out = {"status": "ok" if self.up else "restarting", "outages": self.outages, "recreated": self.recreated}
-        if not self.up:
-            out.update(down_s=round(time.monotonic() - self.down_since, 1), reason=self.reason)
-        return out
-
-    def _down(self, why: str) -> None:
-        if self.up:
-            self.down_since, self.outages = time.monotonic(), self.outages + 1
-            self.waiting_since, self.kills = self.down_since, 0
-            log.warning("block registry unavailable (%s): placing without prefix hints until it is back", why)
-        self.reason = why
-
-    def _up(self) -> None:
-        if not self.up:
-            log.warning("block registry back after %.1f s", time.monotonic() - self.down_since)
-        self.down_since, self.reason = None, None
-
-    async def _call(self, ref, timeout: float):
-        try:
-            return await within(ref, timeout)
-        except asyncio.TimeoutError:
-            self._down(f"no answer within {timeout:g} s")
-        except RayError as e:
-            self._down(type(e).__name__)
-        return None
-
-    async def runs(self, hashes: list[str]) -> dict[str, PrefixRun]:
-        """The registry's runs of these hashes per worker (BlockRegistry.runs); {} while it is away
-        (placement then runs without prefix hints)."""
-        if not hashes or not self.up:
-            return {}
-        res = await self._call(self.actor.runs.remote(hashes), self.call_timeout_s)
-        return res or {}
-
-    async def unregister(self, worker_id: str) -> None:
-        if self.up:
-            await self._call(self.actor.unregister.remote(worker_id), 5.0)
-
-    async def list_workers(self) -> list[RegisteredWorker] | None:
-        return await self._call(self.actor.list_workers.remote(), 10.0)
-
-    async def check(self) -> None:
-        """The monitor's probe (every second): up, restarting, frozen (kill: Ray restarts it)
-        or gone (create it again)."""
-        if self.closed:
-            return
-        if await self._call(self.actor.ping.remote(), 2.0) is not None:
-            self._up()
-            return
-        try:
-            ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
-        except ValueError:  # dead for good (its restarts spent, or killed without restart)
-            if not self.closed:
-                log.warning("block registry gone: creating it again")
-                self.create()
-                self.recreated += 1
-                self.waiting_since = time.monotonic()  # the new actor's start is its own time
-            return
-        waited, allowed = time.monotonic() - self.waiting_since, self.frozen_s * 2 ** min(self.kills, 4)
-        if waited > allowed:
-            log.warning("block registry frozen for %.0f s: killing it so that Ray restarts it", waited)
-            ray.kill(self.actor, no_restart=False)
-            self.kills += 1
-            self.waiting_since = time.monotonic()  # the restart's start is its own time
-
-    def kill(self) -> None:
-        self.closed = True
-        try:
-            ray.kill(self.actor)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 class Membership:

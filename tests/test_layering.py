@@ -41,7 +41,7 @@ def test_imports_go_one_way(pkg):
 INTRA = {
     "cluster": {
         "aio": set(), "gpus": set(), "serving_config": set(), "routing": {"api"}, "registry": {"aio", "records"},
-        "api": set(), "records": set(),
+        "registry_link": {"aio", "records", "registry"}, "api": set(), "records": set(),
         "local_ray": set(), "output_pipe": {"aio"}, "outlets": {"output_pipe", "worker_commands"},
         "autoscale": {"serving_config"}, "ratio": {"api", "records", "serving_config"},
         "shard_actor": {"gpus", "serving_config"}, "worker_commands": set(),
@@ -57,7 +57,7 @@ INTRA = {
         "attempt": {"placement"},
         "dispatch": {"aio", "api", "attempt", "output_pipe", "placement", "pools", "records"},
         "cluster": {"aio", "api", "dispatch", "engine_specs", "gpus", "local_ray", "output_pipe", "placement",
-                    "pools", "records", "registry", "serving_config"},
+                    "pools", "records", "registry", "registry_link", "serving_config"},
         "__init__": {"cluster"},
     },
     "router": {

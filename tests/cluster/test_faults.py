@@ -318,7 +318,7 @@ def test_the_registry_killed_or_frozen_under_load_comes_back_and_no_request_fail
         _wait(lambda: len(results) >= 16 and cached_again(), 120, "no load before the kill")
         pid = _registry_pid(c)
         os.kill(pid, signal.SIGKILL)
-        _wait(lambda: _registry_pid(c) not in (None, pid), 60, "never restarted")
+        _wait(lambda: _registry_pid(c) not in (None, pid), 120, "never restarted")  # a fresh process, on a busy host
         n = len(results)
         _wait(lambda: cached_again() and len(results) >= n + 16, 60, "the workers never announced their blocks again")
 

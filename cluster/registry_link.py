@@ -1,0 +1,152 @@
+"""The cluster's side of the block registry (registry.py): `RegistryLink`, a guarded handle
+that placement asks through, and the probe that keeps the registry alive (restarted by Ray,
+killed when frozen, created again when gone)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import ray
+from ray.exceptions import RayError
+
+from .aio import within
+from .records import RegisteredWorker
+from .registry import REGISTRY_NAME, BlockRegistry, PrefixRun
+
+log = logging.getLogger(__name__)
+
+
+class RegistryLink:
+    """The cluster's handle on the registry, for a registry that may die.
+
+    Lifecycle: `create()` starts the named actor with unlimited restarts. `runs`
+    answers from it within `call_timeout_s`; a call that fails or times out marks the
+    registry down, and while it is down placement gets no runs at once (consistent hash
+    with bounded load) without asking. The pools' monitor calls `check()` every second: a
+    registry that answers is up again; one whose name is gone (killed for good) is created
+    anew under the same name (the workers look it up again). One that does not answer is
+    judged by Ray's own state of the actor (the GCS actor table): ALIVE and silent for
+    `frozen_s` is frozen, and is killed so that Ray restarts it; one Ray is still starting
+    (RESTARTING, PENDING_CREATION) is not frozen, however slow its start on a busy machine, and
+    is killed only after `start_s`. Each state's clock starts when the actor enters it, and each
+    kill in one outage doubles the next allowance (up to 16x). `state()` is what /health
+    reports."""
+
+    def __init__(self, namespace: str, call_timeout_s: float = 1.0, frozen_s: float = 10.0,
+                 start_s: float = 120.0):
+        self.namespace, self.call_timeout_s, self.frozen_s, self.start_s = namespace, call_timeout_s, frozen_s, start_s
+        self.actor_class = BlockRegistry  # the actor `create()` starts
+        self.cluster_id = uuid.uuid4().hex[:12]  # every incarnation of the registry serves this cluster
+        self.actor = None
+        self.down_since: float | None = None  # monotonic time of the first failure of this outage
+        self.reason: str | None = None
+        self.outages = 0  # outages seen since the cluster started
+        self.recreated = 0  # times the registry was created anew (its name was gone)
+        self.waiting_since: float | None = None  # when the wait in the actor's present state began
+        self.alive: bool | None = None  # the actor's Ray state at the last probe: ALIVE, or being started
+        self.kills = 0  # kills in this outage: each doubles the next incarnation's allowance
+        self.closed = False
+
+    def create(self):
+        self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace,
+                                           max_restarts=-1).remote(cluster_id=self.cluster_id)
+        return self.actor
+
+    @property
+    def up(self) -> bool:
+        return self.down_since is None
+
+    def state(self) -> dict:
+        out = {"status": "ok" if self.up else "restarting", "outages": self.outages, "recreated": self.recreated}
+        if not self.up:
+            out.update(down_s=round(time.monotonic() - self.down_since, 1), reason=self.reason)
+        return out
+
+    def _down(self, why: str) -> None:
+        if self.up:
+            self.down_since, self.outages = time.monotonic(), self.outages + 1
+            self.waiting_since, self.kills, self.alive = self.down_since, 0, None
+            log.warning("block registry unavailable (%s): placing without prefix hints until it is back", why)
+        self.reason = why
+
+    def _up(self) -> None:
+        if not self.up:
+            log.warning("block registry back after %.1f s", time.monotonic() - self.down_since)
+        self.down_since, self.reason = None, None
+
+    async def _call(self, ref, timeout: float):
+        try:
+            return await within(ref, timeout)
+        except asyncio.TimeoutError:
+            self._down(f"no answer within {timeout:g} s")
+        except RayError as e:
+            self._down(type(e).__name__)
+        return None
+
+    async def runs(self, hashes: list[str]) -> dict[str, PrefixRun]:
+        """The registry's runs of these hashes per worker (BlockRegistry.runs); {} while it is away
+        (placement then runs without prefix hints)."""
+        if not hashes or not self.up:
+            return {}
+        res = await self._call(self.actor.runs.remote(hashes), self.call_timeout_s)
+        return res or {}
+
+    async def unregister(self, worker_id: str) -> None:
+        if self.up:
+            await self._call(self.actor.unregister.remote(worker_id), 5.0)
+
+    async def list_workers(self) -> list[RegisteredWorker] | None:
+        return await self._call(self.actor.list_workers.remote(), 10.0)
+
+    async def check(self) -> None:
+        """The monitor's probe (every second): up, being started, frozen (kill: Ray restarts it)
+        or gone (create it again)."""
+        if self.closed:
+            return
+        if await self._call(self.actor.ping.remote(), 2.0) is not None:
+            self._up()
+            return
+        state = await asyncio.to_thread(self._actor_state)
+        if state is None:  # dead for good (its restarts spent, or killed without restart)
+            if not self.closed:
+                log.warning("block registry gone: creating it again")
+                self.create()
+                self.recreated += 1
+                self.waiting_since, self.alive = time.monotonic(), False  # the new actor's start is its own time
+            return
+        if (state == "ALIVE") != self.alive:  # a state's clock starts when the actor enters it
+            self.alive, self.waiting_since = state == "ALIVE", time.monotonic()
+        waited = time.monotonic() - self.waiting_since
+        allowed = (self.frozen_s if self.alive else self.start_s) * 2 ** min(self.kills, 4)
+        if waited > allowed:
+            log.warning("block registry %s for %.0f s: killing it so that Ray restarts it",
+                        "frozen" if self.alive else f"stuck in {state}", waited)
+            ray.kill(self.actor, no_restart=False)
+            self.kills += 1
+            self.waiting_since, self.alive = time.monotonic(), None  # the restart's start is its own time
+
+    def _actor_state(self) -> str | None:
+        """Ray's state of the registry actor (ALIVE, RESTARTING, PENDING_CREATION, ...), or None
+        when its name is gone. The GCS actor table is read through `ray._private.state` (the
+        public state API needs the dashboard, which pdserve's Ray runs without); should that
+        fail, the actor counts as ALIVE, so a silent one is still killed after `frozen_s`."""
+        try:
+            ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+        except ValueError:
+            return None
+        try:
+            from ray._private import state as ray_state
+            row = ray_state.actors(self.actor._actor_id.hex())
+            return None if row["State"] == "DEAD" else row["State"]
+        except Exception as e:  # noqa: BLE001
+            log.debug("the registry's Ray state is unreadable (%s): taken as ALIVE", e)
+            return "ALIVE"
+
+    def kill(self) -> None:
+        self.closed = True
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,87 @@
+"""The cluster's probe of the block registry (`RegistryLink.check`) against a real Ray actor:
+a registry that Ray is still restarting is left to start, however slowly; one that is alive
+and silent is frozen and killed, so that Ray restarts it."""
+import asyncio
+import os
+import signal
+import tempfile
+import time
+import uuid
+
+import pytest
+import ray
+
+from pdserve.cluster.registry import BlockRegistry
+from pdserve.cluster.registry_link import RegistryLink
+
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
+
+START_S = 4.0
+
+
+def _slow_marker(namespace: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"{namespace}.slow")
+
+
+@ray.remote(num_cpus=0)
+class SlowStartRegistry(BlockRegistry.__ray_actor_class__):
+    """The block registry, whose process takes START_S to start while its namespace's marker file
+    exists (as a restart does on a loaded machine: a fresh Python process importing torch and Ray)."""
+
+    def __init__(self, **kw):
+        if os.path.exists(_slow_marker(ray.get_runtime_context().namespace)):
+            time.sleep(START_S)
+        super().__init__(**kw)
+
+
+def _probe_until(link: RegistryLink, cond, timeout: float) -> None:
+    async def run():
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"not within {timeout} s: {link.state()}, kills {link.kills}"
+            await link.check()
+            await asyncio.sleep(0.2)
+    asyncio.run(run())
+
+
+@pytest.fixture
+def link():
+    """A RegistryLink (frozen_s 0.5 s) on a SlowStartRegistry of its own namespace, answering."""
+    link = RegistryLink(f"registry-link-{uuid.uuid4().hex[:8]}", frozen_s=0.5, start_s=60.0)
+    link.actor_class = SlowStartRegistry
+    link.create()
+    assert ray.get(link.actor.ping.remote(), timeout=60)
+    yield link
+    link.kill()
+    if os.path.exists(_slow_marker(link.namespace)):
+        os.remove(_slow_marker(link.namespace))
+
+
+def test_a_registry_slow_to_restart_is_not_taken_for_frozen(link):
+    """SIGKILL the registry, whose restart takes 4 s, against a 0.5 s `frozen_s`: the probe sees
+    Ray restarting it, kills nothing, and the restarted registry (a new process) answers."""
+    pid = ray.get(link.actor.ping.remote(), timeout=30)
+    open(_slow_marker(link.namespace), "w").close()
+    os.kill(pid, signal.SIGKILL)
+    _probe_until(link, lambda: not link.up, 30)
+    _probe_until(link, lambda: link.up, 60)
+    assert link.kills == 0
+    assert ray.get(link.actor.ping.remote(), timeout=30) != pid
+
+
+def test_a_registry_alive_and_silent_is_killed_and_restarted(link):
+    """SIGSTOP the registry: Ray still reports it ALIVE, it answers nothing, and after `frozen_s`
+    the probe kills it; Ray restarts it and the new process answers."""
+    pid = ray.get(link.actor.ping.remote(), timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _probe_until(link, lambda: link.kills >= 1, 30)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    _probe_until(link, lambda: link.up, 60)
+    assert link.kills == 1
+    assert ray.get(link.actor.ping.remote(), timeout=30) != pid
