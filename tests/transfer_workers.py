@@ -104,7 +104,7 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
         PullLink.listen = lambda self: None
         link = "pull"
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # "cuda": the first GPU
     kv = make_kv(seed, head_dim=head_dim, shared=device == "cpu").to(device)
     kvm = KVCacheManager(kv.shape[0], SHAPE["block_size"])
     conn = C10dConnector(name, kv, min_chunk_bytes=16 << 10, same_node=link == "pull")  # 4 KiB blocks: many chunks
