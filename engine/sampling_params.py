@@ -145,6 +145,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    def row(self) -> tuple[float, float, float, float, float]:
+        """What the sampler uploads for a row of this request (sample/sampler.RowParams):
+        temperature (1 when greedy), top_p, min_p, top_k (inf: the whole vocabulary), greedy."""
+        greedy = self.greedy
+        return (1.0 if greedy else self.temperature, self.top_p, self.min_p,
+                self.top_k if self.top_k > 0 else float("inf"), float(greedy))
+
 
 def _checked_bias(logit_bias) -> dict[int, float]:
     """OpenAI's logit_bias (JSON keys are strings) as {token id: bias}; InvalidParam naming every

@@ -9,6 +9,7 @@ integer ids owned by the KV-cache manager; a request never holds tensors.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -90,6 +91,11 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
             self.prompt_logprobs, self.prompt_ranks = [None], [None]
+
+    @functools.cached_property
+    def sampling_row(self) -> tuple[float, ...]:
+        """Its parameters as the sampler uploads them (SamplingParams.row), computed once."""
+        return self.sampling_params.row()
 
     @property
     def scoring_prompt(self) -> bool:

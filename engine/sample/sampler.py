@@ -10,6 +10,9 @@ speculative verification. The sampler keeps no per-request state.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from ..base.host_to_device import to_device
@@ -18,6 +21,26 @@ from ..sampling_params import SamplingParams
 from . import sampling_noise
 from .logits_process import process
 from .verify import verify_greedy, verify_sampled
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """A step's rows' sampling parameters on the device, from one upload: a [5, rows] float32
+    array whose rows are contiguous views (a broadcast [rows, 1] operand with a stride would turn
+    the [rows, vocab] divisions and comparisons into non-vectorized kernels). top_k is a float
+    (exact below 2^24; inf keeps the whole vocabulary); a greedy row's temperature is 1."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    top_k: torch.Tensor
+    greedy: torch.Tensor  # bool
+
+    @staticmethod
+    def of(rows: list[tuple[float, ...]], device) -> RowParams:
+        """`rows`: each row's SamplingParams.row() (a request caches its own: Request.sampling_row)."""
+        t = to_device(np.ascontiguousarray(np.array(rows, dtype=np.float32).T), device)
+        return RowParams(t[0], t[1], t[2], t[3], t[4] > 0)
 
 
 class Sampler:
@@ -113,28 +136,34 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], reqs: list[Request],
                 greedy: torch.Tensor) -> torch.Tensor:
+        """The exponential race over the rows' distributions: the rows' parameters in one upload
+        (RowParams), and the seeded rows' places and keys in a second when there are any."""
         n = logits.shape[0]
-        probs = self.probs(logits, params)
+        rows = RowParams.of([r.sampling_row for r in reqs], logits.device)
+        probs = self.probs(logits, params, rows)
         noise = sampling_noise.unseeded(*probs.shape, probs.device)
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         if seeded:  # each at the index of the output token it draws now
             keys = [sampling_noise.stream_keys(params[i].seed, reqs[i].num_output_tokens) for i in seeded]
-            noise[seeded] = sampling_noise.exponentials(keys, probs.shape[1], probs.device)
+            m = len(seeded)
+            ints = to_device(seeded + [k[0] for k in keys] + [k[1] for k in keys], logits.device, torch.int64)
+            noise.index_copy_(0, ints[:m], sampling_noise.keyed_exponentials(ints[m:2 * m], ints[2 * m:],
+                                                                             probs.shape[1]))
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = to_device([p.greedy for p in params], logits.device)
-        return torch.where(is_greedy, greedy, sampled)[:n]
+        return torch.where(rows.greedy, greedy, sampled)[:n]
 
-    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """The distribution each row samples from: temperature, then top-k and top-p."""
-        temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], logits.device, torch.float32)
-        logits = logits / temps[:, None]
-        top_ks = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]
-        top_ps = [p.top_p for p in params]
-        if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
-            logits = self._top_k_top_p(logits, top_ks, top_ps)
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams], rows: RowParams | None = None) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k and top-p, then min-p.
+        `params` decide on the host which of these steps any row needs; `rows` (else built here)
+        are their values on the device."""
+        rows = RowParams.of([p.row() for p in params], logits.device) if rows is None else rows
+        logits = logits / rows.temperature[:, None]
+        vocab = logits.shape[1]
+        if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1.0 for p in params):
+            logits = self._top_k_top_p(logits, rows)
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the row's top probability
-            min_p = to_device([p.min_p for p in params], logits.device, probs.dtype)[:, None]
+            min_p = rows.min_p[:, None]
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
@@ -149,22 +178,20 @@ class Sampler:
         params = request.sampling_params
         if params.greedy:
             return verify_greedy(argmax if argmax is not None else logits.argmax(dim=-1).tolist(), drafts)
-        probs = self.probs(logits, [params] * len(logits))
+        probs = self.probs(logits, [params] * len(logits), RowParams.of([request.sampling_row] * len(logits),
+                                                                        logits.device))
         noise = self.noise(len(logits), probs.shape[1], probs.device, params.seed, request.num_output_tokens)
         return verify_sampled(probs, drafts, noise)
 
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    def _top_k_top_p(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[1]
-        k = to_device(top_ks, logits.device, torch.int64)[:, None]
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        mask = ranks >= k  # outside top-k
+        ranks = torch.arange(logits.shape[1], device=logits.device, dtype=torch.float32)[None, :]
+        mask = ranks >= rows.top_k[:, None]  # outside top-k (inf: none)
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        p = to_device(top_ps, logits.device, torch.float32)[:, None]
         # drop a token when the mass before it already reaches top_p (the first always stays:
         # a top_p below float32's smallest, 1e-300, is 0 here)
-        mask |= (probs.cumsum(dim=-1) - probs) >= p
+        mask |= (probs.cumsum(dim=-1) - probs) >= rows.top_p[:, None]
         mask[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         return torch.empty_like(logits).scatter_(1, idx, sorted_logits)

@@ -60,10 +60,15 @@ def unseeded(rows: int, vocab: int, device) -> torch.Tensor:
 def exponentials(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
     """[len(keys), vocab] float32 Exp(1) draws, row r a pure function of keys[r] and the
     token id."""
-    ka = to_device([k[0] for k in keys], device, torch.int64)[:, None]
-    kb = to_device([k[1] for k in keys], device, torch.int64)[:, None]
-    v = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]
-    return -torch.log(uniform(_mix(_mix((v + ka) & M32) ^ kb)))
+    ka = to_device([k[0] for k in keys], device, torch.int64)
+    kb = to_device([k[1] for k in keys], device, torch.int64)
+    return keyed_exponentials(ka, kb, vocab)
+
+
+def keyed_exponentials(ka: torch.Tensor, kb: torch.Tensor, vocab: int) -> torch.Tensor:
+    """exponentials() of keys already on the device: int64 [rows] each."""
+    v = torch.arange(vocab, dtype=torch.int64, device=ka.device)[None, :]
+    return -torch.log(uniform(_mix(_mix((v + ka[:, None]) & M32) ^ kb[:, None])))
 
 
 def uniform(h: torch.Tensor) -> torch.Tensor:
