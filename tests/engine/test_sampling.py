@@ -177,3 +177,23 @@ def test_a_batchs_draws_equal_each_rows_own_reference_whatever_shares_it():
             r.append_token(t)
         batch = batch[1:] + batch[:1]  # each request in another row next step
         params = params[1:] + params[:1]
+
+
+def test_a_steps_row_parameters_come_from_each_requests_row_as_contiguous_vectors():
+    """RowParams: one [5, rows] array whose rows are the parameters, contiguous (a strided
+    [rows, 1] operand makes the [rows, vocab] kernels non-vectorized on the GPU); a greedy row's
+    temperature is 1, top_k <= 0 keeps the whole vocabulary, and a request's row is computed once."""
+    from pdserve.engine.sample.sampler import RowParams
+
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.3, top_k=-1)]
+    reqs = [Request(f"r{i}", [1, 2], p) for i, p in enumerate(params)]
+    rows = RowParams.of([r.sampling_row for r in reqs], "cpu")
+    for t in (rows.temperature, rows.top_p, rows.min_p, rows.top_k):
+        assert t.is_contiguous() and t.dtype == torch.float32 and t.shape == (3,)
+    assert torch.allclose(rows.temperature, torch.tensor([0.7, 1.0, 1.3]))
+    assert torch.allclose(rows.top_p, torch.tensor([0.9, 1.0, 1.0]))
+    assert torch.allclose(rows.min_p, torch.tensor([0.1, 0.0, 0.0]))
+    assert rows.top_k.tolist() == [5.0, float("inf"), float("inf")]
+    assert rows.greedy.tolist() == [False, True, False]
+    assert reqs[0].sampling_row is reqs[0].sampling_row  # cached on the request
