@@ -310,3 +310,27 @@ def test_a_tier_bench_runs_its_tiny_shape_on_cpu(script, args, tok_dir, tmp_path
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "|---|" in r.stdout or "| --- |" in r.stdout, r.stdout[-2000:]
+
+
+def test_tp_bench_counts_a_moe_ranks_experts_apart(tmp_path, tok_dir):
+    """bench/tp_gpu.py's floor for a mixture-of-experts shape: one rank's dense weights plus the
+    experts a batch is expected to touch, each at the bytes one local expert holds; its prefill
+    FLOPs count a token's top_k experts, not all of them."""
+    from helpers import save_hf
+
+    E, k, H, inter, L = 8, 2, 64, 32, 2
+    save_hf("qwen3_moe", dict(vocab_size=49152, hidden_size=H, intermediate_size=64, moe_intermediate_size=inter,
+                              num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_experts=E, num_experts_per_tok=k, max_position_embeddings=256),
+            str(tmp_path), tok_dir)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", max_model_len=128))
+    try:
+        rank = bench("tp_gpu").RankBytes(eng.runner.model, k, E)
+        one = 3 * H * inter * 4  # gate, up and down of one expert, float32
+        assert (rank.local, rank.layers, rank.one, rank.expert_bytes) == (E, L, one, L * E * one)
+        assert rank.touched(1) == pytest.approx(k) and rank.touched(10 ** 4) == pytest.approx(E)
+        dense = rank.weights - rank.expert_bytes
+        assert rank.decode_bytes(1) == pytest.approx(dense + L * k * one)
+        assert rank.active_params() == pytest.approx((dense + L * k * one) / 4)
+    finally:
+        eng.close()
