@@ -179,8 +179,7 @@ class WorkerActor(EngineLoop):
                  held_for_handoff=len(self.engine.held),
                  waiting_for_kv=len(getattr(self.role, "receiving", ())) + len(getattr(self.role, "backlog", ())),
                  request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks,
-                 kv_links=self.connector.local.links(),  # each KV pair's link and why (transfer/pull.py)
-                 **self.fetches.stats())
+                 kv_links=self.connector.local.links())  # each KV pair's link and why (transfer/pull.py)
         if self.kernels is not None:
             s.update(kernel_compiles_serving=self.kernels.count, kernel_compiles_recent=self.kernels.recent())
         s["num_deferred"] = s["waiting_for_kv"] + len(self.compiling_now)  # waiting on KV or a grammar

@@ -51,7 +51,8 @@ class DecodeRole(Role):
         self.connector = connector
         self.handoff_timeout_s = handoff_timeout_s
         self.wait_s = wait_s  # a posted receive waits this long for its sender (None: the timeout)
-        self.fetches = fetches or PeerFetches(engine, connector)  # the worker's, shared by its roles
+        # the worker's peer tier, shared by its roles (the engine's own where one joined it already)
+        self.fetches = fetches or engine.tiers.get("peer") or PeerFetches(engine, connector)
         self.backlog: collections.deque[_Incoming] = collections.deque()  # waiting for free blocks
         self.receiving: dict[str, _Incoming] = {}  # reserved, KV on its way
         self.settling: dict[str, _Incoming] = {}  # aborted on the wire: blocks freed when it ends
@@ -63,8 +64,7 @@ class DecodeRole(Role):
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.engine.admit(request, request_id)
         if peer is None:
-            if fetch is None or not self.fetches.start(req, fetch):  # else the engine gets it after
-                self.engine.add_request(req)
+            self.fetches.add(req, fetch)  # with a fetch plan, the engine's peer tier fetches its prefix first
             self.local[request_id] = {"local_queued": time.time()}
             return
         req.status = RequestStatus.WAITING_FOR_KV
@@ -143,7 +143,6 @@ class DecodeRole(Role):
 
     def abort(self, request_id: str) -> None:
         self.local.pop(request_id, None)
-        self.fetches.abort(request_id)
         self.backlog = collections.deque(i for i in self.backlog if i.request.request_id != request_id)
         inc = self.receiving.pop(request_id, None)
         if inc is not None:
@@ -157,8 +156,7 @@ class DecodeRole(Role):
     def num_inflight(self) -> int:
         """Requests here, and aborted handoffs still settling on the wire (their blocks are held:
         a role switch waits for them)."""
-        return len(self.backlog) + len(self.receiving) + len(self.settling) + len(self.engine.requests) + \
-            len(self.fetches.incoming)
+        return len(self.backlog) + len(self.receiving) + len(self.settling) + len(self.engine.requests)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()

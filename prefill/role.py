@@ -54,7 +54,8 @@ class PrefillRole(Role):
         self.engine = engine
         self.connector = connector
         self.handoff_timeout_s = handoff_timeout_s
-        self.fetches = fetches or PeerFetches(engine, connector)  # the worker's, shared by its roles
+        # the worker's peer tier, shared by its roles (the engine's own where one joined it already)
+        self.fetches = fetches or engine.tiers.get("peer") or PeerFetches(engine, connector)
         engine.hold_blocks_on_finish = True
         self.pending: dict[str, _Pending] = {}
         self._failed: list[Event] = []  # sends that could not start (appended from either thread)
@@ -71,8 +72,7 @@ class PrefillRole(Role):
             raise ValueError(f"request id {request_id!r} is already in use")
         try:
             req = self.engine.admit(request.first_token(), request_id)
-            if fetch is None or not self.fetches.start(req, fetch):  # else the engine gets it after
-                self.engine.add_request(req)
+            self.fetches.add(req, fetch)  # with a fetch plan, the engine's peer tier fetches its prefix first
         except ValueError:
             with self._lock:
                 self.early.pop(request_id, None)
@@ -188,7 +188,6 @@ class PrefillRole(Role):
         with self._lock:
             self.pending.pop(request_id, None)
             self.early.pop(request_id, None)
-        self.fetches.abort(request_id)
         settling = self.connector.abort(request_id, settle=True) is Abort.SETTLING
         self.engine.abort_request(request_id)
         if not settling:  # else its send finishes first (the pair lives on); poll() releases it then

@@ -3,19 +3,22 @@ recomputed (docs/design/peer_fetch.md).
 
 Placement decides (cluster/routing.plan_fetch: the run's bytes over the link's measured
 bandwidth against the placed worker's predicted recompute time) and hands the placed worker
-`FetchPlan(holder, blocks, holder_tp)`. One fetch's way, by side, over the pair's ordinary link
-(CUDA IPC / shared-memory pull, NCCL, gloo: the handoff's own machinery, transfer/base.py):
+`FetchPlan(holder, blocks, holder_tp)`. On the receiver, `PeerFetches` is one of the engine's KV
+tiers (engine/tiers/tier.py: lookup, load, ready, forget), after the host tier. One fetch's way, by
+side, over the pair's ordinary link (CUDA IPC / shared-memory pull, NCCL, gloo: the handoff's own
+machinery, transfer/base.py):
 
-    receiver  start(request, plan)   its run of hashes past its own hits (GPU or host), fresh
-                                     blocks for them, the receive posted; the request waits here,
-                                     outside the engine -> a Fetching event: the driver asks the
-                                     holder to send (actor to actor)
+    receiver  expect(request_id, plan), then engine.add_request: the engine's tier lookup
+              (lookup/load) takes the run of hashes past its own hits (GPU or host), fresh
+                                     blocks for them, the receive posted; the request waits in the
+                                     engine, outside the scheduler -> a Fetching event: the driver
+                                     asks the holder to send (actor to actor)
     holder    serve(id, hashes, target)  pins the run on its GPU and sends it; False (refused) if
                                      it no longer holds all of it
     holder    take(): the send ended  the pins dropped
     receiver  take(): the receive ended, or refused()
                                      DONE: the blocks are cached under their hashes; FAILED: freed.
-                                     Either way the request goes to the engine (add_request), whose
+                                     Either way ready() hands the request to the scheduler, whose
                                      prefix lookup finds what landed: a failed fetch costs time,
                                      never an answer
 
@@ -59,11 +62,17 @@ class _Incoming:
 
 
 class PeerFetches:
-    """One per worker, beside its role: both the receiver's and the holder's side."""
+    """One per worker, beside its role: both the receiver's side (the engine's peer tier, which it
+    joins after the host tier when made) and the holder's."""
+
+    name = "peer"
+    waits = True  # a fetched run is waited for
 
     def __init__(self, engine, connector: KVConnector, timeout_s: float = TIMEOUT_S):
         self.engine, self.connector, self.timeout_s = engine, connector, timeout_s
+        self.expected: dict[str, FetchPlan] = {}  # request id -> placement's plan, until the engine looks it up
         self.incoming: dict[str, _Incoming] = {}  # fetch id -> what waits for it here
+        self.landed: list[Request] = []  # requests whose fetch ended, for ready()
         self.serving: dict[str, list] = {}  # fetch id -> the blocks pinned for its send
         self.gone: set[str] = set()  # fetch ids aborted here: their handoff's end is swallowed
         self.asks: list[Fetching] = []
@@ -74,18 +83,36 @@ class PeerFetches:
         self.gbps: float | None = None  # EWMA of landed fetches' bytes / (order to landing): what placement predicts by
         self.paired: set[str] = set()  # holders a fetch has landed from: the pair's link is connected
 
-    # ---- receiver ---------------------------------------------------------------------------------
-    def start(self, request: Request, plan: FetchPlan) -> bool:
-        """Posts the fetch of the request's run of blocks that `plan.holder` holds and this worker
-        does not; True if the request now waits for it (take() hands it to the engine)."""
-        kv = self.engine.kv
-        if not kv.enable_caching or request.scoring_prompt:
-            return False
-        hashes = kv.block_hashes(request)[:min(plan.blocks, (request.num_tokens - 1) // kv.block_size)]
-        run = hashes[kv.local_run(hashes):]
-        blocks = kv.reserve_run(len(run)) if run else None
+        engine.tiers.add(self, after="host")
+
+    # ---- receiver: the engine's peer tier (engine/tiers/tier.py) -----------------------------------
+    def add(self, request: Request, plan: FetchPlan | None) -> None:
+        """The engine's add_request, with placement's fetch plan (if any) for its tier lookup: the
+        run `plan.holder` holds and this worker does not is fetched before the request is
+        scheduled. The plan lives only for this call."""
+        if plan is not None:
+            self.expected[request.request_id] = plan
+        try:
+            self.engine.add_request(request)
+        finally:
+            self.expected.pop(request.request_id, None)
+
+    def lookup(self, hashes: list[bytes], request: Request | None = None) -> int:
+        """The part of `hashes` (the prompt's run past this worker's GPU and host hits) that the
+        request's planned holder holds; 0 without a plan."""
+        plan = self.expected.get(request.request_id) if request is not None else None
+        if plan is None or not hashes:
+            return 0
+        before = self.engine.kv.block_hashes(request).index(hashes[0])  # blocks cached here
+        return max(0, min(plan.blocks - before, len(hashes)))
+
+    def load(self, request: Request, run: list[bytes]) -> bool:
+        """Posts the fetch of `run` into fresh blocks; True if the request now waits for it (ready()
+        hands it to the scheduler once it ended), False if no blocks are free for it."""
+        blocks = self.engine.kv.reserve_run(len(run))
         if not blocks:
             return False
+        plan = self.expected[request.request_id]
         fid = request.request_id + SUFFIX
         if hasattr(self.connector, "peer_tp"):
             self.connector.peer_tp[plan.holder] = plan.tp
@@ -121,8 +148,39 @@ class PeerFetches:
             self.paired.add(inc.holder)
         else:
             self.failed += 1
-        self.engine.add_request(inc.request)
+        self.landed.append(inc.request)
         return inc.request
+
+    def ready(self) -> list[Request]:
+        """The requests whose fetch ended (landed or failed: the scheduler's lookup finds what came)."""
+        out, self.landed = self.landed, []
+        return out
+
+    def wait(self, timeout: float = 0.05) -> None:
+        """A fetch lands through the role's poll of the connector, on this same thread: a moment's
+        pause, not a wait for the landing (the engine had nothing else to run)."""
+        time.sleep(min(timeout, 0.001))
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request still waiting for its fetch: the receive is aborted and its blocks
+        freed; its handoff's end, whenever a poll returns it, is nobody's."""
+        fid = request_id + SUFFIX
+        inc = self.incoming.pop(fid, None)
+        if inc is None:
+            return
+        self.connector.abort(fid)
+        self.gone.add(fid)
+        self.engine.kv.publish_run(inc.blocks, None)
+        self.asks = [a for a in self.asks if a.request_id != fid]
+
+    def store(self, block_hash: bytes, source: int) -> None:
+        """Nothing: a peer's blocks are its own GPU's (it serves them; it never keeps a copy for us)."""
+
+    def evict(self, block_hash: bytes) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
 
     # ---- holder ------------------------------------------------------------------------------------
     def serve(self, fetch_id: str, hashes: list[str], target: HandoffTarget) -> bool:
@@ -163,19 +221,6 @@ class PeerFetches:
     def events(self) -> list[Fetching]:
         asks, self.asks = self.asks, []
         return asks
-
-    def abort(self, request_id: str) -> bool:
-        """Drops a request still waiting for its fetch (its blocks freed); False if it was not."""
-        fid = request_id + SUFFIX
-        inc = self.incoming.pop(fid, None)
-        if inc is None:
-            return False
-        self.connector.abort(fid)
-        self.gone.add(fid)  # its end, whenever a poll returns it, is nobody's
-        self.engine.kv.publish_run(inc.blocks, None)
-        self.engine.kv.req_hashes.pop(request_id, None)
-        self.asks = [a for a in self.asks if a.request_id != fid]
-        return True
 
     @property
     def busy(self) -> int:

@@ -106,7 +106,7 @@ class DiskTier:
         return True
 
     # ---- up -----------------------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes]) -> int:
+    def lookup(self, hashes: list[bytes], request=None) -> int:
         return held_run(hashes, self.files.__contains__)
 
     def load(self, request, hashes: list[bytes]) -> bool:

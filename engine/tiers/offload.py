@@ -72,7 +72,7 @@ class HostIndex:
         return len(self.slots)
 
     # ---- the tier protocol (tier.py) --------------------------------------------------------
-    def lookup(self, hashes: list[BlockHash]) -> int:
+    def lookup(self, hashes: list[BlockHash], request=None) -> int:
         return held_run(hashes, self.slots.__contains__)
 
     def load(self, request, hashes: list[BlockHash]) -> bool:

@@ -9,14 +9,17 @@ Every tier keeps KV blocks by chained block hash (engine/base/hashing.py), whate
     disk    block files                 reader threads into host slots; the  a block the host tier
             (disk_tier.DiskTier)        request waits outside the scheduler  drops
 
-The engine composes the tiers it runs (host, then disk) in one `Tiers` list; a new request's
-prompt is looked up in each after the GPU's hits, and the first tier whose run must be waited for
-holds the request until ready() hands it to the scheduler.
+    peer    another worker's GPU        a fetch over the pair's link into    (nothing: the holder
+            (transfer/fetch.PeerFetches) reserved GPU blocks; the request      serves its own GPU
+                                        waits outside the scheduler          blocks, never stores)
 
-A peer fetch (transfer/fetch.py: another worker's GPU, pulled into reserved GPU blocks) is not one
-of these tiers: its holder and link come from placement (the cluster's registry), which the engine
-does not see, and its landing comes through the connector that the worker's role polls, so the
-request waits in the role and enters the engine (and this list's lookup) when the fetch ended.
+The engine composes the tiers it runs (host, then disk) in one `Tiers` list; a worker of the
+cluster adds its peer tier after the host (`Tiers.add`: a fetch is faster than a disk read). A new
+request's prompt is looked up in each after the GPU's hits, and the first tier whose run must be
+waited for holds the request until ready() hands it to the scheduler. The peer tier holds a run only
+for a request that placement planned a fetch for (its holder and link are the cluster's to know:
+`PeerFetches.expect`), which is why `lookup` is given the request; the other tiers answer by hashes
+alone.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ class KVTier(Protocol):
     name: str
     waits: bool  # whether load() can make a request wait (the disk's reads), or never (the host's copies)
 
-    def lookup(self, hashes: list[BlockHash]) -> int:
-        """How many of `hashes`, from the first, this tier holds now (nothing moves)."""
+    def lookup(self, hashes: list[BlockHash], request: Request | None = None) -> int:
+        """How many of `hashes`, from the first, this tier holds now for `request` (nothing moves)."""
 
     def load(self, request: Request, hashes: list[BlockHash]) -> bool:
         """Starts bringing the blocks of `hashes` (a run lookup() found) up a level for `request`:
@@ -75,6 +78,14 @@ class Tiers:
     def get(self, name: str) -> KVTier | None:
         return next((t for t in self.tiers if t.name == name), None)
 
+    def add(self, tier: KVTier, after: str | None = None) -> None:
+        """Adds a tier to the lookup order: right after the tier named `after` (where the engine
+        runs one), else first."""
+        if self.get(tier.name) is not None:
+            raise ValueError(f"a {tier.name} tier is already in the list")
+        names = [t.name for t in self.tiers]
+        self.tiers.insert(names.index(after) + 1 if after in names else 0, tier)
+
     def hold(self, request: Request) -> bool:
         """Looks a new request's prompt up past the GPU's hits, tier by tier; True if a tier now
         loads a run of it and the request waits (ready() hands it to the scheduler)."""
@@ -84,7 +95,7 @@ class Tiers:
         hashes = kv.block_hashes(request)[:(request.num_tokens - 1) // kv.block_size]
         i = kv.gpu_run(hashes)
         for tier in self.tiers:
-            n = tier.lookup(hashes[i:])
+            n = tier.lookup(hashes[i:], request)
             if n and tier.load(request, hashes[i:i + n]):
                 self.waiting[request.request_id] = tier
                 return True

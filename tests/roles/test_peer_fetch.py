@@ -59,7 +59,9 @@ def test_a_prefix_cached_on_a_is_fetched_by_b_with_the_tokens_of_recomputing(tin
     ws["a"].add("r0", valid(ws["a"].engine, PROMPTS[0], PARAMS))
     assert drive(ws)["r0"].outputs[0].token_ids == want[0]
     ws["b"].add("r1", valid(ws["b"].engine, PROMPTS[1], PARAMS), None, FetchPlan("a", 4))
-    assert ws["b"].fetches.busy == 1 and "r1" not in ws["b"].engine.requests  # waits outside the engine
+    b = ws["b"].engine  # waits in the engine's peer tier (engine/tiers/tier.py), not scheduled yet
+    assert ws["b"].fetches.busy == 1 and b.tiers.waiting.get("r1") is ws["b"].fetches
+    assert not b.scheduler.num_unfinished
     out = drive(ws)["r1"]
     assert out.outputs[0].token_ids == want[1]
     assert out.num_cached_tokens == 64  # the fetched blocks were prefix hits: only the tail was computed
@@ -108,3 +110,20 @@ def test_a_refused_or_aborted_fetch_recomputes_and_leaks_no_block(tiny_models):
     assert c.fetches.stats()["kv_peer_fetches_failed"] == 1
     for w in ws.values():
         w.engine.kv.check_all_free()
+
+
+def test_the_peer_tier_joins_the_engines_tier_list_after_the_host_tier(tiny_models, tmp_path):
+    """One list of KV tiers in lookup order: host (pinned memory), then peer (another worker's GPU,
+    a fetch), then disk; the peer tier keeps the tier protocol, and a second one is refused."""
+    from pdserve.engine.tiers.tier import KVTier
+    from pdserve.transfer.fetch import PeerFetches
+
+    e = LLMEngine(EngineConfig(model=tiny_models["llama"], max_model_len=256, dtype="float32",
+                               kv_offloading_size=0.001, kv_disk_dir=str(tmp_path), kv_disk_size=0.01))
+    conn = LoopbackConnector("w", e.runner.kv, LoopbackHub())
+    role = DecodeRole(e, conn)
+    assert [t.name for t in e.tiers.tiers] == ["host", "peer", "disk"]
+    assert isinstance(role.fetches, KVTier) and e.tiers.get("peer") is role.fetches
+    assert PrefillRole(e, conn).fetches is role.fetches  # the roles of one worker share it
+    with pytest.raises(ValueError, match="already"):
+        PeerFetches(e, conn)
