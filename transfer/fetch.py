@@ -8,11 +8,11 @@ tiers (engine/tiers/tier.py: lookup, load, ready, forget), after the host tier. 
 side, over the pair's ordinary link (CUDA IPC / shared-memory pull, NCCL, gloo: the handoff's own
 machinery, transfer/base.py):
 
-    receiver  expect(request_id, plan), then engine.add_request: the engine's tier lookup
-              (lookup/load) takes the run of hashes past its own hits (GPU or host), fresh
-                                     blocks for them, the receive posted; the request waits in the
-                                     engine, outside the scheduler -> a Fetching event: the driver
-                                     asks the holder to send (actor to actor)
+    receiver  add(request, plan)     the engine's add_request; its tier lookup (lookup, load)
+                                     takes the run of hashes past its own hits (GPU or host),
+                                     fresh blocks for them, the receive posted; the request waits
+                                     in the engine, outside the scheduler -> a Fetching event: the
+                                     driver asks the holder to send (actor to actor)
     holder    serve(id, hashes, target)  pins the run on its GPU and sends it; False (refused) if
                                      it no longer holds all of it
     holder    take(): the send ended  the pins dropped

@@ -188,10 +188,6 @@ class KVCacheManager:
         """How many of `hashes`, from the first, are cached on this GPU."""
         return held_run(hashes, lambda h: self.pool.lookup(h) is not None)
 
-    def local_run(self, hashes: list[BlockHash]) -> int:
-        """How many of `hashes`, from the first, this worker's tiers hold (GPU, then host)."""
-        return held_run(hashes, lambda h: self.pool.lookup(h) is not None or (self.host is not None and h in self.host))
-
     def pin_run(self, hashes: list[BlockHash]) -> list[Block]:
         """Holder: the GPU blocks of the run of `hashes` from the first, pinned (a reference
         each) until `unpin`; it stops at the first hash not cached on this GPU."""
