@@ -120,6 +120,44 @@ def sweep(tokens: list[int], shape: str = "qwen3_moe") -> list[dict]:
     return out
 
 
+def decode_sweep(tokens: list[int], copy_gbs: float) -> list[dict]:
+    """A decode step's MoE layer from its router weight (Qwen3-30B-A3B's experts): the grouped path
+    (router GEMM, routing, alignment, gate/up, down, combine) against the decode path
+    (ops/triton_moe_decode.py) at its default tiles and with one tile axis changed at a time,
+    replayed in a CUDA graph; the weights floor is the bytes of the experts touched and the router."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from pdserve.engine.ops.triton_moe import moe_triton
+    from pdserve.engine.ops.triton_moe_decode import DecodeTiles, moe_decode_triton
+    from pdserve.engine.ops.triton_moe_route import Routing
+
+    E, k, H, inter, g, w1, w2 = qwen3_moe_experts()
+    router = torch.randn(E, H, device="cuda", generator=g, dtype=torch.bfloat16) / H ** 0.5
+    routing, arrivals = Routing.of(E, k, True), torch.zeros(8, dtype=torch.int32, device="cuda")
+    base = DecodeTiles()
+    axes = {"block_e": (4, 16), "gate_up_n": (8, 32), "down_n": (8, 32), "block_k": (128, 512), "warps": (2, 8)}
+    settings = [base] + [replace(base, **{a: v}) for a, vs in axes.items() for v in vs]
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        ref = moe_triton(x, F.linear(x, router), w1, w2, k, True, torch.bfloat16)
+        touched = int(torch.unique(torch.topk(F.linear(x, router).float(), k).indices).numel())
+        floor = (touched * 3 * H * inter + E * H) * 2 / (copy_gbs * 1e9) * 1e3
+        grouped = timed_graph(lambda x=x: moe_triton(x, F.linear(x, router), w1, w2, k, True, torch.bfloat16))
+        for tiles in tqdm(settings, desc=f"decode path, {t} tokens"):
+            fn = (lambda x=x, tl=tiles: moe_decode_triton(x, router, w1, w2, routing, torch.bfloat16, arrivals,
+                                                          tiles=tl))
+            err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
+            rows.append({"tokens": t, "experts_touched": touched, "floor_ms": floor, "grouped_ms": grouped,
+                         **tiles.__dict__, "decode_ms": timed_graph(fn), "rel_err": err})
+        best = min((r for r in rows if r["tokens"] == t), key=lambda r: r["decode_ms"])
+        print(f"{t} tokens: grouped {grouped:.4f} ms, decode path best {best['decode_ms']:.4f} ms "
+              f"({ {a: best[a] for a in axes} }), floor {floor:.4f} ms", flush=True)
+    return rows
+
+
 def expert_counter(model):
     """Counts, per decode step, the distinct experts each sparse layer routes to (forward hooks)."""
     from pdserve.engine.models.moe import SparseMoE
@@ -213,6 +251,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default="qwen3_moe,qwen3", help="qwen3_moe (30B-A3B shape), qwen3 (32B shape)")
     ap.add_argument("--sweep", default="", help="token counts to sweep the kernel's tile settings at (alone)")
     ap.add_argument("--experts", default="qwen3_moe", choices=sorted(EXPERT_SHAPES), help="the experts --sweep runs")
+    ap.add_argument("--decode-sweep", default="", help="token counts: decode path vs grouped")
     ap.add_argument("--profile", action="store_true", help="add each step's kernel time by kind (torch profiler)")
     return ap
 
@@ -274,6 +313,12 @@ def main() -> None:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
         return
     ceil = ceilings()
+    if args.decode_sweep:
+        rows = decode_sweep([int(t) for t in args.decode_sweep.split(",")], ceil["copy_GBps"])
+        with open(os.path.join(args.out, "moe_decode_sweep.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "command": "python bench/moe_gpu.py "
+                       + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+        return
     res = {"device": torch.cuda.get_device_name(), "ceil": ceil,
            "command": "python bench/moe_gpu.py " + " ".join(sys.argv[1:]),
            "kernel": bench_kernel([int(t) for t in args.tokens.split(",")], ceil["copy_GBps"]), "models": []}

@@ -148,7 +148,8 @@ class DeepseekMoE(SparseMoE):
         logits = F.linear(x.float(), self.gate.weight.float())
         bias, moe = getattr(self.gate, "e_score_correction_bias", None), self.moe
         if self.use_triton:  # routing and ranking in one launch, then the fused experts
-            from ..ops.triton_moe import fused_moe_triton, route_triton
+            from ..ops.triton_moe import fused_moe_triton
+            from ..ops.triton_moe_route import route_triton
 
             renorm = moe.routing == "sigmoid_group" and moe.norm_topk_prob
             weights, ids, ranked = route_triton(logits, moe.top_k, renorm, torch.float32, moe, bias)

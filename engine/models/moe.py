@@ -33,10 +33,16 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup | None = None, use_triton: bool = False):
         super().__init__()
         self.experts = moe_ref
-        if use_triton:
-            from ..ops.triton_moe import moe_triton  # imports Triton only when a model runs it
+        self.decode = None  # the few-token path (ops/triton_moe_decode.py), with the Triton kernels
+        if use_triton:  # imports Triton only when a model runs it
+            from ..ops import triton_moe_decode
+            from ..ops.triton_moe import moe_triton
+            from ..ops.triton_moe_route import Routing
 
             self.experts = moe_triton
+            self.decode = triton_moe_decode
+            self.routing = Routing.of(moe.num_experts, moe.top_k, moe.norm_topk_prob)
+        self._arrivals: torch.Tensor | None = None  # the decode router's counters, made on first use
         self.tp = tp = tp or TPGroup()
         self.moe = moe
         ep = moe.expert_parallel and tp.size > 1
@@ -49,10 +55,22 @@ class SparseMoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(count, hidden_size, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype if self.moe.weights_in_model_dtype else torch.float32
+        if self.decode is not None and 0 < x.shape[0] <= self.decode.DECODE_TOKENS:
+            out = self.decode.moe_decode_triton(x, self.gate.weight, self.w_gate_up, self.w_down, self.routing, dtype,
+                                                self.arrivals(x.device), self.held)
+            return self.tp.all_reduce(out)
         logits = F.linear(x, self.gate.weight)
         out = self.experts(x, logits, self.w_gate_up, self.w_down, self.moe.top_k, self.moe.norm_topk_prob,
-                           x.dtype if self.moe.weights_in_model_dtype else torch.float32, held=self.held)
+                           dtype, held=self.held)
         return self.tp.all_reduce(out)
+
+    def arrivals(self, device) -> torch.Tensor:
+        """The decode router's per-token counters on `device`: zero between its launches (made
+        once, before any graph captures the layer: the engine's warm-up runs it eagerly first)."""
+        if self._arrivals is None or self._arrivals.device != device:
+            self._arrivals = torch.zeros(self.decode.DECODE_TOKENS, dtype=torch.int32, device=device)
+        return self._arrivals
 
     def expert_targets(self, prefix: str, expert: int, part: str) -> list[tuple[str, slice | None, int, slice | None]]:
         """Where expert `expert`'s checkpoint tensor `part` ("gate", "up" or "down") goes on this

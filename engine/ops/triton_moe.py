@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .moe_ref import local_ids
+from .triton_moe_route import route_triton
 
 
 @dataclass(frozen=True)
@@ -93,97 +94,6 @@ def _moe_place_kernel(ids_ptr, rank_ptr, starts_ptr, rows_ptr, M, BLOCK: tl.cons
     e = tl.load(ids_ptr + offs, mask=mask, other=0)
     at = tl.load(starts_ptr + e, mask=mask, other=0) + tl.load(rank_ptr + offs, mask=mask, other=0)
     tl.store(rows_ptr + at, offs.to(tl.int32), mask=mask)
-
-
-@triton.jit
-def _group_keep(choice, offs, live, E, N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                TOP2: tl.constexpr):
-    # DeepSeek's group limit: each group of E / N_GROUP experts scored by its best choice (TOP2: the
-    # sum of its two best), the TOPK_GROUP best groups kept; -> which experts are in a kept group
-    grp = offs // (E // N_GROUP)
-    gs = tl.arange(0, G_PAD)
-    score = tl.full([G_PAD], float("-inf"), tl.float32)
-    for g in tl.static_range(N_GROUP):
-        vals = tl.where((grp == g) & live, choice, float("-inf"))
-        best = tl.max(vals, 0)
-        if TOP2:
-            best += tl.max(tl.where(offs == tl.argmax(vals, 0), float("-inf"), vals), 0)
-        score = tl.where(gs == g, best, score)
-    kept = tl.zeros([G_PAD], tl.int32)
-    for _ in tl.static_range(TOPK_GROUP):
-        g = tl.argmax(score, 0)
-        kept = tl.where(gs == g, 1, kept)
-        score = tl.where(gs == g, float("-inf"), score)
-    return tl.sum(tl.where(grp[:, None] == gs[None, :], kept[None, :], 0), axis=1) > 0
-
-
-@triton.jit
-def _moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, E, stride_l, scale,
-                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr,
-                      ROUTING: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr):
-    # one program per token: the scores in fp32 (ROUTING 0 / 1: softmax, 2: sigmoid with the
-    # correction bias added to choose), DeepSeek's group limit (1, 2), the top-k by repeated argmax
-    # (highest first), their weights (renormalized, scaled), and each assignment's rank among its
-    # expert's (the k atomics issued together, not one round trip each)
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    live = offs < E
-    logits = tl.load(logits_ptr + t * stride_l + offs, mask=live, other=float("-inf")).to(tl.float32)
-    if ROUTING == 2:
-        p = tl.sigmoid(logits)
-        choice = tl.where(live, p + tl.load(bias_ptr + offs, mask=live, other=0.0), float("-inf"))
-    else:
-        p = tl.exp(logits - tl.max(logits, 0))
-        p = p / tl.sum(p, 0)
-        choice = p
-    if ROUTING != 0:  # the experts of groups not kept: softmax's scores 0, the sigmoid choice -inf (as torch)
-        keep = _group_keep(choice, offs, live, E, N_GROUP, G_PAD, TOPK_GROUP, ROUTING == 2)
-        choice = tl.where(keep, choice, 0.0 if ROUTING == 1 else float("-inf"))
-    ks = tl.arange(0, K_PAD)
-    top_ids = tl.zeros([K_PAD], tl.int32)
-    top_p = tl.zeros([K_PAD], tl.float32)
-    for j in tl.static_range(TOP_K):
-        i = tl.argmax(choice, 0)
-        top_ids = tl.where(ks == j, i.to(tl.int32), top_ids)
-        top_p = tl.where(ks == j, tl.sum(tl.where(offs == i, p, 0.0), 0), top_p)
-        choice = tl.where(offs == i, float("-inf"), choice)
-    if RENORM:
-        top_p = top_p / (tl.sum(top_p, 0) + 1e-20)
-    top_p = top_p * scale
-    live_k = ks < TOP_K
-    tl.store(w_ptr + t * TOP_K + ks, top_p.to(w_ptr.dtype.element_ty), mask=live_k)
-    tl.store(ids_ptr + t * TOP_K + ks, top_ids, mask=live_k)
-    tl.store(rank_ptr + t * TOP_K + ks, tl.atomic_add(counts_ptr + top_ids, 1, mask=live_k), mask=live_k)
-
-
-_ROUTINGS = {"softmax": 0, "softmax_group": 1, "sigmoid_group": 2}
-
-
-def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype, moe=None,
-                 correction_bias: torch.Tensor | None = None):
-    """ops/moe_ref.route in one launch, which also ranks each assignment among its expert's:
-    (weights [T, k] in out_dtype, ids [T, k] int32, the Alignment's counts and ranks). `moe` (a
-    MoEConfig): DeepSeek's router instead, ops/moe_ref.route_grouped (its routing, groups and
-    scaling factor; `correction_bias` [E] float32 for sigmoid_group)."""
-    T, E = logits.shape
-    routing = _ROUTINGS[moe.routing] if moe is not None else 0
-    groups = moe.n_group if routing else 1
-    if routing and E % groups:
-        raise ValueError(f"{E} experts do not split into {groups} groups")
-    if routing == 2 and (correction_bias is None or correction_bias.shape != (E,)):
-        raise ValueError(f"sigmoid_group routing needs the correction bias [{E}]")
-    weights = torch.empty(T, top_k, dtype=out_dtype, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
-    rank = torch.empty(T * top_k, dtype=torch.int32, device=logits.device)
-    counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
-    if T:
-        _moe_route_kernel[(T,)](logits, logits if correction_bias is None else correction_bias, weights, ids, rank,
-                                counts, E, logits.stride(0), moe.routed_scaling_factor if moe is not None else 1.0,
-                                TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
-                                RENORM=renormalize, ROUTING=routing, N_GROUP=groups,
-                                G_PAD=max(2, triton.next_power_of_2(groups)),
-                                TOPK_GROUP=moe.topk_group if routing else 1)
-    return weights, ids, (counts, rank)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple | None = None,

@@ -98,7 +98,8 @@ def test_routing_in_one_launch_matches_the_reference_and_ranks_each_expert(renor
     """route_triton: the reference's experts and weights (highest first), and ranks that number
     each expert's assignments 0..count-1; moe_triton from logits equals the reference path."""
     from pdserve.engine.ops.moe_ref import moe_ref
-    from pdserve.engine.ops.triton_moe import moe_triton, route_triton
+    from pdserve.engine.ops.triton_moe import moe_triton
+    from pdserve.engine.ops.triton_moe_route import route_triton
 
     g = torch.Generator().manual_seed(5)
     T, E, k, H, inter = 23, 12, 3, 32, 16
@@ -124,7 +125,7 @@ def test_deepseek_routing_in_one_launch_matches_route_grouped(routing):
     route_grouped's experts with its scaled weights; the groups not kept get none."""
     from pdserve.engine.architectures import MoEConfig
     from pdserve.engine.ops.moe_ref import route_grouped
-    from pdserve.engine.ops.triton_moe import route_triton
+    from pdserve.engine.ops.triton_moe_route import route_triton
 
     g = torch.Generator().manual_seed(11)
     T, E, k = 29, 16, 3
