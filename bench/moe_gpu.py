@@ -129,7 +129,7 @@ def decode_sweep(tokens: list[int], copy_gbs: float) -> list[dict]:
 
     import torch.nn.functional as F
 
-    from pdserve.engine.ops.triton_moe import moe_triton
+    from pdserve.engine.ops.triton_moe import MoETiles, moe_triton
     from pdserve.engine.ops.triton_moe_decode import DecodeTiles, moe_decode_triton
     from pdserve.engine.ops.triton_moe_route import Routing
 
@@ -137,7 +137,8 @@ def decode_sweep(tokens: list[int], copy_gbs: float) -> list[dict]:
     router = torch.randn(E, H, device="cuda", generator=g, dtype=torch.bfloat16) / H ** 0.5
     routing, arrivals = Routing.of(E, k, True), torch.zeros(8, dtype=torch.int32, device="cuda")
     base = DecodeTiles()
-    axes = {"block_e": (4, 16), "gate_up_n": (8, 32), "down_n": (8, 32), "block_k": (128, 512), "warps": (2, 8)}
+    axes = {"block_e": (2, 8, 16), "block_k": (512, 1024), "warps": (2, 8),
+            "experts": (MoETiles(16, 16, 128, 2, 4), MoETiles(16, 64, 128, 4, 2), MoETiles(16, 32, 256, 4, 3))}
     settings = [base] + [replace(base, **{a: v}) for a, vs in axes.items() for v in vs]
     rows = []
     for t in tokens:
@@ -151,7 +152,8 @@ def decode_sweep(tokens: list[int], copy_gbs: float) -> list[dict]:
                                                           tiles=tl))
             err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
             rows.append({"tokens": t, "experts_touched": touched, "floor_ms": floor, "grouped_ms": grouped,
-                         **tiles.__dict__, "decode_ms": timed_graph(fn), "rel_err": err})
+                         **tiles.__dict__, "experts": str(tiles.experts), "decode_ms": timed_graph(fn),
+                         "rel_err": err})
         best = min((r for r in rows if r["tokens"] == t), key=lambda r: r["decode_ms"])
         print(f"{t} tokens: grouped {grouped:.4f} ms, decode path best {best['decode_ms']:.4f} ms "
               f"({ {a: best[a] for a in axes} }), floor {floor:.4f} ms", flush=True)

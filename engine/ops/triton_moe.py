@@ -131,10 +131,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, ranked: tuple 
 
 @triton.jit
 def _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M: tl.constexpr):
-    """A block's (assignment per row, live?, expert, whether the block holds any run)."""
+    """A block's (assignment per row, live?, expert, whether it runs: below `used`, its first row
+    live; a block's run starts at its first row, in the decode path's layout too)."""
     offs = block * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(rows_ptr + offs)
-    return rows, rows < M, tl.load(experts_ptr + block).to(tl.int64), block * BLOCK_M < tl.load(used_ptr)
+    runs = (block * BLOCK_M < tl.load(used_ptr)) & (tl.load(rows_ptr + block * BLOCK_M) < M)
+    return rows, rows < M, tl.load(experts_ptr + block).to(tl.int64), runs
 
 
 @triton.jit
@@ -252,12 +254,21 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                          f"both be [{T}, k]")
     if x.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise ValueError("x and the experts' weights need a contiguous last dimension")
-    k = topk_ids.shape[1]
-    m = T * k
     if T == 0:
         return torch.zeros_like(x)
-    tiles = tiles or MoETiles.for_rows(m)
-    al = align(topk_ids, E, tiles.block_m, ranked, skip)
+    tiles = tiles or MoETiles.for_rows(topk_ids.numel())
+    return run_experts(x, w_gate_up, w_down, topk_weights, align(topk_ids, E, tiles.block_m, ranked, skip), tiles, skip)
+
+
+def run_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                al: Alignment, tiles: MoETiles, skip: bool = False) -> torch.Tensor:
+    """gate/up, down and the combine over assignments already aligned (by `align`, or by the decode
+    path's router: ops/triton_moe_decode.py); `skip`: some assignments are not run (their rows
+    read as zeros). Shapes checked by the caller."""
+    T, H = x.shape
+    k = topk_weights.shape[1]
+    m = T * k
+    inter = w_gate_up.shape[1] // 2
     blocks = al.experts.shape[0]
     ieee = x.dtype == torch.float32
     h = torch.empty(m, inter, dtype=x.dtype, device=x.device)

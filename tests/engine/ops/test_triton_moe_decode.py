@@ -1,5 +1,5 @@
-"""The decode path's mixture-of-experts (ops/triton_moe_decode.py: router with routing, gate/up,
-down with the combine, one GEMV per assignment) against the torch reference, on CUDA when
+"""The decode path's mixture-of-experts (ops/triton_moe_decode.py: the router with routing in one
+launch, each assignment its own block of the experts' GEMMs) against the torch reference, on CUDA when
 present, else on CPU under Triton's interpreter."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from pdserve.engine.architectures import MoEConfig  # noqa: E402
 from pdserve.engine.ops.moe_ref import fused_moe_ref, local_ids, moe_ref, route_grouped  # noqa: E402
+from pdserve.engine.ops.triton_moe import MoETiles  # noqa: E402
 from pdserve.engine.ops.triton_moe_decode import DecodeTiles, moe_decode_triton  # noqa: E402
 from pdserve.engine.ops.triton_moe_route import Routing  # noqa: E402
 
@@ -36,7 +37,7 @@ def test_decode_path_equals_the_reference_from_the_router_weight(T, E, k, H, int
     w1, w2 = _weights(g, E, H, inter)
     ref = moe_ref(x, F.linear(x, router), w1, w2, k, renorm, torch.float32)
     arrivals = torch.zeros(4, dtype=torch.int32, device=DEV)
-    for tiles in (DecodeTiles(), DecodeTiles(block_e=4, gate_up_n=8, down_n=32, block_k=32, warps=2)):
+    for tiles in (DecodeTiles(), DecodeTiles(block_e=2, block_k=32, warps=2, experts=MoETiles(16, 16, 16, 2, 1))):
         out = moe_decode_triton(x, router, w1, w2, Routing.of(E, k, renorm), torch.float32, arrivals, tiles=tiles)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert arrivals.tolist() == [0, 0, 0, 0]
