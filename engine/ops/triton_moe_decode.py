@@ -86,8 +86,15 @@ class DecodeTiles:
 
     block_e: int = 4
     block_k: int = 2048
-    warps: int = 4
+    warps: int = 8
     experts: MoETiles | None = None
+
+    def experts_tiles(self, tokens: int, top_k: int) -> MoETiles:
+        """The GEMMs' tiles: `experts` if set, else by the step's tokens (bench/moe_gpu.py
+        --decode-sweep on an H200: wider column tiles from 3 tokens, MoETiles.for_rows below)."""
+        if self.experts is not None:
+            return self.experts
+        return MoETiles(16, 64, 128, 4, 2) if tokens >= 3 else MoETiles.for_rows(tokens * top_k)
 
 
 _USED: dict = {}  # (rows, device) -> a constant [1] tensor: every block of the decode layout may run
@@ -112,7 +119,7 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.
                          f"w_down {tuple(w_down.shape)}, arrivals {arrivals.numel()}")
     k = routing.top_k
     m = T * k
-    experts_tiles = tiles.experts or MoETiles.for_rows(m)
+    experts_tiles = tiles.experts_tiles(T, k)
     bm = experts_tiles.block_m
     dev = x.device
     logits = torch.empty(T, E, dtype=torch.float32, device=dev)
