@@ -137,8 +137,8 @@ def decode_sweep(tokens: list[int], copy_gbs: float) -> list[dict]:
     router = torch.randn(E, H, device="cuda", generator=g, dtype=torch.bfloat16) / H ** 0.5
     routing, arrivals = Routing.of(E, k, True), torch.zeros(8, dtype=torch.int32, device="cuda")
     base = DecodeTiles()
-    axes = {"block_e": (2, 8, 16), "block_k": (512, 1024), "warps": (2, 8),
-            "experts": (MoETiles(16, 16, 128, 2, 4), MoETiles(16, 64, 128, 4, 2), MoETiles(16, 32, 256, 4, 3))}
+    axes = {"block_e": (1, 2, 8), "block_k": (1024,), "warps": (2, 4),
+            "experts": (MoETiles(16, 32, 128, 2, 4), MoETiles(16, 64, 128, 4, 2))}
     settings = [base] + [replace(base, **{a: v}) for a, vs in axes.items() for v in vs]
     rows = []
     for t in tokens:

@@ -65,7 +65,7 @@ def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals_ptr, w_ptr,
         live = offs < E
         logits = tl.load(logits_ptr + t * E + offs, mask=live, other=float("-inf"), cache_modifier=".cg")
         top_ids, top_p = _route_row(logits, bias_ptr, offs, live, E, scale, TOP_K, K_PAD, RENORM, ROUTING, N_GROUP,
-                                    G_PAD, TOPK_GROUP)
+                                    G_PAD, TOPK_GROUP, E_PAD <= 128)
         ks = tl.arange(0, K_PAD)
         live_k = ks < TOP_K
         a = t * TOP_K + ks  # the token's assignments, block a each: its expert, row 0 a (M: not here), rows 1.. M

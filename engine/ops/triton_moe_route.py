@@ -44,10 +44,11 @@ def _group_keep(choice, offs, live, E, N_GROUP: tl.constexpr, G_PAD: tl.constexp
 @triton.jit
 def _route_row(logits, bias_ptr, offs, live, E, scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                RENORM: tl.constexpr, ROUTING: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr,
-               TOPK_GROUP: tl.constexpr):
+               TOPK_GROUP: tl.constexpr, RANKED: tl.constexpr = False):
     """One token's fp32 logits [E_PAD] (-inf past E) -> its top-k (ids, weights) [K_PAD]: the scores
     (ROUTING 0 / 1: softmax, 2: sigmoid with the correction bias added to choose), DeepSeek's group
-    limit (1, 2), the top-k by repeated argmax (highest first), the weights renormalized and scaled."""
+    limit (1, 2), the top-k (highest first; RANKED: by each expert's rank in one pass, else by k
+    rounds of argmax), the weights renormalized and scaled."""
     if ROUTING == 2:
         p = tl.sigmoid(logits)
         choice = tl.where(live, p + tl.load(bias_ptr + offs, mask=live, other=0.0), float("-inf"))
@@ -59,13 +60,21 @@ def _route_row(logits, bias_ptr, offs, live, E, scale, TOP_K: tl.constexpr, K_PA
         keep = _group_keep(choice, offs, live, E, N_GROUP, G_PAD, TOPK_GROUP, ROUTING == 2)
         choice = tl.where(keep, choice, 0.0 if ROUTING == 1 else float("-inf"))
     ks = tl.arange(0, K_PAD)
-    top_ids = tl.zeros([K_PAD], tl.int32)
-    top_p = tl.zeros([K_PAD], tl.float32)
-    for j in tl.static_range(TOP_K):
-        i = tl.argmax(choice, 0)
-        top_ids = tl.where(ks == j, i.to(tl.int32), top_ids)
-        top_p = tl.where(ks == j, tl.sum(tl.where(offs == i, p, 0.0), 0), top_p)
-        choice = tl.where(offs == i, float("-inf"), choice)
+    if RANKED:  # one pass: each expert's rank (higher first, the lower index on ties: argmax's order)
+        beats = (choice[None, :] > choice[:, None]) | ((choice[None, :] == choice[:, None])
+                                                       & (offs[None, :] < offs[:, None]))
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        chosen = (rank[None, :] == ks[:, None]) & (ks < TOP_K)[:, None]  # [K_PAD, E_PAD]
+        top_ids = tl.sum(tl.where(chosen, offs[None, :], 0), axis=1).to(tl.int32)
+        top_p = tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1)
+    else:  # k rounds of argmax: registers for E_PAD values, not E_PAD squared
+        top_ids = tl.zeros([K_PAD], tl.int32)
+        top_p = tl.zeros([K_PAD], tl.float32)
+        for j in tl.static_range(TOP_K):
+            i = tl.argmax(choice, 0)
+            top_ids = tl.where(ks == j, i.to(tl.int32), top_ids)
+            top_p = tl.where(ks == j, tl.sum(tl.where(offs == i, p, 0.0), 0), top_p)
+            choice = tl.where(offs == i, float("-inf"), choice)
     if RENORM:
         top_p = top_p / (tl.sum(top_p, 0) + 1e-20)
     return top_ids, top_p * scale
