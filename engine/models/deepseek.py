@@ -37,7 +37,7 @@ from torch import nn
 from ..base.tp import TPGroup
 from ..config import ModelConfig
 from ..ops.moe_ref import fused_moe_ref, local_ids, route_grouped
-from .layers import MLP, DecoderLayer, DecoderStack, RMSNorm, RowParallelLinear, fused_ops
+from .layers import MLP, DecoderLayer, DecoderStack, Linear, RMSNorm, RowParallelLinear, fused_ops
 from .mla_attention import MLAPagedAttention
 from .moe import SparseMoE
 
@@ -96,15 +96,15 @@ class MLAttention(nn.Module):
         m, h = cfg.mla, cfg.num_heads // tp.size
         self.mla, self.num_heads, self.rotary, self.fused = m, h, rotary, fused
         if m.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, m.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(cfg.hidden_size, m.q_lora_rank, cfg.attention_bias, fused)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(m.q_lora_rank, h * m.qk_head_dim, bias=False)
+            self.q_b_proj = Linear(m.q_lora_rank, h * m.qk_head_dim, False, fused)
         else:
-            self.q_proj = nn.Linear(cfg.hidden_size, h * m.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, m.latent_dim, bias=cfg.attention_bias)
+            self.q_proj = Linear(cfg.hidden_size, h * m.qk_head_dim, False, fused)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, m.latent_dim, cfg.attention_bias, fused)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
-        self.o_proj = RowParallelLinear(h * m.v_head_dim, cfg.hidden_size, cfg.o_bias, tp)
+        self.o_proj = RowParallelLinear(h * m.v_head_dim, cfg.hidden_size, cfg.o_bias, tp, fused)
         self.attn = MLAPagedAttention(h, m, self.kv_b_proj, use_triton)
 
     def project(self, positions: torch.Tensor, x: torch.Tensor):

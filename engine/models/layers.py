@@ -84,18 +84,48 @@ class RotaryEmbedding(nn.Module):
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
 
+def gemv_op(fused: bool):
+    """ops/triton_gemv where a model runs fused (its Triton kernels), else None."""
+    if not fused:
+        return None
+    from ..ops import triton_gemv  # imports Triton only when a model is built fused
+
+    return triton_gemv
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv=None) -> torch.Tensor:
+    """F.linear, through ops/triton_gemv (`gemv`: gemv_op's) for a CUDA step of a few rows (a
+    decode step of up to FEW_ROWS sequences: a GEMV that cuBLAS's tiles run at about half the
+    bandwidth)."""
+    if gemv is not None and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= gemv.FEW_ROWS and x.stride(1) == 1:
+        return gemv.gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row steps run `linear`'s GEMV where the model runs fused."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, fused: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.gemv = gemv_op(fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.gemv)
+
+
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard @ W_shard^T) + b: the input dim is split across the ranks;
     the bias is whole on every rank and added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, fused: bool = False):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.gemv = gemv_op(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.gemv))
         return y if self.bias is None else y + self.bias
 
 
@@ -108,8 +138,8 @@ class MLP(nn.Module):
         self.fused = fused
         self.silu_mul = fused_ops().silu_mul if fused else None
         ff = (intermediate_size or cfg.intermediate_size) // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * ff, bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(ff, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * ff, cfg.mlp_bias, fused)
+        self.down_proj = RowParallelLinear(ff, cfg.hidden_size, cfg.mlp_bias, tp, fused)
 
     def forward(self, x):
         if self.fused:
@@ -171,7 +201,7 @@ class DecoderStack(nn.Module):
         cfg, tp = self.cfg, self.tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.vocab_rows = vocab_range(cfg.vocab_size, tp.size, tp.rank)
-        self.lm_head = nn.Linear(cfg.hidden_size, -(-cfg.vocab_size // tp.size), bias=False)
+        self.lm_head = Linear(cfg.hidden_size, -(-cfg.vocab_size // tp.size), False, self.fused)
         if cfg.tie_word_embeddings and tp.size == 1:
             self.lm_head.weight = self.embed_tokens.weight
 

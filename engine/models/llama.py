@@ -28,7 +28,7 @@ from torch import nn
 from ..base.tp import TPGroup, kv_head_range
 from ..config import ModelConfig
 from .attention import PagedAttention
-from .layers import MLP, DecoderLayer, DecoderStack, RMSNorm, RotaryEmbedding, RowParallelLinear, fused_ops
+from .layers import MLP, DecoderLayer, DecoderStack, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, fused_ops
 from .moe import SparseMoE
 
 # a checkpoint's per-expert tensors: Qwen3-MoE's (mlp.experts.E.{gate,up,down}_proj) and Mixtral's
@@ -50,8 +50,8 @@ class Attention(nn.Module):
         self.num_kv_heads, self.head_dim = hi - lo, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, fused)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp, fused)
         self.rotary = rotary
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
