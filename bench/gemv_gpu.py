@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/gemv")
     ap.add_argument("--rows", default="1,2,4")
-    ap.add_argument("--tiles", default="8192:4096:4,4096:2048:4,16384:4096:8,8192:8192:8,16384:8192:8",
+    ap.add_argument("--tiles", default="4096:2048:4,8192:4096:4,16384:4096:8,8192:8192:8,16384:8192:8",
                     help="tile:max_k:warps settings of the GEMV (the first is the default)")
     return ap
 

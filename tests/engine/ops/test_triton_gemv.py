@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from pdserve.engine.ops.triton_gemv import FEW_ROWS, GemvTiles, gemv_triton  # noqa: E402
+from pdserve.engine.ops.triton_gemv import MAX_ROWS, GemvTiles, gemv_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("M", range(1, FEW_ROWS + 1))
+@pytest.mark.parametrize("M", range(1, MAX_ROWS + 1))
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_f_linear(M, bias):
     g = torch.Generator().manual_seed(M)
@@ -28,13 +28,13 @@ def test_gemv_equals_f_linear(M, bias):
 
 
 def test_a_strided_row_view_and_too_many_rows():
-    """x may be a view with a row stride (the last dim contiguous); more than FEW_ROWS rows or a
+    """x may be a view with a row stride (the last dim contiguous); more than MAX_ROWS rows or a
     weight of another K are refused."""
     g = torch.Generator().manual_seed(0)
     big = torch.randn(3, 80, generator=g).to(DEV)
     w = torch.randn(16, 40, generator=g).to(DEV)
     torch.testing.assert_close(gemv_triton(big[:, :40], w), F.linear(big[:, :40], w), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="gemv takes"):
-        gemv_triton(torch.randn(FEW_ROWS + 1, 40, device=DEV), w)
+        gemv_triton(torch.randn(MAX_ROWS + 1, 40, device=DEV), w)
     with pytest.raises(ValueError, match="gemv takes"):
         gemv_triton(torch.randn(2, 41, device=DEV), w)
