@@ -49,6 +49,7 @@ class EngineSpecs:
         args = {"decode": engine_args, "prefill": prefill_pool_args(engine_args, prefill_engine_args)}
         if mode == "hybrid":
             args["decode"] = dict(args["prefill"])
+        args["prefill"] = {**args["prefill"], "decode_batch_len": None}  # a prefill worker holds no decode batch
         specs = {}
         for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
             pool = serving.pool(role)

@@ -19,6 +19,7 @@ from ray.exceptions import RayError
 
 from .aio import within
 from .autoscale import PoolSignals, decide, pool_signals
+from .records import WorkerRefused
 from .serving_config import ROLES
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class PoolMonitor:
             async with self._scaling:
                 try:
                     await self._reconcile()  # drains it starts run on their own
-                except RayError as e:
+                except (RayError, WorkerRefused) as e:
                     log.warning("refilling pools failed: %s", e)
         if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():
             self._autoscale_step(time.monotonic())

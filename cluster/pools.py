@@ -38,7 +38,7 @@ from .engine_specs import EngineSpecs
 from .output_pipe import PipeAddress
 from .pool_monitor import PoolMonitor
 from .ratio import RatioPlanner
-from .records import WorkerRecord
+from .records import WorkerRecord, WorkerRefused
 from .routing import Candidate
 from .serving_config import ROLES, ServingConfig
 from .shard_actor import RankPlacement
@@ -213,6 +213,8 @@ class Pools(PoolMonitor):
                 self._persist_slots.discard(slot)
             if pg is not None:
                 remove_placement_group(pg)
+            if isinstance(getattr(e, "cause", None), WorkerRefused):  # the engine's own words, one line
+                raise WorkerRefused(f"{role} worker: {e.cause}") from None
             if isinstance(e, RayError):
                 raise
             raise RuntimeError(f"{role} worker did not start within {self.start_timeout:.0f} s: no node offers "

@@ -163,3 +163,7 @@ class WorkerRecord:
     @property
     def blocks_total(self) -> int:
         return self.stats.blocks_total(self.info)
+
+
+class WorkerRefused(ValueError):
+    """A worker's engine refused its spec at start (its KV room, its GPU share), in one line."""

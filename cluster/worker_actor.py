@@ -54,7 +54,7 @@ from .gpus import see_node_gpus
 from .outlets import Outlets
 from .output_pipe import PipeAddress, PipeSender
 from .peer_calls import PeerCalls
-from .records import WorkerInfo, WorkerStats
+from .records import WorkerInfo, WorkerRefused, WorkerStats
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RankPlacement, RayShards
@@ -87,7 +87,12 @@ class WorkerActor(EngineLoop):
         handoff = handoff or HandoffConfig()
         if config.tensor_parallel_size > 1:
             launch = RayShards.launcher(worker_id, ranks or RankPlacement(), handoff, namespace)
-        self.engine, self.tp = LLMEngine(config, launch_shards=launch), config.tensor_parallel_size
+        self.refused: ValueError | None = None
+        try:
+            self.engine, self.tp = LLMEngine(config, launch_shards=launch), config.tensor_parallel_size
+        except ValueError as e:  # a spec this worker cannot serve (its KV room, its GPU share): start() says so
+            self.refused = e
+            return
         self.engine.stream_deltas = True
         self.engine.kv.pool.record_events = True
         if self.engine.kv.host is not None:  # the host tier's blocks (a persisted tier's too) are announced
@@ -120,6 +125,10 @@ class WorkerActor(EngineLoop):
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
+        """Joins the cluster and starts the engine thread; raises WorkerRefused (a ValueError) where
+        the engine refused the spec, its words in one line."""
+        if self.refused is not None:
+            raise WorkerRefused(str(self.refused))
         self.aloop = self.outlets.aloop = asyncio.get_running_loop()
         self.kernels = CompileWatch.arm(self.worker_id)  # the engine is warm: a compile from here on is a stall
         info = self.info()

@@ -193,6 +193,8 @@ class EngineConfig:
     # a time-per-output-token target in seconds: while requests decode, a step carries only the
     # prefill chunk that keeps it inside this (engine/core/step_model.py); None: the step budget only
     slo_tpot_s: float | None = None
+    # prompt + output tokens of a decode batch's sequences: the KV room must hold max_num_seqs (exec/kv_cache.py)
+    decode_batch_len: int | None = None
     # ranks (GPUs) one engine spans, Megatron-style (engine/base/tp.py); rank 0 schedules and samples
     tensor_parallel_size: int = 1
     # a mixture-of-experts model's experts whole, num_experts / N on each of the N ranks (expert
@@ -331,6 +333,8 @@ class EngineConfig:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if (n := self.decode_batch_len) is not None and not 1 <= n <= self.max_model_len:
+            raise ValueError(f"decode_batch_len must be in [1, max_model_len {self.max_model_len}], got {n}")
         if self.max_model_len > mc.max_position_embeddings and os.environ.get(ALLOW_LONG) != "1":
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({mc.max_position_embeddings}): positions past it were never trained and the output "

@@ -79,6 +79,22 @@ def test_serve_refuses_pools_whose_memory_shares_overfill_a_gpu(tmp_path):
         "to at most 1"]
 
 
+@pytest.mark.slow
+def test_serve_refuses_a_decode_worker_whose_kv_room_cannot_hold_its_batch(default_model_dir):
+    """A real cluster (Ray, the default model): 32 MiB of KV hold 45 blocks, 2 sequences of 256
+    tokens, against a decode batch of 8. The decode worker refuses in one line with the numbers,
+    in the flags' words, and the server stops before serving (exit 2, no traceback)."""
+    out = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--port", "0", "--kv-cache-memory-bytes",
+                          str(32 << 20), "--max-num-seqs", "8", "--decode-batch-len", "256"],
+                         capture_output=True, text=True, timeout=300)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("pdserve: error:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "serving" not in out.stdout, out.stderr
+    assert errors == ["pdserve: error: decode worker: --decode-batch-len 256: this worker's KV room, 45 blocks of 16 "
+                      "= 720 tokens, holds 2 sequences of 256 tokens, fewer than its decode batch (--max-num-seqs 8): "
+                      "lower --max-num-seqs to 2, or give the worker more room (--gpu-memory-utilization, more GPUs "
+                      "by --tensor-parallel-size, a smaller --kv-cache-dtype)"], out.stderr
+
+
 def test_prefill_pool_chunk_budget():
     from pdserve.cli import build_parser
     from pdserve.cli_common import engine_kwargs

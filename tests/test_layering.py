@@ -49,7 +49,7 @@ INTRA = {
         "engine_loop": {"records", "worker_commands"},
         "worker_actor": {"engine_loop", "gpus", "outlets", "output_pipe", "peer_calls", "records", "registry",
                          "serving_config", "shard_actor", "worker_commands"},
-        "pool_monitor": {"aio", "autoscale", "serving_config"},
+        "pool_monitor": {"aio", "autoscale", "records", "serving_config"},
         "engine_specs": {"serving_config"},
         "pools": {"aio", "autoscale", "engine_specs", "output_pipe", "pool_monitor", "ratio", "records", "routing",
                   "serving_config", "shard_actor", "worker_actor"},

@@ -94,6 +94,25 @@ def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
     return int(n)
 
 
+def check_decode_room(config: EngineConfig, num_blocks: int) -> None:
+    """Refuses, in one line with the numbers, an engine whose KV room holds fewer than max_num_seqs
+    sequences of config.decode_batch_len tokens (a decode batch that would wait for blocks)."""
+    n = config.decode_batch_len
+    if n is None:
+        return
+    bs = config.block_size
+    held = num_blocks // -(-n // bs)
+    if held >= config.max_num_seqs:
+        return
+    room = f"decode_batch_len {n}: this worker's KV room, {num_blocks} blocks of {bs} = {num_blocks * bs} tokens, "
+    more = ("give the worker more room (gpu_memory_utilization, more GPUs by tensor_parallel_size, a smaller "
+            "kv_cache_dtype)")
+    if held == 0:
+        raise ValueError(f"{room}holds no sequence of {n} tokens: {more}, or lower decode_batch_len")
+    raise ValueError(f"{room}holds {held} sequences of {n} tokens, fewer than its decode batch (max_num_seqs "
+                     f"{config.max_num_seqs}): lower max_num_seqs to {held}, or {more}")
+
+
 def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
     mc = config.model_config
     d = mc.kv_cache_spec.head_dim

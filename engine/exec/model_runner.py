@@ -43,7 +43,7 @@ from ..sampling_params import SamplingParams
 from ..tiers.offload import HostCache, host_slots
 from . import step_inputs
 from .graphs import StepGraphs, piece_tokens
-from .kv_cache import activation_bytes, allocate_kv_cache, kv_layout, layer_views, num_kv_blocks
+from .kv_cache import activation_bytes, allocate_kv_cache, check_decode_room, kv_layout, layer_views, num_kv_blocks
 from .loader import load_model
 from .step_inputs import FlatBatch, StepInputs, StepPath
 from .step_result import StepResult
@@ -72,6 +72,7 @@ class ModelRunner:
                   and self.model.attention(0).capturable)
         scratch = activation_bytes(config, piece_tokens(config) if graphs else 0)
         self.num_blocks = self.tp.min_int(num_kv_blocks(config, scratch))
+        check_decode_room(config, self.num_blocks)  # every rank, the same count: each refuses alike
         self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
         self.kv_views = layer_views(self.kv, config.kv_cache_dtype)
         self.layout = kv_layout(config)

@@ -70,6 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="the KV cache's size itself, in place of what the memory share leaves (CPU default: 1 GiB)")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--decode-batch-len", type=int, default=None,
+                   help="prompt + output tokens of the sequences a decode batch holds: a worker whose KV room holds "
+                        "fewer than --max-num-seqs of them refuses to start (pdserve plan sizes it)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -147,7 +150,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
            "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config,
            "kv_disk_dir": args.kv_disk_dir, "kv_disk_size": args.kv_disk_size,
            "kv_window_tokens": args.kv_window_tokens, "kv_sink_tokens": args.kv_sink_tokens,
-           "kv_evict": args.kv_evict}
+           "kv_evict": args.kv_evict, "decode_batch_len": args.decode_batch_len}
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):  # None: the engine's default
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli_common import CliError, add_engine_args, check_kv_dirs, engine_kwargs
+from pdserve.cli_common import CliError, add_engine_args, check_kv_dirs, engine_kwargs, in_flags
 
 AUTOSCALE_FLAGS = {"target_prefill_queue": "prefill_queue", "target_ttft_p90": "ttft_p90_s",
                    "target_kv_usage": "kv_usage", "target_itl_p90": "itl_p90_s", "autoscale_cooldown": "cooldown_s",
@@ -116,6 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit):  # stopped while starting (SystemExit: ray.init's own SIGTERM
         progress("stopped before serving")  # handler, until ours is back): what had started is stopped
         return 0
+    except ValueError as e:  # a spec a worker refused (WorkerRefused), or an argument: one line, stopped
+        raise CliError(in_flags(str(e))) from None
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,

@@ -33,6 +33,16 @@ def test_each_pool_gets_its_spec_resolved_once_and_the_device_part_is_left_to_th
         EngineSpecs.of(ServingConfig(), "hybrid", {"model": model})
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "disaggregated", "colocated"])
+def test_only_the_workers_that_decode_check_their_room_for_a_decode_batch(tiny_models, mode):
+    """decode_batch_len reaches the decode pool (hybrid's too, whose args are the prefill pool's)
+    and colocated engines; a prefill worker holds no decode batch and does not check it."""
+    specs = EngineSpecs.of(ServingConfig(), mode, {"model": tiny_models["llama"], "max_model_len": 128,
+                                                   "decode_batch_len": 100})
+    assert specs.decode.decode_batch_len == 100
+    assert specs.prefill is None if mode == "colocated" else specs.prefill.decode_batch_len is None
+
+
 def test_a_worker_spec_takes_the_slo_as_it_is_now_and_a_missing_pool_is_named(tiny_models):
     serving = ServingConfig.from_dict({"slo": {"tpot_s": 0.03}})
     specs = EngineSpecs.of(serving, "colocated", {"model": tiny_models["llama"], "max_model_len": 128,

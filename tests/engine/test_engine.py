@@ -127,6 +127,26 @@ def test_a_request_validated_at_the_edge_is_admitted_checking_only_the_engines_c
                                                   eng.model_config.vocab_size).samples()] == [7, 8]
 
 
+def test_an_engine_whose_kv_room_cannot_hold_its_decode_batch_refuses_to_start(tiny_models):
+    """decode_batch_len: 20 blocks of 16 tokens hold 5 sequences of 64 tokens, fewer than a decode
+    batch of 8: refused in one line with the numbers and what to change; a batch of 5 starts.
+    Out of [1, max_model_len] it is refused by name."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    cfg = dict(model=tiny_models["llama"], max_model_len=512, num_gpu_blocks_override=20, decode_batch_len=64)
+    with pytest.raises(ValueError) as e:
+        LLMEngine(EngineConfig(max_num_seqs=8, **cfg))
+    assert str(e.value).startswith("decode_batch_len 64: this worker's KV room, 20 blocks of 16 = 320 tokens, holds "
+                                   "5 sequences of 64 tokens, fewer than its decode batch (max_num_seqs 8): lower "
+                                   "max_num_seqs to 5") and "\n" not in str(e.value)
+    eng = LLMEngine(EngineConfig(max_num_seqs=5, **cfg))
+    assert eng.kv.num_blocks == 20
+    eng.close()
+    with pytest.raises(ValueError, match=r"decode_batch_len must be in \[1, max_model_len 512\], got 513"):
+        LLMEngine(EngineConfig(**{**cfg, "decode_batch_len": 513}))
+
+
 def test_abort_frees_blocks(llm):
     eng = llm.engine
     reqs = [eng.add_request(f"Story number {i}:", SamplingParams(max_tokens=50)) for i in range(4)]
