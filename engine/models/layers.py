@@ -97,7 +97,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
     """F.linear, through ops/triton_gemv (`gemv`: gemv_op's) for a CUDA step of up to its FEW_ROWS
     rows (a decode step of one sequence: a GEMV, where cuBLAS's tiles left up to half of the
     bandwidth unused; bench/gemv_gpu.py)."""
-    if gemv is not None and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= gemv.FEW_ROWS and x.stride(1) == 1:
+    if (gemv is not None and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= gemv.FEW_ROWS and x.stride(1) == 1
+            and weight.stride(1) == 1):
         return gemv.gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
