@@ -82,7 +82,7 @@ def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals_ptr, w_ptr,
 @dataclass(frozen=True)
 class DecodeTiles:
     """The router's tiles (experts per program, reduction depth, warps) and the experts' GEMMs'
-    (ops/triton_moe.MoETiles; None: MoETiles.for_rows)."""
+    (ops/triton_moe.MoETiles; None: `experts_tiles` picks them by the step's tokens)."""
 
     block_e: int = 4
     block_k: int = 2048
@@ -107,8 +107,8 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.
     """x [T, hidden] through a sparse layer from its router weight [E, hidden] (the logits rounded to
     router_w's dtype unless it is float32, as F.linear(x, router_w) writes them); `arrivals` [>= T]
     int32, zero, and zero again on return (the caller keeps one per layer); `held` as
-    ops/triton_moe.moe_triton. Equal to moe_triton on F.linear(x, router_w)'s logits up to the
-    GEMMs' summation order."""
+    ops/triton_moe.moe_triton. The same experts' kernels as moe_triton on F.linear(x, router_w)'s
+    logits: equal to it wherever the two routers' logits round alike."""
     T, H = x.shape
     E = router_w.shape[0]
     count, two_i, _ = w_gate_up.shape
