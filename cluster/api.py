@@ -107,8 +107,8 @@ class ServingCluster(Protocol):
     def pool_sizes(self) -> dict: ...
 
     def health(self) -> dict:
-        """{"pools": sizes, "registry": {"status": "ok" | "restarting", ...}, "monitor": {"status": ...}}:
-        what is missing, without calling into the workers."""
+        """{"pools": sizes, "unresponsive": {worker id: seconds silent}, "registry": {"status": "ok" |
+        "restarting", ...}, "monitor": {"status": ...}}: what is missing, without calling into the workers."""
 
     def status(self) -> list[dict]:
         """Per worker, asked now (blocking; run it off the event loop)."""

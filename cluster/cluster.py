@@ -336,9 +336,10 @@ class Cluster:
         return self._run(self.registry.list_workers(), 30) or []
 
     def health(self) -> dict:
-        """What /health reports: the pools and the block registry ("restarting" while it is
-        away: placement then runs without prefix hints)."""
-        return {"pools": self.pool_sizes(), "registry": self.registry.state(), "monitor": self.pools.monitor_state()}
+        """What /health reports: the pools, the workers silent to the monitor's probe (seconds), and
+        the block registry ("restarting" while it is away: placement then runs without prefix hints)."""
+        return {"pools": self.pool_sizes(), "unresponsive": self.pools.unresponsive(),
+                "registry": self.registry.state(), "monitor": self.pools.monitor_state()}
 
     def closing(self) -> None:
         """The process is going down (a signal that its workers got too): the monitor stops

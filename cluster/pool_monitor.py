@@ -1,10 +1,11 @@
 """The pools' health and autoscaling (`PoolMonitor`, Pools' base): every second, the registry's
-probe, each worker's stats (one that does not answer is purged and replaced), the refill to the
+probe, each worker's stats (one that is gone or says it cannot serve is purged and replaced; one
+that is silent is out of placement, and purged once silent for `unresponsive_s`), the refill to the
 targets, and the autoscaler's step (autoscale.py's signals policy, or ratio.py's split), which
 switches a worker between the pools when none can be added.
 
 It reads what Pools sets up: serving, mode, registry, workers, targets, actor_options, ttft, itl,
-ratio, closed, _scaling, _pool_state, autoscale_events, and Pools' `pool_sizes()`,
+ratio, closed, _scaling, _pool_state, autoscale_events, unresponsive_s, and Pools' `pool_sizes()`,
 `candidates()`, `tp()`, `scale()`, `remove()` and `_reconcile()`.
 """
 
@@ -15,7 +16,7 @@ import logging
 import time
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from .aio import within
 from .autoscale import PoolSignals, decide, pool_signals
@@ -24,12 +25,14 @@ from .serving_config import ROLES
 
 log = logging.getLogger(__name__)
 
+PROBE_S = 5.0  # how long the monitor waits for a worker's stats
+
 
 class PoolMonitor:
     # ---- health and autoscaling ---------------------------------------------------------------
     async def monitor(self) -> None:
-        """Every second: the registry's probe, each worker's stats (one that does not answer is
-        purged and replaced), the refill, the autoscaler. One pass that raises is logged and the
+        """Every second: the registry's probe, each worker's stats (`_probe`), the refill, the
+        autoscaler. One pass that raises is logged and the
         next runs: health, refills and the registry's return all hang on this loop."""
         while not self.closed:
             await asyncio.sleep(1.0)
@@ -46,15 +49,7 @@ class PoolMonitor:
 
     async def _monitor_pass(self) -> None:
         await self.registry.check()
-        for w in list(self.workers.values()):
-            try:
-                w.stats = await within(w.actor.stats.remote(), 5)
-            except (RayError, asyncio.TimeoutError) as e:
-                await asyncio.sleep(0.5)  # a signal that ended the worker ends this process too: closed by then
-                if w.worker_id in self.workers and not self.closed:
-                    why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-                    log.warning("worker %s cannot serve (%s): purging and replacing it", w.worker_id, why)
-                    await self.remove(w, graceful=False)
+        await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
         if not self.closed and not self._scaling.locked():
             async with self._scaling:
                 try:
@@ -63,6 +58,43 @@ class PoolMonitor:
                     log.warning("refilling pools failed: %s", e)
         if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():
             self._autoscale_step(time.monotonic())
+
+    async def _probe(self, w) -> None:
+        """One worker's stats. A worker that is gone (its actor died) or says it cannot serve (its
+        engine thread died) is purged and replaced at once. One that is silent (no answer in
+        PROBE_S, or a stray error) is out of placement while its pool has a worker that answers
+        (`candidates()`), and is purged only once silent for `unresponsive_s`: a busy host's slow
+        answer is not a death, and purging the only decode worker for it failed every request
+        until its replacement started. It is back as soon as it answers."""
+        asked = time.monotonic()
+        try:
+            w.stats = await within(w.actor.stats.remote(), PROBE_S)
+            if w.silent_since is not None:
+                log.warning("worker %s answers again after %.1f s", w.worker_id, time.monotonic() - w.silent_since)
+            w.silent_since = None
+            return
+        except (RayError, asyncio.TimeoutError) as e:
+            why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+            gone = isinstance(e, RayActorError) and not isinstance(e, ActorUnavailableError)
+            dead = gone or "cannot serve" in str(e)
+        now = time.monotonic()
+        if not dead:
+            if w.silent_since is None:
+                w.silent_since = asked
+                log.warning("worker %s does not answer (%s): out of placement while another answers", w.worker_id, why)
+            if now - w.silent_since < self.unresponsive_s:
+                return
+            why = f"silent for {now - w.silent_since:.0f} s: {why}"
+        await asyncio.sleep(0.5)  # a signal that ended the worker ends this process too: closed by then
+        if w.worker_id in self.workers and not self.closed:
+            log.warning("worker %s cannot serve (%s): purging and replacing it", w.worker_id, why)
+            await self.remove(w, graceful=False)
+
+    def unresponsive(self) -> dict[str, float]:
+        """Workers silent to the probe now, and for how many seconds (/health)."""
+        now = time.monotonic()
+        return {w.worker_id: round(now - w.silent_since, 1) for w in list(self.workers.values())
+                if w.silent_since is not None}
 
     def _switch_instead(self, want: dict) -> dict | None:
         """The policy wants a pool to grow and no worker can be added: move one worker from

@@ -5,9 +5,9 @@ are `PoolMonitor`'s (pool_monitor.py). Runs on the cluster's event loop thread.
     scale(want)   set pool targets; growth is awaited, the surplus drains (no new
                   requests, in-flight ones finish) and then stops
     monitor()     (pool_monitor.py) every second: the registry's probe (registry_link.RegistryLink.check), each
-                  worker's stats (or, if it does not answer, purge it from the registry,
-                  tell its peers to drop their process groups with it, and refill the
-                  pool); then one autoscaling decision when it is on
+                  worker's stats (a worker gone, or silent for `unresponsive_s`: purge it from
+                  the registry, tell its peers to drop their process groups with it, and
+                  refill the pool); then one autoscaling decision when it is on
     candidates()  snapshots of the live, non-draining workers of a pool for placement
 
 A worker's record (`records.WorkerRecord`) is the cluster's view of one `WorkerActor`:
@@ -73,6 +73,7 @@ class Pools(PoolMonitor):
         self.closed = False
         self.monitor_error: str | None = None  # the last monitor pass's failure, if it failed
         self.start_s = 10.0  # EWMA of a worker's start (actor to serving): a 503's Retry-After
+        self.unresponsive_s = 30.0  # a live worker silent this long is purged (pool_monitor.py)
 
     # ---- views ------------------------------------------------------------------------------
     def worker(self, worker_id: str) -> WorkerRecord:
@@ -94,14 +95,17 @@ class Pools(PoolMonitor):
         return sum(n for p, n in w.queued_by_priority.items() if p <= priority)
 
     def candidates(self, role: str, priority: int | None = None) -> list[Candidate]:
-        """`priority`: the request's, so that the queue it is predicted to wait in is what runs ahead of it."""
+        """`priority`: the request's, so that the queue it is predicted to wait in is what runs ahead of it.
+        Workers silent to the monitor's probe are left out while another worker of the pool answers
+        (all silent: a slow host, not a dead pool; they stay)."""
         out = []
-        for w in self.workers.values():
-            if w.role == role and not w.draining and w.switching_to is None:
-                st, total = w.stats, w.blocks_total or 1
-                out.append(Candidate(w.worker_id, w.load, total - st.kv_blocks_used, total, self.ahead_of(w, priority),
-                                     st.prefill_tok_s, st.prefill_chunk, st.step_s, 0,
-                                     st.max_num_seqs - st.num_running - 4, st.tpot_over))
+        live = [w for w in self.workers.values() if w.role == role and not w.draining and w.switching_to is None]
+        answering = [w for w in live if w.silent_since is None]
+        for w in answering or live:
+            st, total = w.stats, w.blocks_total or 1
+            out.append(Candidate(w.worker_id, w.load, total - st.kv_blocks_used, total, self.ahead_of(w, priority),
+                                 st.prefill_tok_s, st.prefill_chunk, st.step_s, 0,
+                                 st.max_num_seqs - st.num_running - 4, st.tpot_over))
         return out
 
     # ---- sizes --------------------------------------------------------------------------------

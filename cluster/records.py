@@ -138,8 +138,9 @@ class WorkerRecord:
     """The cluster's view of one WorkerActor: its id, pool, actor handle, what it reported at
     start (`info`), the requests this cluster has in flight on it (`load`), the prompt tokens
     placed on it without a first token yet (`queued_tokens`, and by priority), whether it drains
-    or is switching pools, its last stats, a tensor-parallel worker's placement group and the
-    pool it was started for (switching back goes to such workers first)."""
+    or is switching pools, its last stats, since when it has not answered the monitor's probe, a
+    tensor-parallel worker's placement group and the pool it was started for (switching back goes
+    to such workers first)."""
     worker_id: str
     role: str  # the pool: "prefill" or "decode" (colocated engines are the decode pool)
     actor: object
@@ -152,6 +153,7 @@ class WorkerRecord:
     stats: WorkerStats = field(default_factory=WorkerStats)
     placement_group: object = None
     first_role: str = ""
+    silent_since: float | None = None  # monotonic time of its first unanswered probe in a row; None: answering
 
     def __post_init__(self) -> None:
         self.first_role = self.first_role or self.role

@@ -74,6 +74,76 @@ def test_a_worker_whose_engine_thread_died_refuses_calls_and_is_replaced(tiny_mo
         c.shutdown()
 
 
+def _pid(actor) -> int:
+    import os
+
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+
+
+def test_a_silent_worker_is_out_of_placement_comes_back_and_is_purged_only_past_its_grace(tiny_models):
+    """A decode worker frozen (SIGSTOP) past the probe's 5 s is silent, not dead: /health names it
+    and says degraded, requests go to the pool's other worker and all finish, and once thawed it
+    answers and serves again, the same worker. The whole pool frozen, a request waits for it
+    instead of a 503 (a busy CI host's slow answer once purged the only decode worker and failed
+    every request until a replacement started). Frozen past `unresponsive_s`, a worker is purged
+    and replaced."""
+    import os
+    import signal
+
+    c = Cluster.start(tiny_models["llama"], decode=2, mode="colocated", max_model_len=256)
+    server = Server(build_app(c))
+    try:
+        first = sorted(c.workers)
+        frozen = first[0]
+        pid = _pid(c.workers[frozen].actor)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: frozen in c.health()["unresponsive"], 30, "the frozen worker was never reported")
+            h = httpx.get(server.url + "/health", timeout=30)
+            assert h.status_code == 200 and h.json()["status"] == "degraded" and frozen in h.json()["unresponsive"]
+            outs = c.generate([[5 + i, 6, 7, 8] for i in range(6)], GREEDY)
+            assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 6
+            assert {o.decode_worker for o in outs} == {first[1]}  # none placed on the silent one
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _wait(lambda: not c.health()["unresponsive"], 30, "the thawed worker never answered again")
+        assert sorted(c.workers) == first, "a worker silent for less than unresponsive_s was replaced"
+        assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
+        outs = c.generate([[9 + i, 6, 7, 8] for i in range(8)], GREEDY)
+        assert {o.decode_worker for o in outs} == set(first)  # both serve again
+
+        pids = [pid, _pid(c.workers[first[1]].actor)]  # the whole pool silent: a slow host, no 503
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        try:
+            _wait(lambda: len(c.health()["unresponsive"]) == 2, 30, "the frozen pool was never reported")
+            late: list = []
+            t = threading.Thread(target=lambda: late.extend(c.generate([[5, 6, 7, 8]], GREEDY)))
+            t.start()
+            time.sleep(1.0)
+        finally:
+            for p in pids:
+                os.kill(p, signal.SIGCONT)
+        t.join(60)
+        assert [o.outputs[0].finish_reason for o in late] == ["length"]
+        assert sorted(c.workers) == first
+
+        c.pools.unresponsive_s = 2.0
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: frozen not in c.workers, 60, "a worker silent past unresponsive_s was kept")
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        _wait(lambda: len(c.workers) == 2 and not c.health()["unresponsive"], 120, "the pool was never refilled")
+        assert c.generate([[5, 6, 7, 8]], GREEDY)[0].outputs[0].finish_reason == "length"
+    finally:
+        server.stop()
+        c.shutdown()
+
+
 RESTART_PROMPT = list(range(100, 200))  # 6 full blocks
 
 
