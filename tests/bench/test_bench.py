@@ -157,12 +157,16 @@ def test_colocated_engines_keep_the_tpot_target(colocated):
     TPOT target (core/step_model.py), also after POST /admin/slo changes it (set by the engine
     thread between steps)."""
     c, _ = colocated
-    assert {row["slo_tpot_s"] for row in c.status()} == {c.serving.slo.tpot_s}
+    before = c.serving.slo.tpot_s
+    assert {row["slo_tpot_s"] for row in c.status()} == {before}
     c.set_slo(tpot_s=0.07)
-    deadline = time.monotonic() + 30
-    while {row["slo_tpot_s"] for row in c.status()} != {0.07} and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert {row["slo_tpot_s"] for row in c.status()} == {0.07}
+    try:
+        deadline = time.monotonic() + 30
+        while {row["slo_tpot_s"] for row in c.status()} != {0.07} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert {row["slo_tpot_s"] for row in c.status()} == {0.07}
+    finally:
+        c.set_slo(tpot_s=before)  # the module's cluster goes on to the bench tests as it started
 
 
 def run_bench(url, out, *args):
@@ -177,15 +181,15 @@ def test_bench_command_shared_prefix_sweep(colocated, tmp_path):
     c, server = colocated
     res = run_bench(server.url, tmp_path, "--workload", "shared-prefix", "--num-requests", "8", "--system-len", "96",
                     "--question-len", "8", "--output-len", "6", "--num-prefixes", "2", "--rates", "2,inf",
-                    "--slo-ttft", "30", "--slo-tpot", "5", "--label", "colocated", "--token-range", "100:40000")
+                    "--slo-ttft", "120", "--slo-tpot", "20", "--label", "colocated", "--token-range", "100:40000")
     data = json.loads((tmp_path / "colocated_shared-prefix.json").read_text())
     assert [r["rate"] for r in data["runs"]] == [2.0, math.inf]
     for r in data["runs"]:
         assert r["completed"] == 8 and r["failed"] == 0
         assert r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p50"] > 0 and r["output_tok_s"] > 0
-        # the share within the SLOs (30 s, 5 s: every request on an idle machine; a stall on a
-        # shared one misses them), as the per-request detail says
-        met = sum(1 for _, _, _, ttft, tpot, _ in r["requests_detail"] if ttft <= 30 and (tpot is None or tpot <= 5))
+        # the share within the SLOs (120 s, 20 s: every request, unless something is broken; a
+        # loaded 2-core CI host once stalled a run past 30 s), as the per-request detail says
+        met = sum(1 for _, _, _, ttft, tpot, _ in r["requests_detail"] if ttft <= 120 and (tpot is None or tpot <= 20))
         assert r["slo_attainment"] == met / 8 and met >= 6
         assert 0 <= r["prefix_hit_rate"] <= 1
         assert 0 < r["phase_mean_s"]["local_prefill"] <= r["ttft_s"]["p99"]  # prefilled on the engine that decodes
