@@ -132,6 +132,8 @@ class Dispatcher:
                     return
                 elif not result.ok and not a.shown:
                     # the decode worker's receive would wait out its deadline: retry now (aborted below)
+                    if result.pair_lost:  # the retry may meet the same pair: its receiver moves to a new gen first
+                        await self._renew(d, p)
                     raise WorkerLost(f"handoff from {p.worker_id} failed: {result.error}")
             try:
                 await relay
@@ -150,6 +152,17 @@ class Dispatcher:
             relay.cancel()
             # the request loads the prefill worker (routing, drains) until its send is over
             prefill.add_done_callback(lambda t: (t.cancelled() or t.exception(), self._release(p)))
+
+    @staticmethod
+    async def _renew(d: WorkerRecord, p: WorkerRecord) -> None:
+        """The sender p lost its pair with d: d closes its receiving side before any retry is sent
+        to it, so the next handoff from p runs on a new gen. (The sender also marks the gen dead in
+        d's store, but that write is lost when it cannot reach the store: under load, three tries
+        in a row then met the same retired gen.) A d that does not answer is the retry's to find."""
+        try:
+            await within(d.actor.renew_receives.remote(p.worker_id), 10)
+        except (RayError, asyncio.TimeoutError) as e:
+            log.warning("%s did not renew its receives from %s: %s", d.worker_id, p.worker_id, e)
 
     @staticmethod
     def _release(w: WorkerRecord) -> None:

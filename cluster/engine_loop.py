@@ -99,7 +99,7 @@ class EngineLoop:
                 self.role.abort(cmd.request_id)
                 self._deliver(cmd.request_id, error=Aborted(f"request {cmd.request_id} aborted"))
             elif isinstance(cmd, ForgetPeer):
-                self.connector.forget_peer(cmd.peer)
+                self.connector.forget_peer(cmd.peer, cmd.sends)
             elif isinstance(cmd, SwitchRole):
                 self._switch(cmd)
             else:  # a setting the engine thread changes between steps (retune)

@@ -118,8 +118,8 @@ class ShardActor:
                         arg.start(conn)
                     elif op == "abort":
                         conn.abort(arg)
-                    elif op == "forget":
-                        conn.forget_peer(arg)
+                    elif op == "forget":  # (peer, sends)
+                        conn.forget_peer(*arg)
                 except Exception as e:  # noqa: BLE001 - reported as the route's failure
                     if op == "start":
                         failed.append((arg.request_id, TransferState.FAILED, f"{self.name}: {e}"))
@@ -153,8 +153,8 @@ class RayRankLink(RankLink):
     def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
 
-    def forget_peer(self, peer: str) -> None:
-        self._submit("forget", peer)
+    def forget_peer(self, peer: str, sends: bool = True) -> None:
+        self._submit("forget", (peer, sends))
 
     def finished(self) -> list[tuple[str, TransferState, str | None]]:
         if self._poll is None:

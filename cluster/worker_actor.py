@@ -299,3 +299,9 @@ class WorkerActor(EngineLoop):
     async def forget_peer(self, worker_id: str) -> None:
         self.peers.forget(worker_id)
         self._post(ForgetPeer(worker_id))
+
+    async def renew_receives(self, worker_id: str) -> None:
+        """The sender `worker_id` lost its pair with this worker (HandoffResult.pair_lost): the
+        receiving side is closed, so the next handoff from it runs on a new gen. Posted ahead of
+        any request the caller sends after this call returns (the inbox keeps the order)."""
+        self._post(ForgetPeer(worker_id, sends=False))

@@ -4,7 +4,8 @@ named in one place: the engine thread takes them off `inbox` in order, between s
     Add         a request, with its decode (prefill role) or prefill (decode role) peer, and
                 the peer to fetch its prefix from (a FetchPlan), if any
     Abort       stop a request wherever it is; its caller gets Aborted
-    ForgetPeer  a peer worker is gone: drop its KV pair
+    ForgetPeer  a peer worker is gone: drop its KV pairs (or, receive only, its sender lost
+                their pair: the next handoff from it runs on a new gen)
     SwitchRole  become the other role on the same engine (drained first)
 
 Anything else posted is a callable the engine thread runs between steps (retune).
@@ -40,6 +41,7 @@ class Abort:
 @dataclass
 class ForgetPeer:
     peer: str
+    sends: bool = True  # False: only the pairs receiving from it
 
 
 @dataclass

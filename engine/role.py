@@ -108,14 +108,16 @@ class HandoffTarget:
 class HandoffResult:
     """A prefill worker's report of one finished send, what its caller (the dispatcher) and the
     metrics read: its state (DONE or FAILED), the error, bytes moved, seconds from the start
-    of the send to its end, the prefill side's spans (wall-clock times by name), and the link
-    that moved it (transfer: cuda-ipc, shared-memory, nccl, gloo)."""
+    of the send to its end, the prefill side's spans (wall-clock times by name), the link
+    that moved it (transfer: cuda-ipc, shared-memory, nccl, gloo), and whether it failed with
+    its pair (`pair_lost`: the receiver must close its side before a retry on the same pair)."""
     state: TransferState
     error: str | None = None
     nbytes: int = 0
     seconds: float | None = None
     spans: dict[str, float] = field(default_factory=dict)
     link: str | None = None
+    pair_lost: bool = False
 
     @property
     def ok(self) -> bool:

@@ -141,7 +141,7 @@ class PrefillRole(Role):
                 continue
             p.spans.update(h.wall_spans("send"))
             events.append(Sent(h.request_id, HandoffResult(h.state, h.error, h.nbytes, h.seconds, p.spans,
-                                                                   h.link)))
+                                                                   h.link, h.pair_lost)))
         return events
 
     def _unclaimed(self, too_old: float) -> list[Event]:

@@ -120,6 +120,10 @@ class Handoff:
     # how long it may wait for the wire (a receive: for its sender's order, which comes when the
     # prompt's prefill is done); None: timeout_s
     wait_s: float | None = None
+    # it failed with its pair (the pair's group died, or the channel was of a gen the sender had
+    # retired): no later handoff on that gen can succeed, so the receiver must close its side
+    # (KVConnector.forget_peer(sender, sends=False)) before the next one from this sender
+    pair_lost: bool = False
 
     @property
     def deadline(self) -> float:
@@ -136,9 +140,12 @@ class Handoff:
             return self._end(TransferState.FAILED, "aborted")
         return self._end(TransferState.DONE)
 
-    def fail(self, error: str) -> bool:
-        """FAILED with `error`; False if it had ended. The first to end it wins (a connector's
-        thread racing an abort or a timeout)."""
+    def fail(self, error: str, pair_lost: bool = False) -> bool:
+        """FAILED with `error` (`pair_lost`: with its pair); False if it had ended. The first to
+        end it wins (a connector's thread racing an abort or a timeout)."""
+        if self.state.finished:
+            return False
+        self.pair_lost = pair_lost
         return self._end(TransferState.FAILED, error)
 
     def _end(self, state: TransferState, error: str | None = None) -> bool:
@@ -310,8 +317,11 @@ class KVConnector(ABC):
         """Handoffs started and not yet returned by poll()."""
 
     @abstractmethod
-    def forget_peer(self, peer: str) -> None:
-        """The peer left the cluster: drop what is kept for it (its process groups)."""
+    def forget_peer(self, peer: str, sends: bool = True) -> None:
+        """Closes the pairs with `peer` (its process groups; with each of its ranks): the ones
+        receiving from it, and with `sends` the ones sending to it too. The peer left the cluster,
+        or (sends=False) it lost its pair with this receiver: the next channel for it is a new
+        gen, so a retry does not meet the gen its sender retired."""
 
     @abstractmethod
     def close(self) -> None:

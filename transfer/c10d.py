@@ -154,7 +154,7 @@ class C10dConnector(PairConnector):
             self._handoffs[request_id] = h
         pair = self._pair(peer, peer_address, channel.gen, is_sender)
         if isinstance(pair, str):
-            h.fail(pair)
+            h.fail(pair, pair_lost=True)
             if is_sender:  # a channel of a gen we retired: say so again, so that the receive
                 self.mark_dead(peer_address, channel.gen, connect=True)  # fails now and the next channel moves on
         else:
@@ -209,11 +209,13 @@ class C10dConnector(PairConnector):
         self._drop(h)
         return Abort.ENDED
 
-    def forget_peer(self, peer: str) -> None:
-        """The peer left the cluster: close both directions of its pairs (with each of its
-        ranks, "<peer>#<r>", when it was tensor-parallel)."""
+    def forget_peer(self, peer: str, sends: bool = True) -> None:
+        """Closes the pairs with `peer` (with each of its ranks, "<peer>#<r>", when it is
+        tensor-parallel): those receiving from it, and with `sends` those sending to it. A
+        receiving pair's end moves the peer to a new gen (pair_died)."""
         with self._lock:
-            pairs = [p for (name, _), p in self._pairs.items() if name == peer or name.startswith(f"{peer}#")]
+            pairs = [p for (name, is_sender), p in self._pairs.items()
+                     if (name == peer or name.startswith(f"{peer}#")) and (sends or not is_sender)]
         for pair in pairs:
             pair.kill(f"peer {peer} left")
 

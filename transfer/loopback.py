@@ -106,9 +106,9 @@ class LoopbackConnector(PairConnector):
     def num_pending(self) -> int:
         return len(self._handoffs)
 
-    def forget_peer(self, peer: str) -> None:
+    def forget_peer(self, peer: str, sends: bool = True) -> None:
         for h in list(self._handoffs.values()):
-            if h.peer == peer:
+            if h.peer == peer and (sends or not h.is_sender):
                 h.fail(f"peer {peer} left")
 
     def close(self) -> None:

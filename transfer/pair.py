@@ -119,7 +119,9 @@ class Pair:
             self.recvs.clear()
             self.cond.notify_all()
         for h in pending:
-            h.fail(reason)
+            h.fail(reason, pair_lost=True)
+        if self.current is not None:  # on the wire when the pair died (it may have ended already)
+            self.current.pair_lost = True
         if self.is_sender:
             # tell the receiver, through its store, that this gen is dead: its next channel
             # for us moves to a new gen instead of meeting a group we no longer run
@@ -147,7 +149,7 @@ class Pair:
                 if h is not None:
                     if time.monotonic() >= h.deadline - 0.1:
                         why = f"timed out after {h.timeout_s:.1f} s ({why})"
-                    h.fail(why)
+                    h.fail(why, pair_lost=True)
                 self.kill(why)
                 return
 

@@ -127,7 +127,7 @@ class RankLink(ABC):
     def abort(self, request_id: str) -> None: ...
 
     @abstractmethod
-    def forget_peer(self, peer: str) -> None: ...
+    def forget_peer(self, peer: str, sends: bool = True) -> None: ...
 
 
 class LocalRankLink(RankLink):
@@ -149,8 +149,8 @@ class LocalRankLink(RankLink):
     def abort(self, request_id: str) -> None:
         self.connector.abort(request_id)
 
-    def forget_peer(self, peer: str) -> None:
-        self.connector.forget_peer(peer)
+    def forget_peer(self, peer: str, sends: bool = True) -> None:
+        self.connector.forget_peer(peer, sends)
 
 
 def rank_name(worker: str, rank: int) -> str:
@@ -294,10 +294,10 @@ class TPConnector(KVConnector):
     def num_pending(self) -> int:
         return len(self._open)
 
-    def forget_peer(self, peer: str) -> None:
-        self.local.forget_peer(peer)
+    def forget_peer(self, peer: str, sends: bool = True) -> None:
+        self.local.forget_peer(peer, sends)
         for link in self.links:
-            link.forget_peer(peer)
+            link.forget_peer(peer, sends)
 
     def close(self) -> None:
         self.local.close()
@@ -332,7 +332,10 @@ class _Composite(Handoff):
         if self.state.finished:
             return
         if state is not TransferState.DONE:
-            self.fail(f"route {route}: {error}")
+            # a route of this rank says whether its pair was lost; another rank's failure is taken
+            # as one (closing a receiver's side of a live pair costs only a fresh group)
+            lost = next((h.pair_lost for h in self.local if h.request_id == route), error != "aborted")
+            self.fail(f"route {route}: {error}", pair_lost=lost)
             return
         if not self.is_sender:
             self.meta = next((h.meta for h in self.local if h.meta is not None), self.meta)

@@ -15,6 +15,7 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.cluster.records import WorkerRecord
+from pdserve.cluster.serving_config import HandoffConfig
 from pdserve.cluster.worker_actor import WorkerActor
 from pdserve.router.app import build_app
 
@@ -424,17 +425,20 @@ def test_the_registry_killed_or_frozen_under_load_comes_back_and_no_request_fail
     assert c.registry.state()["outages"] >= 2
 
 
-def retires_its_pair_once():
+def retires_its_pair_once(marks_lost: bool = False):
     """A prefill worker whose pair with the decode worker is retired (as a send aborted on the
     wire retires it) just after the decode worker handed out the channel of the first
-    request: the race a burst of client disconnects left behind. (A local class: Ray ships
-    it by value.)"""
+    request: the race a burst of client disconnects left behind. `marks_lost`: its dead-gen
+    marks never reach the decode worker's store (as when that store cannot be reached under
+    load), so only the cluster can move the receiver on. (A local class: Ray ships it by value.)"""
 
     class RetiresItsPairOnce(WorkerActor):
         async def target(self, request_id, target):
+            conn = self.connector.local
+            if marks_lost:
+                conn.mark_dead = lambda *args, **kw: None
             if not getattr(self, "_retired", False):
                 self._retired = True
-                conn = self.connector.local
                 with conn._lock:
                     conn._dead_send_gen[target.peer] = max(conn._dead_send_gen.get(target.peer, -1),
                                                            target.channel.gen)
@@ -443,11 +447,15 @@ def retires_its_pair_once():
     return RetiresItsPairOnce
 
 
-def test_a_send_refused_on_a_retired_pair_is_retried_at_once(tiny_models):
+@pytest.mark.parametrize("marks_lost", [False, True], ids=["marked", "marks-lost"])
+def test_a_send_refused_on_a_retired_pair_is_retried_at_once_on_a_new_gen(tiny_models, marks_lost):
     """The send is refused at once (a stale channel); the request is retried at once, on a new
     gen of the pair, instead of waiting out the decode worker's 30 s receive deadline, and it
-    answers what the same prompt answers afterwards."""
-    c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, max_model_len=256, worker_cls=retires_its_pair_once())
+    answers what the same prompt answers afterwards. With the sender's dead-gen marks lost, the
+    dispatcher has the receiver close its side before the retry: never three tries into the
+    same retired gen (what a loaded host once answered with errors)."""
+    c = Cluster.start(tiny_models["llama"], prefill=1, decode=1, max_model_len=256,
+                      worker_cls=retires_its_pair_once(marks_lost))
     server = Server(build_app(c))
     try:
         body = {"prompt": list(range(100, 150)), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -455,7 +463,8 @@ def test_a_send_refused_on_a_retired_pair_is_retried_at_once(tiny_models):
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
         took = time.monotonic() - t
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
-        assert took < 15, f"{took:.1f} s: the attempt waited out the handoff deadline"
+        # the bound is the code's: a retry that waited for the receive's deadline took longer
+        assert took < HandoffConfig().timeout_s, f"{took:.1f} s: the attempt waited out the handoff deadline"
         assert c.counters["retries"] == 1
         again = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
         assert again["choices"][0]["text"] == r.json()["choices"][0]["text"]
