@@ -24,15 +24,18 @@ class RegistryLink:
     Lifecycle: `create()` starts the named actor with unlimited restarts. `runs`
     answers from it within `call_timeout_s`; a call that fails or times out marks the
     registry down, and while it is down placement gets no runs at once (consistent hash
-    with bounded load) without asking. The pools' monitor calls `check()` every second: a
-    registry that answers is up again; one whose name is gone (killed for good) is created
-    anew under the same name (the workers look it up again). One that does not answer is
-    judged by Ray's own state of the actor (the GCS actor table): ALIVE and silent for
-    `frozen_s` is frozen, and is killed so that Ray restarts it; one Ray is still starting
-    (RESTARTING, PENDING_CREATION) is not frozen, however slow its start on a busy machine, and
-    is killed only after `start_s`. Each state's clock starts when the actor enters it, and each
-    kill in one outage doubles the next allowance (up to 16x). `state()` is what /health
-    reports."""
+    with bounded load) without asking. The pools' monitor calls `check()` every second. It
+    keeps one ping in flight and never abandons it for a new one: a registry that answers it,
+    however late (a busy host), is up again. One whose name is gone (killed for good) is
+    created anew under the same name (the workers look it up again). A ping still unanswered is
+    judged by Ray's own state of the actor (the GCS actor table): ALIVE with the ping unanswered
+    for `frozen_s` (counted from the later of the ping and the actor's ALIVE) is frozen, and is
+    killed so that Ray restarts it; one Ray is still starting (RESTARTING, PENDING_CREATION) is
+    not frozen, however slow its start on a busy machine, and is killed only after `start_s`.
+    Each kill in one outage doubles the next allowance (up to 16x). `state()` is what /health
+    reports. (A fresh 2 s ping each second once judged a live registry on a loaded 2-core host
+    frozen: its answers came after 2 s, each kill cost a restart that was slower still, and the
+    registry never came back within a minute.)"""
 
     def __init__(self, namespace: str, call_timeout_s: float = 1.0, frozen_s: float = 10.0,
                  start_s: float = 120.0):
@@ -48,6 +51,8 @@ class RegistryLink:
         self.alive: bool | None = None  # the actor's Ray state at the last probe: ALIVE, or being started
         self.kills = 0  # kills in this outage: each doubles the next incarnation's allowance
         self.closed = False
+        self._ping = None  # the probe's ping in flight, and when it was sent (monotonic)
+        self._ping_sent = 0.0
 
     def create(self):
         self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace,
@@ -102,29 +107,49 @@ class RegistryLink:
 
     async def check(self) -> None:
         """The monitor's probe (every second): up, being started, frozen (kill: Ray restarts it)
-        or gone (create it again)."""
+        or gone (create it again). Nothing it meets raises: the monitor's pass goes on."""
         if self.closed:
             return
-        if await self._call(self.actor.ping.remote(), 2.0) is not None:
-            self._up()
-            return
+        try:
+            await self._check()
+        except Exception as e:  # noqa: BLE001 - e.g. the GCS slow to answer on a busy host
+            self._down(f"probe failed: {type(e).__name__}")
+            log.warning("block registry probe failed (%s: %s); the next one runs in 1 s", type(e).__name__, e)
+
+    async def _check(self) -> None:
+        if self._ping is None:
+            self._ping, self._ping_sent = self.actor.ping.remote(), time.monotonic()
+        answer = asyncio.wrap_future(self._ping.future())  # a new waiter on the same ping
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late error is no news
+        done, _ = await asyncio.wait({answer}, timeout=1.0)
+        if done:
+            err, self._ping = answer.exception(), None
+            if err is None:
+                self._up()
+                return
+            self._down(type(err).__name__)
+        else:  # still in flight: kept, never replaced by a new one
+            self._down(f"no answer for {time.monotonic() - self._ping_sent:.0f} s")
         state = await asyncio.to_thread(self._actor_state)
         if state is None:  # dead for good (its restarts spent, or killed without restart)
-            if not self.closed:
-                log.warning("block registry gone: creating it again")
-                self.create()
-                self.recreated += 1
-                self.waiting_since, self.alive = time.monotonic(), False  # the new actor's start is its own time
+            log.warning("block registry gone: creating it again")
+            self._ping = None
+            self.create()
+            self.recreated += 1
+            self.waiting_since, self.alive = time.monotonic(), False  # the new actor's start is its own time
             return
         if (state == "ALIVE") != self.alive:  # a state's clock starts when the actor enters it
             self.alive, self.waiting_since = state == "ALIVE", time.monotonic()
-        waited = time.monotonic() - self.waiting_since
+        since = max(self.waiting_since, self._ping_sent) if self.alive and self._ping is not None else \
+            self.waiting_since
+        waited = time.monotonic() - since
         allowed = (self.frozen_s if self.alive else self.start_s) * 2 ** min(self.kills, 4)
         if waited > allowed:
             log.warning("block registry %s for %.0f s: killing it so that Ray restarts it",
-                        "frozen" if self.alive else f"stuck in {state}", waited)
+                        "silent" if self.alive else f"stuck in {state}", waited)
             ray.kill(self.actor, no_restart=False)
             self.kills += 1
+            self._ping = None
             self.waiting_since, self.alive = time.monotonic(), None  # the restart's start is its own time
 
     def _actor_state(self) -> str | None:
