@@ -121,7 +121,7 @@ class RegistryLink:
             self._ping, self._ping_sent = self.actor.ping.remote(), time.monotonic()
         answer = asyncio.wrap_future(self._ping.future())  # a new waiter on the same ping
         answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late error is no news
-        done, _ = await asyncio.wait({answer}, timeout=1.0)
+        done, _ = await asyncio.wait({answer}, timeout=2.0)
         if done:
             err, self._ping = answer.exception(), None
             if err is None:
