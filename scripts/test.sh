@@ -4,6 +4,7 @@
 # go to pytest: -m "not slow" is the quick subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$SECONDS
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
@@ -20,4 +21,9 @@ export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" RAY_AUTH_MODE="${RAY_AUTH_
 # two test files at a time (each keeps its module's cluster): most tests wait on Ray actors. A test
 # process that dies (a crash, not a failure) ends the run at once, naming the test it was running:
 # a replaced worker under --dist loadfile re-ran that test or waited for work forever
-python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --max-worker-restart=0 "$@"
+# the budget stays visible: the 25 slowest tests, then the whole run's time (install included)
+rc=0
+python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
+    --durations=25 "$@" || rc=$?
+echo "test: $((SECONDS - started)) s in all (install, ruff and pytest), pytest's exit code $rc" >&2
+exit "$rc"

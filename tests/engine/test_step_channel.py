@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.base.step_channel import SLOT_BYTES, SLOTS, StepChannel, process_start
+from pdserve.engine.base.step_channel import CHECK_S, SLOT_BYTES, SLOTS, StepChannel, process_start
 from pdserve.engine.base.tp import TPError, TPGroup
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -90,7 +90,7 @@ def test_a_shard_waiting_for_a_step_learns_that_rank_0_died():
         t0 = time.monotonic()
         with pytest.raises(TPError, match="tensor-parallel rank 1 of 2: tensor-parallel process .* is gone"):
             g.recv()
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 100 * CHECK_S  # seen by the peers' check, not a step's timeout
     finally:
         die.set()
         p.join(10)
