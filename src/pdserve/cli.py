@@ -86,7 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        # first of all: a Ctrl-C from here on stops a server that has not started yet (serve_cli)
+        from pdserve.serve_cli import stop_on_signals
+
+        stop_on_signals()
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("pdserve: stopped before serving", file=sys.stderr, flush=True)
+        return 0
     try:
         return args.func(args)
     except CliError as e:

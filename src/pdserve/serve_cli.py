@@ -50,6 +50,17 @@ def _interrupt(sig, frame):
     raise KeyboardInterrupt
 
 
+def stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM stop a server that is still starting as they stop one that serves, also
+    when it was started with SIGINT ignored (a script's `pdserve serve ... &`): Python then
+    installs no handler of its own. `pdserve serve` installs this before anything heavy is
+    imported (torch, Ray, FastAPI: 5-13 s on a loaded host, during which a Ctrl-C was lost)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
 def check_listen(args: argparse.Namespace) -> None:
     """What can be known before the cluster starts: the pool sizes asked for, and a port this
     host can listen on now (a busy port was otherwise found only after every worker started)."""
@@ -77,10 +88,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    from pdserve.cluster import Cluster
-    from pdserve.router.app import build_app
-    from pdserve.router.server import Server
-    from pdserve.router.server import config as server_config
+    stop_on_signals()  # (again: cmd_serve may be called without main())
+    try:
+        from pdserve.cluster import Cluster
+        from pdserve.router.app import build_app
+        from pdserve.router.server import Server
+        from pdserve.router.server import config as server_config
+    except KeyboardInterrupt:
+        print("pdserve: stopped before serving", file=sys.stderr, flush=True)
+        return 0
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
@@ -89,11 +105,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs.pop("model", None)
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
-    # Ctrl-C and SIGTERM stop a server that is still starting as they stop one that serves, also
-    # when it was started with SIGINT ignored (a script's `pdserve serve ... &`): Python then
-    # installs no handler of its own, and SIGINT did nothing until uvicorn's took over
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
     check_listen(args)
     if args.address is None:  # a local cluster: its workers use this host's directories
         check_kv_dirs(args)
