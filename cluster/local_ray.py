@@ -43,12 +43,34 @@ def ray_on_loopback():
             os.environ[LOOPBACK_VAR] = saved[0]
 
 
+class RayStartError(RuntimeError):
+    """Ray could not be started or joined: one line, Ray's own words and what to try."""
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Raises RayStartError when nothing answers at the Ray address `host:port` (its GCS): ray.init
+    retries an unreachable address for minutes, with the signals that would stop it held."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except ValueError:
+        raise RayStartError(f"--address must be host:port (the Ray head's GCS), got {address!r}") from None
+    except OSError as e:
+        raise RayStartError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}; is its head "
+                            "running there (`ray start --head`), and is that its address?") from None
+
+
 def start_or_join_ray(address: str | None, namespace: str) -> None:
     """Joins the Ray at `address`, or starts one of our own on loopback (never one that happens
     to run on this machine). On the main thread, SIGINT and SIGTERM that come while ray.init runs
     are held until it returns and then go to the caller's handlers: interrupted halfway, it left
     Ray's agent processes running after the server exited. ray.init's own SIGTERM handler (it
     exits at once) is not installed; the caller's stays."""
+    if address not in (None, "auto"):
+        check_reachable(address)
     main = threading.current_thread() is threading.main_thread()
     caught: list[int] = []
     signals = {signal.SIGINT, signal.SIGTERM}
@@ -67,6 +89,15 @@ def start_or_join_ray(address: str | None, namespace: str) -> None:
     try:
         with ray_on_loopback() if address is None else contextlib.nullcontext():
             ray.init(address=address or "local", namespace=namespace, **ray_init_options())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - Ray's own words, on one line, with what to try
+        words = " ".join(str(e).split())[:300] or type(e).__name__
+        if address is None:
+            raise RayStartError(f"the local Ray did not start ({type(e).__name__}: {words}); on a busy host try "
+                                "again, or start one with `ray start --head` and pass --address") from None
+        raise RayStartError(f"cannot join the Ray cluster at {address} ({type(e).__name__}: {words}); is it "
+                            "running, and does its token match RAY_AUTH_TOKEN?") from None
     finally:
         if main and sets_handler is not None:
             ray_utils.set_sigterm_handler = sets_handler

@@ -61,15 +61,16 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
         raise InvalidRequest("prompt is empty (no tokens)", "prompt")
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequest(f"prompt token ids out of vocabulary (ids 0..{vocab_size - 1}): {bad[:5]}", "prompt")
+        raise InvalidRequest(f"prompt token ids out of vocabulary (vocabulary size {vocab_size}: ids 0.."
+                             f"{vocab_size - 1}): {bad[:5]}", "prompt")
     for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
                       ("allowed_token_ids", params.allowed_token_ids or ()),
                       ("logprob_token_ids", params.logprob_token_ids or ())):
         far = sorted(t for t in ids if not 0 <= t < vocab_size)
         if far:  # every one named (up to 64)
             more = f" and {len(far) - 64} more" if len(far) > 64 else ""
-            raise InvalidRequest(f"{name} token ids out of vocabulary (ids 0..{vocab_size - 1}): {far[:64]}{more}",
-                                 name)
+            raise InvalidRequest(f"{name} token ids out of vocabulary (vocabulary size {vocab_size}: ids 0.."
+                                 f"{vocab_size - 1}): {far[:64]}{more}", name)
     n = len(token_ids)
     if not bounded:
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len

@@ -132,7 +132,8 @@ class RequestRunner:
             if err.get("type") == "extra_forbidden":
                 raise HTTPError(400, f"unknown parameter {param!r}", param=param) from None
             kind = f" [type={err['type']}]" if err.get("type") else ""  # pydantic's error type, as vLLM shows it
-            raise HTTPError(400, f"invalid field {param!r}: {err.get('msg')}{kind}", param=param or None) from None
+            raise HTTPError(400, f"invalid field {field_path(loc)!r}: {err.get('msg')}{kind}",
+                            param=param or None) from None
 
     async def params(self, req, ids: list[int], default_max: int | None) -> ValidRequest:
         """The prompt `ids` and the request's sampling parameters, validated (the request's one
@@ -271,3 +272,18 @@ class RequestRunner:
             return await gen.__anext__()
         except StopAsyncIteration:
             raise HTTPError(500, "request ended without output", "server_error") from None
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|json-or-python|function-\w+|tagged-union|constrained-\w+)\b|[\[(]")
+
+
+def field_path(loc: tuple) -> str:
+    """The body's path to a field pydantic refused, as a client writes it ("tools[0].function"),
+    without the union branches pydantic tried on the way ("list[int]", "str")."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _TYPE_TAG.search(str(part)):
+            out += f".{part}" if out else str(part)
+    return out

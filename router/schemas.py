@@ -179,8 +179,11 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: NonEmpty | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmpty], Field(min_length=1)] \
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    # token ids as any ints, of any count: an empty or out-of-vocabulary prompt is refused by the one
+    # check of a prompt (engine/validation.py: "prompt is empty", "... out of vocabulary (vocabulary
+    # size N ...)"), not by pydantic's union, whose first branch's words ("a valid string") misled
+    prompt: NonEmpty | list[int] | Annotated[list[NonEmpty], Field(min_length=1)] \
+        | Annotated[list[list[int]], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the top N per token (and the sampled token's)
     echo: bool = False
 

@@ -56,6 +56,20 @@ def test_a_busy_port_and_the_version_answer_in_one_line_before_anything_starts()
     assert pdserve("--version").stdout.strip().startswith("pdserve 0.")
 
 
+def test_a_ray_address_nobody_answers_is_one_line_not_a_hang():
+    """`--address` where no Ray head listens: one line naming the address and what to check, exit 2
+    (ray.init retried it for minutes, with Ctrl-C and SIGTERM held until it gave up)."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = pdserve("serve", "--address", f"127.0.0.1:{port}", "--port", "0")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"pdserve: error: cannot reach the Ray cluster at 127.0.0.1:{port}" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "serving" not in out.stdout
+
+
 def test_serve_refuses_a_bad_serving_config(tmp_path):
     cfg_file = tmp_path / "serving.yaml"
     cfg_file.write_text("autoscale: {kv_usage: 3}\n")

@@ -91,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop_on_signals()  # (again: cmd_serve may be called without main())
     try:
         from pdserve.cluster import Cluster
+        from pdserve.cluster.local_ray import RayStartError
         from pdserve.router.app import build_app
         from pdserve.router.server import Server
         from pdserve.router.server import config as server_config
@@ -129,6 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     except ValueError as e:  # a spec a worker refused (WorkerRefused), or an argument: one line, stopped
         raise CliError(in_flags(str(e))) from None
+    except RayStartError as e:  # Ray did not start or could not be joined: one line, not a traceback
+        raise CliError(str(e)) from None
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,

@@ -222,7 +222,19 @@ def test_vllm_error_messages_name_what_is_wrong(served):
     for kw, param in asks:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=m, max_tokens=2, **kw)
-        assert "out of vocabulary" in e.value.body["message"] and e.value.body["param"] == param, kw
+        # vLLM's clients look for the vocabulary's size (SmolLM2's 49152) in the message
+        assert "out of vocabulary (vocabulary size 49152" in e.value.body["message"], kw
+        assert e.value.body["param"] == param, kw
+    # the real problem named, not the first branch pydantic tried ("Input should be a valid string")
+    for prompt, words in (([], "prompt is empty"), ([-1], "out of vocabulary (vocabulary size 49152: ids 0..49151)"),
+                          ([[5, 6], []], "prompt is empty")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=m, prompt=prompt, max_tokens=2)
+        assert words in e.value.body["message"] and e.value.body["param"] == "prompt", (prompt, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:  # the missing field by its path, not only "tools"
+        client.chat.completions.create(model=m, messages=ASK, max_tokens=2, tools=[{"type": "function"}])
+    assert "'tools[0].function': Field required" in e.value.body["message"], e.value.body
+    assert e.value.body["param"] == "tools"
 
 
 def test_tokenize_takes_the_chat_options_and_tokenizer_info(served):
