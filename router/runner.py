@@ -274,7 +274,8 @@ class RequestRunner:
             raise HTTPError(500, "request ended without output", "server_error") from None
 
 
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|json-or-python|function-\w+|tagged-union|constrained-\w+)\b|[\[(]")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|json-or-python|function-\w+|tagged-union"
+                       r"|constrained-\w+)\b|[\[(]")
 
 
 def field_path(loc: tuple) -> str:
