@@ -25,14 +25,30 @@ def make_kv(seed: int, num_blocks: int = SHAPE["num_blocks"], head_dim: int = SH
     return out
 
 
+_CONTEXT = None
+
+
+def context():
+    """The processes' start method: a fork server that has imported torch and the transfer code
+    once per test process (a fresh interpreter each, as "spawn" started them, cost 2-7 s of imports
+    per peer on 2 cores, about a third of the transfer tests' time). Nothing in it touches a GPU
+    or starts a thread before it forks."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        import multiprocessing as mp
+
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "pdserve.transfer.c10d", "pdserve.transfer.pull",
+                                         "pdserve.engine.exec.kv_cache", "transfer_workers"])
+    return _CONTEXT
+
+
 class Peer:
     """A worker process (peer_main) driven through its queues."""
 
     def __init__(self, name: str, seed: int, head_dim: int = SHAPE["head_dim"], link: str = "c10d",
                  device: str = "cpu"):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.name, self.seed = name, seed
         self.cmd, self.res = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=peer_main, args=(name, seed, self.cmd, self.res, head_dim, link, device),
