@@ -15,7 +15,7 @@ from _pytest.faulthandler import fault_handler_stderr_fd_key
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# `-n 2` on 2 cores: each test process one torch thread. Two processes of two threads each
+# `-n 3` on 2 cores: each test process one torch thread. Two processes of two threads each
 # (torch's default) made engine tests 10-20x slower than alone (OpenMP threads spinning on a
 # core the other process holds): test_seeded_sampling_is_reproducible took 36 s instead of 2 s.
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -79,14 +79,14 @@ def own_ray():
         ray.shutdown()
 
 
-# The longest files first (seconds each on 2 idle cores, `--durations=0` summed per file):
-# scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`, which hands out files in
+# The longest files first (seconds each, `--durations=0` summed per file, on 2 cores, longest first):
+# scripts/test.sh runs `-n 3 --dist loadfile --no-loadscope-reorder`, which hands out files in
 # collection order, and one of these started last kept the other worker idle for minutes. The rest
 # keep their order.
-LONGEST_FIRST = ("test_faults.py", "test_serve_models.py", "test_cluster.py", "test_openai_parity.py", "test_docs.py",
-                 "test_aborts.py",
-                 "test_c10d_transfer.py", "test_spec_decode.py", "test_correctness_hf.py", "test_cli.py",
-                 "test_offload_cluster.py", "test_router.py", "test_deepseek.py", "test_fake_multinode.py")
+LONGEST_FIRST = ("test_docs.py", "test_faults.py", "test_serve_models.py", "test_c10d_transfer.py", "test_cluster.py",
+                 "test_cli.py", "test_openai_parity.py", "test_spec_decode.py", "test_correctness_hf.py",
+                 "test_deepseek.py", "test_autoscale_policy.py", "test_offload_cluster.py", "test_aborts.py",
+                 "test_moe_cluster.py", "test_ratio.py", "test_tensor_parallel_cluster.py")
 
 
 def pytest_collection_modifyitems(config, items):
