@@ -220,7 +220,7 @@ def completion_prompts(req, tokenizer) -> list[tuple[str | None, list[int]]]:
     """OpenAI's prompt: a string, a token list, or a batch of either (one choice per prompt
     and copy)."""
     prompt = req.prompt
-    batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in batch]
 
 

@@ -91,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.serve_cli import stop_on_signals
 
         stop_on_signals()
-    try:
-        args = build_parser().parse_args(argv)
-    except KeyboardInterrupt:
-        print("pdserve: stopped before serving", file=sys.stderr, flush=True)
-        return 0
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except CliError as e:

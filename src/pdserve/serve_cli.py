@@ -50,15 +50,33 @@ def _interrupt(sig, frame):
     raise KeyboardInterrupt
 
 
+STOPS: list[int] = []  # signals that came while the server imported what it runs on
+
+
+def _note(sig, frame):
+    STOPS.append(sig)
+
+
 def stop_on_signals() -> None:
     """Ctrl-C and SIGTERM stop a server that is still starting as they stop one that serves, also
     when it was started with SIGINT ignored (a script's `pdserve serve ... &`): Python then
-    installs no handler of its own. `pdserve serve` installs this before anything heavy is
-    imported (torch, Ray, FastAPI: 5-13 s on a loaded host, during which a Ctrl-C was lost)."""
+    installs no handler of its own. `pdserve serve` installs this first, before anything heavy is
+    imported (torch, Ray, FastAPI: 5-13 s on a loaded host, during which a Ctrl-C was lost). Until
+    those imports are done a signal is only noted (an exception raised inside a C extension's
+    import leaves it half loaded: numpy then refused to load again); `stop_requested()` reads it."""
     import signal
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+        signal.signal(sig, _note)
+
+
+def stop_requested() -> bool:
+    """A signal came while the server imported: it stops before it starts anything (one line)."""
+    if STOPS:
+        import sys
+
+        print("pdserve: stopped before serving", file=sys.stderr, flush=True)
+    return bool(STOPS)
 
 
 def check_listen(args: argparse.Namespace) -> None:
@@ -88,16 +106,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    stop_on_signals()  # (again: cmd_serve may be called without main())
-    try:
-        from pdserve.cluster import Cluster
-        from pdserve.cluster.local_ray import RayStartError
-        from pdserve.router.app import build_app
-        from pdserve.router.server import Server
-        from pdserve.router.server import config as server_config
-    except KeyboardInterrupt:
-        print("pdserve: stopped before serving", file=sys.stderr, flush=True)
+    if signal.getsignal(signal.SIGINT) is not _note:  # called without main(): no signal noted yet
+        stop_on_signals()
+    from pdserve.cluster import Cluster
+    from pdserve.cluster.local_ray import RayStartError
+    from pdserve.router.app import build_app
+    from pdserve.router.server import Server
+    from pdserve.router.server import config as server_config
+
+    if stop_requested():
         return 0
+    # from here on a signal raises KeyboardInterrupt, which every stage below stops on cleanly
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
