@@ -15,7 +15,7 @@ from _pytest.faulthandler import fault_handler_stderr_fd_key
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# `-n 3` on 2 cores: each test process one torch thread. Two processes of two threads each
+# `-n 2` on 2 cores: each test process one torch thread. Two processes of two threads each
 # (torch's default) made engine tests 10-20x slower than alone (OpenMP threads spinning on a
 # core the other process holds): test_seeded_sampling_is_reproducible took 36 s instead of 2 s.
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -80,7 +80,7 @@ def own_ray():
 
 
 # The longest files first (seconds each, `--durations=0` summed per file, on 2 cores, longest first):
-# scripts/test.sh runs `-n 3 --dist loadfile --no-loadscope-reorder`, which hands out files in
+# scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`, which hands out files in
 # collection order, and one of these started last kept the other worker idle for minutes. The rest
 # keep their order.
 LONGEST_FIRST = ("test_docs.py", "test_faults.py", "test_serve_models.py", "test_c10d_transfer.py", "test_cluster.py",
