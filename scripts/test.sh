@@ -19,7 +19,7 @@ PDSERVE_PROMETHEUS_BIN=$(bash scripts/install_prometheus.sh)
 export PDSERVE_PROMETHEUS_BIN
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 # two test files at a time on 2 cores (each keeps its module's cluster): three used the 11% the cores
-# idle with two (vmstat), but beside a CPU hog three failed tests two sitting at a time had passed. A test
+# idle with two (vmstat), but beside a CPU hog three failed two tests early and ran past an hour. A test
 # process that dies (a crash, not a failure) ends the run at once, naming the test it was running:
 # a replaced worker under --dist loadfile re-ran that test or waited for work forever
 # the budget stays visible: the 25 slowest tests, then the whole run's time (install included)
