@@ -33,9 +33,8 @@ class RegistryLink:
     killed so that Ray restarts it; one Ray is still starting (RESTARTING, PENDING_CREATION) is
     not frozen, however slow its start on a busy machine, and is killed only after `start_s`.
     Each kill in one outage doubles the next allowance (up to 16x). `state()` is what /health
-    reports. (A fresh 2 s ping each second once judged a live registry on a loaded 2-core host
-    frozen: its answers came after 2 s, each kill cost a restart that was slower still, and the
-    registry never came back within a minute.)"""
+    reports. (A fresh 2 s ping each second, abandoned on timeout, could take a live registry on a
+    loaded host for frozen: an answer later than 2 s never counted, and each kill cost a restart.)"""
 
     def __init__(self, namespace: str, call_timeout_s: float = 1.0, frozen_s: float = 10.0,
                  start_s: float = 120.0):
@@ -132,6 +131,8 @@ class RegistryLink:
             self._down(f"no answer for {time.monotonic() - self._ping_sent:.0f} s")
         state = await asyncio.to_thread(self._actor_state)
         if state is None:  # dead for good (its restarts spent, or killed without restart)
+            if self.closed:  # the cluster shut down while the probe waited: nothing is created again
+                return
             log.warning("block registry gone: creating it again")
             self._ping = None
             self.create()
