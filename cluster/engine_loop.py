@@ -8,7 +8,8 @@ registry with the worker's stats and the prefix-cache events.
 
 It reads what the actor sets up: engine, role, role_name, connector, fetches, peers,
 membership, outlets, inbox, wake, stopped, heartbeat_s, handoff (HandoffConfig), aloop, and the actor's
-`info()`, `_stats()` and `_die()`; it writes `dead` when the thread ends on an error.
+`info()`, `_stats()` and `_die()`; it writes `dead` when the thread ends on an error and
+`switch_waiting` while a role switch waits for the old role's last request.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class EngineLoop:
             self.wake.clear()
             while self.inbox:
                 self._handle(self.inbox.popleft())
+            if self.switch_waiting is not None:  # a switch waits for the old role's last request
+                self._switch(self.switch_waiting)
             try:
                 events = self.role.step()
             except TPError as e:
@@ -80,7 +83,7 @@ class EngineLoop:
                 if not self.role.has_work():  # busy, the steps keep the interval; idle, this does
                     self.engine.persist_if_due()
             if not self.role.has_work() and not self.inbox:
-                self.wake.wait(0.005 if self.role.num_inflight or self.fetches.busy else 0.2)
+                self.wake.wait(0.005 if self.role.num_inflight or self.fetches.busy or self.switch_waiting else 0.2)
 
     def _fail_all(self, err: Exception) -> list:
         """An unexpected error in a step: which request caused it is unknown, so every request
@@ -107,15 +110,27 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
             self._deliver(getattr(cmd, "request_id", ""), error=e)
 
+    @property
+    def busy(self) -> int:
+        """What the role still holds: its requests, blocks held for a handoff, the scheduler's
+        unfinished sequences, and peer fetches in or out. A role switch waits for 0."""
+        return self.role.num_inflight + len(self.engine.held) + self.engine.scheduler.num_unfinished + \
+            self.fetches.busy
+
     def _switch(self, cmd: SwitchRole) -> None:
-        """On the engine thread, between steps: the old role holds nothing, so nothing is lost."""
+        """On the engine thread, between steps, once the old role holds nothing (nothing is lost).
+        The cluster stops placing on the worker and waits for its load to end, but a request, an
+        abort or a peer fetch already on its way can still land after that: the switch then waits
+        for them (`switch_waiting`, tried again after each step) until the command's deadline."""
+        self.switch_waiting = None
         try:
             if cmd.role not in ROLE_CLASSES:
                 raise ValueError(f"role must be prefill or decode, got {cmd.role!r}")
-            busy = self.role.num_inflight + len(self.engine.held) + self.engine.scheduler.num_unfinished + \
-                self.fetches.busy
-            if busy:
-                raise RuntimeError(f"{self.worker_id} still holds {busy} request(s): drain it first")
+            if self.busy:
+                if time.monotonic() < cmd.deadline:
+                    self.switch_waiting = cmd
+                    return
+                raise RuntimeError(f"{self.worker_id} still holds {self.busy} request(s): drain it first")
             self.role = self._make_role(cmd.role)
             self.role_name = cmd.role
             self.engine.retune(cmd.spec.slo_tpot_s, cmd.spec.max_num_batched_tokens)

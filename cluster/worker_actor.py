@@ -58,7 +58,7 @@ from .records import WorkerInfo, WorkerRefused, WorkerStats
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RankPlacement, RayShards
-from .worker_commands import Abort, Aborted, AbortLog, Add, ForgetPeer, SwitchRole
+from .worker_commands import SWITCH_WAIT_S, Abort, Aborted, AbortLog, Add, ForgetPeer, SwitchRole
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class WorkerActor(EngineLoop):
         self.compiling_now: set[str] = set()  # requests whose grammar compiles now
         self.aborted = AbortLog()  # an abort that comes before its request keeps it from starting
         self.dead: str | None = None  # why the engine thread ended, if it did: ping() and stats() raise it
+        self.switch_waiting: SwitchRole | None = None  # a role switch waiting for the old role to empty
         self.kernels: CompileWatch | None = None  # kernel variants compiled once serving (armed by start())
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -285,9 +286,10 @@ class WorkerActor(EngineLoop):
         """Becomes a `role` worker on the same engine (weights, KV pool and prefix cache
         stay: cached blocks are as valid for the other role), and registers again under it.
         It takes the step budget and TPOT target of `spec` (the new pool's). The cluster
-        drains the worker first; a worker still holding requests refuses."""
+        drains the worker first; what still reaches it finishes under the old role first, and a
+        worker still busy after `SWITCH_WAIT_S` refuses (it keeps its role)."""
         done = asyncio.get_running_loop().create_future()
-        self._post(SwitchRole(role, spec, done))
+        self._post(SwitchRole(role, spec, done, time.monotonic() + SWITCH_WAIT_S))
         info = await done
         await self.membership.join(info)
         return info

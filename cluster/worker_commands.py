@@ -6,7 +6,9 @@ named in one place: the engine thread takes them off `inbox` in order, between s
     Abort       stop a request wherever it is; its caller gets Aborted
     ForgetPeer  a peer worker is gone: drop its KV pairs (or, receive only, its sender lost
                 their pair: the next handoff from it runs on a new gen)
-    SwitchRole  become the other role on the same engine (drained first)
+    SwitchRole  become the other role on the same engine once the old role holds nothing
+                (the cluster drains it first; what was still on its way there finishes
+                before the switch, up to the command's deadline)
 
 Anything else posted is a callable the engine thread runs between steps (retune).
 """
@@ -44,11 +46,15 @@ class ForgetPeer:
     sends: bool = True  # False: only the pairs receiving from it
 
 
+SWITCH_WAIT_S = 60.0  # how long a switch waits for what reached a drained worker late
+
+
 @dataclass
 class SwitchRole:
     role: str
     spec: EngineConfig  # the new pool's: its slo_tpot_s and max_num_batched_tokens
     done: object  # a future on the actor's loop: the new info, or the error
+    deadline: float = float("inf")  # time.monotonic() past which a worker still busy refuses
 
 
 class AbortLog:
