@@ -261,8 +261,9 @@ class LLMEngine:
         """The persisted host tier on its interval (persist.HostTierFile.due); True if it wrote."""
         return self.tier_file is not None and self.tier_file.due()
 
-    def persist_host_tier(self) -> str:
-        """Writes the persisted host tier now (persist.HostTierFile.write)."""
+    def persist_host_tier(self) -> str | None:
+        """Writes the persisted host tier now (persist.HostTierFile.write): its index's path, or
+        None where the directory took no writes."""
         return self.tier_file.write()
 
     @property
@@ -386,6 +387,7 @@ class LLMEngine:
                              "num_gpu_blocks": kv.num_blocks, "num_cpu_blocks": kv.host.num_slots if kv.host else 0,
                              "enable_prefix_caching": c.enable_prefix_caching, "max_model_len": c.max_model_len},
             **({"kv_persist_status": self.persist_status} if self.persist_status else {}),
+            **(self.tier_file.stats() if self.tier_file is not None else {}),
             **self.tiers.stats(), **self._host_stats(),
             **self.drafter.stats(),
         }

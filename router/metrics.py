@@ -53,6 +53,10 @@ WORKER_GAUGES = {
                                    "kv_peer_fetch_gbps"),
     "pdserve:kv_peer_fetch_seconds": ("Mean time a request waited for its peer fetch (failed ones too)",
                                       "kv_peer_fetch_seconds"),
+    "pdserve:kv_disk_unwritable": ("1 while the disk tier's directory takes no writes (its blocks are not kept)",
+                                   "kv_disk_unwritable"),
+    "pdserve:kv_persist_unwritable": ("1 while the persisted host tier's directory takes no writes",
+                                      "kv_persist_unwritable"),
 }
 WORKER_COUNTERS = {
     "vllm:prefix_cache_queries": ("Prefix-cache queries, in tokens", "prefix_cache_queries"),
@@ -72,6 +76,10 @@ WORKER_COUNTERS = {
     "pdserve:kv_disk_read_bytes": ("Bytes read from the disk tier", "kv_disk_read_bytes"),
     "pdserve:kv_disk_refused_blocks": ("Disk-tier blocks refused on read (size, hash or checksum)",
                                        "kv_disk_refused_blocks"),
+    "pdserve:kv_disk_write_errors": ("Disk-tier writes that failed (read-only, full, I/O error)",
+                                     "kv_disk_write_errors"),
+    "pdserve:kv_persist_write_errors": ("Persisted host-tier writes that failed (read-only, full, I/O error)",
+                                        "kv_persist_write_errors"),
     "pdserve:prefix_cache_peer_hits": ("Prefix-cache hits fetched from a peer worker's GPU, in tokens",
                                        "prefix_cache_peer_hits"),
     "pdserve:kv_peer_fetched_bytes": ("KV bytes fetched from peers (rank 0's share on a tensor-parallel worker)",

@@ -283,3 +283,28 @@ def valid(engine, ids: list[int], params):
 
     return check_request(list(ids), params, engine.config.max_model_len, engine.model_config.vocab_size,
                          bounded=engine.config.kv_window_tokens is None)
+
+
+class Tmpfs:
+    """A real file system of `size` mounted at `path` for a test (root only: the test skips
+    otherwise): a full disk is ENOSPC from the kernel, `read_only()` remounts it as an operator's
+    `mount -o remount,ro` would. Unmounted when the `with` ends, whatever happened."""
+
+    def __init__(self, path, size: str = "1m"):
+        import pytest
+
+        self.path = str(path)
+        os.makedirs(self.path, exist_ok=True)
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "pdserve-test", self.path],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            pytest.skip(f"mounting a tmpfs needs root: {out.stderr.strip()}")
+
+    def read_only(self, ro: bool = True) -> None:
+        subprocess.run(["mount", "-o", f"remount,{'ro' if ro else 'rw'}", self.path], check=True)
+
+    def __enter__(self) -> Tmpfs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run(["umount", "-l", self.path], capture_output=True)

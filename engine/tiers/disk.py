@@ -19,10 +19,18 @@ Eviction is LRU within `capacity_bytes`, by the files this store knows: those it
 scanned the directory (at start and every `rescan_s`, so a shared directory's other writers'
 files count too), those it wrote and those it read. A hit refreshes the file's mtime, which is
 the LRU order a scan rebuilds. A restart finds what is on disk.
+
+A directory that stops taking writes never stops serving (write_health.py): a write that fails
+leaves no temporary file, marks the store unwritable (logged once per cause, in its stats) and
+the writes after it are skipped until a retry succeeds; reads go on. A full file system
+(ENOSPC) first makes room: the store's capacity shrinks to what it holds less a sixteenth, the
+oldest blocks are evicted, and the write is tried once more. A store whose directory cannot even
+be made starts empty and unwritable.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -35,6 +43,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from .write_health import WriteHealth
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +80,17 @@ class DiskStats:
 
 
 class DiskStore:
-    def __init__(self, root: str, meta: dict, block_nbytes: int, capacity_bytes: int, rescan_s: float = 60.0):
+    def __init__(self, root: str, meta: dict, block_nbytes: int, capacity_bytes: int, rescan_s: float = 60.0,
+                 tier: str = "kv_disk"):
+        """`tier`: its stats' prefix (WriteHealth)."""
         if capacity_bytes < block_nbytes:
             raise ValueError(f"kv_disk_size holds no block: {capacity_bytes} bytes, a block is {block_nbytes}")
         self.dir = os.path.join(root, layout_digest(meta))
-        os.makedirs(self.dir, exist_ok=True)
+        self.health = WriteHealth(tier, self.dir)
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            self.health.failed(e, "creating the directory")
         self.block_nbytes = block_nbytes
         self.file_bytes = HEADER.size + block_nbytes
         self.capacity = capacity_bytes // self.file_bytes  # files
@@ -133,7 +149,10 @@ class DiskStore:
             log.warning("disk tier: refused %s (a wrong size, hash or checksum)", path)
             self.remove(block_hash)
             return False
-        os.utime(path)  # the LRU order a rescan rebuilds
+        try:
+            os.utime(path)  # the LRU order a scan rebuilds
+        except OSError:  # a read-only directory: the order is this store's own until it is writable
+            pass
         with self.lock:
             self.index[block_hash] = None
             self.index.move_to_end(block_hash)
@@ -183,10 +202,11 @@ class DiskStore:
                     self.queue.task_done()
                     return
                 try:
-                    self._write(*it[:2])
-                    self._evict()  # before task_done: flush() returns with the size kept
+                    if self.health.may_write():
+                        self._write(*it[:2])
+                        self._evict()  # before task_done: flush() returns with the size kept
                 except OSError as e:  # a full or failing disk: the block is only not kept
-                    log.warning("disk tier: writing a block failed: %s", e)
+                    self.health.failed(e, "writing a block")
                 finally:
                     with self.lock:
                         if self.pending.get(it[0]) is it[1]:
@@ -207,18 +227,50 @@ class DiskStore:
             return
         t = time.perf_counter()
         path = self.path(block_hash)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._tmp += 1
-        tmp = f"{path}.tmp-{os.getpid()}-{self._token}-{self._tmp}"
-        with open(tmp, "wb") as f:
-            f.write(HEADER.pack(MAGIC, block_hash, data.nbytes, checksum(block_hash, data)))
-            f.write(memoryview(data))
-        os.replace(tmp, path)
+        try:
+            self._write_file(path, block_hash, data)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or not self._make_room():
+                raise
+            self._write_file(path, block_hash, data)  # once more, with room made
+        self.health.succeeded()
         with self.lock:
             self.index[block_hash] = None
         self.stats.written_blocks += 1
         self.stats.written_bytes += data.nbytes
         self.stats.write_seconds += time.perf_counter() - t
+
+    def _write_file(self, path: str, block_hash: bytes, data: np.ndarray) -> None:
+        """The block's file, whole or not at all: a failed write leaves no temporary file."""
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._tmp += 1
+        tmp = f"{path}.tmp-{os.getpid()}-{self._token}-{self._tmp}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(HEADER.pack(MAGIC, block_hash, data.nbytes, checksum(block_hash, data)))
+                f.write(memoryview(data))
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+
+    def _make_room(self) -> bool:
+        """The file system is full (ENOSPC): the capacity becomes what the store holds less a
+        sixteenth and the oldest blocks go. False if it holds nothing to evict."""
+        with self.lock:
+            held = len(self.index)
+        if held == 0:
+            return False
+        new = max(1, held - max(1, held // 16))
+        if new < self.capacity:
+            log.warning("disk tier (%s): the file system is full at %d blocks: its capacity is now %d blocks",
+                        self.dir, held, new)
+            self.capacity = new
+        self._evict()
+        return True
 
     def _evict(self) -> None:
         while True:
@@ -230,6 +282,8 @@ class DiskStore:
                 os.remove(self.path(old))
             except FileNotFoundError:
                 pass
+            except OSError as e:  # read-only: the file stays, out of the index (a scan finds it again)
+                self.health.failed(e, "evicting a block")
             self.stats.evicted_blocks += 1
 
     def _forget(self, block_hash: bytes) -> None:
@@ -243,26 +297,36 @@ class DiskStore:
             os.remove(self.path(block_hash))
         except FileNotFoundError:
             pass
+        except OSError as e:  # read-only: it stays on disk, out of the index (never read: refused)
+            self.health.failed(e, "removing a block")
 
     # ---- the directory ------------------------------------------------------------------------
     def scan(self) -> None:
         """Rebuilds the index from the directory (LRU by mtime) and removes the temporary files
         of writers no longer running."""
         found = []
-        for sub in os.scandir(self.dir):
-            if not sub.is_dir():
+        try:
+            subs = [sub.path for sub in os.scandir(self.dir) if sub.is_dir()]
+        except OSError:  # not there (it could not be made): nothing on disk
+            subs = []
+        for sub in subs:
+            try:
+                entries = list(os.scandir(sub))
+            except OSError:
                 continue
-            for e in os.scandir(sub.path):
+            for e in entries:
                 if e.name.endswith(SUFFIX) and len(e.name) == 64 + len(SUFFIX):
                     try:
                         found.append((e.stat().st_mtime, bytes.fromhex(e.name[:64])))
-                    except (FileNotFoundError, ValueError):
+                    except (OSError, ValueError):
                         continue
                 elif ".tmp-" in e.name and not _alive(e.name.rsplit(".tmp-", 1)[1].split("-")[0]):
                     try:
                         os.remove(e.path)
                     except FileNotFoundError:
                         pass
+                    except OSError as err:  # read-only: left for a scan once it is writable
+                        self.health.failed(err, "removing a dead writer's temporary file")
         found.sort()  # every hit touches its file: mtime is the LRU order across writers
         with self.lock:
             self.index = OrderedDict((h, None) for _, h in found)

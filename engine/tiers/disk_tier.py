@@ -230,4 +230,4 @@ class DiskTier:
                 "kv_disk_written_bytes": s.written_bytes, "kv_disk_read_bytes": s.read_bytes,
                 "kv_disk_refused_blocks": s.refused_blocks, "kv_disk_read_gbps": self.read_gbps,
                 "kv_disk_prefetch_seconds": self.prefetch_seconds / max(1, self.prefetches),
-                "kv_disk_waiting": len(self.holding)}
+                "kv_disk_waiting": len(self.holding), **self.files.health.stats()}

@@ -111,12 +111,13 @@ def store(config: EngineConfig, load_format: str, cache: HostCache) -> DiskStore
     longer names are evicted first)."""
     files = max(1, cache.buf.shape[0])
     return DiskStore(config.kv_persist_dir, layout_meta(config, load_format), cache.block_nbytes,
-                     files * (HEADER.size + cache.block_nbytes))
+                     files * (HEADER.size + cache.block_nbytes), tier="kv_persist")
 
 
-def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache, files: DiskStore) -> str:
-    """Writes the tier: its blocks not on disk yet, then its index. The copies queued in `index`
-    must have been applied (HostTierFile.write does it)."""
+def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache, files: DiskStore) -> str | None:
+    """Writes the tier: its blocks not on disk yet, then its index; None (the previous index
+    stays) when the block files could not be written. The copies queued in `index` must have
+    been applied (HostTierFile.write does it). Raises the OSError of a failed index write."""
     if index.ops.offloads:
         raise RuntimeError("persist.save: offloads are still queued; apply them first (their slots hold no data yet)")
     cache.synchronize()  # the offloads issued so far have landed
@@ -126,11 +127,20 @@ def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
         if h not in kept:
             files.put(h, cache.slot_bytes(slot).copy())
     files.flush()
+    if not files.health.writable:  # an index over blocks that are not there would only be refused
+        return None
     path = os.path.join(config.kv_persist_dir, INDEX)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({**layout_meta(config, load_format), "hashes": [h.hex() for h, _ in entries]}, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump({**layout_meta(config, load_format), "hashes": [h.hex() for h, _ in entries]}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     return path
 
 
@@ -182,7 +192,9 @@ class HostTierFile:
     """An engine's host tier on disk: restored at start (`status` says what came back), written
     by `due()` when kv_persist_interval_s has passed and the tier changed since (after every step
     and, idle, by the loop that owns the engine: a crash loses at most one interval) and by
-    `write()`, and a last time by `close()`."""
+    `write()`, and a last time by `close()`. A directory that cannot be read or written never
+    stops the engine: it starts with an empty tier, and a failed write marks the directory
+    unwritable (`files.health`, write_health.py: logged once per cause, in `stats()`, retried)."""
 
     def __init__(self, config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache):
         self.config, self.load_format, self.index, self.cache = config, load_format, index, cache
@@ -198,6 +210,9 @@ class HostTierFile:
         except PersistError as e:
             self.status = str(e)
             log.warning("%s", e)
+        except OSError as e:  # the directory cannot be read (EIO, EACCES): serve without what it held
+            self.status = f"{config.kv_persist_dir} could not be read ({e}): starting with an empty host tier"
+            log.warning("%s", self.status)
 
     def due(self) -> bool:
         """Writes the tier if its interval has passed and it changed; True if it wrote."""
@@ -206,17 +221,28 @@ class HostTierFile:
         self.at = time.monotonic()
         if not self.index.ops.offloads and self.index.entries() == self.entries:
             return False
-        self.write()
-        return True
+        if not self.files.health.may_write():  # unwritable: tried again after its retry time
+            return False
+        return self.write() is not None
 
-    def write(self) -> str:
+    def write(self) -> str | None:
         """Writes the tier now, after applying the copies still queued: blocks freed since the
-        last forward have host slots but no contents there yet (docs/design/persist.md)."""
+        last forward have host slots but no contents there yet (docs/design/persist.md). Returns
+        the index's path, or None if the directory could not be written (files.health says why)."""
         self.at = time.monotonic()
         self.cache.apply_queued(self.index)
-        path = save(self.config, self.load_format, self.index, self.cache, self.files)
-        self.entries = self.index.entries()
+        try:
+            path = save(self.config, self.load_format, self.index, self.cache, self.files)
+        except OSError as e:
+            self.files.health.failed(e, "saving the tier's index")
+            return None
+        if path is not None:
+            self.files.health.succeeded()
+            self.entries = self.index.entries()
         return path
+
+    def stats(self) -> dict:
+        return self.files.health.stats()
 
     def close(self) -> None:
         """Writes the tier a last time (the engine's close), then stops the block files' writer."""
