@@ -97,9 +97,12 @@ class Pools(PoolMonitor):
     def candidates(self, role: str, priority: int | None = None) -> list[Candidate]:
         """`priority`: the request's, so that the queue it is predicted to wait in is what runs ahead of it.
         Workers silent to the monitor's probe are left out while another worker of the pool answers
-        (all silent: a slow host, not a dead pool; they stay)."""
+        (all silent: a slow host, not a dead pool; they stay). A pool left with no worker but one
+        draining to leave it (a shrink, then its staying member died) places on that one: no 503
+        while a worker that can serve is alive (the monitor's refill takes it back, `_reclaim`)."""
         out = []
-        live = [w for w in self.workers.values() if w.role == role and not w.draining and w.switching_to is None]
+        live = [w for w in self.workers.values() if w.role == role and not w.draining and w.switching_to is None] \
+            or [w for w in self.workers.values() if w.role == role and w.drain is not None]
         answering = [w for w in live if w.silent_since is None]
         for w in answering or live:
             st, total = w.stats, w.blocks_total or 1
@@ -178,13 +181,14 @@ class Pools(PoolMonitor):
         the drain tasks."""
         adds, drains = [], []
         for role in ROLES:
-            live = self.members(role)
+            live = self.members(role) + self._reclaim(role, self.targets[role] - len(self.members(role)))
             for _ in range(self.targets[role] - len(live)):
                 adds.append(self._add_worker(role))
             stay = sorted(live, key=lambda w: (w.switching_to is None, w.worker_id), reverse=True)
             for w in stay[: max(0, len(live) - self.targets[role])]:
                 w.draining = True
-                drains.append(asyncio.ensure_future(self._drain_and_remove(w)))
+                w.drain = asyncio.ensure_future(self._drain_and_remove(w))
+                drains.append(w.drain)
         if adds:
             await asyncio.gather(*adds)
         return drains
@@ -258,8 +262,27 @@ class Pools(PoolMonitor):
                                f"on one node within {self.start_timeout:.0f} s") from None
         return pg
 
+    def _reclaim(self, role: str, short: int) -> list[WorkerRecord]:
+        """Up to `short` workers draining to leave `role`'s pool (a shrink) that still answer go
+        back into it, their drains called off: a member died during the shrink, and a worker
+        that serves now beats a replacement that starts in a minute."""
+        back = [w for w in self.workers.values() if w.role == role and w.drain is not None and w.silent_since is None]
+        for w in back[:max(0, short)]:
+            log.warning("worker %s stops draining: the %s pool needs it again", w.worker_id, role)
+            w.drain.cancel()
+            w.drain, w.draining = None, False
+        return back[:max(0, short)]
+
     async def _drain_and_remove(self, w: WorkerRecord) -> None:
-        await self._wait_drained(w)
+        """A shrink's drain: once `w` holds nothing it is removed. `_reclaim` may call it off
+        while it waits (the task ends; the worker stays)."""
+        try:
+            await self._wait_drained(w)
+        except asyncio.CancelledError:
+            if w.draining:  # not a reclaim: the cluster is going down
+                raise
+            return
+        w.drain = None
         await self.remove(w, graceful=True)
 
     def kill(self, w: WorkerRecord) -> None:

@@ -149,6 +149,7 @@ class WorkerRecord:
     queued_tokens: int = 0
     queued_by_priority: collections.Counter = field(default_factory=collections.Counter)
     draining: bool = False
+    drain: object = None  # the shrink's drain task while it drains to leave (a death's mark has none)
     switching_to: str | None = None  # draining to change role: counted in that pool, placed in none
     stats: WorkerStats = field(default_factory=WorkerStats)
     placement_group: object = None

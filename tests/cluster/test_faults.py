@@ -472,6 +472,52 @@ def test_a_send_refused_on_a_retired_pair_is_retried_at_once_on_a_new_gen(tiny_m
         c.shutdown()
 
 
+def slow_admit(max_tokens: int, wait_s: float):
+    """A real worker that holds a request of `max_tokens` for `wait_s` before it starts it: load
+    that a drain has to wait for, as long as the test needs."""
+
+    class SlowAdmit(WorkerActor):
+        async def _decode(self, request_id, request, *args):
+            if request.params.max_tokens == max_tokens:
+                await asyncio.sleep(wait_s)
+            return await super()._decode(request_id, request, *args)
+
+    return SlowAdmit
+
+
+def test_a_member_lost_during_a_shrink_calls_off_the_drain_of_the_worker_still_needed(tiny_models):
+    """`scale --decode 1` of 2: one worker drains (a request holds it), then the one meant to stay
+    dies. Requests go to the draining worker at once (they were 503 "no healthy decode worker"
+    until a replacement started), and the monitor takes it back into the pool instead of removing
+    it: no replacement starts, the shrink's call returns."""
+    held = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    c = Cluster.start(tiny_models["llama"], decode=2, mode="colocated", max_model_len=256,
+                      worker_cls=slow_admit(held.max_tokens, 12.0))
+    try:
+        got: list[list] = [[], []]
+        busy = [c.submit(None, c.validate([40 + i, 6, 7, 8], held), got[i].append, stream=False) for i in range(2)]
+        _wait(lambda: all(w.load for w in c.workers.values()), 30, "the held requests never reached both workers")
+        shrink = threading.Thread(target=c.scale, kwargs={"decode": 1})
+        shrink.start()
+        _wait(lambda: any(w.draining for w in c.workers.values()), 30, "no worker started draining")
+        leaving = next(w.worker_id for w in c.workers.values() if w.draining)
+        (staying,) = set(c.workers) - {leaving}
+        ray.kill(c.workers[staying].actor)
+        outs = c.generate([[9 + i, 6, 7, 8] for i in range(6)], GREEDY)
+        assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 6, [o.outputs[0] for o in outs]
+        assert {o.decode_worker for o in outs} == {leaving}
+        _wait(lambda: staying not in c.workers and not c.workers[leaving].draining, 30, "the drain went on")
+        shrink.join(60)
+        assert not shrink.is_alive() and c.pool_sizes()["decode"] == 1
+        for f in busy:
+            f.result(120)
+        assert [g[-1].outputs[0].finish_reason for g in got] == ["length"] * 2  # the killed worker's one retried
+        time.sleep(2.0)  # a pass of the monitor: no replacement starts, the taken-back worker stays
+        assert list(c.workers) == [leaving] and c.pools.targets["decode"] == 1
+    finally:
+        c.shutdown()
+
+
 def dies_after_three_tokens(flag: str):
     """A worker that ends its process once it has sent some request's third token;
     the first worker of the cluster to get there claims `flag` (a file), so only one dies."""
