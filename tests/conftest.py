@@ -20,6 +20,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # core the other process holds): test_seeded_sampling_is_reproducible took 36 s instead of 2 s.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    # ... and the processes tests start (benches' tiny shapes, docs' `LLM(` blocks, servers): the
+    # tiny kv_capacity bench took 66 s beside one busy core with torch's two threads, 37 s with one
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from helpers import save_tiny
 
