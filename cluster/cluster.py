@@ -324,7 +324,8 @@ class Cluster:
                     st = (await within(w.actor.stats.remote(), 10)).as_dict()
                 except (ray.exceptions.RayError, asyncio.TimeoutError):
                     st = {"error": "unreachable"}
-                rows.append({"worker_id": w.worker_id, "role": w.role, "draining": w.draining,
+                rows.append({"worker_id": w.worker_id, "role": w.role, "node": w.info.node if w.info else None,
+                             "draining": w.draining,
                              "switching_to": w.switching_to, "load": w.load,
                              "output_pipe": self.pipe.connected(w.worker_id), **st})
             return rows

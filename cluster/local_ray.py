@@ -14,11 +14,12 @@ import ray._private.utils as ray_utils
 LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's switch: "0" puts a new local Ray on 127.0.0.1
 
 
-def ray_init_options() -> dict:
-    """`ray.init` options of a Ray that pdserve starts: the workers inherit the settings that
-    the environment gives pdserve (loopback gloo, auth mode, cache, threads)."""
-    env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "RAY_AUTH_MODE", "PDSERVE_CACHE",
-                                      "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL") if k in os.environ}
+def ray_init_options(local: bool = True) -> dict:
+    """`ray.init` options: the workers inherit the settings that the environment gives pdserve
+    (auth mode, cache, threads; gloo's interface only in a Ray of its own, all on this machine:
+    a worker on another host picks the interface of its own node's address, engine/base/stores.py)."""
+    names = ("RAY_AUTH_MODE", "PDSERVE_CACHE", "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL")
+    env = {k: os.environ[k] for k in names + (("GLOO_SOCKET_IFNAME",) if local else ()) if k in os.environ}
     return dict(include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
 
 
@@ -88,7 +89,7 @@ def start_or_join_ray(address: str | None, namespace: str) -> None:
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if main else set()
     try:
         with ray_on_loopback() if address is None else contextlib.nullcontext():
-            ray.init(address=address or "local", namespace=namespace, **ray_init_options())
+            ray.init(address=address or "local", namespace=namespace, **ray_init_options(address is None))
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - Ray's own words, on one line, with what to try

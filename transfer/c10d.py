@@ -229,12 +229,13 @@ class C10dConnector(PairConnector):
 
     def links(self) -> dict[str, dict]:
         """Each connected pair's link: {"<peer> send|recv": {"link": cuda-ipc | shared-memory | nccl |
-        gloo, "why": ..., "gen": ...}}; a pull's receiving side also says how it checks that its
-        sender lived through each copy ("liveness": process | store)."""
+        gloo, "why": ..., "gen": ..., "local": this side's host:port, "peer": the other's}}; a pull's
+        receiving side also says how it checks that its sender lived through each copy
+        ("liveness": process | store)."""
         with self._lock:
             pairs = list(self._pairs.values())
         return {f"{p.peer} {'send' if p.is_sender else 'recv'}": {
-            "link": p.link.name, "why": p.why, "gen": p.gen,
+            "link": p.link.name, "why": p.why, "gen": p.gen, "local": self.address, "peer": p.peer_address,
             **({"liveness": p.link.liveness} if getattr(p.link, "liveness", None) else {})}
             for p in pairs if p.link is not None}
 

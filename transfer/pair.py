@@ -180,7 +180,9 @@ class Pair:
             choice = json.loads(ps.get("link"))
         else:
             ps.wait(["offer"], td(deadline - time.monotonic()))
-            choice, link = accept(conn, ps.get("offer"))
+            offered = ps.get("offer")
+            self.peer_address = self.peer_address or json.loads(offered)["address"]  # for links()
+            choice, link = accept(conn, offered)
             ps.set("link", json.dumps(choice))
         self.why = choice["why"]
         if choice["link"] == "pull":

@@ -17,6 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.base.stores import gloo_group, nccl_interface
+
 from .base import Handoff, block_bytes, block_index, contiguous_run, gather_blocks, scatter_blocks
 
 
@@ -72,10 +74,11 @@ class C10dLink:
     def connect(cls, conn, rank: int, ps: dist.PrefixStore, deadline: float) -> C10dLink:
         timeout = td(max(deadline - time.monotonic(), 1.0))
         if conn.device.type == "cuda":
+            nccl_interface(conn.host)  # NCCL's sockets on the interface that holds the node's address
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             return cls(conn, rank == 0, dist.ProcessGroupNCCL(ps, rank, 2, opts))
-        return cls(conn, rank == 0, dist.ProcessGroupGloo(ps, rank, 2, timeout))
+        return cls(conn, rank == 0, gloo_group(ps, rank, 2, conn.host, timeout))
 
     def close(self) -> None:
         if self.conn.device.type == "cuda":

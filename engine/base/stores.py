@@ -30,3 +30,49 @@ class BoundStore:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+def interface_of(host: str) -> str | None:
+    """The name of this host's network interface that holds IPv4 address `host` (None: none
+    does, or `host` is a name). NCCL and gloo pick an interface of their own otherwise (NCCL the
+    first that is up and not loopback, gloo the one GLOO_SOCKET_IFNAME names or the hostname's);
+    on a host with several, that can be one the peer cannot reach."""
+    import fcntl
+    import struct
+
+    try:
+        want = socket.inet_aton(host)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
+            except OSError:  # no IPv4 address on it
+                continue
+            if got == want:
+                return name
+    return None
+
+
+def gloo_group(store, rank: int, size: int, host: str, timeout: timedelta) -> dist.ProcessGroupGloo:
+    """A gloo group whose ranks listen and announce at `host` (this node's address, which its
+    peers reach), whatever GLOO_SOCKET_IFNAME says: a worker joined to a cluster of several hosts
+    announced 127.0.0.1 when the serving process's loopback setting reached it."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def nccl_interface(host: str) -> str | None:
+    """Points NCCL's sockets (its bootstrap, and its transport between hosts without
+    InfiniBand) at the interface that holds `host`, unless NCCL_SOCKET_IFNAME is set already;
+    returns what NCCL_SOCKET_IFNAME says after. Called before the first NCCL group of the
+    process (NCCL reads it once)."""
+    import os
+
+    name = interface_of(host)
+    if name is not None and "NCCL_SOCKET_IFNAME" not in os.environ:
+        os.environ["NCCL_SOCKET_IFNAME"] = "=" + name  # '=': this interface exactly, not a prefix
+    return os.environ.get("NCCL_SOCKET_IFNAME")

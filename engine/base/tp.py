@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .stores import BoundStore
+from .stores import BoundStore, gloo_group, nccl_interface
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class TPGroup:
     dev: object = None  # ProcessGroupNCCL / Gloo: the model's collectives
     store: object = None  # rank 0's TCPStore (kept alive)
     bound: BoundStore | None = None  # rank 0: the store's listening socket (bound to one address)
+    host: str = "127.0.0.1"  # the node's address: rank 0's store, every rank's gloo device
     oneshot: object = None  # CUDA: the one-shot all-reduce over IPC buffers (ipc_allreduce.py), if it runs
     oneshot_why: str | None = None  # why not, when it does not
     channel: object = None  # the step ring (step_channel.py), when every rank maps it
@@ -106,9 +107,7 @@ class TPGroup:
     def serve(cls, size: int, host: str = "127.0.0.1") -> TPGroup:
         """Rank 0's store, before the shards start (they need its address)."""
         bound = BoundStore(host, 600, world_size=size)  # the shards run on this node: loopback by default
-        g = cls(0, size, store=bound.store, bound=bound)
-        g.host = host
-        return g
+        return cls(0, size, store=bound.store, bound=bound, host=host)
 
     def connect(self, device: torch.device, address: str | None = None, timeout_s: float = 600.0,
                 custom_all_reduce: bool = True) -> TPGroup:
@@ -117,13 +116,15 @@ class TPGroup:
         if self.size == 1:
             return self
         if self.store is None:
-            host, port = address.rsplit(":", 1)
-            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=td(timeout_s))
-        self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("tp/ctrl", self.store), self.rank, self.size,
-                                          td(365 * 86400))
+            self.host, port = address.rsplit(":", 1)
+            self.store = dist.TCPStore(self.host, int(port), is_master=False, timeout=td(timeout_s))
+        host = self.host
+        self.ctrl = gloo_group(dist.PrefixStore("tp/ctrl", self.store), self.rank, self.size, host,
+                               td(365 * 86400))
         self._open_channel()
         dev_store = dist.PrefixStore("tp/dev", self.store)
         if device.type == "cuda":
+            nccl_interface(host)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = td(timeout_s)
             self.dev = dist.ProcessGroupNCCL(dev_store, self.rank, self.size, opts)
@@ -132,7 +133,7 @@ class TPGroup:
             else:
                 self.oneshot_why = "off (disable_custom_all_reduce)"
         else:
-            self.dev = dist.ProcessGroupGloo(dev_store, self.rank, self.size, td(timeout_s))
+            self.dev = gloo_group(dev_store, self.rank, self.size, host, td(timeout_s))
         return self
 
     def close(self, timeout_s: float = 30.0) -> None:

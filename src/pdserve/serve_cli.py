@@ -120,7 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if args.address is None:  # a Ray of our own is this machine only (joined: each node's own address)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     admin_key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
     kwargs = engine_kwargs(args)

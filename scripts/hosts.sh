@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# A bed of hosts on this machine, for trying a cluster of several hosts (root only):
+#
+#   bash scripts/hosts.sh up 3 [--name NAME]   # hosts h1..h3; prints "hN ADDRESS" per host
+#   bash scripts/hosts.sh run [--name NAME] h2 -- ray start --address=10.231.0.2:6379 ...
+#   bash scripts/hosts.sh down [--name NAME]   # stops every process the bed's hosts run, removes it all
+#   bash scripts/hosts.sh list                 # the beds that are up
+#
+# Each host has what a real host has apart from its disk: its own network namespace (its own
+# loopback, and one address on a bridge that only the bed's hosts and this machine share), its own
+# mount namespace (its own /tmp and /dev/shm, so Ray's session files and shared memory are its
+# own), its own PID, IPC and UTS namespaces (`ray stop` on a host stops that host's Ray only; its
+# hostname is hN). Everything else (the repository, the virtual environment, $HOME) is this
+# machine's, as a shared file system would give it. This machine reaches the hosts at their
+# addresses (it is .1 on the bridge); the bridge itself lives in a namespace of the bed's own, so
+# nothing is added to this machine's network but that one link, and nothing leaves the bed.
+#
+# A host is one process (its namespaces' init); `down` kills it, and the kernel ends every process
+# of that host with it. Two beds can be up at once (each with its own NAME and subnet).
+set -euo pipefail
+
+STATE=/run/pdserve-hosts
+usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+die() { echo "hosts.sh: $*" >&2; exit 1; }
+
+cmd=${1:-}; [ -n "$cmd" ] || usage; shift
+name=pdbed
+args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --name) name=$2; shift 2 ;;
+        --) args+=("$@"); break ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
+[[ "$name" =~ ^[a-z][a-z0-9]{0,7}$ ]] || die "--name must be 1-8 lowercase letters or digits, got '$name'"
+dir=$STATE/$name
+
+host_pid() {  # the host's init, as this machine sees it
+    local f=$dir/$1.pid
+    [ -s "$f" ] || die "no host $1 in bed $name (hosts: $(cd "$dir" 2>/dev/null && ls ./*.pid 2>/dev/null | xargs -n1 basename | sed 's/\.pid//' | tr '\n' ' '))"
+    cat "$f"
+}
+
+up() {
+    local n=${args[0]:-}
+    [[ "$n" =~ ^[1-9][0-9]*$ ]] && [ "$n" -le 200 ] || die "up N: N must be 1..200 hosts, got '${n}'"
+    [ "$(id -u)" = 0 ] || die "the bed makes namespaces and a bridge: run it as root"
+    mkdir -p "$STATE"
+    [ -e "$dir" ] && die "bed '$name' is up already (down it first: bash scripts/hosts.sh down --name $name)"
+    # a subnet no other bed holds: 10.231.K.0/24
+    local k
+    exec 9>"$STATE/.lock"
+    flock 9
+    for k in $(seq 0 255); do
+        grep -qx "10.231.$k" "$STATE"/*/subnet 2>/dev/null || break
+    done
+    mkdir -p "$dir"
+    echo "10.231.$k" > "$dir/subnet"
+    flock -u 9
+    local net=10.231.$k sw=$name-sw
+    trap 'echo "hosts.sh: up failed; removing what it made" >&2; down_bed' ERR
+    ip netns add "$sw"
+    ip -n "$sw" link set lo up
+    ip -n "$sw" link add br0 type bridge
+    ip -n "$sw" link set br0 up
+    # this machine's own link into the bed: $name-0 here, p0 on the bridge
+    ip -n "$sw" link add p0 type veth peer name "$name-0"
+    ip -n "$sw" link set "$name-0" netns $$
+    ip -n "$sw" link set p0 master br0 up
+    ip addr add "$net.1/24" dev "$name-0"
+    ip link set "$name-0" up
+    local i ns addr holder child
+    for i in $(seq 1 "$n"); do
+        ns=$name-h$i addr=$net.$((i + 1))
+        ip netns add "$ns"
+        ip -n "$sw" link add "p$i" type veth peer name eth0 netns "$ns"
+        ip -n "$sw" link set "p$i" master br0 up
+        ip -n "$ns" link set lo up
+        ip -n "$ns" addr add "$addr/24" dev eth0
+        ip -n "$ns" link set eth0 up
+        # the host's init: new PID, mount, IPC and UTS namespaces inside its network namespace;
+        # its own /tmp and /dev/shm; it reaps what ends under it and waits to be killed
+        ip netns exec "$ns" unshare --pid --mount --ipc --uts --fork --mount-proc --propagation private \
+            bash -c "mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=1777 tmpfs /dev/shm \
+                     && hostname h$i && exec -a pdserve-host-$name-h$i bash -c 'trap \"\" TERM INT HUP; \
+                     while :; do sleep 3600 & wait \$! || true; done'" </dev/null >/dev/null 2>&1 &
+        holder=$!
+        child=""
+        for _ in $(seq 1 100); do
+            child=$(cat "/proc/$holder/task/$holder/children" 2>/dev/null | awk '{print $1}')
+            [ -n "$child" ] && [ "$(readlink "/proc/$child/ns/uts")" != "$(readlink /proc/self/ns/uts)" ] \
+                && [ "$(nsenter -t "$child" --uts hostname 2>/dev/null)" = "h$i" ] && break
+            child=""
+            sleep 0.05
+        done
+        [ -n "$child" ] || die "host h$i did not start"
+        echo "$child" > "$dir/h$i.pid"
+        echo "$addr" > "$dir/h$i.addr"
+        echo "h$i $addr"
+    done
+    trap - ERR
+}
+
+down_bed() {
+    [ -d "$dir" ] || return 0
+    local f pid
+    for f in "$dir"/*.pid; do
+        [ -e "$f" ] || continue
+        pid=$(cat "$f")
+        # PID 1 of the host's namespace: its death ends every process of the host
+        [ -d "/proc/$pid" ] && kill -9 "$pid" 2>/dev/null || true
+    done
+    for f in "$dir"/*.pid; do
+        [ -e "$f" ] || continue
+        pid=$(cat "$f")
+        for _ in $(seq 1 100); do [ -d "/proc/$pid" ] || break; sleep 0.05; done
+    done
+    local ns
+    for ns in $(ip netns list | awk '{print $1}' | grep -E "^$name-(h[0-9]+|sw)$" || true); do
+        ip netns del "$ns" 2>/dev/null || true
+    done
+    ip link del "$name-0" 2>/dev/null || true
+    rm -rf "$dir"
+}
+
+case "$cmd" in
+    up) up ;;
+    down) down_bed ;;
+    run)
+        [ ${#args[@]} -ge 1 ] || usage
+        host=${args[0]}; pid=$(host_pid "$host")
+        rest=("${args[@]:1}"); [ "${rest[0]:-}" = "--" ] && rest=("${rest[@]:1}")
+        [ ${#rest[@]} -ge 1 ] || usage
+        exec nsenter -t "$pid" --net --mount --pid --ipc --uts --wd="$PWD" -- "${rest[@]}" ;;
+    addr) cat "$dir/${args[0]}.addr" ;;
+    list) for d in "$STATE"/*/; do [ -d "$d" ] && echo "$(basename "$d") $(cat "$d/subnet").0/24"; done; true ;;
+    *) usage ;;
+esac

@@ -1,0 +1,211 @@
+"""A cluster of three hosts (tests/hostbed.py: each its own network, mount and PID namespaces, its
+own address) with Ray's token auth on: h1 runs the Ray head and `pdserve serve --address`, h2
+offers `pdserve_prefill`, h3 `pdserve_decode`. KV moves between h2 and h3 over gloo at their own
+addresses; the client is this machine, reaching the router at h1's address."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hostbed import HostBed, wait_for
+
+from helpers import hf_greedy, save_tiny
+
+pytestmark = pytest.mark.slow
+
+RAY_PORT = 6379
+PORT = 8000
+PROMPTS = [[1, 504, 3100, 17, 900, 28, 77, 4021, 33, 12, 5, 9, 871, 2890, 45, 6, 700, 31, 18, 2],
+           [1, 22, 3333, 4444, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34]]
+MAX_TOKENS = 6
+
+
+def _get(url: str, key: str | None = None, timeout: float = 10) -> dict:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _post(url: str, body: dict, timeout: float = 120, headers: dict | None = None) -> dict:
+    """The JSON answer; `headers`, if given, gets the response's headers."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            if headers is not None:
+                headers.update({k.lower(): v for k, v in r.headers.items()})
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"{url}: {e.code} {e.read().decode()[:500]}") from None
+
+
+def _up(url: str) -> bool:
+    try:
+        return _get(f"{url}/health", timeout=3).get("status") == "ok"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tok_dir):
+    """The bed, its Ray (token auth on), and the tiny model where every host reads it."""
+    with HostBed(3) as bed:
+        model = save_tiny("llama", os.path.join(bed.shared_dir(), "llama"), tok_dir)
+        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        env.pop("GLOO_SOCKET_IFNAME", None)  # what a user's hosts have: nothing set
+        head = f"{bed.addr['h1']}:{RAY_PORT}"
+        ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
+        bed.popen("h1", *ray, "--head", f"--port={RAY_PORT}", f"--node-ip-address={bed.addr['h1']}",
+                  "--num-cpus=1", "--include-dashboard=false", env=env, stdout=subprocess.DEVNULL,
+                  stderr=subprocess.DEVNULL)
+        for host, role in (("h2", "prefill"), ("h3", "decode")):
+            # pdserve_any: one worker of a pool that may run on either (the colocated test's)
+            resources = json.dumps({f"pdserve_{role}": 4, "pdserve_any": 1})
+            bed.popen(host, *ray, f"--address={head}", f"--node-ip-address={bed.addr[host]}", "--num-cpus=4",
+                      f"--resources={resources}", env=env, stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL)
+        count = (f"import ray; ray.init(address='{head}', logging_level='ERROR'); "
+                 "print(sum(n['Alive'] for n in ray.nodes()))")
+        wait_for(lambda: bed.run("h1", sys.executable, "-c", count, env=env, timeout=60).stdout.strip() == "3", 120,
+                 "three Ray nodes")
+        yield bed, env, model
+
+
+def _serve(bed: HostBed, env: dict, model: str, *args: str) -> tuple[subprocess.Popen, str]:
+    url = f"http://{bed.addr['h1']}:{PORT}"
+    proc = bed.popen("h1", sys.executable, "-m", "pdserve", "serve", "--address", f"{bed.addr['h1']}:{RAY_PORT}",
+                     "--host", bed.addr["h1"], "--port", str(PORT), "--model", model, "--max-model-len", "128",
+                     *args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not _up(url):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "pdserve serve did not become healthy in 240 s"
+        time.sleep(1)
+    return proc, url
+
+
+def _stop(bed: HostBed, proc: subprocess.Popen) -> str:
+    """Ctrl-C to the server (the process nsenter started in h1)."""
+    import signal
+
+    bed.signal(proc, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return err
+
+
+def test_disagg_across_hosts_hands_kv_over_the_network_and_matches_hugging_face(cluster):
+    """Prefill on h2, decode on h3: each pair binds and announces its node's address (gloo, never
+    loopback), the tokens equal Hugging Face's, and /admin/status names both ends of the link."""
+    bed, env, model = cluster
+    proc, url = _serve(bed, env, model, "--mode", "disagg", "--prefill", "1", "--decode", "1")
+    try:
+        name = _get(f"{url}/v1/models")["data"][0]["id"]
+        body = {"model": name, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        outs = [_post(f"{url}/v1/completions", {**body, "prompt": p})
+                for p in PROMPTS]
+        status = _get(f"{url}/admin/status")
+    finally:
+        err = _stop(bed, proc)
+    assert [o["choices"][0]["token_ids"] for o in outs] == hf_greedy(model, PROMPTS, MAX_TOKENS), outs
+    nodes = {w["role"]: w["node"] for w in status["workers"]}
+    assert nodes == {"prefill": bed.addr["h2"], "decode": bed.addr["h3"]}, status["workers"]
+    links = [link for w in status["workers"] for link in (w.get("kv_links") or {}).values()]
+    assert links, status
+    for link in links:
+        assert link["link"] == "gloo", link
+        ends = {link["local"].rsplit(":", 1)[0], link["peer"].rsplit(":", 1)[0]}
+        assert ends == {bed.addr["h2"], bed.addr["h3"]}, link
+    assert "Traceback" not in err, err[-3000:]
+
+
+def _complete(url: str, prompt: list[int], headers: dict | None = None) -> dict:
+    name = _get(f"{url}/v1/models")["data"][0]["id"]
+    return _post(f"{url}/v1/completions", {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                           "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                 headers=headers)
+
+
+def _nodes(url: str) -> dict[str, tuple[str, str]]:
+    """worker id -> (pool, node address)."""
+    return {w["worker_id"]: (w["role"], w["node"]) for w in _get(f"{url}/admin/status")["workers"]}
+
+
+def test_hybrid_across_hosts_scales_decode_onto_the_host_that_offers_it_and_drains_it_back(cluster):
+    """Hybrid with its pools on two hosts answers Hugging Face's tokens; `scale --decode 2` starts
+    the new worker on the host that offers decode (h3), which serves; the shrink back drains one."""
+    bed, env, model = cluster
+    proc, url = _serve(bed, env, model, "--mode", "hybrid", "--prefill", "1", "--decode", "1")
+    try:
+        want = hf_greedy(model, PROMPTS, MAX_TOKENS)
+        assert [_complete(url, p)["choices"][0]["token_ids"] for p in PROMPTS] == want
+        assert _post(f"{url}/admin/scale", {"decode": 2})["pools"]["decode"] == 2
+        wait_for(lambda: len(_nodes(url)) == 3, 120, "the second decode worker")
+        nodes = _nodes(url)
+        assert sorted(nodes.values()) == [("decode", bed.addr["h3"])] * 2 + [("prefill", bed.addr["h2"])], nodes
+        # both decode workers serve twelve requests at once (placement weighs each one's load:
+        # what it was given and has not finished), the tokens still exact
+        prompts = [[1, 300 + 97 * i, *range(500 + i, 520 + i)] for i in range(12)]
+        heads = [{} for _ in prompts]
+        with ThreadPoolExecutor(12) as ex:
+            outs = list(ex.map(lambda i: _complete(url, prompts[i], headers=heads[i]), range(12)))
+        assert [o["choices"][0]["token_ids"] for o in outs] == hf_greedy(model, prompts, MAX_TOKENS)
+        served = {h["x-pdserve-decode"] for h in heads}
+        assert served == {w for w, (role, _) in nodes.items() if role == "decode"}, served
+        assert _post(f"{url}/admin/scale", {"decode": 1})["pools"]["decode"] == 1
+        wait_for(lambda: len(_nodes(url)) == 2, 120, "the drained decode worker gone")
+        assert [_complete(url, p)["choices"][0]["token_ids"] for p in PROMPTS] == want
+    finally:
+        err = _stop(bed, proc)
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_colocated_across_hosts_routes_a_prefix_to_the_host_that_holds_it(cluster):
+    """Two colocated workers, one per host (h2, h3): a prompt that shares a cached prefix goes to
+    the worker (and host) that holds it, which reports the hit; tokens equal Hugging Face's."""
+    bed, env, model = cluster
+    config = os.path.join(bed.shared_dir(), "colocated.yaml")
+    with open(config, "w") as f:
+        f.write("decode: {replicas: 2, min: 1, max: 2, resources: {pdserve_any: 1}}\n")
+    proc, url = _serve(bed, env, model, "--mode", "colocated", "--config", config)
+    try:
+        nodes = _nodes(url)
+        assert sorted(n for _, n in nodes.values()) == sorted([bed.addr["h2"], bed.addr["h3"]]), nodes
+        base = list(range(100, 164))  # four blocks
+        h1, h2 = {}, {}
+        first = _complete(url, base + [7], headers=h1)
+        again = _complete(url, base + [8, 9], headers=h2)
+        assert h2["x-pdserve-decode"] == h1["x-pdserve-decode"] in nodes, (h1, h2, nodes)  # the holder
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48, again["usage"]
+        assert [first["choices"][0]["token_ids"], again["choices"][0]["token_ids"]] == \
+            hf_greedy(model, [base + [7], base + [8, 9]], MAX_TOKENS)
+    finally:
+        err = _stop(bed, proc)
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_nccl_and_gloo_pick_the_interface_of_the_nodes_address(cluster):
+    """On a host whose address is on eth0 (and 127.0.0.1 on lo), NCCL's sockets are pointed at the
+    interface that holds the node's address, exactly ('=eth0'); a user's NCCL_SOCKET_IFNAME stays;
+    an address no interface holds changes nothing. (The GPU kinds lent here are single-host: this
+    is the choice NCCL gets, checked on CPU.)"""
+    bed, env, _ = cluster
+    code = ("import os; from pdserve.engine.base.stores import interface_of, nccl_interface\n"
+            f"print(interface_of('{bed.addr['h2']}'), interface_of('127.0.0.1'), interface_of('10.255.255.254'))\n"
+            f"print(nccl_interface('{bed.addr['h2']}'))\n"
+            "os.environ['NCCL_SOCKET_IFNAME'] = 'ib0'\n"
+            f"print(nccl_interface('{bed.addr['h2']}'))\n")
+    clean = {k: v for k, v in env.items() if k != "NCCL_SOCKET_IFNAME"}
+    assert bed.python("h2", code, env=clean).split("\n")[:3] == ["eth0 lo None", "=eth0", "ib0"]
