@@ -78,6 +78,11 @@ class HostBed:
             except ProcessLookupError:
                 pass
 
+    def link(self, host: str, up: bool) -> None:
+        """Takes `host`'s link to the bridge down (its cable pulled) or up again."""
+        out = self.run(host, "ip", "link", "set", "eth0", "up" if up else "down")
+        assert out.returncode == 0, out.stderr
+
     def run(self, host: str, *cmd: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(host, *cmd), env=env, capture_output=True, text=True, timeout=timeout)
 

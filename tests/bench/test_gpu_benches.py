@@ -296,7 +296,7 @@ def test_every_system_of_the_multi_gpu_grid_is_a_server_pdserve_takes(tmp_path):
 
 @pytest.mark.parametrize("script, args", [
     ("peer_fetch_gpu", ["--tokens", "512"]),
-    ("kv_capacity_gpu", ["--requests", "12", "--parts", "concurrency,restart"]),
+    ("kv_capacity_gpu", ["--requests", "12", "--parts", "concurrency,restart", "--burst", "24"]),
     ("kv_tiers_gpu", ["--tokens", "256"]),
 ])
 def test_a_tier_bench_runs_its_tiny_shape_on_cpu(script, args, tok_dir, tmp_path):

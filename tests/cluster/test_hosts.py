@@ -209,3 +209,112 @@ def test_nccl_and_gloo_pick_the_interface_of_the_nodes_address(cluster):
             f"print(nccl_interface('{bed.addr['h2']}'))\n")
     clean = {k: v for k, v in env.items() if k != "NCCL_SOCKET_IFNAME"}
     assert bed.python("h2", code, env=clean).split("\n")[:3] == ["eth0 lo None", "=eth0", "ib0"]
+
+
+class Load:
+    """Clients that send requests until stopped, half of them streaming; each request's outcome:
+    ok (its tokens kept), error-after-tokens, 503 (with its Retry-After), other HTTP errors, or
+    hung (no answer within `timeout_s`)."""
+
+    def __init__(self, url: str, name: str, clients: int = 4, timeout_s: float = 60):
+        import threading
+
+        self.url, self.name, self.timeout_s = url, name, timeout_s
+        self.rows: list[tuple[float, list[int], str, list[int]]] = []  # (start, prompt, outcome, tokens)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(k, k % 2 == 1), daemon=True)
+                        for k in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, prompt: list[int], stream: bool) -> tuple[str, list[int]]:
+        import httpx
+
+        body = {"model": self.name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "stream": stream}
+        try:
+            with httpx.Client(timeout=self.timeout_s) as c:
+                if not stream:
+                    r = c.post(f"{self.url}/v1/completions", json=body)
+                    if r.status_code == 503:
+                        return ("503" if r.headers.get("retry-after") else "503-no-retry-after"), []
+                    if r.status_code != 200:
+                        return f"http {r.status_code}", []
+                    return "ok", r.json()["choices"][0]["token_ids"]
+                tokens = []
+                with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        return ("503" if r.status_code == 503 and r.headers.get("retry-after")
+                                else f"http {r.status_code}"), []
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            return ("error-after-tokens" if tokens else "error-event"), tokens
+                        tokens += event["choices"][0].get("token_ids") or []
+                return "ok", tokens
+        except httpx.TimeoutException:
+            return "hung", []
+        except httpx.HTTPError as e:
+            return f"transport {type(e).__name__}", []
+
+    def _client(self, k: int, stream: bool) -> None:
+        i = 0
+        while not self.stop.is_set():
+            i += 1
+            prompt = [1, 200 + k, 300 + i % 8, *range(600, 616)]
+            t0 = time.monotonic()
+            outcome, tokens = self._one(prompt, stream)
+            self.rows.append((t0, prompt, outcome, tokens))
+            if outcome != "ok":
+                time.sleep(0.5)  # what a client told to retry does
+
+    def ok_since(self, t: float) -> int:
+        return sum(1 for t0, _, o, _ in self.rows if t0 >= t and o == "ok")
+
+    def finish(self) -> dict[str, int]:
+        self.stop.set()
+        for t in self.threads:
+            t.join(self.timeout_s + 10)
+        import collections
+
+        return dict(collections.Counter(o for _, _, o, _ in self.rows))
+
+
+def test_a_decode_hosts_link_down_for_20_s_under_load_fails_nothing_silently_and_heals(cluster):
+    """Disagg across hosts under streaming and non-streaming load; h3 (decode) loses its link for
+    20 s. No request hangs past its timeout; each one is answered with Hugging Face's tokens, or
+    503 with Retry-After; /health says degraded while the decode host is away; every client is
+    served again within 30 s of the link's return, with no restart; the KV blocks are all back
+    once the load stops."""
+    bed, env, model = cluster
+    proc, url = _serve(bed, env, model, "--mode", "disagg", "--prefill", "1", "--decode", "1")
+    try:
+        load = Load(url, _get(f"{url}/v1/models")["data"][0]["id"])
+        wait_for(lambda: load.ok_since(0) >= 8, 60, "the load running")
+        bed.link("h3", up=False)
+        t_fault, degraded = time.monotonic(), False
+        while time.monotonic() - t_fault < 20:
+            try:
+                degraded |= _get(f"{url}/health", timeout=5)["status"] != "ok"
+            except (OSError, ValueError):  # 503: no decode worker to place on
+                degraded = True
+            time.sleep(1)
+        bed.link("h3", up=True)
+        t_back = time.monotonic()
+        wait_for(lambda: load.ok_since(time.monotonic() - 3) >= 4 and _up(url), 30, "full strength again")
+        healed_s = time.monotonic() - t_back
+        outcomes = load.finish()
+        wait_for(lambda: all(w.get("kv_blocks_used", 0) == 0 and w.get("num_running", 0) == 0
+                             for w in _get(f"{url}/admin/status")["workers"]), 30, "KV blocks back to 0")
+    finally:
+        err = _stop(bed, proc)
+    assert degraded, "/health said ok while the decode host was away"
+    assert set(outcomes) <= {"ok", "503"}, (outcomes, err[-3000:])
+    oks = [(tuple(p), t) for _, p, o, t in load.rows if o == "ok"]
+    prompts = sorted({p for p, _ in oks})
+    want = dict(zip(prompts, hf_greedy(model, [list(p) for p in prompts], MAX_TOKENS)))
+    assert all(t == want[p] for p, t in oks), "a wrong token"
+    print(f"link down 20 s: {outcomes}, served again {healed_s:.1f} s after the link's return")
