@@ -162,6 +162,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--time-scale", type=float, default=3.0, help="trace replay speed-up")
     ap.add_argument("--parts", default="concurrency,host,restart")
+    ap.add_argument("--burst", type=int, default=128, help="requests of part 1's burst (CI's tiny check: fewer)")
     ap.add_argument("--gpu-blocks", type=int, default=800, help="each engine's GPU cache in part 2")
     return ap
 
@@ -182,7 +183,7 @@ def main() -> None:
             unit = 2 << 20  # an 8B block in bf16
         res = {"device": torch.cuda.get_device_name() if cuda else "CPU", "shape": args.shape}
         if "concurrency" in parts:
-            res["concurrency"] = concurrency(model, cuda, 5000 * unit, 128)
+            res["concurrency"] = concurrency(model, cuda, 5000 * unit, args.burst)
         if "host" in parts:
             res["host_tier"] = [host_tier(model, cuda, args.gpu_blocks * unit, g, args.requests, args.time_scale)
                                 for g in (0, 8000 * unit / (1 << 30))]

@@ -117,6 +117,7 @@ def test_disagg_across_hosts_hands_kv_over_the_network_and_matches_hugging_face(
         outs = [_post(f"{url}/v1/completions", {**body, "prompt": p})
                 for p in PROMPTS]
         status = _get(f"{url}/admin/status")
+        listening = {h: bed.run(h, "ss", "-ltnH").stdout for h in ("h2", "h3")}  # what each host listens on
     finally:
         err = _stop(bed, proc)
     assert [o["choices"][0]["token_ids"] for o in outs] == hf_greedy(model, PROMPTS, MAX_TOKENS), outs
@@ -128,7 +129,23 @@ def test_disagg_across_hosts_hands_kv_over_the_network_and_matches_hugging_face(
         assert link["link"] == "gloo", link
         ends = {link["local"].rsplit(":", 1)[0], link["peer"].rsplit(":", 1)[0]}
         assert ends == {bed.addr["h2"], bed.addr["h3"]}, link
+        # the KV store of each end listens on its node's address, and there only
+        host = next(h for h in ("h2", "h3") if link["local"].startswith(bed.addr[h] + ":"))
+        port = link["local"].rsplit(":", 1)[1]
+        binds = [row.split()[3] for row in listening[host].splitlines() if row.split()[3].endswith(":" + port)]
+        assert binds == [link["local"]], (link, listening[host])
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_process_without_the_clusters_token_cannot_join_it(cluster):
+    """From a host of the bed, Ray's token auth turns away a driver with a wrong token and one with
+    auth off: neither joins the cluster, so neither can submit work to it."""
+    bed, env, _ = cluster
+    join = f"import ray; ray.init(address='{bed.addr['h1']}:{RAY_PORT}'); print('joined')"
+    for auth in ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}, {"RAY_AUTH_MODE": "disabled"}):
+        out = bed.run("h2", sys.executable, "-c", join, env={**env, **auth}, timeout=120)
+        assert out.returncode != 0 and "joined" not in out.stdout, (auth, out.stdout, out.stderr[-2000:])
+        assert "token" in out.stderr.lower(), out.stderr[-2000:]
 
 
 def _complete(url: str, prompt: list[int], headers: dict | None = None) -> dict:
