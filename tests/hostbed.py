@@ -83,6 +83,13 @@ class HostBed:
         out = self.run(host, "ip", "link", "set", "eth0", "up" if up else "down")
         assert out.returncode == 0, out.stderr
 
+    def partition(self, a: str, b: str, cut: bool = True) -> None:
+        """Cuts (or restores) the path between hosts `a` and `b` only: each drops what it would
+        send to the other (a blackhole route); both still reach every other host."""
+        for src, dst in ((a, b), (b, a)):
+            out = self.run(src, "ip", "route", "add" if cut else "del", "blackhole", f"{self.addr[dst]}/32")
+            assert out.returncode == 0, out.stderr
+
     def run(self, host: str, *cmd: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(host, *cmd), env=env, capture_output=True, text=True, timeout=timeout)
 

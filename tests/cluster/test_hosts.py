@@ -335,3 +335,33 @@ def test_a_decode_hosts_link_down_for_20_s_under_load_fails_nothing_silently_and
     want = dict(zip(prompts, hf_greedy(model, [list(p) for p in prompts], MAX_TOKENS)))
     assert all(t == want[p] for p, t in oks), "a wrong token"
     print(f"link down 20 s: {outcomes}, served again {healed_s:.1f} s after the link's return")
+
+
+def test_hybrid_serves_on_the_decode_host_through_a_partition_between_prefill_and_decode(cluster):
+    """Hybrid under load while h2 (prefill) and h3 (decode) cannot reach each other for 15 s, both
+    still reaching the head: every request is answered with Hugging Face's tokens (prompts are
+    prefilled where they are decoded while no KV can cross), none hangs past its timeout, and the
+    KV blocks are all back once the load stops."""
+    bed, env, model = cluster
+    proc, url = _serve(bed, env, model, "--mode", "hybrid", "--prefill", "1", "--decode", "1")
+    try:
+        load = Load(url, _get(f"{url}/v1/models")["data"][0]["id"])
+        wait_for(lambda: load.ok_since(0) >= 8, 60, "the load running")
+        bed.partition("h2", "h3")
+        t_cut = time.monotonic()
+        time.sleep(15)
+        during = load.ok_since(t_cut)
+        bed.partition("h2", "h3", cut=False)
+        time.sleep(3)
+        outcomes = load.finish()
+        wait_for(lambda: all(w.get("kv_blocks_used", 0) == 0 and w.get("num_running", 0) == 0
+                             for w in _get(f"{url}/admin/status")["workers"]), 30, "KV blocks back to 0")
+    finally:
+        err = _stop(bed, proc)
+    assert set(outcomes) == {"ok"}, (outcomes, err[-3000:])
+    assert during >= 8, f"only {during} requests served during the partition"
+    oks = [(tuple(p), t) for _, p, _, t in load.rows]
+    prompts = sorted({p for p, _ in oks})
+    want = dict(zip(prompts, hf_greedy(model, [list(p) for p in prompts], MAX_TOKENS)))
+    assert all(t == want[p] for p, t in oks), "a wrong token"
+    print(f"partition 15 s (hybrid): {outcomes}, {during} served during it")
