@@ -19,8 +19,8 @@ class NoWorker(RuntimeError):
     starting): the router answers 503 with Retry-After (`retry_after_s`, the pools' measured
     worker start time)."""
 
-    def __init__(self, role: str, retry_after_s: float = 5.0):
-        super().__init__(f"no healthy {role} worker: a replacement is starting, retry shortly")
+    def __init__(self, role: str, retry_after_s: float = 5.0, why: str | None = None):
+        super().__init__(why or f"no healthy {role} worker: a replacement is starting, retry shortly")
         self.role, self.retry_after_s = role, retry_after_s
 
 
@@ -107,7 +107,8 @@ class ServingCluster(Protocol):
     def pool_sizes(self) -> dict: ...
 
     def health(self) -> dict:
-        """{"pools": sizes, "unresponsive": {worker id: seconds silent}, "registry": {"status": "ok" |
+        """{"pools": sizes, "unresponsive": {worker id: seconds silent}, "kv_links_down": {"prefill
+        id->decode id": seconds out of placement left}, "registry": {"status": "ok" |
         "restarting", ...}, "monitor": {"status": ...}}: what is missing, without calling into the workers."""
 
     def status(self) -> list[dict]:

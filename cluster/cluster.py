@@ -337,9 +337,11 @@ class Cluster:
         return self._run(self.registry.list_workers(), 30) or []
 
     def health(self) -> dict:
-        """What /health reports: the pools, the workers silent to the monitor's probe (seconds), and
-        the block registry ("restarting" while it is away: placement then runs without prefix hints)."""
+        """What /health reports: the pools, the workers silent to the monitor's probe (seconds), the
+        (prefill, decode) pairs out of placement because a link between them is down (seconds left),
+        and the block registry ("restarting" while it is away: placement then runs without prefix hints)."""
         return {"pools": self.pool_sizes(), "unresponsive": self.pools.unresponsive(),
+                "kv_links_down": self.dispatcher.placer.links_down(),
                 "registry": self.registry.state(), "monitor": self.pools.monitor_state()}
 
     def closing(self) -> None:

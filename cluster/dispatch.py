@@ -132,6 +132,8 @@ class Dispatcher:
                     return
                 elif not result.ok and not a.shown:
                     # the decode worker's receive would wait out its deadline: retry now (aborted below)
+                    if result.unreachable:  # the link between their hosts is down: not this pair again soon
+                        self.placer.link_down(p.worker_id, d.worker_id)
                     if result.pair_lost:  # the retry may meet the same pair: its receiver moves to a new gen first
                         await self._renew(d, p)
                     raise WorkerLost(f"handoff from {p.worker_id} failed: {result.error}")

@@ -11,6 +11,11 @@ predictions against what happened.
         otherwise    p by cached prefix / consistent hash, d by free KV blocks
     A pool with no worker to place on raises NoWorker (the router's 503 + Retry-After).
 
+Links that are down: a handoff whose receiver's host stopped answering (HandoffResult.unreachable)
+takes its (prefill, decode) pair out of placement for LINK_DOWN_S; then one attempt tries it again.
+Disagg places on the pairs left, or answers 503 + Retry-After when none is; hybrid prefills on the
+decode worker. /health names the pairs (`kv_links_down`) and says degraded.
+
 Checking itself: each hybrid placement predicts the time to the first token on the worker it
 picks; when the first token comes, `observe_first_token` keeps an EWMA of observed /
 predicted per worker and divides that worker's advertised prefill rate by it at the next
@@ -40,6 +45,7 @@ HALF_LIFE_S = 30.0  # an error not observed again fades toward 1: a worker place
 # pair pulls over CUDA IPC / shared memory (one H200: 29 GB/s for 512 MiB, 140 GB/s for 2 GB, fixed costs
 # included: bench/results/kv_tiers/); across nodes NCCL or gloo, whose worst case (TCP) is about 1 GB/s
 LINK_GBPS_START = {"same_node": 20.0, "network": 1.0}
+LINK_DOWN_S = 10.0  # a pair whose receiver's host did not answer stays out of placement this long
 
 
 def block_bytes(layout: dict) -> int:
@@ -110,6 +116,23 @@ class Placer:
         self.local = local or LocalRules()
         self.routing = routing_counts if routing_counts is not None else {}
         self._error: dict[str, tuple[float, float]] = {}  # worker id -> (EWMA of observed / predicted, when)
+        self._down: dict[tuple[str, str], float] = {}  # (prefill id, decode id) -> out of placement until
+
+    def link_down(self, prefill: str, decode: str) -> None:
+        """A handoff from `prefill` found `decode`'s host unreachable: the pair is out for LINK_DOWN_S."""
+        self._down[(prefill, decode)] = time.monotonic() + LINK_DOWN_S
+        self.count("link_down")
+
+    def links_down(self) -> dict[str, float]:
+        """The pairs out of placement now: "prefill->decode" -> seconds left."""
+        now = time.monotonic()
+        for key in [k for k, until in self._down.items() if until <= now]:
+            del self._down[key]
+        return {f"{p}->{d}": round(until - now, 1) for (p, d), until in self._down.items()}
+
+    def _linked(self, prefill: str, decode: str) -> bool:
+        until = self._down.get((prefill, decode))
+        return until is None or until <= time.monotonic()
 
     @property
     def slo(self):
@@ -176,12 +199,13 @@ class Placer:
                 return Placement(local)
             if self.pools.mode == "hybrid":
                 return self._hybrid(runs, hashes, ids, charges)
-            p = self._pick_prefill(runs, hashes, ids, "prefill")
-            d = self.pools.worker(pick_decode(self.pools.candidates("decode")))
+            decodes = self.pools.candidates("decode")
+            p = self._pick_prefill(runs, hashes, ids, "prefill", decodes)
+            d = self.pools.worker(pick_decode([c for c in decodes if self._linked(p.worker_id, c.worker_id)]))
             charges.charge(p, len(ids))
             return Placement(d, p)
         except NoWorker as e:
-            e.retry_after_s = self.pools.start_s
+            e.retry_after_s = max(e.retry_after_s, self.pools.start_s)
             raise
 
     def _hybrid(self, runs: dict[str, PrefixRun], hashes: list[str], ids: list[int], charges: Charges) -> Placement:
@@ -206,7 +230,13 @@ class Placer:
             base = c.prefill_tok_s or (pool_rate if c is not p else None)
             if base and c.worker_id in self._error:
                 c.prefill_tok_s = base / self.error(c.worker_id)
-        pl = place_prompt(len(ids), p, decodes, self.slo.ttft_s, self.slo.spill_at, self.handoff_s)
+        linked = [c for c in decodes if self._linked(pid, c.worker_id)]
+        if not linked:  # no KV can go from that prefill worker to a decode worker: they prefill
+            d = self.pools.worker(pick_decode(decodes))
+            self.count("link_down_local")
+            charges.charge(d, len(ids) - next(c.cached_tokens for c in decodes if c.worker_id == d.worker_id))
+            return Placement(d, explain={"local": True, "reason": "link_down", "decode": d.worker_id})
+        pl = place_prompt(len(ids), p, linked, self.slo.ttft_s, self.slo.spill_at, self.handoff_s)
         self.count(pl.reason)
         chosen = pl.decode if pl.local else pid
         placed = Placement(self.pools.worker(pl.decode), explain={**pl.explain(), "prefill": pid},
@@ -243,11 +273,18 @@ class Placer:
         self.handoff_s = 0.9 * self.handoff_s + 0.1 * seconds
 
     def _pick_prefill(self, runs: dict[str, PrefixRun], hashes: list[str], ids: list[int],
-                      role: str) -> WorkerRecord:
+                      role: str, decodes: list | None = None) -> WorkerRecord:
         """The worker to run this prompt's prefill: of the prefill pool, or (colocated mode)
-        of the decode pool: longest cached prefix, else consistent hash, bounded load."""
+        of the decode pool: longest cached prefix, else consistent hash, bounded load. With
+        `decodes`: only a prefill worker whose link to one of them is up (none: NoWorker, 503)."""
         key = hashes[0] if hashes else str(ids[: self.block_size])
-        wid, reason = pick_prefill(self.pools.candidates(role), key, best_holder(runs, role), role=role)
+        cands = self.pools.candidates(role)
+        if decodes is not None and cands and decodes:
+            cands = [c for c in cands if any(self._linked(c.worker_id, d.worker_id) for d in decodes)]
+            if not cands:
+                raise NoWorker("decode", LINK_DOWN_S, "no decode worker is reachable from a prefill worker "
+                               f"(KV links down: {', '.join(self.links_down())}): retry shortly")
+        wid, reason = pick_prefill(cands, key, best_holder(runs, role), role=role)
         self.count(reason)
         return self.pools.worker(wid)
 

@@ -110,7 +110,8 @@ class HandoffResult:
     metrics read: its state (DONE or FAILED), the error, bytes moved, seconds from the start
     of the send to its end, the prefill side's spans (wall-clock times by name), the link
     that moved it (transfer: cuda-ipc, shared-memory, nccl, gloo), and whether it failed with
-    its pair (`pair_lost`: the receiver must close its side before a retry on the same pair)."""
+    its pair (`pair_lost`: the receiver must close its side before a retry on the same pair), and
+    whether the receiver's host stopped answering (`unreachable`: the link between them is down)."""
     state: TransferState
     error: str | None = None
     nbytes: int = 0
@@ -118,6 +119,7 @@ class HandoffResult:
     spans: dict[str, float] = field(default_factory=dict)
     link: str | None = None
     pair_lost: bool = False
+    unreachable: bool = False
 
     @property
     def ok(self) -> bool:

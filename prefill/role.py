@@ -16,6 +16,10 @@ until the handoff that reads them is over. One request's way through this role:
     abort(rid)   the request ends here; a send already on the wire finishes first (its pair,
                  and the sends queued behind it, live on) and poll() releases its blocks then
 
+A prompt done whose target has not come after STALL_S, from a decode worker whose address a target
+gave before, asks whether that host answers (transfer/probe.py); if not, the handoff fails at once
+with `unreachable` (the cluster then keeps the pair out of placement) instead of after the timeout.
+
 A request with no decode peer (max_tokens == 1: nothing to decode) ends here: step()
 returns its output as Emitted.
 """
@@ -30,10 +34,11 @@ import torch
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.role import Emitted, Event, Failed, HandoffResult, Role, Sent
+from pdserve.engine.role import Emitted, Event, Failed, HandoffResult, Role, Sent, TransferState
 from pdserve.engine.validation import ValidRequest
 from pdserve.transfer.base import Abort, HandoffMeta, HandoffTarget, KVConnector
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
+from pdserve.transfer.probe import STALL_S, Prober
 
 
 @dataclasses.dataclass
@@ -65,6 +70,8 @@ class PrefillRole(Role):
         # target() runs on the actor's thread, step() on the engine's: the later of the two
         # starts the send, decided under this lock
         self._lock = threading.Lock()
+        self.addresses: dict[str, str] = {}  # decode worker -> its store's address (from its targets)
+        self.prober = Prober()
 
     def add(self, request_id: str, request: ValidRequest, peer: str | None = None,
             fetch: FetchPlan | None = None) -> None:
@@ -88,6 +95,7 @@ class PrefillRole(Role):
     def target(self, request_id: str, target: HandoffTarget) -> None:
         """The decode worker's reservation: where to send and how many blocks to skip."""
         with self._lock:
+            self.addresses[target.peer] = target.address
             p = self.pending.get(request_id)
             if p is None:  # not added yet (or aborted: then dropped after the timeout)
                 self.early[request_id] = (target, time.time())
@@ -107,7 +115,7 @@ class PrefillRole(Role):
             with self._lock:
                 for rid in [r for r, (_, t) in self.early.items() if t < too_old]:
                     del self.early[rid]
-        events += self._unclaimed(too_old)
+        events += self._unclaimed(too_old) + self._unreached()
         if self.engine.has_unfinished_requests():
             event = None
             for out in self.engine.step():
@@ -141,7 +149,7 @@ class PrefillRole(Role):
                 continue
             p.spans.update(h.wall_spans("send"))
             events.append(Sent(h.request_id, HandoffResult(h.state, h.error, h.nbytes, h.seconds, p.spans,
-                                                                   h.link, h.pair_lost)))
+                                                                   h.link, h.pair_lost, h.unreachable)))
         return events
 
     def _unclaimed(self, too_old: float) -> list[Event]:
@@ -158,6 +166,24 @@ class PrefillRole(Role):
             self.engine.release(rid)
         return [Failed(rid, f"no KV reservation from its decode worker within {self.handoff_timeout_s:g} s")
                 for rid in stale]
+
+    def _unreached(self) -> list[Event]:
+        """Prompts done STALL_S ago still waiting for their target, whose decode worker's host does
+        not answer: their handoff fails now, `unreachable` (blocks released, cached at ref 0)."""
+        waited = time.time() - STALL_S
+        with self._lock:
+            waiting = [(rid, p) for rid, p in self.pending.items() if p.peer is not None and p.target is None
+                       and p.output is not None and p.spans["prefill_done"] < waited and p.peer in self.addresses]
+            down = {p.peer for _, p in waiting if self.prober.verdict(self.addresses[p.peer]) is False}
+            gone = [(rid, p) for rid, p in waiting if p.peer in down]
+            for rid, _ in gone:
+                del self.pending[rid]
+        events = []
+        for rid, p in gone:
+            self.engine.release(rid)
+            why = f"decode worker {p.peer}'s host does not answer at {self.addresses[p.peer]}: the link is down"
+            events.append(Sent(rid, HandoffResult(TransferState.FAILED, why, spans=p.spans, unreachable=True)))
+        return events
 
     def _send(self, request_id: str, p: _Pending) -> None:
         with self._lock:

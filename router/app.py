@@ -330,13 +330,14 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
     @app.get("/health")
     async def health():
         """200 while requests can be served, 503 when a pool they need is empty; "degraded" names
-        what is missing (an empty pool, a worker silent to the probe, the block registry away, the
-        monitor failing)."""
+        what is missing (an empty pool, a worker silent to the probe, a KV link down, the block
+        registry away, the monitor failing)."""
         h = cluster.health()
         pools = h["pools"]
         serving = pools["decode"] > 0 and (pools["prefill"] > 0 or cluster.mode in ("colocated", "hybrid"))
         whole = pools["decode"] > 0 and (pools["prefill"] > 0 or cluster.mode == "colocated") and \
-            not h["unresponsive"] and h["registry"]["status"] == "ok" and h["monitor"]["status"] == "ok"
+            not h["unresponsive"] and not h["kv_links_down"] and h["registry"]["status"] == "ok" and \
+            h["monitor"]["status"] == "ok"
         return JSONResponse({"status": "ok" if whole else "degraded", **h}, status_code=200 if serving else 503)
 
     @app.get("/metrics")

@@ -124,6 +124,9 @@ class Handoff:
     # retired): no later handoff on that gen can succeed, so the receiver must close its side
     # (KVConnector.forget_peer(sender, sends=False)) before the next one from this sender
     pair_lost: bool = False
+    # it failed because its peer stopped answering a TCP connect on its store: the link between the
+    # two hosts is down (c10d.C10dConnector's watchdog), not one handoff; placement avoids the pair
+    unreachable: bool = False
 
     @property
     def deadline(self) -> float:
@@ -140,12 +143,13 @@ class Handoff:
             return self._end(TransferState.FAILED, "aborted")
         return self._end(TransferState.DONE)
 
-    def fail(self, error: str, pair_lost: bool = False) -> bool:
-        """FAILED with `error` (`pair_lost`: with its pair); False if it had ended. The first to
-        end it wins (a connector's thread racing an abort or a timeout)."""
+    def fail(self, error: str, pair_lost: bool = False, unreachable: bool = False) -> bool:
+        """FAILED with `error` (`pair_lost`: with its pair; `unreachable`: its peer's host does not
+        answer); False if it had ended. The first to end it wins (a connector's thread racing an
+        abort or a timeout)."""
         if self.state.finished:
             return False
-        self.pair_lost = pair_lost
+        self.pair_lost, self.unreachable = pair_lost, unreachable
         return self._end(TransferState.FAILED, error)
 
     def _end(self, state: TransferState, error: str | None = None) -> bool:

@@ -36,9 +36,11 @@ from pdserve.engine.base.stores import BoundStore
 
 from .base import Abort, Channel, Handoff, HandoffTarget, PairConnector, StagingPool, wire_layout
 from .pair import Pair
+from .probe import PROBE_S, STALL_S, answers
 from .wire import td
 
 log = logging.getLogger(__name__)
+
 
 
 class C10dConnector(PairConnector):
@@ -72,6 +74,8 @@ class C10dConnector(PairConnector):
         self._handoffs: dict[str, Handoff] = {}
         self._clients: dict[str, dist.TCPStore] = {}
         self.graveyard: list = []  # aborted process groups (never destroyed from a worker thread)
+        self._watchdog: threading.Thread | None = None  # started with the first pair (watch())
+        self._closed = False
 
     # ---- receiver side: channels ------------------------------------------------------------
     def new_channel(self, peer: str) -> Channel:
@@ -130,6 +134,9 @@ class C10dConnector(PairConnector):
             old = pair
             pair = Pair(self, peer, peer_address, gen, is_sender)
             self._pairs[(peer, is_sender)] = pair
+            if is_sender and self._watchdog is None:
+                self._watchdog = threading.Thread(target=self.watch, name=f"kv-watch-{self.name}", daemon=True)
+                self._watchdog.start()
         if old is not None:
             old.kill(f"replaced by gen {gen}")
         return pair
@@ -239,7 +246,32 @@ class C10dConnector(PairConnector):
             **({"liveness": p.link.liveness} if getattr(p.link, "liveness", None) else {})}
             for p in pairs if p.link is not None}
 
+    def watch(self, every_s: float = 0.5) -> None:
+        """The watchdog's loop (one thread, from the first send): a send on the wire past STALL_S
+        whose receiver's host does not answer a connect in PROBE_S fails with its pair, marked
+        `unreachable` (transfer/probe.py). A pair is probed at most once per STALL_S."""
+        probed: dict[int, float] = {}
+        while not self._closed:
+            time.sleep(every_s)
+            now = time.monotonic()
+            with self._lock:
+                pairs = [p for p in self._pairs.values() if p.is_sender and not p.dead]
+            for pair in pairs:
+                h = pair.current
+                if h is None or h.t_started is None or now - h.t_started < STALL_S or h.state.finished:
+                    continue
+                if now - probed.get(id(pair), 0.0) < STALL_S or not pair.peer_address:
+                    continue
+                probed[id(pair)] = now
+                if not answers(pair.peer_address):
+                    why = f"peer {pair.peer} at {pair.peer_address} unreachable (no TCP answer in {PROBE_S:.0f} s)"
+                    log.warning("kv pair %s->%s gen %d: %s", self.name, pair.peer, pair.gen, why)
+                    pair.kill(why, unreachable=True)
+            if len(probed) > 4 * max(len(pairs), 1):
+                probed.clear()
+
     def close(self) -> None:
+        self._closed = True
         for key in list(self._pairs):
             pair = self._pairs.get(key)
             if pair is not None:

@@ -109,7 +109,9 @@ class Pair:
                 self.orphans[h.request_id] = time.monotonic() + self.conn.default_timeout_s
             return True
 
-    def kill(self, reason: str) -> None:
+    def kill(self, reason: str, unreachable: bool = False) -> None:
+        """Ends the pair and fails what waits on it (`unreachable`: the peer's host does not answer,
+        and the handoff on the wire fails now too, not when its blocked op times out)."""
         with self.cond:
             if self.dead:
                 return
@@ -119,10 +121,12 @@ class Pair:
             self.recvs.clear()
             self.cond.notify_all()
         for h in pending:
-            h.fail(reason, pair_lost=True)
+            h.fail(reason, pair_lost=True, unreachable=unreachable)
         if self.current is not None:  # on the wire when the pair died (it may have ended already)
             self.current.pair_lost = True
-        if self.is_sender:
+            if unreachable:
+                self.current.fail(reason, pair_lost=True, unreachable=True)
+        if self.is_sender and not unreachable:  # (a store we cannot reach would hold this thread)
             # tell the receiver, through its store, that this gen is dead: its next channel
             # for us moves to a new gen instead of meeting a group we no longer run
             self.conn.mark_dead(self.peer_address, self.gen)

@@ -237,7 +237,7 @@ class Load:
         import threading
 
         self.url, self.name, self.timeout_s = url, name, timeout_s
-        self.rows: list[tuple[float, list[int], str, list[int]]] = []  # (start, prompt, outcome, tokens)
+        self.rows: list[tuple[float, list[int], str, list[int], float]] = []  # (start, prompt, outcome, tokens, s)
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(k, k % 2 == 1), daemon=True)
                         for k in range(clients)]
@@ -284,12 +284,12 @@ class Load:
             prompt = [1, 200 + k, 300 + i % 8, *range(600, 616)]
             t0 = time.monotonic()
             outcome, tokens = self._one(prompt, stream)
-            self.rows.append((t0, prompt, outcome, tokens))
+            self.rows.append((t0, prompt, outcome, tokens, time.monotonic() - t0))
             if outcome != "ok":
                 time.sleep(0.5)  # what a client told to retry does
 
     def ok_since(self, t: float) -> int:
-        return sum(1 for t0, _, o, _ in self.rows if t0 >= t and o == "ok")
+        return sum(1 for t0, _, o, _, _ in self.rows if t0 >= t and o == "ok")
 
     def finish(self) -> dict[str, int]:
         self.stop.set()
@@ -297,7 +297,14 @@ class Load:
             t.join(self.timeout_s + 10)
         import collections
 
-        return dict(collections.Counter(o for _, _, o, _ in self.rows))
+        return dict(collections.Counter(o for _, _, o, _, _ in self.rows))
+
+    def exact(self, model: str) -> bool:
+        """Every answered request's tokens equal Hugging Face's for its prompt."""
+        oks = [(tuple(p), t) for _, p, o, t, _ in self.rows if o == "ok"]
+        prompts = sorted({p for p, _ in oks})
+        want = dict(zip(prompts, hf_greedy(model, [list(p) for p in prompts], MAX_TOKENS)))
+        return all(t == want[p] for p, t in oks)
 
 
 def test_a_decode_hosts_link_down_for_20_s_under_load_fails_nothing_silently_and_heals(cluster):
@@ -330,10 +337,7 @@ def test_a_decode_hosts_link_down_for_20_s_under_load_fails_nothing_silently_and
         err = _stop(bed, proc)
     assert degraded, "/health said ok while the decode host was away"
     assert set(outcomes) <= {"ok", "503"}, (outcomes, err[-3000:])
-    oks = [(tuple(p), t) for _, p, o, t in load.rows if o == "ok"]
-    prompts = sorted({p for p, _ in oks})
-    want = dict(zip(prompts, hf_greedy(model, [list(p) for p in prompts], MAX_TOKENS)))
-    assert all(t == want[p] for p, t in oks), "a wrong token"
+    assert load.exact(model), "a wrong token"
     print(f"link down 20 s: {outcomes}, served again {healed_s:.1f} s after the link's return")
 
 
@@ -360,8 +364,46 @@ def test_hybrid_serves_on_the_decode_host_through_a_partition_between_prefill_an
         err = _stop(bed, proc)
     assert set(outcomes) == {"ok"}, (outcomes, err[-3000:])
     assert during >= 8, f"only {during} requests served during the partition"
-    oks = [(tuple(p), t) for _, p, _, t in load.rows]
-    prompts = sorted({p for p, _ in oks})
-    want = dict(zip(prompts, hf_greedy(model, [list(p) for p in prompts], MAX_TOKENS)))
-    assert all(t == want[p] for p, t in oks), "a wrong token"
+    assert load.exact(model), "a wrong token"
     print(f"partition 15 s (hybrid): {outcomes}, {during} served during it")
+
+
+def test_disagg_answers_503_at_once_through_a_partition_and_takes_the_pair_back_after(cluster):
+    """Disagg under load while h2 (prefill) and h3 (decode) cannot reach each other for 15 s, both
+    still reaching the head. A prompt whose decode worker's reservation does not come asks whether
+    that host answers (transfer/probe.py): it does not, so the attempt fails in seconds, the pair is
+    out of placement (placement.LINK_DOWN_S) and requests get 503 + Retry-After, not a wait of the
+    handoff timeout; /health says degraded and names the link. Nothing hangs, no token is wrong,
+    the pair serves again within 30 s of the partition's end, the KV blocks are all back."""
+    from pdserve.transfer.probe import PROBE_S, STALL_S
+
+    bed, env, model = cluster
+    proc, url = _serve(bed, env, model, "--mode", "disagg", "--prefill", "1", "--decode", "1")
+    try:
+        load = Load(url, _get(f"{url}/v1/models")["data"][0]["id"])
+        wait_for(lambda: load.ok_since(0) >= 8, 60, "the load running")
+        bed.partition("h2", "h3")
+        t_cut, named = time.monotonic(), set()
+        while time.monotonic() - t_cut < 15:
+            try:  # 200 "degraded": both pools have their worker
+                named |= set(_get(f"{url}/health", timeout=5).get("kv_links_down", {}))
+            except (OSError, ValueError):
+                pass
+            time.sleep(1)
+        bed.partition("h2", "h3", cut=False)
+        t_back = time.monotonic()
+        wait_for(lambda: load.ok_since(time.monotonic() - 3) >= 4 and _up(url), 30, "the pair serving again")
+        healed_s = time.monotonic() - t_back
+        outcomes = load.finish()
+        wait_for(lambda: all(w.get("kv_blocks_used", 0) == 0 and w.get("num_running", 0) == 0
+                             for w in _get(f"{url}/admin/status")["workers"]), 30, "KV blocks back to 0")
+    finally:
+        err = _stop(bed, proc)
+    assert set(outcomes) <= {"ok", "503"} and outcomes.get("503"), (outcomes, err[-3000:])
+    cut = [(o, s) for t0, _, o, _, s in load.rows if t_cut + 1 <= t0 < t_cut + 14]
+    assert cut and all(o == "503" for o, _ in cut), cut  # while cut: refused, none served half-way
+    # the first refusal came within a stall and a probe (and an engine step), not the handoff timeout
+    assert min(s for o, s in cut) < STALL_S + PROBE_S + 2, cut
+    assert named, "/health never named the link that was down"
+    assert load.exact(model), "a wrong token"
+    print(f"partition 15 s (disagg): {outcomes}, served again {healed_s:.1f} s after")

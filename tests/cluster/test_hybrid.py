@@ -273,3 +273,43 @@ def test_placement_predicts_a_wait_behind_the_queued_tokens_of_its_priority_or_a
         low.settle()
         high.settle()
         assert w.queued_tokens == 0 and not w.queued_by_priority
+
+
+def test_a_pair_whose_link_is_down_is_out_of_placement_until_its_time_is_up():
+    """After a handoff found the decode worker's host unreachable (Placer.link_down): hybrid
+    prefills on the decode worker; disagg, with no other pair, raises NoWorker (503) naming the
+    link, with Retry-After of at least LINK_DOWN_S; /health's kv_links_down names it; once its
+    time is up the pair is placed on again."""
+    import asyncio
+
+    from pdserve.cluster.api import NoWorker
+    from pdserve.cluster.placement import LINK_DOWN_S, Charges, Placer
+
+    pools = Pools(ServingConfig.from_dict({"slo": {"ttft_s": 1.0}}), hybrid_specs(), {"prefill": {}, "decode": {}},
+                  "ns", None, 1.0)
+    stats = {"prefill": {"prefill_tok_s": 5000.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
+             "decode": {"prefill_tok_s": 100.0, "prefill_chunk": 256, "kv_blocks_total": 100}}
+    for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
+        pools.workers[wid] = WorkerRecord(wid, role, None, stats=WorkerStats.of(stats[role]))
+    placer = Placer(pools, None, 16)
+
+    def place():
+        charges = Charges()
+        try:
+            return asyncio.run(placer.plan([], list(range(400)), charges))
+        finally:
+            charges.settle()
+
+    assert not place().local  # a long prompt goes to the prefill pool
+    placer.link_down("prefill-0", "decode-1")
+    assert set(placer.links_down()) == {"prefill-0->decode-1"}
+    placed = place()
+    assert placed.local and placed.explain["reason"] == "link_down" and placed.decode.worker_id == "decode-1"
+    pools.mode = "disagg"
+    with pytest.raises(NoWorker, match="no decode worker is reachable from a prefill worker") as e:
+        place()
+    assert e.value.retry_after_s >= LINK_DOWN_S
+    placer._down[("prefill-0", "decode-1")] = time.monotonic() - 1  # its time is up
+    placed = place()
+    assert placed.prefill.worker_id == "prefill-0" and placed.decode.worker_id == "decode-1"
+    assert placer.links_down() == {}
