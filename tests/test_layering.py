@@ -72,7 +72,8 @@ INTRA = {
         "__init__": {"app"},
     },
     "transfer": {"base": set(), "shared": set(), "wire": {"base"}, "pull": {"base", "shared", "wire"},
-                 "pair": {"base", "pull", "wire"}, "c10d": {"base", "pair", "wire"}, "loopback": {"base"},
+                 "pair": {"base", "pull", "wire"}, "c10d": {"base", "pair", "probe", "wire"},
+                 "probe": set(), "loopback": {"base"},
                  "tp": {"base"}, "fetch": {"base"}, "__init__": {"base"}},
 }
 

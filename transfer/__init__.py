@@ -11,6 +11,7 @@
     tp.py        TPConnector: handoffs between tensor-parallel workers of any sizes, rank to rank
     loopback.py  an in-process backend for unit tests
     fetch.py     peer fetch: a prompt's prefix blocks copied from a peer's GPU over the same links
+    probe.py     whether a peer's host answers (a TCP connect): what waits on a lost link fails now
 
 The block accounting around a handoff (what to reserve, what to send) is the KV-cache
 manager's (engine/core/kv_cache_manager.py).
