@@ -11,7 +11,9 @@
 # mount namespace (its own /tmp and /dev/shm, so Ray's session files and shared memory are its
 # own), its own PID, IPC and UTS namespaces (`ray stop` on a host stops that host's Ray only; its
 # hostname is hN). Everything else (the repository, the virtual environment, $HOME) is this
-# machine's, as a shared file system would give it. This machine reaches the hosts at their
+# machine's, as a shared file system would give it; a directory of this machine's /tmp that the
+# hosts must still see (a checkout or a virtual environment there) is kept: the repository always,
+# others with `up N --keep DIR` (repeatable). This machine reaches the hosts at their
 # addresses (it is .1 on the bridge); the bridge itself lives in a namespace of the bed's own, so
 # nothing is added to this machine's network but that one link, and nothing leaves the bed.
 #
@@ -26,9 +28,11 @@ die() { echo "hosts.sh: $*" >&2; exit 1; }
 cmd=${1:-}; [ -n "$cmd" ] || usage; shift
 name=pdbed
 args=()
+keep=("$(cd "$(dirname "$0")/.." && pwd)")
 while [ $# -gt 0 ]; do
     case "$1" in
         --name) name=$2; shift 2 ;;
+        --keep) keep+=("$(cd "$2" && pwd)"); shift 2 ;;
         --) args+=("$@"); break ;;
         *) args+=("$1"); shift ;;
     esac
@@ -70,6 +74,18 @@ up() {
     ip -n "$sw" link set p0 master br0 up
     ip addr add "$net.1/24" dev "$name-0"
     ip link set "$name-0" up
+    # what of this machine's /tmp and /dev/shm the hosts keep seeing: bound aside before the host's own
+    # tmpfs covers them, then bound back at the same path (all inside the host's mount namespace)
+    local pre="" post="" j=0 k
+    for k in "${keep[@]}"; do
+        case "$k" in
+            /tmp/*|/dev/shm/*)
+                j=$((j + 1))
+                mkdir -p "$dir/keep$j"
+                pre+="mount --bind '$k' '$dir/keep$j' && "
+                post+=" && mkdir -p '$k' && mount --bind '$dir/keep$j' '$k' && umount '$dir/keep$j'" ;;
+        esac
+    done
     local i ns addr holder child
     for i in $(seq 1 "$n"); do
         ns=$name-h$i addr=$net.$((i + 1))
@@ -82,8 +98,8 @@ up() {
         # the host's init: new PID, mount, IPC and UTS namespaces inside its network namespace;
         # its own /tmp and /dev/shm; it reaps what ends under it and waits to be killed
         ip netns exec "$ns" unshare --pid --mount --ipc --uts --fork --mount-proc --propagation private \
-            bash -c "mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=1777 tmpfs /dev/shm \
-                     && hostname h$i && exec -a pdserve-host-$name-h$i bash -c 'trap \"\" TERM INT HUP; \
+            bash -c "${pre}mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=1777 tmpfs /dev/shm \
+                     $post && hostname h$i && exec -a pdserve-host-$name-h$i bash -c 'trap \"\" TERM INT HUP; \
                      while :; do sleep 3600 & wait \$! || true; done'" </dev/null >/dev/null 2>&1 &
         holder=$!
         child=""

@@ -40,8 +40,9 @@ class HostBed:
         # a name of this process's: two pytest workers each have a bed of their own
         self.name = name or f"t{os.getpid() % 10_000_000}"
         subprocess.run(["bash", str(SCRIPT), "down", "--name", self.name], check=True)  # a bed left by a crash
-        out = subprocess.run(["bash", str(SCRIPT), "up", str(n), "--name", self.name], capture_output=True,
-                             text=True)
+        # the interpreter's environment, wherever it lies (a checkout under /tmp: each host has its own)
+        out = subprocess.run(["bash", str(SCRIPT), "up", str(n), "--name", self.name, "--keep", sys.prefix],
+                             capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"hosts.sh up {n}: {out.stderr.strip()}")
         self.addr = dict(tuple(line.split()) for line in out.stdout.strip().splitlines())  # h1 -> 10.231.k.2

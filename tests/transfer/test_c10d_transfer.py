@@ -151,9 +151,11 @@ def test_a_sender_that_dies_during_a_pull_fails_the_handoff_and_a_new_pair_serve
     p2 = None
     try:
         p2 = sender_dying_mid_pull_fails_it_by_name(p, d, lambda name, seed: Peer(name, seed, link="pull"))
-        assert d.ask("links", kind="links") == {"prefill-1 recv": {"link": "shared-memory", "gen": 0,
-                                                                   "why": "the peer's KV is mapped here",
-                                                                   "liveness": "process"}}
+        links = d.ask("links", kind="links")
+        ends = {k: (v.pop("local"), v.pop("peer")) for k, v in links.items()}  # both stores' addresses
+        assert links == {"prefill-1 recv": {"link": "shared-memory", "gen": 0, "why": "the peer's KV is mapped here",
+                                            "liveness": "process"}}
+        assert all(a.startswith("127.0.0.1:") and b.startswith("127.0.0.1:") and a != b for a, b in ends.values())
     finally:
         for peer in (p, d, p2):
             if peer is not None:
