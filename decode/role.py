@@ -15,6 +15,9 @@ One handed-off request's way through this role (queues named as in `step()`):
     step(): receiving -> running     the KV landed; the first token (sampled by prefill,
             carried in the handoff's meta) is appended and the request joins the batch
             -> Emitted(first output). A failed handoff frees the blocks -> Emitted(error).
+    step(): receiving, silent        a receive posted RECEIVE_STALL_S ago whose sender's host does
+            not answer (transfer/probe.py) fails, its blocks freed: the cluster's abort cannot
+            reach a decode host cut off from it, and the receive would hold them for `wait_s`
     abort(rid)                       the receive ends; a receive already on the wire finishes
             first (`settling`), so that the pair and the handoffs queued on it live on, and
             its blocks are freed when it does
@@ -34,6 +37,11 @@ from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.validation import ValidRequest
 from pdserve.transfer.base import Abort, HandoffMeta, KVConnector, TransferState
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
+from pdserve.transfer.probe import PROBE_S, STALL_S, Prober
+
+# the prefill side notices a lost link first (STALL_S after its prompt is done) and the cluster aborts the
+# receive; this is the backstop for an abort that cannot come: later, so that it never races that retry
+RECEIVE_STALL_S = 2 * (STALL_S + PROBE_S)
 
 
 @dataclass
@@ -42,6 +50,7 @@ class _Incoming:
     peer: str  # the prefill worker sending its KV
     queued: float = field(default_factory=time.monotonic)
     spans: dict = field(default_factory=lambda: {"decode_queued": time.time()})
+    reserved: float | None = None  # monotonic, when its receive was posted
 
 
 class DecodeRole(Role):
@@ -57,6 +66,7 @@ class DecodeRole(Role):
         self.receiving: dict[str, _Incoming] = {}  # reserved, KV on its way
         self.settling: dict[str, _Incoming] = {}  # aborted on the wire: blocks freed when it ends
         self.local: dict[str, dict] = {}  # prefilled here, no first token yet: their spans
+        self.prober = Prober()
 
     def add(self, request_id: str, request: ValidRequest, peer: str | None = None,
             fetch: FetchPlan | None = None) -> None:
@@ -73,7 +83,7 @@ class DecodeRole(Role):
     def step(self) -> list[Event]:
         """Reservations and landed handoffs first; when there were any, their events go out
         before the next engine step (a first token should not wait for a decode step)."""
-        events = self.fetches.events() + self._reserve() + self._landed()
+        events = self.fetches.events() + self._reserve() + self._landed() + self._unreached()
         if not events and self.engine.has_unfinished_requests():
             events = [Emitted(out) for out in self.engine.step()]
             for ev in events if self.local else ():  # a local prompt's first token: its spans
@@ -107,7 +117,7 @@ class DecodeRole(Role):
             # one receive, or one per route from a tensor-parallel peer's ranks (transfer/tp.py)
             _, target = self.connector.receive(inc.peer, req.request_id, fill, skip, self.handoff_timeout_s,
                                                self.wait_s)
-            inc.spans["reserved"] = time.time()
+            inc.spans["reserved"], inc.reserved = time.time(), time.monotonic()
             self.receiving[req.request_id] = inc
             events.append(Reserved(req.request_id, inc.peer, target))
         self.backlog = waiting
@@ -139,6 +149,23 @@ class DecodeRole(Role):
             out.metrics.spans = {**meta.spans, **inc.spans, **h.wall_spans("recv"),
                                  "kv_landed": time.time()}
             events.append(Emitted(out))
+        return events
+
+    def _unreached(self) -> list[Event]:
+        """Receives posted RECEIVE_STALL_S ago whose sender's host does not answer: failed, blocks freed."""
+        now, events = time.monotonic(), []
+        for rid, inc in list(self.receiving.items()):
+            if inc.reserved is None or now - inc.reserved < RECEIVE_STALL_S:
+                continue
+            address = self.connector.peer_address(inc.peer)
+            if address is None or self.prober.verdict(address) is not False:
+                continue
+            del self.receiving[rid]
+            self.connector.abort(rid)  # not on the wire: nothing to settle
+            self.engine.kv.free(inc.request)
+            inc.request.status = RequestStatus.FINISHED_ERROR
+            events.append(Emitted(RequestOutput.error(
+                rid, f"prefill worker {inc.peer}'s host does not answer at {address}: the link is down")))
         return events
 
     def abort(self, request_id: str) -> None:

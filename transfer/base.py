@@ -331,6 +331,11 @@ class KVConnector(ABC):
     def close(self) -> None:
         """Fails what is in flight and releases the connector's resources."""
 
+    def peer_address(self, peer: str) -> str | None:
+        """Where `peer`'s own store listens, once a pair with it has connected (None before, or
+        for a connector that does not know): what transfer/probe.py asks about a silent peer."""
+        return None
+
 
 class PairConnector(KVConnector):
     """One process's pairs with its peers, a receive at a time on a channel it assigns:

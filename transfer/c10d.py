@@ -75,6 +75,7 @@ class C10dConnector(PairConnector):
         self._clients: dict[str, dist.TCPStore] = {}
         self.graveyard: list = []  # aborted process groups (never destroyed from a worker thread)
         self._watchdog: threading.Thread | None = None  # started with the first pair (watch())
+        self.peer_addresses: dict[str, str] = {}  # peer -> its store's address, set by its pairs' connects
         self._closed = False
 
     # ---- receiver side: channels ------------------------------------------------------------
@@ -245,6 +246,9 @@ class C10dConnector(PairConnector):
             "link": p.link.name, "why": p.why, "gen": p.gen, "local": self.address, "peer": p.peer_address,
             **({"liveness": p.link.liveness} if getattr(p.link, "liveness", None) else {})}
             for p in pairs if p.link is not None}
+
+    def peer_address(self, peer: str) -> str | None:
+        return self.peer_addresses.get(peer)
 
     def watch(self, every_s: float = 0.5) -> None:
         """The watchdog's loop (one thread, from the first send): a send on the wire past STALL_S

@@ -56,6 +56,7 @@ class PairHost(Protocol):
     stream: torch.cuda.Stream | None
     store: dist.TCPStore
     graveyard: list  # aborted process groups, destroyed by the owner's thread, never a pair's
+    peer_addresses: dict[str, str]  # peer -> its store's address, as each pair's connect learns it
 
     def client_store(self, address: str, deadline: float) -> dist.TCPStore: ...
 
@@ -186,6 +187,7 @@ class Pair:
             ps.wait(["offer"], td(deadline - time.monotonic()))
             offered = ps.get("offer")
             self.peer_address = self.peer_address or json.loads(offered)["address"]  # for links()
+            conn.peer_addresses[self.peer] = self.peer_address  # what a stalled receive probes
             choice, link = accept(conn, offered)
             ps.set("link", json.dumps(choice))
         self.why = choice["why"]

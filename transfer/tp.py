@@ -299,6 +299,9 @@ class TPConnector(KVConnector):
         for link in self.links:
             link.forget_peer(peer, sends)
 
+    def peer_address(self, peer: str) -> str | None:
+        return self.local.peer_address(peer)
+
     def close(self) -> None:
         self.local.close()
 

@@ -148,6 +148,22 @@ def test_a_process_without_the_clusters_token_cannot_join_it(cluster):
         assert "token" in out.stderr.lower(), out.stderr[-2000:]
 
 
+def _all_blocks_back(url: str, within_s: float = 30) -> None:
+    """Every worker's KV blocks free and nothing running, within `within_s` of the load's end."""
+    rows: list = []
+
+    def idle() -> bool:
+        rows[:] = _get(f"{url}/admin/status")["workers"]
+        return all(w.get("kv_blocks_used", 0) == 0 and w.get("num_running", 0) == 0 for w in rows)
+
+    try:
+        wait_for(idle, within_s, "KV blocks back to 0")
+    except AssertionError:
+        keys = ("worker_id", "role", "kv_blocks_used", "num_running", "num_waiting", "error")
+        raise AssertionError(f"KV blocks not back to 0 in {within_s:.0f} s: "
+                             f"{[{k: w.get(k) for k in keys} for w in rows]}") from None
+
+
 def _complete(url: str, prompt: list[int], headers: dict | None = None) -> dict:
     name = _get(f"{url}/v1/models")["data"][0]["id"]
     return _post(f"{url}/v1/completions", {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -331,8 +347,7 @@ def test_a_decode_hosts_link_down_for_20_s_under_load_fails_nothing_silently_and
         wait_for(lambda: load.ok_since(time.monotonic() - 3) >= 4 and _up(url), 30, "full strength again")
         healed_s = time.monotonic() - t_back
         outcomes = load.finish()
-        wait_for(lambda: all(w.get("kv_blocks_used", 0) == 0 and w.get("num_running", 0) == 0
-                             for w in _get(f"{url}/admin/status")["workers"]), 30, "KV blocks back to 0")
+        _all_blocks_back(url)
     finally:
         err = _stop(bed, proc)
     assert degraded, "/health said ok while the decode host was away"
@@ -358,8 +373,7 @@ def test_hybrid_serves_on_the_decode_host_through_a_partition_between_prefill_an
         bed.partition("h2", "h3", cut=False)
         time.sleep(3)
         outcomes = load.finish()
-        wait_for(lambda: all(w.get("kv_blocks_used", 0) == 0 and w.get("num_running", 0) == 0
-                             for w in _get(f"{url}/admin/status")["workers"]), 30, "KV blocks back to 0")
+        _all_blocks_back(url)
     finally:
         err = _stop(bed, proc)
     assert set(outcomes) == {"ok"}, (outcomes, err[-3000:])
@@ -395,8 +409,7 @@ def test_disagg_answers_503_at_once_through_a_partition_and_takes_the_pair_back_
         wait_for(lambda: load.ok_since(time.monotonic() - 3) >= 4 and _up(url), 30, "the pair serving again")
         healed_s = time.monotonic() - t_back
         outcomes = load.finish()
-        wait_for(lambda: all(w.get("kv_blocks_used", 0) == 0 and w.get("num_running", 0) == 0
-                             for w in _get(f"{url}/admin/status")["workers"]), 30, "KV blocks back to 0")
+        _all_blocks_back(url)
     finally:
         err = _stop(bed, proc)
     assert set(outcomes) <= {"ok", "503"} and outcomes.get("503"), (outcomes, err[-3000:])

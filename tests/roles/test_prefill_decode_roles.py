@@ -198,3 +198,52 @@ def test_a_worker_counts_the_requests_it_holds_not_its_control_commands(pair):
     assert worker.inflight == 1
     dw.add("r2", valid(dw.engine, [5, 6, 8], params), peer="prefill-0")  # waiting for its KV
     assert worker.inflight == 2
+
+
+def test_a_peer_whose_host_does_not_answer_fails_what_waits_on_it_and_frees_its_blocks(tiny_models, monkeypatch):
+    """transfer/probe.py on both roles: a prompt done whose decode worker's target does not come, and
+    a posted receive whose prefill worker's order does not come, ask whether that peer's host
+    answers; a refused connect (nothing listens there) fails each at once, `unreachable` on the
+    prefill side, and frees its blocks; a peer that answers is waited for as before."""
+    import socket
+    import time
+
+    import pdserve.decode.role as decode_role
+    import pdserve.prefill.role as prefill_role
+    from pdserve.engine.role import Emitted, Sent
+
+    monkeypatch.setattr(prefill_role, "STALL_S", 0.2)
+    monkeypatch.setattr(decode_role, "RECEIVE_STALL_S", 0.2)
+    listening = socket.create_server(("127.0.0.1", 0))  # a host that answers
+    with socket.socket() as s:  # ... and an address where nothing does (refused at once)
+        s.bind(("127.0.0.1", 0))
+        silent = f"127.0.0.1:{s.getsockname()[1]}"
+    alive = f"127.0.0.1:{listening.getsockname()[1]}"
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    hub = LoopbackHub()
+    for answers in (True, False):
+        pe = LLMEngine(EngineConfig(model=tiny_models["llama"], max_model_len=128))
+        de = LLMEngine(EngineConfig(model=tiny_models["llama"], max_model_len=128))
+        pw = PrefillRole(pe, LoopbackConnector(f"prefill-{answers}", pe.runner.kv, hub))
+        dw = DecodeRole(de, LoopbackConnector(f"decode-{answers}", de.runner.kv, hub))
+        pw.addresses["decode-x"] = alive if answers else silent  # a target from it came before
+        monkeypatch.setattr(dw.connector, "peer_address", lambda peer, a=answers: alive if a else silent)
+        ids = list(range(5, 45))
+        pw.add("p1", valid(pe, ids, sp), peer="decode-x")  # its decode worker never sends a target
+        dw.add("d1", valid(de, ids, sp), peer="prefill-x")  # its prefill worker never sends the KV
+        events, deadline = [], time.monotonic() + 10
+        while time.monotonic() < deadline and len([e for e in events if isinstance(e, (Sent, Emitted))]) < 2:
+            events += pw.step() + dw.step()
+            time.sleep(0.05)
+        ends = {e.request_id if isinstance(e, Sent) else e.output.request_id: e for e in events
+                if isinstance(e, Sent) or (isinstance(e, Emitted) and e.output.finished)}
+        if answers:  # still waiting for their peers
+            assert not ends and pw.num_inflight == 1 and dw.num_inflight == 1, events
+            continue
+        sent, emitted = ends["p1"], ends["d1"]
+        assert not sent.result.ok and sent.result.unreachable and "does not answer" in sent.result.error
+        out = emitted.output.outputs[0]
+        assert out.finish_reason == "error" and "does not answer" in out.stop_reason, out
+        assert pw.num_inflight == 0 and dw.num_inflight == 0
+        de.kv.check_all_free()
+    listening.close()
