@@ -81,12 +81,15 @@ def cluster(tmp_path_factory, tok_dir):
 
 def _serve(bed: HostBed, env: dict, model: str, *args: str) -> tuple[subprocess.Popen, str]:
     url = f"http://{bed.addr['h1']}:{PORT}"
+    # its log to a file, not a pipe read at the end: a fault test's warnings could fill a pipe and stall it
+    log = open(os.path.join(bed.shared_dir(), f"serve-{time.monotonic_ns()}.log"), "a+")  # appends whatever the offset
     proc = bed.popen("h1", sys.executable, "-m", "pdserve", "serve", "--address", f"{bed.addr['h1']}:{RAY_PORT}",
                      "--host", bed.addr["h1"], "--port", str(PORT), "--model", model, "--max-model-len", "128",
-                     *args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     *args, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    proc.log = log
     deadline = time.monotonic() + 240
     while not _up(url):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert proc.poll() is None, _log(proc)[-3000:]
         assert time.monotonic() < deadline, "pdserve serve did not become healthy in 240 s"
         time.sleep(1)
     return proc, url
@@ -98,11 +101,18 @@ def _stop(bed: HostBed, proc: subprocess.Popen) -> str:
 
     bed.signal(proc, signal.SIGINT)
     try:
-        _, err = proc.communicate(timeout=90)
+        proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
-        _, err = proc.communicate()
-    return err
+        proc.wait()
+    return _log(proc)
+
+
+def _log(proc: subprocess.Popen) -> str:
+    """What the server wrote to stderr so far."""
+    proc.log.flush()
+    proc.log.seek(0)
+    return proc.log.read()
 
 
 def test_disagg_across_hosts_hands_kv_over_the_network_and_matches_hugging_face(cluster):
