@@ -37,7 +37,7 @@ from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.validation import ValidRequest
 from pdserve.transfer.base import Abort, HandoffMeta, KVConnector, TransferState
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
-from pdserve.transfer.probe import PROBE_S, STALL_S, Prober
+from pdserve.transfer.probe import PROBE_S, SCAN_S, STALL_S, Prober
 
 # the prefill side notices a lost link first (STALL_S after its prompt is done) and the cluster aborts the
 # receive; this is the backstop for an abort that cannot come: later, so that it never races that retry
@@ -67,6 +67,7 @@ class DecodeRole(Role):
         self.settling: dict[str, _Incoming] = {}  # aborted on the wire: blocks freed when it ends
         self.local: dict[str, dict] = {}  # prefilled here, no first token yet: their spans
         self.prober = Prober()
+        self._scan_at = 0.0  # the next look for peers that stopped answering (_unreached)
 
     def add(self, request_id: str, request: ValidRequest, peer: str | None = None,
             fetch: FetchPlan | None = None) -> None:
@@ -153,7 +154,11 @@ class DecodeRole(Role):
 
     def _unreached(self) -> list[Event]:
         """Receives posted RECEIVE_STALL_S ago whose sender's host does not answer: failed, blocks freed."""
-        now, events = time.monotonic(), []
+        now = time.monotonic()
+        if now < self._scan_at:  # a scan of what waits, at most every SCAN_S: it sits on the step loop
+            return []
+        self._scan_at = now + SCAN_S
+        events = []
         for rid, inc in list(self.receiving.items()):
             if inc.reserved is None or now - inc.reserved < RECEIVE_STALL_S:
                 continue

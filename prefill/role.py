@@ -38,7 +38,7 @@ from pdserve.engine.role import Emitted, Event, Failed, HandoffResult, Role, Sen
 from pdserve.engine.validation import ValidRequest
 from pdserve.transfer.base import Abort, HandoffMeta, HandoffTarget, KVConnector
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
-from pdserve.transfer.probe import STALL_S, Prober
+from pdserve.transfer.probe import SCAN_S, STALL_S, Prober
 
 
 @dataclasses.dataclass
@@ -72,6 +72,7 @@ class PrefillRole(Role):
         self._lock = threading.Lock()
         self.addresses: dict[str, str] = {}  # decode worker -> its store's address (from its targets)
         self.prober = Prober()
+        self._scan_at = 0.0  # the next look for peers that stopped answering (_unreached)
 
     def add(self, request_id: str, request: ValidRequest, peer: str | None = None,
             fetch: FetchPlan | None = None) -> None:
@@ -170,6 +171,10 @@ class PrefillRole(Role):
     def _unreached(self) -> list[Event]:
         """Prompts done STALL_S ago still waiting for their target, whose decode worker's host does
         not answer: their handoff fails now, `unreachable` (blocks released, cached at ref 0)."""
+        now = time.monotonic()
+        if now < self._scan_at:  # a scan of what waits, at most every SCAN_S: it sits on the step loop
+            return []
+        self._scan_at = now + SCAN_S
         waited = time.time() - STALL_S
         with self._lock:
             waiting = [(rid, p) for rid, p in self.pending.items() if p.peer is not None and p.target is None

@@ -5,6 +5,7 @@ cable), and what waits on it fails now instead of at its deadline (30 s by defau
 
     STALL_S   a send on the wire, or a done prompt waiting for its target, this long is checked
     PROBE_S   the connect's limit: a lost SYN is resent at 1 s, so a lossy link still answers
+    SCAN_S    how often a role looks for what waits on a silent peer
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 STALL_S = 2.0
 PROBE_S = 3.0
+SCAN_S = 0.5  # how often a role looks for what waits on a silent peer (off its every step)
 
 
 def answers(address: str, timeout_s: float = PROBE_S) -> bool:

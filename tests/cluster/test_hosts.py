@@ -254,6 +254,14 @@ def test_nccl_and_gloo_pick_the_interface_of_the_nodes_address(cluster):
     assert bed.python("h2", code, env=clean).split("\n")[:3] == ["eth0 lo None", "=eth0", "ib0"]
 
 
+def _under_load(bed: HostBed, env: dict, model: str, mode: str) -> tuple[subprocess.Popen, str, Load]:
+    """A server of one prefill and one decode worker in `mode`, with Load's clients running on it."""
+    proc, url = _serve(bed, env, model, "--mode", mode, "--prefill", "1", "--decode", "1")
+    load = Load(url, _get(f"{url}/v1/models")["data"][0]["id"])
+    wait_for(lambda: load.ok_since(0) >= 8, 60, "the load running")
+    return proc, url, load
+
+
 class Load:
     """Clients that send requests until stopped, half of them streaming; each request's outcome:
     ok (its tokens kept), error-after-tokens, 503 (with its Retry-After), other HTTP errors, or
@@ -346,10 +354,8 @@ def test_a_decode_hosts_link_down_for_20_s_under_load_fails_nothing_silently_and
     served again after the link's return, with no restart (goal 30 s, bound 60 s); the KV blocks are all back
     once the load stops."""
     bed, env, model = cluster
-    proc, url = _serve(bed, env, model, "--mode", "disagg", "--prefill", "1", "--decode", "1")
+    proc, url, load = _under_load(bed, env, model, "disagg")
     try:
-        load = Load(url, _get(f"{url}/v1/models")["data"][0]["id"])
-        wait_for(lambda: load.ok_since(0) >= 8, 60, "the load running")
         bed.link("h3", up=False)
         t_fault, degraded = time.monotonic(), False
         while time.monotonic() - t_fault < 20:
@@ -378,10 +384,8 @@ def test_hybrid_serves_on_the_decode_host_through_a_partition_between_prefill_an
     prefilled where they are decoded while no KV can cross), none hangs past its timeout, and the
     KV blocks are all back once the load stops."""
     bed, env, model = cluster
-    proc, url = _serve(bed, env, model, "--mode", "hybrid", "--prefill", "1", "--decode", "1")
+    proc, url, load = _under_load(bed, env, model, "hybrid")
     try:
-        load = Load(url, _get(f"{url}/v1/models")["data"][0]["id"])
-        wait_for(lambda: load.ok_since(0) >= 8, 60, "the load running")
         bed.partition("h2", "h3")
         t_cut = time.monotonic()
         time.sleep(15)
@@ -408,10 +412,8 @@ def test_disagg_answers_503_at_once_through_a_partition_and_takes_the_pair_back_
     from pdserve.transfer.probe import PROBE_S, STALL_S
 
     bed, env, model = cluster
-    proc, url = _serve(bed, env, model, "--mode", "disagg", "--prefill", "1", "--decode", "1")
+    proc, url, load = _under_load(bed, env, model, "disagg")
     try:
-        load = Load(url, _get(f"{url}/v1/models")["data"][0]["id"])
-        wait_for(lambda: load.ok_since(0) >= 8, 60, "the load running")
         bed.partition("h2", "h3")
         t_cut, named = time.monotonic(), set()
         while time.monotonic() - t_cut < 15:
