@@ -14,6 +14,7 @@ from .architectures import KVCacheSpec, MLAConfig, MoEConfig, architecture_of
 from .base.kv_window import KVWindow, settle_window
 from .base.speculative import SpeculativeConfig
 from .base.tp import check_tp
+from .fp8 import WeightQuant, weight_quant_of
 from .ops.kv_quant import check_head_dim
 
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: serve past the model's max_position_embeddings anyway
@@ -62,6 +63,7 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each q and k head before rope (Qwen3)
     moe: MoEConfig | None = None  # sparse expert layers (Qwen3-MoE, Mixtral, DeepSeek)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3)
+    weight_quant: WeightQuant | None = None  # an FP8 block-scaled checkpoint (engine/fp8.py)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -80,11 +82,7 @@ class ModelConfig:
             cfg = json.load(f)
         row = architecture_of(cfg, path)
         arch = row.name
-        quant = cfg.get("quantization_config")
-        if quant:
-            raise ValueError(f"model at {path!r} is a quantized checkpoint (quantization_config "
-                             f"{quant.get('quant_method', quant)!r}, e.g. DeepSeek-V3's FP8 blocks): pdserve loads "
-                             "bf16/fp16/fp32 weights; convert the checkpoint to bf16 first")
+        weight_quant = weight_quant_of(cfg.get("quantization_config"), path)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         mla = row.mla(cfg)
@@ -130,6 +128,7 @@ class ModelConfig:
             qk_norm=row.qk_norm,
             moe=row.moe(cfg),
             mla=mla,
+            weight_quant=weight_quant,
         )
 
 

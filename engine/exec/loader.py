@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+from contextlib import ExitStack
 
 import torch
 from tqdm import tqdm
@@ -13,6 +14,7 @@ from ..architectures import ARCHITECTURES
 from ..base.tp import TPGroup
 from ..config import EngineConfig
 from ..default_model import default_model_path
+from ..fp8 import WeightQuant, dequantize
 from ..models.protocol import CausalLM
 
 
@@ -69,34 +71,55 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     return model.eval()
 
 
+def _dequantized(hf_name: str, part, where: dict, quant: WeightQuant | None, path: str) -> torch.Tensor:
+    """An FP8 checkpoint tensor, whole, times its block scales (float32; the caller casts)."""
+    if quant is None:
+        raise ValueError(f"tensor {hf_name!r} of {path!r} is FP8 ({part.get_dtype()}) but config.json has no "
+                         "quantization_config: its scales are unknown")
+    scale = quant.scale_name(hf_name)
+    if scale not in where:
+        raise ValueError(f"FP8 tensor {hf_name!r} of {path!r} has no {scale!r} beside it")
+    return dequantize(part[:], where[scale].get_tensor(scale), quant.block, torch.float32, hf_name)
+
+
 def _load_safetensors(model: CausalLM, path: str, params: dict) -> None:
-    """Reads only this rank's slices of each tensor (safetensors' lazy slices)."""
+    """Reads only this rank's slices of each tensor (safetensors' lazy slices); an FP8 weight of a
+    block-scaled checkpoint (engine/fp8.py) is read whole with its scales, dequantized to its
+    parameter's dtype, then sliced."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model path {path!r} has no *.safetensors files")
+    quant = model.cfg.weight_quant
     loaded: dict[str, int] = {}
-    with torch.no_grad():
-        for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
-            with safe_open(file, framework="pt") as f:
-                for hf_name in f.keys():
-                    for target, rows, dim, src in model.shard_targets(hf_name):
-                        name, _, index = target.partition("[")  # "w_down[3]": expert 3 of a fused tensor
-                        if name not in params:
-                            raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
-                        p = params[name].data
-                        if index:
-                            p = p[int(index.rstrip("]"))]
-                        part = f.get_slice(hf_name)
-                        t = part[:] if src is None else (part[src] if dim == 0 else part[:, src])
-                        dst = p if rows is None else p[rows]
-                        if dst.shape != t.shape:
-                            raise ValueError(f"tensor {hf_name!r} gives {tuple(t.shape)} to {name} here, "
-                                             f"expected {tuple(dst.shape)} (checkpoint shape "
-                                             f"{tuple(part.get_shape())})")
-                        dst.copy_(t)
-                        loaded[name] = loaded.get(name, 0) + t.numel()
+    with torch.no_grad(), ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
+        where = {name: f for f in handles for name in f.keys()}  # a scale may sit in another file
+        for file, f in tqdm(zip(files, handles), desc="loading weights", unit="file", total=len(files),
+                            disable=len(files) < 2):
+            for hf_name in f.keys():
+                if quant is not None and quant.is_scale(hf_name):
+                    continue  # read with its weight
+                part, whole = f.get_slice(hf_name), None
+                if part.get_dtype().startswith("F8"):
+                    whole = _dequantized(hf_name, part, where, quant, path)
+                for target, rows, dim, src in model.shard_targets(hf_name):
+                    name, _, index = target.partition("[")  # "w_down[3]": expert 3 of a fused tensor
+                    if name not in params:
+                        raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
+                    p = params[name].data
+                    if index:
+                        p = p[int(index.rstrip("]"))]
+                    src_of = part if whole is None else whole
+                    t = src_of[:] if src is None else (src_of[src] if dim == 0 else src_of[:, src])
+                    dst = p if rows is None else p[rows]
+                    if dst.shape != t.shape:
+                        raise ValueError(f"tensor {hf_name!r} gives {tuple(t.shape)} to {name} here, "
+                                         f"expected {tuple(dst.shape)} (checkpoint shape "
+                                         f"{tuple(part.get_shape())})")
+                    dst.copy_(t.to(dst.dtype) if whole is not None else t)
+                    loaded[name] = loaded.get(name, 0) + t.numel()
     for name, p in params.items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings and model.tp.size == 1:
             continue

@@ -1,0 +1,148 @@
+"""FP8 block-scaled checkpoints (issue 82 item 1), in the format DeepSeek-V3 and the Qwen3 -FP8
+releases ship: every linear weight of the decoder layers as float8_e4m3fn with a float32
+`weight_scale_inv` per block, `quantization_config: {quant_method: fp8, weight_block_size}`.
+Tiny random models of Hugging Face's own classes are quantized into that format here, then
+pdserve's greedy tokens are compared with Hugging Face loading the same directory (transformers
+dequantizes FP8 checkpoints on CPU); other quantization configs are refused by name."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.fp8 import dequantize
+
+from helpers import ID_PROMPTS, hf_greedy, save_hf
+
+BLOCK = [32, 32]  # the releases use [128, 128]; 32 puts several blocks in each tiny weight
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+MODELS = {
+    "llama": ("llama", {}),
+    "qwen3": ("qwen3", dict(head_dim=32)),
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True)),
+    # DeepSeek-V3's form: MLA with q_lora, sigmoid routing with its correction bias, shared experts
+    "deepseek_v3": ("deepseek_v3", dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+                                        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+                                        q_lora_rank=24, qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=24,
+                                        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def quantize_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] -> (e4m3 values, float32 scale_inv per block): the block's amax maps to 448."""
+    br, bc = block
+    rows, cols = w.shape
+    tiles = w.float().reshape(rows // br, br, cols // bc, bc)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / FP8_MAX
+    q = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(rows, cols), scale_inv
+
+
+def to_fp8_checkpoint(path: str, block=BLOCK) -> int:
+    """Rewrites the model directory as an FP8 block-scaled checkpoint: each decoder layer's linear
+    weight (not norms, routers, embeddings or the LM head) whose dims are whole blocks. Returns how
+    many weights were quantized."""
+    n = 0
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        tensors = load_file(file)
+        for name in list(tensors):
+            w = tensors[name]
+            if (".layers." not in name and not name.startswith("layers.")) or not name.endswith(".weight") \
+                    or w.dim() != 2 or "norm" in name or name.endswith("mlp.gate.weight") \
+                    or w.shape[0] % block[0] or w.shape[1] % block[1]:
+                continue
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(w, block)
+            n += 1
+        save_file(tensors, file, metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return n
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def fp8_dir(request, tmp_path_factory, tok_dir):
+    kind, kw = MODELS[request.param]
+    path = str(tmp_path_factory.mktemp(request.param))
+    save_hf(kind, {**BASE, **kw}, path, tok_dir, seed=7)
+    n = to_fp8_checkpoint(path)
+    assert n >= 6 * BASE["num_hidden_layers"], n  # every projection of every layer (experts add more)
+    return request.param, path
+
+
+def test_greedy_tokens_equal_hf_loading_the_same_fp8_directory(fp8_dir):
+    name, path = fp8_dir
+    assert ModelConfig.from_dir(path).weight_quant.block == tuple(BLOCK)
+    want = hf_greedy(path, ID_PROMPTS, 8)
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20,
+             max_num_batched_tokens=16) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(ID_PROMPTS, GREEDY)]
+        held = {n: p.dtype for n, p in llm.engine.runner.model.named_parameters()}
+    assert got == want
+    assert torch.float8_e4m3fn not in held.values()  # dequantized at load, held in the model's dtype
+
+
+def test_tensor_parallel_ranks_slice_the_dequantized_weights(fp8_dir):
+    """Each of two ranks reads its slice of the dequantized weights (a row or column cut that falls
+    inside a block of scales), with the same tokens as Hugging Face."""
+    name, path = fp8_dir
+    if name not in ("llama", "deepseek_v3"):
+        pytest.skip("one dense and one MLA + MoE model under TP 2")
+    want = hf_greedy(path, ID_PROMPTS, 8)
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, tensor_parallel_size=2) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(ID_PROMPTS, GREEDY)] == want
+
+
+def test_a_partial_last_block_takes_its_blocks_scale():
+    """DeepSeek-V3's kv_a_proj_with_mqa has 576 rows: 4.5 blocks of 128; the last half block has a scale of its own."""
+    torch.manual_seed(0)
+    q = torch.randn(48, 40).clamp(-4, 4).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 2) + 0.5  # blocks of 32 x 32: rows 32 + 16, cols 32 + 8
+    got = dequantize(q, s, (32, 32), torch.float32)
+    want = q.float().clone()
+    for i, rows in enumerate((slice(0, 32), slice(32, 48))):
+        for j, cols in enumerate((slice(0, 32), slice(32, 40))):
+            want[rows, cols] *= s[i, j]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"expected \(2, 2\)"):
+        dequantize(q, torch.ones(1, 2), (32, 32), torch.float32)
+
+
+@pytest.mark.parametrize("quant, match", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "without weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "scale_fmt 'ue8m0'"),
+])
+def test_other_quantization_configs_are_refused_by_name(tmp_path, tok_dir, quant, match):
+    save_hf("llama", dict(BASE, num_hidden_layers=1), str(tmp_path), tok_dir)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}))
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dir(str(tmp_path))
+
+
+def test_fp8_values_without_a_quantization_config_are_refused(tmp_path, tok_dir):
+    save_hf("llama", dict(BASE, num_hidden_layers=1), str(tmp_path), tok_dir)
+    to_fp8_checkpoint(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="is FP8 .* no quantization_config"):
+        LLM(str(tmp_path), dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 << 20)
