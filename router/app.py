@@ -37,7 +37,7 @@ from .metrics import RouterMetrics
 from .openapi import install as install_openapi
 from .options import ServerOptions
 from .render import Renderer, headers_of, sse, usage
-from .runner import RequestRunner, decode_json, first_copies, sequences
+from .runner import RequestRunner, client_of, decode_json, first_copies, sequences
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body
 from .tokens import add_token_routes, check_model_name
 from .tool_parsers import PARSERS
@@ -47,7 +47,7 @@ from .tools import ToolCalls
 def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               max_queue: int = 256, served_model_name: str | None = None, admin_key: str | None = None,
               chat_special_tokens: str = "refuse", tool_call_parser: str | None = None, root_path: str = "",
-              options: ServerOptions | None = None) -> FastAPI:
+              options: ServerOptions | None = None, max_queue_per_client: int | None = None) -> FastAPI:
     """`api_key` guards the inference routes, `admin_key` the /admin routes (errors.py).
     `chat_special_tokens`: "refuse" (400) a chat message whose text spells one of the
     tokenizer's special tokens (it would be read as a control token: a forged turn), or
@@ -65,7 +65,7 @@ def build_app(cluster: ServingCluster, api_key: str | None = None, max_body_byte
     metrics = RouterMetrics(cluster, model_name)
     runner = RequestRunner(cluster, max_body_bytes, max_queue,
                            chat_specials=special_tokens(cluster.tokenizer) if chat_special_tokens == "refuse" else (),
-                           tool_parser=PARSERS.get(tool_call_parser))
+                           tool_parser=PARSERS.get(tool_call_parser), max_queue_per_client=max_queue_per_client)
     app.state.cluster, app.state.metrics = cluster, metrics
 
     @app.exception_handler(HTTPError)
@@ -152,7 +152,8 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
         """Both endpoints: run the request's sequences (its prompts x n), render them as the
         endpoint's OpenAI shape: choice index = prompt i x n + copy j, usage summed."""
         seqs = sequences(prompts, params)
-        runner.admit(len(seqs), len(prompts))
+        client = client_of(request)
+        runner.admit(len(seqs), len(prompts), client)
         for r in params:
             app.state.metrics.on_params(r.params.n, r.params.max_tokens)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -163,7 +164,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             req.return_tokens_as_token_ids = options.return_tokens_as_token_ids
         renders = renderers(req, chat, seqs, rid, created, model_name, cluster.tokenizer, tools)
         if not req.stream:
-            outs = await runner.run_to_end(seqs, request)
+            outs = await runner.run_to_end(seqs, request, client)
             for out in outs:
                 check_final(out)
             share_prompt_logprobs(seqs, outs)
@@ -173,7 +174,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             return JSONResponse(renders[0].body([r.final(o) for r, o in zip(renders, outs)],
                                                 usage(n_prompt, generated(renders, outs), cached), extra),
                                 headers=headers_of(outs[0]))
-        gen = runner.merged(seqs)
+        gen = runner.merged(seqs, client)
         first = await runner.first_output(gen)
         if failure(first[1]) is not None:  # before any byte: a plain HTTP error, not a 200 stream
             await gen.aclose()

@@ -187,6 +187,8 @@ class RouterMetrics(RequestObserver):
         self.admission_rejections = Counter("vllm:admission_rejections", "Requests refused at admission: the "
                                             "queue full (429) or no worker to serve them (503)", ["reason", *m],
                                             registry=r)
+        self.stalled_streams = Counter("pdserve:stalled_streams", "Connections aborted because their client read "
+                                       "nothing for the write-stall bound (their requests cancelled)", m, registry=r)
         self.request_preemptions = Histogram("vllm:request_num_preemptions", "Preemptions per finished request", m,
                                              buckets=(0, 1, 2, 5, 10, 20, 50), registry=r)
         self.handoff_bytes = Counter("pdserve:kv_handoff_bytes", "KV bytes moved prefill -> decode, by the link "
@@ -262,6 +264,10 @@ class RouterMetrics(RequestObserver):
         self.http_errors.labels(str(status), self.model).inc()
         if admission is not None:
             self.admission_rejections.labels(admission, self.model).inc()
+
+    def stalled(self) -> None:
+        """A connection aborted for not reading (router/server.py)."""
+        self.stalled_streams.labels(self.model).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

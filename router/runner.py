@@ -4,7 +4,8 @@
     params()      sampling values + the one validation of the request against the model
                   (cluster.validate -> engine/validation.py)    -> 400 naming the field
     admit()       a slot of the bounded queue per sequence      -> 429 + Retry-After
-                  (a request larger than the whole queue: 400)
+                  (a request larger than the whole queue: 400), at most
+                  max_queue_per_client of them held by one client (its address)
     outputs()     the cluster's delta outputs as an async generator; stopping early
                   (a client that went away) cancels the request on every worker
     merged()      the sequences of a request (its prompts x n), tagged with their index
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -91,13 +93,28 @@ class _Done:
         self.fut = fut
 
 
+def per_client_share(max_queue: int) -> int:
+    """The default --max-queue-per-client: three quarters of the queue, so one client (a script
+    that opens streams and reads none) leaves a quarter of the slots to everyone else."""
+    return max(1, max_queue * 3 // 4)
+
+
+def client_of(request: Request) -> str:
+    """Whom admission counts a request against: its connection's source address."""
+    return request.client.host if request.client else ""
+
+
 class RequestRunner:
     def __init__(self, cluster, max_body_bytes: int, max_queue: int, chat_specials: tuple[str, ...] = (),
-                 tool_parser=None):
+                 tool_parser=None, max_queue_per_client: int | None = None):
         """`chat_specials`: the special tokens a chat message may not spell (none: allowed);
-        `tool_parser`: the tool_parsers.ToolParser that serves tool_choice auto (None: refused)."""
+        `tool_parser`: the tool_parsers.ToolParser that serves tool_choice auto (None: refused);
+        `max_queue_per_client`: the queue's slots one client (connection source) may hold at once
+        (None: per_client_share(max_queue); max_queue: no bound of its own)."""
         self.cluster, self.max_body_bytes, self.max_queue = cluster, max_body_bytes, max_queue
+        self.max_per_client = per_client_share(max_queue) if max_queue_per_client is None else max_queue_per_client
         self.inflight = 0
+        self.held: collections.Counter[str] = collections.Counter()  # slots by client
         self.chat_specials, self.tool_parser = chat_specials, tool_parser
         self.grammars = Grammars(cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached (bounded)
         # grammars compile here, off the event loop (xgrammar releases the GIL): one slow
@@ -158,24 +175,39 @@ class RequestRunner:
             raise HTTPError(400, str(e), param=grammar_param(req)) from None
         return valid
 
-    def admit(self, n: int = 1, prompts: int = 1) -> None:
-        """Takes n slots of the bounded queue (one per sequence: `prompts` x the request's n);
-        merged() gives them back. A request larger than the whole queue is a 400 naming what
-        to cut (a 429 would be retried forever)."""
-        if n > self.max_queue:
-            param = "prompt" if prompts > self.max_queue else "n"
+    def admit(self, n: int = 1, prompts: int = 1, client: str = "") -> None:
+        """Takes n slots of the bounded queue (one per sequence: `prompts` x the request's n) for
+        `client`; merged() gives them back. A request larger than the whole queue (or than one
+        client's share) is a 400 naming what to cut (a 429 would be retried forever); one client
+        holding its share gets a 429 while other clients are admitted."""
+        most = min(self.max_queue, self.max_per_client)
+        if n > most:
+            param = "prompt" if prompts > most else "n"
+            flag = "--max-queue" if most == self.max_queue else "--max-queue-per-client"
             raise HTTPError(400, f"{param}: {prompts} prompt(s) x n = {n} sequences, more than this server ever runs "
-                                 f"for one request at once (--max-queue {self.max_queue}): send fewer", param=param)
+                                 f"for one request at once ({flag} {most}): send fewer", param=param)
         if self.inflight + n > self.max_queue:
             raise HTTPError(429, f"server busy: {self.inflight} requests in flight (limit {self.max_queue})",
                             "rate_limit_error", headers={"Retry-After": "1"}, admission="queue_full")
+        if self.held[client] + n > self.max_per_client:
+            raise HTTPError(429, f"too many requests from this client: {self.held[client]} in flight (limit "
+                                 f"{self.max_per_client} a client, --max-queue-per-client)",
+                            "rate_limit_error", headers={"Retry-After": "1"}, admission="client_full")
         self.inflight += n
+        self.held[client] += n
 
-    async def merged(self, seqs: list[Sequence], stream: bool = True):
+    def release(self, n: int, client: str) -> None:
+        """Gives back what admit() took."""
+        self.inflight -= n
+        self.held[client] -= n
+        if not self.held[client]:
+            del self.held[client]
+
+    async def merged(self, seqs: list[Sequence], client: str = "", stream: bool = True):
         """(index, delta output) of a request's sequences (its prompts x n) as they come. A
         prompt's first copy starts at once, its other copies once that one has its first
         output, so they find the prompt's blocks in the prefix cache. Gives back the queue
-        slots admit() took."""
+        slots admit() took for `client`."""
         q: asyncio.Queue = asyncio.Queue()
         done = object()
 
@@ -206,7 +238,7 @@ class RequestRunner:
         finally:
             for t in tasks:
                 t.cancel()  # a sequence still running is cancelled on every worker (outputs())
-            self.inflight -= len(seqs)
+            self.release(len(seqs), client)
 
     async def outputs(self, text: str | None, request: ValidRequest, stream: bool = True):
         """Yields the request's delta outputs as the cluster produces them (stream=False: at its
@@ -238,13 +270,13 @@ class RequestRunner:
             if not finished:
                 fut.cancel()  # aborts on every worker, frees the blocks
 
-    async def run_to_end(self, seqs: list[Sequence], request: Request) -> list[RequestOutput]:
+    async def run_to_end(self, seqs: list[Sequence], request: Request, client: str = "") -> list[RequestOutput]:
         """Non-streaming: each sequence's final (cumulative) output; cancels if the client
         disconnects first."""
         accs, final = [Accumulator(s.text, s.request.prompt_token_ids) for s in seqs], {}
 
         async def consume():
-            async for i, out in self.merged(seqs, stream=False):
+            async for i, out in self.merged(seqs, client, stream=False):
                 out = accs[i].add(out)
                 if out.finished:
                     final[i] = out

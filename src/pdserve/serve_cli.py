@@ -89,6 +89,10 @@ def check_listen(args: argparse.Namespace) -> None:
         if n is not None and n < 1:
             raise CliError(f"--{role} must be >= 1, got {n}" + (" (--mode colocated has no prefill pool)"
                                                                  if role == "prefill" else ""))
+    for flag in ("max_queue", "max_queue_per_client"):
+        n = getattr(args, flag)
+        if n is not None and n < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {n}")
     if not 0 <= args.port < 65536:
         raise CliError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
@@ -158,7 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,
                         chat_special_tokens=args.chat_special_tokens, tool_call_parser=args.tool_call_parser,
-                        root_path=args.root_path, options=server_options(args))
+                        root_path=args.root_path, options=server_options(args),
+                        max_queue_per_client=args.max_queue_per_client)
         pools = cluster.pool_sizes()
         tp = {r: f"{pools[r]} x TP{cluster.pools.tp(r)}" for r in pools}
         sizes = f"colocated={tp['decode']}" if cluster.mode == "colocated" else \
@@ -265,6 +270,9 @@ def add_serve_parser(sub) -> None:
                     help="GET /load answers the requests in flight (vLLM's flag)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    sv.add_argument("--max-queue-per-client", type=int, default=None,
+                    help="requests in flight from one client (its address) before its 429; others are still "
+                         "admitted (default: 3/4 of --max-queue; --max-queue: no bound of its own)")
     sv.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                     help="the prefill pool's chunk budget (default: --max-num-batched-tokens if given, else 8192)")
     sv.add_argument("--local-prefill-tokens", type=int, default=0,

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import re
+import socket
 import time
 
 import httpx
@@ -22,6 +23,7 @@ from pdserve.cluster.placement import LocalRules
 from pdserve.engine.base.grammar_spec import BUDGET
 from pdserve.engine.base.hashing import hash_block_tokens
 from pdserve.router.app import build_app
+from pdserve.router.options import ServerOptions
 
 from helpers import Server, role_of
 from monitoring import Prometheus, dashboard_exprs, exposition_names, prometheus_bin, rule_exprs
@@ -204,6 +206,68 @@ def test_disconnect_mid_stream_frees_blocks(server, cluster):
             if lines >= 5:
                 break  # closing the stream mid-generation
     wait_no_request_blocks(cluster)
+
+
+def unread_stream(port: int, body: dict, source: str = "127.0.0.1") -> socket.socket:
+    """A streaming completion sent on a raw socket with a 4 KiB receive buffer, never read."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return s
+
+
+def read_to_close(s: socket.socket, timeout_s: float = 60) -> bytes:
+    """All the socket holds until the server closes it (FIN or reset)."""
+    s.settimeout(timeout_s)
+    got = b""
+    try:
+        while chunk := s.recv(1 << 16):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def test_a_client_that_reads_nothing_is_cut_off_and_holds_at_most_its_share(cluster):
+    """One client (127.0.0.1) opens streams and reads none (issue 79 item 2): it holds at most its
+    share of the queue (a third request of its own is a 429) while another client (127.0.0.2) is
+    served; once its socket is full for write_stall_s its connections are aborted, its requests
+    cancelled and their slots and blocks given back, and its streams never reach [DONE]."""
+    app = build_app(cluster, max_queue=8, max_queue_per_client=4, options=ServerOptions(load_tracking=True))
+    busy = Server(app, write_stall_s=2)
+    try:
+        def load() -> int:
+            return httpx.get(busy.url + "/load").json()["server_load"]
+
+        body = {"prompt": "Count:", "max_tokens": 450, "n": 2, "logprobs": 20, "ignore_eos": True, "stream": True}
+        readers = [unread_stream(busy.port, body) for _ in range(2)]  # 2 x n=2: the client's 4 slots
+        deadline = time.monotonic() + 60
+        while load() < 4:
+            assert time.monotonic() < deadline, load()
+            time.sleep(0.1)
+        r = httpx.post(busy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 429 and "too many requests from this client" in r.json()["error"]["message"], r.text
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60)
+        r = other.post(busy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        deadline = time.monotonic() + 60  # each cut off write_stall_s after its socket filled
+        while load():
+            assert time.monotonic() < deadline, load()
+            time.sleep(0.2)
+        for s in readers:  # what each got before the server closed it: a stream cut short
+            got = read_to_close(s)
+            assert got.startswith(b"HTTP/1.1 200") and b"[DONE]" not in got, got[-300:]
+            s.close()
+        wait_no_request_blocks(cluster)
+        stalled = [s for f in text_string_to_metric_families(httpx.get(busy.url + "/metrics").text)
+                   for s in f.samples if s.name == "pdserve:stalled_streams_total"]
+        assert stalled and stalled[0].value == 2, stalled
+    finally:
+        busy.stop()
 
 
 def test_many_requests_with_random_cancels_leave_no_blocks(server, cluster):
