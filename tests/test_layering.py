@@ -152,7 +152,7 @@ ENGINE_LAYERS = [
     ("ops",),  # kernels and the formats they read
     ("base",),  # the floor: TP groups and stores, device copies, block hashes, KV layout and window
     ("architectures", "sampling_params", "validation", "outputs", "tokenizer", "default_model", "role",
-     "config"),  # what a caller hands the engine, and the settings
+     "fp8", "config"),  # what a caller hands the engine, the settings, a checkpoint's format
     ("core",),  # requests, the block pool, the scheduler, the step model
     ("tiers",),  # the KV tiers below the GPU
     ("sample",),  # from logits to tokens
