@@ -37,7 +37,7 @@ from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
 from .engine_specs import EngineSpecs
 from .gpus import runtime_env as gpus_runtime_env
-from .local_ray import start_or_join_ray
+from .local_ray import shutdown_own_ray, start_or_join_ray
 from .output_pipe import OutputPipe
 from .placement import LocalRules
 from .pools import Pools
@@ -92,7 +92,7 @@ class Cluster:
             pass
         else:
             if self._owns_ray:
-                ray.shutdown()
+                shutdown_own_ray()
             raise RuntimeError(f"another pdserve cluster serves namespace {namespace!r} on this Ray cluster: "
                                "pick another namespace (--namespace), or stop that one")
         self.registry = RegistryLink(namespace)
@@ -370,7 +370,7 @@ class Cluster:
             self._aloop.call_soon_threadsafe(self.pipe.close)
             self._aloop.call_soon_threadsafe(self._aloop.stop)
             if self._owns_ray:
-                ray.shutdown()
+                shutdown_own_ray()
             else:  # the Ray stays: the namespace is free for the next cluster once the registry's name is
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:

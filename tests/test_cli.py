@@ -283,7 +283,7 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
     import time
     import urllib.request
 
-    from helpers import listening_sockets, serving_port
+    from helpers import _group_alive, listening_sockets, serving_port
 
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", tiny_models["llama"], "--mode",
@@ -305,6 +305,9 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0 and "purging and replacing" not in err and "Traceback" not in err, err[-2000:]
+    # nothing of its own is left: the Ray it started, that Ray's agents and workers (stopped together,
+    # local_ray.shutdown_own_ray, within STOP_GRACE_S of its end)
+    assert not _group_alive(proc.pid), "a process of the server's group outlived it"
     # the start showed its stages, each worker as it became ready
     for stage in ("config and tokenizer read (max_model_len 128)", "starting a local Ray cluster",
                   "starting 1 decode worker(s); each loads the model", "decode worker w0-"):
