@@ -178,7 +178,9 @@ class RayHead:
     def stop(self) -> None:
         import signal
 
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        # `ray start --block` answers SIGTERM by stopping its processes one by one, a second or more each
+        # (17 s seen); 3 s, then the whole group killed: nothing of a test's Ray needs a graceful end
+        for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:

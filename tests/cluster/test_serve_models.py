@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import hf_greedy, save_hf, serving_port, stop_server
+from helpers import RayHead, free_port, hf_greedy, save_hf, serving_port, stop_server
 
 openai = pytest.importorskip("openai")
 
@@ -29,16 +29,30 @@ FAMILIES |= {"deepseek_v2": dict(MLA, q_lora_rank=None),
 MODES = [(kind, "disagg") for kind in sorted(FAMILIES)] + [("deepseek_v3", "hybrid")]
 
 
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """One Ray on loopback that each server joins (`--address`, as on a cluster `ray up` made): a Ray
+    of its own cost each of the six servers a start and a stop."""
+    port = free_port()
+    head = RayHead(port, "--node-ip-address=127.0.0.1", "--num-cpus=4", env=ENV)
+    yield f"127.0.0.1:{port}"
+    head.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,mode", MODES)
-def test_a_served_model_of_each_family_answers_through_the_handoff(tmp_path, default_model_dir, kind, mode):
+def test_a_served_model_of_each_family_answers_through_the_handoff(tmp_path, default_model_dir, ray_address, kind,
+                                                                    mode):
     save_hf(kind, {**BASE, **FAMILIES[kind]}, str(tmp_path), default_model_dir)
     prompt = [(29 * i + 7) % 40000 + 100 for i in range(40)]
     want = hf_greedy(str(tmp_path), [prompt], 6)[0]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", str(tmp_path), "--mode", mode,
-                             "--prefill", "1", "--decode", "1", "--max-model-len", "256", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             "--prefill", "1", "--decode", "1", "--max-model-len", "256", "--port", "0",
+                             "--address", ray_address],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                             start_new_session=True)  # its own group: stopping it stops only what it started
     try:
         port = serving_port(proc)  # printed once bound: the client connects at once
