@@ -28,8 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.base.kv_layout import KVLayout
-from pdserve.transfer.base import LayoutMismatch, check_layouts
+from pdserve.transfer.base import LayoutMismatch
 from pdserve.transfer.fetch import FetchPlan
 
 from .api import NoWorker
@@ -46,12 +45,6 @@ HALF_LIFE_S = 30.0  # an error not observed again fades toward 1: a worker place
 # included: bench/results/kv_tiers/); across nodes NCCL or gloo, whose worst case (TCP) is about 1 GB/s
 LINK_GBPS_START = {"same_node": 20.0, "network": 1.0}
 LINK_DOWN_S = 10.0  # a pair whose receiver's host did not answer stays out of placement this long
-
-
-def block_bytes(layout: dict) -> int:
-    """A whole block's bytes (every rank's heads) from a worker's wire layout (transfer/base.wire_layout)."""
-    fields = ("block_size", "num_layers", "head_dim", "dtype", "scale_bytes", "parts")
-    return KVLayout(num_kv_heads=layout["kv_heads_total"], **{k: layout[k] for k in fields if k in layout}).block_bytes
 
 
 @dataclass
@@ -145,7 +138,7 @@ class Placer:
         runs = await self.registry.runs(hashes) if hashes else {}
         placed = self._place(runs, hashes, ids, charges)
         info = placed.prefills_on.info
-        if runs and self.pools.serving.handoff.peer_fetch and info is not None and info.layout:
+        if runs and self.pools.serving.handoff.peer_fetch and info is not None and info.layout is not None:
             self._plan_fetch(placed, runs)
         return placed
 
@@ -160,7 +153,7 @@ class Placer:
         holders = {h: self._holder(w, self.pools.workers[h]) for h in runs
                    if h in self.pools.workers and self._same_kv(w, h)}
         d = plan_fetch(w.worker_id, {h: (r.gpu, r.tier) for h, r in runs.items()}, holders, self.block_size,
-                       block_bytes(w.info.layout), w.stats.prefill_tok_s)
+                       w.info.layout.block_bytes, w.stats.prefill_tok_s)
         if d is None:
             return
         placed.fetch = FetchPlan(d.holder, d.blocks, self.pools.workers[d.holder].tp)
@@ -181,7 +174,7 @@ class Placer:
     def _same_kv(self, w: WorkerRecord, other: str) -> bool:
         try:
             theirs = self.pools.workers[other].info
-            check_layouts(w.info.layout, theirs.layout if theirs is not None else {}, other)
+            w.info.layout.check(theirs.layout if theirs is not None else None, other)
             return True
         except LayoutMismatch:
             return False

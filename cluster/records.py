@@ -15,7 +15,10 @@ import collections
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from pdserve.transfer.base import WireLayout
 
 
 class BlockChange(enum.Enum):
@@ -41,7 +44,7 @@ class BlockEvent(NamedTuple):
 class WorkerInfo:
     """A worker's registration: its pool, where its KV pairs meet it (`address`), the epoch of
     its blocks (a new one after a restart), its tensor-parallel size, its node, its KV blocks
-    and their wire layout (transfer/base.wire_layout), its persisted tier's state, what its
+    and their wire layout (transfer/base.WireLayout), its persisted tier's state, what its
     start took (seconds by part) and, when it persists its host tier, the slot it holds."""
     role: str
     address: str
@@ -50,7 +53,7 @@ class WorkerInfo:
     node: str = ""
     node_id: str | None = None
     capacity_blocks: int = 0
-    layout: dict = field(default_factory=dict)
+    layout: WireLayout | None = None
     kv_persist_status: str | None = None
     startup: dict = field(default_factory=dict)
     persist_slot: str | None = None

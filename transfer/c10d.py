@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from pdserve.engine.base.stores import BoundStore
 
-from .base import Abort, Channel, Handoff, HandoffTarget, PairConnector, StagingPool, wire_layout
+from .base import Abort, Channel, Handoff, HandoffTarget, PairConnector, StagingPool, WireLayout
 from .pair import Pair
 from .probe import PROBE_S, STALL_S, answers
 from .wire import td
@@ -55,7 +55,7 @@ class C10dConnector(PairConnector):
         self.kv = kv
         self.device = kv.device
         # both peers must also chunk alike; tensor-parallel ranks may hold different head counts
-        self.layout = wire_layout(kv, min_chunk_bytes, tp, kv_heads_total, kv_cache_dtype)
+        self.layout = WireLayout.of(kv, min_chunk_bytes, tp, kv_heads_total, kv_cache_dtype)
         self.block_bytes = kv[0].numel() * kv.element_size()
         self.min_chunk_bytes = min_chunk_bytes
         self.staging = StagingPool(kv, min_chunk_bytes)

@@ -16,10 +16,9 @@ from .base import (
     HandoffTarget,
     LayoutMismatch,
     PairConnector,
-    check_layouts,
+    WireLayout,
     gather_blocks,
     scatter_blocks,
-    wire_layout,
 )
 
 
@@ -35,7 +34,7 @@ class LoopbackConnector(PairConnector):
                  kv_cache_dtype: str = "auto"):
         self.name, self.kv, self.hub = name, kv, hub
         self.address = f"loopback:{name}"
-        self.layout = wire_layout(kv, 0, kv_cache_dtype=kv_cache_dtype)
+        self.layout = WireLayout.of(kv, 0, kv_cache_dtype=kv_cache_dtype)
         self.default_timeout_s = default_timeout_s
         self._handoffs: dict[str, Handoff] = {}
         hub.connectors[name] = self
@@ -58,7 +57,7 @@ class LoopbackConnector(PairConnector):
         send, recv = (h, other) if is_sender else (other, h)
         src, dst = self.hub.connectors[sender], self.hub.connectors[receiver]
         try:
-            check_layouts(dst.layout, src.layout, sender)
+            dst.layout.check(src.layout, sender)
             if len(send.block_ids) != len(recv.block_ids):
                 raise ValueError(f"sender offers {len(send.block_ids)} blocks, receiver expects {len(recv.block_ids)}")
         except (LayoutMismatch, ValueError) as e:

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .base import Handoff, StagingPool, TransferState, check_layouts
+from .base import Handoff, StagingPool, TransferState, WireLayout
 from .pull import PullLink, accept, offer, post, take
 from .wire import C10dLink, td, width
 
@@ -174,10 +174,10 @@ class Pair:
         sender's slab mapped here (same node), else the pair's process group."""
         conn = self.conn
         ps = self._store(deadline)
-        ps.set(f"layout{self.rank}", json.dumps(conn.layout))
+        ps.set(f"layout{self.rank}", conn.layout.to_json())
         other = f"layout{1 - self.rank}"
         ps.wait([other], td(deadline - time.monotonic()))
-        check_layouts(conn.layout, json.loads(ps.get(other)), self.peer)
+        conn.layout.check(WireLayout.from_json(ps.get(other)), self.peer)
         link = None
         if self.is_sender:
             ps.set("offer", offer(conn))

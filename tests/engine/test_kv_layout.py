@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.base.kv_layout import KVLayout, kv_layout
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.transfer.base import LayoutMismatch, check_layouts, wire_layout
+from pdserve.transfer.base import LayoutMismatch, WireLayout
 
 
 @pytest.mark.parametrize("dtype", ["auto", "int8", "fp8", "int4"])
@@ -19,8 +19,9 @@ def test_the_engine_the_wire_and_the_tier_describe_a_cache_one_way(dtype, tiny_m
     eng = LLMEngine(EngineConfig(model=model, kv_cache_dtype=dtype, max_model_len=128, num_gpu_blocks_override=8))
     lay = kv_layout(eng.config)
     assert KVLayout.of(eng.runner.kv, dtype) == lay == eng.runner.layout
-    wire = wire_layout(eng.runner.kv, 0, kv_cache_dtype=dtype)
-    assert {k: wire[k] for k in lay.as_dict()} == lay.as_dict() and "kv_cache_dtype" not in wire
+    wire = WireLayout.of(eng.runner.kv, 0, kv_cache_dtype=dtype)
+    assert wire.kv == lay and WireLayout.from_json(wire.to_json()) == wire  # what a pair's store carries
+    assert "kv_cache_dtype" not in wire.fields() and wire.block_bytes == lay.block_bytes  # TP 1: the whole block
     if dtype == "int4":  # head_dim / 2 bytes of codes, then a float16 (scale, min) per 32 values
         assert (lay.dtype, lay.head_dim, lay.scale_bytes, eng.runner.kv.shape[-1]) == ("int4", 32, 4, 20)
         assert lay.block_bytes == eng.runner.kv[0].numel()
@@ -32,20 +33,22 @@ def test_the_engine_the_wire_and_the_tier_describe_a_cache_one_way(dtype, tiny_m
 
 def test_peers_are_refused_by_the_field_that_differs():
     slab = torch.zeros(4, 2, 2, 16, 2, 48, dtype=torch.uint8)
-    fp8 = wire_layout(slab, 0, kv_cache_dtype="fp8")
-    check_layouts(fp8, wire_layout(slab, 0, kv_cache_dtype="fp8_e4m3"), "peer")  # two names, the same bytes
+    fp8 = WireLayout.of(slab, 0, kv_cache_dtype="fp8")
+    fp8.check(WireLayout.of(slab, 0, kv_cache_dtype="fp8_e4m3"), "peer")  # two names, the same bytes
     with pytest.raises(LayoutMismatch, match="dtypes differ: ours 'float8_e4m3fn', peer 'peer''s 'int8'"):
-        check_layouts(fp8, wire_layout(slab, 0, kv_cache_dtype="int8"), "peer")
-    bf16 = wire_layout(torch.zeros(4, 2, 2, 16, 2, 32, dtype=torch.bfloat16), 0)
+        fp8.check(WireLayout.of(slab, 0, kv_cache_dtype="int8"), "peer")
+    bf16 = WireLayout.of(torch.zeros(4, 2, 2, 16, 2, 32, dtype=torch.bfloat16), 0)
     with pytest.raises(LayoutMismatch, match="dtypes differ.*'bfloat16'.*scale bytes 16 vs 0"):
-        check_layouts(fp8, bf16, "peer")
+        fp8.check(bf16, "peer")
     with pytest.raises(LayoutMismatch, match="'block_size': \\(16, 8\\)"):
-        check_layouts(bf16, wire_layout(torch.zeros(8, 2, 2, 8, 2, 32, dtype=torch.bfloat16), 0), "peer")
-    int4 = wire_layout(torch.zeros(4, 2, 2, 16, 2, 20, dtype=torch.uint8), 0, kv_cache_dtype="int4")
-    assert (int4["dtype"], int4["head_dim"], int4["scale_bytes"]) == ("int4", 32, 4)
+        bf16.check(WireLayout.of(torch.zeros(8, 2, 2, 8, 2, 32, dtype=torch.bfloat16), 0), "peer")
+    with pytest.raises(LayoutMismatch, match="announced no KV layout"):
+        bf16.check(None, "peer")
+    int4 = WireLayout.of(torch.zeros(4, 2, 2, 16, 2, 20, dtype=torch.uint8), 0, kv_cache_dtype="int4")
+    assert (int4.kv.dtype, int4.kv.head_dim, int4.kv.scale_bytes) == ("int4", 32, 4)
     with pytest.raises(LayoutMismatch, match="dtypes differ"):  # 20-byte rows: int4 of 32 values, or int8 of 4
-        check_layouts(int4, wire_layout(torch.zeros(4, 2, 2, 16, 2, 20, dtype=torch.uint8), 0,
-                                        kv_cache_dtype="int8"), "peer")
+        int4.check(WireLayout.of(torch.zeros(4, 2, 2, 16, 2, 20, dtype=torch.uint8), 0, kv_cache_dtype="int8"),
+                   "peer")
     with pytest.raises(ValueError, match="a int8 KV cache is a uint8 slab"):
         KVLayout.of(torch.zeros(4, 2, 2, 16, 2, 32), "int8")
 
