@@ -57,6 +57,9 @@ class HeaderDeadlineH11(H11Protocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        self._cancel_stall()
+
+    def _cancel_stall(self) -> None:
         if self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
@@ -79,9 +82,7 @@ class HeaderDeadlineH11(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        self._cancel_stall()
         super().connection_lost(exc)
 
     def _arm(self) -> None:

@@ -118,7 +118,7 @@ def _load_safetensors(model: CausalLM, path: str, params: dict) -> None:
                         raise ValueError(f"tensor {hf_name!r} gives {tuple(t.shape)} to {name} here, "
                                          f"expected {tuple(dst.shape)} (checkpoint shape "
                                          f"{tuple(part.get_shape())})")
-                    dst.copy_(t.to(dst.dtype) if whole is not None else t)
+                    dst.copy_(t)  # a dequantized weight: float32 rounded once to the parameter's dtype
                     loaded[name] = loaded.get(name, 0) + t.numel()
     for name, p in params.items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings and model.tp.size == 1:
