@@ -32,7 +32,7 @@ from pdserve.transfer.base import LayoutMismatch
 from pdserve.transfer.fetch import FetchPlan
 
 from .api import NoWorker
-from .pools import Pools
+from .pool_view import PoolView
 from .records import WorkerRecord
 from .registry import PrefixRun, best_holder
 from .routing import Holder, pick_decode, pick_prefill, place_prompt, plan_fetch
@@ -102,9 +102,12 @@ class LocalRules:
 
 
 class Placer:
-    def __init__(self, pools: Pools, registry, block_size: int, local: LocalRules | None = None,
-                 routing_counts: dict | None = None):
+    def __init__(self, pools: PoolView, registry, block_size: int, local: LocalRules | None = None,
+                 routing_counts: dict | None = None, clock=time.monotonic):
+        """`clock`: the seconds its corrections fade and its links come back by (the capacity
+        simulator passes its simulated time)."""
         self.pools, self.registry, self.block_size = pools, registry, block_size
+        self.clock = clock
         self.handoff_s = 0.02  # EWMA of the kv_to_first_token phase: hybrid placement's handoff cost
         self.local = local or LocalRules()
         self.routing = routing_counts if routing_counts is not None else {}
@@ -113,19 +116,19 @@ class Placer:
 
     def link_down(self, prefill: str, decode: str) -> None:
         """A handoff from `prefill` found `decode`'s host unreachable: the pair is out for LINK_DOWN_S."""
-        self._down[(prefill, decode)] = time.monotonic() + LINK_DOWN_S
+        self._down[(prefill, decode)] = self.clock() + LINK_DOWN_S
         self.count("link_down")
 
     def links_down(self) -> dict[str, float]:
         """The pairs out of placement now: "prefill->decode" -> seconds left."""
-        now = time.monotonic()
+        now = self.clock()
         for key in [k for k, until in self._down.items() if until <= now]:
             del self._down[key]
         return {f"{p}->{d}": round(until - now, 1) for (p, d), until in self._down.items()}
 
     def _linked(self, prefill: str, decode: str) -> bool:
         until = self._down.get((prefill, decode))
-        return until is None or until <= time.monotonic()
+        return until is None or until <= self.clock()
 
     @property
     def slo(self):
@@ -252,7 +255,7 @@ class Placer:
             return
         wid, want = predicted
         ratio = min(max((seconds + FLOOR_S) / (want + FLOOR_S), ERROR_BOUNDS[0]), ERROR_BOUNDS[1])
-        self._error[wid] = (0.7 * self.error(wid) + 0.3 * ratio, time.monotonic())
+        self._error[wid] = (0.7 * self.error(wid) + 0.3 * ratio, self.clock())
         if len(self._error) > 4 * max(len(self.pools.workers), 1):  # workers that left
             for gone in [w for w in self._error if w not in self.pools.workers]:
                 del self._error[gone]
@@ -260,7 +263,7 @@ class Placer:
     def error(self, worker_id: str) -> float:
         """Observed / predicted TTFT of the worker's placements (1: exact), fading toward 1."""
         value, at = self._error.get(worker_id, (1.0, 0.0))
-        return 1.0 + (value - 1.0) * 0.5 ** ((time.monotonic() - at) / HALF_LIFE_S)
+        return 1.0 + (value - 1.0) * 0.5 ** ((self.clock() - at) / HALF_LIFE_S)
 
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = 0.9 * self.handoff_s + 0.1 * seconds

@@ -37,9 +37,9 @@ from .autoscale import LatencyWindow, PoolState
 from .engine_specs import EngineSpecs
 from .output_pipe import PipeAddress
 from .pool_monitor import PoolMonitor
+from .pool_view import PoolView
 from .ratio import RatioPlanner
 from .records import WorkerRecord, WorkerRefused
-from .routing import Candidate
 from .serving_config import ROLES, ServingConfig
 from .shard_actor import RankPlacement
 from .worker_actor import WorkerActor
@@ -47,7 +47,7 @@ from .worker_actor import WorkerActor
 log = logging.getLogger(__name__)
 
 
-class Pools(PoolMonitor):
+class Pools(PoolMonitor, PoolView):
     def __init__(self, serving: ServingConfig, specs: EngineSpecs, actor_options: dict,
                  namespace: str, registry, start_timeout: float, bind_host: str | None = None):
         """`specs`: each pool's engine spec, and the cluster's mode. `bind_host`: where the workers'
@@ -75,41 +75,9 @@ class Pools(PoolMonitor):
         self.start_s = 10.0  # EWMA of a worker's start (actor to serving): a 503's Retry-After
         self.unresponsive_s = 30.0  # a live worker silent this long is purged (pool_monitor.py)
 
-    # ---- views ------------------------------------------------------------------------------
-    def worker(self, worker_id: str) -> WorkerRecord:
-        return self.workers[worker_id]
-
-    def members(self, role: str) -> list[WorkerRecord]:
-        """The pool's workers that stay in it (not draining to leave), a switching one included."""
-        return [w for w in self.workers.values() if (w.switching_to or w.role) == role and not w.draining]
-
+    # ---- views (PoolView's: worker, members, ahead_of, candidates) ------------------------------
     def pool_sizes(self) -> dict:
         return {r: len(self.members(r)) for r in ROLES}
-
-    def ahead_of(self, w: WorkerRecord, priority: int | None) -> int:
-        """The prompt tokens queued on w that a request of `priority` waits behind: all of them,
-        or under scheduling_policy "priority" those of its priority or a more urgent one."""
-        spec = self.specs.get(w.role)
-        if priority is None or spec is None or spec.scheduling_policy != "priority":
-            return w.queued_tokens
-        return sum(n for p, n in w.queued_by_priority.items() if p <= priority)
-
-    def candidates(self, role: str, priority: int | None = None) -> list[Candidate]:
-        """`priority`: the request's, so that the queue it is predicted to wait in is what runs ahead of it.
-        Workers silent to the monitor's probe are left out while another worker of the pool answers
-        (all silent: a slow host, not a dead pool; they stay). A pool left with no worker but one
-        draining to leave it (a shrink, then its staying member died) places on that one: no 503
-        while a worker that can serve is alive (the monitor's refill takes it back, `_reclaim`)."""
-        out = []
-        live = [w for w in self.workers.values() if w.role == role and not w.draining and w.switching_to is None] \
-            or [w for w in self.workers.values() if w.role == role and w.drain is not None]
-        answering = [w for w in live if w.silent_since is None]
-        for w in answering or live:
-            st, total = w.stats, w.blocks_total or 1
-            out.append(Candidate(w.worker_id, w.load, total - st.kv_blocks_used, total, self.ahead_of(w, priority),
-                                 st.prefill_tok_s, st.prefill_chunk, st.step_s, 0,
-                                 st.max_num_seqs - st.num_running - 4, st.tpot_over))
-        return out
 
     # ---- sizes --------------------------------------------------------------------------------
     async def scale(self, want: dict, switch_roles: bool = False) -> dict:

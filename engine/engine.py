@@ -23,7 +23,7 @@ from .core.kv_cache_manager import KVCacheManager
 from .core.overlap import PendingStep, plain
 from .core.request import Request, RequestStatus
 from .core.scheduler import Scheduler, SchedulerOutput
-from .core.step_model import StepModel
+from .core.step_model import StepModel, placement_stats
 from .exec.loader import resolve_model_path
 from .exec.model_runner import ModelRunner
 from .exec.shard import ProcessShards
@@ -364,22 +364,13 @@ class LLMEngine:
     def stats(self) -> dict:
         kv, c, sched = self.kv, self.config, self.scheduler
         return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
+            **placement_stats(self.step_model, sched),  # what placement reads (as the simulator reports it)
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "kv_evicted_blocks": kv.pool.num_evicted,
             "num_preemptions": self.scheduler.num_preemptions,
-            # the step-time model (core/step_model.py): what placement reads
-            "step_s": self.step_model.step_s,
-            "slo_tpot_s": self.step_model.slo_tpot_s,
-            "tpot_margin": self.step_model.margin, "tpot_over": self.step_model.tpot_over,  # step_model.py
-            "prefill_tok_s": self.step_model.prefill_rate(self.scheduler.running),
-            "prefill_chunk": self.step_model.chunk_now(self.scheduler.running),
-            "num_decoding": sum(r.is_decoding for r in self.scheduler.running), "max_num_seqs": sched.max_num_seqs,
+            "num_decoding": sum(r.is_decoding for r in self.scheduler.running),
             "decode_capacity": self.step_model.capacity_table(c.max_model_len, sched.max_num_seqs),
             "tensor_parallel_size": self.tp.size,
             "iteration_tokens": self.iteration_tokens.snapshot(),

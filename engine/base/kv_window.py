@@ -155,6 +155,7 @@ class KVWindow:
             if j not in gone:
                 shifts.setdefault(bs * sum(d < j for d in drop), []).append(blocks[j].block_id)
         kv.req_blocks[req.request_id] = [b for j, b in enumerate(blocks) if j not in gone]
+        kv.req_published.pop(req.request_id, None)  # its blocks moved: published from the first again
         req.kv_shift += n * bs
         return [KVShift(ids, d) for d, ids in shifts.items()]
 

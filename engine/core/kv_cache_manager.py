@@ -41,6 +41,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}
         # chained hashes of each request's full blocks, extended as it grows
         self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_published: dict[str, int] = {}  # per request, its leading blocks cache_blocks has published
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
         self.host = host if enable_caching else None
@@ -136,15 +137,23 @@ class KVCacheManager:
         return blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Publishes the request's blocks that are full and computed."""
+        """Publishes the request's blocks that are full and computed. Each block is looked at once:
+        `req_published` keeps how many of the request's blocks were (a decode step costs one
+        block at most, not a scan of its whole context)."""
         if not self.enable_caching:
             return
-        blocks = self.req_blocks.get(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        start = self.req_published.get(rid, 0)
+        if num_full <= start:
+            return
         hashes = self.block_hashes(request)
-        for i in range(min(num_full, len(hashes))):
+        end = min(num_full, len(hashes))
+        for i in range(start, end):
             if blocks[i].block_hash is None:
                 self.pool.cache_block(blocks[i], hashes[i])
+        self.req_published[rid] = max(start, end)
 
     def rollback(self, request: Request, num_tokens: int) -> None:
         """Keeps the blocks the first `num_tokens` tokens need; frees the rest (the slots of a
@@ -154,11 +163,14 @@ class KVCacheManager:
         if len(blocks) > keep:
             self.pool.free(reversed(blocks[keep:]))
             self.req_blocks[request.request_id] = blocks[:keep]
+            if self.req_published.get(request.request_id, 0) > keep:
+                self.req_published[request.request_id] = keep
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(reversed(blocks))
         self.req_hashes.pop(request.request_id, None)
+        self.req_published.pop(request.request_id, None)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .request import Request
-from .scheduler import StepShape
+from .scheduler import Scheduler, StepShape
 
 PROBE_TOKENS = 256
 MIN_CHUNK = 256  # smaller chunks pay a mixed step's fixed cost for little prefill: bank slack instead
@@ -62,7 +62,8 @@ _SCALE = np.array([1.0, 1.0, 64.0, 1024.0, 262144.0, 4.0 * 2**20, 0.01])  # feat
 
 class StepModel:
     def __init__(self, max_tokens: int, slo_tpot_s: float | None = None, margin: float = 0.85,
-                 graphs: dict[int, float] | None = None):
+                 graphs: dict[int, float] | None = None, window: int = 256):
+        """`window`: the steps of each kind (decode-only, with prefill) the fit keeps."""
         self.max_tokens = max_tokens  # the engine's max_num_batched_tokens
         self.slo_tpot_s = slo_tpot_s
         self.margin = self.base_margin = margin
@@ -73,8 +74,10 @@ class StepModel:
         # runner at start (exec/graphs.py; empty without graphs): the `graph` feature, and the spec
         # off-switch's prior until steps are fitted
         self.graphs = dict(graphs or {})
-        self.decode_steps: collections.deque = collections.deque(maxlen=256)
-        self.mixed_steps: collections.deque = collections.deque(maxlen=256)
+        self.decode_steps: collections.deque = collections.deque(maxlen=window)
+        self.mixed_steps: collections.deque = collections.deque(maxlen=window)
+        self.learning = True  # False: the coefficients stay as they are (a profile's, in the simulator)
+        self.record: list | None = None  # a list: every observed (StepShape, seconds) is appended (a profile)
         self.coef: np.ndarray | None = None  # per feature, in _SCALE units, once 12 steps are seen
         self.prefill_fitted = False  # the fit has seen steps with prefill and a cost per prefill token
         self._since_fit = 0
@@ -119,6 +122,17 @@ class StepModel:
         """The fit in seconds per unit of each feature (empty before it)."""
         return {} if self.coef is None else dict(zip(FEATURES, (self.coef / _SCALE).tolist()))
 
+    def set_coefficients(self, coefficients: dict[str, float]) -> None:
+        """Takes a fit made elsewhere (a profile: pdserve.sim.profile) and stops learning: the
+        chunk, the rate and the capacity answer from it alone."""
+        self.coef = np.array([coefficients.get(k, 0.0) for k in FEATURES]) * _SCALE
+        self.prefill_fitted = bool(self.coef[3] > 0 or self.coef[5] > 0)
+        self.learning = False
+
+    def fit_all(self) -> None:
+        """Fits the steps kept now (every one, with a window as large as them)."""
+        self._fit()
+
     # ---- observing steps ----------------------------------------------------------------------
     @contextmanager
     def timed(self, shape: StepShape | None):
@@ -139,6 +153,8 @@ class StepModel:
             self.observe(shape, wall if wall - (end - t0) < IDLE_GAP_S else end - t0)
 
     def observe(self, step: StepShape, seconds: float) -> None:
+        if self.record is not None:
+            self.record.append((step, seconds))
         shape = (step.rows, step.prefill_tokens, step.kv_tokens, step.attn)
         (self.mixed_steps if shape[1] else self.decode_steps).append((shape, seconds))
         self.step_s = seconds if not self.step_s else 0.9 * self.step_s + 0.1 * seconds
@@ -156,6 +172,8 @@ class StepModel:
         self.last = {"decodes": shape[0], "prefill_tokens": shape[1], "cap": self._cap, "seconds": seconds,
                      "slack": self.slack}
         self._since_fit += 1
+        if not self.learning:
+            return
         seen = len(self.decode_steps) + len(self.mixed_steps)
         if self._since_fit >= 16 or (self.coef is None and seen >= 12) or \
                 (not self.prefill_fitted and len(self.mixed_steps) >= 8):
@@ -336,6 +354,17 @@ class StepModel:
         target, room = self._room(decodes, kv)
         steps = max(0.0, t_mixed - target) / room  # decode-only steps that bank one chunk's slack
         return n / (steps * self.predict(decodes, 0, kv, 0) + t_mixed)
+
+
+def placement_stats(model: StepModel, scheduler: Scheduler) -> dict:
+    """What placement reads of an engine (WorkerStats' fields; cluster/routing.py), from its step
+    model and scheduler: the live engine's stats and the capacity simulator's report the same."""
+    kv = scheduler.kv
+    return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
+            "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
+            "step_s": model.step_s, "slo_tpot_s": model.slo_tpot_s, "tpot_margin": model.margin,
+            "tpot_over": model.tpot_over, "prefill_tok_s": model.prefill_rate(scheduler.running),
+            "prefill_chunk": model.chunk_now(scheduler.running), "max_num_seqs": scheduler.max_num_seqs}
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -6,6 +6,8 @@
     pdserve status [--url http://127.0.0.1:8000]
     pdserve scale --prefill N --decode M [--url http://127.0.0.1:8000]
     pdserve bench [--url ...] [--workload trace|synthetic|shared-prefix] [--rates 1,2,4] ...
+    pdserve profile [--model DIR] --out profile.json      one engine's step costs (capacity planning)
+    pdserve simulate --profile P --system hybrid:1:1 -- BENCH ARGS   a bench sweep predicted
 
 Subcommands import Ray, FastAPI and uvicorn lazily, so `pdserve generate` runs with
 the engine alone.
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
+    from pdserve.sim_cli import add_sim_parsers
+
+    add_sim_parsers(sub)
     from pdserve.admin_cli import add_admin_parsers
 
     add_admin_parsers(sub)

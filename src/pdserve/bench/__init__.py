@@ -120,17 +120,11 @@ def slo_targets(args, server: dict | None) -> tuple[float, float]:
             args.slo_tpot if args.slo_tpot is not None else default["tpot_s"])
 
 
-def run(args) -> dict:
-    from tqdm import tqdm
-
-    from .client import Endpoint, run_load
-    from .report import goodput, summarize
-    from .timeline import phase_stats
+def sweep(args):
+    """The requests, arrival times, rate and description of each rate of the sweep `args` asks
+    for, in order: what the client sends (run) and what the capacity simulator replays."""
     from .workloads import poisson_arrivals
 
-    ep = Endpoint(args.url, args.model, args.api_key, admin_key=args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"))
-    args.slo_ttft, args.slo_tpot = slo_targets(args, ep.slo())
-    runs, desc = [], ""
     for i, rate in enumerate(_rates(args)):
         reqs, desc = _workload(args, salt=args.seed * 1000 + i)
         if args.workload == "trace" and math.isfinite(rate) or math.isnan(rate):
@@ -144,6 +138,20 @@ def run(args) -> dict:
         else:
             arrivals = poisson_arrivals(len(reqs), rate, seed=args.seed)
             rate_value = rate
+        yield reqs, arrivals, rate_value, desc
+
+
+def run(args) -> dict:
+    from tqdm import tqdm
+
+    from .client import Endpoint, run_load
+    from .report import goodput, summarize
+    from .timeline import phase_stats
+
+    ep = Endpoint(args.url, args.model, args.api_key, admin_key=args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"))
+    args.slo_ttft, args.slo_tpot = slo_targets(args, ep.slo())
+    runs, desc = [], ""
+    for reqs, arrivals, rate_value, desc in sweep(args):  # noqa: B007 (the last one is reported)
         before = ep.metrics()
         with tqdm(total=len(reqs), desc=f"{args.label or 'bench'} @ {rate_value:.2f} req/s", unit="req") as bar:
             records, duration = run_load(ep, reqs, arrivals, bar, args.max_concurrency)

@@ -1,0 +1,67 @@
+"""Capacity profiles of the serving runs' model shapes on this GPU (`pdserve profile`), for the
+simulator to predict the committed serving runs from (docs/performance.md, capacity planning).
+
+    python bench/profile_gpu.py --tokenizer TOK --shapes llama3-8b,deepseek-v2-lite --device-name "one H200" \\
+        --out bench/results/profiles
+
+Each shape is served as the serving runs serve it (bench/serving_gpu.py: random bf16 weights,
+max_model_len 8704, 0.85 of the GPU's memory) with the prefill pool's step budget (8192), so
+every chunk size the runs meet is timed. Prints a table of what each profile holds last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from serving_gpu import build_model  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--shapes", default="llama3-8b")
+    ap.add_argument("--device-name", default="one H200")
+    ap.add_argument("--out", default="bench/results/profiles")
+    ap.add_argument("--extra", default="", help="more `pdserve profile` flags, space-separated")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        model = build_model(tempfile.mkdtemp(), args.tokenizer, shape)
+        out = os.path.join(args.out, f"{shape}.json")
+        cmd = [sys.executable, "-m", "pdserve", "profile", "--model", model, "--load-format", "dummy",
+               "--dtype", "bfloat16", "--max-model-len", "8704", "--gpu-memory-utilization", "0.85",
+               "--max-num-batched-tokens", "8192", "--name", shape, "--device-name", args.device_name,
+               "--out", out, *args.extra.split()]
+        t = time.time()
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        print(res.stdout[-2000:], res.stderr[-3000:] if res.returncode else "", flush=True)
+        if res.returncode:
+            rows.append((shape, "failed", "", "", f"{time.time() - t:.0f}"))
+            continue
+        with open(out) as f:
+            p = json.load(f)
+        p["command"] = f"python3 bench/profile_gpu.py --tokenizer TOK --shapes {shape}  # {args.device_name}"
+        with open(out, "w") as f:
+            json.dump(p, f, indent=1)
+        c = p["coefficients"]
+        rows.append((shape, str(p["samples"]), f"{p['fit_error']:.1%}",
+                     f"base {c['base'] * 1e3:.2f} ms, {1 / max(c['per_token'], 1e-12):.0f} tok/s, "
+                     f"{c['per_kv_token'] * 1e9:.1f} ns/ctx tok", f"{time.time() - t:.0f}"))
+    print("\n| shape | steps | fit error | step model | s |\n|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
