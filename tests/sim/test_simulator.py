@@ -23,3 +23,22 @@ def test_hybrid_is_placed_by_the_placer_and_a_flood_misses_the_slo():
     assert low["completed"] == flood["completed"] == 40
     assert low["slo_attainment"] > flood["slo_attainment"]
     assert set(low["routing"]) & {"prefill_pool", "fits_decode_step", "decode_spare"}
+
+
+def test_blocks_regrown_after_a_rollback_are_published_again():
+    from pdserve.engine.core.kv_cache_manager import KVCacheManager
+    from pdserve.engine.core.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+
+    kv = KVCacheManager(16, 4)
+    req = Request("r", list(range(12)), SamplingParams(max_tokens=8))
+    kv.allocate_slots(req, 12)
+    kv.cache_blocks(req, 12)
+    assert kv.req_published["r"] == 3
+    kv.rollback(req, 4)  # keeps one block: the cursor follows
+    assert kv.req_published["r"] == 1
+    req.num_computed_tokens = 4
+    kv.allocate_slots(req, 8)
+    kv.cache_blocks(req, 12)
+    assert kv.req_published["r"] == 3
+    assert kv.gpu_run(kv.block_hashes(req)) == 3  # every full block is in the prefix cache
