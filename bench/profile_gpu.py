@@ -25,14 +25,18 @@ sys.path.insert(0, HERE)
 from serving_gpu import build_model  # noqa: E402
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--shapes", default="llama3-8b")
     ap.add_argument("--device-name", default="one H200")
     ap.add_argument("--out", default="bench/results/profiles")
     ap.add_argument("--extra", default="", help="more `pdserve profile` flags, space-separated")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for shape in args.shapes.split(","):
