@@ -21,7 +21,17 @@ def ray_init_options(local: bool = True) -> dict:
     a worker on another host picks the interface of its own node's address, engine/base/stores.py)."""
     names = ("RAY_AUTH_MODE", "PDSERVE_CACHE", "PDSERVE_TORCH_THREADS", "PDSERVE_SWITCH_INTERVAL")
     env = {k: os.environ[k] for k in names + (("GLOO_SOCKET_IFNAME",) if local else ()) if k in os.environ}
-    return dict(include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    out = dict(include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    if local:  # a Ray this process starts: its settings are ours to give (a joined one has its own)
+        out["_system_config"] = SYSTEM_CONFIG
+    return out
+
+
+# Ray starts its workers at nice 15, below everything else on the host: the serving workers are the
+# host's main work, and at nice 15 a busy neighbour (two CPU-bound processes on 2 cores) left them a
+# few percent of a core, so a restarted registry or a worker's start took minutes. `ray start` of a
+# multi-host cluster gives the same setting as RAY_worker_niceness=0 (configs/*.yaml).
+SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 @contextlib.contextmanager

@@ -74,7 +74,14 @@ class Member:
     stats: WorkerStats = field(default_factory=WorkerStats)
 
 
-@ray.remote(num_cpus=0)
+# The liveness probe's own thread: `ping` never queues behind the registry's other calls, so a
+# registry busy with a backlog (a restart on a loaded host: every worker re-announcing its blocks
+# while the router asks for runs) answers it at once, and only a process that runs nothing (frozen)
+# goes silent. The registry's state is touched by the default group alone (one thread).
+CONCURRENCY_GROUPS = {"probe": 1}
+
+
+@ray.remote(num_cpus=0, concurrency_groups=CONCURRENCY_GROUPS)
 class BlockRegistry:
     """`cluster_id`: the cluster it serves; a worker of another cluster (an actor that outlived
     its own cluster, finding this registry by its name) is refused membership."""
@@ -86,8 +93,10 @@ class BlockRegistry:
         self.holders: dict[str, set[str]] = {}  # hash -> workers (GPU)
         self.host_blocks: dict[str, set[str]] = {}  # worker -> hashes in its host tier
 
+    @ray.method(concurrency_group="probe")
     def ping(self) -> int:
-        """The registry's process id (the cluster's liveness probe; tests kill it by pid)."""
+        """The registry's process id (the cluster's liveness probe, answered on its own thread:
+        CONCURRENCY_GROUPS; tests kill it by pid)."""
         return os.getpid()
 
     # ---- membership ----------------------------------------------------------------------

@@ -18,13 +18,20 @@ from .registry import REGISTRY_NAME, BlockRegistry, PrefixRun
 log = logging.getLogger(__name__)
 
 
+STABLE_S = 30.0  # up this long, a registry's earlier kills are forgotten (RegistryLink.kills)
+
+
 class RegistryLink:
     """The cluster's handle on the registry, for a registry that may die.
 
     Lifecycle: `create()` starts the named actor with unlimited restarts. `runs`
-    answers from it within `call_timeout_s`; a call that fails or times out marks the
-    registry down, and while it is down placement gets no runs at once (consistent hash
-    with bounded load) without asking. The pools' monitor calls `check()` every second. It
+    answers from it within `call_timeout_s`, else with no runs (that placement goes by
+    consistent hash with bounded load): a late answer is a busy registry, not a lost one, and
+    only the probe judges liveness (`slow_calls` counts them). A call that fails (the actor
+    died) marks the registry down, and while it is down placement gets no runs at once without
+    asking. The pools' monitor calls `check()` every second. The registry answers the probe's
+    ping on a thread of its own (registry.CONCURRENCY_GROUPS), so the ping measures whether
+    the process runs, not how long its queue is. It
     keeps one ping in flight and never abandons it for a new one: a registry that answers it,
     however late (a busy host), is up again. One whose name is gone (killed for good) is
     created anew under the same name (the workers look it up again). A ping still unanswered is
@@ -32,14 +39,16 @@ class RegistryLink:
     for `frozen_s` (counted from the later of the ping and the actor's ALIVE) is frozen, and is
     killed so that Ray restarts it; one Ray is still starting (RESTARTING, PENDING_CREATION) is
     not frozen, however slow its start on a busy machine, and is killed only after `start_s`.
-    Each kill in one outage doubles the next allowance (up to 16x). `state()` is what /health
-    reports. (A fresh 2 s ping each second, abandoned on timeout, could take a live registry on a
+    Each kill doubles the next allowance (up to 16x); the count starts again only once the
+    registry has been up for `STABLE_S`, so a registry that answers once after each restart and
+    then goes silent again is not killed at the first allowance every time. `state()` is what
+    /health reports. (A fresh 2 s ping each second, abandoned on timeout, could take a live registry on a
     loaded host for frozen: an answer later than 2 s never counted, and each kill cost a restart.)"""
 
     def __init__(self, namespace: str, call_timeout_s: float = 1.0, frozen_s: float = 10.0,
                  start_s: float = 120.0):
         self.namespace, self.call_timeout_s, self.frozen_s, self.start_s = namespace, call_timeout_s, frozen_s, start_s
-        self.actor_class = BlockRegistry  # the actor `create()` starts
+        self.actor_class = BlockRegistry  # the actor `create()` starts (a subclass declares CONCURRENCY_GROUPS too)
         self.cluster_id = uuid.uuid4().hex[:12]  # every incarnation of the registry serves this cluster
         self.actor = None
         self.down_since: float | None = None  # monotonic time of the first failure of this outage
@@ -48,7 +57,9 @@ class RegistryLink:
         self.recreated = 0  # times the registry was created anew (its name was gone)
         self.waiting_since: float | None = None  # when the wait in the actor's present state began
         self.alive: bool | None = None  # the actor's Ray state at the last probe: ALIVE, or being started
-        self.kills = 0  # kills in this outage: each doubles the next incarnation's allowance
+        self.kills = 0  # kills since the registry was last up for STABLE_S: each doubles the next allowance
+        self.up_since: float | None = None  # when the registry last came up (monotonic)
+        self.slow_calls = 0  # calls answered after their timeout (placed without runs)
         self.closed = False
         self._ping = None  # the probe's ping in flight, and when it was sent (monotonic)
         self._ping_sent = 0.0
@@ -63,7 +74,8 @@ class RegistryLink:
         return self.down_since is None
 
     def state(self) -> dict:
-        out = {"status": "ok" if self.up else "restarting", "outages": self.outages, "recreated": self.recreated}
+        out = {"status": "ok" if self.up else "restarting", "outages": self.outages, "recreated": self.recreated,
+               "slow_calls": self.slow_calls}
         if not self.up:
             out.update(down_s=round(time.monotonic() - self.down_since, 1), reason=self.reason)
         return out
@@ -71,20 +83,26 @@ class RegistryLink:
     def _down(self, why: str) -> None:
         if self.up:
             self.down_since, self.outages = time.monotonic(), self.outages + 1
-            self.waiting_since, self.kills, self.alive = self.down_since, 0, None
+            self.waiting_since, self.alive = self.down_since, None
+            if self.up_since is None or self.down_since - self.up_since >= STABLE_S:
+                self.kills = 0
             log.warning("block registry unavailable (%s): placing without prefix hints until it is back", why)
         self.reason = why
 
     def _up(self) -> None:
         if not self.up:
             log.warning("block registry back after %.1f s", time.monotonic() - self.down_since)
+            self.up_since = time.monotonic()
+        elif self.up_since is None:
+            self.up_since = time.monotonic()
         self.down_since, self.reason = None, None
 
     async def _call(self, ref, timeout: float):
         try:
             return await within(ref, timeout)
         except asyncio.TimeoutError:
-            self._down(f"no answer within {timeout:g} s")
+            self.slow_calls += 1
+            log.debug("block registry: no answer within %g s (busy); placed without its runs", timeout)
         except RayError as e:
             self._down(type(e).__name__)
         return None

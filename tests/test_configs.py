@@ -52,11 +52,13 @@ def test_serving_config_errors_name_the_problem(tmp_path):
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.name in ("aws.yaml", "onprem.yaml")], ids=lambda p: p.name)
 def test_deployments_are_closed(path):
-    """Ray's token auth on every node, nothing on 0.0.0.0, the router started with its keys."""
+    """Ray's token auth on every node, its workers at nice 0 (Ray's 15 starves the serving workers
+    beside any busy process), nothing on 0.0.0.0, the router started with its keys."""
     raw = yaml.safe_load(path.read_text())
     commands = raw["head_start_ray_commands"] + raw["worker_start_ray_commands"]
     assert "0.0.0.0" not in path.read_text() and "RAY_AUTH_MODE=disabled" not in path.read_text()
     assert all("RAY_AUTH_MODE=token" in c for c in commands if "ray start" in c)
+    assert all("RAY_worker_niceness=0" in c for c in commands if "ray start" in c)
     (serve,) = [c for c in commands if "pdserve serve" in c]
     assert ". ~/.pdserve/keys.env" in serve and "--host $(hostname -I" in serve
     assert any("PDSERVE_ADMIN_KEY" in c and "PDSERVE_API_KEY" in c for c in commands)

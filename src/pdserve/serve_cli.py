@@ -112,6 +112,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if signal.getsignal(signal.SIGINT) is not _note:  # called without main(): no signal noted yet
         stop_on_signals()
+    # the checks first: a refusal is one line in a fraction of a second, before torch, Ray and the
+    # router are imported (seconds on a small machine)
+    kwargs = engine_kwargs(args)
+    kwargs.pop("model", None)
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
+    check_listen(args)
+    if args.address is None:  # a local cluster: its workers use this host's directories
+        check_kv_dirs(args)
+    try:  # a bad config file or value: one line in the config's own words, before anything starts
+        config = serving_config(args)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
     from pdserve.cluster import Cluster
     from pdserve.cluster.local_ray import RayStartError
     from pdserve.router.app import build_app
@@ -128,17 +142,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     admin_key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
-    kwargs = engine_kwargs(args)
-    kwargs.pop("model", None)
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        raise CliError("--enable-auto-tool-choice and --tool-call-parser NAME go together (tool_choice auto)")
-    check_listen(args)
-    if args.address is None:  # a local cluster: its workers use this host's directories
-        check_kv_dirs(args)
-    try:  # a bad config file or value: one line in the config's own words, before anything starts
-        config = serving_config(args)
-    except ValueError as e:
-        raise CliError(str(e)) from None
     t0 = time.monotonic()
 
     def progress(message: str) -> None:

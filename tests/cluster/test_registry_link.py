@@ -11,7 +11,7 @@ import uuid
 import pytest
 import ray
 
-from pdserve.cluster.registry import BlockRegistry
+from pdserve.cluster.registry import CONCURRENCY_GROUPS, BlockRegistry
 from pdserve.cluster.registry_link import RegistryLink
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
@@ -24,7 +24,7 @@ def _slow_marker(namespace: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"{namespace}.slow")
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups=CONCURRENCY_GROUPS)
 class SlowStartRegistry(BlockRegistry.__ray_actor_class__):
     """The block registry, whose process takes START_S to start while its namespace's marker file
     exists (as a restart does on a loaded machine: a fresh Python process importing torch and Ray)."""
@@ -85,3 +85,43 @@ def test_a_registry_alive_and_silent_is_killed_and_restarted(link):
     _probe_until(link, lambda: link.up, 60)
     assert link.kills == 1
     assert ray.get(link.actor.ping.remote(), timeout=30) != pid
+
+
+BUSY_S = 1.5
+
+
+@ray.remote(num_cpus=0, concurrency_groups=CONCURRENCY_GROUPS)
+class BusyRegistry(BlockRegistry.__ray_actor_class__):
+    """The block registry, each of whose `runs` calls takes BUSY_S (a backlog on a loaded host)."""
+
+    def runs(self, hashes):
+        time.sleep(BUSY_S)
+        return super().runs(hashes)
+
+
+def test_a_registry_busy_with_a_backlog_answers_the_probe_and_is_not_killed():
+    """Six `runs` calls queued on the registry (9 s of work) against a 0.5 s `frozen_s`: the probe's
+    ping is answered on the registry's own probe thread, so nothing is killed, the registry stays
+    up, the router's late calls place without runs (`slow_calls`), and the queue is served by the
+    same process. (Before, the ping waited behind the queue: the registry was killed as frozen,
+    and each restart, busiest of all, was killed again.)"""
+    link = RegistryLink(f"registry-link-{uuid.uuid4().hex[:8]}", call_timeout_s=0.2, frozen_s=0.5, start_s=60.0)
+    link.actor_class = BusyRegistry
+    link.create()
+    try:
+        pid = ray.get(link.actor.ping.remote(), timeout=60)
+        queued = [link.actor.runs.remote(["a"]) for _ in range(5)]
+
+        async def run():
+            assert await link.runs(["a"]) == {}  # late: placed without runs, not taken for a lost registry
+            deadline = time.monotonic() + 4 * BUSY_S
+            while time.monotonic() < deadline:
+                await link.check()
+                assert link.up, link.state()
+                await asyncio.sleep(0.2)
+        asyncio.run(run())
+        assert link.kills == 0 and link.outages == 0 and link.slow_calls == 1
+        assert ray.get(queued, timeout=60) == [{}] * 5
+        assert ray.get(link.actor.ping.remote(), timeout=30) == pid
+    finally:
+        link.kill()
