@@ -48,7 +48,7 @@ from .attempt import Attempt
 from .output_pipe import OutputPipe
 from .placement import LocalRules, Placer
 from .pools import Pools
-from .records import WorkerRecord
+from .records import DecodeCall, WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -232,13 +232,14 @@ class Dispatcher:
 
     async def _relay(self, a: Attempt, d: WorkerRecord, p: WorkerRecord | None) -> None:
         """Passes the worker's outputs to the attempt's sink until the last output."""
-        args = (a.wire_id, a.request, *((p.worker_id, p.tp) if p is not None else (None, 1, a.fetch)))
+        call = DecodeCall(a.wire_id, a.request, p.worker_id, p.tp) if p is not None else \
+            DecodeCall(a.wire_id, a.request, fetch=a.fetch)
         how = "pipe" if self.pipe is not None and self.pipe.connected(d.worker_id) else "ray"
         self.counters["outputs"][how] += 1
         if how == "pipe":
-            outputs = self.pipe.outputs(a.wire_id, d.worker_id, lambda: d.actor.generate_piped.remote(*args))
+            outputs = self.pipe.outputs(a.wire_id, d.worker_id, lambda: d.actor.generate_piped.remote(call))
         else:
-            outputs = _outputs(d.actor.generate.options(num_returns="streaming").remote(*args))
+            outputs = _outputs(d.actor.generate.options(num_returns="streaming").remote(call))
         try:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:

@@ -201,7 +201,7 @@ class Pools(PoolMonitor, PoolView):
         self.workers[wid] = w
         self.start_s = 0.7 * self.start_s + 0.3 * (time.monotonic() - t0)
         log.info("worker %s started", wid)
-        parts = ", ".join(f"{k[:-2].replace('_', '-')} {v:.1f} s" for k, v in info.startup.items())
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in info.startup.parts()) if info.startup else ""
         self.progress(f"{role} worker {wid} ready ({time.monotonic() - t0:.1f} s{': ' + parts if parts else ''})")
         tier = info.kv_persist_status
         if tier and ("refused" in tier or not tier.startswith("restored")):  # in the server's own log too

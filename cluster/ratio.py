@@ -62,20 +62,6 @@ class RatioLoad:
                 f"{self.decoding:.1f} decoding at {self.decode_seqs:.0f} a worker")
 
 
-def interpolate(table: dict, ctx: float) -> float | None:
-    """A worker's `decode_capacity` table (context -> sequences) at `ctx`, linear between its
-    points (JSON keys are strings), clamped at its ends; None when empty."""
-    pts = sorted((int(k), v) for k, v in (table or {}).items())
-    if not pts:
-        return None
-    if ctx <= pts[0][0]:
-        return float(pts[0][1])
-    for (c0, v0), (c1, v1) in zip(pts, pts[1:]):
-        if ctx <= c1:
-            return v0 + (v1 - v0) * (ctx - c0) / (c1 - c0)
-    return float(pts[-1][1])
-
-
 def _median(xs: list[float]) -> float | None:
     xs = sorted(x for x in xs if x)
     return xs[len(xs) // 2] if xs else None
@@ -112,7 +98,7 @@ class RatioPlanner(RequestObserver):
         whole = sum(p + o for _, p, o, _ in reqs) / len(reqs)
         seqs = []
         for s in decode_stats:
-            at_target = interpolate(s.decode_capacity, ctx) or s.max_num_seqs
+            at_target = s.decode_capacity.at(ctx) or s.max_num_seqs
             kv = (s.kv_blocks_total or 0) * s.block_size / max(whole, 1.0)
             seqs.append(min(at_target or kv, kv) if kv else at_target)
         cap = _median(seqs)

@@ -17,8 +17,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from pdserve.engine.core.decode_capacity import DecodeCapacity
+
 if TYPE_CHECKING:
+    from pdserve.engine.exec.model_runner import StartupTimes
+    from pdserve.engine.validation import ValidRequest
     from pdserve.transfer.base import WireLayout
+    from pdserve.transfer.fetch import FetchPlan
 
 
 class BlockChange(enum.Enum):
@@ -55,7 +60,7 @@ class WorkerInfo:
     capacity_blocks: int = 0
     layout: WireLayout | None = None
     kv_persist_status: str | None = None
-    startup: dict = field(default_factory=dict)
+    startup: StartupTimes | None = None
     persist_slot: str | None = None
 
     def same_node(self, other: WorkerInfo) -> bool:
@@ -82,7 +87,7 @@ class WorkerStats:
     prefill_tok_s: float | None = None
     prefill_chunk: int = 0
     tpot_over: bool = False
-    decode_capacity: dict = field(default_factory=dict)
+    decode_capacity: DecodeCapacity = field(default_factory=DecodeCapacity)
     block_size: int = 16
     inflight: int = 0
     held_for_handoff: int = 0
@@ -107,10 +112,29 @@ class WorkerStats:
         if not self.reported:
             return {}
         out = {k: getattr(self, k) for k in _FIELDS if k != "block_size"}  # cache_config has it
+        out["decode_capacity"] = dict(self.decode_capacity.points)  # context -> sequences
         return {**out, **self.more}
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(WorkerStats) if f.name not in ("more", "reported"))
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One attempt as the dispatcher hands it to its decode worker (`WorkerActor.generate` and
+    `generate_piped`): the attempt's wire id and request, and where the prompt's KV comes from.
+    With `prefill_id` (a prefill worker of tensor-parallel size `prefill_tp`) the KV and the first
+    token come from that worker; without, the decode worker prefills the prompt itself, copying
+    the cached prefix blocks `fetch` names from a peer first (None: nothing to fetch)."""
+    request_id: str
+    request: ValidRequest
+    prefill_id: str | None = None
+    prefill_tp: int = 1
+    fetch: FetchPlan | None = None
+
+    def __post_init__(self):
+        if self.prefill_id is not None and self.fetch is not None:
+            raise ValueError(f"{self.request_id}: a prompt prefilled on {self.prefill_id} fetches nothing here")
 
 
 @dataclass(frozen=True)

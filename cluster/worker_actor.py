@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import sys
@@ -54,7 +55,7 @@ from .gpus import see_node_gpus
 from .outlets import Outlets
 from .output_pipe import PipeAddress, PipeSender
 from .peer_calls import PeerCalls
-from .records import WorkerInfo, WorkerRefused, WorkerStats
+from .records import DecodeCall, WorkerInfo, WorkerRefused, WorkerStats
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RankPlacement, RayShards
@@ -156,7 +157,7 @@ class WorkerActor(EngineLoop):
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.role_name, self.connector.address, self.epoch, self.tp, ray.util.get_node_ip_address(),
                           ray.get_runtime_context().get_node_id(), self.engine.kv.num_blocks, self.connector.layout,
-                          self.engine.persist_status, dict(self.engine.runner.startup))
+                          self.engine.persist_status, dataclasses.replace(self.engine.runner.startup))
 
     async def stop(self) -> None:
         self.stopped = True
@@ -222,38 +223,34 @@ class WorkerActor(EngineLoop):
         self.role.target(request_id, target)
         self.wake.set()
 
-    async def generate(self, request_id: str, request: ValidRequest, prefill_id: str | None = None,
-                       prefill_tp: int = 1, fetch: FetchPlan | None = None):
-        """Decode role: a stream of delta outputs. With `prefill_id` (of tensor-parallel
-        size `prefill_tp`) the KV and the first token come from that prefill worker;
-        without, the prompt is prefilled here."""
+    async def generate(self, call: DecodeCall):
+        """Decode role: a stream of delta outputs of `call` (records.DecodeCall: its KV from a
+        prefill worker, or its prompt prefilled here)."""
         self._check_alive()
-        q = self.outlets.open_stream(request_id)
+        q = self.outlets.open_stream(call.request_id)
         try:
-            if not await self._decode(request_id, request, prefill_id, prefill_tp, fetch):
+            if not await self._decode(call):
                 return  # aborted before it started: the stream just ends, as after an abort
             async for out in self.outlets.stream(q):
                 yield out
         finally:
-            self.outlets.streams.pop(request_id, None)
+            self.outlets.streams.pop(call.request_id, None)
 
-    async def generate_piped(self, request_id: str, request: ValidRequest, prefill_id: str | None = None,
-                             prefill_tp: int = 1, fetch: FetchPlan | None = None) -> bool:
+    async def generate_piped(self, call: DecodeCall) -> bool:
         """generate() with its outputs over the output pipe: True once the last is on it, False
         if the request was aborted here; raises the request's error (ConnectionError: no pipe)."""
         self._check_alive()
-        fut = self.outlets.open_piped(request_id)
-        started = await self._decode(request_id, request, prefill_id, prefill_tp, fetch)
-        return await self.outlets.piped_end(request_id, fut if started else None)
+        fut = self.outlets.open_piped(call.request_id)
+        started = await self._decode(call)
+        return await self.outlets.piped_end(call.request_id, fut if started else None)
 
-    async def _decode(self, request_id: str, request: ValidRequest, prefill_id: str | None, prefill_tp: int,
-                      fetch: FetchPlan | None) -> bool:
+    async def _decode(self, call: DecodeCall) -> bool:
         """Posts the request to the engine thread; False if it was aborted before it could start."""
-        if prefill_id is not None:
-            self.connector.peer_tp[prefill_id] = prefill_tp
-        if not await self._admitted(request_id, request.params):
+        if call.prefill_id is not None:
+            self.connector.peer_tp[call.prefill_id] = call.prefill_tp
+        if not await self._admitted(call.request_id, call.request.params):
             return False
-        self._post(Add(request_id, request, prefill_id, fetch))
+        self._post(Add(call.request_id, call.request, call.prefill_id, call.fetch))
         return True
 
     async def _admitted(self, request_id: str, params: SamplingParams) -> bool:

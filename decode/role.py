@@ -35,7 +35,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Event, Reserved, Role
 from pdserve.engine.validation import ValidRequest
-from pdserve.transfer.base import Abort, HandoffMeta, KVConnector, TransferState
+from pdserve.transfer.base import Abort, KVConnector, TransferState
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
 from pdserve.transfer.probe import PROBE_S, SCAN_S, STALL_S, Prober
 
@@ -139,7 +139,7 @@ class DecodeRole(Role):
                 req.status = RequestStatus.FINISHED_ERROR
                 events.append(Emitted(RequestOutput.error(req.request_id, f"KV handoff failed: {h.error}")))
                 continue
-            meta = HandoffMeta.from_wire(h.meta)
+            meta = h.meta
             req.append_token(meta.first_token)
             if meta.first_logprobs is not None:
                 req.output_logprobs.append(meta.first_logprobs)

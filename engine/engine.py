@@ -60,7 +60,8 @@ class LLMEngine:
             self.tp.connect(config.torch_device, custom_all_reduce=not config.disable_custom_all_reduce)
         tp_s = time.perf_counter() - t0
         self.runner = ModelRunner(config, load_format, self.tp)
-        self.runner.startup = {**({"tensor_parallel_s": tp_s} if self.shards else {}), **self.runner.startup}
+        if self.shards:
+            self.runner.startup.tensor_parallel_s = tp_s
         self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, host=host)

@@ -209,7 +209,7 @@ class PrefillRole(Role):
         blocks = self.engine.kv.prompt_blocks_after(req, p.target.num_skip)
         try:
             self.connector.start_send(p.target, request_id, blocks, self.handoff_timeout_s, p.ready,
-                                      meta.to_wire())
+                                      meta)
         except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: reported like a failed handoff
             self.pending.pop(request_id, None)
             self.engine.release(request_id)

@@ -105,11 +105,12 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
     from pdserve.engine.core.request import Request
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.transfer import HandoffTarget
+    from pdserve.transfer.base import HandoffMeta
     from pdserve.transfer.c10d import C10dConnector
 
-    def send(peer, address, rid, block_ids, channel, timeout=None, heads=None):  # meta: names the request
+    def send(peer, address, rid, block_ids, channel, timeout=None, heads=None):  # meta: a span names the request
         return conn.start_send(HandoffTarget(peer, address, channel, 0), rid, block_ids, timeout,
-                               meta={"first_token": len(block_ids), "rid": rid}, heads=heads)
+                               meta=HandoffMeta(len(block_ids), {rid: 0.0}), heads=heads)
 
     def recv(peer, _address, rid, block_ids, channel, timeout=None, wait_s=None):
         return conn.start_recv(peer, rid, block_ids, channel, timeout, wait_s=wait_s)

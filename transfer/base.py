@@ -103,9 +103,9 @@ class Handoff:
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     nbytes: int = 0
-    # sender: the payload to deliver with the KV; receiver: what arrived (set when DONE); JSON
-    # (a PD handoff's is HandoffMeta.to_wire())
-    meta: dict | None = None
+    # sender: what rides with the KV (None: nothing, as for a peer fetch); receiver: what arrived
+    # (set when DONE). The pair's order carries it as JSON (HandoffMeta.to_wire / from_wire)
+    meta: HandoffMeta | None = None
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
     _ready: object = field(default=None, repr=False)  # CUDA event: no step before it touches the blocks any more
     # when the pair's thread took it up and when all its messages were posted (monotonic)
@@ -323,7 +323,7 @@ class KVConnector(ABC):
 
     @abstractmethod
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
-                   timeout_s: float | None = None, ready=None, meta: dict | None = None,
+                   timeout_s: float | None = None, ready=None, meta: HandoffMeta | None = None,
                    heads: tuple[int, int] | None = None) -> Handoff:
         """Sends `block_ids` (the request's blocks after target.num_skip) and `meta` to the
         target. `ready`: a CUDA event recorded after the step that wrote the blocks

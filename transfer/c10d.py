@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from pdserve.engine.base.stores import BoundStore
 
-from .base import Abort, Channel, Handoff, HandoffTarget, PairConnector, StagingPool, WireLayout
+from .base import Abort, Channel, Handoff, HandoffMeta, HandoffTarget, PairConnector, StagingPool, WireLayout
 from .pair import Pair
 from .probe import PROBE_S, STALL_S, answers
 from .wire import td
@@ -144,7 +144,7 @@ class C10dConnector(PairConnector):
 
     # ---- the interface -------------------------------------------------------------------------
     def _start(self, is_sender: bool, peer: str, peer_address: str, request_id: str, block_ids: list[int],
-               channel: Channel, timeout_s: float | None, ready=None, meta: dict | None = None,
+               channel: Channel, timeout_s: float | None, ready=None, meta: HandoffMeta | None = None,
                heads=None, wait_s: float | None = None) -> Handoff:
         h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s,
                     meta=meta, heads=None if heads is None else tuple(heads), wait_s=wait_s)
@@ -170,7 +170,8 @@ class C10dConnector(PairConnector):
         return h
 
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
-                   timeout_s: float | None = None, ready=None, meta: dict | None = None, heads=None) -> Handoff:
+                   timeout_s: float | None = None, ready=None, meta: HandoffMeta | None = None,
+                   heads=None) -> Handoff:
         return self._start(True, target.peer, target.address, request_id, block_ids, target.channel, timeout_s,
                            ready, meta, heads)
 

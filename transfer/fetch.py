@@ -193,7 +193,7 @@ class PeerFetches:
             blocks = kv.pin_run([bytes.fromhex(h) for h in hashes])
             if len(blocks) < len(hashes):
                 raise LookupError(f"{len(blocks)} of {len(hashes)} blocks cached")
-            self.connector.start_send(target, fetch_id, [b.block_id for b in blocks], self.timeout_s, meta={})
+            self.connector.start_send(target, fetch_id, [b.block_id for b in blocks], self.timeout_s)
         except Exception as e:  # noqa: BLE001 - refused (never raised into the driver): the receiver recomputes
             log.info("%s: fetch %s refused: %s", self.connector.name, fetch_id, e)
             kv.unpin(blocks)

@@ -13,6 +13,7 @@ from .base import (
     Abort,
     Channel,
     Handoff,
+    HandoffMeta,
     HandoffTarget,
     LayoutMismatch,
     PairConnector,
@@ -43,7 +44,8 @@ class LoopbackConnector(PairConnector):
         return Channel(0)
 
     def _start(self, is_sender: bool, peer: str, request_id: str, block_ids: list[int], channel: Channel,
-               timeout_s: float | None, meta: dict | None = None, heads=None, wait_s: float | None = None) -> Handoff:
+               timeout_s: float | None, meta: HandoffMeta | None = None, heads=None,
+               wait_s: float | None = None) -> Handoff:
         h = Handoff(request_id, peer, list(block_ids), channel, is_sender, timeout_s or self.default_timeout_s,
                     meta=meta, heads=heads, wait_s=wait_s)
         self._handoffs[request_id] = h
@@ -79,7 +81,8 @@ class LoopbackConnector(PairConnector):
         return h
 
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
-                   timeout_s: float | None = None, ready=None, meta: dict | None = None, heads=None) -> Handoff:
+                   timeout_s: float | None = None, ready=None, meta: HandoffMeta | None = None,
+                   heads=None) -> Handoff:
         return self._start(True, target.peer, request_id, block_ids, target.channel, timeout_s, meta, heads)
 
     def start_recv(self, peer: str, request_id: str, block_ids: list[int], channel: Channel,

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .base import Handoff, StagingPool, TransferState, WireLayout
+from .base import Handoff, HandoffMeta, StagingPool, TransferState, WireLayout
 from .pull import PullLink, accept, offer, post, take
 from .wire import C10dLink, td, width
 
@@ -213,7 +213,8 @@ class Pair:
     def _send(self, h: Handoff) -> None:
         k = self.next_seq
         self.next_seq += 1
-        order = {"rid": h.request_id, "nblocks": len(h.block_ids), "meta": h.meta, "heads": h.heads}
+        order = {"rid": h.request_id, "nblocks": len(h.block_ids), "heads": h.heads,
+                 "meta": None if h.meta is None else h.meta.to_wire()}
         if h.block_ids and self.link is None:
             self._connect(h.deadline)
         h.link = self.link.name if h.block_ids else None
@@ -278,7 +279,7 @@ class Pair:
         if width(order.get("heads")) != width(h.heads):
             raise ValueError(f"handoff {h.request_id}: the sender sends KV heads {order.get('heads')}, "
                              f"this rank expects {h.heads}")
-        h.meta = order["meta"]
+        h.meta = None if order["meta"] is None else HandoffMeta.from_wire(order["meta"])
         h.link = self.link.name if order["nblocks"] else None
         if order.get("src") is not None:
             self.link.receive(ps, h, k, order, self.peer)

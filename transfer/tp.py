@@ -27,7 +27,17 @@ from dataclasses import dataclass
 
 from pdserve.engine.base.tp import kv_head_range
 
-from .base import Abort, Channel, Handoff, HandoffTarget, KVConnector, PairConnector, RankTarget, TransferState
+from .base import (
+    Abort,
+    Channel,
+    Handoff,
+    HandoffMeta,
+    HandoffTarget,
+    KVConnector,
+    PairConnector,
+    RankTarget,
+    TransferState,
+)
 
 
 @dataclass(frozen=True)
@@ -90,7 +100,7 @@ class SendPart:
     heads: tuple[int, int] | None
     timeout_s: float | None
     target: HandoffTarget
-    meta: dict | None = None
+    meta: HandoffMeta | None = None
     ready: object = None
 
     def start(self, conn: PairConnector) -> Handoff:
@@ -200,7 +210,7 @@ class TPConnector(KVConnector):
 
     # ---- sender ------------------------------------------------------------------------------------
     def start_send(self, target: HandoffTarget, request_id: str, block_ids: list[int],
-                   timeout_s: float | None = None, ready=None, meta: dict | None = None,
+                   timeout_s: float | None = None, ready=None, meta: HandoffMeta | None = None,
                    heads=None) -> Handoff:
         ranks = target.ranks or (RankTarget(target.peer, target.address),)
         rs = routes(self.kv_heads, self.size, len(ranks))

@@ -16,16 +16,28 @@ import torch.distributed as dist
 
 
 class BoundStore:
-    """A master TCPStore listening on `host` only; `store` is the c10d object, `port` its port."""
+    """A master TCPStore listening on `host` only; `store` is the c10d object, `port` its port.
+
+    The listening socket's descriptor (`fd`) is the store's once it is made: c10d closes it when
+    the store goes, and nothing here closes it again. (Python's socket object also closed it when
+    it was collected: a second close of a number that another socket of the process may hold by
+    then, which broke that socket: a store of the same process failing with EEXIST, or its peers
+    timing out on connect.)"""
 
     def __init__(self, host: str, timeout_s: float, world_size: int | None = None):
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(512)
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self.store = dist.TCPStore(host, self.port, world_size=world_size, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s), master_listen_fd=self._sock.fileno())
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            sock.listen(512)
+            self.host, self.port, self.fd = host, sock.getsockname()[1], sock.fileno()
+            self.store = dist.TCPStore(host, self.port, world_size=world_size, is_master=True,
+                                       wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                                       master_listen_fd=self.fd)
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store owns the descriptor now
 
     @property
     def address(self) -> str:

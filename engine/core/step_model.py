@@ -42,6 +42,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from .decode_capacity import DecodeCapacity
 from .request import Request
 from .scheduler import Scheduler, StepShape
 
@@ -330,12 +331,12 @@ class StepModel:
                 hi = mid - 1
         return lo
 
-    def capacity_table(self, max_model_len: int, max_seqs: int) -> dict[int, int]:
+    def capacity_table(self, max_model_len: int, max_seqs: int) -> DecodeCapacity:
         """decode_capacity() at contexts of 512, 2048, 8192 tokens and max_model_len (the engine's
         stats; the planner interpolates at its workload's mean). Empty before the fit."""
         ctxs = sorted({c for c in (512, 2048, 8192) if c < max_model_len} | {max_model_len})
         table = {c: self.decode_capacity(c, max_seqs) for c in ctxs}
-        return {} if None in table.values() else table
+        return DecodeCapacity() if None in table.values() else DecodeCapacity.of(table)
 
     def rate_at(self, decodes: int, kv: int) -> float | None:
         """Prefill tokens per second this engine offers. While it decodes: one chunk of

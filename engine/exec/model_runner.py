@@ -25,6 +25,7 @@ shard's runner receives them and runs the same `forward` (shard.py). Only rank 0
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
@@ -49,6 +50,23 @@ from .step_inputs import FlatBatch, StepInputs, StepPath
 from .step_result import StepResult
 
 
+@dataclasses.dataclass
+class StartupTimes:
+    """What each part of an engine's start took, in seconds (None: that part did not run): the
+    tensor-parallel ranks and their groups, the weights, the CUDA graphs, the kernels' warm-up and
+    the step-cost calibration. A worker's registration carries it (cluster/records.WorkerInfo)."""
+    tensor_parallel_s: float | None = None
+    load_s: float | None = None
+    graphs_s: float | None = None
+    warm_up_s: float | None = None
+    calibrate_s: float | None = None
+
+    def parts(self) -> list[tuple[str, float]]:
+        """(part, seconds) of the parts that ran, in the order they run: ("warm-up", 1.2), ..."""
+        return [(f.name[:-2].replace("_", "-"), v) for f in dataclasses.fields(self)
+                if (v := getattr(self, f.name)) is not None]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None):
         self.config = config
@@ -66,7 +84,7 @@ class ModelRunner:
         self.planner = AttentionPlanner.of_model(self.model, config.attention_tuning, config.use_triton,
                                                  scoring=KVWindow.of(config) is not None and KVWindow.of(config).scores)
         self.step_scores: torch.Tensor | None = None  # the last forward's attention mass per block (scoring)
-        self.startup = {"load_s": time.perf_counter() - t0}  # what each part of the start took (seconds)
+        self.startup = StartupTimes(load_s=time.perf_counter() - t0)
         # every rank holds the same block ids: the count the fullest GPU allows
         graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
                   and self.model.attention(0).capturable)
@@ -85,11 +103,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         if graphs:
             self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks, self.planner)
-            self.startup["graphs_s"] = time.perf_counter() - t0
+            self.startup.graphs_s = time.perf_counter() - t0
         if self.device.type == "cuda" and config.use_triton:
             t0 = time.perf_counter()
             self.warm_up()
-            self.startup["warm_up_s"] = time.perf_counter() - t0
+            self.startup.warm_up_s = time.perf_counter() - t0
 
     def close(self) -> None:
         """After the last step, a tensor-parallel rank's graphs and groups: the graphs are
@@ -165,7 +183,7 @@ class ModelRunner:
             self.forward(inp)
             self._sync()
             out.append((StepShape.of(batch), time.perf_counter() - t0))
-        self.startup["calibrate_s"] = time.perf_counter() - t_start
+        self.startup.calibrate_s = time.perf_counter() - t_start
         return out
 
     def _sync(self) -> None:

@@ -23,6 +23,7 @@ import ray
 
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.cluster.records import DecodeCall
 from pdserve.router.app import build_app
 
 from helpers import Server
@@ -60,10 +61,10 @@ def test_an_abort_that_comes_before_its_request_keeps_it_from_starting(tiny_mode
             ray.get((p if rid == "early-p" else d).abort.remote(rid))
         with pytest.raises(ray.exceptions.RayTaskError, match="request early-p aborted"):
             ray.get(p.prefill.remote("early-p", request, workers["decode"].worker_id), timeout=30)
-        stream = d.generate.options(num_returns="streaming").remote("early-d", request)
+        stream = d.generate.options(num_returns="streaming").remote(DecodeCall("early-d", request))
         assert [ray.get(ref) for ref in stream] == []
         if c.pipe is not None and c.pipe.connected(workers["decode"].worker_id):
-            assert ray.get(d.generate_piped.remote("early-pipe", request), timeout=30) is False
+            assert ray.get(d.generate_piped.remote(DecodeCall("early-pipe", request)), timeout=30) is False
         assert wait_quiet(c, 10) == {}
         out = c.generate([request.prompt_token_ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
         assert out.outputs[0].finish_reason == "length"

@@ -14,7 +14,7 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.records import WorkerRecord
+from pdserve.cluster.records import DecodeCall, WorkerRecord
 from pdserve.cluster.serving_config import HandoffConfig
 from pdserve.cluster.worker_actor import WorkerActor
 from pdserve.router.app import build_app
@@ -58,7 +58,7 @@ def test_a_worker_whose_engine_thread_died_refuses_calls_and_is_replaced(tiny_mo
         with pytest.raises(ray.exceptions.RayTaskError, match="sick-0 cannot serve: engine thread died"):
             ray.get(sick.stats.remote())
         with pytest.raises(ray.exceptions.RayTaskError, match="cannot serve"):  # an answer (a hang: GetTimeoutError)
-            ray.get(next(sick.generate.remote("r", c.validate([1, 2, 3], GREEDY))), timeout=120)
+            ray.get(next(sick.generate.remote(DecodeCall("r", c.validate([1, 2, 3], GREEDY)))), timeout=120)
         async def join():  # as if the pools had started it: the monitor must see it cannot serve
             c.pools.workers["sick-0"] = WorkerRecord("sick-0", "decode", sick)
 

@@ -19,7 +19,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.cluster.engine_specs import EngineSpecs
 from pdserve.cluster.pools import Pools
-from pdserve.cluster.records import WorkerRecord, WorkerStats
+from pdserve.cluster.records import DecodeCall, WorkerRecord, WorkerStats
 from pdserve.cluster.routing import Candidate, place_prompt
 from pdserve.cluster.serving_config import ServingConfig
 from pdserve.engine.config import EngineConfig
@@ -215,7 +215,7 @@ def test_a_switch_that_finds_a_late_request_waits_for_it(hybrid):
     w = next(w for w in hybrid.workers.values() if w.role == "decode")
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     req = hybrid.validate(hybrid.tokenizer.encode(PROMPTS[0]), sp)
-    stream = w.actor.generate.options(num_returns="streaming").remote("late-1", req)
+    stream = w.actor.generate.options(num_returns="streaming").remote(DecodeCall("late-1", req))
     outs = [ray.get(next(stream))]  # it runs on the engine thread now
     switched = w.actor.switch_role.remote("decode", hybrid.pools.spec("decode"))
     outs += [ray.get(ref) for ref in stream]

@@ -11,9 +11,10 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.ratio import LOOK_S, RatioLoad, RatioPlanner, interpolate
+from pdserve.cluster.ratio import LOOK_S, RatioLoad, RatioPlanner
 from pdserve.cluster.records import WorkerStats
 from pdserve.cluster.serving_config import ServingConfig
+from pdserve.engine.core.decode_capacity import DecodeCapacity
 from pdserve.engine.core.scheduler import StepShape
 from pdserve.engine.core.step_model import StepModel
 
@@ -23,7 +24,8 @@ PREFILL = WorkerStats.of({"prefill_tok_s": 10000.0})
 
 
 def decode_stats(at_target=None, blocks=100000):
-    return WorkerStats.of({"decode_capacity": at_target or {}, "max_num_seqs": 256, "kv_blocks_total": blocks,
+    return WorkerStats.of({"decode_capacity": DecodeCapacity.of(at_target or {}), "max_num_seqs": 256,
+                           "kv_blocks_total": blocks,
                            "cache_config": {"block_size": 16}})
 
 
@@ -44,17 +46,17 @@ def test_the_split_follows_the_load():
 
 
 def test_decode_capacity_is_read_at_the_workloads_context_and_bounded_by_kv():
-    assert interpolate({"512": 128, "2048": 64, "8192": 16}, 1280) == pytest.approx(96.0)
-    assert interpolate({"512": 128, "8192": 16}, 100) == 128 and interpolate({"512": 128}, 9000) == 128
-    assert interpolate({}, 1000) is None
+    assert DecodeCapacity.of({512: 128, 2048: 64, 8192: 16}).at(1280) == pytest.approx(96.0)
+    assert DecodeCapacity.of({512: 128, 8192: 16}).at(100) == 128 and DecodeCapacity.of({512: 128}).at(9000) == 128
+    assert DecodeCapacity().at(1000) is None
     p = RatioPlanner(window_s=30, cooldown_s=0)
     now = time.monotonic()
     window(p, now, 40, 1000, 200, 4.0)  # 2 req/s, each decoding 4 s: 8 at once
-    load = p.measure([PREFILL], [decode_stats({"512": 128, "2048": 64})], now)
+    load = p.measure([PREFILL], [decode_stats({512: 128, 2048: 64})], now)
     assert load.prefill_tok_s == pytest.approx(2000.0) and load.decoding == pytest.approx(8.0)
     assert load.decode_seqs == pytest.approx(128 - 64 * (1100 - 512) / 1536)  # at 1000 + 200 / 2 tokens
     # a worker whose KV holds 1200 x 20 tokens: 20 sequences, whatever its step model says
-    assert p.measure([PREFILL], [decode_stats({"512": 128}, blocks=1500)], now).decode_seqs == pytest.approx(20)
+    assert p.measure([PREFILL], [decode_stats({512: 128}, blocks=1500)], now).decode_seqs == pytest.approx(20)
     # no step-model capacity yet: max_num_seqs, within the KV
     assert p.measure([PREFILL], [decode_stats()], now).decode_seqs == 256
     assert p.measure([WorkerStats.of({"prefill_tok_s": None})], [decode_stats()], now) is None  # no rate measured yet
@@ -96,8 +98,8 @@ def test_the_step_model_says_how_many_decodes_fit_the_target():
     # 0.010 + b x (0.0002 + 0.0009) <= 0.040: b <= 27 at 900 tokens of context
     assert m.decode_capacity(900, 256) == 27
     assert m.decode_capacity(900, 16) == 16  # max_num_seqs bounds it
-    assert m.capacity_table(4096, 256) == {512: 42, 2048: 13, 4096: 6}
-    assert StepModel(2048).capacity_table(4096, 256) == {}  # no target: nothing to fit
+    assert m.capacity_table(4096, 256) == DecodeCapacity(((512, 42), (2048, 13), (4096, 6)))
+    assert StepModel(2048).capacity_table(4096, 256) == DecodeCapacity()  # no target: nothing to fit
 
 
 # ---- a real cluster -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.cluster.records import DecodeCall
 
 from helpers import PROMPTS, role_of
 
@@ -121,7 +122,7 @@ def test_a_tp2_worker_fetches_a_prefix_from_a_tp1_peer_head_slice_by_head_slice(
     rows = {r["role"]: r for r in p1_d2.status()}
     p, d = rows["prefill"]["worker_id"], rows["decode"]["worker_id"]
     gen = p1_d2.pools.workers[d].actor.generate.options(num_returns="streaming").remote(
-        "tp-fetch-0", p1_d2.validate(prompt, GREEDY), None, 1, FetchPlan(p, 4, 1))
+        DecodeCall("tp-fetch-0", p1_d2.validate(prompt, GREEDY), fetch=FetchPlan(p, 4, 1)))
     tokens = []
     for ref in gen:
         out = ray.get(ref)

@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from pdserve.transfer.base import HandoffMeta
+
 from transfer_workers import (
     Peer,
     handoff,
@@ -53,7 +55,7 @@ def test_round_trip_bit_exact_for_block_patterns(peers):
         sent = p.get("results")[f"r{i}"]
         (recv, blocks) = d.get("results")
         assert sent[0] == "DONE" and recv[f"r{i}"][0] == "DONE", (name, sent, recv)
-        assert recv[f"r{i}"][4] == {"first_token": len(src_ids), "rid": f"r{i}"}  # the meta rode with it
+        assert recv[f"r{i}"][4] == HandoffMeta(len(src_ids), {f"r{i}": 0.0})  # the meta rode with it
         assert torch.equal(blocks[f"r{i}"], src[src_ids]), name  # bit-exact
         assert recv[f"r{i}"][2] == len(src_ids) * src[0].numel() * 4
     assert d.ask("stats", kind="stats")["pairs"] == 1  # one cached group served every handoff
@@ -346,6 +348,31 @@ def test_the_store_listens_only_on_the_address_it_is_given():
             socket.create_connection((outside, port), timeout=5).close()
     finally:
         conn.close()
+
+
+def test_a_bound_store_closes_its_listening_socket_once():
+    """c10d closes the store's listening descriptor when the store goes; dropping the BoundStore
+    after that closes nothing else: a socket the process opened meanwhile, which got the same
+    number, stays open. (Before, Python's socket object closed the number a second time.)"""
+    import gc
+    import socket
+
+    from pdserve.engine.base.stores import BoundStore
+
+    bound = BoundStore("127.0.0.1", 5.0)
+    n = bound.fd
+    bound.store = None  # c10d's store closes its listening socket
+    gc.collect()
+    other = socket.socket()
+    try:
+        if other.fileno() != n:
+            pytest.skip(f"the new socket got descriptor {other.fileno()}, not the freed {n}")
+        del bound
+        gc.collect()
+        os.fstat(n)  # still open: EBADF before
+        other.bind(("127.0.0.1", 0))
+    finally:
+        other.close()
 
 
 def test_a_doorbell_reset_by_its_departing_peer_reads_as_the_peer_gone():

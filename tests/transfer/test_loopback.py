@@ -5,6 +5,7 @@ import time
 import torch
 
 from pdserve.transfer import HandoffTarget, TransferState
+from pdserve.transfer.base import HandoffMeta
 from pdserve.transfer.loopback import LoopbackConnector, LoopbackHub
 
 
@@ -18,8 +19,8 @@ def test_loopback_moves_blocks_and_checks_layout():
     ch = d.new_channel("p")
     r = d.start_recv("p", "a", [5, 9], ch)
     assert r.state == TransferState.WAITING and d.poll() == []
-    s = p.start_send(HandoffTarget("d", d.address, ch, 0), "a", [3, 4], meta={"first_token": 7})
-    assert s.state == r.state == TransferState.DONE and r.meta == {"first_token": 7}
+    s = p.start_send(HandoffTarget("d", d.address, ch, 0), "a", [3, 4], meta=HandoffMeta(7))
+    assert s.state == r.state == TransferState.DONE and r.meta == HandoffMeta(7)
     assert torch.equal(d.kv[[5, 9]], p.kv[[3, 4]])
     assert d.poll() == [r] and p.poll() == [s]
     odd = LoopbackConnector("q", kv(3, head_dim=4), hub)

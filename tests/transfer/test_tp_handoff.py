@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.engine.base.tp import kv_head_range
-from pdserve.transfer.base import TransferState
+from pdserve.transfer.base import HandoffMeta, TransferState
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import LocalRankLink, Route, TPConnector, rank_name, routes
 
@@ -84,10 +84,10 @@ def test_handoff_between_tp_sizes_lands_every_head(heads, p, d):
         src_ids, dst_ids = [3, 7, 1, 9], [0, 5, 6, 11]  # the first block is a prefix hit
         recv, target = dst.receive("pre", "r1", dst_ids[1:], num_skip=1)
         assert target.tp == d
-        send = src.start_send(target, "r1", src_ids[1:], meta={"first_token": 42})
+        send = src.start_send(target, "r1", src_ids[1:], meta=HandoffMeta(42))
         wait([recv, send], src, dst)
         assert (send.state, recv.state) == (TransferState.DONE, TransferState.DONE), (send.error, recv.error)
-        assert recv.meta == {"first_token": 42}
+        assert recv.meta == HandoffMeta(42)
         for r in range(d):
             lo, hi = kv_head_range(heads, d, r)
             got = rank_kv(dst, r)
@@ -108,7 +108,7 @@ def test_a_handoff_ends_when_its_routes_land_not_when_a_poll_notices():
     dst.peer_tp["pre"] = 1
     try:
         recv, target = dst.receive("pre", "r1", [2, 3], num_skip=0)
-        send = src.start_send(target, "r1", [5, 6], meta={"first_token": 1})
+        send = src.start_send(target, "r1", [5, 6], meta=HandoffMeta(1))
         t0 = time.monotonic()
         while not all(h.state.finished for h in recv.local + send.local) and time.monotonic() - t0 < 30:
             time.sleep(0.002)  # nobody polls: the routes end on their pairs' threads
