@@ -653,6 +653,23 @@ def kv_h2o() -> dict:
     }
 
 
+def plan() -> dict:
+    """The capacity simulator against the committed serving runs (bench/plan_validate.py, CPU;
+    profiles of one H200)."""
+    val = load("plan", "validation.json")
+    st = val["stats"]
+    wl = (f"{st['runs']} committed serving runs predicted from their recorded commands, profiles of one H200 "
+          "(bench/results/plan/validation.md)")
+    cmd = "python3 bench/plan_validate.py  # CPU"
+    return {
+        "plan_goodput_error_median": {"value": st["median_abs_error"], "workload": wl, "command": cmd},
+        "plan_goodput_error_worst": {"value": st["worst_abs_error"], "workload": wl, "command": cmd},
+        "plan_winner_agreement": {"value": st["winner_agreement"], "command": cmd,
+                                  "workload": f"{len(st['winners'])} groups of runs of one model, workload and GPU "
+                                              "count: the predicted winner is the measured one"},
+    }
+
+
 def device_of(command: str) -> str:
     """The machine a command's note names (`... # one H100`), else CPU for a CPU script."""
     note = command.rsplit("#", 1)[1].split("(")[0].split(";")[0].strip() if "#" in command else ""
@@ -712,6 +729,7 @@ def main() -> None:
     summary.update(mla())
     summary.update(kv_tiers())
     summary.update(multi_gpu())
+    summary.update(plan())
     path = os.path.join(RES, "summary.json")
     with open(path) as f:
         previous = json.load(f)

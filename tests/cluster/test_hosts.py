@@ -60,7 +60,8 @@ def cluster(tmp_path_factory, tok_dir):
     """The bed, its Ray (token auth on), and the tiny model where every host reads it."""
     with HostBed(3) as bed:
         model = save_tiny("llama", os.path.join(bed.shared_dir(), "llama"), tok_dir)
-        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+               "RAY_worker_niceness": "0"}  # as docs/deployment.md says to start Ray
         env.pop("GLOO_SOCKET_IFNAME", None)  # what a user's hosts have: nothing set
         head = f"{bed.addr['h1']}:{RAY_PORT}"
         ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
