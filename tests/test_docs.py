@@ -44,7 +44,7 @@ def commands() -> list[tuple[str, list[str]]]:
     for name, text in blocks("bash"):
         for line in text.replace("\\\n", " ").splitlines():
             argv = shlex.split(line, comments=True)
-            while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
+            while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", argv[0]):
                 argv = argv[1:]
             if argv:
                 out.append((name, argv))

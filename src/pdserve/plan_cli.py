@@ -9,6 +9,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
     import os
 
+    if args.gpus is not None:
+        return cmd_plan_layouts(args)
+
     from pdserve.bench.workloads import DEFAULT_TRACE
     from pdserve.engine.exec.loader import resolve_model_path
     from pdserve.plan import plan, render, workload_lengths
@@ -23,6 +26,68 @@ def cmd_plan(args: argparse.Namespace) -> int:
              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
              gpu_memory_utilization=args.gpu_memory_utilization)
     print(json.dumps(p, indent=2) if args.json else render(p))
+    return 0
+
+
+def parse_slo(text: str) -> tuple[float, float]:
+    """--slo ttft=SECONDS,tpot=SECONDS -> (ttft, tpot)."""
+    from pdserve.cli_common import CliError
+
+    out = {"ttft": 1.0, "tpot": 0.04}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        try:
+            if key.strip() not in out or float(value) <= 0:
+                raise ValueError
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise CliError(f"--slo takes ttft=SECONDS,tpot=SECONDS (each > 0), got {text!r}") from None
+    return out["ttft"], out["tpot"]
+
+
+def cmd_plan_layouts(args: argparse.Namespace) -> int:
+    """`pdserve plan --gpus N --profile P`: every candidate layout of N GPUs simulated on the
+    workload, ranked by predicted goodput (pdserve.sim.layouts)."""
+    import time
+
+    from pdserve.cli_common import CliError
+    from pdserve.sim import Profile
+    from pdserve.sim.layouts import recommend
+
+    if args.gpus < 1:
+        raise CliError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.profile is None:
+        raise CliError("--gpus needs --profile FILE (a profile `pdserve profile` wrote, e.g. "
+                       "bench/results/profiles/llama3-8b.json)")
+    try:
+        prof = Profile.load(args.profile)
+    except (OSError, ValueError, KeyError) as e:
+        raise CliError(f"--profile {args.profile}: not a profile ({e})") from None
+    ttft, tpot = parse_slo(args.slo)
+    if args.trace:
+        work = ["--workload", "trace", *([] if args.trace == "default" else ["--trace", args.trace])]
+    else:
+        work = ["--workload", "synthetic", "--input-len", str(args.prompt_len or 1024),
+                "--output-len", str(args.output_len or 128)]
+    if args.num_requests < 1:
+        raise CliError(f"--num-requests must be >= 1, got {args.num_requests}")
+    argv = [*work, "--slo-ttft", str(ttft), "--slo-tpot", str(tpot), "--seed", "0"]
+    t0 = time.monotonic()
+    ranked = recommend(prof, args.gpus, argv, args.num_requests, progress=lambda c: print(
+        f"  {c.system:16s} {c.rps:7.2f} req/s ({c.simulations} simulations)", flush=True))
+    best, colo = ranked[0], next(c for c in ranked if c.system.startswith("colocated"))
+    slo = f"TTFT <= {ttft:g} s, TPOT <= {tpot * 1000:g} ms"
+    if not best.meets:
+        print(f"pdserve plan: no layout of {args.gpus} GPUs meets {slo} at {best.rate:g} req/s; the closest: "
+              f"{best.system} ({best.attainment:.0%} attained)")
+        return 1
+    print(f"\n{prof.model} on {args.gpus} x {prof.device}, {slo}, {' '.join(work[1:])} "
+          f"({time.monotonic() - t0:.0f} s)\n")
+    print("| layout | goodput (req/s) | per GPU | vs colocated |\n|---|---|---|---|")
+    for c in ranked[: max(args.top, 1)] + ([colo] if colo not in ranked[: max(args.top, 1)] else []):
+        vs = f"{c.rps / colo.rps:.2f}x" if colo.rps else "-"
+        print(f"| {c.system} | {c.rps:.2f} | {c.rps / args.gpus:.2f} | {vs} |")
+    print(f"\nrecommended: {best.system} ({best.rps:.2f} req/s predicted)")
     return 0
 
 
@@ -48,4 +113,12 @@ def add_plan_parser(sub) -> None:
     pl.add_argument("--prefill-tok-s", type=float, default=None, help="measured prefill rate per worker")
     pl.add_argument("--decode-step-ms", type=float, default=None, help="measured decode step at the batch")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--gpus", type=int, default=None,
+                    help="rank the layouts of this many GPUs (colocated, disagg and hybrid splits) by the goodput "
+                         "the capacity simulator predicts from --profile")
+    pl.add_argument("--profile", default=None, help="with --gpus: a profile `pdserve profile` wrote")
+    pl.add_argument("--slo", default="ttft=1.0,tpot=0.04", help="with --gpus: ttft=SECONDS,tpot=SECONDS")
+    pl.add_argument("--num-requests", type=int, default=200,
+                    help="with --gpus: requests a simulated rate (at least 10 s of them)")
+    pl.add_argument("--top", type=int, default=3, help="with --gpus: layouts shown (and colocated)")
     pl.set_defaults(func=cmd_plan)

@@ -88,6 +88,20 @@ def test_real_trace_replays_with_sharing():
     assert len({r.arrival for r in ticks}) < 10
 
 
+def test_prompt_tokens_are_randranges_draws_made_in_bulk():
+    """The workloads' token draws equal `randrange`'s, one by one, and leave the generator where
+    randrange leaves it (the committed runs' prompts stay what their seeds made)."""
+    import random
+
+    from pdserve.bench.workloads import _tokens
+
+    for seed in range(5):
+        for n, lo, hi in ((4096, 100, 30000), (50, 5, 6), (200, 0, 1 << 32)):
+            a, b = random.Random(seed), random.Random(seed)
+            assert _tokens(b, n, lo, hi) == [a.randrange(lo, hi) for _ in range(n)]
+            assert a.random() == b.random()
+
+
 def test_synthetic_and_shared_prefix_workloads():
     reqs = synthetic_workload(5, 40, 7, (100, 200))
     assert all(len(r.prompt) == 40 and r.max_tokens == 7 and 100 <= min(r.prompt) <= max(r.prompt) < 200

@@ -42,3 +42,31 @@ def test_blocks_regrown_after_a_rollback_are_published_again():
     kv.cache_blocks(req, 12)
     assert kv.req_published["r"] == 3
     assert kv.gpu_run(kv.block_hashes(req)) == 3  # every full block is in the prefix cache
+
+
+def test_plan_ranks_the_layouts_of_n_gpus_and_names_the_closest_when_none_meets_the_slo(capsys):
+    """`pdserve plan --gpus 2 --profile P`: colocated:2, disagg:1:1 and hybrid:1:1 simulated on the
+    workload, ranked by predicted goodput, the best named; an SLO no layout meets is one line naming
+    the closest layout (exit 1); a malformed --slo is one line naming the flag (exit 2)."""
+    from pdserve.cli import main
+    from pdserve.sim.layouts import candidates
+
+    assert candidates(2) == ["colocated:2", "disagg:1:1", "hybrid:1:1"]
+    assert candidates(64)[0] == "colocated:64" and len(candidates(64)) == 11
+    base = ["plan", "--gpus", "2", "--profile", str(PROFILES / "llama3-8b.json"), "--prompt-len", "512",
+            "--output-len", "8", "--num-requests", "20"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "req/s" not in line
+            and "layout" not in line]
+    assert {r.split("|")[1].strip() for r in rows} == {"colocated:2", "disagg:1:1", "hybrid:1:1"}
+    goodputs = [float(r.split("|")[2]) for r in rows]
+    assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > 0
+    assert f"recommended: {rows[0].split('|')[1].strip()}" in out
+
+    assert main([*base, "--slo", "ttft=0.001,tpot=0.0001"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("pdserve plan: no layout of 2 GPUs meets TTFT <= 0.001 s") and "the closest: " in last
+
+    assert main([*base, "--slo", "ttft=fast"]) == 2
+    assert "--slo takes ttft=SECONDS,tpot=SECONDS" in capsys.readouterr().err

@@ -35,7 +35,23 @@ class BenchRequest:
 
 
 def _tokens(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
-    return [rng.randrange(lo, hi) for _ in range(n)]
+    """`[rng.randrange(lo, hi) for _ in range(n)]`, the same values and the same draws of `rng`,
+    about 5x faster (the capacity simulator makes a run's prompts on every rate it probes):
+    randrange takes one 32-bit word of the generator per try (its top bits, k = the width's bit
+    length) until one is below the width; the words are drawn here in bulk, as many as are still
+    needed, so no word is drawn that randrange would not have drawn."""
+    import numpy as np
+
+    width = hi - lo
+    k = width.bit_length()
+    if width <= 0 or k > 32:
+        return [rng.randrange(lo, hi) for _ in range(n)]
+    out: list[int] = []
+    while len(out) < n:
+        m = n - len(out)  # each value takes at least one word: none drawn here is spare
+        words = np.frombuffer(rng.getrandbits(32 * m).to_bytes(4 * m, "little"), dtype="<u4") >> (32 - k)
+        out.extend((words[words < width] + lo).tolist())
+    return out
 
 
 def trace_workload(path: str, num_requests: int | None = None, length_scale: float = 1.0,
