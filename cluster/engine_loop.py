@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import time
 
+from ray.exceptions import RayActorError
+
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.base.tp import TPError
 from pdserve.engine.outputs import RequestOutput
@@ -89,9 +91,11 @@ class EngineLoop:
         """An unexpected error in a step: which request caused it is unknown, so every request
         here ends with the error (their blocks freed) and the engine goes on with new ones."""
         log.exception("%s: engine step failed; failing its %d request(s)", self.worker_id, len(self.engine.requests))
+        # a rank actor's death (tensor parallelism) in words, not Ray's exception: the client reads it
+        what = "a tensor-parallel rank died" if isinstance(err, RayActorError) else repr(err)
         for rid in set(self.engine.requests) | self.outlets.requests():
             self.role.abort(rid)
-            self._deliver(rid, error=RuntimeError(f"{self.worker_id}: engine step failed: {err!r}"))
+            self._deliver(rid, error=RuntimeError(f"{self.worker_id}: engine step failed: {what}"))
         return []
 
     def _handle(self, cmd) -> None:
