@@ -125,7 +125,9 @@ def test_every_command_runs_against_the_quick_start_server(tmp_path):
             if argv[0] == "pdserve":
                 argv = [sys.executable, "-m", *argv]
             t0 = time.monotonic()
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+            # the docs' commands run from the repository's root: one that names a file of it runs there
+            here = ROOT if any((ROOT / a).is_file() for a in argv[1:] if not a.startswith("-")) else tmp_path
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=here)
             print(f"{time.monotonic() - t0:5.1f} s  {name}: {shlex.join(argv[:6])}", file=sys.stderr)
             assert out.returncode == 0, f"{name}: {shlex.join(argv)}\n{out.stdout[-1000:]}\n{out.stderr[-2000:]}"
             assert '"error"' not in out.stdout, f"{name}: {shlex.join(argv)}: {out.stdout[-1000:]}"
