@@ -54,6 +54,13 @@ def model_name(path: str) -> str:
     return base
 
 
+def is_default_model(path: str) -> bool:
+    """Whether `path` names the default model's converted copy, in any host's cache: a worker
+    on another host than the one that resolved it loads its own host's copy (converting it there
+    once), as a path of the other host's disk does not exist here."""
+    return os.path.basename(os.path.normpath(path)) == f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}"
+
+
 def default_model_path() -> str:
     """The cached HF directory of the default model, converting it on first use."""
     target = os.path.join(cache_root(), f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}")

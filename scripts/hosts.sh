@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A bed of hosts on this machine, for trying a cluster of several hosts (root only):
 #
-#   bash scripts/hosts.sh up 3 [--name NAME]   # hosts h1..h3; prints "hN ADDRESS" per host
+#   bash scripts/hosts.sh up 3 [--name NAME] [--ssh KEY.pub]   # hosts h1..h3; prints "hN ADDRESS" per host
 #   bash scripts/hosts.sh run [--name NAME] h2 -- ray start --address=10.231.0.2:6379 ...
 #   bash scripts/hosts.sh down [--name NAME]   # stops every process the bed's hosts run, removes it all
 #   bash scripts/hosts.sh list                 # the beds that are up
@@ -17,6 +17,12 @@
 # addresses (it is .1 on the bridge); the bridge itself lives in a namespace of the bed's own, so
 # nothing is added to this machine's network but that one link, and nothing leaves the bed.
 #
+# With --ssh KEY.pub each host is also what `ray up` logs into: an sshd on the host's address (port 22;
+# Debian's, from scripts/install_sshd.sh) that lets root in with that key, and root's own home
+# (/home/root, the host's own disk, empty but for a Python virtual environment that sees this
+# machine's .venv packages, as a machine image with Python and Ray would: its `pip install` goes into
+# the host's environment, never into .venv, and fetches nothing (no index: nothing leaves the bed)).
+#
 # A host is one process (its namespaces' init); `down` kills it, and the kernel ends every process
 # of that host with it. Two beds can be up at once (each with its own NAME and subnet).
 set -euo pipefail
@@ -27,12 +33,14 @@ die() { echo "hosts.sh: $*" >&2; exit 1; }
 
 cmd=${1:-}; [ -n "$cmd" ] || usage; shift
 name=pdbed
+ssh_key=""
 args=()
 keep=("$(cd "$(dirname "$0")/.." && pwd)")
 while [ $# -gt 0 ]; do
     case "$1" in
         --name) name=$2; shift 2 ;;
         --keep) keep+=("$(cd "$2" && pwd)"); shift 2 ;;
+        --ssh) ssh_key=$(readlink -f "$2"); [ -s "$ssh_key" ] || die "--ssh $2: no such public key"; shift 2 ;;
         --) args+=("$@"); break ;;
         *) args+=("$1"); shift ;;
     esac
@@ -113,9 +121,46 @@ up() {
         [ -n "$child" ] || die "host h$i did not start"
         echo "$child" > "$dir/h$i.pid"
         echo "$addr" > "$dir/h$i.addr"
+        if [ -n "$ssh_key" ]; then ssh_host "$child" "$addr" || die "host h$i: its sshd did not start"; fi
         echo "h$i $addr"
     done
     trap - ERR
+}
+
+ssh_host() {  # a host's sshd on its address, root's own home and Python environment (--ssh)
+    local pid=$1 addr=$2 tools repo=${keep[0]}
+    tools=$(bash "$repo/scripts/install_sshd.sh")
+    [ -x "$repo/.venv/bin/python" ] || die "--ssh: the hosts' Python environment builds on $repo/.venv: make it first"
+    local base site key
+    key=$(cat "$ssh_key")
+    base=$("$repo/.venv/bin/python" -c 'import sys; print(sys.base_prefix)')
+    site=$("$repo/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    nsenter -t "$pid" --net --mount --pid --ipc --uts -- bash -euc "
+        mount -t tmpfs -o mode=755 tmpfs /home && mount -t tmpfs -o mode=755 tmpfs /run
+        mkdir -p /run/sshd /home/root/.ssh && chmod 700 /home/root /home/root/.ssh
+        # root's home is the host's own; sshd's privilege separation has its user
+        sed 's#^root:\([^:]*\):0:0:\([^:]*\):[^:]*:#root:\1:0:0:\2:/home/root:#' /etc/passwd > /run/passwd
+        grep -q '^sshd:' /run/passwd || echo 'sshd:x:74:65534::/run/sshd:/usr/sbin/nologin' >> /run/passwd
+        mount --bind /run/passwd /etc/passwd
+        echo '$key' > /home/root/.ssh/authorized_keys
+        '$base/bin/python3' -m venv --without-pip /home/root/venv
+        echo '$site' > \$(/home/root/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')/host-image.pth
+        # the image's commands: pip and ray of those packages, run by the host's own Python
+        printf '#!/home/root/venv/bin/python\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n' > /home/root/venv/bin/pip
+        printf '#!/home/root/venv/bin/python\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' > /home/root/venv/bin/ray
+        chmod +x /home/root/venv/bin/pip /home/root/venv/bin/ray
+        mkdir -p /home/root/.config/pip
+        printf '[global]\nno-index = true\n[install]\nno-build-isolation = false\n' > /home/root/.config/pip/pip.conf
+        echo 'export PATH=/home/root/venv/bin:$tools:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin' > /home/root/.bashrc
+        cp /home/root/.bashrc /home/root/.profile
+        echo 'PATH=/home/root/venv/bin:$tools:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin' > /home/root/.ssh/environment
+        ssh-keygen -q -t ed25519 -N '' -f /run/ssh_host_ed25519_key
+        printf '%s\n' 'ListenAddress $addr' 'HostKey /run/ssh_host_ed25519_key' 'PidFile /run/sshd.pid' \
+            'PermitRootLogin prohibit-password' 'PasswordAuthentication no' 'KbdInteractiveAuthentication no' \
+            'UsePAM no' 'PermitUserEnvironment yes' 'Subsystem sftp internal-sftp' 'MaxStartups 100' \
+            'MaxSessions 100' > /run/sshd_config
+        '$tools/sshd' -f /run/sshd_config -E /run/sshd.log
+    " </dev/null >/dev/null
 }
 
 down_bed() {

@@ -33,7 +33,9 @@ def namespaces_refused() -> str | None:
 
 
 class HostBed:
-    def __init__(self, n: int, name: str | None = None):
+    def __init__(self, n: int, name: str | None = None, ssh_key: str | None = None):
+        """`ssh_key`: a public key that root on each host lets in, through an sshd on the host's
+        address (port 22), with root's own home and Python environment there (hosts.sh --ssh)."""
         why = namespaces_refused()
         if why:
             pytest.skip(why)
@@ -41,7 +43,8 @@ class HostBed:
         self.name = name or f"t{os.getpid() % 10_000_000}"
         subprocess.run(["bash", str(SCRIPT), "down", "--name", self.name], check=True)  # a bed left by a crash
         # the interpreter's environment, wherever it lies (a checkout under /tmp: each host has its own)
-        out = subprocess.run(["bash", str(SCRIPT), "up", str(n), "--name", self.name, "--keep", sys.prefix],
+        ssh = ["--ssh", ssh_key] if ssh_key else []
+        out = subprocess.run(["bash", str(SCRIPT), "up", str(n), "--name", self.name, "--keep", sys.prefix, *ssh],
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"hosts.sh up {n}: {out.stderr.strip()}")

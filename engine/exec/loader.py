@@ -13,7 +13,7 @@ from tqdm import tqdm
 from ..architectures import ARCHITECTURES
 from ..base.tp import TPGroup
 from ..config import EngineConfig
-from ..default_model import default_model_path
+from ..default_model import default_model_path, is_default_model
 from ..fp8 import WeightQuant, dequantize
 from ..models.protocol import CausalLM
 
@@ -30,6 +30,8 @@ def resolve_model_path(model: str | None) -> str:
     if model is None:
         return default_model_path()
     path = os.path.expanduser(model)
+    if not os.path.isdir(path) and is_default_model(path):
+        return default_model_path()  # resolved on another host: this host's own copy
     if not os.path.isdir(path):
         raise ValueError(f"model path {model!r} does not exist or is not a directory "
                          "(pdserve loads local Hugging Face directories only)")
