@@ -63,6 +63,8 @@ class RegistryLink:
         self.closed = False
         self._ping = None  # the probe's ping in flight, and when it was sent (monotonic)
         self._ping_sent = 0.0
+        self.pid: int | None = None  # the process that last answered the probe
+        self._killed_pid: int | None = None  # the process the probe killed: its answers are not a restart's
 
     def create(self):
         self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace,
@@ -141,7 +143,10 @@ class RegistryLink:
         done, _ = await asyncio.wait({answer}, timeout=2.0)
         if done:
             err, self._ping = answer.exception(), None
+            if err is None and answer.result() == self._killed_pid:
+                return  # the killed process, not dead yet (a ray.kill takes its time): the restart's wait goes on
             if err is None:
+                self.pid = answer.result()
                 self._up()
                 return
             self._down(type(err).__name__)
@@ -168,6 +173,7 @@ class RegistryLink:
                         "silent" if self.alive else f"stuck in {state}", waited)
             ray.kill(self.actor, no_restart=False)
             self.kills += 1
+            self._killed_pid = self.pid
             self._ping = None
             self.waiting_since, self.alive = time.monotonic(), None  # the restart's start is its own time
 
