@@ -12,6 +12,8 @@ import time
 import ray
 import ray._private.utils as ray_utils
 
+from .reaper import Reaper
+
 LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's switch: "0" puts a new local Ray on 127.0.0.1
 
 
@@ -92,6 +94,7 @@ def shutdown_own_ray() -> None:
     STOP_GRACE_S together, then killed, so none is left behind (the raylet's agents outlive a
     raylet killed before it stopped them). Ray's bookkeeping of its shutdown is unchanged; should
     its internals change, its own shutdown runs instead."""
+    global _reaper
     node = getattr(ray._private.worker, "_global_node", None)
     infos = getattr(node, "all_processes", None)
     if node is not None and isinstance(infos, dict) and hasattr(node, "kill_all_processes"):
@@ -121,6 +124,20 @@ def shutdown_own_ray() -> None:
 
         node.kill_all_processes = kill_all_processes  # this node's, for this one call: ray.shutdown() ends it
     ray.shutdown()
+    if _reaper is not None:
+        _reaper.stop()
+        _reaper = None
+
+
+_reaper: Reaper | None = None  # the reaper of the Ray this process started (reaper.py), while it runs
+
+
+def _node_pids() -> list[int]:
+    """The pids of this process's own Ray node processes (GCS, raylet, monitors)."""
+    infos = getattr(getattr(ray._private.worker, "_global_node", None), "all_processes", None)
+    if not isinstance(infos, dict):
+        return []
+    return [pi.process.pid for group in infos.values() for pi in group if getattr(pi, "process", None) is not None]
 
 
 def check_reachable(address: str, timeout_s: float = 10.0) -> None:
@@ -183,5 +200,8 @@ def start_or_join_ray(address: str | None, namespace: str) -> None:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # runs `hold` for one that came
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+    if address is None:  # ours: what it starts is stopped even if this process is killed
+        global _reaper
+        _reaper = Reaper.start(_node_pids())
     if caught:
         signal.raise_signal(caught[0])  # now the caller's handler (pdserve serve's: stop)

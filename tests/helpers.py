@@ -206,6 +206,26 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def group_processes(pgid: int) -> dict[int, str]:
+    """pid -> name (its title, as ps shows it) of each running process of group `pgid` (Linux)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().split("\0")
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+            out[int(pid)] = cmd[0].split(" ")[0] if cmd[0].startswith("ray::") else comm
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+    return out
+
+
 def listening_sockets(pgid: int) -> list[tuple[str, int, str]]:
     """(address, port, process name) of every TCP socket that a process of group `pgid` listens
     on, read from /proc (Linux): the sockets' inodes, matched to the group's open files."""

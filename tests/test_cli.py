@@ -315,6 +315,40 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
     assert re.search(r"decode worker w0-\w+ ready \([\d.]+ s: load [\d.]+ s", err), err[-2000:]  # what the start took
 
 
+@pytest.mark.slow
+def test_a_killed_server_leaves_no_process_of_the_ray_it_started(tiny_models):
+    """SIGKILL of the server process alone, so no handler of its runs: the Ray it started for
+    itself ends with it, that Ray's agents and workers too (cluster/reaper.py; the agents outlived
+    a killed server by minutes), within the reaper's own bound."""
+    import os
+    import signal
+    import time
+
+    from pdserve.cluster import reaper
+
+    from helpers import group_processes, serving_port
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", tiny_models["llama"], "--mode",
+                             "colocated", "--decode", "1", "--max-model-len", "128", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        serving_port(proc)
+        started = group_processes(proc.pid)
+        assert any(name == "raylet" for name in started.values()) and any(
+            name.startswith("ray::") for name in started.values()), started
+        proc.kill()  # the server alone, not its group
+        proc.wait(30)
+        deadline = time.monotonic() + 5 * (reaper.TRACK_S + reaper.GRACE_S)
+        while group_processes(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_processes(proc.pid), f"left running: {group_processes(proc.pid)}"
+    finally:
+        if group_processes(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_argparse_refusals_are_one_line():
     """argparse's own refusals (a bad choice, a missing value, an unknown option): one line naming
     the problem and where the options are, not the whole usage first."""
