@@ -1,11 +1,15 @@
 """The pool of KV blocks: integer ids, reference counts, an LRU free queue, and the
 prefix-cache map from chained block hash to block.
 
+Blocks are made on first use: ids `[made, num_blocks)` are fresh (never allocated, no hash, no
+contents) and are handed out first, in id order, before the free queue; a large CPU pool (the
+default 1 GiB of a tiny model: 131,072 blocks) costs nothing until it fills.
+
 Invariants (checked by `check_invariants`, which tests call):
-  - a block is in the free queue  <=>  its ref_cnt == 0;
+  - a made block is in the free queue  <=>  its ref_cnt == 0;
   - a block with a hash is in the cache map under that hash, and the map holds
     nothing else;
-  - free + referenced == num_blocks.
+  - fresh + free + referenced == num_blocks.
 A freed block keeps its hash and contents: it stays a prefix-cache hit until it
 reaches the front of the free queue and is reused (then its hash is dropped).
 """
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from ..base.hashing import BlockHash
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     block_id: int
     ref_cnt: int = 0
@@ -36,10 +40,10 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # LRU order: the front is evicted first. OrderedDict gives O(1) removal from
-        # the middle when a cached free block is hit again.
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks: list[Block] = []  # the made ones: blocks[i].block_id == i
+        # LRU order of the made free blocks: the front is evicted first (after the fresh ones).
+        # OrderedDict gives O(1) removal from the middle when a cached free block is hit again.
+        self.free_queue: OrderedDict[int, Block] = OrderedDict()
         self.cached: dict[BlockHash, Block] = {}
         # optional observer of cache membership, (stored, removed) hashes; the
         # registry of the cluster subscribes through it
@@ -53,11 +57,16 @@ class BlockPool:
     # ---- queries -----------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self.num_blocks - len(self.blocks) + len(self.free_queue)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free_blocks
+
+    def eviction_order(self) -> list[int]:
+        """The free blocks' ids in the order allocate() takes them: the fresh ones, then the
+        free queue from its front."""
+        return [*range(len(self.blocks), self.num_blocks), *self.free_queue]
 
     @property
     def usage(self) -> float:
@@ -68,11 +77,17 @@ class BlockPool:
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, n: int) -> list[Block]:
-        """Takes n blocks from the front of the free queue (evicting their hashes)."""
-        if n > len(self.free_queue):
-            raise RuntimeError(f"out of KV blocks: asked for {n}, {len(self.free_queue)} free")
+        """Takes n blocks: fresh ones first, then from the front of the free queue (evicting
+        their hashes)."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: asked for {n}, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
+            if len(self.blocks) < self.num_blocks:
+                block = Block(len(self.blocks), ref_cnt=1)
+                self.blocks.append(block)
+                out.append(block)
+                continue
             _, block = self.free_queue.popitem(last=False)
             if self.on_realloc is not None:
                 self.on_realloc(block)

@@ -27,7 +27,7 @@ def test_pool_lru_and_refcounts():
     a = pool.allocate(2)
     assert [b.block_id for b in a] == [0, 1]
     pool.free(reversed(a))
-    assert list(pool.free_queue) == [2, 3, 1, 0]  # freed tail first: 1 evicted before 0
+    assert pool.eviction_order() == [2, 3, 1, 0]  # freed tail first: 1 evicted before 0
     b = pool.allocate(3)
     assert [x.block_id for x in b] == [2, 3, 1]
     with pytest.raises(RuntimeError, match="out of KV blocks"):

@@ -72,7 +72,7 @@ def test_rollback_frees_exactly_the_rejected_tail():
     assert [b.block_id for b in kv.allocate_slots(req, 6)] == [0, 1, 2, 3]  # 1 + 5 drafts: up to 13 tokens
     kv.rollback(req, 9)  # 1 draft kept: 8 computed + room for the next token
     assert kv.block_ids("r") == [0, 1, 2] and kv.num_free_blocks == 7
-    assert list(kv.pool.free_queue)[-1] == 3  # freed to the tail
+    assert kv.pool.eviction_order()[-1] == 3  # freed to the tail
     kv.free(req)
     kv.check_all_free()
 
