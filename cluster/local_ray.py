@@ -161,7 +161,9 @@ def start_or_join_ray(address: str | None, namespace: str) -> None:
     to run on this machine). On the main thread, SIGINT and SIGTERM that come while ray.init runs
     are held until it returns and then go to the caller's handlers: interrupted halfway, it left
     Ray's agent processes running after the server exited. ray.init's own SIGTERM handler (it
-    exits at once) is not installed; the caller's stays."""
+    exits at once) is not installed; the caller's stays. A Ray of our own gets a reaper
+    (reaper.py): killed before it stops that Ray, this process leaves nothing of it running;
+    shutdown_own_ray() ends the reaper."""
     if address not in (None, "auto"):
         check_reachable(address)
     main = threading.current_thread() is threading.main_thread()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli_common import CliError, add_engine_args, check_kv_dirs, engine_kwargs, in_flags
+from pdserve.engine.sampling_params import MAX_N
 
 AUTOSCALE_FLAGS = {"target_prefill_queue": "prefill_queue", "target_ttft_p90": "ttft_p90_s",
                    "target_kv_usage": "kv_usage", "target_itl_p90": "itl_p90_s", "autoscale_cooldown": "cooldown_s",
@@ -89,7 +90,7 @@ def check_listen(args: argparse.Namespace) -> None:
         if n is not None and n < 1:
             raise CliError(f"--{role} must be >= 1, got {n}" + (" (--mode colocated has no prefill pool)"
                                                                  if role == "prefill" else ""))
-    for flag in ("max_queue", "max_queue_per_client"):
+    for flag in ("max_queue", "max_queue_per_client", "max_request_tokens"):
         n = getattr(args, flag)
         if n is not None and n < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {n}")
@@ -202,7 +203,8 @@ def server_options(args: argparse.Namespace):
 
     return ServerOptions(force_include_usage=args.enable_force_include_usage,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                         load_tracking=args.enable_server_load_tracking)
+                         load_tracking=args.enable_server_load_tracking,
+                         max_request_tokens=args.max_request_tokens)
 
 
 def prefill_engine_kwargs(args: argparse.Namespace) -> dict:
@@ -276,6 +278,10 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--max-queue-per-client", type=int, default=None,
                     help="requests in flight from one client (its address) before its 429; others are still "
                          "admitted (default: 3/4 of --max-queue; --max-queue: no bound of its own)")
+    sv.add_argument("--max-request-tokens", type=int, default=None,
+                    help="the most work one request may ask for, in tokens: its prompts (x n with "
+                         "prompt_logprobs) plus n x max_tokens of each; more is a 400 naming this flag "
+                         f"(default: {MAX_N} x --max-model-len: one prompt at any n always fits)")
     sv.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                     help="the prefill pool's chunk budget (default: --max-num-batched-tokens if given, else 8192)")
     sv.add_argument("--local-prefill-tokens", type=int, default=0,
