@@ -105,10 +105,13 @@ def sample(server: subprocess.Popen) -> dict:
     return {"router": rss_mib(server.pid), "workers": [rss_mib(p) for p in workers]}
 
 
-def start_server(port: int) -> subprocess.Popen:
+def start_server(port: int, kv_bytes: int = KV_BYTES) -> subprocess.Popen:
+    """`kv_bytes` 0: the server's own KV budget (1 GiB on CPU), whose pages the warm-up leaves mostly
+    untouched: they are then committed as requests fill new blocks, whatever the grammars do."""
     cmd = [sys.executable, "-m", "pdserve", "serve", "--mode", "disagg", "--prefill", "1", "--decode", "1",
-           "--device", "cpu", "--port", str(port), "--max-model-len", "2048", "--log-level", "warning",
-           "--kv-cache-memory-bytes", str(KV_BYTES)]
+           "--device", "cpu", "--port", str(port), "--max-model-len", "2048", "--log-level", "warning"]
+    if kv_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import httpx
 
@@ -145,7 +148,7 @@ def run(args) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = start_server(port)
+    server = start_server(port, args.kv_bytes)
     rows, errors = [], 0
     try:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
@@ -176,9 +179,12 @@ def run(args) -> dict:
     return {"label": args.label, "schemas": args.schemas, "max_tokens": args.max_tokens, "errors": errors,
             "command": f"python bench/grammar_memory.py --label {args.label} --schemas {args.schemas}"
                        + (f" --kind {args.kind}" if args.kind != "mixed" else "")
-                       + (" --no-grammar" if args.no_grammar else ""),
+                       + (" --no-grammar" if args.no_grammar else "")
+                       + (f" --kv-bytes {args.kv_bytes}" if args.kv_bytes != KV_BYTES else ""),
             "machine": "CPU (2 cores), default model SmolLM2-135M-Instruct, pdserve serve --mode disagg 1P1D, "
-                       f"--kv-cache-memory-bytes {KV_BYTES}, {WARMUP} warm-up requests",
+                       + (f"--kv-cache-memory-bytes {args.kv_bytes}" if args.kv_bytes else
+                          "the default KV budget (1 GiB)")
+                       + f", {WARMUP} warm-up requests",
             "rows": rows}
 
 
@@ -198,7 +204,8 @@ def report(labels: list[str]) -> None:
 
     runs = [json.load(open(os.path.join(OUT, f"grammar_memory_{label}.json"))) for label in labels]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    marks = sorted({0, 339, runs[0]["rows"][-1]["schemas"]})
+    last = max(r["rows"][-1]["schemas"] for r in runs)
+    marks = sorted({0, 339, *((1000,) if last > 1000 else ()), last})
     head = " / ".join(str(m) for m in marks)
     lines = [f"| run | errors | router MiB at {head} schemas | workers MiB at {head} (each) "
              "| router, workers MiB / schema over the last 500 |", "| --- | --- | --- | --- | --- |"]
@@ -209,12 +216,12 @@ def report(labels: list[str]) -> None:
         for k in range(len(rows[0]["workers"])):
             ax[1].plot(xs, [r["workers"][k] for r in rows], color=f"C{n}", linestyle=("-", "--", ":")[k % 3],
                        label=f"{run_['label']}: worker {k}")
-        at = [min(rows, key=lambda r, m=m: abs(r["schemas"] - m)) for m in marks]
+        at = [min(rows, key=lambda r, m=m: abs(r["schemas"] - m)) if m <= xs[-1] else None for m in marks]
         tail = [r for r in rows if r["schemas"] >= rows[-1]["schemas"] - 500]
         span = max(1, tail[-1]["schemas"] - tail[0]["schemas"])
         slopes = [growth(tail, "router") / span, growth(tail, "workers") / len(rows[0]["workers"]) / span]
-        workers = " / ".join(", ".join(f"{w:.0f}" for w in r["workers"]) for r in at)
-        router = " / ".join(f"{r['router']:.0f}" for r in at)
+        workers = " / ".join(", ".join(f"{w:.0f}" for w in r["workers"]) if r else "-" for r in at)
+        router = " / ".join(f"{r['router']:.0f}" if r else "-" for r in at)
         per = f"{slopes[0]:.3f}, {slopes[1]:.3f}"
         lines.append(f"| {run_['label']} | {run_['errors']} | {router} | {workers} | {per} |")
     for a, title in zip(ax, ("router process", "worker processes")):
@@ -224,8 +231,8 @@ def report(labels: list[str]) -> None:
         a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(OUT, "grammar_memory.png"), dpi=110)
-    md = "\n".join(["# Memory per distinct grammar", "", *(f"- `{r['command']}`" for r in runs), "",
-                    f"Machine: {runs[-1]['machine']}.", "", *lines, ""])
+    md = "\n".join(["# Memory per distinct grammar", "", *(f"- {r['label']}: `{r['command']}`; {r['machine']}"
+                                                          for r in runs), "", *lines, ""])
     with open(os.path.join(OUT, "grammar_memory.md"), "w") as f:
         f.write(md)
     print(md)
@@ -284,6 +291,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--no-grammar", action="store_true", help="the control: the same requests, unconstrained")
+    ap.add_argument("--kv-bytes", type=int, default=KV_BYTES,
+                    help="each worker's KV budget (0: the server's default, 1 GiB on CPU)")
     ap.add_argument("--ship", type=int, default=0, help="compile vs serialize / deserialize for N schemas")
     ap.add_argument("--plot", nargs="*", help="labels of runs already made: write the table and plot only")
     args = ap.parse_args()
