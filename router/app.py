@@ -17,7 +17,6 @@ aborts it on every worker and frees its blocks. The app uses the cluster only th
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -36,9 +35,9 @@ from .chat import chat_ids, special_tokens
 from .errors import GuardMiddleware, HTTPError, error_response
 from .metrics import RouterMetrics
 from .openapi import install as install_openapi
-from .options import ServerOptions, request_work
-from .render import Renderer, headers_of, sse, usage
-from .runner import RequestRunner, client_of, decode_json, first_copies, sequences
+from .options import ServerOptions
+from .render import Renderer, headers_of, json_bytes, sse, usage
+from .runner import RequestRunner, check_work, client_of, decode_json, first_copies, sequences
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body
 from .tokens import add_token_routes, check_model_name
 from .tool_parsers import PARSERS
@@ -172,8 +171,7 @@ def add_openai_routes(app: FastAPI, cluster: ServingCluster, runner: RequestRunn
             share_prompt_logprobs(seqs, outs)
             cached = sum(outs[i].num_cached_tokens for i in first_copies(seqs))
 
-            def whole() -> bytes:  # off the event loop: the prompts' log-probs of 8 x 4 copies were 5 MB,
-                # 1.3 s of /health's wait when rendered on it
+            def whole() -> bytes:  # off the event loop: 8 x 4 copies' prompt log-probs (5 MB) held /health 1.3 s
                 extra = renders[0].extras(outs[0], unasked=True) if chat else {}  # chat: at the top level
                 extra["kv_transfer_params"] = handoff_facts(outs[0]) if req.kv_transfer_params is not None else None
                 return json_bytes(renders[0].body([r.final(o) for r, o in zip(renders, outs)],
@@ -272,32 +270,6 @@ def check_final(out) -> None:
 def generated(renders: list[Renderer], outs) -> int:
     """The completion tokens a reply counts (none for a prompt scored alone: max_tokens 0)."""
     return sum(len(o.outputs[0].token_ids) for r, o in zip(renders, outs) if not r.scores_only)
-
-
-def json_bytes(body: dict) -> bytes:
-    """A response body as JSONResponse writes it (compact, UTF-8, no NaN)."""
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-
-
-def check_work(prompts: list[tuple[str | None, list[int]]], params: list[ValidRequest], limit: int) -> None:
-    """A 400 naming --max-request-tokens for a request that asks for more work than it allows
-    (options.request_work): refused before anything runs, not served for minutes while the
-    server's other clients wait."""
-    asked = [r.params for r in params]
-    work = request_work([ids for _, ids in prompts], asked)
-    if work <= limit:
-        return
-    n_prompt = sum(len(ids) for _, ids in prompts)
-    scored = any(p.prompt_logprobs is not None for p in asked)
-    generated = sum(p.n * p.max_tokens for p in asked)  # the largest part names the field to cut
-    param = "prompt_logprobs" if scored and work - generated > generated else "prompt" if work - generated > \
-        generated else "n" if any(p.n > 1 for p in asked) else "max_tokens"
-    raise HTTPError(400, f"this request asks for up to {work:,} tokens of work ({len(prompts)} prompt(s) of "
-                         f"{n_prompt:,} tokens, {sum(p.n for p in asked)} sequence(s) of up to "
-                         f"{max(p.max_tokens for p in asked):,} tokens each"
-                         + (", the prompts' log-probs on every copy" if scored else "")
-                         + f"), more than this server takes for one request (--max-request-tokens {limit:,}): "
-                         "lower n or max_tokens, or send fewer prompts", param=param)
 
 
 def share_prompt_logprobs(seqs, outs) -> None:

@@ -252,3 +252,8 @@ class Renderer:
     def chunk(self, choices: list, **extra) -> str:
         return sse({"id": self.request_id, "object": f"{self.object}.chunk" if self.chat else self.object,
                     "created": self.created, "model": self.model, "choices": choices, **extra})
+
+
+def json_bytes(body: dict) -> bytes:
+    """A response body as JSONResponse writes it (compact, UTF-8, no NaN)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")

@@ -33,6 +33,7 @@ from pdserve.engine.sample.structured import Grammars
 from pdserve.engine.validation import InvalidRequest, ValidRequest
 
 from .errors import HTTPError
+from .options import request_work
 from .schemas import screen
 
 log = logging.getLogger(__name__)
@@ -320,3 +321,24 @@ def field_path(loc: tuple) -> str:
         elif not _TYPE_TAG.search(str(part)):
             out += f".{part}" if out else str(part)
     return out
+
+
+def check_work(prompts: list[tuple[str | None, list[int]]], params: list[ValidRequest], limit: int) -> None:
+    """A 400 naming --max-request-tokens for a request that asks for more work than it allows
+    (options.request_work): refused before anything runs, not served for minutes while the
+    server's other clients wait."""
+    asked = [r.params for r in params]
+    work = request_work([ids for _, ids in prompts], asked)
+    if work <= limit:
+        return
+    n_prompt = sum(len(ids) for _, ids in prompts)
+    scored = any(p.prompt_logprobs is not None for p in asked)
+    generated = sum(p.n * p.max_tokens for p in asked)  # the largest part names the field to cut
+    param = "prompt_logprobs" if scored and work - generated > generated else "prompt" if work - generated > \
+        generated else "n" if any(p.n > 1 for p in asked) else "max_tokens"
+    raise HTTPError(400, f"this request asks for up to {work:,} tokens of work ({len(prompts)} prompt(s) of "
+                         f"{n_prompt:,} tokens, {sum(p.n for p in asked)} sequence(s) of up to "
+                         f"{max(p.max_tokens for p in asked):,} tokens each"
+                         + (", the prompts' log-probs on every copy" if scored else "")
+                         + f"), more than this server takes for one request (--max-request-tokens {limit:,}): "
+                         "lower n or max_tokens, or send fewer prompts", param=param)

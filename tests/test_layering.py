@@ -42,7 +42,7 @@ INTRA = {
     "cluster": {
         "aio": set(), "gpus": set(), "serving_config": set(), "routing": {"api"}, "registry": {"aio", "records"},
         "registry_link": {"aio", "records", "registry"}, "api": set(), "records": set(),
-        "local_ray": set(), "output_pipe": {"aio"}, "outlets": {"output_pipe", "worker_commands"},
+        "local_ray": {"reaper"}, "reaper": set(), "output_pipe": {"aio"}, "outlets": {"output_pipe", "worker_commands"},
         "autoscale": {"serving_config"}, "ratio": {"api", "records", "serving_config"},
         "shard_actor": {"gpus", "serving_config"}, "worker_commands": set(),
         "peer_calls": set(),
@@ -63,7 +63,7 @@ INTRA = {
     },
     "router": {
         "tool_parsers": set(), "tools": {"tool_parsers"}, "schemas": {"tools", "tool_parsers"}, "errors": {"schemas"},
-        "render": {"tools"}, "runner": {"errors", "schemas"}, "metrics": set(), "openapi": {"schemas"},
+        "render": {"tools"}, "runner": {"errors", "options", "schemas"}, "metrics": set(), "openapi": {"schemas"},
         "chat": {"errors"},
         "tokens": {"chat", "errors", "runner", "schemas"},
         "options": set(),
