@@ -12,7 +12,7 @@ import time
 import ray
 import ray._private.utils as ray_utils
 
-from .reaper import Reaper
+from .reaper import Reaper, process_tree, running
 
 LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's switch: "0" puts a new local Ray on 127.0.0.1
 
@@ -64,28 +64,6 @@ class RayStartError(RuntimeError):
 STOP_GRACE_S = 1.0  # what Ray's node processes get, together, between SIGTERM and SIGKILL
 
 
-def _children() -> dict[int, list[int]]:
-    """This machine's process tree from /proc: pid -> its children (empty where there is no /proc)."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def shutdown_own_ray() -> None:
     """`ray.shutdown()` of a Ray this process started, its node processes (GCS, raylet, monitors)
     and theirs (the raylet's agents and workers) stopped together: Ray's own stops the node
@@ -100,7 +78,7 @@ def shutdown_own_ray() -> None:
     if node is not None and isinstance(infos, dict) and hasattr(node, "kill_all_processes"):
         def kill_all_processes(*_args, **_kwargs) -> None:
             procs = [pi.process for group in infos.values() for pi in group if pi.process.poll() is None]
-            tree, todo, below = _children(), [p.pid for p in procs], []
+            tree, todo, below = process_tree()[0], [p.pid for p in procs], []
             while todo:  # every process below the node's: agents, workers, theirs
                 kids = tree.get(todo.pop(), [])
                 below += kids
@@ -111,9 +89,9 @@ def shutdown_own_ray() -> None:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S
-            while time.monotonic() < deadline and (any(p.poll() is None for p in procs) or any(map(_running, below))):
+            while time.monotonic() < deadline and (any(p.poll() is None for p in procs) or any(map(running, below))):
                 time.sleep(0.02)
-            for pid in filter(_running, below):
+            for pid in filter(running, below):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             for p in procs:

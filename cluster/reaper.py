@@ -39,15 +39,28 @@ def _stat(pid: int) -> tuple[int, int, str] | None:
     return int(fields[1]), int(fields[19]), fields[0]
 
 
-def _below(roots: dict[int, int]) -> dict[int, int]:
-    """pid -> start time of the `roots` (pid -> start time) still running and of every process
-    below them, now."""
+def process_tree() -> tuple[dict[int, list[int]], dict[int, int]]:
+    """This machine's processes from /proc: pid -> its children, and pid -> its start time
+    (both empty where there is no /proc)."""
     kids: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if entry.isdigit() and (st := _stat(int(entry))) is not None:
             kids.setdefault(st[0], []).append(int(entry))
             starts[int(entry)] = st[1]
+    return kids, starts
+
+
+def running(pid: int) -> bool:
+    """Whether a process runs (a zombie does not)."""
+    st = _stat(pid)
+    return st is not None and st[2] != "Z"
+
+
+def _below(roots: dict[int, int]) -> dict[int, int]:
+    """pid -> start time of the `roots` (pid -> start time) still running and of every process
+    below them, now."""
+    kids, starts = process_tree()
     out, todo = {}, [p for p, s in roots.items() if starts.get(p) == s]
     while todo:
         pid = todo.pop()
