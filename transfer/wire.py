@@ -5,7 +5,10 @@
 A message's blocks go in chunks of up to 2 x 64 MiB: a run of consecutive block ids from / into
 the KV tensor in place, other chunks gathered into (sender) or scattered from (receiver) a
 two-slot staging ring, so that the gather / scatter of one chunk overlaps the transfer of the
-next. A failed link is aborted (NCCL kernels waiting on a dead peer return) and set aside in
+next. Over gloo, blocks of at least INPLACE_BLOCK_BYTES go one message each, from and into the
+KV tensor in place (no gather, no scatter, no staging buffer: between two hosts of a bed, 2,048
+tokens of SmolLM2's float32 KV took 188 ms staged and take 61 ms in place, bench/results/cross_host/).
+A failed link is aborted (NCCL kernels waiting on a dead peer return) and set aside in
 the connector's graveyard, never destroyed from a pair's thread (NCCL may hang there).
 """
 
@@ -20,6 +23,13 @@ import torch.distributed as dist
 from pdserve.engine.base.stores import gloo_group, nccl_interface
 
 from .base import Handoff, block_bytes, block_index, contiguous_run, gather_blocks, scatter_blocks
+
+INPLACE_BLOCK_BYTES = 64 << 10  # gloo: a block this big is its own message, sent in place
+
+
+def message_tag(k: int, i: int) -> int:
+    """The tag of the i-th message of a pair's k-th handoff (both sides compute it alike)."""
+    return (((k & 0x7FF) << 20) | (i & 0xFFFFF)) & 0x7FFFFFFF
 
 
 def td(seconds: float) -> datetime.timedelta:
@@ -95,8 +105,45 @@ class C10dLink:
         caching allocator to free and synchronize the device, which cost the receiver
         ~20 ms a handoff on 2x H200). Stream order makes the ring safe: a slot is refilled
         only after the op that used it two chunks earlier."""
-        conn = self.conn
         n = scratch or len(block_ids)
+        if self.in_place(h.heads, n):
+            self._move_blocks(h, k, block_ids, n)
+        else:
+            self._move_chunks(h, k, block_ids, n)
+        if scratch:
+            return
+        if not h.complete():
+            # aborted or overdue while in flight: the data moved, but the owner gave up
+            raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
+
+    def in_place(self, heads, n: int) -> bool:
+        """Whether a message of n blocks goes block by block in place: over gloo, whole blocks
+        (no head range: a tensor-parallel route names one on both sides) of at least
+        INPLACE_BLOCK_BYTES. Both sides decide it alike: their layouts are the same."""
+        conn = self.conn
+        return (self.name == "gloo" and n > 0 and heads is None
+                and block_bytes(conn.kv) >= INPLACE_BLOCK_BYTES and conn.kv.is_contiguous())
+
+    def _move_blocks(self, h: Handoff, k: int, block_ids: list[int] | None, n: int) -> None:
+        """gloo: one message a block, each posted at once from (sender) or into (receiver) the
+        block's own bytes in the KV tensor, then all waited for. A drained message (no
+        `block_ids`) lands in one scratch block."""
+        kv = self.conn.kv
+        scratch = torch.empty_like(kv[0]) if block_ids is None else None
+        posted: list = []
+        for i in range(n):
+            buf = scratch if block_ids is None else kv[block_ids[i]]
+            tag = message_tag(k, i)
+            posted.append([self.pg.send([buf], 1, tag) if self.is_sender else self.pg.recv([buf], 0, tag), False])
+            if i == 0:
+                h.t_first_post = time.monotonic()
+            h.nbytes += buf.numel() * buf.element_size()
+        h.t_posted = time.monotonic()
+        for op in posted:
+            self._wait(op, h, None)
+
+    def _move_chunks(self, h: Handoff, k: int, block_ids: list[int] | None, n: int) -> None:
+        conn = self.conn
         stream = conn.stream
         ring = conn.staging.acquire() if n else None
         try:
@@ -122,7 +169,7 @@ class C10dLink:
                         buf, staged = ring.slot(i % 2, hi - lo), True
                         if self.is_sender:
                             gather_blocks(conn.kv, index[lo:hi], out=buf)
-                    tag = ((k << 6) + i) & 0x7FFFFFFF
+                    tag = message_tag(k, i)
                     work = self.pg.send([buf], 1, tag) if self.is_sender else self.pg.recv([buf], 0, tag)
                     posted.append([work, staged])
                     if i == 0:
@@ -142,11 +189,6 @@ class C10dLink:
         finally:
             if ring is not None:
                 conn.staging.release(ring)
-        if scratch:
-            return
-        if not h.complete():
-            # aborted or overdue while in flight: the data moved, but the owner gave up
-            raise RuntimeError(f"handoff {h.request_id} finished after it was {h.state.name}")
 
     def _head_slice(self, h: Handoff, ring, i: int, ids, index, lo: int, hi: int, heads) -> torch.Tensor:
         """The buffer of a chunk that moves only KV heads [heads) of each block: the sender

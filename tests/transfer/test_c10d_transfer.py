@@ -61,6 +61,37 @@ def test_round_trip_bit_exact_for_block_patterns(peers):
     assert d.ask("stats", kind="stats")["pairs"] == 1  # one cached group served every handoff
 
 
+def test_blocks_of_the_in_place_size_go_one_message_each_bit_exact_and_a_drained_one_keeps_step():
+    """Blocks of INPLACE_BLOCK_BYTES (64 KiB: head_dim 128) move over gloo one message a block
+    from and into the KV tensor itself: every pattern lands bit-exact, and an order for a
+    receive given up on is drained block by block, the next handoff on the same pair intact."""
+    from pdserve.transfer.wire import INPLACE_BLOCK_BYTES
+
+    assert make_kv(0, num_blocks=1, head_dim=128)[0].numel() * 4 == INPLACE_BLOCK_BYTES
+    p, d = Peer("prefill-0", 5, head_dim=128), Peer("decode-0", 6, head_dim=128)
+    try:
+        src = make_kv(5, head_dim=128)
+        for i, (name, (src_ids, dst_ids)) in enumerate(PATTERNS.items()):
+            handoff(p, d, f"r{i}", src_ids, dst_ids)
+            assert p.get("results")[f"r{i}"][0] == "DONE", name
+            recv, blocks = d.get("results")
+            assert recv[f"r{i}"][0] == "DONE", (name, recv)
+            assert torch.equal(blocks[f"r{i}"], src[src_ids]), name
+        (ch,) = d.ask("channel", (p.name, 1), "channels")
+        d.call("recv", {"ops": [(p.name, "", "late", [20, 21, 22], ch, 1.0)]})
+        assert d.get("results", timeout=30)[0]["late"][0] == "FAILED"
+        p.call("send", {"ops": [(d.name, d.address, "late", [3, 4, 5], ch, 20.0)]})
+        assert p.get("results")["late"][0] == "DONE"  # ordered, then drained on the receiver
+        handoff(p, d, "next", [9, 2], [40, 41])
+        assert p.get("results")["next"][0] == "DONE"
+        out, blocks = d.get("results")
+        assert out["next"][0] == "DONE" and torch.equal(blocks["next"], src[[9, 2]])
+        assert d.ask("stats", kind="stats")["pairs"] == 1
+    finally:
+        p.stop()
+        d.stop()
+
+
 def test_prompt_handoff_with_partial_block_and_decode_prefix_hits(peers):
     p, d = peers("prefill-0", 11), peers("decode-0", 12)
     shared = list(range(1000, 1048))  # 3 full blocks both sides will share

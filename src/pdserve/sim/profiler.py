@@ -31,8 +31,9 @@ LINKS_MEASURED = {
     # 2x H200, disagg:1:1 served: send start to received 3.9 ms p50 for 512 MiB handoffs; the copy
     # engine moves 392 GB/s between the GPUs (bench/results/ipc/cross_gpu_copy.md, multi_gpu/README.md)
     "same_host": Link(0.0026, 392.0, "bench/results/ipc/cross_gpu_copy.md; multi_gpu/README.md (3.9 ms p50 served)"),
-    # two hosts over TCP (gloo), 0.5-0.6 GB/s, ~20 ms at 22 MiB (bench/results/cross_host/README.md)
-    "network": Link(0.005, 0.6, "bench/results/cross_host/README.md (gloo over TCP)"),
+    # two hosts over TCP (gloo), 0.5-0.6 GB/s, ~20 ms at 22 MiB with staged copies
+    # (bench/results/cross_host/staged_before/; sent in place since: 1.3-1.55 GB/s at 2K tokens on the same bed)
+    "network": Link(0.005, 0.6, "bench/results/cross_host/staged_before/README.md (gloo over TCP)"),
 }
 
 
