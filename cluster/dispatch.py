@@ -112,7 +112,7 @@ class Dispatcher:
         p.load += 1
         d.load += 1
         call = p.actor.prefill.remote(a.wire_id, a.request, d.worker_id, a.fetch)
-        prefill = asyncio.ensure_future(self._await_prefill(p, call, a.rid))
+        prefill = asyncio.ensure_future(self._await_prefill(p, call, a.rid, d))
         relay = asyncio.ensure_future(self._relay(a, d, p))
         try:
             done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
@@ -170,9 +170,11 @@ class Dispatcher:
     def _release(w: WorkerRecord) -> None:
         w.load -= 1
 
-    async def _await_prefill(self, p: WorkerRecord, ref, rid: str | None = None) -> HandoffResult | RequestOutput:
-        """The prefill side of a handoff: its result (observed), or the output of a request
-        that ended there; a dead worker or bad input raises."""
+    async def _await_prefill(self, p: WorkerRecord, ref, rid: str | None = None,
+                             d: WorkerRecord | None = None) -> HandoffResult | RequestOutput:
+        """The prefill side of a handoff to `d`: its result (observed; placement learns the
+        link's cost from it), or the output of a request that ended there; a dead worker or bad
+        input raises."""
         try:
             res = await ref
         except RayActorError as e:
@@ -187,6 +189,8 @@ class Dispatcher:
             if res.ok:
                 for o in self.observers:
                     o.on_handoff(res)
+                if d is not None:
+                    self.placer.observe_transfer(p.worker_id, d.worker_id, res.nbytes, res.seconds)
             else:
                 log.warning("handoff from %s reported %s", p.worker_id, res)
         return res

@@ -32,6 +32,7 @@ from pdserve.transfer.base import LayoutMismatch
 from pdserve.transfer.fetch import FetchPlan
 
 from .api import NoWorker
+from .handoff_cost import LINK_GBPS_START, HandoffCost
 from .pool_view import PoolView
 from .records import WorkerRecord
 from .registry import PrefixRun, best_holder
@@ -40,10 +41,6 @@ from .routing import Holder, pick_decode, pick_prefill, place_prompt, plan_fetch
 FLOOR_S = 0.05  # added to both sides of observed / predicted: a few ms of overhead is no error
 ERROR_BOUNDS = (0.05, 1000.0)
 HALF_LIFE_S = 30.0  # an error not observed again fades toward 1: a worker placement stopped using gets retried
-# a fetch's bandwidth until the placed worker has measured its own (kv_peer_fetch_gbps): on one node the
-# pair pulls over CUDA IPC / shared memory (one H200: 29 GB/s for 512 MiB, 140 GB/s for 2 GB, fixed costs
-# included: bench/results/kv_tiers/); across nodes NCCL or gloo, whose worst case (TCP) is about 1 GB/s
-LINK_GBPS_START = {"same_node": 20.0, "network": 1.0}
 LINK_DOWN_S = 10.0  # a pair whose receiver's host did not answer stays out of placement this long
 
 
@@ -108,7 +105,7 @@ class Placer:
         simulator passes its simulated time)."""
         self.pools, self.registry, self.block_size = pools, registry, block_size
         self.clock = clock
-        self.handoff_s = 0.02  # EWMA of the kv_to_first_token phase: hybrid placement's handoff cost
+        self.handoff = HandoffCost()  # hybrid placement's cost of a handoff, per link, as measured
         self.local = local or LocalRules()
         self.routing = routing_counts if routing_counts is not None else {}
         self._error: dict[str, tuple[float, float]] = {}  # worker id -> (EWMA of observed / predicted, when)
@@ -232,10 +229,14 @@ class Placer:
             self.count("link_down_local")
             charges.charge(d, len(ids) - next(c.cached_tokens for c in decodes if c.worker_id == d.worker_id))
             return Placement(d, explain={"local": True, "reason": "link_down", "decode": d.worker_id})
-        pl = place_prompt(len(ids), p, linked, self.slo.ttft_s, self.slo.spill_at, self.handoff_s)
+        recv = next(c for c in linked if c.worker_id == pick_decode(linked))  # place_prompt's receiver
+        handoff_s = self.handoff.predict(self.pools.worker(pid), self.pools.worker(recv.worker_id),
+                                         len(ids) - recv.cached_tokens, self.block_size)
+        pl = place_prompt(len(ids), p, linked, self.slo.ttft_s, self.slo.spill_at, handoff_s)
         self.count(pl.reason)
         chosen = pl.decode if pl.local else pid
-        placed = Placement(self.pools.worker(pl.decode), explain={**pl.explain(), "prefill": pid},
+        placed = Placement(self.pools.worker(pl.decode),
+                           explain={**pl.explain(), "prefill": pid, "handoff_s": round(handoff_s, 4)},
                            predicted=(chosen, pl.ttft_local_s if pl.local else pl.ttft_pool_s))
         if chosen in self._error:
             placed.explain["correction"] = round(self.error(chosen), 3)
@@ -266,7 +267,14 @@ class Placer:
         return 1.0 + (value - 1.0) * 0.5 ** ((self.clock() - at) / HALF_LIFE_S)
 
     def observe_handoff(self, seconds: float) -> None:
-        self.handoff_s = 0.9 * self.handoff_s + 0.1 * seconds
+        """A handed-off request's kv_to_first_token phase (send start -> first token here)."""
+        self.handoff.observe_first_token(seconds)
+
+    def observe_transfer(self, prefill: str, decode: str, nbytes: int, seconds: float | None) -> None:
+        """A finished handoff's bytes and seconds on its (prefill, decode) link (HandoffCost)."""
+        self.handoff.observe_transfer(prefill, decode, nbytes, seconds)
+        if len(self.handoff.links()) > 4 * max(len(self.pools.workers), 1) ** 2:  # workers that left
+            self.handoff.forget(set(self.pools.workers))
 
     def _pick_prefill(self, runs: dict[str, PrefixRun], hashes: list[str], ids: list[int],
                       role: str, decodes: list | None = None) -> WorkerRecord:

@@ -313,3 +313,46 @@ def test_a_pair_whose_link_is_down_is_out_of_placement_until_its_time_is_up():
     placed = place()
     assert placed.prefill.worker_id == "prefill-0" and placed.decode.worker_id == "decode-1"
     assert placer.links_down() == {}
+
+
+def test_placement_learns_each_links_handoff_cost_and_prefills_locally_behind_a_slow_link():
+    """The handoff's cost is learned per (prefill, decode) link from measured transfers: while
+    the link moves 90 MiB in ~0.1 s a 2,000-token prompt goes to the prefill pool (0.4 s + the
+    handoff); once its handoffs measure 0.02 GB/s, the predicted handoff of that prompt's KV
+    (~4.7 s) puts the pool past the SLO and the decode worker prefills it (decode_spare, 2 s)."""
+    import asyncio
+
+    from pdserve.cluster.placement import Charges, Placer
+    from pdserve.cluster.records import WorkerInfo
+    from pdserve.engine.base.kv_layout import KVLayout
+    from pdserve.transfer.base import WireLayout
+
+    layout = WireLayout(KVLayout(16, 30, 3, 64, "float32"), 64 << 20, 1, 3)  # 720 KiB a block
+    pools = Pools(ServingConfig.from_dict({"slo": {"ttft_s": 1.0}}), hybrid_specs(), {"prefill": {}, "decode": {}},
+                  "ns", None, 1.0)
+    stats = {"prefill": {"prefill_tok_s": 5000.0, "prefill_chunk": 8192, "kv_blocks_total": 1000},
+             "decode": {"prefill_tok_s": 1000.0, "prefill_chunk": 256, "kv_blocks_total": 1000}}
+    for wid, role, node in (("prefill-0", "prefill", "a"), ("decode-1", "decode", "b")):
+        info = WorkerInfo(role, "", "1", node_id=node, layout=layout)
+        pools.workers[wid] = WorkerRecord(wid, role, None, info, stats=WorkerStats.of(stats[role]))
+    placer = Placer(pools, None, 16)
+
+    def place():
+        charges = Charges()
+        try:
+            return asyncio.run(placer.plan([], list(range(2000)), charges))
+        finally:
+            charges.settle()
+
+    blocks = 2000 // 16
+    for _ in range(5):  # a fast link: 1 GB/s
+        placer.observe_transfer("prefill-0", "decode-1", blocks * layout.block_bytes, 0.094)
+    placed = place()
+    assert not placed.local and placed.explain["reason"] == "prefill_pool", placed.explain
+    assert 0.05 < placed.explain["handoff_s"] < 0.2
+    for _ in range(30):  # the same link, slowed to 0.02 GB/s
+        placer.observe_transfer("prefill-0", "decode-1", blocks * layout.block_bytes, 4.7)
+    assert placer.handoff.links()["prefill-0->decode-1"] < 0.03
+    placed = place()
+    assert placed.local and placed.explain["reason"] == "decode_spare", placed.explain
+    assert placed.explain["handoff_s"] > 3
