@@ -1,12 +1,13 @@
 """The pools' health and autoscaling (`PoolMonitor`, Pools' base): every second, the registry's
 probe, each worker's stats (one that is gone or says it cannot serve is purged and replaced; one
 that is silent is out of placement, and purged once silent for `unresponsive_s`), the refill to the
-targets, and the autoscaler's step (autoscale.py's signals policy, or ratio.py's split), which
-switches a worker between the pools when none can be added.
+targets (a task beside the passes: a start that waits for a node holds up nothing else), and
+the autoscaler's step (autoscale.py's signals policy, or ratio.py's split), which switches a
+worker between the pools when none can be added.
 
 It reads what Pools sets up: serving, mode, registry, workers, targets, actor_options, ttft, itl,
-ratio, closed, _scaling, _pool_state, autoscale_events, unresponsive_s, and Pools' `pool_sizes()`,
-`candidates()`, `tp()`, `scale()`, `remove()` and `_reconcile()`.
+ratio, closed, _scaling, _refill, _pool_state, autoscale_events, unresponsive_s, and Pools'
+`pool_sizes()`, `candidates()`, `tp()`, `scale()`, `remove()` and `_reconcile()`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ class PoolMonitor:
                 self.monitor_error = f"{type(e).__name__}: {e}"[:300]
                 log.exception("pool monitor pass failed; the next one runs in 1 s")
 
+    async def _refill_pools(self) -> None:
+        """Starts workers up to the targets, beside the monitor's passes: a start can wait long for
+        a node that offers its pool (a host that died, until it is back), and the probes, the
+        registry's return and /health must not wait with it (they did: one refill held the
+        monitor for up to the start timeout, 900 s)."""
+        async with self._scaling:
+            try:
+                await self._reconcile()  # drains it starts run on their own
+            except (RayError, WorkerRefused) as e:
+                log.warning("refilling pools failed: %s", e)
+
     def monitor_state(self) -> dict:
         return {"status": "ok" if self.monitor_error is None else "error",
                 **({"error": self.monitor_error} if self.monitor_error else {})}
@@ -50,12 +62,8 @@ class PoolMonitor:
     async def _monitor_pass(self) -> None:
         await self.registry.check()
         await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
-        if not self.closed and not self._scaling.locked():
-            async with self._scaling:
-                try:
-                    await self._reconcile()  # drains it starts run on their own
-                except (RayError, WorkerRefused) as e:
-                    log.warning("refilling pools failed: %s", e)
+        if not self.closed and not self._scaling.locked() and (self._refill is None or self._refill.done()):
+            self._refill = asyncio.ensure_future(self._refill_pools())
         if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():
             self._autoscale_step(time.monotonic())
 

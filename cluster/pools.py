@@ -70,6 +70,7 @@ class Pools(PoolMonitor, PoolView):
         self._pool_state = {role: PoolState() for role in ROLES}
         self.ratio = RatioPlanner(window, serving.autoscale.cooldown_s) if serving.autoscale.policy == "ratio" else None
         self._scaling = asyncio.Lock()
+        self._refill: asyncio.Future | None = None  # the monitor's refill to the targets, while it runs
         self.closed = False
         self.monitor_error: str | None = None  # the last monitor pass's failure, if it failed
         self.start_s = 10.0  # EWMA of a worker's start (actor to serving): a 503's Retry-After

@@ -10,6 +10,7 @@ import uuid
 
 import ray
 from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .aio import within
 from .records import RegisteredWorker
@@ -55,6 +56,7 @@ class RegistryLink:
         self.reason: str | None = None
         self.outages = 0  # outages seen since the cluster started
         self.recreated = 0  # times the registry was created anew (its name was gone)
+        self.restarts = 0  # times another process answered the probe (Ray restarted the actor, or it was recreated)
         self.waiting_since: float | None = None  # when the wait in the actor's present state began
         self.alive: bool | None = None  # the actor's Ray state at the last probe: ALIVE, or being started
         self.kills = 0  # kills since the registry was last up for STABLE_S: each doubles the next allowance
@@ -67,8 +69,12 @@ class RegistryLink:
         self._killed_pid: int | None = None  # the process the probe killed: its answers are not a restart's
 
     def create(self):
-        self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace,
-                                           max_restarts=-1).remote(cluster_id=self.cluster_id)
+        """The registry actor, on the router's node while it lives (soft affinity): a registry on a
+        worker's host went down with that host, and every placement ran without prefix hints until
+        Ray restarted it elsewhere (33 s; tests/cluster/test_hosts.py, a prefill host killed)."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace, max_restarts=-1,
+                                              scheduling_strategy=here).remote(cluster_id=self.cluster_id)
         return self.actor
 
     @property
@@ -77,7 +83,7 @@ class RegistryLink:
 
     def state(self) -> dict:
         out = {"status": "ok" if self.up else "restarting", "outages": self.outages, "recreated": self.recreated,
-               "slow_calls": self.slow_calls}
+               "restarts": self.restarts, "slow_calls": self.slow_calls}
         if not self.up:
             out.update(down_s=round(time.monotonic() - self.down_since, 1), reason=self.reason)
         return out
@@ -146,6 +152,8 @@ class RegistryLink:
             if err is None and answer.result() == self._killed_pid:
                 return  # the killed process, not dead yet (a ray.kill takes its time): the restart's wait goes on
             if err is None:
+                if self.pid is not None and answer.result() != self.pid:
+                    self.restarts += 1
                 self.pid = answer.result()
                 self._up()
                 return

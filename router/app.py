@@ -32,7 +32,7 @@ from pdserve.engine.default_model import model_name as served_name
 from pdserve.engine.validation import ValidRequest
 
 from .chat import chat_ids, special_tokens
-from .errors import GuardMiddleware, HTTPError, error_response
+from .errors import GuardMiddleware, HTTPError, check_final, error_response, failure
 from .metrics import RouterMetrics
 from .openapi import install as install_openapi
 from .options import ServerOptions
@@ -245,27 +245,6 @@ def handoff_facts(out) -> dict:
             "kv_handoff": out.prefill_worker is not None and out.prefill_worker != out.decode_worker,
             "num_cached_tokens": out.num_cached_tokens}
 
-
-def failure(out) -> HTTPError | None:
-    """The HTTP error an output stands for: aborted (499), a worker failure ("error": 503), or
-    the request's own parameters ("invalid": 400 naming the parameter, e.g. a grammar whose
-    next character the tokenizer cannot spell); None for an output that did not fail."""
-    c = out.outputs[0] if out.outputs else None
-    if c is None:
-        return HTTPError(499, "request failed: aborted", "server_error")
-    if c.finish_reason == "error":
-        return HTTPError(503, f"request failed: {c.stop_reason}", "server_error")
-    if c.finish_reason == "invalid":
-        name = str(c.stop_reason).split(":", 1)[0]
-        return HTTPError(400, str(c.stop_reason), param="response_format" if name == "structured_outputs" else name)
-    return None
-
-
-def check_final(out) -> None:
-    """A final output that failed is an HTTP error (nothing has been sent yet)."""
-    err = failure(out)
-    if err is not None:
-        raise err
 
 def generated(renders: list[Renderer], outs) -> int:
     """The completion tokens a reply counts (none for a prompt scored alone: max_tokens 0)."""

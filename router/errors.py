@@ -96,3 +96,30 @@ class GuardMiddleware:
                     raise HTTPError(413, f"request body of more than {self.max_body_bytes} bytes exceeds the limit")
             return message
         return bounded
+
+
+RETRY_FAILED_S = 1  # Retry-After of a request whose tries all failed: the next try meets the pools as they are then
+
+
+def failure(out) -> HTTPError | None:
+    """The HTTP error an output stands for: aborted (499), a worker failure ("error": 503 with
+    Retry-After: a client told to retry gets a fresh placement, or a 503 saying how long), or
+    the request's own parameters ("invalid": 400 naming the parameter, e.g. a grammar whose
+    next character the tokenizer cannot spell); None for an output that did not fail."""
+    c = out.outputs[0] if out.outputs else None
+    if c is None:
+        return HTTPError(499, "request failed: aborted", "server_error")
+    if c.finish_reason == "error":  # its tries failed (workers lost): it may be sent again shortly
+        return HTTPError(503, f"request failed: {c.stop_reason}", "server_error",
+                         headers={"Retry-After": str(RETRY_FAILED_S)})
+    if c.finish_reason == "invalid":
+        name = str(c.stop_reason).split(":", 1)[0]
+        return HTTPError(400, str(c.stop_reason), param="response_format" if name == "structured_outputs" else name)
+    return None
+
+
+def check_final(out) -> None:
+    """A final output that failed is an HTTP error (nothing has been sent yet)."""
+    err = failure(out)
+    if err is not None:
+        raise err

@@ -5,6 +5,8 @@
 #   bash scripts/hosts.sh run [--name NAME] h2 -- ray start --address=10.231.0.2:6379 ...
 #   bash scripts/hosts.sh down [--name NAME]   # stops every process the bed's hosts run, removes it all
 #   bash scripts/hosts.sh list                 # the beds that are up
+#   bash scripts/hosts.sh crash [--name NAME] h2   # h2 loses its power: cable out, every process killed
+#   bash scripts/hosts.sh boot [--name NAME] h2    # h2 is back: cable in, nothing running
 #
 # Each host has what a real host has apart from its disk: its own network namespace (its own
 # loopback, and one address on a bridge that only the bed's hosts and this machine share), its own
@@ -24,11 +26,15 @@
 # the host's environment, never into .venv, and fetches nothing (no index: nothing leaves the bed)).
 #
 # A host is one process (its namespaces' init); `down` kills it, and the kernel ends every process
-# of that host with it. Two beds can be up at once (each with its own NAME and subnet).
+# of that host with it. `crash` is a host's power lost: its link goes down first (its peers get
+# no answer, as from a dead machine, not a refused connection), then every process of the host but
+# its init is killed, and Ray's session files and the host's shared memory are gone; `boot` brings
+# the link back, and what the host runs (Ray, sshd) is started again by whoever started it first.
+# Two beds can be up at once (each with its own NAME and subnet).
 set -euo pipefail
 
 STATE=/run/pdserve-hosts
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "hosts.sh: $*" >&2; exit 1; }
 
 cmd=${1:-}; [ -n "$cmd" ] || usage; shift
@@ -194,6 +200,17 @@ case "$cmd" in
         rest=("${args[@]:1}"); [ "${rest[0]:-}" = "--" ] && rest=("${rest[@]:1}")
         [ ${#rest[@]} -ge 1 ] || usage
         exec nsenter -t "$pid" --net --mount --pid --ipc --uts --wd="$PWD" -- "${rest[@]}" ;;
+    crash|boot)
+        [ ${#args[@]} -eq 1 ] || usage
+        pid=$(host_pid "${args[0]}")
+        if [ "$cmd" = crash ]; then
+            nsenter -t "$pid" --net -- ip link set eth0 down
+            # kill -1 from inside the host's PID namespace: every process of it but its init and this shell
+            nsenter -t "$pid" --net --mount --pid --ipc --uts -- bash -c \
+                'kill -9 -1 2>/dev/null; sleep 0.2; rm -rf /tmp/ray; find /dev/shm -xdev -mindepth 1 -delete 2>/dev/null; true'
+        else
+            nsenter -t "$pid" --net -- ip link set eth0 up
+        fi ;;
     addr) cat "$dir/${args[0]}.addr" ;;
     list) for d in "$STATE"/*/; do [ -d "$d" ] && echo "$(basename "$d") $(cat "$d/subnet").0/24"; done; true ;;
     *) usage ;;

@@ -87,6 +87,17 @@ class HostBed:
         out = self.run(host, "ip", "link", "set", "eth0", "up" if up else "down")
         assert out.returncode == 0, out.stderr
 
+    def crash(self, host: str) -> None:
+        """`host` loses its power (hosts.sh crash): its link goes down, every process of it is
+        killed, Ray's session files and its shared memory are gone."""
+        out = subprocess.run(["bash", str(SCRIPT), "crash", "--name", self.name, host], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+    def boot(self, host: str) -> None:
+        """`host` is back (hosts.sh boot): its link up, nothing running on it yet."""
+        out = subprocess.run(["bash", str(SCRIPT), "boot", "--name", self.name, host], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
     def partition(self, a: str, b: str, cut: bool = True) -> None:
         """Cuts (or restores) the path between hosts `a` and `b` only: each drops what it would
         send to the other (a blackhole route); both still reach every other host."""
