@@ -190,6 +190,19 @@ def _complete(url: str, prompt: list[int], headers: dict | None = None) -> dict:
                  headers=headers)
 
 
+def _degraded_for(url: str, seconds: float) -> bool:
+    """Polls /health each second for `seconds`: whether it ever said anything but ok (a 503 when a
+    pool it needs is empty)."""
+    t, degraded = time.monotonic(), False
+    while time.monotonic() - t < seconds:
+        try:
+            degraded |= _get(f"{url}/health", timeout=5)["status"] != "ok"
+        except (OSError, ValueError):
+            degraded = True
+        time.sleep(1)
+    return degraded
+
+
 def _nodes(url: str) -> dict[str, tuple[str, str]]:
     """worker id -> (pool, node address)."""
     return {w["worker_id"]: (w["role"], w["node"]) for w in _get(f"{url}/admin/status")["workers"]}
@@ -329,13 +342,7 @@ def test_a_decode_hosts_link_down_for_20_s_under_load_fails_nothing_silently_and
     proc, url, load, mark = _under_load(servers, "disagg")
     try:
         bed.link("h3", up=False)
-        t_fault, degraded = time.monotonic(), False
-        while time.monotonic() - t_fault < 20:
-            try:
-                degraded |= _get(f"{url}/health", timeout=5)["status"] != "ok"
-            except (OSError, ValueError):  # 503: no decode worker to place on
-                degraded = True
-            time.sleep(1)
+        degraded = _degraded_for(url, 20)
         bed.link("h3", up=True)
         # the goal is 30 s (printed below): measured 11 and 20 s, once over 30 s. What sets it is Ray's own
         # reconnect to the host (its gRPC backoff), not pdserve's placement; the test fails past twice that
@@ -358,6 +365,7 @@ def test_disagg_answers_503_at_once_through_a_partition_and_takes_the_pair_back_
     out of placement (placement.LINK_DOWN_S) and requests get 503 + Retry-After, not a wait of the
     handoff timeout; /health says degraded and names the link. Nothing hangs, no token is wrong,
     the pair serves again within 30 s of the partition's end, the KV blocks are all back."""
+    from pdserve.cluster.placement import LINK_DOWN_S
     from pdserve.transfer.probe import PROBE_S, STALL_S
 
     bed, env, model = cluster
@@ -379,9 +387,14 @@ def test_disagg_answers_503_at_once_through_a_partition_and_takes_the_pair_back_
         load.finish()
         err = log_since(proc, mark)
     assert set(outcomes) <= {"ok", "503"} and outcomes.get("503"), (outcomes, err[-3000:])
-    cut = [(o, s) for t0, _, o, _, s in load.rows if t_cut + 1 <= t0 < t_cut + 14]
+    # while the pair is out of placement (from the first refusal for LINK_DOWN_S; then one attempt tries
+    # it again, by design, and one sent in the cut's last seconds may wait for the link's return: CI
+    # saw requests sent 13.3 s into the cut served after 30 s, the pair marked down ~3 s in)
+    down_until = min(t0 + s for t0, _, o, _, s in load.rows if t0 >= t_cut and o == "503") + LINK_DOWN_S - 1
+    window = (t_cut + 1, min(t_cut + 14, down_until))
+    cut = [(o, s) for t0, _, o, _, s in load.rows if window[0] <= t0 < window[1]]
     served = [(round(t0 - t_cut, 2), len(p), o, n, round(s, 2)) for t0, p, o, n, s in load.rows
-              if t_cut + 1 <= t0 < t_cut + 14 and o != "503"]  # (sent after the cut, prompt, outcome, tokens, s)
+              if window[0] <= t0 < window[1] and o != "503"]  # (sent after the cut, prompt, outcome, tokens, s)
     assert cut and not served, (served, err[-3000:])  # while cut: refused, none served half-way
     # the first refusal came within a stall and a probe (and an engine step), not the handoff timeout
     assert min(s for o, s in cut) < STALL_S + PROBE_S + 2, cut
@@ -404,13 +417,7 @@ def test_a_prefill_host_killed_whole_under_load_is_a_503_until_it_is_back_and_se
     restarts = _get(f"{url}/health")["registry"]["restarts"]  # since the shared server started
     try:
         bed.crash("h2")
-        t_fault, degraded = time.monotonic(), False
-        while time.monotonic() - t_fault < 20:
-            try:
-                degraded |= _get(f"{url}/health", timeout=5)["status"] != "ok"
-            except (OSError, ValueError):  # 503: no prefill worker to place on
-                degraded = True
-            time.sleep(1)
+        degraded = _degraded_for(url, 20)
         bed.boot("h2")
         _join(bed, env, "h2")
         wait_for(lambda: _alive_nodes(bed, env) == 3, 60, "h2's Ray back")
@@ -450,13 +457,7 @@ def test_a_decode_hosts_raylet_lost_under_load_is_replaced_there_once_its_ray_is
                                   "        if c == 'raylet': print(p)").split()
         assert len(raylet) == 1, raylet
         bed.run("h3", "kill", "-9", raylet[0])
-        t_fault, degraded = time.monotonic(), False
-        while time.monotonic() - t_fault < 15:
-            try:
-                degraded |= _get(f"{url}/health", timeout=5)["status"] != "ok"
-            except (OSError, ValueError):
-                degraded = True
-            time.sleep(1)
+        degraded = _degraded_for(url, 15)
         wait_for(lambda: _alive_nodes(bed, env) == 2, 60, "h3's node dead to Ray")
         _join(bed, env, "h3")
         wait_for(lambda: _alive_nodes(bed, env) == 3, 60, "h3's Ray back")
