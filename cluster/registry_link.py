@@ -10,7 +10,6 @@ import uuid
 
 import ray
 from ray.exceptions import RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .aio import within
 from .records import RegisteredWorker
@@ -69,12 +68,8 @@ class RegistryLink:
         self._killed_pid: int | None = None  # the process the probe killed: its answers are not a restart's
 
     def create(self):
-        """The registry actor, on the router's node while it lives (soft affinity): a registry on a
-        worker's host went down with that host, and every placement ran without prefix hints until
-        Ray restarted it elsewhere (33 s; tests/cluster/test_hosts.py, a prefill host killed)."""
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace, max_restarts=-1,
-                                              scheduling_strategy=here).remote(cluster_id=self.cluster_id)
+        self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace,
+                                              max_restarts=-1).remote(cluster_id=self.cluster_id)
         return self.actor
 
     @property
