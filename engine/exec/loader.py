@@ -44,11 +44,13 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     tp = tp or TPGroup()
     device, dtype = config.torch_device, config.torch_dtype
     model = build_on_meta(config, tp)
-    rope = model.rotary.cos, model.rotary.sin  # float32 host tables (to_empty below wipes buffers)
+    rope = model.rotary.cos, model.rotary.sin  # float32 host tables (allocating below wipes buffers)
     # cast on meta (free) so that the real allocation is already in the model's dtype: a
     # float32 staging copy would need twice a bf16 model's memory (141 GB per GPU for 70B at TP 2)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    if mc.tie_word_embeddings and tp.size == 1:  # to_empty from meta makes new Parameters: tie again
+    # allocated with torch.empty, not Module.to_empty: its empty_like from meta runs through torch's
+    # Python references and imports sympy, 0.5 s of CPU in every worker process that loads a model
+    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    if mc.tie_word_embeddings and tp.size == 1:  # allocating from meta makes new Parameters: tie again
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.cos, model.rotary.sin = (t.to(device) for t in rope)
     params = dict(model.named_parameters())
