@@ -33,7 +33,11 @@ def ray_init_options(local: bool = True) -> dict:
 # host's main work, and at nice 15 a busy neighbour (two CPU-bound processes on 2 cores) left them a
 # few percent of a core, so a restarted registry or a worker's start took minutes. `ray start` of a
 # multi-host cluster gives the same setting as RAY_worker_niceness=0 (configs/*.yaml).
-SYSTEM_CONFIG = {"worker_niceness": 0}
+# No worker process started ahead for the driver (Ray's prestart: on 2 cores that idle `ray::IDLE`
+# cost 1.5 s of CPU and served no actor; every actor here asks for its own) and no Ray metrics
+# (pdserve's are the router's /metrics): a local cluster's start 26.9 -> 19.6 s of CPU, summed over
+# its processes (`pdserve serve`, the default model, 2 workers).
+SYSTEM_CONFIG = {"worker_niceness": 0, "prestart_worker_first_driver": False, "enable_metrics_collection": False}
 
 
 @contextlib.contextmanager
