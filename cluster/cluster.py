@@ -37,6 +37,7 @@ from .api import ClusterSnapshot, RequestObserver
 from .dispatch import Dispatcher
 from .engine_specs import EngineSpecs
 from .gpus import runtime_env as gpus_runtime_env
+from .links import LinkCheck
 from .local_ray import shutdown_own_ray, start_or_join_ray
 from .output_pipe import OutputPipe
 from .placement import LocalRules
@@ -109,6 +110,7 @@ class Cluster:
         self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, placement or LocalRules(),
                                      pipe=self.pipe)
         self.dispatcher.observers.append(_AutoscaleLatency(self.pools))
+        self.pools.pass_checks.append(LinkCheck(self.dispatcher.placer, self.pools.workers))
         if self.pools.ratio is not None:
             self.dispatcher.observers.append(self.pools.ratio)
         self._closed = False

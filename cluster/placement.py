@@ -12,7 +12,9 @@ predictions against what happened.
     A pool with no worker to place on raises NoWorker (the router's 503 + Retry-After).
 
 Links that are down: a handoff whose receiver's host stopped answering (HandoffResult.unreachable)
-takes its (prefill, decode) pair out of placement for LINK_DOWN_S; then one attempt tries it again.
+takes its (prefill, decode) pair out of placement. Every monitor pass the prefill worker probes the
+receiver's KV address (Dispatcher.check_links): an answer takes the pair back at once (`link_up`), a
+refusal keeps it out (`link_down`); with no verdict it is tried again after LINK_DOWN_S.
 Disagg places on the pairs left, or answers 503 + Retry-After when none is; hybrid prefills on the
 decode worker. /health names the pairs (`kv_links_down`) and says degraded.
 
@@ -112,9 +114,23 @@ class Placer:
         self._down: dict[tuple[str, str], float] = {}  # (prefill id, decode id) -> out of placement until
 
     def link_down(self, prefill: str, decode: str) -> None:
-        """A handoff from `prefill` found `decode`'s host unreachable: the pair is out for LINK_DOWN_S."""
+        """A handoff from `prefill` found `decode`'s host unreachable (or a probe of the pair's link
+        did): the pair is out of placement for LINK_DOWN_S from now, or until `link_up`."""
+        if (prefill, decode) not in self._down:
+            self.count("link_down")
         self._down[(prefill, decode)] = self.clock() + LINK_DOWN_S
-        self.count("link_down")
+
+    def link_up(self, prefill: str, decode: str) -> None:
+        """`decode`'s KV address answers from `prefill`'s host again: the pair is back now, not
+        when its LINK_DOWN_S are up (a verdict taken in a partition's last second held a healed
+        pair out for 10 s more)."""
+        if self._down.pop((prefill, decode), None) is not None:
+            self.count("link_up")
+
+    def down_pairs(self) -> list[tuple[str, str]]:
+        """The (prefill, decode) pairs out of placement now."""
+        now = self.clock()
+        return [pair for pair, until in self._down.items() if until > now]
 
     def links_down(self) -> dict[str, float]:
         """The pairs out of placement now: "prefill->decode" -> seconds left."""

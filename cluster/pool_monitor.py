@@ -6,7 +6,8 @@ the autoscaler's step (autoscale.py's signals policy, or ratio.py's split), whic
 worker between the pools when none can be added.
 
 It reads what Pools sets up: serving, mode, registry, workers, targets, actor_options, ttft, itl,
-ratio, closed, _scaling, _refill, _pool_state, autoscale_events, unresponsive_s, and Pools'
+ratio, closed, _scaling, _refill, _pool_state, autoscale_events, unresponsive_s, pass_checks (what
+else runs beside the probes: the dispatcher's check of links that are down), and Pools'
 `pool_sizes()`, `candidates()`, `tp()`, `scale()`, `remove()` and `_reconcile()`.
 """
 
@@ -61,7 +62,8 @@ class PoolMonitor:
 
     async def _monitor_pass(self) -> None:
         await self.registry.check()
-        await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
+        await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())),
+                             *(check() for check in self.pass_checks))
         if not self.closed and not self._scaling.locked() and (self._refill is None or self._refill.done()):
             self._refill = asyncio.ensure_future(self._refill_pools())
         if self.serving.autoscale.enabled and not self.closed and not self._scaling.locked():

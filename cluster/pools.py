@@ -75,6 +75,7 @@ class Pools(PoolMonitor, PoolView):
         self.monitor_error: str | None = None  # the last monitor pass's failure, if it failed
         self.start_s = 10.0  # EWMA of a worker's start (actor to serving): a 503's Retry-After
         self.unresponsive_s = 30.0  # a live worker silent this long is purged (pool_monitor.py)
+        self.pass_checks: list = []  # async callables each monitor pass runs beside its probes
 
     # ---- views (PoolView's: worker, members, ahead_of, candidates) ------------------------------
     def pool_sizes(self) -> dict:

@@ -304,3 +304,9 @@ class WorkerActor(EngineLoop):
         receiving side is closed, so the next handoff from it runs on a new gen. Posted ahead of
         any request the caller sends after this call returns (the inbox keeps the order)."""
         self._post(ForgetPeer(worker_id, sends=False))
+
+    async def reaches(self, address: str) -> bool:
+        """Whether a peer's KV address answers from this worker's host (transfer/probe.py): the
+        cluster asks while the link between them is out of placement, and takes it back once it
+        does. The answer is also the role's verdict from here on."""
+        return await asyncio.to_thread(self.role.prober.check, address)

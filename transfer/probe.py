@@ -20,8 +20,11 @@ SCAN_S = 0.5  # how often a role looks for what waits on a silent peer (off its 
 
 
 def answers(address: str, timeout_s: float = PROBE_S) -> bool:
-    """Whether something accepts a TCP connection at host:port within `timeout_s`."""
-    host, port = address.rsplit(":", 1)
+    """Whether something accepts a TCP connection at host:port within `timeout_s`. An address that
+    is not host:port (a same-host connector's name) has no network to lose: it answers."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return True
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             return True
@@ -49,6 +52,14 @@ class Prober:
                 self._running.add(address)
                 threading.Thread(target=self._probe, args=(address,), name="kv-probe", daemon=True).start()
         return None
+
+    def check(self, address: str) -> bool:
+        """A probe now, on the caller's thread; its answer is the verdict from here on (a "no" from
+        before the link's return is not kept once it answers)."""
+        ok = answers(address, self.timeout_s)
+        with self._lock:
+            self._answers[address] = (ok, time.monotonic())
+        return ok
 
     def _probe(self, address: str) -> None:
         ok = answers(address, self.timeout_s)

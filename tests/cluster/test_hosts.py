@@ -293,7 +293,15 @@ class Load:
     def served_again(self, url: str, what: str, within_s: float = 30) -> float:
         """Seconds until every client is served again (4 answers in the last 3 s, /health ok)."""
         t = time.monotonic()
-        wait_for(lambda: self.ok_since(time.monotonic() - 3) >= 4 and _up(url), within_s, what)
+        try:
+            wait_for(lambda: self.ok_since(time.monotonic() - 3) >= 4 and _up(url), within_s, what)
+        except AssertionError as e:  # what it saw: the outcomes since and the server's health
+            since = [(round(t0 - t, 1), o, round(s, 1)) for t0, _, o, _, s in self.rows if t0 + s >= t]
+            try:
+                health = _get(f"{url}/health", timeout=3)
+            except OSError as h:
+                health = repr(h)
+            raise AssertionError(f"{e}; requests since (sent s, outcome, took s): {since}; /health: {health}") from None
         return time.monotonic() - t
 
     def ok_since(self, t: float) -> int:
@@ -376,7 +384,9 @@ def test_disagg_answers_503_at_once_through_a_partition_and_takes_the_pair_back_
     that host answers (transfer/probe.py): it does not, so the attempt fails in seconds, the pair is
     out of placement (placement.LINK_DOWN_S) and requests get 503 + Retry-After, not a wait of the
     handoff timeout; /health says degraded and names the link. Nothing hangs, no token is wrong,
-    the pair serves again within 30 s of the partition's end, the KV blocks are all back."""
+    the pair serves again within 30 s of the partition's end (the prefill worker's probe of the
+    link takes it back at the monitor's next pass: Dispatcher.check_links), the KV blocks are all
+    back."""
     from pdserve.cluster.placement import LINK_DOWN_S
     from pdserve.transfer.probe import PROBE_S, STALL_S
 

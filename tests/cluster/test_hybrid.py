@@ -279,7 +279,7 @@ def test_a_pair_whose_link_is_down_is_out_of_placement_until_its_time_is_up():
     """After a handoff found the decode worker's host unreachable (Placer.link_down): hybrid
     prefills on the decode worker; disagg, with no other pair, raises NoWorker (503) naming the
     link, with Retry-After of at least LINK_DOWN_S; /health's kv_links_down names it; once its
-    time is up the pair is placed on again."""
+    time is up, or once a probe finds the link back (link_up), the pair is placed on again."""
     import asyncio
 
     from pdserve.cluster.api import NoWorker
@@ -312,7 +312,13 @@ def test_a_pair_whose_link_is_down_is_out_of_placement_until_its_time_is_up():
     placer._down[("prefill-0", "decode-1")] = time.monotonic() - 1  # its time is up
     placed = place()
     assert placed.prefill.worker_id == "prefill-0" and placed.decode.worker_id == "decode-1"
-    assert placer.links_down() == {}
+    assert placer.links_down() == {} and placer.down_pairs() == []
+    placer.link_down("prefill-0", "decode-1")  # down again; a probe of the link finds it back:
+    assert placer.down_pairs() == [("prefill-0", "decode-1")]
+    placer.link_up("prefill-0", "decode-1")  # placed on at once, not LINK_DOWN_S later
+    placed = place()
+    assert placed.prefill.worker_id == "prefill-0" and placed.decode.worker_id == "decode-1"
+    assert placer.routing["link_down"] == 2 and placer.routing["link_up"] == 1
 
 
 def test_placement_learns_each_links_handoff_cost_and_prefills_locally_behind_a_slow_link():

@@ -211,6 +211,7 @@ def test_a_peer_whose_host_does_not_answer_fails_what_waits_on_it_and_frees_its_
     import pdserve.decode.role as decode_role
     import pdserve.prefill.role as prefill_role
     from pdserve.engine.role import Emitted, Sent
+    from pdserve.transfer.probe import answers as host_answers
 
     monkeypatch.setattr(prefill_role, "STALL_S", 0.2)
     monkeypatch.setattr(decode_role, "RECEIVE_STALL_S", 0.2)
@@ -246,4 +247,8 @@ def test_a_peer_whose_host_does_not_answer_fails_what_waits_on_it_and_frees_its_
         assert out.finish_reason == "error" and "does not answer" in out.stop_reason, out
         assert pw.num_inflight == 0 and dw.num_inflight == 0
         de.kv.check_all_free()
+    # a probe now replaces a "no" from before the link's return; a connector's name is no address
+    pw.prober._answers[alive] = (False, time.monotonic())
+    assert pw.prober.verdict(alive) is False and pw.prober.check(alive) and pw.prober.verdict(alive) is True
+    assert host_answers("decode-0") and not host_answers(silent)
     listening.close()
