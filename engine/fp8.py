@@ -7,10 +7,14 @@ block (`weight_block_size`, [128, 128] in every release): W = q * scale_inv, blo
 Embeddings, norms, routers and the LM head stay in the checkpoint's dtype.
 
 Lifecycle: `ModelConfig.from_dir` reads the config through `weight_quant_of` (refusing other
-quantization methods by name); the loader (exec/loader.py) pairs each FP8 weight with its scale
-and `dequantize` gives the model's dtype before the weight is sliced for its rank, so tensor
-parallelism, the KV tiers and the handoff see an ordinary model. The weights are held in the
-model's dtype (bf16 on GPU): an FP8 checkpoint loads and serves, at bf16's memory and speed.
+quantization methods by name); the loader (exec/loader.py) decides per linear layer:
+  held in FP8  where the model runs its Triton kernels (fused_ops) through the CPU interpreter (a
+               GPU waits for its check: exec/loader.holds_fp8), each decoder Linear / RowParallelLinear whose every
+               source is FP8 and cut on block bounds keeps the e4m3 values and their scales as they
+               are (models/layers.hold_fp8) and runs ops/triton_fp8.fp8_linear
+  dequantized  everything else (the experts' fused tensors, MLA's kv_b_proj, a cut inside a block,
+               any other device): `dequantize` gives the model's dtype before the rank's slice
+Tensor parallelism, the KV tiers and the handoff see an ordinary model either way.
 """
 
 from __future__ import annotations

@@ -49,7 +49,9 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     # float32 staging copy would need twice a bf16 model's memory (141 GB per GPU for 70B at TP 2)
     # allocated with torch.empty, not Module.to_empty: its empty_like from meta runs through torch's
     # Python references and imports sympy, 0.5 s of CPU in every worker process that loads a model
-    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model = model.to(dtype=dtype)
+    held = _hold_fp8(model, config, load_format)  # after the cast: a cast would turn e4m3 into the model's dtype
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if mc.tie_word_embeddings and tp.size == 1:  # allocating from meta makes new Parameters: tie again
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.cos, model.rotary.sin = (t.to(device) for t in rope)
@@ -57,14 +59,20 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     keep = model.float32_params()  # e.g. DeepSeek's routers
     for name, p in params.items():
         want = torch.float32 if name in keep else dtype
-        if p.dtype != want:
+        module, _, leaf = name.rpartition(".")
+        if p.dtype != want and not (module in held and leaf in ("weight", "weight_scale")):
             p.data = p.data.to(want)
     if tp.size > 1:
         model.lm_head.weight.data.zero_()  # the last rank's padding rows: logits cut after the gather
     if load_format == "dummy":
         gen = torch.Generator(device=device).manual_seed(config.seed + 7919 * tp.rank)
-        for p in model.parameters():
-            p.data.uniform_(-0.02, 0.02, generator=gen)
+        for name, p in model.named_parameters():
+            if p.dtype == torch.float8_e4m3fn:  # values over the e4m3 range, scaled to +-0.02
+                p.data.copy_(torch.empty(p.shape, device=device).uniform_(-448, 448, generator=gen))
+            elif name.endswith(".weight_scale") and name.rpartition(".")[0] in held:
+                p.data.fill_(0.02 / 448)
+            else:
+                p.data.uniform_(-0.02, 0.02, generator=gen)
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.data.fill_(1.0)
@@ -73,6 +81,75 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     _load_safetensors(model, config.model, params)
     return model.eval()
+
+
+def holds_fp8(config: EngineConfig) -> bool:
+    """Whether a model of `config` keeps an FP8 checkpoint's linear weights in FP8: where it runs its
+    Triton kernels (fused_ops) through the CPU interpreter. Not yet on a GPU: on an H200 the held
+    model's greedy tokens under CUDA graphs differed from the dequantized model's (eager ones were
+    equal), and cuBLAS's block-scaled GEMM returned garbage at K = 256 (now refused there:
+    ops/triton_fp8._cublas_blockwise); until a GPU run shows them equal, GPUs dequantize at load."""
+    if config.model_config.weight_quant is None or not config.fused_ops:
+        return False
+    return config.torch_device.type != "cuda"
+
+
+def _hold_fp8(model: CausalLM, config: EngineConfig, load_format: str) -> set[str]:
+    """Turns the linear layers that keep their FP8 weights into FP8 ones (models/layers.hold_fp8),
+    on meta; returns their module names. A random model (`dummy`) holds every decoder layer's
+    Linear and RowParallelLinear; a checkpoint, each whose every source is FP8 and lands on whole
+    blocks of scales (a fused or sliced weight whose cut falls inside a block is dequantized)."""
+    from ..models.layers import Linear, RowParallelLinear, hold_fp8
+
+    if not holds_fp8(config):
+        return set()
+    block = config.model_config.weight_quant.block
+    linears = {name for name, m in model.named_modules()
+               if isinstance(m, (Linear, RowParallelLinear)) and name.startswith("layers.")}
+    if load_format == "dummy":
+        names = linears
+    else:
+        names = _fp8_layers(model, config.model, block, linears)
+    for name in names:
+        hold_fp8(model.get_submodule(name), block)
+    return names
+
+
+def _fp8_layers(model: CausalLM, path: str, block: tuple[int, int], linears: set[str]) -> set[str]:
+    """The modules of `linears` whose weight the checkpoint's FP8 tensors fill whole, each cut on
+    block bounds (read from the safetensors headers only)."""
+    from safetensors import safe_open
+
+    rows_of: dict[str, int] = {}  # module -> rows its FP8 sources fill
+    mixed: set[str] = set()  # modules some source of which is not FP8 or not on block bounds
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for hf_name in f.keys():
+                part = f.get_slice(hf_name)
+                fp8 = part.get_dtype().startswith("F8")
+                shape = tuple(part.get_shape())
+                for target, rows, dim, src in model.shard_targets(hf_name):
+                    module, _, leaf = target.rpartition(".")
+                    if module not in linears or leaf != "weight":
+                        continue
+                    n = model.get_submodule(module).weight.shape[0]
+                    if not fp8 or not _on_blocks(rows, n, dim, src, shape, block):
+                        mixed.add(module)
+                        continue
+                    rows_of[module] = rows_of.get(module, 0) + (n if rows is None else rows.stop - rows.start)
+    return {m for m, r in rows_of.items() if m not in mixed and r == model.get_submodule(m).weight.shape[0]}
+
+
+def _on_blocks(rows: slice | None, n: int, dim: int, src: slice | None, shape: tuple, block: tuple[int, int]) -> bool:
+    """Whether a source's cut (`src` of its dim `dim`, shape `shape`) and its place in the parameter
+    (`rows` of its `n`) fall on block bounds: each starts on one, a part block only at both ends."""
+    bn, bk = block
+    if dim == 1:  # a column cut (a row-parallel weight): the parameter is the cut, all its rows
+        cut = src or slice(0, shape[1])
+        return rows is None and cut.start % bk == 0 and ((cut.stop - cut.start) % bk == 0 or cut.stop == shape[1])
+    cut, at = src or slice(0, shape[0]), rows or slice(0, n)
+    whole = (cut.stop - cut.start) % bn == 0
+    return cut.start % bn == 0 and at.start % bn == 0 and (whole or (cut.stop == shape[0] and at.stop == n))
 
 
 def _dequantized(hf_name: str, part, where: dict, quant: WeightQuant | None, path: str) -> torch.Tensor:
@@ -86,10 +163,35 @@ def _dequantized(hf_name: str, part, where: dict, quant: WeightQuant | None, pat
     return dequantize(part[:], where[scale].get_tensor(scale), quant.block, torch.float32, hf_name)
 
 
+def _copy_fp8(part, where: dict, quant: WeightQuant, hf_name: str, p: torch.Tensor, scale: torch.Tensor,
+              rows: slice | None, dim: int, src: slice | None) -> list[tuple[str, int]]:
+    """An FP8 tensor's cut into a parameter held in FP8, its block scales into the parameter's
+    (the cut on block bounds: _on_blocks). -> [(name suffix, elements filled)]."""
+    (bn, bk), shape = quant.block, tuple(part.get_shape())
+    q = part[:] if src is None else (part[src] if dim == 0 else part[:, src])
+    dst = p if rows is None else p[rows]
+    if dst.shape != q.shape:
+        raise ValueError(f"tensor {hf_name!r} gives {tuple(q.shape)} here, expected {tuple(dst.shape)}")
+    dst.copy_(q)
+    sname = quant.scale_name(hf_name)
+    if sname not in where:
+        raise ValueError(f"FP8 tensor {hf_name!r} has no {sname!r} beside it")
+    scales = where[sname].get_slice(sname)
+    if dim == 0:
+        cut, at = src or slice(0, shape[0]), rows or slice(0, p.shape[0])
+        s = scales[cut.start // bn: -(-cut.stop // bn)]
+        scale[at.start // bn: -(-at.stop // bn)].copy_(s)
+    else:
+        cut = src or slice(0, shape[1])
+        s = scales[:, cut.start // bk: -(-cut.stop // bk)]
+        scale.copy_(s)
+    return [("", q.numel()), ("_scale", s.numel())]
+
+
 def _load_safetensors(model: CausalLM, path: str, params: dict) -> None:
     """Reads only this rank's slices of each tensor (safetensors' lazy slices); an FP8 weight of a
-    block-scaled checkpoint (engine/fp8.py) is read whole with its scales, dequantized to its
-    parameter's dtype, then sliced."""
+    block-scaled checkpoint (engine/fp8.py) goes as it is, with its scales' slice, into a layer
+    held in FP8 (_hold_fp8), else is read whole with its scales, dequantized, then sliced."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -106,13 +208,19 @@ def _load_safetensors(model: CausalLM, path: str, params: dict) -> None:
                 if quant is not None and quant.is_scale(hf_name):
                     continue  # read with its weight
                 part, whole = f.get_slice(hf_name), None
-                if part.get_dtype().startswith("F8"):
-                    whole = _dequantized(hf_name, part, where, quant, path)
+                fp8 = part.get_dtype().startswith("F8")
                 for target, rows, dim, src in model.shard_targets(hf_name):
                     name, _, index = target.partition("[")  # "w_down[3]": expert 3 of a fused tensor
                     if name not in params:
                         raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
                     p = params[name].data
+                    if fp8 and p.dtype == torch.float8_e4m3fn:  # held in FP8: values and scales as they are
+                        for got, count in _copy_fp8(part, where, quant, hf_name, p, params[name + "_scale"].data,
+                                                    rows, dim, src):
+                            loaded[name + got] = loaded.get(name + got, 0) + count
+                        continue
+                    if fp8 and whole is None:
+                        whole = _dequantized(hf_name, part, where, quant, path)
                     if index:
                         p = p[int(index.rstrip("]"))]
                     src_of = part if whole is None else whole

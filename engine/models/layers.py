@@ -103,20 +103,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
     return F.linear(x, weight, bias)
 
 
+def hold_fp8(module: nn.Module, block: tuple[int, int]) -> None:
+    """From here on `module` (a Linear or RowParallelLinear, still empty) holds its weight as e4m3
+    values with a float32 scale per `block` (`weight_scale`, engine/fp8.py's format) and its
+    forward runs ops/triton_fp8.fp8_linear: the loader's choice for an FP8 checkpoint's layers
+    where the model runs its Triton kernels (exec/loader.py)."""
+    n, k = module.weight.shape
+    dev = module.weight.device
+    module.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False)
+    module.weight_scale = nn.Parameter(torch.empty(-(-n // block[0]), -(-k // block[1]), device=dev),
+                                       requires_grad=False)
+    module.fp8_block = block
+
+
+def fp8_linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] through a module that holds FP8 weights (hold_fp8)."""
+    from ..ops.triton_fp8 import fp8_linear as run  # imports Triton only for a model that holds FP8
+
+    x2 = x.reshape(-1, x.shape[-1])
+    y = run(x2 if x2.stride(-1) == 1 else x2.contiguous(), module.weight, module.weight_scale, module.fp8_block)
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose few-row steps run `linear`'s GEMV where the model runs fused."""
+    """nn.Linear whose few-row steps run `linear`'s GEMV where the model runs fused, or whose
+    weight is FP8 with block scales (hold_fp8)."""
+
+    fp8_block: tuple[int, int] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, fused: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self.gemv = gemv_op(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            return fp8_linear(x, self, self.bias)
         return linear(x, self.weight, self.bias, self.gemv)
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard @ W_shard^T) + b: the input dim is split across the ranks;
-    the bias is whole on every rank and added once, after the sum."""
+    the bias is whole on every rank and added once, after the sum. Its weight may be FP8 (hold_fp8)."""
+
+    fp8_block: tuple[int, int] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, fused: bool = False):
         super().__init__()
@@ -126,7 +156,8 @@ class RowParallelLinear(nn.Module):
         self.gemv = gemv_op(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.gemv))
+        y = fp8_linear(x, self, None) if self.fp8_block is not None else linear(x, self.weight, None, self.gemv)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -226,8 +226,8 @@ def _cublas_blockwise(x: torch.Tensor, n: int, k: int, block: tuple[int, int]) -
     """Whether torch._scaled_mm takes DeepSeek's scales here: 1 x 128 for x, 128 x 128 for the weight
     (cuBLAS 12.9+ on Hopper; torch >= 2.9). Probed once per GPU and output dtype on a small GEMM;
     a torch or GPU without it gets the Triton kernel."""
-    if not x.is_cuda or block != (128, 128) or n % 128 or k % 128:
-        return False
+    if not x.is_cuda or block != (128, 128) or n % 128 or k % 128 or k < 512:
+        return False  # K = 256 (N = 512) came back 287x off on an H200 (torch 2.11, cu130); 512+ agreed
     key = (x.device.index, x.dtype)
     if key not in _CUBLAS:
         try:

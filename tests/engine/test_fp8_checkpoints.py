@@ -146,3 +146,38 @@ def test_fp8_values_without_a_quantization_config_are_refused(tmp_path, tok_dir)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="is FP8 .* no quantization_config"):
         LLM(str(tmp_path), dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 << 20)
+
+
+def test_where_the_model_runs_its_triton_kernels_it_holds_the_fp8_weights_with_hf_s_tokens(fp8_dir):
+    """fused_ops (Triton; CPU: the interpreter): each decoder linear whose sources lie on block bounds
+    keeps the checkpoint's e4m3 values and scales as they are (half of bf16's bytes) and runs
+    ops/triton_fp8. Steps of up to FEW_ROWS rows (a prefill chunk of 4 here) keep x in its dtype:
+    Hugging Face's dequantized tokens exactly. Larger steps quantize x per 128 columns (W8A8):
+    their logits stay within a few percent of the dequantized model's."""
+    from pdserve.engine.ops.triton_fp8 import FEW_ROWS
+
+    name, path = fp8_dir
+    if name not in ("llama", "deepseek_v3"):
+        pytest.skip("one dense model and one MLA + MoE model (the experts' fused tensors are dequantized)")
+    want = hf_greedy(path, ID_PROMPTS, 8)
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, attention_backend="triton",
+              fused_ops=True)
+    with LLM(path, max_num_batched_tokens=FEW_ROWS, max_num_seqs=FEW_ROWS, **kw) as llm:
+        held = {n for n, p in llm.engine.runner.model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+        got = [o.outputs[0].token_ids for o in llm.generate(ID_PROMPTS, GREEDY)]
+    assert got == want
+    per_layer = {n.split(".", 2)[2] for n in held}
+    assert {"self_attn.o_proj.weight", "mlp.gate_up_proj.weight"} <= per_layer or name == "deepseek_v3", per_layer
+    assert len(held) >= 3 * BASE["num_hidden_layers"] - 1, sorted(held)
+    # larger steps: W8A8 against the dequantized model's logits
+    from pdserve.engine.exec.loader import holds_fp8
+
+    prompt = list(range(3, 43))
+    with LLM(path, **kw) as llm:
+        assert holds_fp8(llm.engine.config)
+        fp8 = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20) as llm:
+        ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    a, b = fp8.outputs[0].logprobs[0], ref.outputs[0].logprobs[0]
+    top = next(iter(b))
+    assert top in a and abs(a[top] - b[top]) < 0.1 * max(1.0, abs(b[top])), (a, b)
