@@ -47,8 +47,8 @@ def timed(fn, iters: int, warmup: int = 2) -> float:
 
 KERNEL_KINDS = (("moe experts", ("_moe_",)),
                 ("attention", ("paged_decode", "flash", "fmha", "attn", "_mla_decode", "_combine")),
-                ("kv store", ("store_kv",)),
-                ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "matmul", "splitk")),
+                ("kv store", ("store_kv",)), ("fp8 activation quantize", ("_quant_kernel",)),
+                ("gemm", ("gemm", "gemv", "w8a16", "w8a8", "cutlass", "nvjet", "sm90_xmma", "matmul", "splitk")),
                 ("fused elementwise", ("add_rmsnorm", "rope", "silu_mul")), ("memcpy / memset", ("memcpy", "memset")))
 
 

@@ -378,7 +378,26 @@ def fp8() -> dict:
         "device": dev,
         "workload": "Qwen3-32B's qkv, o, gate/up, down at one row: the W8A16 GEMV's time over the HBM floor of its FP8 "
         f"bytes (values + scales), summed; the worst shape, {worst['shape']}, "
-        f"{worst['best_ms'] / worst['floor_ms']:.2f}x (a 5 us launch-bound GEMV)"}}
+        f"{worst['best_ms'] / worst['floor_ms']:.2f}x (a 5 us launch-bound GEMV)"}, **fp8_engine()}
+
+
+def fp8_engine() -> dict:
+    """A whole Qwen3-32B-shape model with its decoder linears held in FP8 in the engine
+    (bench/fp8_engine_gpu.py): prefill tokens/s over bf16's, and the b1 decode step over its floor."""
+    res = load("fp8", "fp8_engine.json")
+    cmd, dev = res["command"].split(" --out")[0], res["gpu"]
+    bf16, fp8 = res["runs"]
+    b1 = next(d for d in fp8["decode"] if d["batch"] == 1)
+    return {"fp8_prefill_speedup_32b": {
+        "value": round(res["prefill_speedup"], 2), "command": cmd, "device": dev,
+        "workload": f"Qwen3-32B shape (random weights), one {fp8['prefill']['tokens']}-token prompt, the engine: "
+        "FP8 block-scaled decoder linears (e4m3 + 128x128 scales, activations quantized per 128) over bf16 tokens/s; "
+        "attention is the same bf16 kernel in both"},
+        "fp8_decode_floor_ratio_b1": {
+        "value": round(b1["ratio_to_floor"], 2), "command": cmd, "device": dev,
+        "workload": f"the same model, one row at {b1['context']} tokens of context, the engine's CUDA graph: step time "
+        "over the HBM floor of every parameter but the embedding table in its stored dtype (FP8 + scales; norms and "
+        f"LM head bf16) and the row's KV; bf16's own ratio {bf16['decode'][0]['ratio_to_floor']:.2f}"}}
 
 
 TRACE_SPLIT = " (7.5 and 9 in a second server start, the runs merged: moe/serving/README.md)"

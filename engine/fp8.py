@@ -8,9 +8,9 @@ Embeddings, norms, routers and the LM head stay in the checkpoint's dtype.
 
 Lifecycle: `ModelConfig.from_dir` reads the config through `weight_quant_of` (refusing other
 quantization methods by name); the loader (exec/loader.py) decides per linear layer:
-  held in FP8  where the model runs its Triton kernels (fused_ops) through the CPU interpreter (a
-               GPU waits for its check: exec/loader.holds_fp8), each decoder Linear / RowParallelLinear whose every
-               source is FP8 and cut on block bounds keeps the e4m3 values and their scales as they
+  held in FP8  where the model runs its Triton kernels (fused_ops: a GPU's default, the CPU
+               interpreter on request; exec/loader.holds_fp8), each decoder Linear / RowParallelLinear
+               whose every source is FP8 and cut on block bounds keeps the e4m3 values and their scales as they
                are (models/layers.hold_fp8) and runs ops/triton_fp8.fp8_linear
   dequantized  everything else (the experts' fused tensors, MLA's kv_b_proj, a cut inside a block,
                any other device): `dequantize` gives the model's dtype before the rank's slice

@@ -84,14 +84,9 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
 
 
 def holds_fp8(config: EngineConfig) -> bool:
-    """Whether a model of `config` keeps an FP8 checkpoint's linear weights in FP8: where it runs its
-    Triton kernels (fused_ops) through the CPU interpreter. Not yet on a GPU: on an H200 the held
-    model's greedy tokens under CUDA graphs differed from the dequantized model's (eager ones were
-    equal), and cuBLAS's block-scaled GEMM returned garbage at K = 256 (now refused there:
-    ops/triton_fp8._cublas_blockwise); until a GPU run shows them equal, GPUs dequantize at load."""
-    if config.model_config.weight_quant is None or not config.fused_ops:
-        return False
-    return config.torch_device.type != "cuda"
+    """Whether a model of `config` keeps an FP8 checkpoint's linear weights in FP8: wherever it runs
+    its Triton kernels (fused_ops; on CPU through the interpreter)."""
+    return config.model_config.weight_quant is not None and bool(config.fused_ops)
 
 
 def _hold_fp8(model: CausalLM, config: EngineConfig, load_format: str) -> set[str]:
@@ -99,20 +94,28 @@ def _hold_fp8(model: CausalLM, config: EngineConfig, load_format: str) -> set[st
     on meta; returns their module names. A random model (`dummy`) holds every decoder layer's
     Linear and RowParallelLinear; a checkpoint, each whose every source is FP8 and lands on whole
     blocks of scales (a fused or sliced weight whose cut falls inside a block is dequantized)."""
-    from ..models.layers import Linear, RowParallelLinear, hold_fp8
+    from ..models.layers import hold_fp8
 
     if not holds_fp8(config):
         return set()
-    block = config.model_config.weight_quant.block
+    names = fp8_layers(model, config, load_format)
+    for name in names:
+        hold_fp8(model.get_submodule(name), config.model_config.weight_quant.block)
+    return names
+
+
+def fp8_layers(model: CausalLM, config: EngineConfig, load_format: str = "auto") -> set[str]:
+    """The module names of `model` (built for an FP8 checkpoint's `config`) that hold FP8 where
+    the model runs its Triton kernels: every decoder Linear / RowParallelLinear for a random model
+    (`dummy`) or a directory without weights; a checkpoint's, each whose every source is FP8 and
+    lands on whole blocks of scales. (`pdserve plan` counts their bytes as a GPU holds them.)"""
+    from ..models.layers import Linear, RowParallelLinear
+
     linears = {name for name, m in model.named_modules()
                if isinstance(m, (Linear, RowParallelLinear)) and name.startswith("layers.")}
-    if load_format == "dummy":
-        names = linears
-    else:
-        names = _fp8_layers(model, config.model, block, linears)
-    for name in names:
-        hold_fp8(model.get_submodule(name), block)
-    return names
+    if load_format == "dummy" or not glob.glob(os.path.join(config.model, "*.safetensors")):
+        return linears
+    return _fp8_layers(model, config.model, config.model_config.weight_quant.block, linears)
 
 
 def _fp8_layers(model: CausalLM, path: str, block: tuple[int, int], linears: set[str]) -> set[str]:

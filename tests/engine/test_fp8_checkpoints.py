@@ -91,7 +91,7 @@ def test_greedy_tokens_equal_hf_loading_the_same_fp8_directory(fp8_dir):
     name, path = fp8_dir
     assert ModelConfig.from_dir(path).weight_quant.block == tuple(BLOCK)
     want = hf_greedy(path, ID_PROMPTS, 8)
-    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20,
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, device="cpu",
              max_num_batched_tokens=16) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(ID_PROMPTS, GREEDY)]
         held = {n: p.dtype for n, p in llm.engine.runner.model.named_parameters()}
@@ -106,7 +106,8 @@ def test_tensor_parallel_ranks_slice_the_dequantized_weights(fp8_dir):
     if name not in ("llama", "deepseek_v3"):
         pytest.skip("one dense and one MLA + MoE model under TP 2")
     want = hf_greedy(path, ID_PROMPTS, 8)
-    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, tensor_parallel_size=2) as llm:
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, tensor_parallel_size=2,
+             device="cpu") as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(ID_PROMPTS, GREEDY)] == want
 
 
@@ -161,7 +162,7 @@ def test_where_the_model_runs_its_triton_kernels_it_holds_the_fp8_weights_with_h
         pytest.skip("one dense model and one MLA + MoE model (the experts' fused tensors are dequantized)")
     want = hf_greedy(path, ID_PROMPTS, 8)
     kw = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, attention_backend="triton",
-              fused_ops=True)
+              fused_ops=True, device="cpu")
     with LLM(path, max_num_batched_tokens=FEW_ROWS, max_num_seqs=FEW_ROWS, **kw) as llm:
         held = {n for n, p in llm.engine.runner.model.named_parameters() if p.dtype == torch.float8_e4m3fn}
         got = [o.outputs[0].token_ids for o in llm.generate(ID_PROMPTS, GREEDY)]
@@ -176,8 +177,58 @@ def test_where_the_model_runs_its_triton_kernels_it_holds_the_fp8_weights_with_h
     with LLM(path, **kw) as llm:
         assert holds_fp8(llm.engine.config)
         fp8 = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
-    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20) as llm:
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, device="cpu") as llm:
         ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
     a, b = fp8.outputs[0].logprobs[0], ref.outputs[0].logprobs[0]
     top = next(iter(b))
     assert top in a and abs(a[top] - b[top]) < 0.1 * max(1.0, abs(b[top])), (a, b)
+
+
+def test_plan_counts_the_weights_as_the_engine_holds_them(fp8_dir):
+    """`pdserve plan`'s weight bytes of an FP8 checkpoint are those of the model that holds them
+    (one byte a value, a float32 scale a block; the rest in the model's dtype), not a dequantized
+    model's (it counted every weight at the model's dtype)."""
+    from pdserve.plan import weight_bytes
+
+    name, path = fp8_dir
+    if name not in ("llama", "deepseek_v3"):
+        pytest.skip("one dense model and one MLA + MoE model")
+    with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, attention_backend="triton",
+             fused_ops=True, device="cpu") as llm:
+        model = llm.engine.runner.model
+        held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+        assert weight_bytes(llm.engine.config) == held
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_fp8_weights_are_held_and_a_prompt_alone_or_batched_gets_the_same_tokens(tmp_path, tok_dir):
+    """One GPU (bf16, 128 x 128 blocks as the releases ship): every decoder linear holds its e4m3
+    values; under the engine's CUDA graphs a prompt alone and the same prompt in a batch get the same
+    greedy tokens (prefill steps are padded into the W8A8 GEMM either way, decode steps run the GEMV);
+    the first token's top logprob stays within 10% of the eager engine's and of the dequantized
+    model's. (Exact tokens across kernels are not asked: this random model's near ties flip under a
+    one-ulp change in a sum's order; the dequantized model's own tokens differ between steps too.)"""
+    cfg = dict(BASE, hidden_size=256, intermediate_size=512, num_hidden_layers=4, max_position_embeddings=512,
+               initializer_range=0.05)
+    save_hf("llama", cfg, str(tmp_path), tok_dir, seed=7)
+    assert to_fp8_checkpoint(str(tmp_path), [128, 128]) == 7 * 4
+    prompts = [[5 + i % 400 for i in range(n)] for n in (3, 40, 300)]
+    kw = dict(dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=1 << 30)
+    first = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    tops = []
+    with LLM(str(tmp_path), **kw) as llm:
+        held = [n for n, p in llm.engine.runner.model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+        tops.append(llm.generate([prompts[1]], first)[0].outputs[0].logprobs[0])
+    assert len(held) == 4 * 4, held  # qkv, o, gate_up, down of each layer
+    assert batched == alone
+    for other in ({"enforce_eager": True}, {"fused_ops": False}):  # eager; no Triton: dequantized at load
+        with LLM(str(tmp_path), **kw, **other) as llm:
+            tops.append(llm.generate([prompts[1]], first)[0].outputs[0].logprobs[0])
+    graphs, *refs = tops
+    for ref in refs:
+        top = next(iter(ref))
+        assert top in graphs and abs(graphs[top] - ref[top]) < 0.1 * max(1.0, abs(ref[top])), (graphs, ref)
