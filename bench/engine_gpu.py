@@ -123,6 +123,23 @@ def model_bytes(cfg: dict) -> tuple[int, int]:
     return body, body + V * h
 
 
+def decode_batch(batch: int, ctx: int, vocab: int, blocks_per_seq: int) -> list:
+    """`batch` decode rows of random tokens, each at `ctx` tokens of context in its own blocks: one
+    decode step's schedule for ModelRunner.execute."""
+    from pdserve.engine.core.request import Request
+    from pdserve.engine.core.scheduler import ScheduledRequest
+    from pdserve.engine.sampling_params import SamplingParams
+
+    greedy, out = SamplingParams(temperature=0, max_tokens=16), []
+    for i in range(batch):
+        toks = torch.randint(0, vocab, (ctx + 1,)).tolist()
+        r = Request(f"d{batch}-{i}", toks[:ctx], greedy, max_tokens=16)
+        r.append_token(toks[ctx])
+        r.num_computed_tokens = ctx
+        out.append(ScheduledRequest(r, 1, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))))
+    return out
+
+
 def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefill_lens: list[int],
                  ceil: dict, fused_ops: bool | None = None, profile: bool = False) -> tuple[list, list, bool]:
     from pdserve.engine.config import EngineConfig
@@ -146,14 +163,7 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
     kv_token_bytes = runner.layout.block_bytes // bs
     decode_rows = []
     for B in tqdm(batches, desc="decode"):
-        sched = []
-        for i in range(B):
-            toks = torch.randint(0, vocab, (ctx + 1,)).tolist()
-            r = Request(f"d{B}-{i}", toks[:ctx], greedy, max_tokens=16)
-            r.append_token(toks[ctx])
-            r.num_computed_tokens = ctx
-            ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            sched.append(ScheduledRequest(r, 1, ids))
+        sched = decode_batch(B, ctx, vocab, blocks_per_seq)
         t = timed(lambda s=sched: runner.execute(SchedulerOutput(s)), 10, warmup=3)
         graphs, runner.graphs = runner.graphs, None  # the same step without CUDA graphs
         t_eager = timed(lambda s=sched: runner.execute(SchedulerOutput(s)), 5, warmup=2)

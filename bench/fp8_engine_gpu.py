@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_gpu import ceilings, profile_lines, profile_step, timed  # noqa: E402
+from engine_gpu import ceilings, decode_batch, profile_lines, profile_step, timed  # noqa: E402
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120,
@@ -85,13 +85,7 @@ def run(cfg: dict, fp8: bool, args, copy_gbs: float) -> dict:
     if args.profile:
         out["prefill"]["profile"] = profile_step(lambda: runner.execute(SchedulerOutput(step)), steps=2)
     for b in tqdm(batches, desc=f"decode {out['format']}"):
-        sched = []
-        for i in range(b):
-            ids = torch.randint(0, vocab, (ctx + 1,)).tolist()
-            r = Request(f"d{b}-{i}", ids[:ctx], greedy, max_tokens=16)
-            r.append_token(ids[ctx])
-            r.num_computed_tokens = ctx
-            sched.append(ScheduledRequest(r, 1, list(range(i * per_seq, (i + 1) * per_seq))))
+        sched = decode_batch(b, ctx, vocab, per_seq)
         t = timed(lambda s=sched: runner.execute(SchedulerOutput(s)), 10, warmup=3)
         floor = (body + b * (ctx + 1) * kv_token) / (copy_gbs * 1e9)
         out["decode"].append({"batch": b, "context": ctx, "step_ms": t * 1e3, "floor_ms": floor * 1e3,
