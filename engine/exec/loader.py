@@ -107,13 +107,13 @@ def _hold_fp8(model: CausalLM, config: EngineConfig, load_format: str) -> set[st
 def fp8_layers(model: CausalLM, config: EngineConfig, load_format: str = "auto") -> set[str]:
     """The module names of `model` (built for an FP8 checkpoint's `config`) that hold FP8 where
     the model runs its Triton kernels: every decoder Linear / RowParallelLinear for a random model
-    (`dummy`) or a directory without weights; a checkpoint's, each whose every source is FP8 and
-    lands on whole blocks of scales. (`pdserve plan` counts their bytes as a GPU holds them.)"""
+    (`dummy`); a checkpoint's, each whose every source is FP8 and lands on whole blocks of scales.
+    (`pdserve plan` counts their bytes as a GPU holds them.)"""
     from ..models.layers import Linear, RowParallelLinear
 
     linears = {name for name, m in model.named_modules()
                if isinstance(m, (Linear, RowParallelLinear)) and name.startswith("layers.")}
-    if load_format == "dummy" or not glob.glob(os.path.join(config.model, "*.safetensors")):
+    if load_format == "dummy":
         return linears
     return _fp8_layers(model, config.model, config.model_config.weight_quant.block, linears)
 

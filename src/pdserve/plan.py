@@ -26,6 +26,7 @@ and for a decode step the experts its batch is expected to touch under uniform r
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -63,7 +64,9 @@ def weight_bytes(config: EngineConfig) -> int:
     model = build_on_meta(config, TPGroup(0, config.tensor_parallel_size))
     elem = torch.empty((), dtype=config.torch_dtype).element_size()
     quant = config.model_config.weight_quant
-    held = {f"{m}.weight" for m in fp8_layers(model, config)} if quant else set()
+    # a directory of a config alone (no weights to read) is planned as its random model would load
+    weights = glob.glob(os.path.join(config.model, "*.safetensors"))
+    held = {f"{m}.weight" for m in fp8_layers(model, config, "auto" if weights else "dummy")} if quant else set()
     params = 0
     for name, p in model.named_parameters():
         if name in held:
