@@ -36,7 +36,7 @@ from .tiers import persist
 from .tiers.disk_tier import DiskTier
 from .tiers.offload import HostIndex
 from .tiers.tier import Tiers
-from .tokenizer import IncrementalDetokenizer, load_tokenizer
+from .tokenizer import IncrementalDetokenizer, ModelTokenizer
 from .validation import ValidRequest, check_capacity, check_request
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class LLMEngine:
         config.resolve(resolve_model_path(config.model))
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = ModelTokenizer(config.tokenizer or config.model)
         # a draft model's weights and KV first: the target's KV budget then counts them (GPU)
         self.drafter = Drafter(config.spec, config)
         self.tp, self.shards, t0 = TPGroup(), None, time.perf_counter()
@@ -62,7 +62,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, load_format, self.tp)
         if self.shards:
             self.runner.startup.tensor_parallel_s = tp_s
-        self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = self.runner.sampler.grammars = Grammars(lambda: self.tokenizer.hf, self.model_config.vocab_size)
         host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, host=host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

@@ -45,7 +45,8 @@ class LLM:
             engine.close()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """transformers' tokenizer of the model (as vLLM's LLM.get_tokenizer)."""
+        return self.engine.tokenizer.hf
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -96,7 +97,7 @@ class LLM:
         """Applies the tokenizer's chat template, then generates (one conversation or a list;
         one SamplingParams for all or one per conversation, as `generate`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
+        tok = self.engine.tokenizer.hf
         prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)) for c in convs]
         return self.generate(prompts, sampling_params)

@@ -9,6 +9,7 @@ are built from the same deltas, so they are identical.
 
 from __future__ import annotations
 
+import functools
 import os
 
 # silence the tokenizers fork warning in worker processes
@@ -83,30 +84,116 @@ def _generic(path: str) -> bool:
     return cls in GENERIC_CLASSES and os.path.exists(os.path.join(path, "tokenizer.json"))
 
 
+class ModelTokenizer:
+    """The model's tokenizer as an engine uses it: `encode`, `decode` and `eos_token_id`, and
+    transformers' own tokenizer as `hf` (chat templates, grammars), loaded on first use.
+
+    A directory whose tokenizer is transformers' generic fast class over a tokenizer.json that
+    transformers would use as it is (`_rust_as_is`) is read with the `tokenizers` library alone:
+    the class adds only Python wrapping around the same Rust tokenizer for these calls, and
+    importing transformers cost each worker process 1.1 s of CPU on 2 cores (a CI run starts
+    ~230). Any other directory goes through transformers for everything."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._rust = _rust_as_is(path)
+        if self._rust is None:
+            self.hf = load_tokenizer(path)  # checks the directory; the instance's own attribute from now on
+            self.eos_token_id = self.hf.eos_token_id
+            self.clean_up_tokenization_spaces = self.hf.clean_up_tokenization_spaces
+        else:
+            self.eos_token_id = self._rust.token_to_id(_config(path)[1]) if _config(path)[1] else None
+            self.clean_up_tokenization_spaces = False
+            if not self.encode("hello world", add_special_tokens=False):
+                raise ValueError(f"the tokenizer of {path} turns text into no tokens: its files are incomplete")
+
+    @functools.cached_property
+    def hf(self):
+        """transformers' tokenizer of the same directory (loaded once per process)."""
+        return load_tokenizer(self.path)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._rust is None:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`: straight through the Rust tokenizer wherever transformers' decode
+        would not clean up spaces (it would only add its Python wrapping: at batch 64 the wrapped
+        decode, twice per token, was the largest part of the host's ~8 ms per engine step on an
+        H100 host, bench/results/overlap/)."""
+        raw = self._rust if self._rust is not None else getattr(self.hf, "_tokenizer", None)
+        if raw is not None and hasattr(raw, "decode") and self.clean_up_tokenization_spaces is False:
+            return raw.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _config(path: str) -> tuple[dict, str | None]:
+    """tokenizer_config.json's fields ({} where it cannot be read) and its eos token's text."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}, None
+    cfg = cfg if isinstance(cfg, dict) else {}
+    eos = cfg.get("eos_token")
+    return cfg, eos.get("content") if isinstance(eos, dict) else eos
+
+
+def _rust_as_is(path: str):
+    """The directory's tokenizer.json as a `tokenizers.Tokenizer`, where transformers' generic
+    fast class would use that file unchanged; else None. It changes it where the config asks for
+    BOS/EOS templates (add_bos_token, add_eos_token) or the file has no post-processor (it builds
+    one), where a special token the config names is not a special token of the file (it adds
+    it), where the vocabulary exceeds 100,000 (its Mistral regex patch), and where it cleans up
+    spaces or splits special tokens on decode or encode."""
+    if not _generic(path):
+        return None
+    key = _files_key(path)
+    if key is not None and ("rust", key) in _LOADED:
+        return _LOADED[("rust", key)]
+    cfg, _ = _config(path)
+    if {"add_bos_token", "add_eos_token", "added_tokens_decoder", "extra_special_tokens",
+            "additional_special_tokens"} & cfg.keys() or cfg.get("clean_up_tokenization_spaces") \
+            or cfg.get("split_special_tokens"):
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        rust = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - transformers then reads it, and names the problem
+        return None
+    specials = {t.content for t in rust.get_added_tokens_decoder().values() if t.special}
+    named = [v.get("content") if isinstance(v, dict) else v for k in _SPECIAL_KEYS if (v := cfg.get(k)) is not None]
+    if rust.post_processor is None or rust.truncation or rust.padding or rust.get_vocab_size() > 100_000 \
+            or not set(named) <= specials:
+        return None
+    if key is not None:
+        _LOADED[("rust", key)] = rust  # read, never changed: every engine of the process shares it
+    return rust
+
+
 class IncrementalDetokenizer:
     """A request's text as its tokens come: each push decodes the tokens since the last
-    complete piece (a few prompt tokens of left context first), once. Decoding goes straight to
-    the Rust tokenizer where transformers' decode would only add its Python wrapping (no
-    clean-up of spaces): at batch 64 the wrapped decode, twice per token, was the largest part
-    of the host's ~8 ms per engine step on an H100 host (bench/results/overlap/)."""
+    complete piece (a few prompt tokens of left context first), once, with the engine's
+    ModelTokenizer (straight to the Rust tokenizer where that gives transformers' text)."""
 
     CONTEXT = 6  # prompt tokens kept as left context
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: ModelTokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-self.CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        raw = getattr(tokenizer, "_tokenizer", None)
-        direct = raw is not None and hasattr(raw, "decode") and getattr(tokenizer, "clean_up_tokenization_spaces",
-                                                                        True) is False
-        self._raw = raw if direct else None
         self._prefix: str | None = None  # the decoded ids[prefix_offset:read_offset]
 
     def _decode(self, ids: list[int]) -> str:
-        if self._raw is not None:
-            return self._raw.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:

@@ -117,7 +117,7 @@ class RequestRunner:
         self.inflight = 0
         self.held: collections.Counter[str] = collections.Counter()  # slots by client
         self.chat_specials, self.tool_parser = chat_specials, tool_parser
-        self.grammars = Grammars(cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached (bounded)
+        self.grammars = Grammars(lambda: cluster.tokenizer, cluster.vocab_size)  # compiled lazily, cached (bounded)
         # grammars compile here, off the event loop (xgrammar releases the GIL): one slow
         # grammar never stalls /health or other requests, and two threads bound what they take
         self.compiling = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")

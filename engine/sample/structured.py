@@ -74,8 +74,10 @@ def give_back_heap() -> None:
 class Grammars:
     """The engine's grammars: compiled specs (cached) and one matcher per constrained request."""
 
-    def __init__(self, tokenizer, vocab_size: int):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, hf_tokenizer, vocab_size: int):
+        """`hf_tokenizer() -> transformers' tokenizer`: called when the first grammar compiles
+        (an engine that serves none never loads it)."""
+        self.hf_tokenizer, self.vocab_size = hf_tokenizer, vocab_size
         self.matchers: dict[str, object] = {}
         self._dead: dict[str, str] = {}  # request id -> why its grammar allows nothing (dead_ends())
 
@@ -83,7 +85,7 @@ class Grammars:
     def _compiler(self):
         import xgrammar as xgr
 
-        return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size),
+        return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(self.hf_tokenizer(), vocab_size=self.vocab_size),
                                    cache_limit_bytes=BUDGET.cache_bytes)
 
     @property

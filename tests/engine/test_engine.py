@@ -281,18 +281,54 @@ def test_a_generic_tokenizer_loads_without_auto_tokenizer_and_is_the_same(defaul
     assert not _generic(str(other)) and load_tokenizer(str(other)).encode("Hello world") == auto.encode("Hello world")
 
 
+def test_the_engines_tokenizer_reads_tokenizer_json_alone_and_gives_transformers_ids_and_text(default_model_dir,
+                                                                                             tmp_path):
+    """For the generic fast class over a tokenizer.json used as it is, the engine's tokenizer
+    reads it with `tokenizers` alone (no transformers in a fresh process: 1.1 s of CPU per
+    worker) and gives the ids, text and EOS that transformers' tokenizer of the directory gives;
+    a config that makes transformers change the file (here a special token of its own, added
+    as a new id) goes through transformers, with the same results."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from pdserve.engine.tokenizer import ModelTokenizer, load_tokenizer
+
+    code = ("import sys; from pdserve.engine.tokenizer import ModelTokenizer; t = ModelTokenizer(sys.argv[1]); "
+            "t.decode(t.encode('hi there')); print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, default_model_dir], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]
+    texts = ("Hello world", " leading space", "Ünïcödé 🤖\n\nnew", "<|im_start|>user\nHi<|im_end|>", "a  b\t\tc ",
+             "<|endoftext|><repo_name>x", "<pad>", "")
+    other = tmp_path / "bos"
+    shutil.copytree(default_model_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "pad_token": "<pad>"}))  # not in the file
+    for path, direct in ((default_model_dir, True), (str(other), False)):
+        ours, hf = ModelTokenizer(path), load_tokenizer(path)
+        assert (ours._rust is not None) == direct, path
+        assert ours.eos_token_id == hf.eos_token_id is not None
+        for text in texts:
+            ids = ours.encode(text)
+            assert ids == hf.encode(text) and ours.encode(text, False) == hf.encode(text, add_special_tokens=False)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
+    assert ModelTokenizer(str(other)).encode("<pad>") == [49152] != ModelTokenizer(default_model_dir).encode("<pad>")
+
+
 @pytest.mark.parametrize("skip_special", [True, False])
 def test_incremental_detokenizing_equals_decoding_the_whole_output(default_model_dir, skip_special):
     """Pushed one token at a time (straight to the Rust tokenizer), the pieces add up to what
     transformers' decode of the whole output gives: multi-byte characters split across tokens,
     special tokens, spaces after the prompt."""
-    from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+    from pdserve.engine.tokenizer import IncrementalDetokenizer, ModelTokenizer, load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     prompt = tok.encode("Say it in three languages:")
     out = tok.encode(" Grüße, 你好 — naïve café 🎉🎉 ok") + [tok.eos_token_id] + tok.encode(" end")
-    det = IncrementalDetokenizer(tok, prompt, skip_special)
-    assert det._raw is not None  # the direct path, for a tokenizer without clean-up of spaces
+    det = IncrementalDetokenizer(ModelTokenizer(default_model_dir), prompt, skip_special)
+    assert det.tokenizer._rust is not None  # the direct path, for a tokenizer without clean-up of spaces
     text = "".join(det.push(t) for t in out)
     full = tok.decode(prompt + out, skip_special_tokens=skip_special)
     assert full.endswith(text) and text == tok.decode(out, skip_special_tokens=skip_special)

@@ -182,7 +182,7 @@ def test_vllm_structured_outputs_and_extras(served, llm):
     cont = client.chat.completions.create(model=m, messages=partial, max_tokens=4, temperature=0, extra_body={
         "continue_final_message": True, "add_generation_prompt": False, "echo": True, "return_token_ids": True,
         "chat_template_kwargs": {"enable_thinking": False}})
-    want = llm.engine.tokenizer.apply_chat_template(partial, continue_final_message=True, tokenize=True,
+    want = llm.get_tokenizer().apply_chat_template(partial, continue_final_message=True, tokenize=True,
                                                     return_dict=False)
     assert cont.model_extra["prompt_token_ids"] == list(want)
     assert cont.choices[0].message.content.startswith("The fruit is")
