@@ -10,6 +10,7 @@ import uuid
 
 import ray
 from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .aio import within
 from .records import RegisteredWorker
@@ -65,11 +66,17 @@ class RegistryLink:
         self._ping = None  # the probe's ping in flight, and when it was sent (monotonic)
         self._ping_sent = 0.0
         self.pid: int | None = None  # the process that last answered the probe
+        self.node: str | None = None  # the address of its node (asked once per process)
         self._killed_pid: int | None = None  # the process the probe killed: its answers are not a restart's
 
     def create(self):
-        self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace,
-                                              max_restarts=-1).remote(cluster_id=self.cluster_id)
+        """Starts the registry on the router's node: placement asks it on every request, and a
+        worker host lost takes no registry with it. (On three hosts Ray's default placement, and
+        also a soft affinity to this node, put it on a worker host; the router's node going
+        away takes the router with it, so the hard affinity costs nothing.)"""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace, max_restarts=-1,
+                                              scheduling_strategy=here).remote(cluster_id=self.cluster_id)
         return self.actor
 
     @property
@@ -77,8 +84,8 @@ class RegistryLink:
         return self.down_since is None
 
     def state(self) -> dict:
-        out = {"status": "ok" if self.up else "restarting", "outages": self.outages, "recreated": self.recreated,
-               "restarts": self.restarts, "slow_calls": self.slow_calls}
+        out = {"status": "ok" if self.up else "restarting", "node": self.node, "outages": self.outages,
+               "recreated": self.recreated, "restarts": self.restarts, "slow_calls": self.slow_calls}
         if not self.up:
             out.update(down_s=round(time.monotonic() - self.down_since, 1), reason=self.reason)
         return out
@@ -149,6 +156,8 @@ class RegistryLink:
             if err is None:
                 if self.pid is not None and answer.result() != self.pid:
                     self.restarts += 1
+                if answer.result() != self.pid or self.node is None:
+                    self.node = await self._call(self.actor.node.remote(), 5.0)
                 self.pid = answer.result()
                 self._up()
                 return

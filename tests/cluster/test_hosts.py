@@ -324,8 +324,9 @@ class Load:
 
 
 def test_disagg_across_hosts_hands_kv_over_the_network_and_matches_hugging_face(cluster, servers):
-    """Prefill on h2, decode on h3: each pair binds and announces its node's address (gloo, never
-    loopback), the tokens equal Hugging Face's, and /admin/status names both ends of the link."""
+    """Prefill on h2, decode on h3 (the block registry on h1, the router's host): each pair binds and
+    announces its node's address (gloo, never loopback), the tokens equal Hugging Face's, and
+    /admin/status names both ends of the link."""
     bed, env, model = cluster
     proc, url = servers.get("disagg")
     mark = len(_log(proc))
@@ -338,6 +339,7 @@ def test_disagg_across_hosts_hands_kv_over_the_network_and_matches_hugging_face(
     assert [o["choices"][0]["token_ids"] for o in outs] == hf_greedy(model, PROMPTS, MAX_TOKENS), outs
     nodes = {w["role"]: w["node"] for w in status["workers"]}
     assert nodes == {"prefill": bed.addr["h2"], "decode": bed.addr["h3"]}, status["workers"]
+    assert status["registry"]["node"] == bed.addr["h1"], status["registry"]  # beside the router that asks it
     links = [link for w in status["workers"] for link in (w.get("kv_links") or {}).values()]
     assert links, status
     for link in links:
