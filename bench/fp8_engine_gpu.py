@@ -4,12 +4,16 @@ the same model in bf16, in one run.
 
     python bench/fp8_engine_gpu.py --out bench/results/fp8        # prints a table last
 
-Model: random weights (`dummy`) with Qwen3-32B's config; the FP8 run's config.json carries the
-`quantization_config` the -FP8 releases ship, so the loader holds every decoder linear in FP8 as it
-does a checkpoint's. Prefill: one prompt of --prefill tokens (tokens/s, bf16 against FP8). Decode:
---batches rows at --ctx tokens of context, replayed as the engine's CUDA graph, against the HBM
-floor of the bytes the step must read (every parameter but the embedding table, in its stored
-dtype and with its scales, plus the batch's KV), the copy bandwidth measured in the same run.
+    python bench/fp8_engine_gpu.py --shape qwen3-30b-a3b --name fp8_moe_engine --out bench/results/fp8
+
+Model: random weights (`dummy`) with Qwen3-32B's config (--shape; or Qwen3-30B-A3B's, a sparse
+model whose fused experts are held in FP8 too: ops/triton_moe's FP8 path); the FP8 run's
+config.json carries the `quantization_config` the -FP8 releases ship, so the loader holds every
+decoder linear in FP8 as it does a checkpoint's. Prefill: one prompt of --prefill tokens
+(tokens/s, bf16 against FP8). Decode: --batches rows at --ctx tokens of context, replayed as the
+engine's CUDA graph, against the HBM floor of the bytes the step must read (every parameter but
+the embedding table and the experts no row of the batch routes to, in its stored dtype and with
+its scales, plus the batch's KV), the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_gpu import ceilings, decode_batch, profile_lines, profile_step, timed  # noqa: E402
+from moe_gpu import QWEN3_30B_A3B, expert_counter  # noqa: E402
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120,
@@ -33,6 +38,9 @@ QWEN3_32B = {
     "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
 }
+SHAPES = {"qwen3-32b": ("Qwen3-32B", QWEN3_32B), "qwen3-30b-a3b": ("Qwen3-30B-A3B", QWEN3_30B_A3B)}
+KEYS = {"qwen3-32b": ("fp8_prefill_speedup_32b", "fp8_decode_floor_ratio_b1"),
+        "qwen3-30b-a3b": ("fp8_moe_prefill_speedup", "fp8_moe_decode_floor_ratio_b1")}
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -41,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/fp8")
     ap.add_argument("--name", default="fp8_engine", help="file stem of the results")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-32b", help="the model's config")
     ap.add_argument("--prefill", type=int, default=4096, help="prompt tokens of the prefill step")
     ap.add_argument("--batches", default="1,64", help="decode rows (comma list)")
     ap.add_argument("--ctx", type=int, default=1024, help="each decode row's context")
@@ -74,6 +83,10 @@ def run(cfg: dict, fp8: bool, args, copy_gbs: float) -> dict:
     if fp8 and not held:
         raise SystemExit("the FP8 model holds no FP8 weight: the loader dequantized it (loader.holds_fp8)")
     body = sum(p.numel() * p.element_size() for n, p in params.items() if "embed_tokens" not in n)
+    # the experts' bytes (values and scales), and one expert's: a step reads only those routed to
+    experts = sum(p.numel() * p.element_size() for n, p in params.items() if ".w_gate_up" in n or ".w_down" in n)
+    moe = ec.model_config.moe
+    one_expert = experts / (moe.num_experts * sum(".w_down" in n and "scale" not in n for n in params)) if moe else 0
     kv_token = runner.layout.block_bytes // bs
     greedy, vocab = SamplingParams(temperature=0, max_tokens=16), cfg["vocab_size"]
     out = {"format": "fp8" if fp8 else "bf16", "fp8_params": held, "weights_GB": body / 1e9, "decode": []}
@@ -87,9 +100,18 @@ def run(cfg: dict, fp8: bool, args, copy_gbs: float) -> dict:
     for b in tqdm(batches, desc=f"decode {out['format']}"):
         sched = decode_batch(b, ctx, vocab, per_seq)
         t = timed(lambda s=sched: runner.execute(SchedulerOutput(s)), 10, warmup=3)
-        floor = (body + b * (ctx + 1) * kv_token) / (copy_gbs * 1e9)
+        touched = 0
+        if moe:  # the experts this batch routes to, per layer, counted in an eager step
+            graphs, runner.graphs = runner.graphs, None
+            seen, handles = expert_counter(runner.model)
+            runner.execute(SchedulerOutput(sched))
+            for h in handles:
+                h.remove()
+            runner.graphs, touched = graphs, sum(seen)
+        read = body - experts + touched * one_expert + b * (ctx + 1) * kv_token
+        floor = read / (copy_gbs * 1e9)
         out["decode"].append({"batch": b, "context": ctx, "step_ms": t * 1e3, "floor_ms": floor * 1e3,
-                              "ratio_to_floor": t / floor})
+                              "ratio_to_floor": t / floor, "experts_read": touched, "bytes_read_GB": read / 1e9})
         if args.profile and b == 1:
             out["decode"][-1]["profile"] = profile_step(lambda s=sched: runner.execute(SchedulerOutput(s)))
     return out  # the runner and its KV cache are freed on return (main collects them)
@@ -124,7 +146,8 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     args = parser().parse_args()
-    cfg = dict(QWEN3_32B, **({"num_hidden_layers": args.layers} if args.layers else {}))
+    model, base = SHAPES[args.shape]
+    cfg = dict(base, **({"num_hidden_layers": args.layers} if args.layers else {}))
     os.makedirs(args.out, exist_ok=True)
     ceil = ceilings()
     rows = []
@@ -136,10 +159,10 @@ def main() -> None:
     speedup = fp8["prefill"]["tokens_per_s"] / bf16["prefill"]["tokens_per_s"]
     keys = {}
     if not args.layers:
-        keys = {"fp8_prefill_speedup_32b": round(speedup, 3),
-                "fp8_decode_floor_ratio_b1": round(next(r["ratio_to_floor"] for r in fp8["decode"]
-                                                        if r["batch"] == 1), 3)}
-    result = {"gpu": torch.cuda.get_device_name(), "model": "Qwen3-32B shape", "layers": cfg["num_hidden_layers"],
+        prefill_key, b1_key = KEYS[args.shape]
+        keys = {prefill_key: round(speedup, 3),
+                b1_key: round(next(r["ratio_to_floor"] for r in fp8["decode"] if r["batch"] == 1), 3)}
+    result = {"gpu": torch.cuda.get_device_name(), "model": f"{model} shape", "layers": cfg["num_hidden_layers"],
               "ceilings": ceil, "runs": rows, "prefill_speedup": speedup, "keys": keys,
               "command": "python bench/fp8_engine_gpu.py " + " ".join(sys.argv[1:])}
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:

@@ -60,7 +60,7 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     for name, p in params.items():
         want = torch.float32 if name in keep else dtype
         module, _, leaf = name.rpartition(".")
-        if p.dtype != want and not (module in held and leaf in ("weight", "weight_scale")):
+        if p.dtype != want and not (module in held and leaf.removesuffix("_scale") in FP8_WEIGHTS):
             p.data = p.data.to(want)
     if tp.size > 1:
         model.lm_head.weight.data.zero_()  # the last rank's padding rows: logits cut after the gather
@@ -69,7 +69,7 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
         for name, p in model.named_parameters():
             if p.dtype == torch.float8_e4m3fn:  # values over the e4m3 range, scaled to +-0.02
                 p.data.copy_(torch.empty(p.shape, device=device).uniform_(-448, 448, generator=gen))
-            elif name.endswith(".weight_scale") and name.rpartition(".")[0] in held:
+            elif name.endswith("_scale") and name.rpartition(".")[0] in held:  # a linear's or the experts
                 p.data.fill_(0.02 / 448)
             else:
                 p.data.uniform_(-0.02, 0.02, generator=gen)
@@ -84,8 +84,8 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
 
 
 def holds_fp8(config: EngineConfig) -> bool:
-    """Whether a model of `config` keeps an FP8 checkpoint's linear weights in FP8: wherever it runs
-    its Triton kernels (fused_ops; on CPU through the interpreter)."""
+    """Whether a model of `config` keeps an FP8 checkpoint's linear weights and fused experts in
+    FP8: wherever it runs its Triton kernels (fused_ops; on CPU through the interpreter)."""
     return config.model_config.weight_quant is not None and bool(config.fused_ops)
 
 
@@ -110,20 +110,26 @@ def fp8_layers(model: CausalLM, config: EngineConfig, load_format: str = "auto")
     (`dummy`); a checkpoint's, each whose every source is FP8 and lands on whole blocks of scales.
     (`pdserve plan` counts their bytes as a GPU holds them.)"""
     from ..models.layers import Linear, RowParallelLinear
+    from ..models.moe import SparseMoE
 
-    linears = {name for name, m in model.named_modules()
-               if isinstance(m, (Linear, RowParallelLinear)) and name.startswith("layers.")}
+    block = config.model_config.weight_quant.block
+    held = {name for name, m in model.named_modules() if name.startswith("layers.") and (
+        isinstance(m, (Linear, RowParallelLinear)) or isinstance(m, SparseMoE) and m.can_hold_fp8(block))}
     if load_format == "dummy":
-        return linears
-    return _fp8_layers(model, config.model, config.model_config.weight_quant.block, linears)
+        return held
+    return _fp8_layers(model, config.model, block, held)
 
 
-def _fp8_layers(model: CausalLM, path: str, block: tuple[int, int], linears: set[str]) -> set[str]:
-    """The modules of `linears` whose weight the checkpoint's FP8 tensors fill whole, each cut on
-    block bounds (read from the safetensors headers only)."""
+FP8_WEIGHTS = ("weight", "w_gate_up", "w_down")  # the parameters a module held in FP8 keeps in e4m3
+
+
+def _fp8_layers(model: CausalLM, path: str, block: tuple[int, int], modules: set[str]) -> set[str]:
+    """The `modules` whose weights the checkpoint's FP8 tensors fill whole, each cut on block
+    bounds (read from the safetensors headers only): a linear's weight, or every expert's fused
+    gate/up and down (`w_gate_up[e]`: expert e's)."""
     from safetensors import safe_open
 
-    rows_of: dict[str, int] = {}  # module -> rows its FP8 sources fill
+    rows_of: dict[str, int] = {}  # module -> rows its FP8 sources fill (an expert's rows counted per expert)
     mixed: set[str] = set()  # modules some source of which is not FP8 or not on block bounds
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         with safe_open(file, framework="pt") as f:
@@ -133,14 +139,21 @@ def _fp8_layers(model: CausalLM, path: str, block: tuple[int, int], linears: set
                 shape = tuple(part.get_shape())
                 for target, rows, dim, src in model.shard_targets(hf_name):
                     module, _, leaf = target.rpartition(".")
-                    if module not in linears or leaf != "weight":
+                    leaf = leaf.partition("[")[0]
+                    if module not in modules or leaf not in FP8_WEIGHTS:
                         continue
-                    n = model.get_submodule(module).weight.shape[0]
+                    n = getattr(model.get_submodule(module), leaf).shape[-2]  # rows of one expert's, or the weight's
                     if not fp8 or not _on_blocks(rows, n, dim, src, shape, block):
                         mixed.add(module)
                         continue
                     rows_of[module] = rows_of.get(module, 0) + (n if rows is None else rows.stop - rows.start)
-    return {m for m, r in rows_of.items() if m not in mixed and r == model.get_submodule(m).weight.shape[0]}
+    return {m for m, r in rows_of.items() if m not in mixed and r == _fp8_rows(model.get_submodule(m))}
+
+
+def _fp8_rows(module) -> int:
+    """The rows a module's FP8 weights have in all (every expert's, for fused experts)."""
+    return sum(p.shape[-2] * (p.shape[0] if p.dim() == 3 else 1)
+               for name in FP8_WEIGHTS if isinstance(p := getattr(module, name, None), torch.Tensor))
 
 
 def _on_blocks(rows: slice | None, n: int, dim: int, src: slice | None, shape: tuple, block: tuple[int, int]) -> bool:
@@ -218,8 +231,10 @@ def _load_safetensors(model: CausalLM, path: str, params: dict) -> None:
                         raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
                     p = params[name].data
                     if fp8 and p.dtype == torch.float8_e4m3fn:  # held in FP8: values and scales as they are
-                        for got, count in _copy_fp8(part, where, quant, hf_name, p, params[name + "_scale"].data,
-                                                    rows, dim, src):
+                        scale = params[name + "_scale"].data
+                        if index:  # one expert's, of fused experts
+                            p, scale = p[int(index.rstrip("]"))], scale[int(index.rstrip("]"))]
+                        for got, count in _copy_fp8(part, where, quant, hf_name, p, scale, rows, dim, src):
                             loaded[name + got] = loaded.get(name + got, 0) + count
                         continue
                     if fp8 and whole is None:

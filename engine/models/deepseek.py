@@ -156,7 +156,7 @@ class DeepseekMoE(SparseMoE):
             if self.held is not None:  # expert parallel: the ranks' own experts (models/moe.py)
                 ids, ranked = local_ids(ids, self.held), None
             out = fused_moe_triton(x, self.w_gate_up, self.w_down, weights, ids, ranked=ranked,
-                                   skip=self.held is not None)
+                                   skip=self.held is not None, fp8=self.fp8())
         else:
             weights, ids = route_grouped(logits, moe, bias)
             out = fused_moe_ref(x, self.w_gate_up, self.w_down, weights, local_ids(ids, self.held))

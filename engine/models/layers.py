@@ -107,7 +107,11 @@ def hold_fp8(module: nn.Module, block: tuple[int, int]) -> None:
     """From here on `module` (a Linear or RowParallelLinear, still empty) holds its weight as e4m3
     values with a float32 scale per `block` (`weight_scale`, engine/fp8.py's format) and its
     forward runs ops/triton_fp8.fp8_linear: the loader's choice for an FP8 checkpoint's layers
-    where the model runs its Triton kernels (exec/loader.py)."""
+    where the model runs its Triton kernels (exec/loader.py). A module with a `hold_fp8` of its
+    own (models/moe.SparseMoE: the fused experts) holds its weights its way."""
+    if hasattr(module, "hold_fp8"):
+        module.hold_fp8(block)
+        return
     n, k = module.weight.shape
     dev = module.weight.device
     module.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False)

@@ -53,16 +53,49 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(count, 2 * inter, hidden_size))
         self.w_down = nn.Parameter(torch.empty(count, hidden_size, inter))
+        self.fp8_block: tuple[int, int] | None = None  # hold_fp8's
+
+    def can_hold_fp8(self, block: tuple[int, int]) -> bool:
+        """Whether the experts can stay FP8 in blocks of `block`: they run the Triton kernels, and
+        each expert's intermediate rows here (gate's, then up's) start on a block."""
+        return self.decode is not None and self.w_down.shape[2] % block[0] == 0
+
+    def hold_fp8(self, block: tuple[int, int]) -> None:
+        """From here on (still empty) the experts' weights are e4m3 with a float32 scale per
+        `block` (`w_gate_up_scale` [E, 2I / bn, H / bk], `w_down_scale` [E, H / bn, I / bk]), and
+        run through the kernels' FP8 path (ops/triton_moe.Fp8Experts): the loader's choice for
+        an FP8 checkpoint's experts where the model runs its Triton kernels (exec/loader.py)."""
+        if not self.can_hold_fp8(block):
+            raise ValueError(f"experts of {tuple(self.w_down.shape)} cannot be held in FP8 blocks of {block}")
+        (bn, bk), (count, two_i, hidden), dev = block, self.w_gate_up.shape, self.w_gate_up.device
+        inter = two_i // 2
+        fp8 = torch.float8_e4m3fn
+        self.w_gate_up = nn.Parameter(torch.empty(count, two_i, hidden, dtype=fp8, device=dev), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(count, hidden, inter, dtype=fp8, device=dev), requires_grad=False)
+        self.w_gate_up_scale = nn.Parameter(torch.empty(count, two_i // bn, -(-hidden // bk), device=dev),
+                                            requires_grad=False)
+        self.w_down_scale = nn.Parameter(torch.empty(count, -(-hidden // bn), -(-inter // bk), device=dev),
+                                         requires_grad=False)
+        self.fp8_block = block
+
+    def fp8(self):
+        """The experts' block scales for the kernels (ops/triton_moe.Fp8Experts), or None."""
+        if self.fp8_block is None:
+            return None
+        from ..ops.triton_moe import Fp8Experts
+
+        return Fp8Experts(self.w_gate_up_scale, self.w_down_scale, self.fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype if self.moe.weights_in_model_dtype else torch.float32
         if self.decode is not None and 0 < x.shape[0] <= self.decode.DECODE_TOKENS:
             out = self.decode.moe_decode_triton(x, self.gate.weight, self.w_gate_up, self.w_down, self.routing, dtype,
-                                                self.arrivals(x.device), self.held)
+                                                self.arrivals(x.device), self.held, fp8=self.fp8())
             return self.tp.all_reduce(out)
         logits = F.linear(x, self.gate.weight)
+        kw = {"fp8": self.fp8()} if self.fp8_block is not None else {}  # the torch reference holds no FP8
         out = self.experts(x, logits, self.w_gate_up, self.w_down, self.moe.top_k, self.moe.norm_topk_prob,
-                           dtype, held=self.held)
+                           dtype, held=self.held, **kw)
         return self.tp.all_reduce(out)
 
     def arrivals(self, device) -> torch.Tensor:

@@ -16,6 +16,11 @@ Shapes and meaning as ops/moe_ref.fused_moe_ref, the oracle it is tested against
     combine     one launch: each token's k rows scaled by their top-k weights and summed in fp32,
                 in slot order
 
+FP8 experts (`Fp8Experts`: the weights e4m3 with a float32 scale per block, engine/fp8.py's format):
+each weight tile is converted to x's dtype in the kernel and its dot scaled by the tile's block
+scale (tiles no larger than a block, so one scale per tile and K step): half of bf16's bytes
+for a decode step to read; x stays in its dtype (W8A16).
+
 Programs whose block lies past the padded rows return at once: the grid is sized for the worst
 case (every assignment on its own expert), so it depends on T only. Written for the GPU's Triton
 and for the CPU interpreter (TRITON_INTERPRET=1) that tests it.
@@ -23,6 +28,7 @@ and for the CPU interpreter (TRITON_INTERPRET=1) that tests it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -148,10 +154,18 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
-                    stride_xt, stride_we, stride_wn, stride_ot,
+def _dot_scaled(a, w, acc, s, IEEE: tl.constexpr):
+    """acc + (a @ w) x s for an FP8 weight tile w (converted to a's dtype, exactly) under one scale."""
+    if IEEE:
+        return acc + tl.dot(a, w.to(a.dtype), input_precision="ieee") * s
+    return acc + tl.dot(a, w.to(a.dtype)) * s
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, s_ptr, M, H, inter,
+                    stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # w [E, 2 x inter, H]: gate rows [0, inter), up rows [inter, 2 x inter); out [M, inter]
     nb = tl.program_id(0)  # a block's column tiles run back to back: its rows and expert stay in L2
     block = tl.program_id(1)
@@ -171,17 +185,23 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, 
             wmask = mask_k[:, None] & mask_n[None, :]
             g = tl.load(w_e + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=wmask, other=0.0)
             u = tl.load(w_e + (inter + offs_n)[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=wmask, other=0.0)
-            acc_g = _dot(a, g, acc_g, IEEE)
-            acc_u = _dot(a, u, acc_u, IEEE)
+            if FP8:  # the tile's block scales: gate's and up's rows, this K step
+                s_k = s_ptr + e * stride_se + k0 // BK
+                acc_g = _dot_scaled(a, g, acc_g, tl.load(s_k + (nb * BLOCK_N // BN) * stride_sn), IEEE)
+                acc_u = _dot_scaled(a, u, acc_u, tl.load(s_k + ((inter + nb * BLOCK_N) // BN) * stride_sn), IEEE)
+            else:
+                acc_g = _dot(a, g, acc_g, IEEE)
+                acc_u = _dot(a, u, acc_u, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) x up
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
                  h.to(out_ptr.dtype.element_ty), mask=live[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, H, inter,
-                 stride_ht, stride_we, stride_wn, stride_ot,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _moe_down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, s_ptr, M, H, inter,
+                 stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                 FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # w [E, H, inter]; h [M, inter] -> out [M, H], per assignment
     nb = tl.program_id(0)  # a block's column tiles run back to back: its rows and expert stay in L2
     block = tl.program_id(1)
@@ -199,7 +219,11 @@ def _moe_down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, M, 
                         mask=live[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_e + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = _dot(a, w, acc, IEEE)
+            if FP8:
+                s = tl.load(s_ptr + e * stride_se + (nb * BLOCK_N // BN) * stride_sn + k0 // BK)
+                acc = _dot_scaled(a, w, acc, s, IEEE)
+            else:
+                acc = _dot(a, w, acc, IEEE)
         tl.store(out_ptr + r[:, None] * stride_ot + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & mask_n[None, :])
 
@@ -215,6 +239,32 @@ def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_yt, stride_ot, TOP_K: t
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yt + offs, mask=mask, other=0.0).to(tl.float32) * w
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """FP8 experts' block scales (the weights themselves e4m3): expert e's weight block (n // bn,
+    k // bk) is scaled by `gate_up[e, n // bn, k // bk]` ([E, 2I / bn, H / bk] float32; I a
+    multiple of bn, so gate's and up's rows start on a block) and `down[e, ...]` ([E, H / bn, I / bk])."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    block: tuple[int, int]
+
+    def check(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        (bn, bk), (E, two_i, H), inter = self.block, w_gate_up.shape, w_down.shape[2]
+        want = ((E, two_i // bn, triton.cdiv(H, bk)), (E, triton.cdiv(H, bn), triton.cdiv(inter, bk)))
+        if w_gate_up.dtype != torch.float8_e4m3fn or w_down.dtype != torch.float8_e4m3fn or inter % bn or \
+                (tuple(self.gate_up.shape), tuple(self.down.shape)) != want or bn & (bn - 1) or bk & (bk - 1):
+            raise ValueError(f"FP8 experts: weights {w_gate_up.dtype} {tuple(w_gate_up.shape)}, "
+                             f"{tuple(w_down.shape)} with scales {tuple(self.gate_up.shape)}, "
+                             f"{tuple(self.down.shape)} do not fit blocks {self.block} (want e4m3 weights, "
+                             f"scales {want[0]} and {want[1]}, I a multiple of {bn}, blocks powers of two)")
+
+    def tiles(self, tiles: MoETiles) -> MoETiles:
+        """`tiles` no larger than a block: one scale per weight tile and K step."""
+        bn, bk = self.block
+        return dataclasses.replace(tiles, block_n=min(tiles.block_n, bn), block_k=min(tiles.block_k, bk))
 
 
 @dataclass(frozen=True)
@@ -240,9 +290,10 @@ class MoETiles:
 
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, tiles: MoETiles | None = None,
-                     ranked: tuple | None = None, skip: bool = False) -> torch.Tensor:
+                     ranked: tuple | None = None, skip: bool = False, fp8: Fp8Experts | None = None) -> torch.Tensor:
     """`skip`: ids equal to the number of experts here (moe_ref.local_ids: another rank's experts)
-    contribute nothing: their rows are never computed and read as zeros by the combine."""
+    contribute nothing: their rows are never computed and read as zeros by the combine. `fp8`:
+    the weights are e4m3 with these block scales."""
     T, H = x.shape
     E, two_i, Hw = w_gate_up.shape
     inter = two_i // 2
@@ -257,14 +308,19 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     if T == 0:
         return torch.zeros_like(x)
     tiles = tiles or MoETiles.for_rows(topk_ids.numel())
-    return run_experts(x, w_gate_up, w_down, topk_weights, align(topk_ids, E, tiles.block_m, ranked, skip), tiles, skip)
+    return run_experts(x, w_gate_up, w_down, topk_weights, align(topk_ids, E, tiles.block_m, ranked, skip), tiles, skip,
+                       fp8)
 
 
 def run_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                al: Alignment, tiles: MoETiles, skip: bool = False) -> torch.Tensor:
+                al: Alignment, tiles: MoETiles, skip: bool = False, fp8: Fp8Experts | None = None) -> torch.Tensor:
     """gate/up, down and the combine over assignments already aligned (by `align`, or by the decode
     path's router: ops/triton_moe_decode.py); `skip`: some assignments are not run (their rows
-    read as zeros). Shapes checked by the caller."""
+    read as zeros); `fp8`: e4m3 weights and their block scales. Shapes checked by the caller."""
+    if fp8 is not None:
+        fp8.check(w_gate_up, w_down)
+        tiles = fp8.tiles(tiles)
+    (bn, bk), gs, ds = fp8.block if fp8 else (1, 1), fp8.gate_up if fp8 else w_gate_up, fp8.down if fp8 else w_down
     T, H = x.shape
     k = topk_weights.shape[1]
     m = T * k
@@ -273,16 +329,16 @@ def run_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     ieee = x.dtype == torch.float32
     h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(triton.cdiv(inter, tiles.block_n), blocks)](
-        x, w_gate_up, h, al.rows, al.experts, al.used, m, H, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        x, w_gate_up, h, al.rows, al.experts, al.used, gs, m, H, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), gs.stride(0), gs.stride(1),
         TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
-        num_warps=tiles.warps, num_stages=tiles.stages)
+        FP8=fp8 is not None, BN=bn, BK=bk, num_warps=tiles.warps, num_stages=tiles.stages)
     y = (torch.zeros if skip else torch.empty)(m, H, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(triton.cdiv(H, tiles.block_n), blocks)](
-        h, w_down, y, al.rows, al.experts, al.used, m, H, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        h, w_down, y, al.rows, al.experts, al.used, ds, m, H, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ds.stride(0), ds.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
-        num_warps=tiles.warps, num_stages=tiles.stages)
+        FP8=fp8 is not None, BN=bn, BK=bk, num_warps=tiles.warps, num_stages=tiles.stages)
     out = torch.empty_like(x)
     _moe_combine_kernel[(T, triton.cdiv(H, 1024))](y, topk_weights.contiguous(), out, H, y.stride(0), out.stride(0),
                                                TOP_K=k, BLOCK_H=1024)
@@ -290,11 +346,13 @@ def run_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
 
 
 def moe_triton(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
-               renormalize: bool, weights_dtype: torch.dtype, held: tuple[int, int] | None = None) -> torch.Tensor:
+               renormalize: bool, weights_dtype: torch.dtype, held: tuple[int, int] | None = None,
+               fp8: Fp8Experts | None = None) -> torch.Tensor:
     """A sparse layer's experts from its router logits [T, E]: routing and ranking in one launch,
     then the fused experts (ops/moe_ref.moe_ref is the same in torch). `held`: this rank's experts
-    (expert parallel): the ranking is redone over them, the others' assignments skipped."""
+    (expert parallel): the ranking is redone over them, the others' assignments skipped; `fp8` as
+    fused_moe_triton."""
     weights, ids, ranked = route_triton(logits, top_k, renormalize, weights_dtype)
     if held is not None:
-        return fused_moe_triton(x, w_gate_up, w_down, weights, local_ids(ids, held), skip=True)
-    return fused_moe_triton(x, w_gate_up, w_down, weights, ids, ranked=ranked)
+        return fused_moe_triton(x, w_gate_up, w_down, weights, local_ids(ids, held), skip=True, fp8=fp8)
+    return fused_moe_triton(x, w_gate_up, w_down, weights, ids, ranked=ranked, fp8=fp8)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_moe import Alignment, MoETiles, run_experts
+from .triton_moe import Alignment, Fp8Experts, MoETiles, run_experts
 from .triton_moe_route import Routing, _route_row
 
 DECODE_TOKENS = 4  # up to this many tokens a step runs this path (bench/moe_gpu.py --decode-sweep)
@@ -103,12 +103,13 @@ _USED: dict = {}  # (rows, device) -> a constant [1] tensor: every block of the 
 def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                       routing: Routing, weights_dtype: torch.dtype, arrivals: torch.Tensor,
                       held: tuple[int, int] | None = None, correction_bias: torch.Tensor | None = None,
-                      tiles: DecodeTiles = DecodeTiles()) -> torch.Tensor:
+                      tiles: DecodeTiles = DecodeTiles(), fp8: Fp8Experts | None = None) -> torch.Tensor:
     """x [T, hidden] through a sparse layer from its router weight [E, hidden] (the logits rounded to
     router_w's dtype unless it is float32, as F.linear(x, router_w) writes them); `arrivals` [>= T]
     int32, zero, and zero again on return (the caller keeps one per layer); `held` as
     ops/triton_moe.moe_triton. The same experts' kernels as moe_triton on F.linear(x, router_w)'s
-    logits: equal to it wherever the two routers' logits round alike."""
+    logits: equal to it wherever the two routers' logits round alike. `fp8`: e4m3 experts and their
+    block scales (ops/triton_moe.Fp8Experts)."""
     T, H = x.shape
     E = router_w.shape[0]
     count, two_i, _ = w_gate_up.shape
@@ -136,4 +137,4 @@ def moe_decode_triton(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.
         BLOCK_E=tiles.block_e, BLOCK_K=min(tiles.block_k, triton.next_power_of_2(H)), CHUNKS=chunks,
         E_PAD=triton.next_power_of_2(E), **routing.consts(), num_warps=tiles.warps)
     return run_experts(x, w_gate_up, w_down, weights, Alignment(rows, experts, used, bm), experts_tiles,
-                       skip=held is not None)
+                       skip=held is not None, fp8=fp8)

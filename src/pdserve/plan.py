@@ -56,25 +56,21 @@ DECODE_OVER_FLOOR = 1.25  # step time / HBM floor (Llama-3-8B: 1.25-1.28x on H10
 
 def weight_bytes(config: EngineConfig) -> int:
     """One rank's parameter and buffer bytes, from the model built on the meta device. An FP8
-    block-scaled checkpoint's layers that a GPU holds in FP8 (loader.fp8_layers) count one byte a
-    value and a float32 scale a block; the rest the model's dtype."""
+    block-scaled checkpoint's layers that a GPU holds in FP8 (loader.fp8_layers: linears and fused
+    experts) count one byte a value and a float32 scale a block; the rest the model's dtype."""
     from pdserve.engine.base.tp import TPGroup
     from pdserve.engine.exec.loader import build_on_meta, fp8_layers
+    from pdserve.engine.models.layers import hold_fp8
 
     model = build_on_meta(config, TPGroup(0, config.tensor_parallel_size))
-    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    model.to(dtype=config.torch_dtype)  # on meta, as the loader casts before it allocates
     quant = config.model_config.weight_quant
     # a directory of a config alone (no weights to read) is planned as its random model would load
     weights = glob.glob(os.path.join(config.model, "*.safetensors"))
-    held = {f"{m}.weight" for m in fp8_layers(model, config, "auto" if weights else "dummy")} if quant else set()
-    params = 0
-    for name, p in model.named_parameters():
-        if name in held:
-            rows, cols = p.shape
-            params += p.numel() + -(-rows // quant.block[0]) * -(-cols // quant.block[1]) * 4
-        else:
-            params += p.numel() * elem
-    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+    for name in fp8_layers(model, config, "auto" if weights else "dummy") if quant else ():
+        hold_fp8(model.get_submodule(name), quant.block)  # e4m3 values and float32 scales, as the loader holds them
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + buffers
 
 
 def expert_bytes(config: EngineConfig) -> tuple[int, int, float]:

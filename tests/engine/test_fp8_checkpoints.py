@@ -150,16 +150,17 @@ def test_fp8_values_without_a_quantization_config_are_refused(tmp_path, tok_dir)
 
 
 def test_where_the_model_runs_its_triton_kernels_it_holds_the_fp8_weights_with_hf_s_tokens(fp8_dir):
-    """fused_ops (Triton; CPU: the interpreter): each decoder linear whose sources lie on block bounds
-    keeps the checkpoint's e4m3 values and scales as they are (half of bf16's bytes) and runs
-    ops/triton_fp8. Steps of up to FEW_ROWS rows (a prefill chunk of 4 here) keep x in its dtype:
+    """fused_ops (Triton; CPU: the interpreter): each decoder linear, and each sparse layer's fused
+    experts, whose sources lie on block bounds keep the checkpoint's e4m3 values and scales as
+    they are (half of bf16's bytes) and run ops/triton_fp8 (the experts: ops/triton_moe's FP8 path,
+    x in its dtype at any step). Steps of up to FEW_ROWS rows (a prefill chunk of 4 here) keep x in its dtype:
     Hugging Face's dequantized tokens exactly. Larger steps quantize x per 128 columns (W8A8):
     their logits stay within a few percent of the dequantized model's."""
     from pdserve.engine.ops.triton_fp8 import FEW_ROWS
 
     name, path = fp8_dir
-    if name not in ("llama", "deepseek_v3"):
-        pytest.skip("one dense model and one MLA + MoE model (the experts' fused tensors are dequantized)")
+    if name == "qwen3":
+        pytest.skip("one dense model, one MoE model and one MLA + MoE model")
     want = hf_greedy(path, ID_PROMPTS, 8)
     kw = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, attention_backend="triton",
               fused_ops=True, device="cpu")
@@ -168,7 +169,9 @@ def test_where_the_model_runs_its_triton_kernels_it_holds_the_fp8_weights_with_h
         got = [o.outputs[0].token_ids for o in llm.generate(ID_PROMPTS, GREEDY)]
     assert got == want
     per_layer = {n.split(".", 2)[2] for n in held}
-    assert {"self_attn.o_proj.weight", "mlp.gate_up_proj.weight"} <= per_layer or name == "deepseek_v3", per_layer
+    mlp = {"llama": {"mlp.gate_up_proj.weight"}, "qwen3_moe": {"mlp.w_gate_up", "mlp.w_down"},
+           "deepseek_v3": {"mlp.w_gate_up", "mlp.w_down"}}[name]  # the MoE models' experts too, fused
+    assert {"self_attn.o_proj.weight"} | mlp <= per_layer or name == "deepseek_v3" and mlp <= per_layer, per_layer
     assert len(held) >= 3 * BASE["num_hidden_layers"] - 1, sorted(held)
     # larger steps: W8A8 against the dequantized model's logits
     from pdserve.engine.exec.loader import holds_fp8
@@ -191,8 +194,8 @@ def test_plan_counts_the_weights_as_the_engine_holds_them(fp8_dir):
     from pdserve.plan import weight_bytes
 
     name, path = fp8_dir
-    if name not in ("llama", "deepseek_v3"):
-        pytest.skip("one dense model and one MLA + MoE model")
+    if name == "qwen3":
+        pytest.skip("one dense model, one MoE model and one MLA + MoE model")
     with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, attention_backend="triton",
              fused_ops=True, device="cpu") as llm:
         model = llm.engine.runner.model

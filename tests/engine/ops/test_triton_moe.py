@@ -149,3 +149,46 @@ def test_deepseek_routing_in_one_launch_matches_route_grouped(routing):
     with pytest.raises(ValueError, match="correction bias"):
         route_triton(logits, k, renorm, torch.float32, MoEConfig(**common, routing="sigmoid_group", n_group=4,
                                                                    topk_group=2))
+
+
+def fp8_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, rows, cols] -> (e4m3 values, float32 scale per block): each block's amax maps to 448."""
+    br, bc = block
+    E, rows, cols = w.shape
+    t = torch.nn.functional.pad(w.float(), (0, -cols % bc, 0, -rows % br))
+    t = t.view(E, t.shape[1] // br, br, t.shape[2] // bc, bc)
+    s = t.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    q = (t / s[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(E, -1, t.shape[3] * bc)
+    return q[:, :rows, :cols].contiguous(), s
+
+
+@pytest.mark.parametrize("T,E,k,H,inter,block", [(1, 8, 2, 64, 32, (16, 32)), (3, 8, 2, 96, 64, (32, 32)),
+                                                 (37, 16, 4, 64, 96, (32, 16)), (130, 8, 2, 128, 64, (64, 64))])
+def test_fp8_experts_equal_the_reference_over_their_dequantized_weights(T, E, k, H, inter, block):
+    """FP8 experts (e4m3 weights, a float32 scale per block, converted and scaled in the kernel):
+    the grouped path and the decode path's equal the torch reference over the dequantized weights,
+    whatever the tiles (each held to a block); a scale shape that does not fit is refused."""
+    from pdserve.engine.fp8 import dequantize
+    from pdserve.engine.ops.triton_moe import Fp8Experts
+    from pdserve.engine.ops.triton_moe_decode import DECODE_TOKENS, moe_decode_triton
+    from pdserve.engine.ops.triton_moe_route import Routing
+
+    g = torch.Generator().manual_seed(T + E + H)
+    x = torch.randn(T, H, generator=g).to(DEV)
+    (q1, s1), (q2, s2) = fp8_experts(torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5, block), \
+        fp8_experts(torch.randn(E, H, inter, generator=g) / inter ** 0.5, block)
+    q1, s1, q2, s2 = q1.to(DEV), s1.to(DEV), q2.to(DEV), s2.to(DEV)
+    fp8 = Fp8Experts(s1, s2, block)
+    router = torch.randn(E, H, generator=g).to(DEV)
+    weights, ids = route(x @ router.t(), k, renormalize=True, out_dtype=torch.float32)
+    ref = fused_moe_ref(x, dequantize(q1, s1, block, torch.float32), dequantize(q2, s2, block, torch.float32),
+                        weights, ids)
+    for tiles in (None, MoETiles(16, 32, 32, 4, 2), MoETiles(32, 64, 64, 4, 2)):
+        out = fused_moe_triton(x, q1, q2, weights, ids, tiles, fp8=fp8)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)  # the scale applied per K step
+    if T <= DECODE_TOKENS:
+        arrivals = torch.zeros(DECODE_TOKENS, dtype=torch.int32, device=DEV)
+        out = moe_decode_triton(x, router, q1, q2, Routing.of(E, k, True), torch.float32, arrivals, fp8=fp8)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="do not fit blocks"):
+        fused_moe_triton(x, q1, q2, weights, ids, fp8=Fp8Experts(s1[:, 1:], s2, block))
