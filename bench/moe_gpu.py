@@ -160,6 +160,54 @@ def decode_sweep(tokens: list[int], copy_gbs: float) -> list[dict]:
     return rows
 
 
+def fp8_decode_sweep(tokens: list[int], copy_gbs: float) -> list[dict]:
+    """The decode path's MoE layer (Qwen3-30B-A3B's experts), bf16 and with FP8 experts (e4m3, 128 x
+    128 block scales): the experts as GEMVs (ops/triton_moe_decode.GemvTiles, over a grid) against
+    the tiled GEMMs at their default tiles, replayed in a CUDA graph; each format's floor is the
+    touched experts' bytes and the router's."""
+    import itertools
+
+    from pdserve.engine.ops.triton_moe import Fp8Experts
+    from pdserve.engine.ops.triton_moe_decode import DecodeTiles, GemvTiles, moe_decode_triton
+    from pdserve.engine.ops.triton_moe_route import Routing
+
+    E, k, H, inter, g, w1, w2 = qwen3_moe_experts()
+    (q1, s1), (q2, s2) = (_fp8_blocks(w) for w in (w1, w2))
+    formats = {"bf16": (w1, w2, None, 2), "fp8": (q1, q2, Fp8Experts(s1, s2, (128, 128)), 1)}
+    router = torch.randn(E, H, device="cuda", generator=g, dtype=torch.bfloat16) / H ** 0.5
+    routing, arrivals = Routing.of(E, k, True), torch.zeros(8, dtype=torch.int32, device="cuda")
+    grid = [GemvTiles(tile, max_k, w) for tile, max_k, w in itertools.product((4096, 8192, 16384), (1024, 2048),
+                                                                             (2, 4, 8))]
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        touched = int(torch.unique(torch.topk(torch.nn.functional.linear(x, router).float(), k).indices).numel())
+        for fmt, (a, b, fp8, width) in formats.items():
+            floor = (touched * 3 * H * inter * width + E * H * 2) / (copy_gbs * 1e9) * 1e3
+            tiled_tiles = DecodeTiles(experts=DecodeTiles().experts_tiles(t, k, fp8 is not None))
+            tiled = timed_graph(lambda x=x, a=a, b=b, f=fp8, tl=tiled_tiles: moe_decode_triton(
+                x, router, a, b, routing, torch.bfloat16, arrivals, tiles=tl, fp8=f))
+            for tiles in tqdm([GemvTiles(), *grid], desc=f"{fmt} GEMVs, {t} tokens"):
+                fn = (lambda x=x, a=a, b=b, f=fp8, tl=tiles: moe_decode_triton(
+                    x, router, a, b, routing, torch.bfloat16, arrivals, tiles=DecodeTiles(gemv=tl), fp8=f))
+                rows.append({"tokens": t, "format": fmt, "floor_ms": floor, "tiled_ms": tiled, **tiles.__dict__,
+                             "gemv_ms": timed_graph(fn), "default": tiles == GemvTiles()})
+            mine = [r for r in rows if r["tokens"] == t and r["format"] == fmt]
+            best = min(mine, key=lambda r: r["gemv_ms"])
+            print(f"{t} tokens {fmt}: tiled {tiled:.4f} ms, GEMVs default {mine[0]['gemv_ms']:.4f} ms, best "
+                  f"{best['gemv_ms']:.4f} ms ({ {c: best[c] for c in ('tile', 'max_k', 'warps')} }), "
+                  f"floor {floor:.4f} ms", flush=True)
+    return rows
+
+
+def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, rows, cols] (multiples of 128) -> e4m3 values and a float32 scale per 128 x 128 block."""
+    E, r, c = w.shape
+    t = w.float().view(E, r // 128, 128, c // 128, 128)
+    s = t.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    return (t / s[:, :, None, :, None]).to(torch.float8_e4m3fn).view(E, r, c), s
+
+
 def expert_counter(model):
     """Counts, per decode step, the distinct experts each sparse layer routes to (forward hooks)."""
     from pdserve.engine.models.moe import SparseMoE
@@ -254,6 +302,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", default="", help="token counts to sweep the kernel's tile settings at (alone)")
     ap.add_argument("--experts", default="qwen3_moe", choices=sorted(EXPERT_SHAPES), help="the experts --sweep runs")
     ap.add_argument("--decode-sweep", default="", help="token counts: decode path vs grouped")
+    ap.add_argument("--fp8-decode-sweep", default="", help="token counts: the decode path's expert GEMVs, bf16 and FP8")
     ap.add_argument("--profile", action="store_true", help="add each step's kernel time by kind (torch profiler)")
     return ap
 
@@ -315,6 +364,12 @@ def main() -> None:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
         return
     ceil = ceilings()
+    if args.fp8_decode_sweep:
+        rows = fp8_decode_sweep([int(t) for t in args.fp8_decode_sweep.split(",")], ceil["copy_GBps"])
+        with open(os.path.join(args.out, "moe_fp8_decode_sweep.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "command": "python bench/moe_gpu.py "
+                       + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+        return
     if args.decode_sweep:
         rows = decode_sweep([int(t) for t in args.decode_sweep.split(",")], ceil["copy_GBps"])
         with open(os.path.join(args.out, "moe_decode_sweep.json"), "w") as f:

@@ -170,7 +170,7 @@ def test_fp8_experts_equal_the_reference_over_their_dequantized_weights(T, E, k,
     whatever the tiles (each held to a block); a scale shape that does not fit is refused."""
     from pdserve.engine.fp8 import dequantize
     from pdserve.engine.ops.triton_moe import Fp8Experts
-    from pdserve.engine.ops.triton_moe_decode import DECODE_TOKENS, moe_decode_triton
+    from pdserve.engine.ops.triton_moe_decode import DECODE_TOKENS, DecodeTiles, moe_decode_triton
     from pdserve.engine.ops.triton_moe_route import Routing
 
     g = torch.Generator().manual_seed(T + E + H)
@@ -186,9 +186,11 @@ def test_fp8_experts_equal_the_reference_over_their_dequantized_weights(T, E, k,
     for tiles in (None, MoETiles(16, 32, 32, 4, 2), MoETiles(32, 64, 64, 4, 2)):
         out = fused_moe_triton(x, q1, q2, weights, ids, tiles, fp8=fp8)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)  # the scale applied per K step
-    if T <= DECODE_TOKENS:
+    if T <= DECODE_TOKENS:  # the decode path: GEMVs (FP8's default) and the tiled GEMMs
         arrivals = torch.zeros(DECODE_TOKENS, dtype=torch.int32, device=DEV)
-        out = moe_decode_triton(x, router, q1, q2, Routing.of(E, k, True), torch.float32, arrivals, fp8=fp8)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        for tiles in (DecodeTiles(), DecodeTiles(experts=MoETiles(16, 32, 32, 2, 2))):
+            out = moe_decode_triton(x, router, q1, q2, Routing.of(E, k, True), torch.float32, arrivals, tiles=tiles,
+                                    fp8=fp8)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="do not fit blocks"):
         fused_moe_triton(x, q1, q2, weights, ids, fp8=Fp8Experts(s1[:, 1:], s2, block))

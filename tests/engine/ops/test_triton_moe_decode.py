@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from pdserve.engine.architectures import MoEConfig  # noqa: E402
 from pdserve.engine.ops.moe_ref import fused_moe_ref, local_ids, moe_ref, route_grouped  # noqa: E402
 from pdserve.engine.ops.triton_moe import MoETiles  # noqa: E402
-from pdserve.engine.ops.triton_moe_decode import DecodeTiles, moe_decode_triton  # noqa: E402
+from pdserve.engine.ops.triton_moe_decode import DecodeTiles, GemvTiles, moe_decode_triton  # noqa: E402
 from pdserve.engine.ops.triton_moe_route import Routing  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,16 +28,17 @@ def _weights(g, E, H, inter, dtype=torch.float32):
 @pytest.mark.parametrize("T,E,k,H,inter,renorm", [(1, 8, 2, 64, 32, True), (3, 16, 4, 96, 48, False),
                                                   (4, 12, 3, 40, 24, True)])
 def test_decode_path_equals_the_reference_from_the_router_weight(T, E, k, H, inter, renorm):
-    """Logits from the router weight, the top-k, both GEMMs and the combine: the reference's
-    output (ops/moe_ref.moe_ref on F.linear's logits), for tiles that split every dimension
-    unevenly; the per-token counters are zero again afterwards (a graph replays the launch)."""
+    """Logits from the router weight, the top-k, both GEMMs (tiled, or GEMVs) and the combine: the
+    reference's output (ops/moe_ref.moe_ref on F.linear's logits), for tiles that split every
+    dimension unevenly; the per-token counters are zero again afterwards (a graph replays the launch)."""
     g = torch.Generator().manual_seed(T * 31 + E)
     x = torch.randn(T, H, generator=g).to(DEV)
     router = torch.randn(E, H, generator=g).to(DEV) / H ** 0.5
     w1, w2 = _weights(g, E, H, inter)
     ref = moe_ref(x, F.linear(x, router), w1, w2, k, renorm, torch.float32)
     arrivals = torch.zeros(4, dtype=torch.int32, device=DEV)
-    for tiles in (DecodeTiles(), DecodeTiles(block_e=2, block_k=32, warps=2, experts=MoETiles(16, 16, 16, 2, 1))):
+    for tiles in (DecodeTiles(), DecodeTiles(block_e=2, block_k=32, warps=2, experts=MoETiles(16, 16, 16, 2, 1)),
+                  DecodeTiles(gemv=GemvTiles(256, 32, 2))):  # the experts as GEMVs, rows and K split unevenly
         out = moe_decode_triton(x, router, w1, w2, Routing.of(E, k, renorm), torch.float32, arrivals, tiles=tiles)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert arrivals.tolist() == [0, 0, 0, 0]
