@@ -41,15 +41,22 @@ def hash_block_tokens(
     start_block: int = 0,
     parent: BlockHash = ROOT_HASH,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of `token_ids` from block `start_block` on.
+    """Hashes of the full blocks of `token_ids` from block `start_block` on (each equal to
+    hash_block's of that block: the tokens are encoded once for all of them).
 
     `parent` must be the hash of block `start_block - 1` (ROOT_HASH for block 0), so a
     caller can extend a chain as a sequence grows without rehashing its prefix.
     """
-    hashes: list[BlockHash] = []
     num_full = len(token_ids) // block_size
-    for i in range(start_block, num_full):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+    if num_full <= start_block:
+        return []
+    data = np.asarray(token_ids[start_block * block_size: num_full * block_size], dtype="<i8").tobytes()
+    head, step = struct.pack("<I", block_size), 8 * block_size
+    tail = b"".join(struct.pack("<I", len(d)) + d for d in (repr(k).encode() for k in extra_keys))
+    hashes: list[BlockHash] = []
+    sha = hashlib.sha256
+    for at in range(0, len(data), step):
+        parent = sha(parent + head + data[at: at + step] + tail).digest()
         hashes.append(parent)
     return hashes
 

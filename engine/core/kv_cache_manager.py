@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..base.hashing import ROOT_HASH, BlockHash, hash_block, held_run
+from ..base.hashing import ROOT_HASH, BlockHash, hash_block_tokens, held_run
 from .block_pool import Block, BlockPool
 from .request import Request
 
@@ -54,11 +54,9 @@ class KVCacheManager:
     def block_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
-        bs = self.block_size
-        while (len(hashes) + 1) * bs <= len(tokens):
-            i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], self.extra_keys))
+        if (len(hashes) + 1) * self.block_size <= len(tokens):
+            hashes += hash_block_tokens(tokens, self.block_size, self.extra_keys, len(hashes),
+                                        hashes[-1] if hashes else ROOT_HASH)
         return hashes
 
     # ---- allocation ------------------------------------------------------------------

@@ -14,6 +14,13 @@ def test_chain_covers_full_blocks_only_and_extends():
     assert hashes[1] == hash_block(hashes[0], toks[16:32])
     # extending from block 1 with its parent gives the same chain
     assert hash_block_tokens(toks, 16, start_block=1, parent=hashes[0]) == hashes[1:]
+    # the chain (tokens encoded once for all blocks) is hash_block's, block by block, extra keys too
+    keys = ("model-x", 3)
+    chain, parent = [], ROOT_HASH
+    for i in range(2):
+        parent = hash_block(parent, toks[16 * i: 16 * i + 16], keys)
+        chain.append(parent)
+    assert hash_block_tokens(toks, 16, keys) == chain
 
 
 def test_hash_depends_on_parent_tokens_and_extra_keys():
