@@ -99,11 +99,6 @@ class BlockRegistry:
         CONCURRENCY_GROUPS; tests kill it by pid)."""
         return os.getpid()
 
-    @ray.method(concurrency_group="probe")
-    def node(self) -> str:
-        """The address of the node this registry runs on (`/admin/status` shows it)."""
-        return ray.util.get_node_ip_address()
-
     # ---- membership ----------------------------------------------------------------------
     def register(self, worker_id: str, info: WorkerInfo, cluster_id: str = "") -> bool:
         """False (and nothing recorded) for a worker of another cluster."""

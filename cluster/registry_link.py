@@ -66,7 +66,7 @@ class RegistryLink:
         self._ping = None  # the probe's ping in flight, and when it was sent (monotonic)
         self._ping_sent = 0.0
         self.pid: int | None = None  # the process that last answered the probe
-        self.node: str | None = None  # the address of its node (asked once per process)
+        self.node: str | None = None  # the address of the node it is bound to (create())
         self._killed_pid: int | None = None  # the process the probe killed: its answers are not a restart's
 
     def create(self):
@@ -75,6 +75,7 @@ class RegistryLink:
         also a soft affinity to this node, put it on a worker host; the router's node going
         away takes the router with it, so the hard affinity costs nothing.)"""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.node = ray.util.get_node_ip_address()
         self.actor = self.actor_class.options(name=REGISTRY_NAME, namespace=self.namespace, max_restarts=-1,
                                               scheduling_strategy=here).remote(cluster_id=self.cluster_id)
         return self.actor
@@ -156,8 +157,6 @@ class RegistryLink:
             if err is None:
                 if self.pid is not None and answer.result() != self.pid:
                     self.restarts += 1
-                if answer.result() != self.pid or self.node is None:
-                    self.node = await self._call(self.actor.node.remote(), 5.0)
                 self.pid = answer.result()
                 self._up()
                 return

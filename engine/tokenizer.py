@@ -102,7 +102,8 @@ class ModelTokenizer:
             self.eos_token_id = self.hf.eos_token_id
             self.clean_up_tokenization_spaces = self.hf.clean_up_tokenization_spaces
         else:
-            self.eos_token_id = self._rust.token_to_id(_config(path)[1]) if _config(path)[1] else None
+            eos = _config(path)[1]
+            self.eos_token_id = self._rust.token_to_id(eos) if eos else None
             self.clean_up_tokenization_spaces = False
             if not self.encode("hello world", add_special_tokens=False):
                 raise ValueError(f"the tokenizer of {path} turns text into no tokens: its files are incomplete")

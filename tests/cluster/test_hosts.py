@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hostbed import HostBed, wait_for
 
+from pdserve.cluster.registry import REGISTRY_NAME
+
 from helpers import hf_greedy, save_tiny
 
 pytestmark = pytest.mark.slow
@@ -339,7 +341,12 @@ def test_disagg_across_hosts_hands_kv_over_the_network_and_matches_hugging_face(
     assert [o["choices"][0]["token_ids"] for o in outs] == hf_greedy(model, PROMPTS, MAX_TOKENS), outs
     nodes = {w["role"]: w["node"] for w in status["workers"]}
     assert nodes == {"prefill": bed.addr["h2"], "decode": bed.addr["h3"]}, status["workers"]
-    assert status["registry"]["node"] == bed.addr["h1"], status["registry"]  # beside the router that asks it
+    assert status["registry"]["node"] == bed.addr["h1"], status["registry"]
+    # and Ray runs it there: its process, found by the pid it answers with, is one of h1's
+    ask = (f"import ray; ray.init(address='{bed.addr['h1']}:{RAY_PORT}', logging_level='ERROR'); "
+           f"print(ray.get(ray.get_actor('{REGISTRY_NAME}', namespace='pdserve').ping.remote(), timeout=30))")
+    pid = bed.run("h1", sys.executable, "-c", ask, env=env, timeout=60).stdout.split()[-1]
+    assert "BlockRegistry" in bed.run("h1", "cat", f"/proc/{pid}/cmdline").stdout, pid
     links = [link for w in status["workers"] for link in (w.get("kv_links") or {}).values()]
     assert links, status
     for link in links:
