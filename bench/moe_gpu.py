@@ -364,18 +364,14 @@ def main() -> None:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
         return
     ceil = ceilings()
-    if args.fp8_decode_sweep:
-        rows = fp8_decode_sweep([int(t) for t in args.fp8_decode_sweep.split(",")], ceil["copy_GBps"])
-        with open(os.path.join(args.out, "moe_fp8_decode_sweep.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "command": "python bench/moe_gpu.py "
-                       + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
-        return
-    if args.decode_sweep:
-        rows = decode_sweep([int(t) for t in args.decode_sweep.split(",")], ceil["copy_GBps"])
-        with open(os.path.join(args.out, "moe_decode_sweep.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "command": "python bench/moe_gpu.py "
-                       + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
-        return
+    for tokens, run, name in ((args.fp8_decode_sweep, fp8_decode_sweep, "moe_fp8_decode_sweep"),
+                              (args.decode_sweep, decode_sweep, "moe_decode_sweep")):
+        if tokens:  # one sweep alone, its rows to NAME.json
+            rows = run([int(t) for t in tokens.split(",")], ceil["copy_GBps"])
+            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "command": "python bench/moe_gpu.py "
+                           + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+            return
     res = {"device": torch.cuda.get_device_name(), "ceil": ceil,
            "command": "python bench/moe_gpu.py " + " ".join(sys.argv[1:]),
            "kernel": bench_kernel([int(t) for t in args.tokens.split(",")], ceil["copy_GBps"]), "models": []}
