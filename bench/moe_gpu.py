@@ -200,6 +200,44 @@ def fp8_decode_sweep(tokens: list[int], copy_gbs: float) -> list[dict]:
     return rows
 
 
+def fp8_sweep_report(res: dict, out: str, name: str) -> list[str]:
+    """NAME.md (per token count and format: tiled, default and best GEMVs, floor) and NAME.png
+    from --fp8-decode-sweep's rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    lines = [f"# One Qwen3-30B-A3B MoE layer on the decode path, {res['device']}", "", f"`{res['command']}`", "",
+             f"![layer time]({name}.png)", "",
+             "| tokens | format | tiled GEMMs us | GEMVs, default us | GEMVs, best us (tile, max_k, warps) "
+             "| floor us |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    groups = sorted({(r["tokens"], r["format"]) for r in rows})
+    best = {}
+    for t, fmt in groups:
+        mine = [r for r in rows if r["tokens"] == t and r["format"] == fmt]
+        b, d = min(mine, key=lambda r: r["gemv_ms"]), next(r for r in mine if r["default"])
+        best[t, fmt] = (mine[0]["tiled_ms"], b["gemv_ms"], mine[0]["floor_ms"])
+        lines.append(f"| {t} | {fmt} | {mine[0]['tiled_ms'] * 1e3:.1f} | {d['gemv_ms'] * 1e3:.1f} | "
+                     f"{b['gemv_ms'] * 1e3:.1f} ({b['tile']}, {b['max_k']}, {b['warps']}) | "
+                     f"{mine[0]['floor_ms'] * 1e3:.1f} |")
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, (tiled, gemv, floor) in enumerate(best.values()):
+        ax.bar([i - 0.2, i + 0.2], [tiled * 1e3, gemv * 1e3], 0.38, color=["#888", "#2a7"],
+               label=["tiled GEMMs", "GEMVs (best)"] if i == 0 else None)
+        ax.scatter([i], [floor * 1e3], marker="_", s=500, color="k", label="HBM floor" if i == 0 else None)
+    ax.set_xticks(range(len(best)), [f"{t} tok {fmt}" for t, fmt in best])
+    ax.set_ylabel("us per layer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{name}.png"), dpi=110)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
 def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, rows, cols] (multiples of 128) -> e4m3 values and a float32 scale per 128 x 128 block."""
     E, r, c = w.shape
@@ -368,9 +406,12 @@ def main() -> None:
                               (args.decode_sweep, decode_sweep, "moe_decode_sweep")):
         if tokens:  # one sweep alone, its rows to NAME.json
             rows = run([int(t) for t in tokens.split(",")], ceil["copy_GBps"])
+            res = {"device": torch.cuda.get_device_name(), "command": "python bench/moe_gpu.py "
+                   + " ".join(sys.argv[1:]), "rows": rows}
             with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "command": "python bench/moe_gpu.py "
-                           + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+                json.dump(res, f, indent=1)
+            if run is fp8_decode_sweep:
+                print("\n".join(fp8_sweep_report(res, args.out, name)))  # the short table last
             return
     res = {"device": torch.cuda.get_device_name(), "ceil": ceil,
            "command": "python bench/moe_gpu.py " + " ".join(sys.argv[1:]),
