@@ -31,6 +31,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_gpu import ceilings, decode_batch, profile_lines, profile_step, timed  # noqa: E402
 from moe_gpu import QWEN3_30B_A3B, expert_counter  # noqa: E402
+from serving_gpu import FP8  # noqa: E402
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120,
@@ -41,7 +42,6 @@ QWEN3_32B = {
 SHAPES = {"qwen3-32b": ("Qwen3-32B", QWEN3_32B), "qwen3-30b-a3b": ("Qwen3-30B-A3B", QWEN3_30B_A3B)}
 KEYS = {"qwen3-32b": ("fp8_prefill_speedup_32b", "fp8_decode_floor_ratio_b1"),
         "qwen3-30b-a3b": ("fp8_moe_prefill_speedup", "fp8_moe_decode_floor_ratio_b1")}
-FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -8,8 +8,9 @@ an OpenAI endpoint, all measured by `pdserve bench`.
 
 Model (`--shape`): Llama-3-8B's shape (32 layers, 4096 hidden, GQA 32:8, 14336 MLP; the default),
 Qwen3-32B's or Llama-3-70B's (dense, for TP workers: `--systems hybrid:1:1:tp2`), Qwen3-30B-A3B's or
-DeepSeek-V2-Lite's (mixture of experts) with random bf16 weights; the vocabulary is the given
-tokenizer's (SmolLM2's 49,152 tokens, so outputs detokenize), not the models' own.
+DeepSeek-V2-Lite's (mixture of experts) with random bf16 weights (`--fp8`: held in FP8 with block
+scales); the vocabulary is the given tokenizer's (SmolLM2's 49,152 tokens, so outputs detokenize),
+not the models' own.
 """
 
 from __future__ import annotations
@@ -78,9 +79,17 @@ SHAPES = {
 }
 
 
-def build_model(out_dir: str, tokenizer_dir: str, shape: str = "llama3-8b") -> str:
+# the `quantization_config` of the -FP8 releases (DeepSeek-V3, Qwen3-*-FP8): e4m3 weights, a scale per 128 x 128
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def build_model(out_dir: str, tokenizer_dir: str, shape: str = "llama3-8b", fp8: bool = False) -> str:
+    """A config-only model directory of `shape` with the tokenizer's files (served with dummy weights);
+    `fp8`: its config carries FP8's quantization_config, so the loader holds the decoder linears and
+    fused experts in FP8 as it does a checkpoint's."""
     cfg = {**SHAPES[shape], "vocab_size": 49152, "tie_word_embeddings": False, "bos_token_id": 1,
-           "eos_token_id": 2, "torch_dtype": "bfloat16", "initializer_range": 0.02}
+           "eos_token_id": 2, "torch_dtype": "bfloat16", "initializer_range": 0.02,
+           **({"quantization_config": FP8} if fp8 else {})}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -268,6 +277,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the served model's shape")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the model's weights held in FP8 (block-scaled e4m3, as the -FP8 checkpoints ship)")
     ap.add_argument("--one-gpu", action="store_true",
                     help="disagg / hybrid: the prefill and decode workers share one GPU (handoffs over CUDA IPC)")
     ap.add_argument("--systems", default="disagg,colocated,hf",
@@ -299,7 +310,8 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # 8192-token prompts + their outputs on shapes trained to 8192 positions: dummy weights, nothing to degrade
     os.environ.setdefault("PDSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    model = build_model(os.path.join(tempfile.mkdtemp(), f"{args.shape}-shape"), args.tokenizer, args.shape)
+    model = build_model(os.path.join(tempfile.mkdtemp(), f"{args.shape}-shape"), args.tokenizer, args.shape,
+                        fp8=args.fp8)
     url = f"http://127.0.0.1:{args.port}"
     summary = []
     for system in args.systems.split(","):
