@@ -189,3 +189,48 @@ def start_or_join_ray(address: str | None, namespace: str) -> None:
         _reaper = Reaper.start(_node_pids())
     if caught:
         signal.raise_signal(caught[0])  # now the caller's handler (pdserve serve's: stop)
+
+
+RAY_LOST_S = 5.0  # the Ray's GCS refusing or not answering this long: the cluster is gone
+
+
+class GcsWatch:
+    """Watches the GCS of the Ray this process joined or started: a TCP connect to its address
+    every second. Once every connect for RAY_LOST_S has been refused (its host answers, no GCS
+    listens: stopped or killed), `on_lost(why)` runs once (on the watch's thread). Without its GCS
+    a Ray cluster is gone (pdserve's Ray keeps no GCS state to restart from), and Ray's own driver
+    notices only after 60 s, spinning a core the while (its error listener polls the dead GCS in a
+    loop: 100% of a core from `ray down` of a head until the router exited). A GCS that does not
+    answer at all (a link down) is left to Ray's own 60 s: a partition can heal."""
+
+    def __init__(self, on_lost, lost_s: float = RAY_LOST_S, every_s: float = 1.0):
+        import socket
+
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        self.address, self._target = f"{host}:{port}", (host, int(port))
+        self._on_lost, self._lost_s, self._every_s, self._socket = on_lost, lost_s, every_s, socket
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-gcs-watch", daemon=True)
+        self._thread.start()
+
+    def _refused(self) -> bool:
+        try:
+            with self._socket.create_connection(self._target, timeout=self._every_s):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # no answer: not known to be gone
+            return False
+
+    def _run(self) -> None:
+        last_seen = time.monotonic()
+        while not self._stop.wait(self._every_s):
+            if not self._refused():
+                last_seen = time.monotonic()
+            elif time.monotonic() - last_seen >= self._lost_s:
+                self._on_lost(f"the Ray cluster's GCS at {self.address} has refused connections for "
+                              f"{self._lost_s:g} s")
+                return
+
+    def stop(self) -> None:
+        self._stop.set()

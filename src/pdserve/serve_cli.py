@@ -128,7 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
 
     from pdserve.cluster import Cluster
-    from pdserve.cluster.local_ray import RayStartError
+    from pdserve.cluster.local_ray import GcsWatch, RayStartError
     from pdserve.router.app import build_app
     from pdserve.router.server import Server
     from pdserve.router.server import config as server_config
@@ -187,12 +187,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stop(sig, frame)
 
         server.handle_exit = on_signal
+        lost: list[str] = []
+
+        def ray_lost(why: str) -> None:  # its workers went with it: nothing to serve, nothing to stop
+            lost.append(why)
+            stop(signal.SIGTERM, None)
+
+        watch = GcsWatch(ray_lost)
         signal.signal(signal.SIGTERM, _interrupt)  # what uvicorn raises again once it has stopped
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn raises the captured signal again once it has stopped
             pass
+        watch.stop()
     finally:
+        if lost:  # Ray's calls (the workers' stop, its own shutdown and exit hooks) would wait on the gone GCS
+            print(f"pdserve: {lost[0]}; its workers are gone with it: stopped", file=sys.stderr, flush=True)
+            os._exit(1)
         cluster.shutdown()
     return 0
 

@@ -17,6 +17,8 @@ import pytest
 import yaml
 from hostbed import HostBed, wait_for
 
+from pdserve.cluster.local_ray import RAY_LOST_S
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,8 +97,12 @@ def test_ray_up_of_the_onprem_config_serves_at_the_heads_address_and_ray_down_le
             down = subprocess.run([*ray, "down", "-y", str(cfg)], cwd=src, env=env, capture_output=True, text=True,
                                   timeout=300)
         assert down.returncode == 0, down.stdout[-3000:] + down.stderr[-3000:]
-        # the head's Ray stops at once; a worker host's within its raylet's minute without the head
+        # the head's Ray stops at once, and its router once the GCS has refused it for RAY_LOST_S (it
+        # lived on for Ray's 60 s, a core spinning in Ray's error listener); a worker host's Ray within
+        # its raylet's minute without the head
         t0 = time.monotonic()
+        wait_for(lambda: not leftovers(bed, "h1"), RAY_LOST_S + 15, f"h1: {leftovers(bed, 'h1')} still running",
+                 every_s=1)
         for host in bed.hosts:
             wait_for(lambda h=host: not leftovers(bed, h), 150, f"{host}: {leftovers(bed, host)} still running",
                      every_s=2)
