@@ -378,7 +378,8 @@ def fp8() -> dict:
         "device": dev,
         "workload": "Qwen3-32B's qkv, o, gate/up, down at one row: the W8A16 GEMV's time over the HBM floor of its FP8 "
         f"bytes (values + scales), summed; the worst shape, {worst['shape']}, "
-        f"{worst['best_ms'] / worst['floor_ms']:.2f}x (a 5 us launch-bound GEMV)"}, **fp8_engine(), **fp8_moe_engine(), **fp8_moe_serving()}
+        f"{worst['best_ms'] / worst['floor_ms']:.2f}x (a 5 us launch-bound GEMV)"},
+        **fp8_engine(), **fp8_moe_engine(), **fp8_moe_serving()}
 
 
 def fp8_engine() -> dict:
