@@ -38,7 +38,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.extra_keys = extra_keys
         self.pool = BlockPool(num_blocks, enable_caching)
+        # each request's blocks; a list is never changed in place (a change stores a new one), so
+        # `block_ids` can hand out one id list for as long as its blocks stay the same
         self.req_blocks: dict[str, list[Block]] = {}
+        self._req_ids: dict[str, tuple[list[Block], list[int]]] = {}
         # chained hashes of each request's full blocks, extended as it grows
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_published: dict[str, int] = {}  # per request, its leading blocks cache_blocks has published
@@ -117,7 +120,12 @@ class KVCacheManager:
         Returns the request's full block list, or None (nothing changed) if the pool
         cannot supply the blocks; the scheduler then preempts or waits.
         """
-        blocks = self.req_blocks.get(request.request_id, [])
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks:  # a running request (most calls: a decode)
+            end = request.num_computed_tokens - request.kv_shift + num_new_tokens
+            if end <= len(blocks) * self.block_size:
+                return blocks
+        blocks = blocks or []
         new_computed_blocks = new_computed_blocks or []
         num_computed = request.num_computed_tokens - request.kv_shift + len(new_computed_blocks) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size)
@@ -127,11 +135,12 @@ class KVCacheManager:
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_fresh + evictable_hits > self.pool.num_free_blocks:
             return None
-        self.pool.touch(new_computed_blocks)
-        blocks = blocks + new_computed_blocks
-        if num_fresh > 0:
-            blocks += self.pool.allocate(num_fresh)
-        self.req_blocks[request.request_id] = blocks
+        if new_computed_blocks or num_fresh > 0 or request.request_id not in self.req_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks = blocks + new_computed_blocks
+            if num_fresh > 0:
+                blocks += self.pool.allocate(num_fresh)
+            self.req_blocks[request.request_id] = blocks
         return blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -141,9 +150,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
+        start = self.req_published.get(rid, 0)
+        if num_computed_tokens // self.block_size <= start:  # no block filled since (most decode steps)
+            return
         blocks = self.req_blocks.get(rid, [])
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
-        start = self.req_published.get(rid, 0)
         if num_full <= start:
             return
         hashes = self.block_hashes(request)
@@ -166,12 +177,24 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._req_ids.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
         self.req_hashes.pop(request.request_id, None)
         self.req_published.pop(request.request_id, None)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        """The request's block table. The same list comes back while its blocks stay the same (a
+        decode step adds a block once in `block_size` tokens, not a copy of its whole context each
+        step): callers read it, never change it."""
+        blocks = self.req_blocks.get(request_id)
+        if blocks is None:
+            return []
+        cached = self._req_ids.get(request_id)
+        if cached is not None and cached[0] is blocks:
+            return cached[1]
+        ids = [b.block_id for b in blocks]
+        self._req_ids[request_id] = (blocks, ids)
+        return ids
 
     # ---- metrics ---------------------------------------------------------------------
     # ---- a KV handoff's accounting (decode: receiver, prefill: sender) -------------------------

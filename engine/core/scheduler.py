@@ -226,7 +226,7 @@ class Scheduler:
                     break
             if blocks is None:  # req itself was preempted; everything after it too
                 break
-            out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in blocks]))
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
             scheduled_running.append(req)
             budget -= num_new
             i += 1
@@ -256,7 +256,7 @@ class Scheduler:
             req.scheduled_at = req.scheduled_at or time.time()
             req.status = RequestStatus.RUNNING
             self._enqueue(self.running, req)
-            out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in blocks]))
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
             budget -= num_new
             prefill_left -= num_new
         return out
@@ -270,7 +270,7 @@ class Scheduler:
         if blocks is None:
             req.spec_tokens = []
             return 0
-        out.scheduled.append(ScheduledRequest(req, n, [b.block_id for b in blocks], list(req.spec_tokens)))
+        out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), list(req.spec_tokens)))
         return n
 
     def _make_room_for(self, req: Request, out: SchedulerOutput) -> bool:

@@ -157,3 +157,18 @@ def test_an_unknown_scheduling_policy_is_refused():
 
     with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority, got 'lifo'"):
         EngineConfig(scheduling_policy="lifo")
+
+
+def test_a_decode_steps_block_table_is_shared_until_a_block_is_added():
+    """A decoding request's block table is one list for as long as its blocks stay the same (a
+    step costs no copy of the whole context), a new list when a step adds a block; a step's table
+    never changes after it was handed out."""
+    kv, s = make(budget=32)
+    a = Request("a", list(range(6)), SamplingParams(max_tokens=8), max_tokens=8)
+    s.add(a)
+    tables = [fake_step(s).scheduled[0].block_ids for _ in range(5)]  # 6 prompt tokens, then decodes
+    snapshot = [list(t) for t in tables]
+    assert [len(t) for t in tables] == [2, 2, 2, 3, 3]  # tokens 1-6, 7, 8 (block 2 full), 9, 10
+    assert tables[1] is tables[2] and tables[3] is tables[4] and tables[2] is not tables[3]
+    assert tables[3][:2] == tables[2] and [list(t) for t in tables] == snapshot
+    assert tables[-1] == [b.block_id for b in kv.req_blocks["a"]] == kv.block_ids("a")
