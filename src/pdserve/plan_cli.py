@@ -52,7 +52,7 @@ def cmd_plan_layouts(args: argparse.Namespace) -> int:
 
     from pdserve.cli_common import CliError
     from pdserve.sim import Profile
-    from pdserve.sim.layouts import recommend
+    from pdserve.sim.layouts import SLICE_MAX, recommend
 
     if args.gpus < 1:
         raise CliError(f"--gpus must be >= 1, got {args.gpus}")
@@ -73,8 +73,12 @@ def cmd_plan_layouts(args: argparse.Namespace) -> int:
         raise CliError(f"--num-requests must be >= 1, got {args.num_requests}")
     argv = [*work, "--slo-ttft", str(ttft), "--slo-tpot", str(tpot), "--seed", "0"]
     t0 = time.monotonic()
-    ranked = recommend(prof, args.gpus, argv, args.num_requests, progress=lambda c: print(
-        f"  {c.system:16s} {c.rps:7.2f} req/s ({c.simulations} simulations)", flush=True))
+    if args.jobs is not None and args.jobs < 1:
+        raise CliError(f"--jobs must be >= 1, got {args.jobs}")
+    ranked = recommend(prof, args.gpus, argv, args.num_requests, jobs=args.jobs,
+                       slice_max=None if args.whole else SLICE_MAX, progress=lambda c: print(
+                           f"  {c.system:16s} {c.rps:7.2f} req/s ({c.simulations} simulations"
+                           + (f" of {c.slice}" if c.replicas > 1 else "") + ")", flush=True))
     best, colo = ranked[0], next(c for c in ranked if c.system.startswith("colocated"))
     slo = f"TTFT <= {ttft:g} s, TPOT <= {tpot * 1000:g} ms"
     if not best.meets:
@@ -82,7 +86,11 @@ def cmd_plan_layouts(args: argparse.Namespace) -> int:
               f"{best.system} ({best.attainment:.0%} attained)")
         return 1
     print(f"\n{prof.model} on {args.gpus} x {prof.device}, {slo}, {' '.join(work[1:])} "
-          f"({time.monotonic() - t0:.0f} s)\n")
+          f"({time.monotonic() - t0:.0f} s)")
+    if best.replicas > 1:
+        print(f"each layout simulated as {best.replicas} replicas of its {args.gpus // best.replicas}-GPU slice, "
+              f"each at 1/{best.replicas} of the traffic (--whole: the whole cluster)")
+    print()
     print("| layout | goodput (req/s) | per GPU | vs colocated |\n|---|---|---|---|")
     for c in ranked[: max(args.top, 1)] + ([colo] if colo not in ranked[: max(args.top, 1)] else []):
         vs = f"{c.rps / colo.rps:.2f}x" if colo.rps else "-"
@@ -121,4 +129,8 @@ def add_plan_parser(sub) -> None:
     pl.add_argument("--num-requests", type=int, default=200,
                     help="with --gpus: requests a simulated rate (at least 10 s of them)")
     pl.add_argument("--top", type=int, default=3, help="with --gpus: layouts shown (and colocated)")
+    pl.add_argument("--whole", action="store_true",
+                    help="with --gpus: simulate the whole cluster, not replicas of a slice of it (slower past 8 GPUs)")
+    pl.add_argument("--jobs", type=int, default=None,
+                    help="with --gpus: layouts searched at once, a process each (default: one per CPU core)")
     pl.set_defaults(func=cmd_plan)

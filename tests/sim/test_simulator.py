@@ -70,3 +70,53 @@ def test_plan_ranks_the_layouts_of_n_gpus_and_names_the_closest_when_none_meets_
 
     assert main([*base, "--slo", "ttft=fast"]) == 2
     assert "--slo takes ttft=SECONDS,tpot=SECONDS" in capsys.readouterr().err
+
+
+def test_a_rate_that_misses_is_given_up_early_and_one_that_meets_runs_whole():
+    """The capacity search stops a rate once its attainment is sure to miss 90%: the same verdict
+    as the whole run at both rates, the run that meets unchanged, the one that misses cut short."""
+    p = Profile.load(str(PROFILES / "llama3-8b.json"))
+    whole = predict(p, "colocated:1", ARGV)["runs"]
+    cut = predict(p, "colocated:1", ARGV, give_up_below=0.9)["runs"]
+    assert whole[0]["slo_attainment"] == cut[0]["slo_attainment"] >= 0.9
+    assert whole[0]["duration_s"] == cut[0]["duration_s"]
+    assert whole[1]["slo_attainment"] < 0.9 and cut[1]["slo_attainment"] < 0.9
+    assert cut[1]["duration_s"] < whole[1]["duration_s"]
+    assert cut[1]["completed"] < whole[1]["completed"] == 40
+
+
+def test_layouts_searched_in_processes_rank_as_in_one():
+    from pdserve.sim.layouts import recommend
+
+    p = Profile.load(str(PROFILES / "llama3-8b.json"))
+    argv = ["--workload", "synthetic", "--input-len", "4096", "--output-len", "16", "--slo-ttft", "1.0",
+            "--slo-tpot", "0.04", "--seed", "0"]
+    assert recommend(p, 2, argv, 20, jobs=2) == recommend(p, 2, argv, 20, jobs=1)
+
+
+def test_past_eight_gpus_a_layout_is_simulated_as_replicas_of_its_slice(capsys, monkeypatch):
+    """Past SLICE_MAX GPUs each layout is replicas of its slice, each at 1/replicas of the traffic
+    (named at the whole's size, its goodput replicas x the slice's). Shown at 4 GPUs with slices
+    of 2 allowed, so the search stays small."""
+    from pdserve.cli import main
+    from pdserve.sim import layouts
+    from pdserve.sim.layouts import capacity, recommend, replicas_of
+
+    assert [replicas_of(n) for n in (2, 8, 12, 16, 61, 64)] == [1, 1, 2, 2, 1, 8]
+    assert replicas_of(64, None) == 1 and replicas_of(8, 4) == 2 and replicas_of(4, 2) == 1
+    monkeypatch.setattr(layouts, "SLICE_MIN", 2)
+    p = Profile.load(str(PROFILES / "llama3-8b.json"))
+    argv = ["--workload", "synthetic", "--input-len", "4096", "--output-len", "16", "--slo-ttft", "1.0",
+            "--slo-tpot", "0.04", "--seed", "0"]
+    ranked = recommend(p, 4, argv, 20, slice_max=2)
+    assert sorted(c.system for c in ranked) == ["colocated:4", "disagg:2:2", "hybrid:2:2"]
+    colo = next(c for c in ranked if c.system == "colocated:4")
+    assert colo.replicas == 2 and colo.slice == "colocated:2"
+    alone = capacity(p, "colocated:2", argv, 0.25 * 2, 20)
+    assert colo.rps == 2 * alone.rps and colo.rate == 2 * alone.rate
+
+    monkeypatch.setattr(layouts, "SLICE_MAX", 2)
+    base = ["plan", "--gpus", "4", "--profile", str(PROFILES / "llama3-8b.json"), "--prompt-len", "4096",
+            "--output-len", "16", "--num-requests", "20"]
+    assert main(base) == 0
+    assert "each layout simulated as 2 replicas of its 2-GPU slice" in capsys.readouterr().out

@@ -30,10 +30,12 @@ def bench_args(argv: list[str]) -> argparse.Namespace:
 
 
 def predict(profile: Profile, system: str, argv: list[str], one_gpu: bool = False,
-            prefill_profile: Profile | None = None, progress=None) -> dict:
+            prefill_profile: Profile | None = None, progress=None, give_up_below: float | None = None) -> dict:
     """The bench sweep `argv` against the cluster `system` (colocated:N, disagg:P:D, hybrid:P:D),
     predicted. A hybrid or colocated server serves the sweep's SLO (the serving runs tell it so);
-    a disaggregated one keeps the server's default (its decode workers take no TPOT target)."""
+    a disaggregated one keeps the server's default (its decode workers take no TPOT target).
+    `give_up_below`: a rate stops once its attainment is sure to be under this (its reported
+    attainment is then under it too, not the full run's; Simulation.run)."""
     from pdserve.bench import sweep
     from pdserve.bench.report import goodput, summarize
     from pdserve.cluster.serving_config import SloConfig
@@ -49,7 +51,7 @@ def predict(profile: Profile, system: str, argv: list[str], one_gpu: bool = Fals
         if layout.mode == "disagg":
             for e in sim.engines.values():
                 e.model.slo_tpot_s = None
-        records, duration = sim.run(reqs, arrivals)
+        records, duration = sim.run(reqs, arrivals, None if give_up_below is None else (give_up_below, ttft, tpot))
         summary = summarize(records, duration, rate, ttft, tpot)
         summary["routing"] = dict(sim.routing)
         runs.append(summary)

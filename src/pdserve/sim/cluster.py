@@ -190,13 +190,27 @@ class Simulation:
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
-    def run(self, requests: list[BenchRequest], arrivals: list[float]) -> tuple[list[Record], float]:
+    def run(self, requests: list[BenchRequest], arrivals: list[float],
+            give_up: tuple[float, float, float] | None = None) -> tuple[list[Record], float]:
         """Every request sent at its arrival; (their records, the run's duration) as the bench
-        client gives them."""
+        client gives them.
+
+        `give_up` (attainment, TTFT SLO, TPOT SLO): the run stops as soon as so many requests
+        missed an SLO (an error, a first token past the TTFT SLO, a TPOT past its SLO) that its
+        attainment is sure to stay under `attainment`; the requests not finished then are records
+        with an error ("given up"), so the run's attainment is under `attainment` as it would have
+        been (a capacity search needs only that, not by how much)."""
+        self.give_up = None
+        if give_up is not None:
+            level, self.slo_ttft, self.slo_tpot = give_up
+            self.give_up = int(len(requests) * (1.0 - level)) + 1  # misses that settle it
+        self.misses = 0
         for i, (req, t) in enumerate(zip(requests, arrivals)):
             self.at(t, self._arrive, i, req)
         self.at(0.0, self._report)
         while self._events and len(self.done) < len(requests):
+            if self.give_up is not None and self.misses >= self.give_up:
+                return self._given_up(requests, arrivals)
             t, _, fn, args = heapq.heappop(self._events)
             self.now = t
             fn(*args)
@@ -205,6 +219,15 @@ class Simulation:
         records = [f.record for f in self.done]
         end = max((r.sent + (r.e2e or 0.0) for r in records), default=0.0)
         return sorted(records, key=lambda r: r.sent), end
+
+    def _given_up(self, requests: list[BenchRequest], arrivals: list[float]) -> tuple[list[Record], float]:
+        records = [f.record for f in self.done] + [f.record for f in self.flights.values()]
+        for r in records[len(self.done):]:
+            r.error = "given up: the rate missed its SLOs"
+        sent = len(records)
+        for req, t in list(zip(requests, arrivals))[sent:]:
+            records.append(Record(len(req.prompt), req.max_tokens, sent=t, error="given up: the rate missed its SLOs"))
+        return sorted(records, key=lambda r: r.sent), self.now
 
     def _report(self) -> None:
         for e in self.engines.values():
@@ -222,6 +245,7 @@ class Simulation:
         except NoWorker as e:
             rec.error = f"503: {e}"
             self.done.append(f)
+            self.misses += 1
             return
         self.flights[rid] = f
         f.predicted = placed.predicted
@@ -285,6 +309,8 @@ class Simulation:
 
     def _first(self, f: _Flight) -> None:
         f.record.ttft = self.now - f.record.sent
+        if self.give_up is not None and f.record.ttft > self.slo_ttft:
+            self.misses += 1
         f.charges.settle()
         self.placer.observe_first_token(f.predicted, f.record.ttft)
 
@@ -294,6 +320,8 @@ class Simulation:
 
     def _end(self, rid: str, f: _Flight) -> None:
         f.record.e2e = self.now - f.record.sent
+        if self.give_up is not None and f.record.ttft <= self.slo_ttft and (f.record.tpot or 0.0) > self.slo_tpot:
+            self.misses += 1
         f.decode.record.load -= 1
         self.flights.pop(rid, None)
         self.done.append(f)

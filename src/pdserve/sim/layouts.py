@@ -5,6 +5,14 @@ the simulator (`capacity`: the highest rate whose SLO attainment stays >= 90%), 
 Candidates (`candidates`): colocated:N, and disagg:P:D and hybrid:P:D at prefill shares of about
 1/8, 1/4, 1/3, 1/2 and 2/3 of the GPUs (each split once), so the search stays a few dozen
 simulations at any N.
+
+Past SLICE_MAX GPUs a layout is simulated as `replicas` equal slices (`replicas_of`): one slice
+of N / replicas GPUs takes 1 / replicas of the traffic (the same workload at that share of the
+rate: a trace keeps its shared prefixes together, as the router's prefix placement does), and the
+layout's goodput is replicas x the slice's. The candidates are then the slice's splits, scaled. A
+slice's pools are smaller than the whole's, so their queues balance a little worse: measured
+against whole-cluster simulations in bench/results/plan/slices.md. `slice_max=None` simulates
+the whole cluster.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from dataclasses import dataclass
 ATTAIN = 0.9  # goodput's attainment bar (pdserve.bench.report.goodput)
 SPAN_S = 10.0  # a probed rate sends at least this many seconds of requests (queues must have time to grow)
 SHARES = (1 / 8, 1 / 4, 1 / 3, 1 / 2, 2 / 3)
+SLICE_MAX = 8  # a layout of more GPUs is simulated as replicas of a slice of at most this many
+SLICE_MIN = 4  # ... and at least this many (else the whole is simulated)
 
 
 @dataclass(frozen=True)
@@ -25,10 +35,32 @@ class Capacity:
     attainment: float
     rate: float
     simulations: int
+    replicas: int = 1  # the layout was simulated as this many slices, each at 1/replicas of the rate
 
     @property
     def meets(self) -> bool:
         return self.rps > 0
+
+    @property
+    def slice(self) -> str:
+        """The layout simulated: the whole, or one replica's share of it."""
+        return scaled(self.system, 1 / self.replicas)
+
+
+def scaled(system: str, factor: float) -> str:
+    """colocated:N, disagg:P:D, hybrid:P:D with every pool's size times `factor` (whole GPUs)."""
+    kind, *sizes = system.split(":")
+    return ":".join([kind, *(str(round(int(n) * factor)) for n in sizes)])
+
+
+def replicas_of(gpus: int, slice_max: int | None = SLICE_MAX) -> int:
+    """Into how many equal slices `gpus` is cut for simulation: the fewest whose slice has at most
+    `slice_max` GPUs, when that slice has at least SLICE_MIN; else 1 (the whole; also for
+    slice_max None)."""
+    if slice_max is None or gpus <= slice_max:
+        return 1
+    g = next(g for g in range(2, gpus + 1) if gpus % g == 0 and gpus // g <= slice_max)
+    return g if gpus // g >= SLICE_MIN else 1
 
 
 def candidates(gpus: int, modes: tuple[str, ...] = ("colocated", "disagg", "hybrid")) -> list[str]:
@@ -57,8 +89,8 @@ def capacity(profile, system: str, argv: list[str], floor: float, num_requests: 
         nonlocal runs
         runs += 1
         n = max(num_requests, math.ceil(rate * SPAN_S))
-        return predict(profile, system, [*argv, "--rates", f"{rate:.4g}", "--num-requests", str(n)]
-                       )["runs"][0]["slo_attainment"]
+        return predict(profile, system, [*argv, "--rates", f"{rate:.4g}", "--num-requests", str(n)],
+                       give_up_below=ATTAIN)["runs"][0]["slo_attainment"]
 
     first = attained(floor)
     if first < ATTAIN:
@@ -82,13 +114,37 @@ def capacity(profile, system: str, argv: list[str], floor: float, num_requests: 
 
 
 def recommend(profile, gpus: int, argv: list[str], num_requests: int = 200, floor: float | None = None,
-              progress=None) -> list[Capacity]:
+              progress=None, jobs: int | None = None, slice_max: int | None = SLICE_MAX) -> list[Capacity]:
     """Every candidate layout's capacity, best first (colocated included). `floor`: the rate each
-    search starts at (default 0.25 req/s a GPU)."""
-    floor = floor or 0.25 * gpus
+    search starts at (default 0.25 req/s a GPU). `jobs`: layouts searched at once, each in its own
+    process (default: one per CPU core; 1: in this process); `progress` is called here with
+    each layout's capacity as it comes. `slice_max`: see the module's doc (None: the whole)."""
+    import os
+
+    g = replicas_of(gpus, slice_max)
+    floor = (floor or 0.25 * gpus) / g
+    systems = candidates(gpus // g)
+    jobs = min(jobs or os.cpu_count() or 1, len(systems))
     out = []
-    for system in candidates(gpus):
-        out.append(capacity(profile, system, argv, floor, num_requests))
-        if progress is not None:
-            progress(out[-1])
-    return sorted(out, key=lambda c: (-c.rps, -c.attainment))
+
+    def whole(c: Capacity) -> Capacity:
+        return Capacity(scaled(c.system, g), c.rps * g, c.attainment, c.rate * g, c.simulations, g)
+
+    if jobs <= 1:
+        for system in systems:
+            out.append(whole(capacity(profile, system, argv, floor, num_requests)))
+            if progress is not None:
+                progress(out[-1])
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # fork: a worker starts with what this process imported (spawn would import torch again)
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            for done in as_completed([pool.submit(capacity, profile, s, argv, floor, num_requests)
+                                      for s in systems]):
+                out.append(whole(done.result()))
+                if progress is not None:
+                    progress(out[-1])
+    return sorted(out, key=lambda c: (-c.rps, -c.attainment, c.system))
