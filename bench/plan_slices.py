@@ -28,17 +28,8 @@ def compare(profile, gpus: int, num_requests: int, jobs: int | None) -> dict:
     sliced = recommend(profile, gpus, WORKLOAD, num_requests, jobs=jobs, slice_max=SLICE_MAX)
     t1 = time.monotonic()
     # the whole cluster, for the same layouts (the slices' splits scaled)
-    from pdserve.sim.layouts import capacity
-
-    whole = {}
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    ctx = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(jobs or os.cpu_count(), mp_context=ctx) as pool:
-        futures = {c.system: pool.submit(capacity, profile, c.system, WORKLOAD, 0.25 * gpus, num_requests)
-                   for c in sliced}
-        whole = {k: f.result() for k, f in futures.items()}
+    whole = {c.system: c for c in recommend(profile, gpus, WORKLOAD, num_requests, jobs=jobs,
+                                            systems=[c.system for c in sliced])}
     t2 = time.monotonic()
     rows = [{"system": c.system, "slice": c.slice, "replicas": c.replicas, "sliced_rps": c.rps,
              "whole_rps": whole[c.system].rps,

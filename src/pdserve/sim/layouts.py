@@ -114,16 +114,18 @@ def capacity(profile, system: str, argv: list[str], floor: float, num_requests: 
 
 
 def recommend(profile, gpus: int, argv: list[str], num_requests: int = 200, floor: float | None = None,
-              progress=None, jobs: int | None = None, slice_max: int | None = SLICE_MAX) -> list[Capacity]:
+              progress=None, jobs: int | None = None, slice_max: int | None = SLICE_MAX,
+              systems: list[str] | None = None) -> list[Capacity]:
     """Every candidate layout's capacity, best first (colocated included). `floor`: the rate each
     search starts at (default 0.25 req/s a GPU). `jobs`: layouts searched at once, each in its own
     process (default: one per CPU core; 1: in this process); `progress` is called here with
-    each layout's capacity as it comes. `slice_max`: see the module's doc (None: the whole)."""
+    each layout's capacity as it comes. `slice_max`: see the module's doc (None: the whole).
+    `systems`: these layouts of the whole cluster instead of the candidates (simulated whole)."""
     import os
 
-    g = replicas_of(gpus, slice_max)
+    g = 1 if systems is not None else replicas_of(gpus, slice_max)
     floor = (floor or 0.25 * gpus) / g
-    systems = candidates(gpus // g)
+    systems = systems if systems is not None else candidates(gpus // g)
     jobs = min(jobs or os.cpu_count() or 1, len(systems))
     out = []
 
