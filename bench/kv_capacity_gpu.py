@@ -109,12 +109,12 @@ def host_tier(model: str, cuda: bool, gpu_budget: int, host_gib: float, n: int, 
     st = [e.stats() for e in engines]
     for e in engines:
         e.close()
-    q, hits = sum(s["prefix_cache_queries"] for s in st), sum(s["prefix_cache_hits"] for s in st)
+    q, hits = sum(s.cache.prefix_queries for s in st), sum(s.cache.prefix_hits for s in st)
     xs = sorted(ttft.values())
     return {"host_gib": host_gib, "requests": len(reqs), "gpu_blocks": engines[0].kv.num_blocks,
             "time_scale": time_scale, "prefix_hit_rate": hits / q if q else 0.0,
-            "host_hit_tokens": sum(s.get("prefix_cache_host_hits", 0) for s in st),
-            "load_back_s": sum(s.get("kv_load_back_seconds", 0.0) for s in st),
+            "host_hit_tokens": sum(s.cache.host_hit_tokens or 0 for s in st),
+            "load_back_s": sum(s.cache.load_back_seconds or 0.0 for s in st),
             "ttft_p50_s": xs[len(xs) // 2], "ttft_p90_s": xs[int(len(xs) * 0.9)], "wall_s": time.monotonic() - t0}
 
 
@@ -146,7 +146,7 @@ def restart(model: str, cuda: bool, host_gib: float) -> dict:
         status = eng.persist_status
         ttft(eng, list(range(5, 300)), cuda)
         warm = ttft(eng, prefix + [4, 5, 6], cuda)
-        hits = eng.stats()["prefix_cache_host_hits"]
+        hits = eng.stats().cache.host_hit_tokens
         eng.close()
     return {"prompt_tokens": len(prefix) + 3, "ttft_cold_s": cold, "ttft_after_restart_s": warm,
             "ttft_gpu_hit_s": gpu_hit,

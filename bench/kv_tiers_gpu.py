@@ -77,9 +77,9 @@ def one_length(model: str, cuda: bool, tokens: int, disk_dir: str, unit: int) ->
     row["recompute_s"] = ttft(eng, prefix + [1], cuda)
     row["gpu_s"] = ttft(eng, prefix + [2], cuda)
     ttft(eng, [200 + (11 * i) % 40000 for i in range(tokens)], cuda)  # pushes the prefix to the host tier
-    before = eng.stats()["prefix_cache_host_hits"]
+    before = eng.stats().cache.host_hit_tokens
     row["host_s"] = ttft(eng, prefix + [3], cuda)
-    row["host_hit_tokens"] = eng.stats()["prefix_cache_host_hits"] - before
+    row["host_hit_tokens"] = eng.stats().cache.host_hit_tokens - before
     eng.close()  # the host tier to disk
     row["disk_bytes"] = drop_page_cache(disk_dir)
     for key, forced in (("disk_s", False), ("disk_forced_s", True)):  # as the engine decides; read regardless
@@ -90,7 +90,7 @@ def one_length(model: str, cuda: bool, tokens: int, disk_dir: str, unit: int) ->
         if forced:
             eng.tiers.get("disk").read_gbps = 1e6
         row[key] = ttft(eng, prefix + [4 + forced], cuda)
-        s = eng.stats()
+        s = eng.stats().as_dict()
         row[f"{key[:-2]}_hit_tokens"], row[f"{key[:-2]}_skipped_tokens"] = \
             s["prefix_cache_disk_hits"], s["kv_disk_skipped_tokens"]
         eng.close()

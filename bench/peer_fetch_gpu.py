@@ -89,9 +89,9 @@ def one_length(role: DecodeRole, conn, cuda: bool, tokens: int, unit: int) -> di
     row["recompute_s"] = served(role, conn, f"cold-{tokens}", other + [1], None, cuda)
     conn.send(("prefill", prefix + [9]))
     row["holder_prefill_s"] = conn.recv()
-    before = role.fetches.stats()
+    before = role.fetches.stats().as_dict()
     row["peer_s"] = served(role, conn, f"peer-{tokens}", prefix + [2], FetchPlan("holder", blocks), cuda)
-    after = role.fetches.stats()
+    after = role.fetches.stats().as_dict()
     row["peer_hit_tokens"] = after["prefix_cache_peer_hits"] - before["prefix_cache_peer_hits"]
     row["fetched_bytes"] = after["kv_peer_fetched_bytes"] - before["kv_peer_fetched_bytes"]
     row["fetch_s"] = after["kv_peer_fetch_seconds"] * after["kv_peer_fetches"] - \
@@ -143,7 +143,7 @@ def main() -> None:
         res = {"device": torch.cuda.get_device_name() if cuda else "CPU", "shape": args.shape,
                "command": "python bench/peer_fetch_gpu.py " + " ".join(sys.argv[1:]),
                "rows": [one_length(role, conn, cuda, n, unit) for n in lengths]}
-        res["link"] = next(iter(connector.links().values()), {}).get("link")
+        res["link"] = next((link.link for link in connector.links()), None)
         conn.send(("stop",))
         proc.join(30)
         connector.close()

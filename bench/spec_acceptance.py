@@ -40,7 +40,7 @@ def measure(prompts: list[str], spec: dict | None, max_tokens: int) -> dict:
         t = time.perf_counter()
         outs = [llm.chat([{"role": "user", "content": p}], sp)[0] for p in prompts]  # batch 1
         wall = time.perf_counter() - t
-        st = llm.engine.stats()
+        st = llm.engine.stats().as_dict()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"tokens": n, "tok_s": n / wall, "ids": [o.outputs[0].token_ids for o in outs],
             **{k: v for k, v in st.items() if k.startswith("spec_decode")}}

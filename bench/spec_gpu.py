@@ -89,9 +89,9 @@ def spec_runs(eng, prompts, out_len, want, accs, rng, auto: bool) -> list[dict]:
         eng.step_model = StepModel(eng.config.max_num_batched_tokens, graphs=eng.runner.graph_seconds)
         d.switch = SpecSwitch(eng.step_model if auto else None)
         d.config = replace(cfg, disable_by_batch_size=DISABLE_BY_BATCH_SIZE if auto else 1 << 20)
-        before = d.stats()
+        before = d.stats().as_dict()
         got, t = run(eng, prompts, out_len)
-        after = d.stats()
+        after = d.stats().as_dict()
         drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
         accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
         rows.append({"batch": len(prompts), "acceptance_target": a, "auto": auto,

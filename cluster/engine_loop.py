@@ -25,7 +25,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Failed, Fetching, Reserved, Sent
 from pdserve.prefill.role import PrefillRole
 
-from .records import BlockEvent, WorkerStats
+from .records import BlockEvent
 from .worker_commands import Abort, Aborted, Add, ForgetPeer, SwitchRole
 
 ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}
@@ -160,6 +160,6 @@ class EngineLoop:
     def _heartbeat(self) -> None:
         pool, host = self.engine.kv.pool, self.engine.kv.host
         news = [BlockEvent.of(k, h) for k, h in pool.drain_events() + (host.drain_events() if host else [])]
-        self.membership.beat(self.info, WorkerStats.of(self._stats()), news, lambda: [
+        self.membership.beat(self.info, self._stats(), news, lambda: [
             BlockEvent.of("stored", h) for h in pool.cached] + [BlockEvent.of("host_stored", h) for h, _ in
                                                                  (host.entries() if host else [])])

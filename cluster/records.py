@@ -4,9 +4,10 @@ heartbeat) and `WorkerRecord` (the cluster's view of one worker, holding both).
 
 Placement, autoscaling, the ratio planner and the pools read the typed fields; nothing in
 cluster/ looks a worker's info or stats up by a string key. The counters only metrics and
-`/admin/status` print (prefix-cache hits, tiers, links, iteration tokens, ...) travel in
-`WorkerStats.more`, and `WorkerStats.as_dict()` gives the flat row they print, the same keys
-as the engine's `stats()` plus the worker's own.
+`/admin/status` print (prefix-cache hits, tiers, links, iteration tokens, ...) travel typed too:
+the engine's `EngineStats` (engine/stats.py) and the worker's `WorkerCounters`, and
+`WorkerStats.as_dict()` gives the flat row they print, the engine's metric names plus the
+worker's own.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.engine.core.decode_capacity import DecodeCapacity
+from pdserve.engine.stats import PLACEMENT_FIELDS, EngineStats, PlacementStats
 
 if TYPE_CHECKING:
     from pdserve.engine.exec.model_runner import StartupTimes
     from pdserve.engine.validation import ValidRequest
     from pdserve.transfer.base import WireLayout
     from pdserve.transfer.fetch import FetchPlan
+    from pdserve.transfer.pair import PairLink
 
 
 class BlockChange(enum.Enum):
@@ -70,14 +73,39 @@ class WorkerInfo:
         return dataclasses.asdict(self)
 
 
-_FIELDS: tuple[str, ...] = ()  # WorkerStats' typed fields, set below
+@dataclass(frozen=True)
+class WorkerCounters:
+    """What a worker counts beside its engine: its requests whose outputs wait on it
+    (`open_outputs`), those waiting on KV from a peer (`waiting_for_kv`) or on KV or a grammar
+    (`num_deferred`), the GPU blocks its requests hold, each KV pair's link, and kernel variants
+    compiled since it started serving (None before)."""
+    role: str
+    worker_id: str
+    open_outputs: int = 0
+    waiting_for_kv: int = 0
+    num_deferred: int = 0
+    request_blocks: int = 0
+    kv_links: tuple[PairLink, ...] = ()
+    kernel_compiles_serving: int | None = None
+    kernel_compiles_recent: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        row = {"role": self.role, "worker_id": self.worker_id, "open_outputs": self.open_outputs,
+               "waiting_for_kv": self.waiting_for_kv, "num_deferred": self.num_deferred,
+               "request_blocks": self.request_blocks, "kv_links": {k.key: k.as_dict() for k in self.kv_links}}
+        if self.kernel_compiles_serving is not None:
+            row.update(kernel_compiles_serving=self.kernel_compiles_serving,
+                       kernel_compiles_recent=list(self.kernel_compiles_recent))
+        return row
 
 
 @dataclass
 class WorkerStats:
     """A worker's counters at one moment. A worker that has not reported yet has `kv_blocks_total`
     None (its info's capacity stands in); `prefill_tok_s` is None until a prefill rate is measured.
-    `decode_capacity`: the step model's table of decode batch at the TPOT target by context."""
+    `decode_capacity`: the step model's table of decode batch at the TPOT target by context.
+    Placement reads the fields above `engine`; metrics and status print `as_dict()`, the row
+    made of those fields, the engine's counters (`engine`) and the worker's own (`worker`)."""
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_total: int | None = None
@@ -92,31 +120,42 @@ class WorkerStats:
     inflight: int = 0
     held_for_handoff: int = 0
     kv_peer_fetch_gbps: float | None = None
-    more: dict = field(default_factory=dict)  # what metrics and status print, by the engine's names
-    reported: bool = False  # False: the defaults of a worker not heard from yet
+    engine: EngineStats | None = None  # None: the defaults of a worker not heard from yet
+    worker: WorkerCounters | None = None
 
     @classmethod
-    def of(cls, counters: dict) -> WorkerStats:
-        """From the flat counters a worker gathers (its engine's `stats()` and its own)."""
-        typed = {k: counters[k] for k in _FIELDS if k in counters and counters[k] is not None}
-        cache = counters.get("cache_config") or {}
-        if "block_size" in cache:
-            typed["block_size"] = cache["block_size"]
-        return cls(**typed, more={k: v for k, v in counters.items() if k not in _FIELDS}, reported=True)
+    def of(cls, engine: EngineStats, worker: WorkerCounters, inflight: int, held_for_handoff: int) -> WorkerStats:
+        """From a worker's engine's counters and its own."""
+        st = cls(decode_capacity=engine.decode_capacity, inflight=inflight, held_for_handoff=held_for_handoff,
+                 engine=engine, worker=worker)
+        st.placed(engine.placement)
+        if engine.cache.config is not None:
+            st.block_size = engine.cache.config.block_size
+        if engine.peer is not None:
+            st.kv_peer_fetch_gbps = engine.peer.fetch_gbps
+        return st
+
+    def placed(self, placement: PlacementStats) -> None:
+        """Takes what placement reads from an engine's (or the simulator's) placement stats."""
+        for f in _PLACEMENT:
+            v = getattr(placement, f)
+            if v is not None:
+                setattr(self, f, v)
 
     def blocks_total(self, info: WorkerInfo | None) -> int:
         return self.kv_blocks_total if self.kv_blocks_total is not None else (info.capacity_blocks if info else 0)
 
     def as_dict(self) -> dict:
         """The flat row metrics and status print (the engine's names); {} before the first report."""
-        if not self.reported:
+        if self.engine is None:
             return {}
-        out = {k: getattr(self, k) for k in _FIELDS if k != "block_size"}  # cache_config has it
-        out["decode_capacity"] = dict(self.decode_capacity.points)  # context -> sequences
-        return {**out, **self.more}
+        mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("block_size", "engine", "worker")}  # cache_config has the block size
+        mine["decode_capacity"] = dict(self.decode_capacity.points)  # context -> sequences
+        return {**self.engine.as_dict(), **(self.worker.as_dict() if self.worker else {}), **mine}
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerStats) if f.name not in ("more", "reported"))
+_PLACEMENT = tuple(f.name for f in dataclasses.fields(WorkerStats) if f.name in PLACEMENT_FIELDS)
 
 
 @dataclass(frozen=True)

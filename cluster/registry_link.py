@@ -67,7 +67,7 @@ class RegistryLink:
         self._ping_sent = 0.0
         self.pid: int | None = None  # the process that last answered the probe
         self.node: str | None = None  # the address of the node it is bound to (create())
-        self._killed_pid: int | None = None  # the process the probe killed: its answers are not a restart's
+        self.killed_pid: int | None = None  # the process the probe last killed: its answers are not a restart's
 
     def create(self):
         """Starts the registry on the router's node: placement asks it on every request, and a
@@ -152,7 +152,7 @@ class RegistryLink:
         done, _ = await asyncio.wait({answer}, timeout=2.0)
         if done:
             err, self._ping = answer.exception(), None
-            if err is None and answer.result() == self._killed_pid:
+            if err is None and answer.result() == self.killed_pid:
                 return  # the killed process, not dead yet (a ray.kill takes its time): the restart's wait goes on
             if err is None:
                 if self.pid is not None and answer.result() != self.pid:
@@ -163,7 +163,7 @@ class RegistryLink:
             self._down(type(err).__name__)
         else:  # still in flight: kept, never replaced by a new one
             self._down(f"no answer for {time.monotonic() - self._ping_sent:.0f} s")
-        state = await asyncio.to_thread(self._actor_state)
+        state, actor_pid = await asyncio.to_thread(self._actor_state)
         if state is None:  # dead for good (its restarts spent, or killed without restart)
             if self.closed:  # the cluster shut down while the probe waited: nothing is created again
                 return
@@ -184,26 +184,29 @@ class RegistryLink:
                         "silent" if self.alive else f"stuck in {state}", waited)
             ray.kill(self.actor, no_restart=False)
             self.kills += 1
-            self._killed_pid = self.pid
+            # the process Ray holds as the actor now: the probe may never have heard from it (frozen
+            # before its first answer), and once SIGCONT'd it may answer a ping before Ray ends it
+            self.killed_pid = actor_pid or self.pid
             self._ping = None
             self.waiting_since, self.alive = time.monotonic(), None  # the restart's start is its own time
 
-    def _actor_state(self) -> str | None:
+    def _actor_state(self) -> tuple[str | None, int | None]:
         """Ray's state of the registry actor (ALIVE, RESTARTING, PENDING_CREATION, ...), or None
-        when its name is gone. The GCS actor table is read through `ray._private.state` (the
-        public state API needs the dashboard, which pdserve's Ray runs without); should that
-        fail, the actor counts as ALIVE, so a silent one is still killed after `frozen_s`."""
+        when its name is gone, and the process Ray holds for it (None where unknown). The GCS
+        actor table is read through `ray._private.state` (the public state API needs the
+        dashboard, which pdserve's Ray runs without); should that fail, the actor counts as
+        ALIVE, so a silent one is still killed after `frozen_s`."""
         try:
             ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
         except ValueError:
-            return None
+            return None, None
         try:
             from ray._private import state as ray_state
             row = ray_state.actors(self.actor._actor_id.hex())
-            return None if row["State"] == "DEAD" else row["State"]
+            return (None if row["State"] == "DEAD" else row["State"]), (row.get("Pid") or None)
         except Exception as e:  # noqa: BLE001
             log.debug("the registry's Ray state is unreadable (%s): taken as ALIVE", e)
-            return "ALIVE"
+            return "ALIVE", None
 
     def kill(self) -> None:
         self.closed = True

@@ -55,7 +55,7 @@ from .gpus import see_node_gpus
 from .outlets import Outlets
 from .output_pipe import PipeAddress, PipeSender
 from .peer_calls import PeerCalls
-from .records import DecodeCall, WorkerInfo, WorkerRefused, WorkerStats
+from .records import DecodeCall, WorkerCounters, WorkerInfo, WorkerRefused, WorkerStats
 from .registry import Membership
 from .serving_config import HandoffConfig
 from .shard_actor import RankPlacement, RayShards
@@ -176,25 +176,23 @@ class WorkerActor(EngineLoop):
 
     async def stats(self) -> WorkerStats:
         self._check_alive()
-        return WorkerStats.of(self._stats())
+        return self._stats()
 
     def _check_alive(self) -> None:
         """Its engine thread dead, the worker fails every call: the pools purge and replace it."""
         if self.dead is not None:
             raise RuntimeError(f"{self.worker_id} cannot serve: {self.dead}")
 
-    def _stats(self) -> dict:
-        s = self.engine.stats()
-        s.update(role=self.role_name, worker_id=self.worker_id, inflight=self.inflight,
-                 open_outputs=len(self.outlets.requests()),  # calls waiting on their outputs here
-                 held_for_handoff=len(self.engine.held),
-                 waiting_for_kv=len(getattr(self.role, "receiving", ())) + len(getattr(self.role, "backlog", ())),
-                 request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks,
-                 kv_links=self.connector.local.links())  # each KV pair's link and why (transfer/pull.py)
-        if self.kernels is not None:
-            s.update(kernel_compiles_serving=self.kernels.count, kernel_compiles_recent=self.kernels.recent())
-        s["num_deferred"] = s["waiting_for_kv"] + len(self.compiling_now)  # waiting on KV or a grammar
-        return s
+    def _stats(self) -> WorkerStats:
+        waiting_for_kv = len(getattr(self.role, "receiving", ())) + len(getattr(self.role, "backlog", ()))
+        mine = WorkerCounters(
+            self.role_name, self.worker_id, open_outputs=len(self.outlets.requests()),  # calls waiting on outputs
+            waiting_for_kv=waiting_for_kv, num_deferred=waiting_for_kv + len(self.compiling_now),  # KV or a grammar
+            request_blocks=self.engine.kv.num_blocks - self.engine.kv.num_free_blocks,
+            kv_links=tuple(self.connector.local.links()),  # each KV pair's link and why (transfer/pull.py)
+            kernel_compiles_serving=self.kernels.count if self.kernels is not None else None,
+            kernel_compiles_recent=tuple(self.kernels.recent()) if self.kernels is not None else ())
+        return WorkerStats.of(self.engine.stats(), mine, inflight=self.inflight, held_for_handoff=len(self.engine.held))
 
     @property
     def inflight(self) -> int:

@@ -32,6 +32,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sample.structured import Grammars
 from .sampling_params import SamplingParams
 from .spec.decode import Drafter
+from .stats import CacheConfigInfo, CacheStats, EngineStats
 from .tiers import persist
 from .tiers.disk_tier import DiskTier
 from .tiers.offload import HostIndex
@@ -362,31 +363,23 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - the model then learns from the first steps, as before
             log.warning("step model calibration skipped: %s", e)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
+        """Its counters now (engine/stats.py; `.as_dict()` is the row metrics print)."""
         kv, c, sched = self.kv, self.config, self.scheduler
-        return {
-            **placement_stats(self.step_model, sched),  # what placement reads (as the simulator reports it)
-            "kv_cache_usage": kv.usage,
-            "prefix_cache_queries": kv.prefix_queries,
-            "prefix_cache_hits": kv.prefix_hits,
-            "kv_evicted_blocks": kv.pool.num_evicted,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_decoding": sum(r.is_decoding for r in self.scheduler.running),
-            "decode_capacity": self.step_model.capacity_table(c.max_model_len, sched.max_num_seqs),
-            "tensor_parallel_size": self.tp.size,
-            "iteration_tokens": self.iteration_tokens.snapshot(),
-            "cache_config": {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,
-                             "num_gpu_blocks": kv.num_blocks, "num_cpu_blocks": kv.host.num_slots if kv.host else 0,
-                             "enable_prefix_caching": c.enable_prefix_caching, "max_model_len": c.max_model_len},
-            **({"kv_persist_status": self.persist_status} if self.persist_status else {}),
-            **(self.tier_file.stats() if self.tier_file is not None else {}),
-            **self.tiers.stats(), **self._host_stats(),
-            **self.drafter.stats(),
-        }
-
-    def _host_stats(self) -> dict:
-        """What the host tier's index does not count itself: its hits in tokens, the copies' time."""
-        if self.kv.host is None:
-            return {}
-        return {"prefix_cache_host_hits": self.kv.host_hit_tokens,
-                "kv_load_back_seconds": self.runner.host.load_seconds}
+        host = kv.host is not None
+        cache = CacheStats(usage=kv.usage, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+                           evicted_blocks=kv.pool.num_evicted,
+                           config=CacheConfigInfo(block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
+                                                  num_gpu_blocks=kv.num_blocks,
+                                                  num_cpu_blocks=kv.host.num_slots if host else 0,
+                                                  enable_prefix_caching=c.enable_prefix_caching,
+                                                  max_model_len=c.max_model_len),
+                           host_hit_tokens=kv.host_hit_tokens if host else None,  # the host tier's hits in tokens
+                           load_back_seconds=self.runner.host.load_seconds if host else None)
+        return EngineStats.with_tiers(
+            self.tiers.stats(), placement=placement_stats(self.step_model, sched), cache=cache,
+            num_preemptions=sched.num_preemptions, num_decoding=sum(r.is_decoding for r in sched.running),
+            decode_capacity=self.step_model.capacity_table(c.max_model_len, sched.max_num_seqs),
+            tensor_parallel_size=self.tp.size, iteration_tokens=self.iteration_tokens.snapshot(),
+            persist=self.tier_file.stats() if self.tier_file is not None else None,
+            persist_status=self.persist_status, spec=self.drafter.stats())

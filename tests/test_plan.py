@@ -18,10 +18,10 @@ from pdserve.plan import GPUS, plan, render, workload_lengths
 def run_without_preempting(llm: LLM, k: int, prompt_len: int, output_len: int) -> bool:
     rng = random.Random(k)
     prompts = [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(k)]
-    before = llm.engine.stats()["num_preemptions"]
+    before = llm.engine.stats().num_preemptions
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    return llm.engine.stats()["num_preemptions"] == before
+    return llm.engine.stats().num_preemptions == before
 
 
 @pytest.mark.parametrize("prompt_len,output_len,budget_blocks", [(40, 40, 100), (70, 30, 160), (16, 17, 64)])

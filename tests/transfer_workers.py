@@ -200,7 +200,7 @@ def peer_main(name: str, seed: int, cmd_q, res_q, head_dim: int = SHAPE["head_di
                 kvm.free(reqs.pop(args))
                 res_q.put(("ok", None))
             elif cmd == "links":
-                res_q.put(("links", conn.links()))
+                res_q.put(("links", {link.key: link.as_dict() for link in conn.links()}))
             elif cmd == "blocks_of":
                 res_q.put(("tensor", kv[args].cpu()))
             elif cmd == "memory":  # CUDA: (this process's allocated bytes, the GPU's free bytes)

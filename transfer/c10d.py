@@ -35,7 +35,7 @@ import torch.distributed as dist
 from pdserve.engine.base.stores import BoundStore
 
 from .base import Abort, Channel, Handoff, HandoffMeta, HandoffTarget, PairConnector, StagingPool, WireLayout
-from .pair import Pair
+from .pair import Pair, PairLink
 from .probe import PROBE_S, STALL_S, answers
 from .wire import td
 
@@ -236,17 +236,12 @@ class C10dConnector(PairConnector):
     def num_pairs(self) -> int:
         return len(self._pairs)
 
-    def links(self) -> dict[str, dict]:
-        """Each connected pair's link: {"<peer> send|recv": {"link": cuda-ipc | shared-memory | nccl |
-        gloo, "why": ..., "gen": ..., "local": this side's host:port, "peer": the other's}}; a pull's
-        receiving side also says how it checks that its sender lived through each copy
-        ("liveness": process | store)."""
+    def links(self) -> list[PairLink]:
+        """Each connected pair's link (what it is, why, both ends' addresses)."""
         with self._lock:
             pairs = list(self._pairs.values())
-        return {f"{p.peer} {'send' if p.is_sender else 'recv'}": {
-            "link": p.link.name, "why": p.why, "gen": p.gen, "local": self.address, "peer": p.peer_address,
-            **({"liveness": p.link.liveness} if getattr(p.link, "liveness", None) else {})}
-            for p in pairs if p.link is not None}
+        return [PairLink(p.peer, "send" if p.is_sender else "recv", p.link.name, p.why, p.gen, self.address,
+                         p.peer_address, getattr(p.link, "liveness", None)) for p in pairs if p.link is not None]
 
     def peer_address(self, peer: str) -> str | None:
         return self.peer_addresses.get(peer)

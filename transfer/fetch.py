@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core.request import Request
 from pdserve.engine.role import Fetching
+from pdserve.engine.stats import PeerTierStats
 
 from .base import Handoff, HandoffTarget, KVConnector, TransferState
 
@@ -226,8 +227,8 @@ class PeerFetches:
     def busy(self) -> int:
         return len(self.incoming) + len(self.serving)
 
-    def stats(self) -> dict:
-        return {"prefix_cache_peer_hits": self.hit_tokens, "kv_peer_fetched_bytes": self.fetched_bytes,
-                "kv_peer_served_bytes": self.served_bytes, "kv_peer_fetches": self.fetches,
-                "kv_peer_fetches_failed": self.failed, "kv_peer_waiting": len(self.incoming),
-                "kv_peer_fetch_seconds": self.fetch_seconds / max(1, self.fetches), "kv_peer_fetch_gbps": self.gbps}
+    def stats(self) -> PeerTierStats:
+        return PeerTierStats(hit_tokens=self.hit_tokens, fetched_bytes=self.fetched_bytes,
+                             served_bytes=self.served_bytes, fetches=self.fetches, failed=self.failed,
+                             waiting=len(self.incoming), fetch_seconds=self.fetch_seconds / max(1, self.fetches),
+                             fetch_gbps=self.gbps)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import bisect
 
+from ..stats import TokenCounts
+
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -19,13 +21,13 @@ class TokenHistogram:
         self.counts[bisect.bisect_left(self.buckets, tokens)] += 1
         self.sum += tokens
 
-    def snapshot(self) -> dict:
-        """{"buckets": [(le, cumulative count), ..., ("+Inf", count)], "sum"}: Prometheus' shape."""
+    def snapshot(self) -> TokenCounts:
+        """The cumulative counts by bucket, ("+Inf", count) last, and the sum: Prometheus' shape."""
         cum, out = 0, []
         for le, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
             cum += n
             out.append((le, cum))
-        return {"buckets": out, "sum": self.sum}
+        return TokenCounts(out, self.sum)
 
 
 def step_tokens(scheduled: list, sampled: dict | None = None) -> int:

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..stats import PlacementStats
 from .decode_capacity import DecodeCapacity
 from .request import Request
 from .scheduler import Scheduler, StepShape
@@ -357,15 +358,15 @@ class StepModel:
         return n / (steps * self.predict(decodes, 0, kv, 0) + t_mixed)
 
 
-def placement_stats(model: StepModel, scheduler: Scheduler) -> dict:
+def placement_stats(model: StepModel, scheduler: Scheduler) -> PlacementStats:
     """What placement reads of an engine (WorkerStats' fields; cluster/routing.py), from its step
     model and scheduler: the live engine's stats and the capacity simulator's report the same."""
     kv = scheduler.kv
-    return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-            "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
-            "step_s": model.step_s, "slo_tpot_s": model.slo_tpot_s, "tpot_margin": model.margin,
-            "tpot_over": model.tpot_over, "prefill_tok_s": model.prefill_rate(scheduler.running),
-            "prefill_chunk": model.chunk_now(scheduler.running), "max_num_seqs": scheduler.max_num_seqs}
+    return PlacementStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                          kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+                          step_s=model.step_s, slo_tpot_s=model.slo_tpot_s, tpot_margin=model.margin,
+                          tpot_over=model.tpot_over, prefill_tok_s=model.prefill_rate(scheduler.running),
+                          prefill_chunk=model.chunk_now(scheduler.running), max_num_seqs=scheduler.max_num_seqs)
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ import time
 
 from ..base.speculative import SpeculativeConfig
 from ..sample.logits_process import one_token_steps
+from ..stats import SpecStats
 from .switch import SpecSwitch
 
 
@@ -150,11 +151,9 @@ class Drafter:
         if verified:
             self.switch.verified([s.num_accepted for s in verified], [len(s.draft_token_ids) for s in verified])
 
-    def stats(self) -> dict:
+    def stats(self) -> SpecStats | None:
         if self.config is None:
-            return {}
-        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
-                "spec_decode_mean_accepted_length": 1 + self.num_accepted_tokens / max(1, self.num_drafts),
-                "spec_decode_steps_off": self.steps_off, "spec_decode_draft_seconds": self.draft_seconds}
+            return None
+        return SpecStats(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+                         num_accepted_tokens=self.num_accepted_tokens, steps_off=self.steps_off,
+                         draft_seconds=self.draft_seconds)

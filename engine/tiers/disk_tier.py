@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from ..base.hashing import held_run
+from ..stats import DiskTierStats
 from .disk import DiskStore
 from .offload import HostCache, HostIndex
 from .persist import layout_meta
@@ -223,11 +224,10 @@ class DiskTier:
         self.files.close()
         self._save_rate()
 
-    def stats(self) -> dict:
+    def stats(self) -> DiskTierStats:
         s = self.files.stats
-        return {"prefix_cache_disk_hits": self.hit_tokens, "kv_disk_skipped_tokens": self.skipped_tokens,
-                "kv_disk_blocks": len(self.files.index), "kv_disk_blocks_total": self.files.capacity,
-                "kv_disk_written_bytes": s.written_bytes, "kv_disk_read_bytes": s.read_bytes,
-                "kv_disk_refused_blocks": s.refused_blocks, "kv_disk_read_gbps": self.read_gbps,
-                "kv_disk_prefetch_seconds": self.prefetch_seconds / max(1, self.prefetches),
-                "kv_disk_waiting": len(self.holding), **self.files.health.stats()}
+        return DiskTierStats(hit_tokens=self.hit_tokens, skipped_tokens=self.skipped_tokens,
+                             blocks=len(self.files.index), blocks_total=self.files.capacity,
+                             written_bytes=s.written_bytes, read_bytes=s.read_bytes, refused_blocks=s.refused_blocks,
+                             read_gbps=self.read_gbps, prefetch_seconds=self.prefetch_seconds / max(1, self.prefetches),
+                             waiting=len(self.holding), writes=self.files.health.stats())

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..base.hashing import BlockHash, held_run
+from ..stats import HostTierStats
 
 
 @dataclass
@@ -103,9 +104,9 @@ class HostIndex:
             self.events.append(("host_removed", block_hash))
         return True
 
-    def stats(self) -> dict:
-        return {"kv_host_blocks_total": self.num_slots, "kv_host_blocks_used": len(self.slots),
-                "kv_offloaded_blocks": self.offloaded_blocks, "kv_host_loaded_blocks": self.loaded_blocks}
+    def stats(self) -> HostTierStats:
+        return HostTierStats(blocks_total=self.num_slots, blocks_used=len(self.slots),
+                             offloaded_blocks=self.offloaded_blocks, loaded_blocks=self.loaded_blocks)
 
     # ---- slots --------------------------------------------------------------------------------
     def slot_of(self, block_hash: BlockHash) -> int | None:

@@ -45,6 +45,7 @@ import torch
 
 from ..base.kv_layout import kv_layout
 from ..config import EngineConfig
+from ..stats import WriteStats
 from .disk import HEADER, DiskStore
 from .offload import HostCache, HostIndex
 
@@ -241,7 +242,7 @@ class HostTierFile:
             self.entries = self.index.entries()
         return path
 
-    def stats(self) -> dict:
+    def stats(self) -> WriteStats:
         return self.files.health.stats()
 
     def close(self) -> None:

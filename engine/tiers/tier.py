@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from ..base.hashing import BlockHash
 from ..core.request import Request
+from ..stats import Tier
 
 
 @runtime_checkable
@@ -64,8 +65,8 @@ class KVTier(Protocol):
     def close(self) -> None:
         """Keeps what it holds for a restart where it can (the disk tier writes the host tier's blocks)."""
 
-    def stats(self) -> dict:
-        """Its metrics (the engine's stats carry them)."""
+    def stats(self) -> Tier:
+        """Its counters (engine/stats.py; the engine's stats carry them)."""
 
 
 class Tiers:
@@ -126,5 +127,5 @@ class Tiers:
         for tier in self.tiers:
             tier.close()
 
-    def stats(self) -> dict:
-        return {k: v for tier in self.tiers for k, v in tier.stats().items()}
+    def stats(self) -> list[Tier]:
+        return [tier.stats() for tier in self.tiers]

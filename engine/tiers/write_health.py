@@ -17,6 +17,8 @@ import logging
 import threading
 import time
 
+from ..stats import WriteStats
+
 log = logging.getLogger(__name__)
 
 RETRY_S = 30.0  # an unwritable directory is tried again after this long
@@ -64,7 +66,5 @@ class WriteHealth:
             self.cause, self._logged = None, None
         log.warning("%s (%s): writable again", self.tier, self.where)
 
-    def stats(self) -> dict:
-        return {f"{self.tier}_write_errors": self.errors, f"{self.tier}_writes_skipped": self.skipped,
-                f"{self.tier}_unwritable": int(self.cause is not None),
-                **({f"{self.tier}_write_error": self.cause} if self.cause else {})}
+    def stats(self) -> WriteStats:
+        return WriteStats(self.tier, self.errors, self.skipped, self.cause)

@@ -238,7 +238,7 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
     stats = {"prefill": {"prefill_tok_s": 177.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
              "decode": {"prefill_tok_s": 6024.0, "prefill_chunk": 256, "kv_blocks_total": 100}}
     for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
-        pools.workers[wid] = WorkerRecord(wid, role, None, stats=WorkerStats.of(stats[role]))
+        pools.workers[wid] = WorkerRecord(wid, role, None, stats=WorkerStats(**stats[role]))
     pools.workers["prefill-0"].queued_tokens = 600  # a queue: the decode worker looks ~10x faster
     placer = Placer(pools, None, 16)
 
@@ -264,7 +264,7 @@ def test_placement_predicts_a_wait_behind_the_queued_tokens_of_its_priority_or_a
     for policy, want_high in (("priority", 100), ("fcfs", 700)):
         pools = Pools(ServingConfig.from_dict({}), hybrid_specs(EngineConfig(scheduling_policy=policy)),
                       {"prefill": {}, "decode": {}}, "ns", None, 1.0)
-        w = pools.workers["prefill-0"] = WorkerRecord("prefill-0", "prefill", None, stats=WorkerStats.of(stats))
+        w = pools.workers["prefill-0"] = WorkerRecord("prefill-0", "prefill", None, stats=WorkerStats(**stats))
         low, high = Charges(priority=5), Charges(priority=0)
         low.charge(w, 600)
         high.charge(w, 100)
@@ -290,7 +290,7 @@ def test_a_pair_whose_link_is_down_is_out_of_placement_until_its_time_is_up():
     stats = {"prefill": {"prefill_tok_s": 5000.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
              "decode": {"prefill_tok_s": 100.0, "prefill_chunk": 256, "kv_blocks_total": 100}}
     for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
-        pools.workers[wid] = WorkerRecord(wid, role, None, stats=WorkerStats.of(stats[role]))
+        pools.workers[wid] = WorkerRecord(wid, role, None, stats=WorkerStats(**stats[role]))
     placer = Placer(pools, None, 16)
 
     def place():
@@ -340,7 +340,7 @@ def test_placement_learns_each_links_handoff_cost_and_prefills_locally_behind_a_
              "decode": {"prefill_tok_s": 1000.0, "prefill_chunk": 256, "kv_blocks_total": 1000}}
     for wid, role, node in (("prefill-0", "prefill", "a"), ("decode-1", "decode", "b")):
         info = WorkerInfo(role, "", "1", node_id=node, layout=layout)
-        pools.workers[wid] = WorkerRecord(wid, role, None, info, stats=WorkerStats.of(stats[role]))
+        pools.workers[wid] = WorkerRecord(wid, role, None, info, stats=WorkerStats(**stats[role]))
     placer = Placer(pools, None, 16)
 
     def place():

@@ -20,13 +20,12 @@ from pdserve.engine.core.step_model import StepModel
 
 from helpers import PROMPTS
 
-PREFILL = WorkerStats.of({"prefill_tok_s": 10000.0})
+PREFILL = WorkerStats(prefill_tok_s=10000.0)
 
 
 def decode_stats(at_target=None, blocks=100000):
-    return WorkerStats.of({"decode_capacity": DecodeCapacity.of(at_target or {}), "max_num_seqs": 256,
-                           "kv_blocks_total": blocks,
-                           "cache_config": {"block_size": 16}})
+    return WorkerStats(decode_capacity=DecodeCapacity.of(at_target or {}), max_num_seqs=256, kv_blocks_total=blocks,
+                       block_size=16)
 
 
 def window(planner: RatioPlanner, now: float, n: int, prompt: int, out: int, decode_s: float, span: float = 20.0):
@@ -59,7 +58,7 @@ def test_decode_capacity_is_read_at_the_workloads_context_and_bounded_by_kv():
     assert p.measure([PREFILL], [decode_stats({512: 128}, blocks=1500)], now).decode_seqs == pytest.approx(20)
     # no step-model capacity yet: max_num_seqs, within the KV
     assert p.measure([PREFILL], [decode_stats()], now).decode_seqs == 256
-    assert p.measure([WorkerStats.of({"prefill_tok_s": None})], [decode_stats()], now) is None  # no rate measured yet
+    assert p.measure([WorkerStats(prefill_tok_s=None)], [decode_stats()], now) is None  # no rate measured yet
     few = RatioPlanner(window_s=30, cooldown_s=0)
     window(few, now, 10, 1000, 200, 4.0)
     assert few.measure([PREFILL], [decode_stats()], now) is None  # too few to measure

@@ -84,6 +84,9 @@ def test_a_registry_alive_and_silent_is_killed_and_restarted(link):
             pass
     # up means the restarted process answered: the killed one, SIGCONT'd while Ray ends it, may
     # still answer a ping first (CI saw the link 'back' on it, then Ray's 'actor is restarting')
+    # the link never heard from the frozen process (the fixture pinged it, not the probe): the
+    # process it killed is the one Ray held for the actor, so that process's late answers are no restart
+    assert link.killed_pid == pid
     _probe_until(link, lambda: link.up, 60)
     assert link.kills == 1 and link.pid != pid
     assert ray.get(link.actor.ping.remote(), timeout=30) == link.pid

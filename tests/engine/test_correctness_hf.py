@@ -72,9 +72,9 @@ def test_batch_matches_hf_and_prefix_cache(name, model_dirs, references):
     _check_all_free(llm)
     # shared-prefix prompts, twice: the second pass reads the cached prefix blocks
     assert _run(llm, shared) == shared_ref
-    hits_before = llm.engine.stats()["prefix_cache_hits"]
+    hits_before = llm.engine.stats().cache.prefix_hits
     assert _run(llm, shared) == shared_ref
-    assert llm.engine.stats()["prefix_cache_hits"] > hits_before
+    assert llm.engine.stats().cache.prefix_hits > hits_before
     _check_all_free(llm)
 
 
@@ -95,7 +95,7 @@ def test_preemption_matches_hf(name, model_dirs, references):
     blocks = -(-longest // 16) + 2  # room for the longest request, not for the batch
     llm = LLM(model_dirs[name], num_gpu_blocks_override=blocks)
     assert _run(llm, prompts) == ref
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     _check_all_free(llm)
 
 

@@ -99,7 +99,7 @@ def test_engine_features_keep_hf_tokens(model_dir, feature):
     with LLM(path, dtype="float32", max_model_len=128, **FEATURES[feature]) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        stats = llm.engine.stats()
+        stats = llm.engine.stats().as_dict()
     assert got == want and again == want
     if feature == "preemption":
         assert stats["num_preemptions"] > 0
@@ -253,7 +253,7 @@ def test_int8_latent_kv_through_the_host_tier_and_the_persisted_file(model_dir, 
         assert llm.generate(prompts[:1], params)[0].outputs[0].token_ids == want[0]
         llm.generate([list(range(1000, 1150))], params)  # pushes the shared prefix out of the GPU tier
         assert llm.generate(prompts[1:2], params)[0].outputs[0].token_ids == want[1]
-        assert llm.engine.stats()["prefix_cache_host_hits"] > 0
+        assert llm.engine.stats().cache.host_hit_tokens > 0
     with LLM(path, **kw) as llm:
         assert llm.engine.persist_status.startswith("restored ") and "refused" not in llm.engine.persist_status
         out = llm.generate(prompts[2:], params)[0]

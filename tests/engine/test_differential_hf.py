@@ -140,5 +140,5 @@ def test_random_configs_match_hf_argmax(tmp_path, tok_dir, seed):
     sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     got = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
     assert got == want, (kind, kw, engine)
-    assert llm.engine.stats()["prefix_cache_hits"] > 0
+    assert llm.engine.stats().cache.prefix_hits > 0
     llm.engine.kv.check_all_free()

@@ -187,18 +187,18 @@ def test_blocks_go_down_to_disk_and_back_with_the_same_tokens_and_survive_a_rest
     want = alone(model, kv_cache_dtype=kv_cache_dtype)
     with tiered(model, str(tmp_path), kv_cache_dtype=kv_cache_dtype) as llm:
         assert [churn(llm, p) for p in PROMPTS[:3]] == want[:3]
-        s = llm.engine.stats()
+        s = llm.engine.stats().as_dict()
         assert s["kv_host_blocks_total"] == 4 and s["kv_disk_blocks"] > 0 and s["kv_disk_written_bytes"] > 0
         assert s["prefix_cache_disk_hits"] >= 64, s  # the shared prefix came back from disk
         out = llm.generate([PROMPTS[5]], PARAMS)[0]
         assert out.outputs[0].token_ids == want[5]
         llm.engine.kv.check_all_free()
     with tiered(model, str(tmp_path), kv_cache_dtype=kv_cache_dtype) as llm:  # a restart finds the disk tier
-        assert llm.engine.stats()["kv_disk_blocks"] > 0
+        assert llm.engine.stats().disk.blocks > 0
         llm.generate([list(range(3000, 3100))], PARAMS)  # a prefill measured: the disk is weighed against it
         out = llm.generate([PROMPTS[7]], PARAMS)[0]
         assert out.outputs[0].token_ids == want[7] and out.num_cached_tokens == 64
-        assert llm.engine.stats()["prefix_cache_disk_hits"] == 64
+        assert llm.engine.stats().disk.hit_tokens == 64
 
 
 def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_path):
@@ -215,22 +215,22 @@ def test_a_slow_disk_is_not_read_when_recomputing_is_faster(tiny_models, tmp_pat
             llm.generate([list(range(2000 + p[-1], 2100 + p[-1]))], PARAMS)
         assert llm.engine.step_model.prefill_tok_s > 0
         llm.engine.tiers.get("disk").read_gbps = 1e-9  # a disk that would take ages
-        before = llm.engine.stats()["prefix_cache_disk_hits"]
+        before = llm.engine.stats().disk.hit_tokens
         assert churn(llm, PROMPTS[4]) == want[4]
-        s = llm.engine.stats()
+        s = llm.engine.stats().as_dict()
         assert s["prefix_cache_disk_hits"] == before and s["kv_disk_skipped_tokens"] >= 64, s
         rate = llm.engine.step_model.prefill_tok_s
     with tiered(model, str(tmp_path)) as llm:  # restarted: the rate came back with the tier
         assert llm.engine.step_model.prefill_tok_s == pytest.approx(rate)
         assert llm.generate([PROMPTS[4]], PARAMS)[0].outputs[0].token_ids == want[4]
-        s = llm.engine.stats()
+        s = llm.engine.stats().as_dict()
         assert s["prefix_cache_disk_hits"] == 64 and s["kv_disk_skipped_tokens"] == 0, s
     (saved,) = tmp_path.glob("*/prefill_rate.json")
     saved.unlink()
     with tiered(model, str(tmp_path)) as llm:  # restarted with no rate known: recompute
         assert llm.engine.step_model.prefill_tok_s == 0
         assert llm.generate([PROMPTS[4]], PARAMS)[0].outputs[0].token_ids == want[4]
-        s = llm.engine.stats()
+        s = llm.engine.stats().as_dict()
         assert s["prefix_cache_disk_hits"] == 0 and s["kv_disk_skipped_tokens"] >= 64, s
 
 
@@ -241,3 +241,35 @@ def test_the_disk_tier_needs_the_host_tier_and_one_rank(tiny_models, tmp_path):
                           kv_persist_dir=str(tmp_path)), "drop kv_persist_dir")):
         with pytest.raises(ValueError, match=why):
             LLM(tiny_models["llama"], max_model_len=256, **kw)
+
+
+def test_every_worker_metric_the_router_prints_is_a_field_of_the_typed_stats(tiny_models, tmp_path):
+    """The row /metrics reads (WorkerStats.as_dict) is made from typed records alone: every
+    engine metric the router names comes out of a tiered, speculating engine's EngineStats, with
+    the value of the field that carries it, and a worker's own counters add the rest."""
+    from pdserve.cluster.records import WorkerCounters, WorkerStats
+    from pdserve.engine.stats import EngineStats
+    from pdserve.router.metrics import WORKER_COUNTERS, WORKER_GAUGES
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with tiered(tiny_models["llama"], str(tmp_path), speculative_config=spec) as llm:
+        churn(llm, PROMPTS[0])
+        churn(llm, PROMPTS[1])
+        st = llm.engine.stats()
+    assert isinstance(st, EngineStats) and st.host is not None and st.disk is not None and st.spec is not None
+    row = st.as_dict()
+    assert row["prefix_cache_hits"] == st.cache.prefix_hits and row["kv_host_blocks_used"] == st.host.blocks_used
+    assert row["prefix_cache_disk_hits"] == st.disk.hit_tokens > 0 and row["num_running"] == st.placement.num_running
+    assert row["spec_decode_acceptance_rate"] == st.spec.acceptance_rate and row["kv_disk_unwritable"] == 0
+    named = {k for _, k in (*WORKER_GAUGES.values(), *WORKER_COUNTERS.values())}
+    # a cluster's worker's own counters, a persisting one's rows
+    worker_only = {"kernel_compiles_serving"} | {k for k in named if "peer" in k or "persist" in k}
+    missing = named - set(row) - worker_only
+    assert not missing, missing
+    ws = WorkerStats.of(st, WorkerCounters("decode", "decode-0", kernel_compiles_serving=2), inflight=1,
+                        held_for_handoff=0)
+    printed = ws.as_dict()
+    assert printed["kernel_compiles_serving"] == 2 and printed["inflight"] == 1 and printed["role"] == "decode"
+    assert (ws.num_running, ws.kv_blocks_total, ws.block_size) == (st.placement.num_running,
+                                                                   st.placement.kv_blocks_total, 16)
+    assert printed["cache_config"]["num_gpu_blocks"] == 12 and printed["kv_links"] == {}

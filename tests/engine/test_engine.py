@@ -152,18 +152,18 @@ def test_abort_frees_blocks(llm):
     reqs = [eng.add_request(f"Story number {i}:", SamplingParams(max_tokens=50)) for i in range(4)]
     for _ in range(3):
         eng.step()
-    assert eng.stats()["kv_blocks_used"] > 0 and eng.stats()["num_running"] == 4
+    assert eng.stats().placement.kv_blocks_used > 0 and eng.stats().placement.num_running == 4
     for r in reqs:
         assert eng.abort_request(r.request_id)
     assert not eng.abort_request("no-such-request")
-    assert eng.stats()["kv_blocks_used"] == 0
+    assert eng.stats().placement.kv_blocks_used == 0
 
 
 def test_counters(llm):
-    before = llm.engine.stats()
+    before = llm.engine.stats().as_dict()
     llm.generate(["The same long system prompt. " * 8 + "A"], SamplingParams(max_tokens=2))
     llm.generate(["The same long system prompt. " * 8 + "B"], SamplingParams(max_tokens=2))
-    after = llm.engine.stats()
+    after = llm.engine.stats().as_dict()
     assert after["prefix_cache_queries"] > before["prefix_cache_queries"]
     assert after["prefix_cache_hits"] >= before["prefix_cache_hits"] + 16
     assert after["kv_blocks_total"] > 0 and after["num_running"] == after["num_waiting"] == 0

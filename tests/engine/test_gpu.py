@@ -202,7 +202,7 @@ def test_speculative_verification_replays_the_decode_graphs(tiny_models):
         for j, t in enumerate(cont[tuple(req.prompt_token_ids)][req.num_output_tokens:][:room])]
     llm.engine.drafter.switch = SpecSwitch()  # always speculate (the off-switch is tested on CPU)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
-    st = llm.engine.stats()
+    st = llm.engine.stats().as_dict()
     assert st["spec_decode_acceptance_rate"] > 0.3 and max(replays) > len(prompts), (st, replays)
     llm.engine.kv.check_all_free()
 
@@ -224,7 +224,7 @@ def test_chunks_over_cached_context_through_the_paged_prefill_kernel_equal_the_r
                     m.attn._prefill = None
         outs[path] = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]  # caches the prefix
         outs[path] += [o.outputs[0].token_ids for o in llm.generate(prompts[1:], params)]  # hits it, in chunks
-        assert llm.engine.stats()["prefix_cache_hits"] >= 80
+        assert llm.engine.stats().cache.prefix_hits >= 80
         del llm
         gc.collect()
         torch.cuda.empty_cache()

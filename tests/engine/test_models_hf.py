@@ -84,7 +84,7 @@ def test_engine_features_keep_hf_tokens_on_moe_models(model_dir, feature):
     with LLM(path, dtype="float32", max_model_len=128, **FEATURES[feature]) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        stats = llm.engine.stats()
+        stats = llm.engine.stats().as_dict()
     assert got == want and again == want
     if feature == "preemption":
         assert stats["num_preemptions"] > 0
@@ -137,5 +137,5 @@ def test_structured_output_and_seeded_sampling_on_moe_models(model_dir):
         a = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded)]
     with LLM(path, dtype="float32", max_model_len=128, num_gpu_blocks_override=6, max_num_seqs=3) as llm:
         b = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded)]
-        assert llm.engine.stats()["num_preemptions"] > 0
+        assert llm.engine.stats().num_preemptions > 0
     assert a == b

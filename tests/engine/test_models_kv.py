@@ -92,7 +92,7 @@ def test_int4_moe_kv_through_the_host_tier_and_the_persisted_file(models, tmp_pa
         assert llm.generate(prompts[:1], params)[0].outputs[0].token_ids == want[0]
         llm.generate([list(range(1000, 1150))], params)  # pushes the shared prefix out of the GPU tier
         assert llm.generate(prompts[1:2], params)[0].outputs[0].token_ids == want[1]
-        assert llm.engine.stats()["prefix_cache_host_hits"] > 0
+        assert llm.engine.stats().cache.host_hit_tokens > 0
     with LLM(model, **kw) as llm:
         assert llm.engine.persist_status.startswith("restored ") and "refused" not in llm.engine.persist_status
         out = llm.generate(prompts[2:], params)[0]

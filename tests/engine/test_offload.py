@@ -63,7 +63,7 @@ def test_the_host_tier_as_a_kv_tier_looks_up_runs_and_evicts():
     assert idx.take().offloads == [(5, 0)]  # H[1]'s copy into its slot is no longer made
     idx.store(H[2], 7)
     assert idx.slot_of(H[2]) == 1  # the evicted block's slot, reused first
-    assert idx.stats()["kv_host_blocks_used"] == 2
+    assert idx.stats().blocks_used == 2
 
 
 def churn(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -86,10 +86,10 @@ def test_offload_then_hit_equals_an_unbounded_gpu_cache(tiny_models, reference):
     small = dict(max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=2)
     with LLM(tiny_models["llama"], **small) as gpu_only:
         assert churn(gpu_only, PROMPTS) == reference
-        base = gpu_only.engine.stats()
+        base = gpu_only.engine.stats().as_dict()
     with LLM(tiny_models["llama"], kv_offloading_size=0.001, **small) as llm:
         assert churn(llm, PROMPTS) == reference
-        st = llm.engine.stats()
+        st = llm.engine.stats().as_dict()
         llm.engine.kv.check_all_free()
     assert "prefix_cache_host_hits" not in base
     # with the tier every prompt after the first finds its 64-token prefix in one tier or the other
@@ -114,7 +114,7 @@ def test_offload_under_preemption_and_tensor_parallel_shards(tiny_models):
             for p, w in zip(PROMPTS[8:], want[8:]):
                 llm.generate([list(range(1000 + 3 * p[-1], 1150 + 3 * p[-1]))], PARAMS)
                 assert llm.generate([p], long)[0].outputs[0].token_ids == w
-            st = llm.engine.stats()
+            st = llm.engine.stats().as_dict()
             assert st["num_preemptions"] > 0 and st["prefix_cache_host_hits"] > 0, st
             llm.engine.kv.check_all_free()
 
@@ -128,7 +128,7 @@ def test_int8_kv_and_its_scales_go_through_the_host_tier_and_tp_shards(tiny_mode
     with LLM(tiny_models["llama"], max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=2,
              kv_offloading_size=0.001, kv_cache_dtype="int8", tensor_parallel_size=2) as llm:
         assert churn(llm, PROMPTS) == want
-        assert llm.engine.stats()["prefix_cache_host_hits"] > 0
+        assert llm.engine.stats().cache.host_hit_tokens > 0
 
 
 @pytest.mark.slow
@@ -143,7 +143,7 @@ def test_int4_kv_goes_through_the_host_tier_tp_shards_and_the_persisted_file(tin
               kv_cache_dtype="int4")
     with LLM(model, tensor_parallel_size=2, **kw) as llm:
         assert churn(llm, PROMPTS) == want
-        assert llm.engine.stats()["prefix_cache_host_hits"] > 0
+        assert llm.engine.stats().cache.host_hit_tokens > 0
     with LLM(model, kv_persist_dir=str(tmp_path), **kw) as llm:
         assert churn(llm, PROMPTS[:2]) == want[:2]
     with LLM(model, kv_persist_dir=str(tmp_path), **kw) as llm:
@@ -156,15 +156,15 @@ def test_persisted_tier_serves_a_known_prefix_after_restart(tiny_models, referen
     kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
     with LLM(tiny_models["llama"], **kw) as llm:
         assert churn(llm, PROMPTS[:2]) == reference[:2]
-        used = llm.engine.stats()["kv_host_blocks_used"]
+        used = llm.engine.stats().host.blocks_used
     index = json.loads((tmp_path / "host_tier.json").read_text())
     assert len(index["hashes"]) == used == len(block_files(tmp_path))  # one disk-tier block file each
     with LLM(tiny_models["llama"], **kw) as llm:
         assert llm.engine.persist_status == f"restored {used} blocks from {tmp_path}"
-        assert llm.engine.stats()["kv_host_blocks_used"] == used
+        assert llm.engine.stats().host.blocks_used == used
         out = llm.generate([PROMPTS[5]], PARAMS)[0]
         assert out.outputs[0].token_ids == reference[5]
-        assert out.num_cached_tokens == 64 and llm.engine.stats()["prefix_cache_host_hits"] == 64
+        assert out.num_cached_tokens == 64 and llm.engine.stats().cache.host_hit_tokens == 64
 
 
 def test_an_engine_persists_once_when_closed_twice(tiny_models, tmp_path):
@@ -190,7 +190,7 @@ def test_blocks_freed_after_the_last_step_are_copied_before_the_tier_is_saved(ti
         assert len(llm.engine.kv.host.ops.offloads) >= 4  # queued, not copied: no step ran since
     with LLM(tiny_models["llama"], **kw) as llm:
         out = llm.generate([PROMPTS[0]], PARAMS)[0]
-        assert out.num_cached_tokens == 64 and llm.engine.stats()["prefix_cache_host_hits"] == 64
+        assert out.num_cached_tokens == 64 and llm.engine.stats().cache.host_hit_tokens == 64
         assert out.outputs[0].token_ids == reference[0]
 
 
@@ -205,7 +205,7 @@ def test_blocks_that_fail_their_checksum_or_hold_nan_are_refused_one_by_one(tiny
     kw = dict(max_model_len=256, num_gpu_blocks_override=12, kv_offloading_size=0.001, kv_persist_dir=str(tmp_path))
     with LLM(tiny_models["llama"], **kw) as llm:
         churn(llm, PROMPTS[:1])
-        used = llm.engine.stats()["kv_host_blocks_used"]
+        used = llm.engine.stats().host.blocks_used
     files = block_files(tmp_path)
     head, second, third = hash_block_tokens(SHARED, 16)[:3]
     raw = bytearray(files[head].read_bytes())
@@ -218,7 +218,7 @@ def test_blocks_that_fail_their_checksum_or_hold_nan_are_refused_one_by_one(tiny
     with LLM(tiny_models["llama"], **kw) as llm:
         assert llm.engine.persist_status == (f"restored {used - 3} blocks from {tmp_path}; refused 3 "
                                              "(2 missing or failed their checksum, 1 hold NaN or Inf)")
-        assert llm.engine.stats()["kv_persist_status"] == llm.engine.persist_status
+        assert llm.engine.stats().persist_status == llm.engine.persist_status
         assert not files[head].exists()
         out = llm.generate([PROMPTS[0]], PARAMS)[0]
         assert out.outputs[0].token_ids == reference[0] and out.num_cached_tokens == 0  # recomputed
@@ -239,7 +239,7 @@ def test_a_malformed_persist_index_is_refused_whole_and_the_engine_serves(tiny_m
     edit(payload)
     path.write_text(json.dumps(payload))
     with LLM(tiny_models["llama"], **kw) as llm:
-        assert why in llm.engine.persist_status and llm.engine.stats()["kv_host_blocks_used"] == 0
+        assert why in llm.engine.persist_status and llm.engine.stats().host.blocks_used == 0
         assert llm.generate([PROMPTS[0]], PARAMS)[0].outputs[0].token_ids == reference[0]
 
 
@@ -257,17 +257,17 @@ def test_a_corrupt_or_mismatched_persist_file_is_refused_and_the_server_starts_e
         churn(llm, PROMPTS[:1])
     with LLM(tiny_models["mistral"], **kw) as llm:  # the same shapes, other weights and config
         assert "was written for another fingerprint" in llm.engine.persist_status
-        assert llm.engine.stats()["kv_host_blocks_used"] == 0
+        assert llm.engine.stats().host.blocks_used == 0
         assert len(llm.generate([PROMPTS[0]], PARAMS)[0].outputs[0].token_ids) == 8
     (tmp_path / "host_tier.json").write_bytes(b"not json")
     with LLM(tiny_models["llama"], **kw) as llm:
         assert "host_tier.json is corrupt" in llm.engine.persist_status
-        assert llm.engine.stats()["kv_host_blocks_used"] == 0
+        assert llm.engine.stats().host.blocks_used == 0
     (tmp_path / "host_tier.json").unlink()  # an earlier version's snapshot alone: refused by name
     torch.save({"format": 2, "hashes": [], "blocks": torch.zeros(0)}, tmp_path / "kv_host_tier.pt")
     with LLM(tiny_models["llama"], **kw) as llm:
         assert "kv_host_tier.pt is a host tier saved by an earlier version" in llm.engine.persist_status
-        assert llm.engine.stats()["kv_host_blocks_used"] == 0
+        assert llm.engine.stats().host.blocks_used == 0
     with pytest.raises(ValueError, match="set kv_offloading_size"):
         LLM(tiny_models["llama"], kv_persist_dir=str(tmp_path))
     with pytest.raises(ValueError, match="kv_offloading_size must be a number of GiB >= 0, got -1"):

@@ -81,7 +81,7 @@ def test_n_completions_share_the_prompt_blocks():
         singles = [llm.generate([prompt], SamplingParams(temperature=1.0, seed=11 + i, max_tokens=8))[0]
                    for i in range(3)]
         assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in singles]
-        assert llm.engine.stats()["prefix_cache_hits"] >= 2 * 48  # two copies x the prompt's full blocks
+        assert llm.engine.stats().cache.prefix_hits >= 2 * 48  # two copies x the prompt's full blocks
         with pytest.raises(ValueError, match="an engine request is one sequence"):
             llm.engine.make_request(prompt, SamplingParams(n=2))
         llm.engine.kv.check_all_free()

@@ -89,12 +89,12 @@ def test_greedy_output_is_identical_with_preemption_and_prefix_hits():
         want = greedy(llm, prompts)
     with LLM(max_model_len=512, speculative_config=NGRAM) as llm:
         assert greedy(llm, prompts[:-1]) + greedy(llm, prompts[-1:]) == want  # the last one hits the cache
-        st = llm.engine.stats()
+        st = llm.engine.stats().as_dict()
         assert st["spec_decode_num_accepted_tokens"] > 10 and st["prefix_cache_hits"] > 0, st
         llm.engine.kv.check_all_free()
     with LLM(max_model_len=512, speculative_config=NGRAM, num_gpu_blocks_override=12, max_num_seqs=4) as llm:
         assert greedy(llm, prompts) == want
-        st = llm.engine.stats()
+        st = llm.engine.stats().as_dict()
         assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0, st
         llm.engine.kv.check_all_free()
 
@@ -110,7 +110,7 @@ def test_seeded_requests_sample_the_same_tokens_with_speculation():
         with LLM(max_model_len=256, speculative_config=spec) as llm:
             got.append([[c.token_ids for c in o.outputs] for o in llm.generate(REPEATS, sp)])
             if spec:
-                assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 10, llm.engine.stats()
+                assert llm.engine.stats().spec.num_accepted_tokens > 10, llm.engine.stats()
     assert got[0] == got[1]
     assert any(a != b for a, b in got[0])  # the two copies differ (seeds 77, 78)
 
@@ -130,7 +130,7 @@ def test_sampled_output_keeps_the_target_distribution():
             outs = [o.outputs[0].token_ids for i in range(0, 150, 50)
                     for o in llm.generate([prompt] * 50, params[i:i + 50])]
             if spec:
-                st = llm.engine.stats()
+                st = llm.engine.stats().as_dict()
                 assert st["spec_decode_num_accepted_tokens"] > 105 and st["spec_decode_steps_off"] == 0, st
         counts.append(collections.Counter((pos, o[pos]) for o in outs for pos in (1, 2, 3, 4)))
     keys = [k for k in set(counts[0]) | set(counts[1]) if counts[0][k] + counts[1][k] >= 5]
@@ -157,7 +157,7 @@ def test_steps_with_speculation_off_overlap_like_plain_steps():
             for out in eng.step():
                 got[out.request_id] = out.outputs[0].token_ids
             overlapped += eng.pending is not None
-        st = eng.stats()
+        st = eng.stats().as_dict()
         assert overlapped > 0 and st["spec_decode_steps_off"] > 0 and st["spec_decode_num_drafts"] > 0, st
         assert [got[f"q{i}"] for i in range(len(prompts))] == want
         eng.kv.check_all_free()
@@ -166,7 +166,7 @@ def test_steps_with_speculation_off_overlap_like_plain_steps():
 def test_large_batches_turn_speculation_off():
     with LLM(max_model_len=256, speculative_config={**NGRAM, "disable_by_batch_size": 2}) as llm:
         greedy(llm, REPEATS + PROMPTS[:2], max_tokens=8)
-        st = llm.engine.stats()
+        st = llm.engine.stats().as_dict()
         assert st["spec_decode_steps_off"] > 0
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1, got 0"):
         LLM(max_model_len=64, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
@@ -188,7 +188,7 @@ def test_draft_model_proposals(tiny_models):
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": 64}
         with LLM(max_model_len=256, speculative_config=spec) as llm:
             assert greedy(llm, prompts, 24) == want
-            st = llm.engine.stats()
+            st = llm.engine.stats().as_dict()
             assert st["spec_decode_num_draft_tokens"] > 0 and st["spec_decode_acceptance_rate"] >= least, st
             assert not llm.engine.drafter.draft.shadows
             llm.engine.drafter.draft.kv.check_all_free()
@@ -222,7 +222,7 @@ def test_verification_in_the_decode_graph_layout(backend, tiny_models):
 
         llm.engine.drafter.proposer = oracle
         assert greedy(llm, prompts, 16) == want
-        st = llm.engine.stats()
+        st = llm.engine.stats().as_dict()
         assert st["spec_decode_acceptance_rate"] > 0.3 and st["spec_decode_mean_accepted_length"] > 1.5, st
         assert max(flat) > len(prompts), flat  # steps with k + 1 rows per request
         llm.engine.kv.check_all_free()

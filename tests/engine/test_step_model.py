@@ -217,7 +217,7 @@ def test_an_engine_reports_each_finished_requests_tpot_to_its_step_model():
         e.step()
     assert len(e.step_model.tpots) == 2  # the one-token request has no gap between tokens
     assert all(0 < t < 5 for t in e.step_model.tpots)
-    assert e.stats()["tpot_margin"] == e.step_model.margin
+    assert e.stats().placement.tpot_margin == e.step_model.margin
 
 
 def test_calibration_fits_the_model_before_the_first_request(tiny_models):

@@ -59,7 +59,7 @@ def test_tp_with_biases_padded_vocab_preemption_and_prefix_hits(biased_llama):
     ref = _greedy(biased_llama, 1, params)
     with LLM(biased_llama, tensor_parallel_size=4, num_gpu_blocks_override=6, max_num_seqs=4) as llm:
         outs = llm.generate(_prompts(), params)
-        stats = llm.engine.stats()
+        stats = llm.engine.stats().as_dict()
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert stats["tensor_parallel_size"] == 4
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0

@@ -54,7 +54,7 @@ def test_a_persist_dir_turned_read_only_fails_no_request_and_a_worker_restarts_o
         # the engine thread died here before: OSError [Errno 30] on host_tier.json.tmp-<pid>
         assert [churn(llm, p) for p in PROMPTS[1:3]] == want[1:3]
         assert llm.engine.persist_host_tier() is None
-        s = llm.engine.stats()
+        s = llm.engine.stats().as_dict()
         assert s["kv_persist_unwritable"] == 1 and s["kv_persist_write_error"].startswith("EROFS"), s
         assert s["kv_persist_write_errors"] >= 1
         # a replacement worker on the same read-only directory starts, with what is there
@@ -64,7 +64,7 @@ def test_a_persist_dir_turned_read_only_fails_no_request_and_a_worker_restarts_o
         fs.read_only(False)  # writable again: the next write after its retry time succeeds
         llm.engine.tier_file.files.health.retry_s = 0.0
         assert churn(llm, PROMPTS[4]) == want[4] and llm.engine.persist_host_tier() is not None
-        s = llm.engine.stats()
+        s = llm.engine.stats().as_dict()
         assert s["kv_persist_unwritable"] == 0 and "kv_persist_write_error" not in s
         llm.generate([PROMPTS[5]], PARAMS)
         llm.engine.kv.check_all_free()

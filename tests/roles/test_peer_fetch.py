@@ -65,7 +65,7 @@ def test_a_prefix_cached_on_a_is_fetched_by_b_with_the_tokens_of_recomputing(tin
     out = drive(ws)["r1"]
     assert out.outputs[0].token_ids == want[1]
     assert out.num_cached_tokens == 64  # the fetched blocks were prefix hits: only the tail was computed
-    sb, sa = ws["b"].fetches.stats(), ws["a"].fetches.stats()
+    sb, sa = ws["b"].fetches.stats().as_dict(), ws["a"].fetches.stats().as_dict()
     block = ws["a"].engine.runner.layout.block_bytes
     assert sb["prefix_cache_peer_hits"] == 64 and sb["kv_peer_fetched_bytes"] == 4 * block == sa["kv_peer_served_bytes"]
     assert sb["kv_peer_fetches_failed"] == 0 and sb["kv_peer_waiting"] == 0
@@ -79,7 +79,7 @@ def test_a_prefix_cached_on_a_is_fetched_by_b_with_the_tokens_of_recomputing(tin
     drive(ws)
     ws["b"].add("r4", valid(ws["b"].engine, other[1], PARAMS), None, FetchPlan("a", 4))
     drive(ws)
-    assert ws["b"].fetches.stats()["kv_peer_fetch_gbps"] > 0  # the link's speed, what placement predicts by
+    assert ws["b"].fetches.stats().fetch_gbps > 0  # the link's speed, what placement predicts by
     for w in ws.values():
         w.engine.kv.check_all_free()  # the holder's pins dropped, the receiver's blocks cached at ref 0
         assert not w.fetches.serving and not w.fetches.incoming
@@ -95,7 +95,7 @@ def test_a_refused_or_aborted_fetch_recomputes_and_leaks_no_block(tiny_models):
     ws["b"].add("r0", valid(ws["b"].engine, PROMPTS[0], one), None, FetchPlan("a", 4))  # a caches nothing: refused
     out = drive(ws)["r0"]
     assert out.outputs[0].token_ids == want[0][:1] and out.num_cached_tokens == 0
-    s = ws["b"].fetches.stats()
+    s = ws["b"].fetches.stats().as_dict()
     assert s["kv_peer_fetches_failed"] == 1 and s["prefix_cache_peer_hits"] == 0
     ws["a"].add("r1", valid(ws["a"].engine, PROMPTS[1], one), None)
     drive(ws)
@@ -107,7 +107,7 @@ def test_a_refused_or_aborted_fetch_recomputes_and_leaks_no_block(tiny_models):
     assert drive(ws) == {}
     c.add("r3", valid(c.engine, PROMPTS[2], one), None, FetchPlan("a", 4))  # the holder refuses (a dead or drained one)
     assert drive(ws, refuse=True)["r3"].outputs[0].token_ids == want[2][:1]
-    assert c.fetches.stats()["kv_peer_fetches_failed"] == 1
+    assert c.fetches.stats().failed == 1
     for w in ws.values():
         w.engine.kv.check_all_free()
 

@@ -37,7 +37,7 @@ def test_disaggregated_equals_colocated(pair):
     outs, _ = run_disagg(pw, dw, PROMPTS[:8], SP)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
     assert [o.outputs[0].text for o in outs] == [r.outputs[0].text for r in ref]
-    assert dw.engine.stats()["num_preemptions"] > 0  # the small decode pool recomputed on itself
+    assert dw.engine.stats().num_preemptions > 0  # the small decode pool recomputed on itself
     for w in pair:
         w.engine.kv.check_all_free()
         assert w.num_inflight == 0 and not w.has_work()
@@ -71,11 +71,11 @@ def test_seeded_sampling_is_the_same_across_the_handoff_and_preemption(pair):
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.02, presence_penalty=0.5,
                         max_tokens=24, ignore_eos=True, seed=1234)
     ref = LLM(max_model_len=512).generate(PROMPTS[:8], sp)
-    before = dw.engine.stats()["num_preemptions"]
+    before = dw.engine.stats().num_preemptions
     outs, _ = run_disagg(pw, dw, PROMPTS[:8], sp)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
     assert len({tuple(r.outputs[0].token_ids) for r in ref}) == 8  # sampled, not one greedy answer
-    assert dw.engine.stats()["num_preemptions"] > before
+    assert dw.engine.stats().num_preemptions > before
     for w in pair:
         w.engine.kv.check_all_free()
 

@@ -72,7 +72,7 @@ class SimEngine:
         self.holds = role == "prefill"  # its finished prompts keep their blocks for the handoff
         self.held: dict[str, Request] = {}
         self.record = WorkerRecord(worker_id, role, None)
-        self.record.stats = WorkerStats(kv_blocks_total=num_blocks, max_num_seqs=max_num_seqs, reported=True)
+        self.record.stats = WorkerStats(kv_blocks_total=num_blocks, max_num_seqs=max_num_seqs)
         self._step: SchedulerOutput | None = None
         self.steps = 0
 
@@ -149,7 +149,4 @@ class SimEngine:
     # ---- what placement reads ------------------------------------------------------------------
     def report(self) -> None:
         """Its stats as a live worker reports them (placement_stats), into its record."""
-        st = self.record.stats
-        for k, v in placement_stats(self.model, self.scheduler).items():
-            if hasattr(st, k) and v is not None:
-                setattr(st, k, v)
+        self.record.stats.placed(placement_stats(self.model, self.scheduler))
