@@ -91,7 +91,29 @@ def test_layouts_searched_in_processes_rank_as_in_one():
     p = Profile.load(str(PROFILES / "llama3-8b.json"))
     argv = ["--workload", "synthetic", "--input-len", "4096", "--output-len", "16", "--slo-ttft", "1.0",
             "--slo-tpot", "0.04", "--seed", "0"]
-    assert recommend(p, 2, argv, 20, jobs=2) == recommend(p, 2, argv, 20, jobs=1)
+    def found(ranked):  # each search's start follows the layouts done before it: the probes it took differ
+        return [(c.system, c.rps, c.attainment, c.rate) for c in ranked]
+
+    assert found(recommend(p, 2, argv, 20, jobs=2)) == found(recommend(p, 2, argv, 20, jobs=1))
+
+
+def test_a_search_started_near_its_goodput_finds_the_same_rate_in_fewer_probes():
+    """capacity's `start` (where recommend begins a layout: where the layouts before it met their
+    SLOs) saves probes and changes nothing else, from below, at, or above the goodput."""
+    from pdserve.sim.layouts import capacity, doublings
+
+    p = Profile.load(str(PROFILES / "llama3-8b.json"))
+    argv = ["--workload", "synthetic", "--input-len", "4096", "--output-len", "16", "--slo-ttft", "1.0",
+            "--slo-tpot", "0.04", "--seed", "0"]
+    floor = 0.25
+    base = capacity(p, "hybrid:1:1", argv, floor, 20)
+    k = doublings(base, floor)
+    assert base.meets and k >= 3 and floor * 2 ** k <= base.rps < floor * 2 ** (k + 1)
+    for start in (1, k, k + 2):
+        c = capacity(p, "hybrid:1:1", argv, floor, 20, start=start)
+        assert (c.rps, c.attainment, c.rate) == (base.rps, base.attainment, base.rate), start
+        assert c.simulations < base.simulations, (start, c.simulations, base.simulations)
+    assert capacity(p, "disagg:1:1", argv, 50.0, 20, start=1).rps == 0.0  # none met: halved down to the floor
 
 
 def test_past_eight_gpus_a_layout_is_simulated_as_replicas_of_its_slice(capsys, monkeypatch):

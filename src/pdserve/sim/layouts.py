@@ -74,11 +74,17 @@ def candidates(gpus: int, modes: tuple[str, ...] = ("colocated", "disagg", "hybr
 
 
 def capacity(profile, system: str, argv: list[str], floor: float, num_requests: int = 200,
-             steps: int = 4) -> Capacity:
+             steps: int = 4, start: int = 0) -> Capacity:
     """The highest rate of `argv`'s workload (`pdserve bench` arguments without --rates and
-    --num-requests) that `system` serves at >= 90% attainment, within 1/2**steps of it: doubled
-    from `floor` until it misses, then bisected. A rate is probed with `num_requests`, or SPAN_S
-    seconds of them where that is more."""
+    --num-requests) that `system` serves at >= 90% attainment, within 1/2**steps of it: on the
+    rates floor x 2**k, the last k that meets it (doubled up, or halved down, from k = `start`),
+    then bisected between it and the next. A rate is probed with `num_requests`, or SPAN_S
+    seconds of them where that is more.
+
+    `start` only saves probes: where attainment falls as the rate grows, every start finds the
+    same rate (the one a search doubling from `floor` finds). `recommend` starts each layout
+    where the layouts searched before it met their SLOs, so most searches take two probes to
+    bracket their goodput instead of one per doubling from the floor."""
     import math
 
     from . import predict
@@ -92,16 +98,24 @@ def capacity(profile, system: str, argv: list[str], floor: float, num_requests: 
         return predict(profile, system, [*argv, "--rates", f"{rate:.4g}", "--num-requests", str(n)],
                        give_up_below=ATTAIN)["runs"][0]["slo_attainment"]
 
-    first = attained(floor)
-    if first < ATTAIN:
-        return Capacity(system, 0.0, first, floor, runs)
-    good, good_att, bad = floor, first, None
-    for _ in range(12):
-        a = attained(good * 2)
-        if a < ATTAIN:
-            bad = good * 2
+    k = max(0, min(start, 12))
+    first = attained(floor * 2 ** k)
+    while first < ATTAIN and k > 0:  # halved down to the first rate that meets it
+        k -= 1
+        bad, first = floor * 2 ** (k + 1), attained(floor * 2 ** k)
+        if first >= ATTAIN:
+            good, good_att = floor * 2 ** k, first
             break
-        good, good_att = good * 2, a
+    else:
+        if first < ATTAIN:
+            return Capacity(system, 0.0, first, floor, runs)
+        good, good_att, bad = floor * 2 ** k, first, None
+        for _ in range(12 - k):
+            a = attained(good * 2)
+            if a < ATTAIN:
+                bad = good * 2
+                break
+            good, good_att = good * 2, a
     if bad is not None:
         for _ in range(steps):
             mid = (good + bad) / 2
@@ -111,6 +125,13 @@ def capacity(profile, system: str, argv: list[str], floor: float, num_requests: 
             else:
                 bad = mid
     return Capacity(system, good, good_att, good, runs)
+
+
+def doublings(c: Capacity, floor: float) -> int:
+    """The k of the last rate floor x 2**k that `c`'s layout met (0 where none did)."""
+    import math
+
+    return max(0, int(math.floor(math.log2(c.rps / floor) + 1e-9))) if c.rps > 0 else 0
 
 
 def recommend(profile, gpus: int, argv: list[str], num_requests: int = 200, floor: float | None = None,
@@ -132,21 +153,31 @@ def recommend(profile, gpus: int, argv: list[str], num_requests: int = 200, floo
     def whole(c: Capacity) -> Capacity:
         return Capacity(scaled(c.system, g), c.rps * g, c.attainment, c.rate * g, c.simulations, g)
 
+    start = 0  # where the next search starts: the highest k a searched layout met (capacity's start)
+
+    def seen(c: Capacity) -> None:
+        nonlocal start
+        out.append(whole(c))
+        start = max(start, doublings(c, floor))
+        if progress is not None:
+            progress(out[-1])
+
     if jobs <= 1:
         for system in systems:
-            out.append(whole(capacity(profile, system, argv, floor, num_requests)))
-            if progress is not None:
-                progress(out[-1])
+            seen(capacity(profile, system, argv, floor, num_requests, start=start))
     else:
         import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         # fork: a worker starts with what this process imported (spawn would import torch again)
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        todo = list(systems)
         with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            for done in as_completed([pool.submit(capacity, profile, s, argv, floor, num_requests)
-                                      for s in systems]):
-                out.append(whole(done.result()))
-                if progress is not None:
-                    progress(out[-1])
+            running = {pool.submit(capacity, profile, todo.pop(0), argv, floor, num_requests) for _ in range(jobs)}
+            while running:
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    seen(f.result())
+                while todo and len(running) < jobs:
+                    running.add(pool.submit(capacity, profile, todo.pop(0), argv, floor, num_requests, start=start))
     return sorted(out, key=lambda c: (-c.rps, -c.attainment, c.system))
