@@ -29,11 +29,12 @@ sys.path.insert(0, HERE)
 
 from serving_gpu import build_model  # noqa: E402
 
-from pdserve.engine.config import AttentionTuning, EngineConfig  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.core.scheduler import StepShape  # noqa: E402
 from pdserve.engine.core.step_model import StepModel  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.settings import AttentionTuning  # noqa: E402
 
 CHUNKS = (0, 64, 256, 512, 1024, 2048)
 PIECES = 0  # the engine's largest piecewise-graph bucket (eager mode sets it to 0)

@@ -1,5 +1,6 @@
-"""Validated configuration: what the user sets (EngineConfig, vLLM's engine-argument
-names) and what the model directory says (ModelConfig, parsed from config.json)."""
+"""Validated configuration: what the user sets (EngineConfig, the settings groups of settings.py
+as vLLM's engine-argument names) and what the model directory says (ModelConfig, parsed from
+config.json)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,27 @@ from .base.speculative import SpeculativeConfig
 from .base.tp import check_tp
 from .fp8 import WeightQuant, weight_quant_of
 from .ops.kv_quant import check_head_dim
+from .settings import (
+    GROUPS,
+    CacheSettings,
+    KernelSettings,
+    ModelSettings,
+    ParallelSettings,
+    SchedulerSettings,
+    SpecSettings,
+    TierSettings,
+    WindowSettings,
+)
 
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: serve past the model's max_position_embeddings anyway
 ALLOW_LONG = "PDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
+# settings.DTYPES and KV_DTYPES as torch dtypes (int4: its storage dtype, two values a byte)
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
-# int8 / fp8: 1-byte values with a float32 scale per token and head (ops/kv_quant.py)
-# int4: two values a byte with a float16 scale per 32 (ops/kv_quant.py); its storage dtype
 _KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
               "int4": torch.uint8}
 _FUSED_NEEDS_TRITON = ("fused_ops needs Triton: the triton attention backend (auto on CUDA, or "
@@ -132,93 +143,13 @@ class ModelConfig:
         )
 
 
-@dataclass(frozen=True)
-class AttentionTuning:
-    """How a CUDA step that is not all decodes runs attention (models/attention.AttentionPlan):
-    `decodes_apart` sends its decode rows through the paged-decode kernel and the rest through
-    paged-prefill, False runs every row through one paged-prefill launch, None decides by shape
-    (apart from `apart_from_tokens` prefill tokens on); `prefill_tiles` picks the paged-prefill
-    kernel's tile settings ("mixed" or "prefill"; None: by the step's rows). The defaults come
-    from bench/mixed_step_gpu.py --variants (docs/design/graphs.md)."""
-
-    decodes_apart: bool | None = None
-    apart_from_tokens: int = 512
-    prefill_tiles: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.prefill_tiles not in (None, "mixed", "prefill"):
-            raise ValueError(f"attention prefill_tiles must be 'mixed', 'prefill' or None, got {self.prefill_tiles!r}")
-
-
 @dataclass
-class EngineConfig:
-    """Engine arguments; names follow vLLM's where vLLM has one."""
+class EngineConfig(SpecSettings, KernelSettings, SchedulerSettings, WindowSettings, TierSettings, CacheSettings,
+                   ParallelSettings, ModelSettings):
+    """Engine arguments: every settings group's fields (settings.py; vLLM's names where vLLM has
+    one) as one flat keyword list, each group checked as it is built, then the checks that join
+    two groups. `resolve` reads the model and the device once."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's (or bf16) on GPU
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    block_size: int = 16
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None  # CPU default: 1 GiB
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # fcfs: arrival order | priority: SamplingParams.priority (lower first), then arrival; the
-    # queue order and the preemption victim (the last of that order) follow it (core/scheduler.py)
-    scheduling_policy: str = "fcfs"
-    kv_cache_dtype: str = "auto"
-    attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
-    enforce_eager: bool = False  # no CUDA graphs
-    # tensor parallel on CUDA: NCCL for every all-reduce, in place of the one-shot all-reduce over
-    # CUDA IPC buffers that takes the small ones (engine/base/ipc_allreduce.py)
-    disable_custom_all_reduce: bool = False
-    # the host's work for step n+1 (scheduling, inputs, step n's outputs) while step n runs, the
-    # sampled tokens feeding step n+1 on the device (engine/core/overlap.py); steps with requests that
-    # need the host between steps (log-probs, grammars, penalties, speculation, TP) run in turn
-    async_scheduling: bool = True
-    # steps of up to this many tokens that are not all decodes replay piecewise CUDA graphs
-    # (engine/exec/graphs.py); larger ones run eagerly
-    cuda_graph_max_tokens: int = 512
-    # Triton kernels for RMSNorm + residual, rope and SiLU * gate (engine/ops/triton_fused.py).
-    # None (auto): on where Triton runs on CUDA (H200, Llama-3-8B shape: decode step 7.64 -> 5.76 ms
-    # at batch 1, 4K prefill 136 -> 108 ms; bench/results/engine_gpu_b64_*.md); True needs Triton
-    fused_ops: bool | None = None
-    load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random values (benchmarks)
-    seed: int = 0
-    # a time-per-output-token target in seconds: while requests decode, a step carries only the
-    # prefill chunk that keeps it inside this (engine/core/step_model.py); None: the step budget only
-    slo_tpot_s: float | None = None
-    # prompt + output tokens of a decode batch's sequences: the KV room must hold max_num_seqs (exec/kv_cache.py)
-    decode_batch_len: int | None = None
-    # ranks (GPUs) one engine spans, Megatron-style (engine/base/tp.py); rank 0 schedules and samples
-    tensor_parallel_size: int = 1
-    # a mixture-of-experts model's experts whole, num_experts / N on each of the N ranks (expert
-    # parallelism), instead of I / N rows of every expert (engine/models/moe.py)
-    enable_expert_parallel: bool = False
-    # the host-memory tier of the prefix cache, GiB per rank (engine/tiers/offload.py); 0: off
-    kv_offloading_size: float = 0.0
-    # the host tier written here on close (and every kv_persist_interval_s), read back on start
-    kv_persist_dir: str | None = None
-    kv_persist_interval_s: float = 60.0
-    # the disk tier behind the host tier (engine/tiers/disk_tier.py): blocks the host tier drops are
-    # written here, a prompt continuing on disk reads them back; GiB of files, one directory per node
-    kv_disk_dir: str | None = None
-    kv_disk_size: float = 0.0
-    # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
-    # "prompt_lookup_min": n} (spec/decode.py); None: off
-    speculative_config: dict | None = None
-    # eviction for long sessions (engine/base/kv_window.py): each request keeps its first kv_sink_tokens
-    # (whole blocks) and kv_window_tokens more; None: off. kv_evict: which ones: "window", the last
-    # (StreamingLLM); "h2o", the last half and the blocks that drew the most attention (heavy hitters)
-    kv_sink_tokens: int = 0
-    kv_window_tokens: int | None = None
-    kv_evict: str = "window"
-    # how mixed steps run attention on CUDA (benchmarks compare the variants through it)
-    attention_tuning: AttentionTuning = field(default_factory=AttentionTuning)
     # resolved by resolve()
     model_config: ModelConfig | None = field(default=None, repr=False)
 
@@ -231,61 +162,17 @@ class EngineConfig:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {bs}")
-        if not (0.0 < self.gpu_memory_utilization <= 1.0):
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.slo_tpot_s is not None and not (isinstance(self.slo_tpot_s, (int, float)) and self.slo_tpot_s > 0):
-            raise ValueError(f"slo_tpot_s must be a number of seconds > 0, got {self.slo_tpot_s!r}")
+        for group in GROUPS:
+            group._check(self)
         tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-        self._check_tiers(tp)
-        self.spec = SpeculativeConfig.from_dict(self.speculative_config)
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(_KV_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8_e4m3":  # vLLM's alias: one name on the wire
-            self.kv_cache_dtype = "fp8"
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        settle_window(self)
-
-    def _check_tiers(self, tp: int) -> None:
-        off = self.kv_offloading_size
-        if isinstance(off, bool) or not isinstance(off, (int, float)) or off < 0:
-            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {off!r}")
-        if self.kv_persist_dir is not None and not off:
-            raise ValueError("kv_persist_dir persists the host tier: set kv_offloading_size (GiB) too")
-        if self.kv_persist_dir is not None and isinstance(tp, int) and tp > 1:
+        if tp > 1 and self.kv_persist_dir is not None:
             raise ValueError("kv_persist_dir is not supported with tensor_parallel_size > 1 yet "
                              "(each rank holds a slice of the host tier)")
-        if self.kv_disk_dir is not None:
-            if not off:
-                raise ValueError("kv_disk_dir sits behind the host tier: set kv_offloading_size (GiB) too")
-            if isinstance(self.kv_disk_size, bool) or not isinstance(self.kv_disk_size, (int, float)) \
-                    or self.kv_disk_size <= 0:
-                raise ValueError(f"kv_disk_size must be a number of GiB > 0, got {self.kv_disk_size!r}")
-            if self.kv_persist_dir is not None:
-                raise ValueError("kv_disk_dir keeps the host tier across restarts itself: drop kv_persist_dir")
-            if isinstance(tp, int) and tp > 1:
-                raise ValueError("kv_disk_dir is not supported with tensor_parallel_size > 1 yet "
-                                 "(each rank holds a slice of each block)")
-        if not (isinstance(self.kv_persist_interval_s, (int, float)) and self.kv_persist_interval_s > 0):
-            raise ValueError(f"kv_persist_interval_s must be > 0, got {self.kv_persist_interval_s!r}")
+        if tp > 1 and self.kv_disk_dir is not None:
+            raise ValueError("kv_disk_dir is not supported with tensor_parallel_size > 1 yet "
+                             "(each rank holds a slice of each block)")
+        self.spec = SpeculativeConfig.from_dict(self.speculative_config)
+        settle_window(self)
 
     # ---- resolution against the model and the device ---------------------------------
     def resolve(self, model_path: str) -> EngineConfig:

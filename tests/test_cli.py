@@ -209,6 +209,45 @@ def test_cli_errors_are_one_line_and_exit_2(capsys):
         assert expect in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
+def test_engine_flags_are_made_from_the_settings_fields(monkeypatch):
+    """Each engine setting with a Flag is one flag of `generate` and `serve` with the field's
+    default, its value reaches the engine under the field's name, and a refusal names it as the
+    flag; a setting added to a group is all it takes (shown with a group made here)."""
+    import dataclasses
+
+    from pdserve.cli import build_parser
+    from pdserve.cli_common import engine_kwargs, in_flags
+    from pdserve.engine import settings
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.settings import Flag, setting
+
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    flagged = [(f.name, f.metadata["flag"]) for f in fields.values() if "flag" in f.metadata]
+    assert len(flagged) >= 28 and {"max_num_seqs", "kv_persist_interval_s", "fused_ops"} <= dict(flagged).keys()
+    for command in ("generate", "serve"):
+        base = [command, "hi"] if command == "generate" else [command]
+        kw = engine_kwargs(build_parser().parse_args(base))
+        for key, flag in flagged:
+            assert (key in kw) == (not flag.given_only), key  # given_only: absent until given
+            if key in kw:
+                assert kw[key] == fields[key].default, key
+    kw = engine_kwargs(build_parser().parse_args(["serve", "--kv-persist-interval", "5", "-tp", "2",
+                                                  "--max-num-seqs", "7", "--no-async-scheduling"]))
+    assert (kw["kv_persist_interval_s"], kw["tensor_parallel_size"], kw["max_num_seqs"], kw["async_scheduling"]) \
+        == (5.0, 2, 7, False)
+    assert EngineConfig.from_kwargs(**kw).max_num_seqs == 7
+    assert in_flags("kv_persist_interval_s must be > 0") == "--kv-persist-interval must be > 0"
+
+    @dataclasses.dataclass
+    class Extra(settings._Group):
+        new_knob_tokens: int = setting(3, flag=Flag("a knob a test adds", kind="int"))
+
+    monkeypatch.setattr(settings, "GROUPS", (*settings.GROUPS, Extra))
+    args = build_parser().parse_args(["serve", "--new-knob-tokens", "9"])
+    assert engine_kwargs(args)["new_knob_tokens"] == 9
+    assert in_flags("new_knob_tokens must be even") == "--new-knob-tokens must be even"
+
+
 def test_engine_refusals_name_the_flags_typed(capsys, tmp_path):
     """The engine's refusals name the flag the user typed, not the engine keyword behind it, and
     a flag not given is never quoted as "got 0.0" (--kv-disk-dir without --kv-disk-size)."""

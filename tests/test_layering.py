@@ -155,7 +155,7 @@ ENGINE_LAYERS = [
     ("ops",),  # kernels and the formats they read
     ("base",),  # the floor: TP groups and stores, device copies, block hashes, KV layout and window
     ("architectures", "sampling_params", "validation", "outputs", "tokenizer", "default_model", "role",
-     "fp8", "config", "stats"),  # what a caller hands the engine, the settings, a checkpoint's format, counters
+     "fp8", "settings", "config", "stats"),  # what a caller hands the engine, settings, a checkpoint's format, counters
     ("core",),  # requests, the block pool, the scheduler, the step model
     ("tiers",),  # the KV tiers below the GPU
     ("sample",),  # from logits to tokens

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from ..base.host_to_device import to_device
-from ..config import AttentionTuning
 from ..ops.attention_ref import paged_attention_ref, store_kv_ref
+from ..settings import AttentionTuning
 
 
 @dataclass

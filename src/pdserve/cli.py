@@ -27,7 +27,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
     check_kv_dirs(args)
-    llm = LLM(model=args.model, **engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args))
     tok = llm.get_tokenizer()
     use_chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))
     with llm:  # a tensor-parallel engine's shard processes stop with it

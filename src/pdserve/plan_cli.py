@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.cli_common import add_engine_args
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
@@ -105,14 +107,10 @@ def add_plan_parser(sub) -> None:
                     help="Hugging Face directory or its config.json (default: the default model)")
     pl.add_argument("--gpu", choices=("h100", "h200"), default=None, help="a measured GPU preset")
     pl.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (instead of --gpu)")
-    pl.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the KV budget itself")
-    pl.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    pl.add_argument("--dtype", default="bfloat16")
-    pl.add_argument("--kv-cache-dtype", default="auto")
-    pl.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    pl.add_argument("--block-size", type=int, default=16)
-    pl.add_argument("--max-model-len", type=int, default=None)
-    pl.add_argument("--max-num-seqs", type=int, default=128)
+    # the engine settings a plan sizes, their flags as `serve` has them (a plan assumes a GPU: bf16)
+    add_engine_args(pl, only=("kv_cache_memory_bytes", "gpu_memory_utilization", "dtype", "kv_cache_dtype",
+                              "tensor_parallel_size", "block_size", "max_model_len", "max_num_seqs"),
+                    defaults={"dtype": "bfloat16", "max_num_seqs": 128})
     pl.add_argument("--prompt-len", type=int, default=None)
     pl.add_argument("--output-len", type=int, default=None)
     pl.add_argument("--trace", nargs="?", const="default", default=None,

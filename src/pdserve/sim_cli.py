@@ -33,7 +33,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     contexts, batches = _ints("--contexts", args.contexts), _ints("--batches", args.batches)
     if args.decode_tokens < 2:
         raise CliError(f"--decode-tokens must be >= 2, got {args.decode_tokens}")
-    llm = LLM(model=args.model, **engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args))
     with llm, tqdm(total=len(contexts) * len(batches), desc="profile", unit="point") as bar:
         def progress(done: int, total: int, what: str) -> None:
             bar.total = total

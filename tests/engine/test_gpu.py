@@ -342,8 +342,8 @@ def test_nothing_compiles_once_warm_when_decodes_run_apart_from_chunks(tmp_path,
     boundary when nd x width is not a multiple of 4) and tables of every width. A fresh hybrid
     decode worker's first such step once waited ~1 s for that compile (ops/compile_watch.py found it)."""
     from pdserve import LLM, SamplingParams
-    from pdserve.engine.config import AttentionTuning
     from pdserve.engine.ops.compile_watch import CompileWatch
+    from pdserve.engine.settings import AttentionTuning
 
     from helpers import save_tiny
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.config import AttentionTuning
 from pdserve.engine.exec.graphs import piece_buckets
+from pdserve.engine.settings import AttentionTuning
 
 from helpers import PROMPTS
 

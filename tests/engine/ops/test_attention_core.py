@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from pdserve.engine.config import AttentionTuning  # noqa: E402
 from pdserve.engine.models.attention import AttentionMetadata, AttentionPlanner, PagedAttention  # noqa: E402
 from pdserve.engine.ops.attention_core import MAX_SPLITS, split_count  # noqa: E402
+from pdserve.engine.settings import AttentionTuning  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 16
