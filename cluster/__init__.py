@@ -2,7 +2,7 @@
 placement, pool management and the `pdserve` CLI. Ray is imported only when the
 cluster itself is used, so `pdserve generate` runs without it."""
 
-__all__ = ["Cluster"]
+__all__ = ["Cluster", "ClusterSpec"]
 
 
 def __getattr__(name: str):
@@ -10,4 +10,8 @@ def __getattr__(name: str):
         from .cluster import Cluster
 
         return Cluster
+    if name == "ClusterSpec":
+        from .cluster_spec import ClusterSpec
+
+        return ClusterSpec
     raise AttributeError(f"module 'pdserve.cluster' has no attribute {name!r}")

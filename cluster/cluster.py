@@ -1,6 +1,7 @@
 """`Cluster`: the public API of a pdserve cluster on Ray.
 
-    c = Cluster.start(model=None, prefill=1, decode=1, address=None, **engine_args)
+    c = Cluster(ClusterSpec.of(model, prefill=1, decode=1, mode=..., **engine_args))
+    c = Cluster.start(model=None, prefill=1, decode=1, address=None, **engine_args)   # the same
     c.generate(prompts, params)      vLLM-shaped outputs, like LLM.generate
     c.stream(prompt, params)         iterator of cumulative RequestOutputs
     c.submit(prompt, c.validate(ids, params), sink) -> future; sink gets delta outputs (the router)
@@ -10,9 +11,9 @@
 
 It owns an event loop thread on which its parts run: `Pools` (pools.py: workers,
 scaling, health, autoscaling), `Dispatcher` (dispatch.py: one request's way through
-the workers) and the registry actor (registry.py). Pools are described by a
-`ServingConfig` (serving_config.py). Front ends use it through `ServingCluster`
-(api.py) only.
+the workers) and the registry actor (registry.py). What it is comes from one `ClusterSpec`
+(cluster_spec.py: the pools' ServingConfig and each pool's engine spec, parsed once). Front
+ends use it through `ServingCluster` (api.py) only.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from collections.abc import Iterator, Sequence
 
 import ray
 
-from pdserve.engine.exec.loader import resolve_model_path
 from pdserve.engine.outputs import Accumulator, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
@@ -34,24 +34,19 @@ from pdserve.engine.validation import ValidRequest, check_request
 
 from .aio import within
 from .api import ClusterSnapshot, RequestObserver
+from .cluster_spec import ClusterSpec
 from .dispatch import Dispatcher
-from .engine_specs import EngineSpecs
 from .gpus import runtime_env as gpus_runtime_env
 from .links import LinkCheck
 from .local_ray import shutdown_own_ray, start_or_join_ray
 from .output_pipe import OutputPipe
-from .placement import LocalRules
 from .pools import Pools
 from .records import RegisteredWorker
 from .registry import REGISTRY_NAME
 from .registry_link import RegistryLink
-from .serving_config import ROLES, ServingConfig
+from .serving_config import ROLES
 
-MODES = ("disaggregated", "hybrid", "colocated")
-MODE_ALIASES = {"disagg": "disaggregated"}
 
-# the prefill pool's default chunk budget (the decode / colocated engines keep the
-# engine's 2048, which bounds how long a prefill chunk stalls the running decodes)
 class _AutoscaleLatency(RequestObserver):
     """Feeds the pools' latency windows (the autoscaler's TTFT and ITL p90)."""
 
@@ -65,28 +60,28 @@ class _AutoscaleLatency(RequestObserver):
 
 
 class Cluster:
-    def __init__(self, serving: ServingConfig, specs: EngineSpecs, *, address: str | None = None,
-                 namespace: str = "pdserve", actor_options: dict | None = None, placement: LocalRules | None = None,
-                 start_timeout: float = 900.0, worker_cls=None, progress=None):
-        """A cluster of `specs.mode` serving `specs`' model, its pools as `serving` describes them
-        (validated); `Cluster.start` builds both from arguments. Starts (or joins, `address`) Ray,
-        the registry and the pools' first workers; raises, having stopped what it started, when a
-        worker cannot start."""
+    def __init__(self, spec: ClusterSpec, *, worker_cls=None, progress=None):
+        """A cluster as `spec` describes it (cluster_spec.py; `Cluster.start` builds the spec from
+        arguments). Starts (or joins, `spec.address`) Ray, the registry and the pools' first
+        workers; raises, having stopped what it started, when a worker cannot start. `worker_cls`:
+        a WorkerActor subclass (fault-injection tests). `progress(message)`: told each stage of the
+        start (the CLI prints them)."""
         say = progress or (lambda message: None)
-        self.mode, self.serving, self.specs = specs.mode, serving.validate(), specs
-        spec = specs.decode
-        self.model_path, self.max_model_len, self.block_size = spec.model, spec.max_model_len, spec.block_size
-        self.vocab_size = spec.model_config.vocab_size
-        self.tokenizer = load_tokenizer(spec.tokenizer or self.model_path)
+        self.spec = spec
+        self.mode, self.serving, self.specs = spec.mode, spec.serving, spec.engines
+        decode = spec.engines.decode
+        self.model_path, self.max_model_len, self.block_size = decode.model, decode.max_model_len, decode.block_size
+        self.vocab_size = decode.model_config.vocab_size
+        self.tokenizer = load_tokenizer(decode.tokenizer or self.model_path)
         say(f"model {self.model_path}: config and tokenizer read (max_model_len {self.max_model_len})")
         self._owns_ray = not ray.is_initialized()
-        self.namespace = namespace
+        self.namespace = namespace = spec.namespace
         if self._owns_ray:
             # no address: a Ray of our own ("local"), never one that happens to run on this machine
-            say(f"joining the Ray cluster at {address}" if address else "starting a local Ray cluster")
-            start_or_join_ray(address, namespace)
+            say(f"joining the Ray cluster at {spec.address}" if spec.address else "starting a local Ray cluster")
+            start_or_join_ray(spec.address, namespace)
         # a Ray of our own is this machine only: the workers' KV stores listen on loopback
-        bind_host = "127.0.0.1" if self._owns_ray and address is None else None
+        bind_host = "127.0.0.1" if self._owns_ray and spec.address is None else None
         try:
             ray.get_actor(REGISTRY_NAME, namespace=namespace)
         except ValueError:
@@ -101,14 +96,14 @@ class Cluster:
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever, name="pdserve-cluster", daemon=True)
         self._thread.start()
-        options = {role: dict(actor_options) if actor_options else self._role_options(role) for role in ROLES}
-        self.pools = Pools(self.serving, specs, options, namespace, self.registry, start_timeout, bind_host)
+        options = {role: dict(spec.actor_options) if spec.actor_options else self._role_options(role)
+                   for role in ROLES}
+        self.pools = Pools(spec, options, self.registry, bind_host)
         self.pools.worker_cls = worker_cls or self.pools.worker_cls
         self.pipe = OutputPipe()  # workers' outputs straight to this process (output_pipe.py)
         self.pools.output_pipe = self._run(self.pipe.start(bind_host or ray.util.get_node_ip_address()), 30)
         self.pools.progress = say
-        self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, placement or LocalRules(),
-                                     pipe=self.pipe)
+        self.dispatcher = Dispatcher(self.pools, self.registry, self.block_size, spec.placement, pipe=self.pipe)
         self.dispatcher.observers.append(_AutoscaleLatency(self.pools))
         self.pools.pass_checks.append(LinkCheck(self.dispatcher.placer, self.pools.workers))
         if self.pools.ratio is not None:
@@ -127,48 +122,12 @@ class Cluster:
         self._monitor = self._submit(self.pools.monitor())
 
     @classmethod
-    def start(cls, model: str | None = None, prefill: int | None = None, decode: int | None = None,
-              address: str | None = None, namespace: str = "pdserve", actor_options: dict | None = None,
-              local_prefill_tokens: int = 0, local_cached_fraction: float = 2.0,
-              serving_config: ServingConfig | str | None = None, start_timeout: float = 900.0,
-              mode: str = "disaggregated", prefill_engine_args: dict | None = None, prefill_tp: int | None = None,
-              decode_tp: int | None = None, worker_cls=None, progress=None, **engine_args) -> Cluster:
-        """`prefill` / `decode` default to the serving config's replicas (1 each without one).
-        mode="disaggregated": every prompt on the prefill pool (bar the explicit local rules).
-        mode="hybrid": per prompt, the prefill pool or a decode worker, whichever is predicted
-        to serve the serving config's SLO (`slo`) better; decode steps keep the TPOT target.
-        mode="colocated" is the baseline: `decode` engines that each prefill (chunked) and
-        decode their own requests, placed by cached prefix then consistent hash; no handoff.
-        `prefill_tp` / `decode_tp`: GPUs per worker of each pool (tensor parallelism; a
-        handoff works between any two sizes whose KV heads divide); `tensor_parallel_size`
-        sets both (colocated engines are the decode pool). `worker_cls`: a WorkerActor subclass
-        (fault-injection tests). `progress(message)`: told each stage of the start (the CLI
-        prints them). Every argument is checked, and the model's config read, here: before Ray
-        or any worker starts."""
-        mode = MODE_ALIASES.get(mode, mode)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)} (or 'disagg'), got {mode!r}")
-        if mode == "colocated" and prefill:
-            raise ValueError("colocated mode has no prefill pool: size it with decode=N (N colocated engines)")
-        serving = cls._serving_config(serving_config, prefill, decode)
-        specs = EngineSpecs.of(serving, mode, {**engine_args, "model": resolve_model_path(model)},
-                               prefill_engine_args, prefill_tp, decode_tp)
-        return cls(serving, specs, address=address, namespace=namespace, actor_options=actor_options,
-                   placement=LocalRules(local_prefill_tokens, local_cached_fraction), start_timeout=start_timeout,
-                   worker_cls=worker_cls, progress=progress)
-
-    @staticmethod
-    def _serving_config(cfg: ServingConfig | str | None, prefill: int | None, decode: int | None) -> ServingConfig:
-        if isinstance(cfg, str):
-            cfg = ServingConfig.from_yaml(cfg)
-        cfg = cfg or ServingConfig()
-        for role, n in (("prefill", prefill), ("decode", decode)):
-            if n is not None:  # explicit sizes win over the config's replicas; bounds widen to fit
-                pool = cfg.pool(role)
-                pool.replicas = n
-                if not cfg.autoscale.enabled:
-                    pool.min, pool.max = min(pool.min, n), max(pool.max, n)
-        return cfg.validate()
+    def start(cls, model: str | None = None, prefill: int | None = None, decode: int | None = None, *,
+              worker_cls=None, progress=None, **spec_args) -> Cluster:
+        """`Cluster(ClusterSpec.of(model, prefill, decode, **spec_args))`: ClusterSpec.of names the
+        arguments (mode, serving_config, address, namespace, the local-prefill rules, each pool's
+        TP and the engine arguments) and checks them all before Ray or any worker starts."""
+        return cls(ClusterSpec.of(model, prefill, decode, **spec_args), worker_cls=worker_cls, progress=progress)
 
     def _role_options(self, role: str) -> dict:
         """Ray options for one pool's actors: a GPU each when the cluster has GPUs, and the

@@ -45,8 +45,9 @@ from pdserve.engine.validation import ValidRequest
 from .aio import within
 from .api import FinishedRequest, NoWorker, RequestObserver
 from .attempt import Attempt
+from .cluster_spec import LocalRules
 from .output_pipe import OutputPipe
-from .placement import LocalRules, Placer
+from .placement import Placer
 from .pools import Pools
 from .records import DecodeCall, WorkerRecord
 

@@ -34,6 +34,7 @@ from pdserve.transfer.base import LayoutMismatch
 from pdserve.transfer.fetch import FetchPlan
 
 from .api import NoWorker
+from .cluster_spec import LocalRules
 from .handoff_cost import LINK_GBPS_START, HandoffCost
 from .pool_view import PoolView
 from .records import WorkerRecord
@@ -88,16 +89,6 @@ class Charges:
             if not w.queued_by_priority[self.priority]:
                 del w.queued_by_priority[self.priority]
         self._charged = []
-
-
-@dataclass(frozen=True)
-class LocalRules:
-    """Conditional disaggregation: a prompt of at most `prefill_tokens` tokens, or one with at
-    least `cached_fraction` of its tokens cached on a decode worker, prefills on that decode
-    worker (defaults: off; a fraction above 1 turns the cached rule off)."""
-
-    prefill_tokens: int = 0
-    cached_fraction: float = 2.0
 
 
 class Placer:

@@ -139,7 +139,7 @@ class PoolMonitor:
     def _autoscale_step(self, now: float) -> None:
         cfg, want, switch = self.serving.autoscale, {}, False
         if self.ratio is not None:  # policy "ratio": the split of the workers there are (ratio.py)
-            got = self.ratio.plan(list(self.workers.values()), self.serving, now)
+            got = self.ratio.plan(list(self.workers.values()), self.serving, self.specs.decode, now)
             if got:
                 want, switch = got[0], True
                 self.autoscale_events.append({"time": time.time(), "role": "ratio", "from": self.pool_sizes(),

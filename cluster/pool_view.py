@@ -5,7 +5,8 @@ records kept by simulated engines, so that `placement.Placer` decides the same w
 
 A view has: `workers` (worker id -> `records.WorkerRecord`), `mode`, `serving` (the
 `ServingConfig`: the SLO placement serves, the handoff settings), `specs` (each pool's engine
-spec, for its scheduling policy) and `start_s` (a worker's start: a 503's Retry-After).
+spec: its scheduling policy, and its batch size for a worker's free seats; values the cluster set
+are read there, never sent back up in a worker's stats) and `start_s` (a worker's start: a 503's Retry-After).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class PoolView:
             or [w for w in self.workers.values() if w.role == role and w.drain is not None]
         answering = [w for w in live if w.silent_since is None]
         for w in answering or live:
-            st, total = w.stats, w.blocks_total or 1
+            st, total, spec = w.stats, w.blocks_total or 1, self.specs.get(w.role)
+            seats = spec.max_num_seqs - st.num_running - 4 if spec is not None else 1 << 30
             out.append(Candidate(w.worker_id, w.load, total - st.kv_blocks_used, total, self.ahead_of(w, priority),
                                  st.prefill_tok_s, st.prefill_chunk, st.step_s, 0,
-                                 st.max_num_seqs - st.num_running - 4, st.tpot_over))
+                                 seats, st.tpot_over))
         return out

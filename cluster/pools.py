@@ -34,13 +34,13 @@ from pdserve.engine.config import EngineConfig
 
 from .aio import within
 from .autoscale import LatencyWindow, PoolState
-from .engine_specs import EngineSpecs
+from .cluster_spec import ClusterSpec
 from .output_pipe import PipeAddress
 from .pool_monitor import PoolMonitor
 from .pool_view import PoolView
 from .ratio import RatioPlanner
 from .records import WorkerRecord, WorkerRefused
-from .serving_config import ROLES, ServingConfig
+from .serving_config import ROLES
 from .shard_actor import RankPlacement
 from .worker_actor import WorkerActor
 
@@ -48,16 +48,18 @@ log = logging.getLogger(__name__)
 
 
 class Pools(PoolMonitor, PoolView):
-    def __init__(self, serving: ServingConfig, specs: EngineSpecs, actor_options: dict,
-                 namespace: str, registry, start_timeout: float, bind_host: str | None = None):
-        """`specs`: each pool's engine spec, and the cluster's mode. `bind_host`: where the workers'
-        KV stores listen (None: each node's address)."""
-        self.serving, self.specs, self.mode, self.bind_host = serving, specs, specs.mode, bind_host
+    def __init__(self, spec: ClusterSpec, actor_options: dict, registry, bind_host: str | None = None):
+        """The pools `spec` describes (its serving config, each pool's engine spec and the mode,
+        read there: `serving`, `specs`). `actor_options`: Ray options per role. `bind_host`: where
+        the workers' KV stores listen (None: each node's address)."""
+        serving = spec.serving
+        self.cluster_spec, self.serving, self.specs, self.mode = spec, serving, spec.engines, spec.mode
+        self.bind_host = bind_host
         self.worker_cls = WorkerActor  # the actor class (fault-injection tests use a subclass)
         self.output_pipe: PipeAddress | None = None  # the router's OutputPipe address, given to workers
         self.progress = lambda message: None  # told each worker that starts (the CLI prints it)
         self.actor_options = actor_options
-        self.namespace, self.registry, self.start_timeout = namespace, registry, start_timeout
+        self.namespace, self.registry, self.start_timeout = spec.namespace, registry, spec.start_timeout
         self.workers: dict[str, WorkerRecord] = {}
         self.leaving: dict[str, WorkerRecord] = {}  # out of placement, not yet killed (remove() runs)
         self.targets = {"prefill": 0, "decode": 0}

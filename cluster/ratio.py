@@ -84,9 +84,10 @@ class RatioPlanner(RequestObserver):
             self.since = self.since or time.monotonic() - (done.ttft_s or 0.0) - done.decode_s
             self.finished.append((time.monotonic(), done.num_prompt_tokens, done.num_output_tokens, done.decode_s))
 
-    def measure(self, prefill_stats: list[WorkerStats], decode_stats: list[WorkerStats],
-                now: float) -> RatioLoad | None:
-        """The window's load, or None when too little finished or a worker's rate is unknown."""
+    def measure(self, prefill_stats: list[WorkerStats], decode_stats: list[WorkerStats], now: float,
+                decode_spec) -> RatioLoad | None:
+        """The window's load, or None when too little finished or a worker's rate is unknown.
+        `decode_spec`: the decode pool's engine spec (its max_num_seqs and block size)."""
         while self.finished and self.finished[0][0] < now - self.window_s:
             self.finished.popleft()
         reqs = list(self.finished)
@@ -98,22 +99,22 @@ class RatioPlanner(RequestObserver):
         whole = sum(p + o for _, p, o, _ in reqs) / len(reqs)
         seqs = []
         for s in decode_stats:
-            at_target = s.decode_capacity.at(ctx) or s.max_num_seqs
-            kv = (s.kv_blocks_total or 0) * s.block_size / max(whole, 1.0)
+            at_target = s.decode_capacity.at(ctx) or decode_spec.max_num_seqs
+            kv = (s.kv_blocks_total or 0) * decode_spec.block_size / max(whole, 1.0)
             seqs.append(min(at_target or kv, kv) if kv else at_target)
         cap = _median(seqs)
         if not rate or not cap:
             return None
         return RatioLoad(sum(p for _, p, _, _ in reqs) / span, sum(d for *_, d in reqs) / span, rate, cap, len(reqs))
 
-    def plan(self, workers: list, serving, now: float) -> tuple[dict, str] | None:
-        """Pools' call (their records and config): the new sizes and why, or None. Nothing is
+    def plan(self, workers: list, serving, decode_spec, now: float) -> tuple[dict, str] | None:
+        """Pools' call (their records, config and decode spec): the new sizes and why, or None. Nothing is
         planned while a worker drains or switches (a move is still being applied)."""
         if any(w.draining or w.switching_to for w in workers):
             return None
         stats = {r: [w.stats for w in workers if w.role == r] for r in ROLES}
         bounds = {r: (serving.pool(r).min, serving.pool(r).max) for r in ROLES}
-        load = self.measure(stats["prefill"], stats["decode"], now)
+        load = self.measure(stats["prefill"], stats["decode"], now, decode_spec)
         return self.want(load, {r: len(stats[r]) for r in ROLES}, bounds, now)
 
     def want(self, load: RatioLoad | None, sizes: dict, bounds: dict, now: float) -> tuple[dict, str] | None:

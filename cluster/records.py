@@ -110,13 +110,11 @@ class WorkerStats:
     num_waiting: int = 0
     kv_blocks_total: int | None = None
     kv_blocks_used: int = 0
-    max_num_seqs: int = 1 << 30
     step_s: float = 0.0
     prefill_tok_s: float | None = None
     prefill_chunk: int = 0
     tpot_over: bool = False
     decode_capacity: DecodeCapacity = field(default_factory=DecodeCapacity)
-    block_size: int = 16
     inflight: int = 0
     held_for_handoff: int = 0
     kv_peer_fetch_gbps: float | None = None
@@ -129,8 +127,6 @@ class WorkerStats:
         st = cls(decode_capacity=engine.decode_capacity, inflight=inflight, held_for_handoff=held_for_handoff,
                  engine=engine, worker=worker)
         st.placed(engine.placement)
-        if engine.cache.config is not None:
-            st.block_size = engine.cache.config.block_size
         if engine.peer is not None:
             st.kv_peer_fetch_gbps = engine.peer.fetch_gbps
         return st
@@ -150,7 +146,7 @@ class WorkerStats:
         if self.engine is None:
             return {}
         mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("block_size", "engine", "worker")}  # cache_config has the block size
+                if f.name not in ("engine", "worker")}
         mine["decode_capacity"] = dict(self.decode_capacity.points)  # context -> sequences
         return {**self.engine.as_dict(), **(self.worker.as_dict() if self.worker else {}), **mine}
 

@@ -15,29 +15,19 @@ import itertools
 import logging
 import time
 
-from .base.kv_window import KVWindow
-from .base.tp import TPGroup
+from .assembly import assemble, calibrate
 from .config import EngineConfig
 from .core.iteration_stats import TokenHistogram, step_tokens
-from .core.kv_cache_manager import KVCacheManager
 from .core.overlap import PendingStep, plain
 from .core.request import Request, RequestStatus
-from .core.scheduler import Scheduler, SchedulerOutput
-from .core.step_model import StepModel, placement_stats
+from .core.scheduler import SchedulerOutput
+from .core.step_model import placement_stats
 from .exec.loader import resolve_model_path
-from .exec.model_runner import ModelRunner
-from .exec.shard import ProcessShards
 from .exec.step_result import StepResult
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sample.structured import Grammars
 from .sampling_params import SamplingParams
-from .spec.decode import Drafter
 from .stats import CacheConfigInfo, CacheStats, EngineStats
-from .tiers import persist
-from .tiers.disk_tier import DiskTier
-from .tiers.offload import HostIndex
-from .tiers.tier import Tiers
-from .tokenizer import IncrementalDetokenizer, ModelTokenizer
+from .tokenizer import IncrementalDetokenizer
 from .validation import ValidRequest, check_capacity, check_request
 
 log = logging.getLogger(__name__)
@@ -45,42 +35,19 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, load_format: str | None = None, launch_shards=None):
-        """`launch_shards(config, load_format, address) -> Shards` starts ranks 1..N-1 of a
-        tensor-parallel engine (default: local processes, shard.ProcessShards)."""
+        """An engine serving `config`, resolved here against its model and device; its parts built
+        in one pass (assembly.assemble: `launch_shards` starts a tensor-parallel engine's ranks)."""
         load_format = load_format or config.load_format
         config.resolve(resolve_model_path(config.model))
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = ModelTokenizer(config.tokenizer or config.model)
-        # a draft model's weights and KV first: the target's KV budget then counts them (GPU)
-        self.drafter = Drafter(config.spec, config)
-        self.tp, self.shards, t0 = TPGroup(), None, time.perf_counter()
-        if config.tensor_parallel_size > 1:  # its ranks' start and groups: the worker's start says how long
-            self.tp = TPGroup.serve(config.tensor_parallel_size)
-            self.shards = (launch_shards or ProcessShards)(config, load_format, self.tp.address)
-            self.tp.connect(config.torch_device, custom_all_reduce=not config.disable_custom_all_reduce)
-        tp_s = time.perf_counter() - t0
-        self.runner = ModelRunner(config, load_format, self.tp)
-        if self.shards:
-            self.runner.startup.tensor_parallel_s = tp_s
-        self.grammars = self.runner.sampler.grammars = Grammars(lambda: self.tokenizer.hf, self.model_config.vocab_size)
-        host = HostIndex(self.runner.num_host_slots) if config.kv_offloading_size else None
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, host=host)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy, KVWindow.of(config))
-        # the one step-time model: the TPOT chunk, the advertised prefill rate, speculation's off-switch
-        self.step_model = StepModel(config.max_num_batched_tokens, config.slo_tpot_s,
-                                    graphs=self.runner.graph_seconds)
-        self.drafter.switch.model = self.step_model
-        if self.runner.device.type == "cuda":  # fitted before the first request (CPU: `calibrate()` on demand)
-            self.calibrate()
-        self.iteration_tokens = TokenHistogram()  # tokens per step (metrics)
         self.load_format = load_format
-        # the host tier's files (tiers/persist.py, restored now), or its disk tier (tiers/disk_tier.py)
-        self.tier_file = persist.HostTierFile(config, load_format, host, self.runner.host) if config.kv_persist_dir \
-            else None
-        disk = DiskTier.of(config, load_format, host, self.runner.host, self.step_model, self.kv)
-        self.tiers = Tiers(self.kv, [t for t in (host, disk) if t is not None])  # below the GPU, in lookup order
+        parts = assemble(config, load_format, launch_shards)
+        self.tokenizer, self.tp, self.shards, self.grammars = parts.tokenizer, parts.tp, parts.shards, parts.grammars
+        self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
+        self.step_model, self.drafter = parts.step_model, parts.drafter
+        self.tier_file, self.tiers = parts.tier_file, parts.tiers
+        self.iteration_tokens = TokenHistogram()  # tokens per step (metrics)
         self.requests: dict[str, Request] = {}
         # prefill role: requests that finish normally keep their blocks until release()
         self.hold_blocks_on_finish, self.held = False, {}  # a prefill worker's prompts kept for their handoff
@@ -357,11 +324,9 @@ class LLMEngine:
 
     # ---- counters for metrics ----------------------------------------------------------------
     def calibrate(self) -> None:
-        """The step model fitted from the runner's timed calibration steps (before serving, on CUDA)."""
-        try:
-            self.step_model.calibrate(self.runner.calibration())
-        except Exception as e:  # noqa: BLE001 - the model then learns from the first steps, as before
-            log.warning("step model calibration skipped: %s", e)
+        """The step model fitted from the runner's timed calibration steps (assembly.calibrate: at
+        start on CUDA; on CPU on demand)."""
+        calibrate(self.step_model, self.runner)
 
     def stats(self) -> EngineStats:
         """Its counters now (engine/stats.py; `.as_dict()` is the row metrics print)."""

@@ -77,6 +77,12 @@ class _Group:
     def __post_init__(self) -> None:
         self._check()
 
+    @classmethod
+    def of(cls, source):
+        """This group alone, its fields read from `source` (a resolved EngineConfig): what a part
+        that reads only this group is given, so that it cannot reach another group's settings."""
+        return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
+
     def _check(self) -> None:
         pass
 

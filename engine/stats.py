@@ -50,7 +50,6 @@ class PlacementStats(_Row):
     tpot_over: bool = metric("tpot_over")
     prefill_tok_s: float | None = metric("prefill_tok_s")
     prefill_chunk: int = metric("prefill_chunk")
-    max_num_seqs: int = metric("max_num_seqs")
 
 
 PLACEMENT_FIELDS = frozenset(f.name for f in dataclasses.fields(PlacementStats))

@@ -51,17 +51,18 @@ INTRA = {
                          "serving_config", "shard_actor", "worker_commands"},
         "pool_monitor": {"aio", "autoscale", "records", "serving_config"},
         "engine_specs": {"serving_config"},
+        "cluster_spec": {"engine_specs", "serving_config"},
         "pool_view": {"records", "routing"},
-        "pools": {"aio", "autoscale", "engine_specs", "output_pipe", "pool_monitor", "pool_view", "ratio", "records",
+        "pools": {"aio", "autoscale", "cluster_spec", "output_pipe", "pool_monitor", "pool_view", "ratio", "records",
                   "serving_config", "shard_actor", "worker_actor"},
         "handoff_cost": {"records"},
-        "placement": {"api", "handoff_cost", "pool_view", "records", "registry", "routing"},
+        "placement": {"api", "cluster_spec", "handoff_cost", "pool_view", "records", "registry", "routing"},
         "attempt": {"placement"},
         "links": {"aio", "placement", "records"},
-        "dispatch": {"aio", "api", "attempt", "output_pipe", "placement", "pools", "records"},
-        "cluster": {"aio", "api", "dispatch", "engine_specs", "gpus", "links", "local_ray", "output_pipe", "placement",
-                    "pools", "records", "registry", "registry_link", "serving_config"},
-        "__init__": {"cluster"},
+        "dispatch": {"aio", "api", "attempt", "cluster_spec", "output_pipe", "placement", "pools", "records"},
+        "cluster": {"aio", "api", "cluster_spec", "dispatch", "gpus", "links", "local_ray", "output_pipe", "pools",
+                    "records", "registry", "registry_link", "serving_config"},
+        "__init__": {"cluster", "cluster_spec"},
     },
     "router": {
         "tool_parsers": set(), "tools": {"tool_parsers"}, "schemas": {"tools", "tool_parsers"}, "errors": {"schemas"},
@@ -162,7 +163,7 @@ ENGINE_LAYERS = [
     ("models",),  # the families, their shared layers and attention
     ("exec",),  # running a step: runner, graphs, the KV tensor, loading, shards
     ("spec",),  # speculative decoding drives a runner of its own
-    ("engine", "llm", "__init__"),  # the assembly
+    ("assembly", "engine", "llm", "__init__"),  # the assembly
 ]
 
 

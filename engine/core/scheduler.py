@@ -26,6 +26,7 @@ from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from ..base.kv_window import KVShift, KVWindow
+    from ..settings import SchedulerSettings
     from ..tiers.offload import TierOps
 
 
@@ -134,6 +135,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+
+    @classmethod
+    def of(cls, kv: KVCacheManager, settings: SchedulerSettings, window: KVWindow | None = None) -> Scheduler:
+        """The engine's scheduler: its batch settings (the group alone, resolved) over `kv`."""
+        return cls(kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.enable_chunked_prefill,
+                   settings.scheduling_policy, window)
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:

@@ -39,6 +39,7 @@ import collections
 import logging
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -46,6 +47,9 @@ from ..stats import PlacementStats
 from .decode_capacity import DecodeCapacity
 from .request import Request
 from .scheduler import Scheduler, StepShape
+
+if TYPE_CHECKING:
+    from ..settings import SchedulerSettings
 
 PROBE_TOKENS = 256
 MIN_CHUNK = 256  # smaller chunks pay a mixed step's fixed cost for little prefill: bank slack instead
@@ -89,6 +93,12 @@ class StepModel:
         self._cap: int | None = None
         self.slack = 0.0  # seconds the decodes ran under the target, banked for a prefill chunk
         self._last_end: float | None = None
+
+    @classmethod
+    def of(cls, settings: SchedulerSettings, graphs: dict[int, float] | None = None) -> StepModel:
+        """The engine's step model: its step budget and TPOT target (the scheduler's settings,
+        resolved), `graphs` the runner's decode-graph times."""
+        return cls(settings.max_num_batched_tokens, settings.slo_tpot_s, graphs=graphs)
 
     # ---- features ------------------------------------------------------------------------
     def graph_seconds(self, rows: int) -> float | None:
@@ -366,7 +376,7 @@ def placement_stats(model: StepModel, scheduler: Scheduler) -> PlacementStats:
                           kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
                           step_s=model.step_s, slo_tpot_s=model.slo_tpot_s, tpot_margin=model.margin,
                           tpot_over=model.tpot_over, prefill_tok_s=model.prefill_rate(scheduler.running),
-                          prefill_chunk=model.chunk_now(scheduler.running), max_num_seqs=scheduler.max_num_seqs)
+                          prefill_chunk=model.chunk_now(scheduler.running))
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:

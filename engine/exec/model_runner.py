@@ -68,7 +68,11 @@ class StartupTimes:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None):
+    def __init__(self, config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None,
+                 grammars=None, startup: StartupTimes | None = None):
+        """Loads the weights, allocates the KV cache, captures the graphs and warms the kernels (CUDA).
+        `tp`: this rank's group (connected). `grammars`: the engine's structured.Grammars (rank 0).
+        `startup`: the times of what ran before it (the TP ranks), which it completes."""
         self.config = config
         self.tp = tp or TPGroup()
         self.device = config.torch_device
@@ -81,10 +85,11 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         t0 = time.perf_counter()
         self.model = load_model(config, load_format, self.tp)
+        window = KVWindow.of(config)
         self.planner = AttentionPlanner.of_model(self.model, config.attention_tuning, config.use_triton,
-                                                 scoring=KVWindow.of(config) is not None and KVWindow.of(config).scores)
+                                                 scoring=window is not None and window.scores)
         self.step_scores: torch.Tensor | None = None  # the last forward's attention mass per block (scoring)
-        self.startup = StartupTimes(load_s=time.perf_counter() - t0)
+        self.startup = dataclasses.replace(startup or StartupTimes(), load_s=time.perf_counter() - t0)
         # every rank holds the same block ids: the count the fullest GPU allows
         graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
                   and self.model.attention(0).capturable)
@@ -97,7 +102,7 @@ class ModelRunner:
         self.host = None  # the host tier's buffer on this rank (tiers/offload.py)
         if config.kv_offloading_size:
             self.host = HostCache(self.kv, self.num_host_slots)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, grammars)
         self.last_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.graphs: StepGraphs | None = None  # None: every step eager
         t0 = time.perf_counter()

@@ -44,12 +44,13 @@ class RowParams:
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, grammars=None):
+        """`grammars`: structured.Grammars, the engine's (rank 0); None: no structured outputs."""
         self.device = device
         self.logprobs: dict[str, dict[int, float]] = {}  # this step's, for requests that ask (runner clears)
         # this step's prompt scores (the same): per position, ({token: log-prob, top N}, the token's rank)
         self.prompt_logprobs: dict[str, list[tuple[dict[int, float], int]]] = {}
-        self.grammars = None  # structured.Grammars: the engine sets it (rank 0)
+        self.grammars = grammars
 
     def forget(self, request_id: str) -> None:
         if self.grammars is not None:

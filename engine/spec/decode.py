@@ -47,19 +47,29 @@ def decoding(running: list) -> tuple[list, float]:
     return decodes, sum(r.num_tokens for r in decodes) / max(1, len(decodes))
 
 
+def load_draft(config: SpeculativeConfig | None, target=None):
+    """The draft model's proposer (its weights and KV cache) where `config` names one, else None.
+    `target`: the engine's EngineConfig (resolved). Built before the target's runner: the target's
+    KV budget then counts the draft's memory (GPU)."""
+    if config is None or config.method != "draft_model":
+        return None
+    from .draft import DraftModelProposer
+
+    return DraftModelProposer(config.model, target, config.draft_kv_cache_memory_bytes)
+
+
 class Drafter:
     """The engine's side of speculation: proposes drafts before a step, counts what the
     verification kept after it. A no-op without a config."""
 
-    def __init__(self, config: SpeculativeConfig | None, target=None):
-        """`target`: the engine's EngineConfig (resolved); a draft model is loaded from it."""
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int = 1 << 30, draft=None,
+                 switch: SpecSwitch | None = None):
+        """`draft`: a draft model's proposer (load_draft), None for ngram lookup. `switch`: the
+        off-switch over the engine's step-time model (SpecSwitch(step_model)); None: one without
+        a model (always speculates up to the batch cap)."""
         self.config = config
-        self.max_model_len = target.max_model_len if target is not None else 1 << 30
-        self.draft = None
-        if config is not None and config.method == "draft_model":
-            from .draft import DraftModelProposer
-
-            self.draft = DraftModelProposer(config.model, target, config.draft_kv_cache_memory_bytes)
+        self.max_model_len = max_model_len
+        self.draft = draft
         # (request, room) -> draft tokens, instead of ngram lookup (benchmarks: a draft whose
         # acceptance is controlled)
         self.proposer = None
@@ -68,7 +78,7 @@ class Drafter:
         self.num_accepted_tokens = 0
         self.steps_off = 0  # steps the batch size or the step-time model turned speculation off
         self.draft_seconds = 0.0  # in propose(): ngram lookup or the draft model's steps
-        self.switch = SpecSwitch()  # the off-switch; the engine gives it its step-time model
+        self.switch = switch or SpecSwitch()
         self._probe_from = 0  # the next probe's first request (probes rotate over the batch)
         self._drafting = False  # decide()'s answer for the coming step
 

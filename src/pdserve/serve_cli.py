@@ -127,7 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
 
-    from pdserve.cluster import Cluster
+    from pdserve.cluster import Cluster, ClusterSpec
     from pdserve.cluster.local_ray import GcsWatch, RayStartError
     from pdserve.router.app import build_app
     from pdserve.router.server import Server
@@ -149,12 +149,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve: [{time.monotonic() - t0:5.1f} s] {message}", file=sys.stderr, flush=True)
 
     try:
-        cluster = Cluster.start(model=args.model, prefill=args.prefill, decode=args.decode, address=args.address,
-                                namespace=args.namespace,
-                                local_prefill_tokens=args.local_prefill_tokens,
-                                local_cached_fraction=args.local_cached_fraction, serving_config=config,
-                                mode=args.mode, prefill_engine_args=prefill_engine_kwargs(args), progress=progress,
-                                **kwargs)
+        spec = ClusterSpec.of(args.model, args.prefill, args.decode, mode=args.mode, serving_config=config,
+                              address=args.address, namespace=args.namespace,
+                              local_prefill_tokens=args.local_prefill_tokens,
+                              local_cached_fraction=args.local_cached_fraction,
+                              prefill_engine_args=prefill_engine_kwargs(args), **kwargs)
+        cluster = Cluster(spec, progress=progress)
     except (KeyboardInterrupt, SystemExit):  # stopped while starting (SystemExit: ray.init's own SIGTERM
         progress("stopped before serving")  # handler, until ours is back): what had started is stopped
         return 0

@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 
+from pdserve.cluster.cluster_spec import ClusterSpec
 from pdserve.cluster.engine_specs import PREFILL_CHUNK_TOKENS, EngineSpecs
 from pdserve.cluster.pools import Pools
 from pdserve.cluster.serving_config import ServingConfig
@@ -48,7 +49,7 @@ def test_a_worker_spec_takes_the_slo_as_it_is_now_and_a_missing_pool_is_named(ti
     specs = EngineSpecs.of(serving, "colocated", {"model": tiny_models["llama"], "max_model_len": 128,
                                                   "kv_offloading_size": 0.001, "kv_persist_dir": "/persist"})
     assert specs.prefill is None and specs.tp("prefill") == 1
-    pools = Pools(serving, specs, {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+    pools = Pools(ClusterSpec(serving, specs, namespace="ns", start_timeout=1.0), {"prefill": {}, "decode": {}}, None)
     assert pools.spec("decode").slo_tpot_s == 0.03
     serving.slo.tpot_s = 0.02  # POST /admin/slo: the next worker starts with it
     spec = pools.spec("decode", kv_persist_dir="/persist/colocated-0")
@@ -64,3 +65,31 @@ def test_an_unknown_or_bad_engine_argument_is_refused_before_anything_starts(tin
     with pytest.raises(ValueError, match="max_model_len 100000 exceeds"):
         EngineSpecs.of(ServingConfig(), "disaggregated", {"model": tiny_models["llama"], "max_model_len": 100000},
                        {"max_num_batched_tokens": 512})
+
+
+def test_a_cluster_spec_is_parsed_once_from_its_arguments_and_its_pools_read_their_values_there(tiny_models,
+                                                                                                 tmp_path):
+    """ClusterSpec.of: the serving config (a file), explicit sizes over its replicas, each pool's
+    engine spec, the mode's alias, the placement rules; refusals name the argument before Ray.
+    A worker's free seats come from its pool's spec (max_num_seqs), not from its stats."""
+    from pdserve.cluster.records import WorkerRecord, WorkerStats
+
+    path = tmp_path / "pools.yaml"
+    path.write_text("prefill: {replicas: 1}\ndecode: {replicas: 1}\nslo: {ttft_s: 1.5}\n")
+    spec = ClusterSpec.of(tiny_models["llama"], prefill=2, decode=3, mode="disagg", serving_config=str(path),
+                          local_prefill_tokens=64, max_model_len=128, max_num_seqs=6, namespace="spec-ns")
+    assert (spec.mode, spec.namespace, spec.address, spec.placement.prefill_tokens) == \
+        ("disaggregated", "spec-ns", None, 64)
+    assert (spec.serving.prefill.replicas, spec.serving.decode.replicas, spec.serving.slo.ttft_s) == (2, 3, 1.5)
+    assert spec.engines.prefill.max_num_batched_tokens == PREFILL_CHUNK_TOKENS
+    assert spec.engines.decode.max_num_seqs == 6 and spec.engines.decode.model_config.num_layers == 2
+    pools = Pools(spec, {"prefill": {}, "decode": {}}, None)
+    assert (pools.cluster_spec, pools.namespace, pools.start_timeout) == (spec, "spec-ns", 900.0)
+    pools.workers["decode-0"] = WorkerRecord("decode-0", "decode", None, stats=WorkerStats(num_running=1))
+    assert [c.seats for c in pools.candidates("decode")] == [6 - 1 - 4]
+    with pytest.raises(ValueError, match="mode must be one of disaggregated, hybrid, colocated"):
+        ClusterSpec.of(tiny_models["llama"], mode="split")
+    with pytest.raises(ValueError, match="colocated mode has no prefill pool"):
+        ClusterSpec.of(tiny_models["llama"], prefill=1, mode="colocated")
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        ClusterSpec.of(tiny_models["llama"], max_num_seq=8)

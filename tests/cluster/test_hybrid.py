@@ -17,6 +17,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.cluster.cluster_spec import ClusterSpec
 from pdserve.cluster.engine_specs import EngineSpecs
 from pdserve.cluster.pools import Pools
 from pdserve.cluster.records import DecodeCall, WorkerRecord, WorkerStats
@@ -85,10 +86,16 @@ def hybrid_specs(prefill: EngineConfig | None = None) -> EngineSpecs:
     return EngineSpecs("hybrid", EngineConfig(), prefill or EngineConfig())
 
 
+def hybrid_pools(serving: ServingConfig, specs: EngineSpecs | None = None) -> Pools:
+    """A hybrid cluster's pools (no Ray: no worker starts from them)."""
+    return Pools(ClusterSpec(serving, specs or hybrid_specs(), namespace="ns", start_timeout=1.0),
+                 {"prefill": {}, "decode": {}}, None)
+
+
 def test_autoscaler_switches_instead_of_adding():
     cfg = ServingConfig.from_dict({"autoscale": {"enabled": True, "max_workers": 3},
                                    "decode": {"min": 1, "max": 4}, "prefill": {"min": 1, "max": 4}})
-    pools = Pools(cfg, hybrid_specs(), {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+    pools = hybrid_pools(cfg)
     for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode"), ("decode-2", "decode")):
         pools.workers[wid] = WorkerRecord(wid, role, None)
     assert not pools.can_add("prefill")
@@ -234,7 +241,7 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
     from pdserve.cluster.placement import Charges, Placer
 
     cfg = ServingConfig.from_dict({"slo": {"ttft_s": 1.0}})
-    pools = Pools(cfg, hybrid_specs(), {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+    pools = hybrid_pools(cfg)
     stats = {"prefill": {"prefill_tok_s": 177.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
              "decode": {"prefill_tok_s": 6024.0, "prefill_chunk": 256, "kv_blocks_total": 100}}
     for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
@@ -262,8 +269,7 @@ def test_placement_predicts_a_wait_behind_the_queued_tokens_of_its_priority_or_a
 
     stats = {"prefill_tok_s": 1000.0, "prefill_chunk": 8192, "kv_blocks_total": 100}
     for policy, want_high in (("priority", 100), ("fcfs", 700)):
-        pools = Pools(ServingConfig.from_dict({}), hybrid_specs(EngineConfig(scheduling_policy=policy)),
-                      {"prefill": {}, "decode": {}}, "ns", None, 1.0)
+        pools = hybrid_pools(ServingConfig.from_dict({}), hybrid_specs(EngineConfig(scheduling_policy=policy)))
         w = pools.workers["prefill-0"] = WorkerRecord("prefill-0", "prefill", None, stats=WorkerStats(**stats))
         low, high = Charges(priority=5), Charges(priority=0)
         low.charge(w, 600)
@@ -285,8 +291,7 @@ def test_a_pair_whose_link_is_down_is_out_of_placement_until_its_time_is_up():
     from pdserve.cluster.api import NoWorker
     from pdserve.cluster.placement import LINK_DOWN_S, Charges, Placer
 
-    pools = Pools(ServingConfig.from_dict({"slo": {"ttft_s": 1.0}}), hybrid_specs(), {"prefill": {}, "decode": {}},
-                  "ns", None, 1.0)
+    pools = hybrid_pools(ServingConfig.from_dict({"slo": {"ttft_s": 1.0}}))
     stats = {"prefill": {"prefill_tok_s": 5000.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
              "decode": {"prefill_tok_s": 100.0, "prefill_chunk": 256, "kv_blocks_total": 100}}
     for wid, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
@@ -334,8 +339,7 @@ def test_placement_learns_each_links_handoff_cost_and_prefills_locally_behind_a_
     from pdserve.transfer.base import WireLayout
 
     layout = WireLayout(KVLayout(16, 30, 3, 64, "float32"), 64 << 20, 1, 3)  # 720 KiB a block
-    pools = Pools(ServingConfig.from_dict({"slo": {"ttft_s": 1.0}}), hybrid_specs(), {"prefill": {}, "decode": {}},
-                  "ns", None, 1.0)
+    pools = hybrid_pools(ServingConfig.from_dict({"slo": {"ttft_s": 1.0}}))
     stats = {"prefill": {"prefill_tok_s": 5000.0, "prefill_chunk": 8192, "kv_blocks_total": 1000},
              "decode": {"prefill_tok_s": 1000.0, "prefill_chunk": 256, "kv_blocks_total": 1000}}
     for wid, role, node in (("prefill-0", "prefill", "a"), ("decode-1", "decode", "b")):

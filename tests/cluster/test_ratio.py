@@ -14,6 +14,7 @@ from pdserve.cluster import Cluster
 from pdserve.cluster.ratio import LOOK_S, RatioLoad, RatioPlanner
 from pdserve.cluster.records import WorkerStats
 from pdserve.cluster.serving_config import ServingConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.decode_capacity import DecodeCapacity
 from pdserve.engine.core.scheduler import StepShape
 from pdserve.engine.core.step_model import StepModel
@@ -21,11 +22,11 @@ from pdserve.engine.core.step_model import StepModel
 from helpers import PROMPTS
 
 PREFILL = WorkerStats(prefill_tok_s=10000.0)
+SPEC = EngineConfig(max_num_seqs=256, block_size=16)  # the decode pool's spec: what the cluster set
 
 
 def decode_stats(at_target=None, blocks=100000):
-    return WorkerStats(decode_capacity=DecodeCapacity.of(at_target or {}), max_num_seqs=256, kv_blocks_total=blocks,
-                       block_size=16)
+    return WorkerStats(decode_capacity=DecodeCapacity.of(at_target or {}), kv_blocks_total=blocks)
 
 
 def window(planner: RatioPlanner, now: float, n: int, prompt: int, out: int, decode_s: float, span: float = 20.0):
@@ -51,17 +52,17 @@ def test_decode_capacity_is_read_at_the_workloads_context_and_bounded_by_kv():
     p = RatioPlanner(window_s=30, cooldown_s=0)
     now = time.monotonic()
     window(p, now, 40, 1000, 200, 4.0)  # 2 req/s, each decoding 4 s: 8 at once
-    load = p.measure([PREFILL], [decode_stats({512: 128, 2048: 64})], now)
+    load = p.measure([PREFILL], [decode_stats({512: 128, 2048: 64})], now, SPEC)
     assert load.prefill_tok_s == pytest.approx(2000.0) and load.decoding == pytest.approx(8.0)
     assert load.decode_seqs == pytest.approx(128 - 64 * (1100 - 512) / 1536)  # at 1000 + 200 / 2 tokens
     # a worker whose KV holds 1200 x 20 tokens: 20 sequences, whatever its step model says
-    assert p.measure([PREFILL], [decode_stats({512: 128}, blocks=1500)], now).decode_seqs == pytest.approx(20)
+    assert p.measure([PREFILL], [decode_stats({512: 128}, blocks=1500)], now, SPEC).decode_seqs == pytest.approx(20)
     # no step-model capacity yet: max_num_seqs, within the KV
-    assert p.measure([PREFILL], [decode_stats()], now).decode_seqs == 256
-    assert p.measure([WorkerStats(prefill_tok_s=None)], [decode_stats()], now) is None  # no rate measured yet
+    assert p.measure([PREFILL], [decode_stats()], now, SPEC).decode_seqs == 256
+    assert p.measure([WorkerStats(prefill_tok_s=None)], [decode_stats()], now, SPEC) is None  # no rate measured yet
     few = RatioPlanner(window_s=30, cooldown_s=0)
     window(few, now, 10, 1000, 200, 4.0)
-    assert few.measure([PREFILL], [decode_stats()], now) is None  # too few to measure
+    assert few.measure([PREFILL], [decode_stats()], now, SPEC) is None  # too few to measure
 
 
 def test_the_planner_moves_one_worker_after_two_looks_then_cools_down():

@@ -4,6 +4,7 @@ bad input, aborts, counters; every block free after each test."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -145,6 +146,31 @@ def test_an_engine_whose_kv_room_cannot_hold_its_decode_batch_refuses_to_start(t
     eng.close()
     with pytest.raises(ValueError, match=r"decode_batch_len must be in \[1, max_model_len 512\], got 513"):
         LLMEngine(EngineConfig(**{**cfg, "decode_batch_len": 513}))
+
+
+def test_the_engine_is_assembled_in_one_pass_each_part_given_what_it_reads(tiny_models):
+    """assembly.assemble builds every part with the parts it uses (nothing wired afterwards): the
+    sampler holds the engine's grammars, speculation's off-switch the engine's step model, and
+    the scheduler and step model their settings group alone, which cannot reach another group."""
+    from pdserve.engine.assembly import assemble
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.settings import SchedulerSettings
+
+    cfg = EngineConfig(model=tiny_models["llama"], max_model_len=256, num_gpu_blocks_override=32, max_num_seqs=6,
+                       max_num_batched_tokens=96, slo_tpot_s=0.05, scheduling_policy="priority",
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    cfg.resolve(tiny_models["llama"])
+    parts = assemble(cfg, "auto")
+    assert parts.runner.sampler.grammars is parts.grammars
+    assert parts.drafter.switch.model is parts.step_model and parts.drafter.max_model_len == 256
+    assert (parts.scheduler.kv, parts.scheduler.max_num_seqs, parts.scheduler.max_num_batched_tokens,
+            parts.scheduler.policy) == (parts.kv, 6, 96, "priority")
+    assert (parts.step_model.max_tokens, parts.step_model.slo_tpot_s) == (96, 0.05)
+    assert parts.kv.num_blocks == parts.runner.num_blocks == 32
+    batch = SchedulerSettings.of(cfg)
+    assert type(batch) is SchedulerSettings and not hasattr(batch, "block_size")
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        SchedulerSettings.of(SimpleNamespace(**{**vars(batch), "max_num_seqs": 0}))
 
 
 def test_abort_frees_blocks(llm):

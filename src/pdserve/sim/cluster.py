@@ -83,19 +83,26 @@ class Layout:
         return f"{self.mode}:{pools}" + (" on one GPU" if self.one_gpu else "")
 
 
+@dataclass(frozen=True)
+class _Spec:
+    """What PoolView reads of a pool's engine spec: its scheduling policy (fcfs here) and batch size."""
+
+    max_num_seqs: int
+    block_size: int
+    scheduling_policy: str = "fcfs"
+
+
 class _Specs:
-    """What PoolView reads of the engine specs: each pool's scheduling policy (fcfs here)."""
+    def __init__(self, spec: _Spec):
+        self.decode = spec
 
-    class _Spec:
-        scheduling_policy = "fcfs"
-
-    def get(self, role: str):
-        return self._Spec()
+    def get(self, role: str) -> _Spec:
+        return self.decode
 
 
 class SimPools(PoolView):
-    def __init__(self, mode: str, serving: ServingConfig):
-        self.mode, self.serving, self.specs = mode, serving, _Specs()
+    def __init__(self, mode: str, serving: ServingConfig, spec: _Spec):
+        self.mode, self.serving, self.specs = mode, serving, _Specs(spec)
         self.workers = {}
 
 
@@ -154,7 +161,7 @@ class Simulation:
         self._seq = itertools.count()
         self.layout, self.profile = layout, profile
         serving = ServingConfig(slo=slo)
-        self.pools = SimPools(layout.mode, serving)
+        self.pools = SimPools(layout.mode, serving, _Spec(layout.max_num_seqs, profile.block_size))
         self.engines: dict[str, SimEngine] = {}
         tpot = engine_slo_tpot_s if engine_slo_tpot_s is not None else slo.tpot_s
         shared = SimGpu(self, "gpu0") if layout.one_gpu else None

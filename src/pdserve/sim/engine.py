@@ -72,7 +72,7 @@ class SimEngine:
         self.holds = role == "prefill"  # its finished prompts keep their blocks for the handoff
         self.held: dict[str, Request] = {}
         self.record = WorkerRecord(worker_id, role, None)
-        self.record.stats = WorkerStats(kv_blocks_total=num_blocks, max_num_seqs=max_num_seqs)
+        self.record.stats = WorkerStats(kv_blocks_total=num_blocks)
         self._step: SchedulerOutput | None = None
         self.steps = 0
 
