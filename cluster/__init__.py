@@ -11,7 +11,7 @@ def __getattr__(name: str):
 
         return Cluster
     if name == "ClusterSpec":
-        from .cluster_spec import ClusterSpec
+        from .spec.cluster_spec import ClusterSpec
 
         return ClusterSpec
     raise AttributeError(f"module 'pdserve.cluster' has no attribute {name!r}")

@@ -34,17 +34,17 @@ from pdserve.engine.validation import ValidRequest, check_request
 
 from .aio import within
 from .api import ClusterSnapshot, RequestObserver
-from .cluster_spec import ClusterSpec
-from .dispatch import Dispatcher
-from .gpus import runtime_env as gpus_runtime_env
-from .links import LinkCheck
-from .local_ray import shutdown_own_ray, start_or_join_ray
-from .output_pipe import OutputPipe
-from .pools import Pools
+from .dispatch.dispatch import Dispatcher
+from .health.links import LinkCheck
+from .health.local_ray import shutdown_own_ray, start_or_join_ray
+from .pools.pools import Pools
 from .records import RegisteredWorker
-from .registry import REGISTRY_NAME
-from .registry_link import RegistryLink
-from .serving_config import ROLES
+from .registry.registry import REGISTRY_NAME
+from .registry.registry_link import RegistryLink
+from .spec.cluster_spec import ClusterSpec
+from .spec.serving_config import ROLES
+from .workers.gpus import runtime_env as gpus_runtime_env
+from .workers.output_pipe import OutputPipe
 
 
 class _AutoscaleLatency(RequestObserver):

@@ -39,7 +39,7 @@ class _Row:
 
 @dataclass(frozen=True)
 class PlacementStats(_Row):
-    """What placement reads of an engine (cluster/routing.py), from its step model and scheduler."""
+    """What placement reads of an engine (cluster/placement/routing.py), from its step model and scheduler."""
     num_running: int = metric("num_running")
     num_waiting: int = metric("num_waiting")
     kv_blocks_total: int = metric("kv_blocks_total")

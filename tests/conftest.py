@@ -66,7 +66,7 @@ def shared_ray():
     `Cluster` joins the Ray its process runs and leaves it running when it shuts down."""
     import ray
 
-    from pdserve.cluster.local_ray import ray_init_options, ray_on_loopback
+    from pdserve.cluster.health.local_ray import ray_init_options, ray_on_loopback
 
     if not ray.is_initialized():
         with ray_on_loopback():  # as pdserve starts its own: nothing listens beyond this machine

@@ -112,7 +112,7 @@ def test_serve_refuses_a_decode_worker_whose_kv_room_cannot_hold_its_batch(defau
 def test_prefill_pool_chunk_budget():
     from pdserve.cli import build_parser
     from pdserve.cli_common import engine_kwargs
-    from pdserve.cluster.engine_specs import PREFILL_CHUNK_TOKENS, prefill_pool_args
+    from pdserve.cluster.spec.engine_specs import PREFILL_CHUNK_TOKENS, prefill_pool_args
     from pdserve.serve_cli import prefill_engine_kwargs
 
     args = build_parser().parse_args(["serve"])
@@ -278,7 +278,7 @@ def test_help_shows_defaults():
 def test_tensor_parallel_flags_and_config_keys(tmp_path):
     from pdserve.cli import build_parser
     from pdserve.cli_common import engine_kwargs
-    from pdserve.cluster.serving_config import ServingConfig
+    from pdserve.cluster.spec.serving_config import ServingConfig
     from pdserve.serve_cli import serving_config
 
     cfg_file = tmp_path / "serving.yaml"
@@ -357,13 +357,13 @@ def test_ctrl_c_stops_the_server_without_replacing_its_workers(tiny_models, sig)
 @pytest.mark.slow
 def test_a_killed_server_leaves_no_process_of_the_ray_it_started(tiny_models):
     """SIGKILL of the server process alone, so no handler of its runs: the Ray it started for
-    itself ends with it, that Ray's agents and workers too (cluster/reaper.py; the agents outlived
+    itself ends with it, that Ray's agents and workers too (cluster/health/reaper.py; the agents outlived
     a killed server by minutes), within the reaper's own bound."""
     import os
     import signal
     import time
 
-    from pdserve.cluster import reaper
+    from pdserve.cluster.health import reaper
 
     from helpers import group_processes, serving_port
 
@@ -412,8 +412,8 @@ def test_the_window_command_of_the_docs_passes_the_pools_checks(default_model_di
     the window. Colocated checks its one pool; disagg still refuses the window by name."""
     from pdserve.cli import build_parser
     from pdserve.cli_common import engine_kwargs
-    from pdserve.cluster.engine_specs import EngineSpecs
-    from pdserve.cluster.serving_config import ServingConfig
+    from pdserve.cluster.spec.engine_specs import EngineSpecs
+    from pdserve.cluster.spec.serving_config import ServingConfig
 
     args = build_parser().parse_args(["serve", "--mode", "colocated", "--kv-window-tokens", "2048",
                                       "--kv-sink-tokens", "4"])

@@ -8,7 +8,7 @@ import yaml
 from ray.autoscaler._private import providers
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from pdserve.cluster.serving_config import ServingConfig
+from pdserve.cluster.spec.serving_config import ServingConfig
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

@@ -39,30 +39,36 @@ def test_imports_go_one_way(pkg):
 
 # Inside a package, modules also import one way (a module imports only those listed for it).
 INTRA = {
-    "cluster": {
-        "aio": set(), "gpus": set(), "serving_config": set(), "routing": {"api"}, "registry": {"aio", "records"},
-        "registry_link": {"aio", "records", "registry"}, "api": set(), "records": set(),
-        "local_ray": {"reaper"}, "reaper": set(), "output_pipe": {"aio"}, "outlets": {"output_pipe", "worker_commands"},
-        "autoscale": {"serving_config"}, "ratio": {"api", "records", "serving_config"},
-        "shard_actor": {"gpus", "serving_config"}, "worker_commands": set(),
-        "peer_calls": set(),
-        "engine_loop": {"records", "worker_commands"},
-        "worker_actor": {"engine_loop", "gpus", "outlets", "output_pipe", "peer_calls", "records", "registry",
-                         "serving_config", "shard_actor", "worker_commands"},
-        "pool_monitor": {"aio", "autoscale", "records", "serving_config"},
-        "engine_specs": {"serving_config"},
-        "cluster_spec": {"engine_specs", "serving_config"},
-        "pool_view": {"records", "routing"},
-        "pools": {"aio", "autoscale", "cluster_spec", "output_pipe", "pool_monitor", "pool_view", "ratio", "records",
-                  "serving_config", "shard_actor", "worker_actor"},
-        "handoff_cost": {"records"},
-        "placement": {"api", "cluster_spec", "handoff_cost", "pool_view", "records", "registry", "routing"},
-        "attempt": {"placement"},
-        "links": {"aio", "placement", "records"},
-        "dispatch": {"aio", "api", "attempt", "cluster_spec", "output_pipe", "placement", "pools", "records"},
-        "cluster": {"aio", "api", "cluster_spec", "dispatch", "gpus", "links", "local_ray", "output_pipe", "pools",
-                    "records", "registry", "registry_link", "serving_config"},
-        "__init__": {"cluster", "cluster_spec"},
+    "cluster": {  # cluster-relative dotted names (cluster/ is cut by concept: CLUSTER_CONCEPTS)
+        "aio": set(), "api": set(), "records": set(),
+        "spec.serving_config": set(), "spec.engine_specs": {"spec.serving_config"},
+        "spec.cluster_spec": {"spec.engine_specs", "spec.serving_config"},
+        "registry.registry": {"aio", "records"}, "registry.registry_link": {"aio", "records", "registry.registry"},
+        "workers.gpus": set(), "workers.worker_commands": set(), "workers.peer_calls": set(),
+        "workers.output_pipe": {"aio"}, "workers.outlets": {"workers.output_pipe", "workers.worker_commands"},
+        "workers.engine_loop": {"records", "workers.worker_commands"},
+        "workers.shard_actor": {"spec.serving_config", "workers.gpus"},
+        "workers.worker_actor": {"records", "registry.registry", "spec.serving_config", "workers.engine_loop",
+                                 "workers.gpus", "workers.outlets", "workers.output_pipe", "workers.peer_calls",
+                                 "workers.shard_actor", "workers.worker_commands"},
+        "placement.routing": {"api"}, "placement.handoff_cost": {"records"},
+        "placement.pool_view": {"placement.routing", "records"},
+        "placement.placement": {"api", "placement.handoff_cost", "placement.pool_view", "placement.routing",
+                                "records", "registry.registry", "spec.cluster_spec"},
+        "pools.autoscale": {"spec.serving_config"}, "pools.ratio": {"api", "records", "spec.serving_config"},
+        "pools.pool_monitor": {"aio", "pools.autoscale", "records", "spec.serving_config"},
+        "pools.pools": {"aio", "placement.pool_view", "pools.autoscale", "pools.pool_monitor", "pools.ratio", "records",
+                        "spec.cluster_spec", "spec.serving_config", "workers.output_pipe", "workers.shard_actor",
+                        "workers.worker_actor"},
+        "dispatch.attempt": {"placement.placement"},
+        "dispatch.dispatch": {"aio", "api", "dispatch.attempt", "placement.placement", "pools.pools", "records",
+                              "spec.cluster_spec", "workers.output_pipe"},
+        "health.reaper": set(), "health.local_ray": {"health.reaper"},
+        "health.links": {"aio", "placement.placement", "records"},
+        "cluster": {"aio", "api", "dispatch.dispatch", "health.links", "health.local_ray", "pools.pools", "records",
+                    "registry.registry", "registry.registry_link", "spec.cluster_spec", "spec.serving_config",
+                    "workers.gpus", "workers.output_pipe"},
+        "__init__": {"cluster", "spec.cluster_spec"},
     },
     "router": {
         "tool_parsers": set(), "tools": {"tool_parsers"}, "schemas": {"tools", "tool_parsers"}, "errors": {"schemas"},
@@ -82,22 +88,59 @@ INTRA = {
 }
 
 
+def module_name(path: pathlib.Path, pkg: str) -> str:
+    """A module's package-relative dotted name: "pools.ratio", "cluster", "__init__"."""
+    parts = path.relative_to(ROOT / pkg).with_suffix("").parts
+    return ".".join(parts)
+
+
 def local_imports(path: pathlib.Path, pkg: str):
+    """The package-relative dotted names of the package's modules `path` imports."""
+    here = list(path.relative_to(ROOT / pkg).parts[:-1])
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                yield node.module or ""
+            if node.level >= 1:
+                yield ".".join(here[:len(here) - (node.level - 1)] + ([node.module] if node.module else []))
             elif node.level == 0 and node.module and node.module.startswith(f"pdserve.{pkg}."):
-                yield node.module.split(".")[2]
+                yield node.module[len(f"pdserve.{pkg}."):]
 
 
 @pytest.mark.parametrize("pkg", sorted(INTRA))
 def test_modules_inside_a_package_import_one_way(pkg):
     allowed = INTRA[pkg]
-    for f in (ROOT / pkg).glob("*.py"):
-        assert f.stem in allowed, f"{f}: a new module: give it its place in INTRA"
+    for f in (ROOT / pkg).rglob("*.py"):
+        name = module_name(f, pkg)
+        if name.endswith(".__init__"):  # a concept's __init__ says what it holds and imports nothing
+            assert not list(local_imports(f, pkg)), f"{f}: a subpackage's __init__ imports nothing"
+            continue
+        assert name in allowed, f"{f}: a new module: give it its place in INTRA"
         for mod in local_imports(f, pkg):
-            assert mod in allowed[f.stem], f"{f}: imports .{mod}"
+            assert mod in allowed[name], f"{f}: imports {mod}"
+
+
+# cluster/ is cut by concept, bottom up: a module imports modules of its own concept or of those below
+# it (docs/architecture.md, section 3): the vocabulary (records, api, aio), what the cluster is (spec/),
+# the block registry, one worker, where a request goes, the pools and their scaling, one request's
+# dispatch, faults and health, and last the facade.
+CLUSTER_CONCEPTS = [("aio", "api", "records"), ("spec",), ("registry",), ("workers",), ("placement",), ("pools",),
+                    ("dispatch",), ("health",), ("cluster", "__init__")]
+
+
+def concept_of(module: str) -> int:
+    head = module.split(".")[0]
+    for i, concept in enumerate(CLUSTER_CONCEPTS):
+        if head in concept:
+            return i
+    raise AssertionError(f"cluster/{module}: a new concept: give it its place in CLUSTER_CONCEPTS")
+
+
+def test_the_cluster_is_cut_by_concept_and_its_concepts_import_one_way():
+    for f in (ROOT / "cluster").rglob("*.py"):
+        name = module_name(f, "cluster")
+        for mod in local_imports(f, "cluster"):
+            assert concept_of(mod) <= concept_of(name), f"cluster/{name} imports {mod}, a concept above it"
+    tops = {f.stem for f in (ROOT / "cluster").glob("*.py")}
+    assert tops == {"__init__", "aio", "api", "records", "cluster"}, f"cluster/: modules outside a concept: {tops}"
 
 
 def test_the_router_uses_the_cluster_through_its_declared_interface():

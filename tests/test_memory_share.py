@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.serving_config import ServingConfig
+from pdserve.cluster.spec.serving_config import ServingConfig
 from pdserve.engine.exec.kv_cache import NON_TORCH_BYTES, share_budget
 
 GIB = 1 << 30

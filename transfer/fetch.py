@@ -1,7 +1,7 @@
 """Peer fetch: a prompt's prefix blocks copied from the worker whose GPU caches them, instead of
 recomputed (docs/design/peer_fetch.md).
 
-Placement decides (cluster/routing.plan_fetch: the run's bytes over the link's measured
+Placement decides (cluster/placement/routing.plan_fetch: the run's bytes over the link's measured
 bandwidth against the placed worker's predicted recompute time) and hands the placed worker
 `FetchPlan(holder, blocks, holder_tp)`. On the receiver, `PeerFetches` is one of the engine's KV
 tiers (engine/tiers/tier.py: lookup, load, ready, forget), after the host tier. One fetch's way, by

@@ -6,7 +6,7 @@ handoff (transfer/pull.py).
 
 CUDA: a CUDA IPC handle of the slab's allocation, with its GPU's UUID (engine/base/cuda_ipc.py).
 A peer opens it when that GPU is its own (workers sharing a GPU) or a GPU it can reach
-peer-to-peer and sees (a pdserve worker sees its node's GPUs: cluster/gpus.py); the mapping lives
+peer-to-peer and sees (a pdserve worker sees its node's GPUs: cluster/workers/gpus.py); the mapping lives
 as long as the peer keeps the tensor. CPU: the slab lives on a memory file (engine/exec/kv_cache.zeros_on_demand) that a
 process of the same host maps through /proc/<pid>/fd/<fd>. Either way a mapping outlives the
 exporter's process without faulting (the pages stay until the last mapping goes), so a reader

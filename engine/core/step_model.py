@@ -224,7 +224,7 @@ class StepModel:
     @property
     def tpot_over(self) -> bool:
         """Its requests' TPOT p90, when last measured, was above P90_AIM x target: hybrid placement
-        lends it no prompt until a later measure is back under (cluster/routing.place_prompt)."""
+        lends it no prompt until a later measure is back under (cluster/placement/routing.place_prompt)."""
         return self.tpot_p90 is not None and self.slo_tpot_s is not None and \
             self.tpot_p90 > P90_AIM * self.slo_tpot_s
 
@@ -328,7 +328,7 @@ class StepModel:
 
     def decode_capacity(self, ctx: int, max_seqs: int) -> int | None:
         """The most decoding requests of `ctx` context tokens each whose decode-only step fits
-        margin x target (at most `max_seqs`; the ratio planner's decode capacity, cluster/ratio.py).
+        margin x target (at most `max_seqs`; the ratio planner's decode capacity, cluster/pools/ratio.py).
         None before the fit or without a target."""
         if self.coef is None or self.slo_tpot_s is None or max_seqs < 1:
             return None
@@ -369,7 +369,7 @@ class StepModel:
 
 
 def placement_stats(model: StepModel, scheduler: Scheduler) -> PlacementStats:
-    """What placement reads of an engine (WorkerStats' fields; cluster/routing.py), from its step
+    """What placement reads of an engine (WorkerStats' fields; cluster/placement/routing.py), from its step
     model and scheduler: the live engine's stats and the capacity simulator's report the same."""
     kv = scheduler.kv
     return PlacementStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),

@@ -10,7 +10,7 @@ the group agrees on the smallest) and then runs every step rank 0 sends it:
 
 Who starts them: `LLMEngine` with `ProcessShards` (child processes: the offline `LLM`
 and `pdserve generate`), or the cluster's worker actor with one Ray actor
-per rank in the worker's placement group (cluster/worker_actor.py). Either launcher
+per rank in the worker's placement group (cluster/workers/worker_actor.py). Either launcher
 offers `dead()` (the ranks that are gone) and `close()`.
 """
 

@@ -16,7 +16,7 @@ AUTOSCALE_FLAGS = {"target_prefill_queue": "prefill_queue", "target_ttft_p90": "
 
 def serving_config(args: argparse.Namespace):
     """The serving config: the YAML file (--config) if given, then flags on top."""
-    from pdserve.cluster.serving_config import ServingConfig
+    from pdserve.cluster.spec.serving_config import ServingConfig
 
     cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
     if args.autoscale:
@@ -128,7 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
 
     from pdserve.cluster import Cluster, ClusterSpec
-    from pdserve.cluster.local_ray import GcsWatch, RayStartError
+    from pdserve.cluster.health.local_ray import GcsWatch, RayStartError
     from pdserve.router.app import build_app
     from pdserve.router.server import Server
     from pdserve.router.server import config as server_config

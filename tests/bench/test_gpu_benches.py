@@ -275,7 +275,7 @@ def test_every_system_of_the_multi_gpu_grid_is_a_server_pdserve_takes(tmp_path):
     import subprocess
 
     from pdserve.cli import build_parser
-    from pdserve.cluster.serving_config import ServingConfig
+    from pdserve.cluster.spec.serving_config import ServingConfig
 
     script = BENCH / "multi_gpu_grid.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

@@ -2,7 +2,7 @@
 served by uvicorn: clients that leave leave nothing running or held.
 
 How an abort travels: the client's disconnect cancels the router's request task
-(router/runner.py), which cancels the dispatcher's attempt (cluster/dispatch.py); the attempt
+(router/runner.py), which cancels the dispatcher's attempt (cluster/dispatch/dispatch.py); the attempt
 calls abort() on both of its workers. On a worker the abort is remembered (its wire id) and
 posted to the engine thread, which drops the request from the stage it is in: queued or
 prefilling (the engine), sending (the connector), waiting for blocks or receiving (the decode

@@ -11,8 +11,8 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.autoscale import LatencyWindow, PoolSignals, PoolState, decide
-from pdserve.cluster.serving_config import AutoscaleConfig, PoolConfig, ServingConfig
+from pdserve.cluster.pools.autoscale import LatencyWindow, PoolSignals, PoolState, decide
+from pdserve.cluster.spec.serving_config import AutoscaleConfig, PoolConfig, ServingConfig
 
 CFG = AutoscaleConfig(enabled=True, prefill_queue=4, ttft_p90_s=2.0, kv_usage=0.8, itl_p90_s=0.1,
                       cooldown_s=10, idle_s=20)

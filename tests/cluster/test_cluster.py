@@ -12,8 +12,8 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.pool_monitor import PROBE_S
-from pdserve.cluster.serving_config import HandoffConfig
+from pdserve.cluster.pools.pool_monitor import PROBE_S
+from pdserve.cluster.spec.serving_config import HandoffConfig
 from pdserve.engine.base.hashing import hash_block_tokens
 
 from helpers import PROMPTS, RayHead, role_of
@@ -303,7 +303,7 @@ def test_a_colocated_cluster_serves_a_session_past_max_model_len_with_a_window(t
 
 def no_output_pipe():
     """A worker that never connects its output pipe (a router it cannot reach)."""
-    from pdserve.cluster.worker_actor import WorkerActor
+    from pdserve.cluster.workers.worker_actor import WorkerActor
 
     class NoPipe(WorkerActor):
         def __init__(self, *args, **kwargs):

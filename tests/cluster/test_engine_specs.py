@@ -1,4 +1,4 @@
-"""Each pool's engine spec (cluster/engine_specs.py): parsed and resolved against the model once,
+"""Each pool's engine spec (cluster/spec/engine_specs.py): parsed and resolved against the model once,
 where the cluster starts; what crosses to a worker is that spec, and the worker neither parses
 an argument nor reads the model's config again."""
 
@@ -9,10 +9,10 @@ import pickle
 
 import pytest
 
-from pdserve.cluster.cluster_spec import ClusterSpec
-from pdserve.cluster.engine_specs import PREFILL_CHUNK_TOKENS, EngineSpecs
-from pdserve.cluster.pools import Pools
-from pdserve.cluster.serving_config import ServingConfig
+from pdserve.cluster.pools.pools import Pools
+from pdserve.cluster.spec.cluster_spec import ClusterSpec
+from pdserve.cluster.spec.engine_specs import PREFILL_CHUNK_TOKENS, EngineSpecs
+from pdserve.cluster.spec.serving_config import ServingConfig
 
 
 def test_each_pool_gets_its_spec_resolved_once_and_the_device_part_is_left_to_the_worker(tiny_models, tmp_path):

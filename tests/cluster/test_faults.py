@@ -15,8 +15,8 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
 from pdserve.cluster.records import DecodeCall, WorkerRecord
-from pdserve.cluster.serving_config import HandoffConfig
-from pdserve.cluster.worker_actor import WorkerActor
+from pdserve.cluster.spec.serving_config import HandoffConfig
+from pdserve.cluster.workers.worker_actor import WorkerActor
 from pdserve.router.app import build_app
 
 from helpers import Server, role_of
@@ -619,7 +619,7 @@ def slow_stop():
 
 
 def test_a_removal_cut_short_by_shutdown_leaves_no_actor_and_a_stray_worker_joins_no_other_cluster(tiny_models):
-    from pdserve.cluster.registry import REGISTRY_NAME, Membership
+    from pdserve.cluster.registry.registry import REGISTRY_NAME, Membership
 
     c = Cluster.start(tiny_models["llama"], prefill=1, decode=2, max_model_len=256, worker_cls=slow_stop())
     try:

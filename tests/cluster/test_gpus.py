@@ -1,4 +1,4 @@
-"""A GPU actor's view of its node's GPUs (cluster/gpus.py): Ray accounts and assigns the GPUs,
+"""A GPU actor's view of its node's GPUs (cluster/workers/gpus.py): Ray accounts and assigns the GPUs,
 the actor sees its own first and the node's others after, so a same-node pair on two GPUs can open
 each other's CUDA IPC handles. Real Ray actors on a Ray started with two (logical) GPUs: Ray
 assigns their IDs exactly as on a GPU node; CUDA itself is not needed to check the view."""
@@ -10,7 +10,7 @@ import os
 import pytest
 import ray
 
-from pdserve.cluster.gpus import runtime_env, see_node_gpus, visible_order
+from pdserve.cluster.workers.gpus import runtime_env, see_node_gpus, visible_order
 
 
 def test_own_gpus_first_then_the_node_in_its_order():
@@ -30,7 +30,7 @@ class Probe:
 
 @pytest.fixture
 def two_gpu_ray(own_ray):
-    from pdserve.cluster.local_ray import ray_init_options, ray_on_loopback
+    from pdserve.cluster.health.local_ray import ray_init_options, ray_on_loopback
 
     opts = ray_init_options()
     opts["runtime_env"]["env_vars"] = {**opts["runtime_env"]["env_vars"], "CUDA_VISIBLE_DEVICES": "0,1"}

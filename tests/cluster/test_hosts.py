@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hostbed import HostBed, wait_for
 
-from pdserve.cluster.registry import REGISTRY_NAME
+from pdserve.cluster.registry.registry import REGISTRY_NAME
 
 from helpers import hf_greedy, save_tiny
 
@@ -396,7 +396,7 @@ def test_disagg_answers_503_at_once_through_a_partition_and_takes_the_pair_back_
     the pair serves again within 30 s of the partition's end (the prefill worker's probe of the
     link takes it back at the monitor's next pass: Dispatcher.check_links), the KV blocks are all
     back."""
-    from pdserve.cluster.placement import LINK_DOWN_S
+    from pdserve.cluster.placement.placement import LINK_DOWN_S
     from pdserve.transfer.probe import PROBE_S, STALL_S
 
     bed, env, model = cluster

@@ -17,12 +17,12 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.cluster_spec import ClusterSpec
-from pdserve.cluster.engine_specs import EngineSpecs
-from pdserve.cluster.pools import Pools
+from pdserve.cluster.placement.routing import Candidate, place_prompt
+from pdserve.cluster.pools.pools import Pools
 from pdserve.cluster.records import DecodeCall, WorkerRecord, WorkerStats
-from pdserve.cluster.routing import Candidate, place_prompt
-from pdserve.cluster.serving_config import ServingConfig
+from pdserve.cluster.spec.cluster_spec import ClusterSpec
+from pdserve.cluster.spec.engine_specs import EngineSpecs
+from pdserve.cluster.spec.serving_config import ServingConfig
 from pdserve.engine.config import EngineConfig
 
 from helpers import PROMPTS
@@ -238,7 +238,7 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
     and the prompts go to the prefill pool again."""
     import asyncio
 
-    from pdserve.cluster.placement import Charges, Placer
+    from pdserve.cluster.placement.placement import Charges, Placer
 
     cfg = ServingConfig.from_dict({"slo": {"ttft_s": 1.0}})
     pools = hybrid_pools(cfg)
@@ -265,7 +265,7 @@ def test_placement_corrects_a_worker_whose_predictions_were_wrong():
 
 
 def test_placement_predicts_a_wait_behind_the_queued_tokens_of_its_priority_or_a_more_urgent_one():
-    from pdserve.cluster.placement import Charges
+    from pdserve.cluster.placement.placement import Charges
 
     stats = {"prefill_tok_s": 1000.0, "prefill_chunk": 8192, "kv_blocks_total": 100}
     for policy, want_high in (("priority", 100), ("fcfs", 700)):
@@ -289,7 +289,7 @@ def test_a_pair_whose_link_is_down_is_out_of_placement_until_its_time_is_up():
     import asyncio
 
     from pdserve.cluster.api import NoWorker
-    from pdserve.cluster.placement import LINK_DOWN_S, Charges, Placer
+    from pdserve.cluster.placement.placement import LINK_DOWN_S, Charges, Placer
 
     pools = hybrid_pools(ServingConfig.from_dict({"slo": {"ttft_s": 1.0}}))
     stats = {"prefill": {"prefill_tok_s": 5000.0, "prefill_chunk": 8192, "kv_blocks_total": 100},
@@ -333,7 +333,7 @@ def test_placement_learns_each_links_handoff_cost_and_prefills_locally_behind_a_
     (~4.7 s) puts the pool past the SLO and the decode worker prefills it (decode_spare, 2 s)."""
     import asyncio
 
-    from pdserve.cluster.placement import Charges, Placer
+    from pdserve.cluster.placement.placement import Charges, Placer
     from pdserve.cluster.records import WorkerInfo
     from pdserve.engine.base.kv_layout import KVLayout
     from pdserve.transfer.base import WireLayout

@@ -12,9 +12,9 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
+from pdserve.cluster.placement.routing import FETCH_FIXED_S, Holder, plan_fetch
 from pdserve.cluster.records import BlockChange, BlockEvent, WorkerInfo, WorkerStats
-from pdserve.cluster.registry import HOST_HIT_WEIGHT, BlockRegistry
-from pdserve.cluster.routing import FETCH_FIXED_S, Holder, plan_fetch
+from pdserve.cluster.registry.registry import HOST_HIT_WEIGHT, BlockRegistry
 from pdserve.engine.base.hashing import hash_block_tokens
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The output pipe (cluster/output_pipe.py) over real loopback sockets: a worker's outputs reach
+"""The output pipe (cluster/workers/output_pipe.py) over real loopback sockets: a worker's outputs reach
 the router's queue in order, a connection without the secret is never read, a closed pipe fails
 the requests opened on it and the sender reconnects, and the worker's call decides how a
 request's outputs end. Through a real cluster: tests/cluster/test_cluster.py."""
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pdserve.cluster.output_pipe import OutputPipe, PipeAddress, PipeSender, frame
+from pdserve.cluster.workers.output_pipe import OutputPipe, PipeAddress, PipeSender, frame
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -113,7 +113,7 @@ def test_a_connection_without_the_secret_is_closed_unread(tmp_path):
 
 
 def test_a_closed_pipe_fails_its_requests_and_the_sender_reconnects(monkeypatch):
-    import pdserve.cluster.output_pipe as op
+    import pdserve.cluster.workers.output_pipe as op
 
     monkeypatch.setattr(op, "DEATH_S", 0.2)
 
@@ -155,7 +155,7 @@ def test_a_closed_pipe_fails_its_requests_and_the_sender_reconnects(monkeypatch)
 def test_a_last_output_that_never_comes_fails_the_request(monkeypatch):
     """The worker said its last output is on the pipe, but it never arrives (a frame lost with a
     connection the router has not yet seen close): the request fails instead of waiting forever."""
-    import pdserve.cluster.output_pipe as op
+    import pdserve.cluster.workers.output_pipe as op
 
     monkeypatch.setattr(op, "LAST_OUTPUT_S", 0.2)
 

@@ -1,4 +1,4 @@
-"""The prefill:decode ratio planner (cluster/ratio.py): the load it measures from finished
+"""The prefill:decode ratio planner (cluster/pools/ratio.py): the load it measures from finished
 requests and the workers' own measures, the split it asks for, when it moves; the step
 model's decode capacity it reads; then a real local Ray cluster whose pools follow a
 prompt-heavy load from 1:2 to 2:1 without losing a request."""
@@ -11,9 +11,9 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.ratio import LOOK_S, RatioLoad, RatioPlanner
+from pdserve.cluster.pools.ratio import LOOK_S, RatioLoad, RatioPlanner
 from pdserve.cluster.records import WorkerStats
-from pdserve.cluster.serving_config import ServingConfig
+from pdserve.cluster.spec.serving_config import ServingConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.decode_capacity import DecodeCapacity
 from pdserve.engine.core.scheduler import StepShape

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from hostbed import HostBed, wait_for
 
-from pdserve.cluster.local_ray import RAY_LOST_S
+from pdserve.cluster.health.local_ray import RAY_LOST_S
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import uuid
 import pytest
 import ray
 
-from pdserve.cluster.registry import CONCURRENCY_GROUPS, BlockRegistry
-from pdserve.cluster.registry_link import RegistryLink
+from pdserve.cluster.registry.registry import CONCURRENCY_GROUPS, BlockRegistry
+from pdserve.cluster.registry.registry_link import RegistryLink
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
 

@@ -13,7 +13,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.serving_config import ServingConfig
+from pdserve.cluster.spec.serving_config import ServingConfig
 
 from helpers import PROMPTS, role_of
 
@@ -47,7 +47,7 @@ def test_a_prefill_and_a_decode_worker_sharing_one_gpu_hand_off_over_cuda_ipc(ti
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("same_node,link", [(True, "cuda-ipc"), (False, "nccl")])
 def test_a_pair_on_two_gpus_of_one_node_pulls_over_cuda_ipc(tiny_models, same_node, link):
-    """One GPU each (Ray assigns them; each worker still sees the other's: cluster/gpus.py): the
+    """One GPU each (Ray assigns them; each worker still sees the other's: cluster/workers/gpus.py): the
     decode worker maps the prefill worker's KV on the other GPU and pulls it; `same_node: false`
     keeps the pair on NCCL. Tokens equal the colocated engine's either way."""
     cfg = ServingConfig.from_dict({"handoff": {"same_node": same_node}})

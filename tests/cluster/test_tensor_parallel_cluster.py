@@ -159,7 +159,7 @@ def test_handoffs_between_tp_sizes_on_gpus_give_llms_tokens(tiny_models, prefill
 @pytest.mark.gpu
 def test_a_tp2_worker_on_two_gpus_gives_llms_tokens(tiny_models):
     """A colocated worker of TP 2 on two GPUs (Ray places its ranks; each rank's actor sees
-    its own GPU first: cluster/gpus.py), float32: the tokens of one process on one GPU."""
+    its own GPU first: cluster/workers/gpus.py), float32: the tokens of one process on one GPU."""
     import torch
 
     if torch.cuda.device_count() < 2:

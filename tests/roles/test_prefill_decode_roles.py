@@ -186,8 +186,8 @@ def test_a_worker_counts_the_requests_it_holds_not_its_control_commands(pair):
     no request: counted, a worker read busy right after a peer left (a CI run's failure)."""
     import collections
 
-    from pdserve.cluster.worker_actor import WorkerActor
-    from pdserve.cluster.worker_commands import Add, ForgetPeer
+    from pdserve.cluster.workers.worker_actor import WorkerActor
+    from pdserve.cluster.workers.worker_commands import Add, ForgetPeer
 
     _, dw = pair
     worker = object.__new__(WorkerActor)  # its count alone: no actor, no engine thread

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.cluster_spec import LocalRules
+from pdserve.cluster.spec.cluster_spec import LocalRules
 from pdserve.engine.base.grammar_spec import BUDGET
 from pdserve.engine.base.hashing import hash_block_tokens
 from pdserve.router.app import build_app

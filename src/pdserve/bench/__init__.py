@@ -113,7 +113,7 @@ def _workload(args, salt: int):
 def slo_targets(args, server: dict | None) -> tuple[float, float]:
     """The SLO attainment is measured against: the flags, else the server's own (a pdserve
     server), else `pdserve serve`'s default (its one home: SloConfig)."""
-    from pdserve.cluster.serving_config import SloConfig
+    from pdserve.cluster.spec.serving_config import SloConfig
 
     default = server or {"ttft_s": SloConfig.ttft_s, "tpot_s": SloConfig.tpot_s}
     return (args.slo_ttft if args.slo_ttft is not None else default["ttft_s"],

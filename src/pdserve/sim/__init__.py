@@ -38,7 +38,7 @@ def predict(profile: Profile, system: str, argv: list[str], one_gpu: bool = Fals
     attainment is then under it too, not the full run's; Simulation.run)."""
     from pdserve.bench import sweep
     from pdserve.bench.report import goodput, summarize
-    from pdserve.cluster.serving_config import SloConfig
+    from pdserve.cluster.spec.serving_config import SloConfig
 
     args = bench_args(argv)
     layout = Layout.of(system, one_gpu)

@@ -2,7 +2,7 @@
 
 What decides is the live cluster's own code, not a copy of it:
 
-    placement    cluster/placement.Placer over a PoolView of simulated workers (cluster/pool_view.py):
+    placement    cluster/placement/placement.Placer over a PoolView of simulated workers (placement/pool_view.py):
                  prefix hits, the consistent hash with bounded load, free KV, hybrid's predicted TTFTs
                  (routing.place_prompt) and its own correction of them (observe_first_token)
     registry     the workers' prefix runs, read from each simulated engine's own prefix cache at the
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pdserve.bench.client import Record
 from pdserve.bench.workloads import BenchRequest
 from pdserve.cluster.api import NoWorker
-from pdserve.cluster.engine_specs import PREFILL_CHUNK_TOKENS
-from pdserve.cluster.placement import Charges, Placer
-from pdserve.cluster.pool_view import PoolView
-from pdserve.cluster.registry import PrefixRun
-from pdserve.cluster.serving_config import ServingConfig, SloConfig
+from pdserve.cluster.placement.placement import Charges, Placer
+from pdserve.cluster.placement.pool_view import PoolView
+from pdserve.cluster.registry.registry import PrefixRun
+from pdserve.cluster.spec.engine_specs import PREFILL_CHUNK_TOKENS
+from pdserve.cluster.spec.serving_config import ServingConfig, SloConfig
 from pdserve.engine.base.hashing import hash_block_tokens
 from pdserve.engine.core.request import Request
 from pdserve.engine.sampling_params import SamplingParams

@@ -41,8 +41,8 @@ from pdserve.transfer.base import Channel, TransferState
 from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.tp import Part, RankLink, rank_name
 
+from ..spec.serving_config import HandoffConfig
 from .gpus import see_node_gpus
-from .serving_config import HandoffConfig
 
 log = logging.getLogger(__name__)
 

@@ -42,14 +42,14 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import HandoffResult
 from pdserve.engine.validation import ValidRequest
 
-from .aio import within
-from .api import FinishedRequest, NoWorker, RequestObserver
+from ..aio import within
+from ..api import FinishedRequest, NoWorker, RequestObserver
+from ..placement.placement import Placer
+from ..pools.pools import Pools
+from ..records import DecodeCall, WorkerRecord
+from ..spec.cluster_spec import LocalRules
+from ..workers.output_pipe import OutputPipe
 from .attempt import Attempt
-from .cluster_spec import LocalRules
-from .output_pipe import OutputPipe
-from .placement import Placer
-from .pools import Pools
-from .records import DecodeCall, WorkerRecord
 
 log = logging.getLogger(__name__)
 

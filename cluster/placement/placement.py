@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pdserve.transfer.base import LayoutMismatch
 from pdserve.transfer.fetch import FetchPlan
 
-from .api import NoWorker
-from .cluster_spec import LocalRules
+from ..api import NoWorker
+from ..records import WorkerRecord
+from ..registry.registry import PrefixRun, best_holder
+from ..spec.cluster_spec import LocalRules
 from .handoff_cost import LINK_GBPS_START, HandoffCost
 from .pool_view import PoolView
-from .records import WorkerRecord
-from .registry import PrefixRun, best_holder
 from .routing import Holder, pick_decode, pick_prefill, place_prompt, plan_fetch
 
 FLOOR_S = 0.05  # added to both sides of observed / predicted: a few ms of overhead is no error

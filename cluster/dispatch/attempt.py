@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.validation import ValidRequest
 
-from .placement import Charges, Placement
+from ..placement.placement import Charges, Placement
 
 
 class Attempt:

@@ -25,7 +25,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.role import Emitted, Failed, Fetching, Reserved, Sent
 from pdserve.prefill.role import PrefillRole
 
-from .records import BlockEvent
+from ..records import BlockEvent
 from .worker_commands import Abort, Aborted, Add, ForgetPeer, SwitchRole
 
 ROLE_CLASSES = {"prefill": PrefillRole, "decode": DecodeRole}

@@ -19,9 +19,9 @@ from ray.exceptions import RayError
 
 from pdserve.transfer.probe import PROBE_S
 
-from .aio import within
-from .placement import Placer
-from .records import WorkerRecord
+from ..aio import within
+from ..placement.placement import Placer
+from ..records import WorkerRecord
 
 
 class LinkCheck:

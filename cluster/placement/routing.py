@@ -15,7 +15,7 @@ import functools
 import hashlib
 from dataclasses import dataclass
 
-from .api import NoWorker
+from ..api import NoWorker
 
 
 @dataclass

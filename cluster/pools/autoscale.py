@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .serving_config import ROLES, AutoscaleConfig, PoolConfig
+from ..spec.serving_config import ROLES, AutoscaleConfig, PoolConfig
 
 
 class LatencyWindow:

@@ -12,8 +12,8 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .aio import within
-from .records import RegisteredWorker
+from ..aio import within
+from ..records import RegisteredWorker
 from .registry import REGISTRY_NAME, BlockRegistry, PrefixRun
 
 log = logging.getLogger(__name__)

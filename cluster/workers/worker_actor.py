@@ -50,14 +50,14 @@ from pdserve.transfer.c10d import C10dConnector
 from pdserve.transfer.fetch import FetchPlan, PeerFetches
 from pdserve.transfer.tp import TPConnector
 
+from ..records import DecodeCall, WorkerCounters, WorkerInfo, WorkerRefused, WorkerStats
+from ..registry.registry import Membership
+from ..spec.serving_config import HandoffConfig
 from .engine_loop import ROLE_CLASSES, EngineLoop
 from .gpus import see_node_gpus
 from .outlets import Outlets
 from .output_pipe import PipeAddress, PipeSender
 from .peer_calls import PeerCalls
-from .records import DecodeCall, WorkerCounters, WorkerInfo, WorkerRefused, WorkerStats
-from .registry import Membership
-from .serving_config import HandoffConfig
 from .shard_actor import RankPlacement, RayShards
 from .worker_commands import SWITCH_WAIT_S, Abort, Aborted, AbortLog, Add, ForgetPeer, SwitchRole
 

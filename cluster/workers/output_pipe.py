@@ -37,7 +37,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from .aio import within
+from ..aio import within
 
 log = logging.getLogger(__name__)
 

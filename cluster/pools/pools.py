@@ -32,17 +32,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.config import EngineConfig
 
-from .aio import within
+from ..aio import within
+from ..placement.pool_view import PoolView
+from ..records import WorkerRecord, WorkerRefused
+from ..spec.cluster_spec import ClusterSpec
+from ..spec.serving_config import ROLES
+from ..workers.output_pipe import PipeAddress
+from ..workers.shard_actor import RankPlacement
+from ..workers.worker_actor import WorkerActor
 from .autoscale import LatencyWindow, PoolState
-from .cluster_spec import ClusterSpec
-from .output_pipe import PipeAddress
 from .pool_monitor import PoolMonitor
-from .pool_view import PoolView
 from .ratio import RatioPlanner
-from .records import WorkerRecord, WorkerRefused
-from .serving_config import ROLES
-from .shard_actor import RankPlacement
-from .worker_actor import WorkerActor
 
 log = logging.getLogger(__name__)
 

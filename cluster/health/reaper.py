@@ -11,7 +11,7 @@ sends SIGTERM to every noted process still running, gives them `GRACE_S`, then S
 exits. After `Reaper.stop` (Ray stopped by its starter) it exits doing nothing. It imports
 nothing but the standard library.
 
-    python -m pdserve.cluster.reaper PID [PID ...]   # stdin: the pipe; "stop\\n" then EOF: nothing to do
+    python -m pdserve.cluster.health.reaper PID [PID ...]   # stdin: the pipe; "stop\\n" then EOF: nothing to do
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class Reaper:
         if not pids or not os.path.isdir("/proc"):
             return None
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.reaper", *map(str, pids)],
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.health.reaper", *map(str, pids)],
                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     start_new_session=True, close_fds=True)
         except OSError:

@@ -29,9 +29,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from .api import RequestObserver
-from .records import WorkerStats
-from .serving_config import ROLES
+from ..api import RequestObserver
+from ..records import WorkerStats
+from ..spec.serving_config import ROLES
 
 UTIL_P = 0.8  # a prefill pool planned to 80% busy keeps a queue short enough for TTFT
 UTIL_D = 0.9

@@ -35,8 +35,8 @@ from typing import NamedTuple
 import ray
 from ray.exceptions import RayError
 
-from .aio import within
-from .records import BlockChange, BlockEvent, RegisteredWorker, WorkerInfo, WorkerStats
+from ..aio import within
+from ..records import BlockChange, BlockEvent, RegisteredWorker, WorkerInfo, WorkerStats
 
 log = logging.getLogger(__name__)
 

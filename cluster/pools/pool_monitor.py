@@ -20,10 +20,10 @@ import time
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
-from .aio import within
+from ..aio import within
+from ..records import WorkerRefused
+from ..spec.serving_config import ROLES
 from .autoscale import PoolSignals, decide, pool_signals
-from .records import WorkerRefused
-from .serving_config import ROLES
 
 log = logging.getLogger(__name__)
 

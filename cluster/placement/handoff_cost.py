@@ -20,7 +20,7 @@ workers that left are forgotten.
 
 from __future__ import annotations
 
-from .records import WorkerRecord
+from ..records import WorkerRecord
 
 # a fetch's or handoff's bandwidth until the pair has measured its own: on one node the pair
 # pulls over CUDA IPC / shared memory (one H200: 29 GB/s for 512 MiB, 140 GB/s for 2 GB, fixed

@@ -11,7 +11,7 @@ are read there, never sent back up in a worker's stats) and `start_s` (a worker'
 
 from __future__ import annotations
 
-from .records import WorkerRecord
+from ..records import WorkerRecord
 from .routing import Candidate
 
 
