@@ -15,11 +15,19 @@ step model fits in margin x TPOT (`decode_capacity`, interpolated at the window'
 context), and no more than its KV holds at the window's mean request length. The load is
 what must be served, not how it is served now: a saturated pool's queue does not hide it.
 
-It moves one worker at a time, drain-safe (Pools.scale with switch_roles), and only when
-the split is more than HYSTERESIS past the pools' sizes on two looks in a row; after a
-move it waits `cooldown_s` and for the move to finish. Fewer than MIN_REQUESTS finished
-requests in the window: no plan (too little to measure). As Dynamo's planner sizes its
-pools from the prefill and decode throughput one GPU gives at the SLO, at a fixed total.
+The live correction: what the workers' own models say is checked against what the requests
+got. A side whose p90 in the window misses the SLO (TTFT for prefill, TPOT for decode) counts
+its load that many times over (the measured p90 over the target, at most MAX_CORRECTION): a
+prefill rate or a decode capacity that the models overrate shows as missed targets, and the
+split leans to the side that misses. Where both meet their targets the models' estimate stands.
+
+It moves drain-safe (Pools.scale with switch_roles), only when the split is more than
+HYSTERESIS past the pools' sizes on two looks in a row, half the gap at a time (one worker
+in a small cluster; a 64-GPU cluster 10 workers off the split closes it in a few moves, not
+ten); after a move it waits `cooldown_s` and for the move to finish. Fewer than MIN_REQUESTS
+finished requests in the window: no plan (too little to measure). As Dynamo's planner sizes its
+pools from the prefill and decode throughput one GPU gives at the SLO, with correction factors
+from the live latencies, at a fixed total.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..api import RequestObserver
 from ..records import WorkerStats
@@ -38,6 +47,21 @@ UTIL_D = 0.9
 HYSTERESIS = 0.2  # workers past the half-way point before a move counts
 MIN_REQUESTS = 16
 LOOK_S = 5.0
+MAX_CORRECTION = 2.0  # the most a missed target multiplies its side's load by
+
+
+class Finished(NamedTuple):
+    """A request the window holds: when it ended (the planner's clock), its sizes and times."""
+
+    t: float
+    prompt: int
+    output: int
+    decode_s: float
+    ttft_s: float | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        return self.decode_s / (self.output - 1) if self.output > 1 else None
 
 
 @dataclass
@@ -49,17 +73,21 @@ class RatioLoad:
     prefill_rate: float  # one prefill worker's prefill tokens per second
     decode_seqs: float  # sequences one decode worker holds at the TPOT target
     requests: int
+    prefill_correction: float = 1.0  # the live correction of each side (>= 1: its target missed)
+    decode_correction: float = 1.0
 
     def split(self, total: int, min_prefill: int, min_decode: int) -> float:
         """The prefill workers this load needs out of `total` (fractional, within the bounds)."""
-        rho_p = self.prefill_tok_s / max(self.prefill_rate * UTIL_P, 1e-9)
-        rho_d = self.decoding / max(self.decode_seqs * UTIL_D, 1e-9)
+        rho_p = self.prefill_correction * self.prefill_tok_s / max(self.prefill_rate * UTIL_P, 1e-9)
+        rho_d = self.decode_correction * self.decoding / max(self.decode_seqs * UTIL_D, 1e-9)
         frac = total * rho_p / (rho_p + rho_d) if rho_p + rho_d > 0 else total / 2
         return min(max(frac, float(min_prefill)), float(total - min_decode))
 
     def describe(self) -> str:
+        fixed = "".join(f", {side} x{k:.2f}" for side, k in (("prefill", self.prefill_correction),
+                                                            ("decode", self.decode_correction)) if k != 1.0)
         return (f"prefill {self.prefill_tok_s:.0f} tok/s at {self.prefill_rate:.0f} a worker, "
-                f"{self.decoding:.1f} decoding at {self.decode_seqs:.0f} a worker")
+                f"{self.decoding:.1f} decoding at {self.decode_seqs:.0f} a worker{fixed}")
 
 
 def _median(xs: list[float]) -> float | None:
@@ -67,12 +95,22 @@ def _median(xs: list[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
+def correction(measured: list[float | None], target: float | None) -> float:
+    """How far the window's p90 of `measured` passes `target`: p90 / target within [1,
+    MAX_CORRECTION]; 1 with no target or too few samples."""
+    xs = sorted(x for x in measured if x is not None)
+    if not target or len(xs) < MIN_REQUESTS:
+        return 1.0
+    return min(max(xs[int(0.9 * (len(xs) - 1))] / target, 1.0), MAX_CORRECTION)
+
+
 class RatioPlanner(RequestObserver):
     """Feeds on finished requests (`on_finish`, the dispatcher's observer) and plans the split."""
 
-    def __init__(self, window_s: float, cooldown_s: float):
-        self.window_s, self.cooldown_s = window_s, cooldown_s
-        self.finished: collections.deque = collections.deque(maxlen=100_000)  # (time, prompt, output, decode_s)
+    def __init__(self, window_s: float, cooldown_s: float, clock=time.monotonic, look_s: float = LOOK_S):
+        """`clock`: the seconds its window, looks and cooldown run by (the simulator passes its own)."""
+        self.window_s, self.cooldown_s, self.clock, self.look_s = window_s, cooldown_s, clock, look_s
+        self.finished: collections.deque[Finished] = collections.deque(maxlen=100_000)
         self.since: float | None = None  # when it started to watch (the first request that ended)
         self.last_move = -math.inf
         self.next_look = 0.0
@@ -81,22 +119,25 @@ class RatioPlanner(RequestObserver):
 
     def on_finish(self, done) -> None:
         if done.decode_s is not None and done.num_output_tokens > 0:
-            self.since = self.since or time.monotonic() - (done.ttft_s or 0.0) - done.decode_s
-            self.finished.append((time.monotonic(), done.num_prompt_tokens, done.num_output_tokens, done.decode_s))
+            now = self.clock()
+            self.since = self.since or now - (done.ttft_s or 0.0) - done.decode_s
+            self.finished.append(Finished(now, done.num_prompt_tokens, done.num_output_tokens, done.decode_s,
+                                          done.ttft_s))
 
     def measure(self, prefill_stats: list[WorkerStats], decode_stats: list[WorkerStats], now: float,
-                decode_spec) -> RatioLoad | None:
+                decode_spec, slo=None) -> RatioLoad | None:
         """The window's load, or None when too little finished or a worker's rate is unknown.
-        `decode_spec`: the decode pool's engine spec (its max_num_seqs and block size)."""
-        while self.finished and self.finished[0][0] < now - self.window_s:
+        `decode_spec`: the decode pool's engine spec (its max_num_seqs and block size); `slo`
+        (ttft_s, tpot_s): the targets the live correction checks the window's p90s against."""
+        while self.finished and self.finished[0].t < now - self.window_s:
             self.finished.popleft()
         reqs = list(self.finished)
         if len(reqs) < MIN_REQUESTS:
             return None
-        span = min(self.window_s, max(now - (self.since or reqs[0][0]), 1.0))
+        span = min(self.window_s, max(now - (self.since or reqs[0].t), 1.0))
         rate = _median([s.prefill_tok_s or 0.0 for s in prefill_stats])
-        ctx = sum(p + o / 2 for _, p, o, _ in reqs) / len(reqs)
-        whole = sum(p + o for _, p, o, _ in reqs) / len(reqs)
+        ctx = sum(r.prompt + r.output / 2 for r in reqs) / len(reqs)
+        whole = sum(r.prompt + r.output for r in reqs) / len(reqs)
         seqs = []
         for s in decode_stats:
             at_target = s.decode_capacity.at(ctx) or decode_spec.max_num_seqs
@@ -105,7 +146,10 @@ class RatioPlanner(RequestObserver):
         cap = _median(seqs)
         if not rate or not cap:
             return None
-        return RatioLoad(sum(p for _, p, _, _ in reqs) / span, sum(d for *_, d in reqs) / span, rate, cap, len(reqs))
+        k_p = correction([r.ttft_s for r in reqs], slo.ttft_s) if slo is not None else 1.0
+        k_d = correction([r.tpot_s for r in reqs], slo.tpot_s) if slo is not None else 1.0
+        return RatioLoad(sum(r.prompt for r in reqs) / span, sum(r.decode_s for r in reqs) / span, rate, cap,
+                         len(reqs), k_p, k_d)
 
     def plan(self, workers: list, serving, decode_spec, now: float) -> tuple[dict, str] | None:
         """Pools' call (their records, config and decode spec): the new sizes and why, or None. Nothing is
@@ -114,14 +158,14 @@ class RatioPlanner(RequestObserver):
             return None
         stats = {r: [w.stats for w in workers if w.role == r] for r in ROLES}
         bounds = {r: (serving.pool(r).min, serving.pool(r).max) for r in ROLES}
-        load = self.measure(stats["prefill"], stats["decode"], now, decode_spec)
+        load = self.measure(stats["prefill"], stats["decode"], now, decode_spec, serving.slo)
         return self.want(load, {r: len(stats[r]) for r in ROLES}, bounds, now)
 
     def want(self, load: RatioLoad | None, sizes: dict, bounds: dict, now: float) -> tuple[dict, str] | None:
         """The pools' new sizes and why, or None (no move now). `bounds`: role -> (min, max)."""
         if load is None or now < self.next_look or now - self.last_move < self.cooldown_s:
             return None
-        self.next_look = now + LOOK_S
+        self.next_look = now + self.look_s
         total, p = sizes["prefill"] + sizes["decode"], sizes["prefill"]
         lo = max(bounds["prefill"][0], total - bounds["decode"][1])
         hi = min(bounds["prefill"][1], total - bounds["decode"][0])
@@ -132,5 +176,6 @@ class RatioPlanner(RequestObserver):
         if not twice:
             return None
         self.last_move, self.leaning = now, 0
+        lean *= max(1, int(abs(frac - p) / 2))  # half the gap: one worker in a small cluster
         why = f"ratio: {frac:.2f} of {total} workers should prefill ({load.describe()})"
         return {"prefill": p + lean, "decode": total - p - lean}, why

@@ -11,9 +11,9 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.pools.ratio import LOOK_S, RatioLoad, RatioPlanner
+from pdserve.cluster.pools.ratio import LOOK_S, MAX_CORRECTION, Finished, RatioLoad, RatioPlanner
 from pdserve.cluster.records import WorkerStats
-from pdserve.cluster.spec.serving_config import ServingConfig
+from pdserve.cluster.spec.serving_config import ServingConfig, SloConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.decode_capacity import DecodeCapacity
 from pdserve.engine.core.scheduler import StepShape
@@ -29,10 +29,11 @@ def decode_stats(at_target=None, blocks=100000):
     return WorkerStats(decode_capacity=DecodeCapacity.of(at_target or {}), kv_blocks_total=blocks)
 
 
-def window(planner: RatioPlanner, now: float, n: int, prompt: int, out: int, decode_s: float, span: float = 20.0):
+def window(planner: RatioPlanner, now: float, n: int, prompt: int, out: int, decode_s: float, span: float = 20.0,
+           ttft_s: float | None = None):
     planner.since = now - span
     for i in range(n):  # spread over the last `span` seconds
-        planner.finished.append((now - span + span * (i + 1) / n, prompt, out, decode_s))
+        planner.finished.append(Finished(now - span + span * (i + 1) / n, prompt, out, decode_s, ttft_s))
 
 
 def test_the_split_follows_the_load():
@@ -87,6 +88,36 @@ def test_the_planner_moves_one_worker_after_two_looks_then_cools_down():
     assert all(q.want(load, {"prefill": 3, "decode": 1}, bounds, t * LOOK_S) is None for t in range(4))
     assert all(q.want(load, {"prefill": 2, "decode": 2}, {"prefill": (1, 2), "decode": (1, 4)}, t * LOOK_S) is None
                for t in range(10, 14))
+
+
+def test_the_live_correction_leans_to_the_side_that_misses_its_target_and_a_big_cluster_moves_half_the_gap():
+    """The window's p90 TTFT or TPOT over the SLO's target multiplies that side's load (up to
+    MAX_CORRECTION); where both meet their targets the models' estimate stands. 64 workers 8 off
+    the split move 4 at once; 4 workers move one."""
+    slo = SloConfig(ttft_s=2.0, tpot_s=0.04)
+    now = 1000.0
+    p = RatioPlanner(window_s=30, cooldown_s=0, clock=lambda: now)
+    window(p, now, 40, 1000, 101, 2.0, ttft_s=0.5)  # TPOT 20 ms, TTFT 0.5 s: both met
+    met = p.measure([PREFILL], [decode_stats({1000: 64})], now, SPEC, slo)
+    assert (met.prefill_correction, met.decode_correction) == (1.0, 1.0)
+    p.finished.clear()
+    window(p, now, 40, 1000, 101, 6.0, ttft_s=0.5)  # TPOT 60 ms: 1.5x its target
+    slow = p.measure([PREFILL], [decode_stats({1000: 64})], now, SPEC, slo)
+    assert slow.decode_correction == pytest.approx(1.5) and slow.prefill_correction == 1.0
+    # decode leans: fewer prefill workers than the same load uncorrected
+    assert slow.split(8, 1, 1) < RatioLoad(slow.prefill_tok_s, slow.decoding, slow.prefill_rate, slow.decode_seqs,
+                                           40).split(8, 1, 1)
+    p.finished.clear()
+    window(p, now, 40, 1000, 101, 2.0, ttft_s=9.0)  # TTFT 4.5x its target: capped
+    late = p.measure([PREFILL], [decode_stats({1000: 64})], now, SPEC, slo)
+    assert late.prefill_correction == MAX_CORRECTION and "prefill x2.00" in late.describe()
+    assert p.measure([PREFILL], [decode_stats({1000: 64})], now, SPEC).prefill_correction == 1.0  # no SLO given
+    # the move: half the gap, at least one worker
+    big = RatioPlanner(window_s=30, cooldown_s=0)
+    load = RatioLoad(40 * 8000.0, 24 * 57.6, 10000.0, 64.0, 40)  # 40 of 64 should prefill
+    bounds = {"prefill": (1, 63), "decode": (1, 63)}
+    assert big.want(load, {"prefill": 32, "decode": 32}, bounds, 0.0) is None
+    assert big.want(load, {"prefill": 32, "decode": 32}, bounds, LOOK_S)[0] == {"prefill": 36, "decode": 28}
 
 
 def test_the_step_model_says_how_many_decodes_fit_the_target():

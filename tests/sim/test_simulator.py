@@ -142,3 +142,30 @@ def test_past_eight_gpus_a_layout_is_simulated_as_replicas_of_its_slice(capsys, 
             "--output-len", "16", "--num-requests", "20"]
     assert main(base) == 0
     assert "each layout simulated as 2 replicas of its 2-GPU slice" in capsys.readouterr().out
+
+
+def test_the_ratio_policy_moves_a_prefill_starved_cluster_to_the_split_its_load_needs():
+    """disagg:1:3:adaptive: the live RatioPlanner on the simulated clock, long prompts and short outputs
+    (prefill-bound): it moves decode workers to prefill (drained, then switched) and serves a rate that
+    static 1:3 misses; each move is logged with its reason, and no request is lost on the way."""
+    p = Profile.load(str(PROFILES / "llama3-8b.json"))
+    argv = ["--workload", "synthetic", "--input-len", "4096", "--output-len", "32", "--slo-ttft", "1.0",
+            "--slo-tpot", "0.04", "--num-requests", "600", "--rates", "10"]
+    static = predict(p, "disagg:1:3", argv)["runs"][0]
+    moved = predict(p, "disagg:1:3:adaptive", argv)["runs"][0]
+    assert moved["completed"] == 600 and "moves" not in static
+    tos = [m["to"] for m in moved["moves"]]
+    assert tos and tos[0] == "prefill" and all(m["serving"] is None or m["serving"] > m["asked"]
+                                                for m in moved["moves"])
+    assert "should prefill" in moved["moves"][0]["why"]
+    assert moved["slo_attainment"] > static["slo_attainment"] + 0.2, (moved["slo_attainment"], static["slo_attainment"])
+
+
+def test_an_adaptive_layout_is_disagg_only():
+    import pytest
+
+    from pdserve.sim.cluster import Layout
+
+    assert Layout.of("disagg:2:2:adaptive").adaptive and not Layout.of("disagg:2:2").adaptive
+    with pytest.raises(ValueError, match="moves the workers of a disagg cluster"):
+        Layout.of("hybrid:2:2:adaptive")

@@ -44,16 +44,22 @@ def predict(profile: Profile, system: str, argv: list[str], one_gpu: bool = Fals
     layout = Layout.of(system, one_gpu)
     ttft, tpot = args.slo_ttft or SloConfig.ttft_s, args.slo_tpot or SloConfig.tpot_s
     told = layout.mode in ("hybrid", "colocated")
-    slo = SloConfig(ttft, tpot) if told else SloConfig()
+    # the ratio policy (adaptive) checks the window's latencies against the server's SLO: the sweep's
+    slo = SloConfig(ttft, tpot) if told or layout.adaptive else SloConfig()
     runs, desc = [], ""
     for reqs, arrivals, rate, desc in sweep(args):  # noqa: B007 (the last one is reported)
-        sim = Simulation(profile, layout, slo, tpot if told else None, prefill_profile)
+        # a trace replayed faster than recorded: the ratio policy keeps the trace's clock (adaptive.py)
+        recorded = max((r.arrival for r in reqs), default=0.0) if args.workload == "trace" else 0.0
+        scale = recorded / max(arrivals) if recorded and max(arrivals) > 0 else 1.0
+        sim = Simulation(profile, layout, slo, tpot if told else None, prefill_profile, policy_time_scale=scale)
         if layout.mode == "disagg":
             for e in sim.engines.values():
                 e.model.slo_tpot_s = None
         records, duration = sim.run(reqs, arrivals, None if give_up_below is None else (give_up_below, ttft, tpot))
         summary = summarize(records, duration, rate, ttft, tpot)
         summary["routing"] = dict(sim.routing)
+        if sim.mover is not None:
+            summary["moves"] = sim.mover.events()
         runs.append(summary)
         if progress is not None:
             progress(summary)

@@ -16,7 +16,8 @@ What decides is the live cluster's own code, not a copy of it:
     stats        each worker's WorkerStats (placement_stats) refreshed every STATS_S, as the live
                  workers' heartbeats refresh them
 
-Not modelled: failures and retries, the autoscaler moving workers, peer fetch, network
+The ratio autoscale policy moves workers between the pools in `disagg:P:D:adaptive` (adaptive.py).
+Not modelled: failures and retries, the signals autoscaler adding workers, peer fetch, network
 contention between handoffs, the host tiers. One `Simulation` serves one rate of one workload;
 `run()` gives the bench client's records (pdserve.bench.client.Record), summarised by the bench's
 own report.
@@ -40,6 +41,7 @@ from pdserve.engine.base.hashing import hash_block_tokens
 from pdserve.engine.core.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 
+from .adaptive import Mover
 from .engine import SimEngine, SimGpu
 from .profile import Profile
 
@@ -60,18 +62,23 @@ class Layout:
     prefill_chunk: int = PREFILL_CHUNK_TOKENS
     max_num_seqs: int = 128
     max_model_len: int = 8704
+    adaptive: bool = False  # disagg: the ratio policy moves workers between the pools (adaptive.py)
 
     @classmethod
     def of(cls, system: str, one_gpu: bool = False) -> Layout:
-        """From a serving run's system name: colocated:N, disagg:P:D, hybrid:P:D."""
+        """From a serving run's system name: colocated:N, disagg:P:D, hybrid:P:D; disagg:P:D:adaptive
+        starts at P:D and lets the ratio policy move workers."""
         kind, *sizes = system.split(":")
+        adaptive = "adaptive" in sizes
         sizes = [int(x) for x in sizes if x.isdigit()]
         share = 0.42 if one_gpu else 0.85
+        if adaptive and (kind != "disagg" or one_gpu):
+            raise ValueError(f"{system!r}: the ratio policy moves the workers of a disagg cluster of one GPU each")
         if kind == "colocated":
             return cls("colocated", 0, sizes[0] if sizes else 2, one_gpu, share)
         if kind in ("disagg", "hybrid"):
             p, d = (sizes + [1, 1])[:2]
-            return cls(kind, p, d, one_gpu, share)
+            return cls(kind, p, d, one_gpu, share, adaptive=adaptive)
         raise ValueError(f"unknown system {system!r}: colocated:N | disagg:P:D | hybrid:P:D")
 
     @property
@@ -80,7 +87,7 @@ class Layout:
 
     def describe(self) -> str:
         pools = f"{self.decode}" if self.mode == "colocated" else f"{self.prefill}:{self.decode}"
-        return f"{self.mode}:{pools}" + (" on one GPU" if self.one_gpu else "")
+        return f"{self.mode}:{pools}" + (" on one GPU" if self.one_gpu else "") + (" adaptive" if self.adaptive else "")
 
 
 @dataclass(frozen=True)
@@ -153,9 +160,11 @@ class _Flight:
 
 class Simulation:
     def __init__(self, profile: Profile, layout: Layout, slo: SloConfig, engine_slo_tpot_s: float | None = None,
-                 prefill_profile: Profile | None = None):
+                 prefill_profile: Profile | None = None, policy_time_scale: float = 1.0):
         """`slo`: what placement serves (the server's); `engine_slo_tpot_s`: the TPOT target the
-        colocated and hybrid decode engines size their chunks by (None: the server's SLO)."""
+        colocated and hybrid decode engines size their chunks by (None: the server's SLO).
+        `policy_time_scale`: an adaptive layout's policy clock, workload seconds per simulated one
+        (adaptive.Mover)."""
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -192,6 +201,9 @@ class Simulation:
         self.routing = self.placer.routing
         self.handoffs: list[float] = []
         self.done: list[_Flight] = []
+        if layout.adaptive and prefill_profile not in (None, profile):
+            raise ValueError("an adaptive cluster's workers change pools: one profile serves both")
+        self.mover = Mover(self, time_scale=policy_time_scale) if layout.adaptive else None
 
     # ---- the event loop ------------------------------------------------------------------------
     def at(self, t: float, fn, *args) -> None:
@@ -234,6 +246,8 @@ class Simulation:
         for i, (req, t) in enumerate(zip(requests, arrivals)):
             self.at(t, self._arrive, i, req)
         self.at(0.0, self._report)
+        if self.mover is not None:
+            self.mover.start()
         while self._events and len(self.done) < len(requests):
             if self.give_up is not None and self.misses >= self.give_up:
                 return self._given_up(requests, arrivals)
@@ -351,6 +365,8 @@ class Simulation:
         f.decode.record.load -= 1
         self.flights.pop(rid, None)
         self.done.append(f)
+        if self.mover is not None:
+            self.mover.finished(f)
         self.at(self.now, self._free_happened, f.decode)
 
     def _free_happened(self, engine: SimEngine) -> None:

@@ -146,6 +146,18 @@ class SimEngine:
                 if n >= 2 and not self.holds:
                     self.model.observe_tpot((now - req.first_token_time) / (n - 1))
 
+    def switch_role(self, role: str, layout) -> None:
+        """Serves in the other pool from now on (a drained worker the ratio policy moved: adaptive.py):
+        its role, its step budget (the prefill pool's chunk, or the decode engines' 2048) and whether
+        it keeps finished prompts' blocks for their handoff. Its KV and prefix cache stay."""
+        from .cluster import COLOCATED_CHUNK
+
+        self.record.role = role
+        self.record.switching_to = None
+        self.holds = role == "prefill"
+        budget = layout.prefill_chunk if self.holds else COLOCATED_CHUNK
+        self.scheduler.max_num_batched_tokens = self.model.max_tokens = budget
+
     def close(self) -> None:
         """Drops its scheduler and KV cache at the run's end: their blocks (a quarter million in a
         run at capacity) go by reference counting, not by a pass of the cyclic collector (the
