@@ -6,8 +6,8 @@ For each GPU count N: the goodput (>= 90% attainment) of every static disaggrega
 of N whole GPUs (no slices) on the Mooncake trace at its own arrival times (stretched to each
 probed rate, as the serving runs do), and of the same cluster started at an even split with the
 ratio policy moving workers between the pools (`disagg:P:D:adaptive`: cluster/pools/ratio.py
-run on the trace's clock, pdserve.sim.adaptive). The ratio is adaptive over the best static
-one. Writes adaptive.{md,json,png}, prints the table last.
+run on the simulated clock as a live planner runs on the replay's, pdserve.sim.adaptive). The
+ratio is adaptive over the best static one. Writes adaptive.{md,json,png}, prints the table last.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
              f"`{meta['command']}` (CPU). Llama-3-8B profile on one H200 per worker, the Mooncake trace at its own "
              f"arrival times stretched to each rate, {args.num_requests} requests a probe, TTFT 2 s, TPOT "
              f"{args.tpot * 1000:g} ms; goodput in req/s at >= 90% attainment. Adaptive: the cluster starts at an "
-             "even split and the ratio policy (cluster/pools/ratio.py, on the trace's clock) moves workers.", "",
+             "even split and the ratio policy (cluster/pools/ratio.py: window 30 s, cooldown 30 s) moves workers.", "",
              "| GPUs | best static | adaptive (from) | adaptive / best static | moves at its goodput |",
              "|---|---|---|---|---|"]
     for p in points:

@@ -48,10 +48,7 @@ def predict(profile: Profile, system: str, argv: list[str], one_gpu: bool = Fals
     slo = SloConfig(ttft, tpot) if told or layout.adaptive else SloConfig()
     runs, desc = [], ""
     for reqs, arrivals, rate, desc in sweep(args):  # noqa: B007 (the last one is reported)
-        # a trace replayed faster than recorded: the ratio policy keeps the trace's clock (adaptive.py)
-        recorded = max((r.arrival for r in reqs), default=0.0) if args.workload == "trace" else 0.0
-        scale = recorded / max(arrivals) if recorded and max(arrivals) > 0 else 1.0
-        sim = Simulation(profile, layout, slo, tpot if told else None, prefill_profile, policy_time_scale=scale)
+        sim = Simulation(profile, layout, slo, tpot if told else None, prefill_profile)
         if layout.mode == "disagg":
             for e in sim.engines.values():
                 e.model.slo_tpot_s = None

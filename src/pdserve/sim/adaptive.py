@@ -17,10 +17,11 @@ worker's KV room), and each look it may ask for a new split. A move then goes as
 The planner sees the pools as they are, a worker switching counted in the pool it goes to;
 while one drains it plans nothing (as live).
 
-Its clock is the workload's own: a trace replayed `time_scale` times faster than it was recorded
-(the capacity search stretches its arrival times to each probed rate) has the policy's window,
-looks, cooldown and switch time shortened as much, so that the policy sees the trace's hour as a
-live cluster serving that trace at that rate would (30 s of window is 30 s of the trace).
+Its clock is the simulated one, as a live cluster's planner runs on the wall clock of the replay
+it serves (a trace stretched to a rate is served in that time, drains and all). Run on the
+trace's recorded clock instead (window, looks and cooldown shrunk by the replay's speed-up) it
+moved 7 times in 3000 requests at 80 req/s on 8 GPUs, chasing the bursts of short windows, for
+the same attainment (0.84) as one move on the live clock.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.cluster.api import FinishedRequest
-from pdserve.cluster.pools.ratio import LOOK_S, RatioPlanner
+from pdserve.cluster.pools.ratio import RatioPlanner
 from pdserve.cluster.spec.serving_config import ROLES
 
 SWITCH_S = 1.0  # a drained worker's role switch and its registration again (the live actor's call)
@@ -49,12 +50,10 @@ class Mover:
     """The ratio policy of one simulated cluster: `finished` for each request that ends,
     `look` on the cluster's stats tick."""
 
-    def __init__(self, sim, window_s: float = 30.0, cooldown_s: float = 30.0, time_scale: float = 1.0):
-        """`window_s`, `cooldown_s`: the policy's (AutoscaleConfig's defaults), in the workload's
-        seconds; `time_scale`: workload seconds per simulated second."""
-        self.sim, self.scale = sim, time_scale
-        self.planner = RatioPlanner(window_s / time_scale, cooldown_s / time_scale, clock=lambda: sim.now,
-                                    look_s=LOOK_S / time_scale)
+    def __init__(self, sim, window_s: float = 30.0, cooldown_s: float = 30.0):
+        """`window_s`, `cooldown_s`: the policy's (AutoscaleConfig's defaults)."""
+        self.sim = sim
+        self.planner = RatioPlanner(window_s, cooldown_s, clock=lambda: sim.now)
         self.moves: list[Move] = []
         self.draining: dict[str, Move] = {}
         total = len(sim.engines)
@@ -71,16 +70,16 @@ class Mover:
                                                r.e2e - r.ttft, ttft_s=r.ttft))
 
     def start(self) -> None:
-        """Its first look; each schedules the next, a monitor pass of the workload's second apart."""
+        """Its first look; each schedules the next, a monitor pass (one second) apart."""
         self.sim.at(0.0, self.look)
 
     def look(self) -> None:
         """The monitor's pass: drained workers switch, then the planner may ask for a split."""
         sim = self.sim
-        sim.at(sim.now + 1.0 / self.scale, self.look)
+        sim.at(sim.now + 1.0, self.look)
         for wid, move in list(self.draining.items()):
             if move.serving is None and self._drained(sim.engines[wid]):
-                move.serving = sim.now + SWITCH_S / self.scale
+                move.serving = sim.now + SWITCH_S
                 sim.at(move.serving, self._switch, wid, move)
         got = self.planner.plan(list(sim.pools.workers.values()), sim.pools.serving, sim.pools.specs.decode, sim.now)
         if got is None:

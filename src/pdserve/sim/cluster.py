@@ -160,11 +160,9 @@ class _Flight:
 
 class Simulation:
     def __init__(self, profile: Profile, layout: Layout, slo: SloConfig, engine_slo_tpot_s: float | None = None,
-                 prefill_profile: Profile | None = None, policy_time_scale: float = 1.0):
+                 prefill_profile: Profile | None = None):
         """`slo`: what placement serves (the server's); `engine_slo_tpot_s`: the TPOT target the
-        colocated and hybrid decode engines size their chunks by (None: the server's SLO).
-        `policy_time_scale`: an adaptive layout's policy clock, workload seconds per simulated one
-        (adaptive.Mover)."""
+        colocated and hybrid decode engines size their chunks by (None: the server's SLO)."""
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -203,7 +201,7 @@ class Simulation:
         self.done: list[_Flight] = []
         if layout.adaptive and prefill_profile not in (None, profile):
             raise ValueError("an adaptive cluster's workers change pools: one profile serves both")
-        self.mover = Mover(self, time_scale=policy_time_scale) if layout.adaptive else None
+        self.mover = Mover(self) if layout.adaptive else None
 
     # ---- the event loop ------------------------------------------------------------------------
     def at(self, t: float, fn, *args) -> None:
