@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--tpot", type=float, default=0.04)
     ap.add_argument("--num-requests", type=int, default=3000, help="requests a probe sends (the trace from its start)")
     ap.add_argument("--floor", type=float, default=8.0, help="the capacity search's lowest rate (req/s) per 8 GPUs")
+    ap.add_argument("--static", default=None,
+                    help="the static splits to search, P:D,... (default: P from N/4 to N - N/8); one GPU count")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "plan", "adaptive"))
     args = ap.parse_args()
@@ -63,7 +65,8 @@ def main() -> None:
     for n in [int(x) for x in args.gpus.split(",")]:
         t0 = time.perf_counter()
         floor = args.floor * n / 8
-        systems = [f"disagg:{p}:{n - p}" for p in range(max(1, n // 4), n - max(1, n // 8) + 1)]
+        systems = [f"disagg:{p}:{n - p}" for p in range(max(1, n // 4), n - max(1, n // 8) + 1)] \
+            if args.static is None else [f"disagg:{s}" for s in args.static.split(",")]
         systems.append(f"disagg:{n // 2}:{n - n // 2}:adaptive")
         with ProcessPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(one, [args.profile] * len(systems), systems, [argv] * len(systems),
