@@ -750,7 +750,22 @@ def plan() -> dict:
         "plan_winner_agreement": {"value": st["winner_agreement"], "command": cmd,
                                   "workload": f"{len(st['winners'])} groups of runs of one model, workload and GPU "
                                               "count: the predicted winner is the measured one"},
+        **adaptive(),
     }
+
+
+def adaptive() -> dict:
+    """The ratio policy against the best static split, simulated (bench/plan_adaptive.py, CPU)."""
+    ad = load("plan", "adaptive", "adaptive.json")
+    out = {}
+    for p in ad["points"]:
+        out[f"adaptive_vs_best_static_sim_{p['gpus']}"] = {
+            "value": p["adaptive_vs_best_static"], "goal": 0.97, "command": ad["command"] + "  # CPU",
+            "workload": f"Llama-3-8B H200 profile, {p['gpus']} GPUs whole, the Mooncake trace at its own arrival "
+                        f"times, {ad['num_requests']} requests a probe, TPOT {ad['tpot_slo_s'] * 1000:g} ms: "
+                        f"{p['adaptive']} {p['adaptive_goodput']:g} req/s against {p['best_static']} "
+                        f"{p['best_static_goodput']:g} (bench/results/plan/adaptive/adaptive.md)"}
+    return out
 
 
 def device_of(command: str) -> str:
