@@ -72,7 +72,7 @@ class PairHost(Protocol):
     host: str
     device: torch.device
     kv: torch.Tensor
-    layout: dict
+    layout: WireLayout
     block_bytes: int
     min_chunk_bytes: int
     default_timeout_s: float
