@@ -82,7 +82,8 @@ def main() -> None:
         print(f"{n} GPUs: best static {best['system']} {best['goodput']:.1f} req/s, adaptive from "
               f"{adaptive['system']} {adaptive['goodput']:.1f} req/s ({ratio:.3f}x) in {points[-1]['seconds']} s",
               file=sys.stderr, flush=True)
-    meta = {"command": "python bench/plan_adaptive.py " + " ".join(sys.argv[1:]), "profile": args.profile,
+    meta = {"command": "python bench/plan_adaptive.py " + " ".join(sys.argv[1:]),
+            "profile": os.path.relpath(args.profile, os.path.dirname(HERE)),
             "workload": "trace", "tpot_slo_s": args.tpot, "num_requests": args.num_requests, "points": points}
     with open(os.path.join(args.out, "adaptive.json"), "w") as f:
         json.dump(meta, f, indent=1)
