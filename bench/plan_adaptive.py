@@ -22,13 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from plan_grid import with_tpot  # noqa: E402
 from serving_gpu import WORKLOADS  # noqa: E402
-
-
-def with_tpot(argv: list[str], tpot_s: float) -> list[str]:
-    out = list(argv)
-    out[out.index("--slo-tpot") + 1] = f"{tpot_s:g}"
-    return out
 
 
 def one(profile_path: str, system: str, argv: list[str], floor: float, num_requests: int, start: int) -> dict:
