@@ -126,12 +126,17 @@ CLUSTER_CONCEPTS = [("aio", "api", "records"), ("spec",), ("registry",), ("worke
                     ("dispatch",), ("health",), ("cluster", "__init__")]
 
 
-def concept_of(module: str) -> int:
+def rank_in(layers: list[tuple[str, ...]], module: str, pkg: str) -> int:
+    """The index of the layer (or concept) of `pkg`'s module `module` (dotted, package-relative)."""
     head = module.split(".")[0]
-    for i, concept in enumerate(CLUSTER_CONCEPTS):
-        if head in concept:
+    for i, layer in enumerate(layers):
+        if head in layer:
             return i
-    raise AssertionError(f"cluster/{module}: a new concept: give it its place in CLUSTER_CONCEPTS")
+    raise AssertionError(f"{pkg}/{module}: a new subpackage or top-level module: give it its place in the layers")
+
+
+def concept_of(module: str) -> int:
+    return rank_in(CLUSTER_CONCEPTS, module, "cluster")
 
 
 def test_the_cluster_is_cut_by_concept_and_its_concepts_import_one_way():
@@ -212,11 +217,7 @@ ENGINE_LAYERS = [
 
 def layer_of(module: str) -> int:
     """The layer of an engine module (dotted, engine-relative)."""
-    head = module.split(".")[0]
-    for i, layer in enumerate(ENGINE_LAYERS):
-        if head in layer:
-            return i
-    raise AssertionError(f"engine/{module}: a new subpackage or top-level module: give it its layer in ENGINE_LAYERS")
+    return rank_in(ENGINE_LAYERS, module, "engine")
 
 
 def test_the_engine_imports_in_its_declared_layers():
