@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..base.kv_layout import KVLayout
 from .write_health import WriteHealth
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,38 @@ HEADER = struct.Struct("<8s32sQ16s")  # magic, block hash, byte count, checksum
 SUFFIX = ".kvb"
 
 
-def layout_digest(meta: dict) -> str:
-    """The directory name for blocks of this meaning (persist.layout_meta's fields)."""
-    return hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:24]
+FORMAT = 2  # what a block file holds (2: a per-block checksum); a part of what its blocks mean
+
+
+@dataclass(frozen=True)
+class BlockMeaning:
+    """What a KV block's bytes mean, for both tiers on disk: the model they were computed by (its
+    fingerprint, tiers/persist.py) and the cache layout they are in. The disk tier's directory is
+    named by its digest; the persisted host tier's index carries its fields, and an index whose
+    fields differ is refused (`differs`)."""
+
+    fingerprint: str
+    layout: KVLayout
+    format: int = FORMAT
+
+    FIELDS = ("format", "fingerprint", "kv_cache_dtype", "block_size", "layout")
+
+    def as_dict(self) -> dict:
+        """The fields as JSON writes them (the persisted index's header)."""
+        return {"format": self.format, "fingerprint": self.fingerprint, "kv_cache_dtype": self.layout.dtype,
+                "block_size": self.layout.block_size, "layout": self.layout.as_dict()}
+
+    def digest(self) -> str:
+        """The directory name for blocks of this meaning."""
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+    def differs(self, payload: dict) -> tuple[str, object, object] | None:
+        """The first field a written header holds otherwise: (field, there, here); None when all agree."""
+        mine = self.as_dict()
+        for key in self.FIELDS:
+            if payload.get(key) != mine[key]:
+                return key, payload.get(key), mine[key]
+        return None
 
 
 def checksum(block_hash: bytes, data) -> bytes:
@@ -80,12 +110,12 @@ class DiskStats:
 
 
 class DiskStore:
-    def __init__(self, root: str, meta: dict, block_nbytes: int, capacity_bytes: int, rescan_s: float = 60.0,
+    def __init__(self, root: str, meaning: BlockMeaning, block_nbytes: int, capacity_bytes: int, rescan_s: float = 60.0,
                  tier: str = "kv_disk"):
         """`tier`: its stats' prefix (WriteHealth)."""
         if capacity_bytes < block_nbytes:
             raise ValueError(f"kv_disk_size holds no block: {capacity_bytes} bytes, a block is {block_nbytes}")
-        self.dir = os.path.join(root, layout_digest(meta))
+        self.dir = os.path.join(root, meaning.digest())
         self.health = WriteHealth(tier, self.dir)
         try:
             os.makedirs(self.dir, exist_ok=True)

@@ -41,7 +41,7 @@ from ..base.hashing import held_run
 from ..stats import DiskTierStats
 from .disk import DiskStore
 from .offload import HostCache, HostIndex
-from .persist import layout_meta
+from .persist import block_meaning
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class DiskTier:
         self.index, self.cache, self.step_model, self.kv = index, cache, step_model, kv
         self.block_size = config.block_size
         self.block_nbytes = cache.block_nbytes
-        self.files = DiskStore(config.kv_disk_dir, layout_meta(config, load_format), self.block_nbytes,
+        self.files = DiskStore(config.kv_disk_dir, block_meaning(config, load_format), self.block_nbytes,
                                int(config.kv_disk_size * (1 << 30)))
         index.on_evict = self.store
         # several readers: each read verifies a checksum (hashlib lets go of the GIL for it)

@@ -1,7 +1,7 @@
 """The host tier on disk (`kv_persist_dir`): hot KV survives a restart, in the disk tier's format.
 
     <kv_persist_dir>/host_tier.json                        the tier's index: what its blocks
-                                                           mean (layout_meta) and their hashes,
+                                                           mean (BlockMeaning) and their hashes,
                                                            least recently used first
     <kv_persist_dir>/<layout digest>/<hash[:2]>/<hash>.kvb one block (tiers/disk.py's block files:
                                                            a header with its hash, byte count and
@@ -46,14 +46,13 @@ import torch
 from ..base.kv_layout import kv_layout
 from ..config import EngineConfig
 from ..stats import WriteStats
-from .disk import HEADER, DiskStore
+from .disk import HEADER, BlockMeaning, DiskStore
 from .offload import HostCache, HostIndex
 
 log = logging.getLogger(__name__)
 
 INDEX = "host_tier.json"
 OLD_SNAPSHOT = "kv_host_tier.pt"  # an earlier version's format: one torch file, refused
-FORMAT = 2  # what a block file holds (2: a per-block checksum); a part of the layout digest
 
 
 class PersistError(ValueError):
@@ -77,13 +76,9 @@ def fingerprint(config: EngineConfig, load_format: str) -> str:
     return h.hexdigest()
 
 
-def layout_meta(config: EngineConfig, load_format: str) -> dict:
-    """What a KV block's bytes mean, for both tiers on disk: the persisted host tier's file carries
-    it (a file whose fields differ is refused), the disk tier's directory is named by its digest
-    (disk.layout_digest)."""
-    return {"format": FORMAT, "fingerprint": fingerprint(config, load_format),
-            "kv_cache_dtype": kv_layout(config).dtype, "block_size": config.block_size,
-            "layout": kv_layout(config).as_dict()}
+def block_meaning(config: EngineConfig, load_format: str) -> BlockMeaning:
+    """What this engine's KV blocks mean on disk: its model's fingerprint and its cache layout."""
+    return BlockMeaning(fingerprint(config, load_format), kv_layout(config))
 
 
 @dataclass
@@ -111,7 +106,7 @@ def store(config: EngineConfig, load_format: str, cache: HostCache) -> DiskStore
     """The persisted tier's block files: as many as the tier has slots (the blocks its index no
     longer names are evicted first)."""
     files = max(1, cache.buf.shape[0])
-    return DiskStore(config.kv_persist_dir, layout_meta(config, load_format), cache.block_nbytes,
+    return DiskStore(config.kv_persist_dir, block_meaning(config, load_format), cache.block_nbytes,
                      files * (HEADER.size + cache.block_nbytes), tier="kv_persist")
 
 
@@ -134,7 +129,7 @@ def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w") as f:
-            json.dump({**layout_meta(config, load_format), "hashes": [h.hex() for h, _ in entries]}, f)
+            json.dump({**block_meaning(config, load_format).as_dict(), "hashes": [h.hex() for h, _ in entries]}, f)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -161,12 +156,11 @@ def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
         hashes = [bytes.fromhex(h) for h in payload["hashes"]]
     except Exception as e:  # noqa: BLE001 - whatever the JSON or the hex says
         raise PersistError(f"{path} is corrupt ({type(e).__name__}: {e}): starting with an empty host tier") from None
-    want = layout_meta(config, load_format)
-    for key in ("format", "fingerprint", "kv_cache_dtype", "block_size", "layout"):
-        if payload.get(key) != want[key]:
-            raise PersistError(f"{path} was written for another {key.replace('_', ' ')} "
-                               f"({_short(payload.get(key))} there, {_short(want[key])} here): "
-                               "starting with an empty host tier")
+    differs = block_meaning(config, load_format).differs(payload)
+    if differs is not None:
+        key, there, here = differs
+        raise PersistError(f"{path} was written for another {key.replace('_', ' ')} "
+                           f"({_short(there)} there, {_short(here)} here): starting with an empty host tier")
     if not all(len(h) == 32 for h in hashes) or len(set(hashes)) != len(hashes):
         raise PersistError(f"{path} is corrupt (block hashes must be distinct 32-byte digests): "
                            "starting with an empty host tier")

@@ -13,14 +13,16 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.tiers.disk import HEADER, DiskStore
+from pdserve.engine.base.kv_layout import KVLayout
+from pdserve.engine.tiers.disk import HEADER, BlockMeaning, DiskStore
 
-META = {"fingerprint": "model-a", "kv_cache_dtype": "bfloat16", "block_size": 16, "layout": {"layers": 2}}
+META = BlockMeaning("model-a", KVLayout(16, 2, 1, 64, "bfloat16"))
 NBYTES = 4096
 
 
@@ -77,7 +79,7 @@ def test_a_corrupt_or_truncated_file_is_refused_alone(tmp_path):
 
 def test_workers_share_one_directory_and_another_layout_is_never_found(tmp_path):
     a, b = store(tmp_path), store(tmp_path)
-    other = store(tmp_path, meta={**META, "kv_cache_dtype": "int8"})
+    other = store(tmp_path, meta=replace(META, layout=replace(META.layout, dtype="int8")))
     a.put(*block(1))
     b.put(*block(1))  # the same block from two writers: one rename wins, the bytes are the same
     b.put(*block(2))
@@ -110,8 +112,9 @@ def test_eviction_is_lru_within_the_size(tmp_path):
 WRITER = """
 import hashlib, sys
 import numpy as np
-from pdserve.engine.tiers.disk import DiskStore
-meta = {"fingerprint": "model-a", "kv_cache_dtype": "bfloat16", "block_size": 16, "layout": {"layers": 2}}
+from pdserve.engine.base.kv_layout import KVLayout
+from pdserve.engine.tiers.disk import BlockMeaning, DiskStore
+meta = BlockMeaning("model-a", KVLayout(16, 2, 1, 64, "bfloat16"))
 n = int(sys.argv[2])
 s = DiskStore(sys.argv[1], meta, n, 10**12)
 print("ready", flush=True)

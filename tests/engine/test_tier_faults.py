@@ -14,7 +14,8 @@ import os
 import numpy as np
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.tiers.disk import HEADER, DiskStore
+from pdserve.engine.base.kv_layout import KVLayout
+from pdserve.engine.tiers.disk import HEADER, BlockMeaning, DiskStore
 
 from helpers import Tmpfs
 
@@ -22,7 +23,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SHARED = list(range(100, 164))
 PROMPTS = [SHARED + [i, i + 1, i + 2] for i in range(300, 330, 3)]
 NBYTES = 4096
-META = {"fingerprint": "model-a", "kv_cache_dtype": "bfloat16", "block_size": 16, "layout": {"layers": 2}}
+META = BlockMeaning("model-a", KVLayout(16, 2, 1, 64, "bfloat16"))
 
 
 def churn(llm: LLM, p: list[int]) -> list[int]:
