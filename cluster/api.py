@@ -41,6 +41,9 @@ class RequestObserver:
     def on_handoff(self, result: HandoffResult) -> None:
         """A finished send (its state, error, bytes, seconds and spans)."""
 
+    def on_arrive(self, prompt_tokens: int) -> None:
+        """A request came in at the edge (once, whatever its retries; before its placement)."""
+
     def on_finish(self, done: FinishedRequest) -> None:
         """A request ended."""
 

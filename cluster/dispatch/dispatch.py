@@ -82,6 +82,8 @@ class Dispatcher:
         rid = uuid.uuid4().hex[:16]
         hashes = [h.hex() for h in hash_block_tokens(request.prompt_token_ids, self.block_size)]
         self.counters["requests"] += 1
+        for o in self.observers:
+            o.on_arrive(len(request.prompt_token_ids))
         last_error = None
         for n in range(3):
             a = Attempt(rid, n, request, hashes, sink, stream)

@@ -2,18 +2,24 @@
 many should prefill and how many decode, from the load measured under traffic.
 
 Every look (the pools' monitor, once a second; it plans every LOOK_S) it reads the requests
-that finished at the edge in the last `window_s` and the workers' own measures:
+that arrived at the edge in the last `window_s` (`on_arrive`), those that finished there
+(`on_finish`) and the workers' own measures:
 
-    prefill load   rho_p = prompt tokens / s  /  (one prefill worker's prefill tok/s x UTIL_P)
-    decode load    rho_d = sequences decoding at once (Little: sum of decode_s / window)
+    prefill load   rho_p = prompt tokens arrived / s  /  (one prefill worker's prefill tok/s x UTIL_P)
+    decode load    rho_d = sequences decoding at once (Little: requests arrived / s x the
+                           finished requests' mean decode time)
                            /  (one decode worker's sequences at the TPOT target x UTIL_D)
     the split      prefill workers = N x rho_p / (rho_p + rho_d), within the pools' bounds
 
-A prefill worker's rate is its step model's (`prefill_tok_s`, measured at start and from
-every step); a decode worker's sequences at the target are the most whose decode-only step its
-step model fits in margin x TPOT (`decode_capacity`, interpolated at the window's mean
-context), and no more than its KV holds at the window's mean request length. The load is
-what must be served, not how it is served now: a saturated pool's queue does not hide it.
+The load is what arrives, priced by what the finished requests cost: not how it is served now.
+A saturated pool's queue does not hide it, and a queue drained after a move does not count
+twice (requests finishing faster than they arrive, as the backlog of a starved prefill pool
+clears, are not new load; counted by their ends, such a drain once moved a 16-GPU cluster one
+worker past its best split and back). A prefill worker's rate is its step model's
+(`prefill_tok_s`, measured at start and from every step); a decode worker's sequences at the
+target are the most whose decode-only step its step model fits in margin x TPOT
+(`decode_capacity`, interpolated at the window's mean context), and no more than its KV holds
+at the window's mean request length.
 
 The live correction: what the workers' own models say is checked against what the requests
 got. A side whose p90 in the window misses the SLO (TTFT for prefill, TPOT for decode) counts
@@ -111,16 +117,21 @@ class RatioPlanner(RequestObserver):
         """`clock`: the seconds its window, looks and cooldown run by (the simulator passes its own)."""
         self.window_s, self.cooldown_s, self.clock, self.look_s = window_s, cooldown_s, clock, look_s
         self.finished: collections.deque[Finished] = collections.deque(maxlen=100_000)
-        self.since: float | None = None  # when it started to watch (the first request that ended)
+        self.arrived: collections.deque[tuple[float, int]] = collections.deque(maxlen=100_000)  # (t, prompt)
+        self.since: float | None = None  # when it started to watch (the first request that arrived)
         self.last_move = -math.inf
         self.next_look = 0.0
         self.leaning = 0  # the last look's direction (+1: more prefill, -1: more decode, 0: none)
         self.last: dict = {}  # the last plan, for status
 
+    def on_arrive(self, prompt_tokens: int) -> None:
+        now = self.clock()
+        self.since = self.since if self.since is not None else now
+        self.arrived.append((now, prompt_tokens))
+
     def on_finish(self, done) -> None:
         if done.decode_s is not None and done.num_output_tokens > 0:
             now = self.clock()
-            self.since = self.since or now - (done.ttft_s or 0.0) - done.decode_s
             self.finished.append(Finished(now, done.num_prompt_tokens, done.num_output_tokens, done.decode_s,
                                           done.ttft_s))
 
@@ -131,10 +142,12 @@ class RatioPlanner(RequestObserver):
         (ttft_s, tpot_s): the targets the live correction checks the window's p90s against."""
         while self.finished and self.finished[0].t < now - self.window_s:
             self.finished.popleft()
+        while self.arrived and self.arrived[0][0] < now - self.window_s:
+            self.arrived.popleft()
         reqs = list(self.finished)
-        if len(reqs) < MIN_REQUESTS:
+        if len(reqs) < MIN_REQUESTS or not self.arrived:
             return None
-        span = min(self.window_s, max(now - (self.since or reqs[0].t), 1.0))
+        span = min(self.window_s, max(now - (self.since if self.since is not None else now), 1.0))
         rate = _median([s.prefill_tok_s or 0.0 for s in prefill_stats])
         ctx = sum(r.prompt + r.output / 2 for r in reqs) / len(reqs)
         whole = sum(r.prompt + r.output for r in reqs) / len(reqs)
@@ -148,8 +161,9 @@ class RatioPlanner(RequestObserver):
             return None
         k_p = correction([r.ttft_s for r in reqs], slo.ttft_s) if slo is not None else 1.0
         k_d = correction([r.tpot_s for r in reqs], slo.tpot_s) if slo is not None else 1.0
-        return RatioLoad(sum(r.prompt for r in reqs) / span, sum(r.decode_s for r in reqs) / span, rate, cap,
-                         len(reqs), k_p, k_d)
+        per_s = len(self.arrived) / span
+        return RatioLoad(sum(p for _, p in self.arrived) / span, per_s * sum(r.decode_s for r in reqs) / len(reqs),
+                         rate, cap, len(reqs), k_p, k_d)
 
     def plan(self, workers: list, serving, decode_spec, now: float) -> tuple[dict, str] | None:
         """Pools' call (their records, config and decode spec): the new sizes and why, or None. Nothing is

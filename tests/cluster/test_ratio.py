@@ -30,10 +30,14 @@ def decode_stats(at_target=None, blocks=100000):
 
 
 def window(planner: RatioPlanner, now: float, n: int, prompt: int, out: int, decode_s: float, span: float = 20.0,
-           ttft_s: float | None = None):
+           ttft_s: float | None = None, arrived: int | None = None):
+    """`n` requests finished over the last `span` seconds, and as many arrived (or `arrived`)."""
     planner.since = now - span
     for i in range(n):  # spread over the last `span` seconds
         planner.finished.append(Finished(now - span + span * (i + 1) / n, prompt, out, decode_s, ttft_s))
+    planner.arrived.clear()
+    m = n if arrived is None else arrived
+    planner.arrived.extend((now - span + span * i / m, prompt) for i in range(m))
 
 
 def test_the_split_follows_the_load():
@@ -64,6 +68,23 @@ def test_decode_capacity_is_read_at_the_workloads_context_and_bounded_by_kv():
     few = RatioPlanner(window_s=30, cooldown_s=0)
     window(few, now, 10, 1000, 200, 4.0)
     assert few.measure([PREFILL], [decode_stats()], now, SPEC) is None  # too few to measure
+
+
+def test_the_load_is_what_arrives_a_drained_backlog_is_not_new_load():
+    """40 requests finish in 20 s while 20 arrive (a starved prefill pool's queue clearing after a
+    move): the load is the arrivals' 1 req/s, priced by the finished requests' sizes and decode
+    times; counted by their ends it would read twice that (how the planner once overshot)."""
+    now = 1000.0
+    p = RatioPlanner(window_s=30, cooldown_s=0, clock=lambda: now)
+    window(p, now, 40, 1000, 200, 4.0, arrived=20)
+    load = p.measure([PREFILL], [decode_stats({512: 128})], now, SPEC)
+    assert load.prefill_tok_s == pytest.approx(1000.0) and load.decoding == pytest.approx(4.0)
+    # the edge's calls: each arrival once, on the planner's clock; nothing finished yet: no plan
+    q = RatioPlanner(window_s=30, cooldown_s=0, clock=lambda: now)
+    for _ in range(3):
+        q.on_arrive(500)
+    assert q.since == now and list(q.arrived) == [(now, 500)] * 3
+    assert q.measure([PREFILL], [decode_stats()], now, SPEC) is None
 
 
 def test_the_planner_moves_one_worker_after_two_looks_then_cools_down():

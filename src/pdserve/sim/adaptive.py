@@ -2,9 +2,10 @@
 between the pools as the live one's do (`disagg:P:D:adaptive`).
 
 What decides is the live policy itself, `cluster/pools/ratio.RatioPlanner` on the simulated
-clock: it reads the requests that finish (their prompt and output lengths, decode time, TTFT
-and TPOT, as the dispatcher tells it) and the workers' stats (a prefill worker's rate, a decode
-worker's KV room), and each look it may ask for a new split. A move then goes as
+clock: it reads the requests that arrive (their prompt lengths) and those that finish (their
+prompt and output lengths, decode time, TTFT and TPOT), as the dispatcher tells it, and the
+workers' stats (a prefill worker's rate, a decode worker's KV room), and each look it may ask
+for a new split. A move then goes as
 `Pools._plan_switches` and `Pools._switch` make it go live:
 
     pick       the least loaded workers of the pool that gives them up
@@ -47,8 +48,8 @@ class Move:
 
 
 class Mover:
-    """The ratio policy of one simulated cluster: `finished` for each request that ends,
-    `look` on the cluster's stats tick."""
+    """The ratio policy of one simulated cluster: `arrived` for each request that comes in,
+    `finished` for each that ends, `look` on the cluster's stats tick."""
 
     def __init__(self, sim, window_s: float = 30.0, cooldown_s: float = 30.0):
         """`window_s`, `cooldown_s`: the policy's (AutoscaleConfig's defaults)."""
@@ -60,6 +61,10 @@ class Mover:
         for role in ROLES:  # the policy keeps the total: each pool between 1 and the rest
             pool = sim.pools.serving.pool(role)
             pool.min, pool.max = 1, total - 1
+
+    def arrived(self, prompt_tokens: int) -> None:
+        """A request came in at the edge (as the dispatcher reports it, before its placement)."""
+        self.planner.on_arrive(prompt_tokens)
 
     def finished(self, f) -> None:
         """A request ended (the edge's view: FinishedRequest, as the dispatcher reports it)."""

@@ -278,6 +278,8 @@ class Simulation:
         hashes = [h.hex() for h in hash_block_tokens(req.prompt, self.profile.block_size)]
         f = _Flight(rec, req, hashes, Charges())
         rid = f"r{i}"
+        if self.mover is not None:
+            self.mover.arrived(len(req.prompt))
         try:
             placed = _now(self.placer.plan(hashes, req.prompt, f.charges))
         except NoWorker as e:
