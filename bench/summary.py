@@ -778,7 +778,8 @@ def provenance(summary: dict, previous: dict) -> dict:
     """Every key names the machine and the date of its measurement. A key whose value is what
     the committed summary says keeps that entry's device and date; a new or changed value takes
     its own device (the result file's), else the one its command names, and its own date, else today's (a key
-    measured again by another command is new). Keys
+    measured again by another command is new); a kept entry keeps its `second_sitting` (a re-run's value,
+    date and files). Keys
     the committed summary has that no function here makes (entered by hand with their result)
     stay as they are."""
     out = {}
@@ -787,6 +788,8 @@ def provenance(summary: dict, previous: dict) -> dict:
         same = old.get("value") == v["value"] and old.get("command") == v["command"] and "date" in old
         v["device"] = old["device"] if same else v.get("device") or device_of(v["command"])
         v["date"] = old["date"] if same else v.get("date") or datetime.date.today().isoformat()
+        if same and "second_sitting" in old:  # a re-run's value beside it (issue 82's check), kept with it
+            v["second_sitting"] = old["second_sitting"]
         out[k] = v
     return {**out, **{k: v for k, v in previous.items() if k not in out}}
 
