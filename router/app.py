@@ -350,7 +350,9 @@ def add_operations_routes(app: FastAPI, cluster: ServingCluster, metrics: Router
     async def status():
         rows = await asyncio.get_running_loop().run_in_executor(None, cluster.status)
         snap = cluster.snapshot()
+        counts = cluster.counters
         return {"pools": snap.pool_sizes, "workers": rows, "routing": snap.routing,
+                "requests": {"total": counts["requests"], "retries": counts["retries"], "failed": counts["failed"]},
                 "registry": cluster.health()["registry"],
                 "autoscale": {"enabled": snap.autoscale_enabled, "events": snap.autoscale_events,
                               **({"ratio_plan": snap.autoscale_plan} if snap.autoscale_plan is not None else {})}}

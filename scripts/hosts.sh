@@ -7,6 +7,8 @@
 #   bash scripts/hosts.sh list                 # the beds that are up
 #   bash scripts/hosts.sh crash [--name NAME] h2   # h2 loses its power: cable out, every process killed
 #   bash scripts/hosts.sh boot [--name NAME] h2    # h2 is back: cable in, nothing running
+#   bash scripts/hosts.sh impair [--name NAME] h2 DELAY_MS LOSS   # h2's link: DELAY_MS each way, LOSS (0..1)
+#   bash scripts/hosts.sh mend [--name NAME] h2    # h2's link whole again
 #
 # Each host has what a real host has apart from its disk: its own network namespace (its own
 # loopback, and one address on a bridge that only the bed's hosts and this machine share), its own
@@ -31,10 +33,14 @@
 # its init is killed, and Ray's session files and the host's shared memory are gone; `boot` brings
 # the link back, and what the host runs (Ray, sshd) is started again by whoever started it first.
 # Two beds can be up at once (each with its own NAME and subnet).
+#
+# `impair` cuts a host's link in two at the bridge and relays its frames in user space with that
+# delay and loss (scripts/netem.py: what netem does, for kernels without sch_netem), its senders set
+# to one TCP segment a frame so that a loss is one segment's; `mend` puts the cable back as it was.
 set -euo pipefail
 
 STATE=/run/pdserve-hosts
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "hosts.sh: $*" >&2; exit 1; }
 
 cmd=${1:-}; [ -n "$cmd" ] || usage; shift
@@ -172,6 +178,9 @@ ssh_host() {  # a host's sshd on its address, root's own home and Python environ
 down_bed() {
     [ -d "$dir" ] || return 0
     local f pid
+    for f in "$dir"/*.netem; do  # the relays of impaired links
+        [ -e "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
+    done
     for f in "$dir"/*.pid; do
         [ -e "$f" ] || continue
         pid=$(cat "$f")
@@ -211,6 +220,33 @@ case "$cmd" in
         else
             nsenter -t "$pid" --net -- ip link set eth0 up
         fi ;;
+    impair)
+        [ ${#args[@]} -eq 3 ] || usage
+        pid=$(host_pid "${args[0]}"); i=${args[0]#h}; sw=$name-sw
+        [ -e "$dir/h$i.netem" ] && die "${args[0]}'s link is impaired already (mend it first)"
+        # p$i (the host's cable at the bridge) leaves the bridge; q$i/r$i take its place, the relay between
+        ip -n "$sw" link set "p$i" nomaster
+        ip -n "$sw" link add "q$i" type veth peer name "r$i"
+        ip -n "$sw" link set "q$i" master br0 up
+        for l in "p$i" "r$i"; do ip -n "$sw" link set "$l" promisc on up; done
+        for l in "q$i" "r$i" "p$i"; do ip -n "$sw" link set "$l" gso_max_segs 1; done
+        nsenter -t "$pid" --net -- ip link set eth0 gso_max_segs 1
+        repo=${keep[0]}
+        ip netns exec "$sw" "${PYTHON:-python3}" "$repo/scripts/netem.py" "p$i" "r$i" --delay-ms "${args[1]}" \
+            --loss "${args[2]}" > "$dir/h$i.netem.log" 2>&1 &
+        echo $! > "$dir/h$i.netem"
+        for _ in $(seq 1 100); do grep -q relaying "$dir/h$i.netem.log" 2>/dev/null && break; sleep 0.05; done
+        grep -q relaying "$dir/h$i.netem.log" || { cat "$dir/h$i.netem.log" >&2; die "the relay did not start"; } ;;
+    mend)
+        [ ${#args[@]} -eq 1 ] || usage
+        pid=$(host_pid "${args[0]}"); i=${args[0]#h}; sw=$name-sw
+        [ -e "$dir/h$i.netem" ] || exit 0
+        kill "$(cat "$dir/h$i.netem")" 2>/dev/null || true
+        ip -n "$sw" link del "q$i" 2>/dev/null || true
+        ip -n "$sw" link set "p$i" promisc off master br0 up
+        ip -n "$sw" link set "p$i" gso_max_segs 65535
+        nsenter -t "$pid" --net -- ip link set eth0 gso_max_segs 65535
+        rm -f "$dir/h$i.netem" "$dir/h$i.netem.log" ;;
     addr) cat "$dir/${args[0]}.addr" ;;
     list) for d in "$STATE"/*/; do [ -d "$d" ] && echo "$(basename "$d") $(cat "$d/subnet").0/24"; done; true ;;
     *) usage ;;

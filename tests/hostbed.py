@@ -105,6 +105,18 @@ class HostBed:
             out = self.run(src, "ip", "route", "add" if cut else "del", "blackhole", f"{self.addr[dst]}/32")
             assert out.returncode == 0, out.stderr
 
+    def impair(self, host: str, delay_ms: float, loss: float) -> None:
+        """`host`'s link delays each frame `delay_ms` each way and drops `loss` of them (hosts.sh
+        impair: netem's delay and loss, relayed in user space)."""
+        out = subprocess.run(["bash", str(SCRIPT), "impair", "--name", self.name, host, str(delay_ms), str(loss)],
+                             capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+        assert out.returncode == 0, out.stderr
+
+    def mend(self, host: str) -> None:
+        """`host`'s link whole again (hosts.sh mend)."""
+        out = subprocess.run(["bash", str(SCRIPT), "mend", "--name", self.name, host], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
     def run(self, host: str, *cmd: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(host, *cmd), env=env, capture_output=True, text=True, timeout=timeout)
 
