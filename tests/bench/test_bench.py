@@ -330,3 +330,40 @@ def test_phase_stats_cut_a_handoff_at_its_spans_per_request():
     head = text.split("per-request timeline):")[1].strip().splitlines()[0]
     assert head == ("| rate | kv_to_first_token | local_first_token | kv_transfer | kv_pickup | first_token_emit "
                     "| first_token_relay | kv_to_first_token_over_transfer |")
+
+
+def test_plan_validation_predicts_past_the_runs_rates_and_counts_a_measured_bound_as_censored():
+    """bench/plan_validate.py: where a run's rates do not bound the simulator's goodput (every rate
+    predicted under 90%), it predicts further rates down until one does, so a prediction is a
+    number, not the grid's edge; against a measured lower bound only a shortfall is an error, and
+    a bound that may hide the winner leaves its group unjudged."""
+    bench_dir = pathlib.Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        import plan_validate
+    finally:
+        sys.path.remove(str(bench_dir))
+    from pdserve.sim import Profile, predict
+
+    prof = Profile.load(str(bench_dir / "results" / "profiles" / "llama3-8b.json"))
+    asked = []
+
+    def predict_at(rates: str) -> list[dict]:
+        asked.append(rates)
+        argv = ["--workload", "synthetic", "--input-len", "4096", "--output-len", "256", "--slo-ttft", "1.0",
+                "--slo-tpot", "0.04", "--rates", rates, "--num-requests", "60", "--seed", "0"]
+        return predict(prof, "colocated:1", argv)["runs"]
+
+    runs, extra = plan_validate.extend(predict_at, "9,10")  # one engine's goodput is ~5 req/s
+    assert goodput([r for r in runs if r["rate"] in (9, 10)])["rps"] == 0.0
+    assert extra and extra == sorted(extra, reverse=True) and all(a - b == 1 for a, b in zip([9, *extra], extra))
+    g = goodput(runs)
+    assert 0 < g["rps"] < 9 and not g["lower_bound"] and min(extra) <= g["rps"]
+    assert asked == ["9,10", *[f"{x:g}" for x in extra]]
+    assert plan_validate.error(6.0, 4.0, True) == 0.0 and plan_validate.error(3.0, 4.0, True) == -0.25
+    assert plan_validate.error(6.0, 4.0, False) == 0.5
+    rows = {"a": {"measured": 5.0, "measured_is_bound": False}, "b": {"measured": 4.0, "measured_is_bound": True},
+            "c": {"measured": 3.0, "measured_is_bound": False}}
+    assert plan_validate.winner(("a", "b"), rows) is None  # b may have served more than a
+    assert plan_validate.winner(("a", "c"), rows) == "a"
+    assert plan_validate.winner(("b", "c"), rows) == "b"  # b's bound already beats c
