@@ -40,6 +40,16 @@ class KVLayout:
             values = self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         return self.num_layers * self.parts * self.block_size * self.num_kv_heads * (values + self.scale_bytes)
 
+    def tensor(self, num_blocks: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of the block-major tensor that holds `num_blocks` blocks of this
+        layout: [num_blocks, layers, parts, block_size, kv_heads, head_dim] of the values' dtype, or
+        for a quantized cache a uint8 slab whose rows hold the values, then their scale(s)."""
+        rows = (num_blocks, self.num_layers, self.parts, self.block_size, self.num_kv_heads)
+        if self.scale_bytes:
+            values = self.head_dim // 2 if self.dtype == "int4" else self.head_dim
+            return (*rows, values + self.scale_bytes), torch.uint8
+        return (*rows, self.head_dim), getattr(torch, self.dtype)
+
     def as_dict(self) -> dict:
         """The fields; `parts` only when it is not 2, so GQA layouts read as they always have (in
         persisted files and on the wire)."""

@@ -24,9 +24,10 @@ import weakref
 
 import torch
 
-from ..base.kv_layout import kv_layout, local_kv_heads
+from ..base.kv_layout import KVLayout
 from ..config import EngineConfig
 from ..ops import kv_quant
+from ..settings import CacheSettings
 
 
 def activation_bytes(config: EngineConfig, graph_tokens: int = 0) -> int:
@@ -63,27 +64,25 @@ def share_budget(utilization: float, free: int, total: int, held: int, activatio
     return budget
 
 
-def gpu_kv_budget(config: EngineConfig, activation_bytes: int) -> int:
+def gpu_kv_budget(utilization: float, dev: torch.device, activation_bytes: int) -> int:
     """share_budget of this process on its GPU, as the driver and torch's allocator count it."""
-    dev = config.torch_device
     # memory this process freed but its caching allocator still holds (an engine closed before
     # this one) is given back first, so that it is not counted as this process's
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
-    return share_budget(config.gpu_memory_utilization, free, total, torch.cuda.memory_reserved(dev),
-                        activation_bytes)
+    return share_budget(utilization, free, total, torch.cuda.memory_reserved(dev), activation_bytes)
 
 
-def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
-    """How many blocks the budget buys: the override, a byte budget, or GPU memory."""
-    layout = kv_layout(config)
-    if config.num_gpu_blocks_override is not None:
-        return config.num_gpu_blocks_override
-    if config.kv_cache_memory_bytes is not None:
-        budget = config.kv_cache_memory_bytes
-    elif config.torch_device.type == "cuda":
-        budget = gpu_kv_budget(config, activation_bytes)
+def num_kv_blocks(cache: CacheSettings, layout: KVLayout, device: torch.device, activation_bytes: int = 0) -> int:
+    """How many blocks of `layout` the cache settings' budget buys on `device`: the override, a byte
+    budget, or the worker's share of GPU memory less `activation_bytes` of scratch."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        budget = gpu_kv_budget(cache.gpu_memory_utilization, device, activation_bytes)
     else:
         budget = 1 << 30  # CPU default: 1 GiB
     n = budget // layout.block_bytes
@@ -94,15 +93,15 @@ def num_kv_blocks(config: EngineConfig, activation_bytes: int = 0) -> int:
     return int(n)
 
 
-def check_decode_room(config: EngineConfig, num_blocks: int) -> None:
+def check_decode_room(cache: CacheSettings, max_num_seqs: int, num_blocks: int) -> None:
     """Refuses, in one line with the numbers, an engine whose KV room holds fewer than max_num_seqs
-    sequences of config.decode_batch_len tokens (a decode batch that would wait for blocks)."""
-    n = config.decode_batch_len
+    sequences of cache.decode_batch_len tokens (a decode batch that would wait for blocks)."""
+    n = cache.decode_batch_len
     if n is None:
         return
-    bs = config.block_size
+    bs = cache.block_size
     held = num_blocks // -(-n // bs)
-    if held >= config.max_num_seqs:
+    if held >= max_num_seqs:
         return
     room = f"decode_batch_len {n}: this worker's KV room, {num_blocks} blocks of {bs} = {num_blocks * bs} tokens, "
     more = ("give the worker more room (gpu_memory_utilization, more GPUs by tensor_parallel_size, a smaller "
@@ -110,20 +109,17 @@ def check_decode_room(config: EngineConfig, num_blocks: int) -> None:
     if held == 0:
         raise ValueError(f"{room}holds no sequence of {n} tokens: {more}, or lower decode_batch_len")
     raise ValueError(f"{room}holds {held} sequences of {n} tokens, fewer than its decode batch (max_num_seqs "
-                     f"{config.max_num_seqs}): lower max_num_seqs to {held}, or {more}")
+                     f"{max_num_seqs}): lower max_num_seqs to {held}, or {more}")
 
 
-def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
-    mc = config.model_config
-    d = mc.kv_cache_spec.head_dim
-    shape = (num_blocks, mc.num_layers, mc.kv_cache_spec.parts, config.block_size, local_kv_heads(config))
-    if kv_quant.is_scaled(config.kv_cache_dtype):  # the row's values, then its scale(s)
-        shape, dtype = (*shape, kv_quant.row_bytes(config.kv_cache_dtype, d)), torch.uint8
-    else:
-        shape, dtype = (*shape, d), config.kv_dtype
-    if config.torch_device.type == "cpu":
+def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """`num_blocks` blocks of `layout` on `device`, zeroed (on CPU committed as they are first
+    written: zeros_on_demand). The tensor's shape and dtype are the layout's (KVLayout.tensor), so
+    what the wire check and the persisted tier describe is what is allocated."""
+    shape, dtype = layout.tensor(num_blocks)
+    if device.type == "cpu":
         return zeros_on_demand(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=config.torch_device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def zeros_on_demand(shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..base.host_to_device import to_device
+from ..base.kv_layout import kv_layout
 from ..base.kv_window import KVWindow, add_scores, rotate_keys
 from ..base.tp import TPGroup
 from ..config import EngineConfig
@@ -44,7 +45,7 @@ from ..sampling_params import SamplingParams
 from ..tiers.offload import HostCache, host_slots
 from . import step_inputs
 from .graphs import StepGraphs, piece_tokens
-from .kv_cache import activation_bytes, allocate_kv_cache, check_decode_room, kv_layout, layer_views, num_kv_blocks
+from .kv_cache import activation_bytes, allocate_kv_cache, check_decode_room, layer_views, num_kv_blocks
 from .loader import load_model
 from .step_inputs import FlatBatch, StepInputs, StepPath
 from .step_result import StepResult
@@ -94,11 +95,11 @@ class ModelRunner:
         graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
                   and self.model.attention(0).capturable)
         scratch = activation_bytes(config, piece_tokens(config) if graphs else 0)
-        self.num_blocks = self.tp.min_int(num_kv_blocks(config, scratch))
-        check_decode_room(config, self.num_blocks)  # every rank, the same count: each refuses alike
-        self.kv = allocate_kv_cache(config, self.num_blocks)  # see kv_cache.py for the layout
+        self.layout = kv_layout(config)  # one rank's blocks: what the wire check and the tiers see
+        self.num_blocks = self.tp.min_int(num_kv_blocks(config, self.layout, self.device, scratch))
+        check_decode_room(config, config.max_num_seqs, self.num_blocks)  # every rank the same count: each refuses alike
+        self.kv = allocate_kv_cache(self.layout, self.num_blocks, self.device)  # see kv_cache.py for the layout
         self.kv_views = layer_views(self.kv, config.kv_cache_dtype)
-        self.layout = kv_layout(config)
         self.host = None  # the host tier's buffer on this rank (tiers/offload.py)
         if config.kv_offloading_size:
             self.host = HostCache(self.kv, self.num_host_slots)
