@@ -65,7 +65,7 @@ def test_a_host_cache_costs_memory_as_it_fills_not_up_front(dtype, tiny_models):
     a written block reads back (kv_cache.zeros_on_demand)."""
     before = _resident_mib()
     eng = LLMEngine(EngineConfig(model=tiny_models["llama"], kv_cache_dtype=dtype, max_model_len=128,
-                                 kv_cache_memory_bytes=512 << 20))
+                                 kv_cache_memory_bytes=512 << 20, device="cpu"))  # a CPU cache also on a GPU host
     kv = eng.runner.kv
     assert kv.numel() * kv.element_size() > 500 << 20 and kv.device.type == "cpu"
     assert _resident_mib() - before < 128
