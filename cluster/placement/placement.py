@@ -151,8 +151,8 @@ class Placer:
 
     def _plan_fetch(self, placed: Placement, runs: dict[str, PrefixRun]) -> None:
         """A peer fetch for the worker that prefills, when a peer's GPU holds more of the prompt
-        and fetching it is predicted faster (routing.plan_fetch); its decision goes into the
-        timeline's `placement` entry."""
+        and fetching it is predicted faster (routing.plan_fetch); its decision, either way, goes
+        into the timeline's `placement` entry."""
         w = placed.prefills_on
         own = runs[w.worker_id].tier if w.worker_id in runs else 0
         if max(r.gpu for r in runs.values()) <= own:
@@ -163,10 +163,10 @@ class Placer:
                        w.info.layout.block_bytes, w.stats.prefill_tok_s)
         if d is None:
             return
+        placed.explain = {**(placed.explain or {}), **d.explain()}
+        if not d.faster:
+            return
         placed.fetch = FetchPlan(d.holder, d.blocks, self.pools.workers[d.holder].tp)
-        placed.explain = {**(placed.explain or {}), "fetch": {"holder": d.holder, "blocks": d.blocks,
-                                                             "fetch_s": round(d.fetch_s, 4),
-                                                             "recompute_s": round(d.recompute_s, 4)}}
         self.count("peer_fetch")
 
     @staticmethod

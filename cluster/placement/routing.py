@@ -179,6 +179,17 @@ class FetchDecision:
     fetch_s: float  # predicted: FETCH_FIXED_S + the holder's wait + the missing blocks' bytes over the link
     recompute_s: float  # predicted: their tokens at the placed worker's prefill rate
 
+    @property
+    def faster(self) -> bool:
+        """Fetching is predicted to land sooner than recomputing: the fetch is planned."""
+        return self.fetch_s < self.recompute_s
+
+    def explain(self) -> dict:
+        """The timeline's `placement` entry for this decision (`fetch` when planned, else `recompute`)."""
+        return {"fetch" if self.faster else "recompute": {
+            "holder": self.holder, "blocks": self.blocks, "fetch_s": round(self.fetch_s, 4),
+            "recompute_s": round(self.recompute_s, 4)}}
+
 
 def plan_fetch(placed: str, runs: dict[str, tuple[int, int]], holders: dict[str, Holder], block_size: int,
                block_bytes: int, rate: float | None) -> FetchDecision | None:
@@ -196,4 +207,4 @@ def plan_fetch(placed: str, runs: dict[str, tuple[int, int]], holders: dict[str,
     h = holders[best[1]]
     d = FetchDecision(best[1], best[0], FETCH_FIXED_S + h.wait_s + n * block_bytes / (h.gbps * 1e9),
                       n * block_size / rate)
-    return d if d.fetch_s < d.recompute_s else None
+    return d
