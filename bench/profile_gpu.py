@@ -7,6 +7,12 @@ simulator to predict the committed serving runs from (docs/performance.md, capac
 Each shape is served as the serving runs serve it (bench/serving_gpu.py: random bf16 weights,
 max_model_len 8704, 0.85 of the GPU's memory) with the prefill pool's step budget (8192), so
 every chunk size the runs meet is timed. Prints a table of what each profile holds last.
+
+    python bench/profile_gpu.py --tokenizer TOK --shapes llama3-8b --sharing
+
+adds to each committed profile what two engines of the shape cost each other on one GPU, as the
+one-GPU serving runs run them (0.42 of its memory each; pdserve.sim.sharing: decode b32 at 2048
+tokens and prefill chunks of 8192, alone and side by side), leaving its step fit as it is.
 """
 
 from __future__ import annotations
@@ -32,11 +38,51 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device-name", default="one H200")
     ap.add_argument("--out", default="bench/results/profiles")
     ap.add_argument("--extra", default="", help="more `pdserve profile` flags, space-separated")
+    ap.add_argument("--sharing", action="store_true",
+                    help="measure two engines sharing the GPU into the committed profiles (no re-profile)")
+    ap.add_argument("--seconds", type=float, default=8.0, help="--sharing: each window's seconds")
     return ap
+
+
+def add_sharing(args) -> int:
+    """Two engines of each shape on this GPU, measured into its committed profile."""
+    from tqdm import tqdm
+
+    from pdserve.sim.profile import Profile
+    from pdserve.sim.sharing import measure
+
+    rows = []
+    for shape in args.shapes.split(","):
+        path = os.path.join(args.out, f"{shape}.json")
+        prof = Profile.load(path)
+        model = build_model(tempfile.mkdtemp(), args.tokenizer, shape)
+        engine_args = dict(model=model, load_format="dummy", dtype="bfloat16", max_model_len=8704,
+                           gpu_memory_utilization=0.42, max_num_batched_tokens=8192)
+        t = time.time()
+        with tqdm(total=5, desc=f"sharing {shape}", unit="window") as bar:
+            def progress(done: int, total: int, what: str) -> None:
+                bar.set_postfix_str(what)
+                bar.update(done - bar.n)
+
+            prof.sharing = measure(engine_args, context=2048, batch=32, seconds=args.seconds, progress=progress,
+                                   source=f"python3 bench/profile_gpu.py --tokenizer TOK --shapes {shape} --sharing"
+                                          f"  # {args.device_name}")
+        prof.save(path)
+        f = prof.sharing.factors
+        rows.append((shape, *(f"{f[k]:.2f}" for k in (("decode", "prefill"), ("prefill", "decode"),
+                                                      ("decode", "decode"), ("prefill", "prefill"))),
+                     f"{time.time() - t:.0f}"))
+    print("\n| shape | decode beside prefill | prefill beside decode | decode beside decode | "
+          "prefill beside prefill | s |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    return 0
 
 
 def main() -> int:
     args = parser().parse_args()
+    if args.sharing:
+        return add_sharing(args)
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for shape in args.shapes.split(","):

@@ -171,7 +171,7 @@ class Simulation:
         self.pools = SimPools(layout.mode, serving, _Spec(layout.max_num_seqs, profile.block_size))
         self.engines: dict[str, SimEngine] = {}
         tpot = engine_slo_tpot_s if engine_slo_tpot_s is not None else slo.tpot_s
-        shared = SimGpu(self, "gpu0") if layout.one_gpu else None
+        shared = SimGpu(self, "gpu0", profile.sharing) if layout.one_gpu else None
         gpus = itertools.count()
 
         def add(role: str, prof: Profile, budget: int, target: float | None) -> None:

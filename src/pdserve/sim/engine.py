@@ -8,7 +8,8 @@ request ends at its max_tokens. A prefill worker's finished prompts keep their b
 handoff is over (`release`), as the live prefill role's do.
 
 A SimGpu runs one step at a time: the engines on it (two sharing one GPU, as the one-GPU serving
-runs do) queue for it in turn.
+runs do) queue for it in turn; with a profile's measured sharing (sharing.py) they step side by
+side instead, each step slowed by what the other runs.
 
 Lifecycle: the simulator (cluster.py) adds requests (`add`, `admit_prefilled`); the engine asks
 its GPU for a step whenever it has work; at a step's end it calls the simulator back with each
@@ -18,6 +19,7 @@ request that sampled a token (`on_token(engine, request, now)`) and each that fi
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from pdserve.cluster.records import WorkerRecord, WorkerStats
 from pdserve.engine.core.kv_cache_manager import KVCacheManager
@@ -26,21 +28,31 @@ from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.core.step_model import placement_stats
 
 from .profile import Profile
+from .sharing import Sharing
 
 TOKEN = 0  # the id every simulated sample is
 
 
 class SimGpu:
-    """One GPU: steps of the engines on it, one at a time, in the order they asked."""
+    """One GPU. Without `sharing`: the steps of the engines on it one at a time, in the order they
+    asked. With it (a profile's measured sharing.Sharing, for engines sharing the GPU): every
+    engine's step runs as soon as it asks, each stretched by its factor for the time another
+    engine's step runs beside it (the step's seconds alone are its work; it progresses at 1 /
+    factor of that while it shares)."""
 
-    def __init__(self, sim, name: str):
-        self.sim, self.name = sim, name
+    def __init__(self, sim, name: str, sharing: Sharing | None = None):
+        self.sim, self.name, self.sharing = sim, name, sharing
         self.queue: deque[SimEngine] = deque()
         self.running: SimEngine | None = None
         self.busy_s = 0.0
+        self.steps: dict[SimEngine, _SharedStep] = {}  # with sharing: the steps running now
+        self._at = 0.0  # when the running steps' work was last brought up to date
 
     def want(self, engine: SimEngine) -> None:
-        if engine is not self.running and engine not in self.queue:
+        if self.sharing is not None:
+            if engine not in self.steps:
+                self._start(engine)
+        elif engine is not self.running and engine not in self.queue:
             self.queue.append(engine)
             self._next()
 
@@ -60,6 +72,54 @@ class SimGpu:
         if engine.has_work:
             self.queue.append(engine)
         self._next()
+
+    # ---- side by side (sharing) ----------------------------------------------------------------
+    def _start(self, engine: SimEngine) -> None:
+        seconds = engine.start_step()
+        if seconds is None:
+            return  # it asks again when blocks free
+        self._progress()
+        self.steps[engine] = _SharedStep(seconds, engine.step_kind, self.sim.now)
+        self.busy_s += seconds
+        self._plan()
+
+    def _stretch(self, engine: SimEngine) -> float:
+        own = self.steps[engine].kind
+        return max((self.sharing.factor(own, st.kind) for e, st in self.steps.items() if e is not engine),
+                   default=1.0)
+
+    def _progress(self) -> None:
+        """Every running step's work left, brought to now at the rate it ran since the last change."""
+        dt = self.sim.now - self._at
+        if dt > 0:
+            for e, st in self.steps.items():
+                st.left -= dt / self._stretch(e)
+        self._at = self.sim.now
+
+    def _plan(self) -> None:
+        """Each running step's end at its rate now (an end planned before a change is void)."""
+        for e, st in self.steps.items():
+            st.version += 1
+            self.sim.at(self.sim.now + max(st.left, 0.0) * self._stretch(e), self._ended, e, st.version)
+
+    def _ended(self, engine: SimEngine, version: int) -> None:
+        st = self.steps.get(engine)
+        if st is None or st.version != version:
+            return
+        self._progress()
+        del self.steps[engine]
+        engine.end_step(self.sim.now - st.started)
+        self._plan()
+        if engine.has_work and engine not in self.steps:
+            self._start(engine)
+
+
+@dataclass
+class _SharedStep:
+    left: float  # its seconds alone not yet run
+    kind: str  # "decode" or "prefill" (sharing.KINDS)
+    started: float
+    version: int = 0
 
 
 class SimEngine:
@@ -126,6 +186,11 @@ class SimEngine:
         shape = sched.shape
         self._step = sched
         return max(self.model.predict(shape.rows, shape.prefill_tokens, shape.kv_tokens, shape.attn), 1e-5)
+
+    @property
+    def step_kind(self) -> str:
+        """The running step's kind, as sharing.KINDS names it."""
+        return "prefill" if self._step.shape.prefill_tokens else "decode"
 
     def end_step(self, seconds: float) -> None:
         sched, self._step = self._step, None

@@ -11,6 +11,8 @@ from which the simulator (cluster.py) predicts a whole cluster.
     handoff     per link (same_gpu, same_host, network): a KV handoff's fixed seconds and its
                 bandwidth, measured (same_gpu) or given with their source
     engine      the profiled engine's max_num_seqs, max_model_len, block size
+    sharing     two engines of this shape on one GPU: each step kind's slowdown beside the other's
+                (sharing.py, measured; absent: the simulator runs their steps in turn)
 
 A profile is JSON (`save`, `load`); `pdserve profile` writes one (profiler.py).
 """
@@ -21,6 +23,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from pdserve.engine.core.step_model import FEATURES, StepModel
+
+from .sharing import Sharing
 
 LINKS = ("same_gpu", "same_host", "network")
 
@@ -55,6 +59,7 @@ class Profile:
     samples: int = 0  # steps the fit saw
     fit_error: float = 0.0  # median |predicted - measured| / measured over them
     command: str = ""
+    sharing: Sharing | None = None  # two engines on one GPU, measured (sharing.py); None: in turn
 
     def num_blocks(self, share: float) -> int:
         """The KV blocks one worker holds at `share` of the GPU's memory."""
@@ -74,6 +79,7 @@ class Profile:
     def save(self, path: str) -> None:
         data = asdict(self)
         data["graphs"] = {str(k): v for k, v in self.graphs.items()}
+        data["sharing"] = self.sharing.as_json() if self.sharing is not None else None
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
@@ -87,4 +93,5 @@ class Profile:
             raise ValueError(f"{path}: not a profile (coefficients lack {', '.join(missing)})")
         data["graphs"] = {int(k): v for k, v in data.get("graphs", {}).items()}
         data["handoff"] = {k: Link(**v) for k, v in data.get("handoff", {}).items()}
+        data["sharing"] = Sharing.from_json(data.get("sharing"))
         return cls(**data)
