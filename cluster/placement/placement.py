@@ -141,9 +141,15 @@ class Placer:
         return self.pools.serving.slo
 
     async def plan(self, hashes: list[str], ids: list[int], charges: Charges) -> Placement:
-        """One registry call (the workers' runs of the prompt's hashes) serves both decisions."""
+        """One registry call (the workers' runs of the prompt's hashes) serves both decisions; a
+        registry that does not answer in time leaves both without prefix hints (`registry: no
+        answer` in the timeline's `placement` entry)."""
         runs = await self.registry.runs(hashes) if hashes else {}
-        placed = self._place(runs, hashes, ids, charges)
+        late = runs is None
+        placed = self._place(runs or {}, hashes, ids, charges)
+        if late:  # no prefix hints: the timeline says why a prefix held elsewhere was not used
+            placed.explain = {**(placed.explain or {}), "registry": "no answer"}
+            return placed
         info = placed.prefills_on.info
         if runs and self.pools.serving.handoff.peer_fetch and info is not None and info.layout is not None:
             self._plan_fetch(placed, runs)

@@ -118,13 +118,15 @@ class RegistryLink:
             self._down(type(e).__name__)
         return None
 
-    async def runs(self, hashes: list[str]) -> dict[str, PrefixRun]:
-        """The registry's runs of these hashes per worker (BlockRegistry.runs); {} while it is away
-        (placement then runs without prefix hints)."""
-        if not hashes or not self.up:
+    async def runs(self, hashes: list[str]) -> dict[str, PrefixRun] | None:
+        """The registry's runs of these hashes per worker (BlockRegistry.runs). None where it gave
+        no answer: away, or busy past `call_timeout_s` (placement then goes without prefix hints,
+        and its timeline entry says so)."""
+        if not hashes:
             return {}
-        res = await self._call(self.actor.runs.remote(hashes), self.call_timeout_s)
-        return res or {}
+        if not self.up:
+            return None
+        return await self._call(self.actor.runs.remote(hashes), self.call_timeout_s)
 
     async def unregister(self, worker_id: str) -> None:
         if self.up:

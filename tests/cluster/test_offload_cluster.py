@@ -124,13 +124,9 @@ def test_a_prefix_cached_on_a_busy_worker_is_fetched_by_the_worker_placed_instea
     predicts fetching the 400-token prefix over the pair's link (shared memory on this host) faster
     than recomputing it: B fetches it from A, with the tokens of a plain engine. (A 96-token prefix
     left the decision to timing: on a busy host A's half step, which a fetch waits for, came to
-    about B's recompute, and placement rightly recomputed.)"""
-    shared = list(range(3000, 3400))  # 25 blocks
-    prompts = [shared + [7, 8, 9], shared + [17, 18, 19]]
-    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    with LLM(max_model_len=1024) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
-    hashes = [h.hex() for h in hash_block_tokens(shared, 16)]
+    about B's recompute, and placement rightly recomputed.) A registry that answers placement late
+    (past its call timeout, on a loaded host) leaves that prompt without prefix hints, and its
+    timeline says so: the round is played again with a new prefix, up to three rounds."""
     c = Cluster.start(mode="colocated", decode=2, max_model_len=1024)
     try:
         for i in range(12):  # prefills measured on both workers (consistent hash spreads these)
@@ -139,36 +135,56 @@ def test_a_prefix_cached_on_a_busy_worker_is_fetched_by_the_worker_placed_instea
             c.generate([list(range(5000 + 100 * i, 5100 + 100 * i))], PARAMS)
             time.sleep(1.2)  # the monitor gathers the workers' stats every second
         assert all(w.stats.prefill_tok_s for w in c.pools.workers.values())
-        out = c.generate([prompts[0]], PARAMS)[0]
-        assert out.outputs[0].token_ids == want[0]
-        a = out.decode_worker
-        (b,) = set(c.pools.workers) - {a}
-        deadline = time.monotonic() + 10
-        while ray.get(c.registry.actor.tiers_of.remote(a, hashes)) != ["gpu"] * 25:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        busy = c.stream(prompts[0] + [1, 2], long)  # A's load: the next prompt overflows to B
-        assert next(busy).decode_worker == a
-        out = c.generate([prompts[1]], PARAMS)[0]
-        assert out.decode_worker == b and out.outputs[0].token_ids == want[1]
-        placement = next(t.get("placement") for t in reversed(c.timeline()) if t["decode_worker"] == b)
-        assert placement and "fetch" in placement, (placement, {w: r.stats for w, r in c.pools.workers.items()},
-                                                    ray.get(c.registry.actor.runs.remote(hashes)))
+        late = []
+        for base in (3000, 13000, 23000):
+            placement = _fetch_round(c, list(range(base, base + 400)))  # 25 blocks
+            if placement.get("registry") != "no answer":
+                break
+            late.append(base)
+        assert len(late) < 3, late
+        assert c.counters["routing"].get("peer_fetch") == 1
+    finally:
+        c.shutdown()
+
+
+def _fetch_round(c, shared: list[int]) -> dict:
+    """One round of the busy-holder fetch on `shared` (see the test above): the placement entry
+    of the prompt placed on B, checked unless the registry did not answer it."""
+    prompts = [shared + [7, 8, 9], shared + [17, 18, 19]]
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    hashes = [h.hex() for h in hash_block_tokens(shared, 16)]
+    out = c.generate([prompts[0]], PARAMS)[0]
+    a = out.decode_worker
+    (b,) = set(c.pools.workers) - {a}
+    deadline = time.monotonic() + 10
+    while ray.get(c.registry.actor.tiers_of.remote(a, hashes)) != ["gpu"] * 25:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    busy = c.stream(prompts[0] + [1, 2], long)  # A's load: the next prompt overflows to B
+    assert next(busy).decode_worker == a
+    before = {r["worker_id"]: r for r in c.status()}
+    out = c.generate([prompts[1]], PARAMS)[0]
+    assert out.decode_worker == b
+    placement = next(t.get("placement") for t in reversed(c.timeline()) if t["decode_worker"] == b) or {}
+    if placement.get("registry") != "no answer":
+        assert "fetch" in placement, (placement, {w: r.stats for w, r in c.pools.workers.items()},
+                                      ray.get(c.registry.actor.runs.remote(hashes)))
         assert placement["fetch"]["holder"] == a and placement["fetch"]["blocks"] == 25, placement
         assert out.num_cached_tokens == 400
         deadline = time.monotonic() + 5  # the holder sees its send end at its next poll
         while (rows := {r["worker_id"]: r for r in c.status()})[a]["kv_peer_served_bytes"] == 0:
             assert time.monotonic() < deadline, rows[a]
             time.sleep(0.1)
-        assert rows[b]["prefix_cache_peer_hits"] == 400 and rows[b]["kv_peer_fetches_failed"] == 0, rows[b]
+        assert rows[b]["prefix_cache_peer_hits"] - before[b]["prefix_cache_peer_hits"] == 400, rows[b]
+        assert rows[b]["kv_peer_fetches_failed"] == 0, rows[b]
         assert rows[a]["kv_peer_served_bytes"] == rows[b]["kv_peer_fetched_bytes"] > 0
-        assert c.counters["routing"].get("peer_fetch") == 1
-        for _ in busy:
-            pass
-        for r in c.status():  # nothing pinned or waiting is left behind
-            assert r["request_blocks"] == 0 and r["kv_peer_waiting"] == 0 and r["open_outputs"] == 0, r
-    finally:
-        c.shutdown()
+    with LLM(max_model_len=1024) as llm:
+        assert out.outputs[0].token_ids == llm.generate([prompts[1]], PARAMS)[0].outputs[0].token_ids
+    for _ in busy:
+        pass
+    for r in c.status():  # nothing pinned or waiting is left behind
+        assert r["request_blocks"] == 0 and r["kv_peer_waiting"] == 0 and r["open_outputs"] == 0, r
+    return placement
 
 
 @pytest.mark.slow
