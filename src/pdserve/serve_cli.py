@@ -47,7 +47,11 @@ def serving_config(args: argparse.Namespace):
 
 def _interrupt(sig, frame):
     """SIGTERM as Ctrl-C: the server's `finally` stops the cluster (the default handler would
-    end the process first)."""
+    end the process first). The signal is noted too: raised inside an import that a C extension
+    runs (Ray's first serialization context imports pydantic.v1 as the registry actor is created),
+    the KeyboardInterrupt can come out as another error (a TypeError), and a start that fails
+    after a stop signal is a stop, not a crash."""
+    STOPS.append(sig)
     raise KeyboardInterrupt
 
 
@@ -158,10 +162,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit):  # stopped while starting (SystemExit: ray.init's own SIGTERM
         progress("stopped before serving")  # handler, until ours is back): what had started is stopped
         return 0
-    except ValueError as e:  # a spec a worker refused (WorkerRefused), or an argument: one line, stopped
-        raise CliError(in_flags(str(e))) from None
-    except RayStartError as e:  # Ray did not start or could not be joined: one line, not a traceback
-        raise CliError(str(e)) from None
+    except Exception as e:
+        if STOPS:  # the signal's interrupt, raised inside an import, came out as this (_interrupt)
+            progress(f"stopped before serving ({type(e).__name__} as the signal broke off the start)")
+            return 0
+        if isinstance(e, ValueError):  # a spec a worker refused (WorkerRefused), or an argument: one line
+            raise CliError(in_flags(str(e))) from None
+        if isinstance(e, RayStartError):  # Ray did not start or could not be joined: one line, no traceback
+            raise CliError(str(e)) from None
+        raise
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,
