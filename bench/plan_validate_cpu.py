@@ -1,0 +1,161 @@
+"""The capacity simulator against a live CPU cluster of the default model, end to end on this
+machine: a profile of one engine (`pdserve profile`, one torch thread, as a Ray worker runs), a
+live `pdserve serve --mode colocated --decode 2` swept by `pdserve bench`, and the same sweep
+predicted from the profile alone (`pdserve simulate`). Nothing of the live run goes into the
+prediction.
+
+    python bench/plan_validate_cpu.py --out bench/results/plan/cpu
+
+Writes profile.json, live.json, predicted.json, validation.md / .json / .png under --out (the server's
+log in the temp directory) and prints
+a short table last (per rate: measured and predicted attainment and latencies; goodput each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/plan/cpu")
+    ap.add_argument("--system", default="colocated:2", help="colocated:N | disagg:P:D | hybrid:P:D")
+    ap.add_argument("--rates", default="0.5,1,1.5,2")
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--slo-ttft", type=float, default=2.0)
+    ap.add_argument("--slo-tpot", type=float, default=0.2)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--profile", default=None, help="a profile to use instead of measuring one")
+    ap.add_argument("--contexts", default="128,256,512")
+    ap.add_argument("--batches", default="1,4,16")
+    return ap
+
+
+def pdserve(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], env=env, text=True, **kw)
+
+
+def serve(system: str, max_model_len: int, log_path: str) -> tuple[subprocess.Popen, str]:
+    """`pdserve serve` of `system` on a free port: the process and its URL, once it serves."""
+    mode, *sizes = system.split(":")
+    pools = ["--decode", sizes[0]] if mode == "colocated" else ["--prefill", sizes[0], "--decode", sizes[1]]
+    log = open(log_path, "w")  # noqa: SIM115 - the server's whole life
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--mode", mode, *pools, "--max-model-len",
+                             str(max_model_len), "--port", "0"], stdout=subprocess.PIPE, stderr=log, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"pdserve serve exited {proc.returncode}: see {log_path}")
+        m = re.search(r"on (http://\S+) ", line)
+        if m:
+            return proc, m.group(1)
+    proc.terminate()
+    raise RuntimeError(f"pdserve serve did not serve in 600 s: see {log_path}")
+
+
+def main() -> int:
+    args = parser().parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    bench = ["--workload", "synthetic", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+             "--num-requests", str(args.num_requests), "--rates", args.rates, "--slo-ttft", str(args.slo_ttft),
+             "--slo-tpot", str(args.slo_tpot)]
+    t0 = time.time()
+    prof = args.profile or os.path.join(args.out, "profile.json")
+    if args.profile is None:  # one torch thread: what a Ray worker of one CPU runs with
+        print("profiling one engine of the default model (one thread) ...", flush=True)
+        pdserve("profile", "--max-model-len", str(args.max_model_len), "--contexts", args.contexts, "--batches",
+                args.batches, "--decode-tokens", "16", "--max-tokens-per-point", "8192", "--name", "smollm2-135m",
+                "--device-name", f"CPU ({os.cpu_count()} cores)", "--out", prof,
+                env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+    print(f"serving {args.system} and sweeping {args.rates} req/s ...", flush=True)
+    log = os.path.join(tempfile.gettempdir(), "plan_validate_cpu_serve.log")
+    proc, url = serve(args.system, args.max_model_len, log)
+    try:
+        pdserve("bench", "--url", url, *bench, "--label", f"live {args.system}", "--out", args.out, "--name", "live",
+                check=True)
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+    print("predicting the same sweep from the profile ...", flush=True)
+    pred_path = os.path.join(args.out, "predicted.json")
+    pdserve("simulate", "--profile", prof, "--system", args.system, "--out", pred_path, "--", *bench, check=True)
+    with open(os.path.join(args.out, "live.json")) as f:
+        live = json.load(f)
+    with open(pred_path) as f:
+        pred = json.load(f)
+    rows = compare(live, pred)
+    g_live, g_pred = live["goodput"]["rps"], pred["goodput"]["rps"]
+    err = (g_pred - g_live) / g_live if g_live else None
+    result = {"system": args.system, "bench": bench, "rows": rows, "goodput_measured": g_live,
+              "goodput_predicted": g_pred, "goodput_error": err, "seconds": round(time.time() - t0),
+              "command": "python bench/plan_validate_cpu.py " + " ".join(sys.argv[1:])}
+    with open(os.path.join(args.out, "validation.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    table = ["| rate | attainment measured | predicted | TTFT p50 measured | predicted | TPOT p50 measured | "
+             "predicted |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['rate']:g} | {r['att'][0]:.0%} | {r['att'][1]:.0%} | {r['ttft'][0]:.3f} s | "
+                     f"{r['ttft'][1]:.3f} s | {r['tpot'][0] * 1e3:.1f} ms | {r['tpot'][1] * 1e3:.1f} ms |")
+    text = "\n".join([f"# The simulator against a live CPU cluster ({args.system}, the default model)", "",
+                      f"Command: `{result['command']}` ({result['seconds']} s). Workload: `{' '.join(bench)}`.", "",
+                      *table, "",
+                      f"Goodput (90% attainment): measured {g_live:.2f} req/s, predicted {g_pred:.2f} req/s"
+                      + (f" ({err:+.0%})." if err is not None else "."), ""])
+    with open(os.path.join(args.out, "validation.md"), "w") as f:
+        f.write(text)
+    plot(rows, os.path.join(args.out, "validation.png"), args.system)
+    print("\n" + "\n".join(table))
+    print(f"goodput: measured {g_live:.2f}, predicted {g_pred:.2f} req/s"
+          + (f" ({err:+.0%})" if err is not None else ""))
+    return 0
+
+
+def compare(live: dict, pred: dict) -> list[dict]:
+    """Per rate: (measured, predicted) attainment, TTFT p50 and TPOT p50."""
+    rows = []
+    for a, b in zip(live["runs"], pred["runs"]):
+        rows.append({"rate": a["rate"], "att": (a["slo_attainment"], b["slo_attainment"]),
+                     "ttft": (a["ttft_s"]["p50"] or 0.0, b["ttft_s"]["p50"] or 0.0),
+                     "tpot": (a["tpot_s"]["p50"] or 0.0, b["tpot_s"]["p50"] or 0.0)})
+    return rows
+
+
+def plot(rows: list[dict], path: str, system: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot", file=sys.stderr)
+        return
+    rates = [r["rate"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, key, name, scale in ((axes[0], "att", "SLO attainment", 100), (axes[1], "ttft", "TTFT p50 (s)", 1),
+                                 (axes[2], "tpot", "TPOT p50 (ms)", 1000)):
+        ax.plot(rates, [r[key][0] * scale for r in rows], "o-", label="measured")
+        ax.plot(rates, [r[key][1] * scale for r in rows], "s--", label="predicted")
+        ax.set_xlabel("rate (req/s)")
+        ax.set_title(name)
+    axes[0].legend()
+    fig.suptitle(f"simulator vs live CPU cluster ({system}, default model)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
