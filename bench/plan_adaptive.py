@@ -8,6 +8,11 @@ probed rate, as the serving runs do), and of the same cluster started at an even
 ratio policy moving workers between the pools (`disagg:P:D:adaptive`: cluster/pools/ratio.py
 run on the simulated clock as a live planner runs on the replay's, pdserve.sim.adaptive). The
 ratio is adaptive over the best static one. Writes adaptive.{md,json,png}, prints the table last.
+
+    python bench/plan_adaptive.py --gpus 16 --static 10:6,11:5,12:4 --start-split 11:5 --steps 6
+
+starts the adaptive cluster at a given split instead (here the best static one: whether the policy
+keeps a split that is right, where `pdserve plan` put it) and searches each goodput to 1/64.
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ from plan_grid import with_tpot  # noqa: E402
 from serving_gpu import WORKLOADS  # noqa: E402
 
 
-def one(profile_path: str, system: str, argv: list[str], floor: float, num_requests: int, start: int) -> dict:
+def one(profile_path: str, system: str, argv: list[str], floor: float, num_requests: int, start: int,
+        steps: int = 4) -> dict:
     from pdserve.sim import predict
     from pdserve.sim.layouts import capacity
     from pdserve.sim.profile import Profile
 
     profile = Profile.load(profile_path)
     t0 = time.perf_counter()
-    c = capacity(profile, system, argv, floor, num_requests, start=start)
+    c = capacity(profile, system, argv, floor, num_requests, steps=steps, start=start)
     row = {"system": system, "goodput": c.rps, "attainment": c.attainment, "probes": c.simulations,
            "seconds": round(time.perf_counter() - t0, 1)}
     if system.endswith(":adaptive") and c.rps > 0:  # the moves at the goodput rate
@@ -51,6 +57,10 @@ def main() -> None:
     ap.add_argument("--floor", type=float, default=8.0, help="the capacity search's lowest rate (req/s) per 8 GPUs")
     ap.add_argument("--static", default=None,
                     help="the static splits to search, P:D,... (default: P from N/4 to N - N/8); one GPU count")
+    ap.add_argument("--start-split", default=None,
+                    help="P:D the adaptive cluster starts at (default: an even split); one GPU count")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="bisection steps of each goodput search: within 1/2**steps of the last rate met (4: 1/16)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "plan", "adaptive"))
     args = ap.parse_args()
@@ -62,10 +72,12 @@ def main() -> None:
         floor = args.floor * n / 8
         systems = [f"disagg:{p}:{n - p}" for p in range(max(1, n // 4), n - max(1, n // 8) + 1)] \
             if args.static is None else [f"disagg:{s}" for s in args.static.split(",")]
-        systems.append(f"disagg:{n // 2}:{n - n // 2}:adaptive")
+        systems.append(f"disagg:{args.start_split}:adaptive" if args.start_split else
+                       f"disagg:{n // 2}:{n - n // 2}:adaptive")
         with ProcessPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(one, [args.profile] * len(systems), systems, [argv] * len(systems),
-                                 [floor] * len(systems), [args.num_requests] * len(systems), [3] * len(systems)))
+                                 [floor] * len(systems), [args.num_requests] * len(systems), [3] * len(systems),
+                                 [args.steps] * len(systems)))
         static = [r for r in rows if not r["system"].endswith(":adaptive")]
         best = max(static, key=lambda r: r["goodput"])
         adaptive = rows[-1]
@@ -85,8 +97,10 @@ def main() -> None:
     lines = ["# The ratio policy against the best static split, simulated", "",
              f"`{meta['command']}` (CPU). Llama-3-8B profile on one H200 per worker, the Mooncake trace at its own "
              f"arrival times stretched to each rate, {args.num_requests} requests a probe, TTFT 2 s, TPOT "
-             f"{args.tpot * 1000:g} ms; goodput in req/s at >= 90% attainment. Adaptive: the cluster starts at an "
-             "even split and the ratio policy (cluster/pools/ratio.py: window 30 s, cooldown 30 s) moves workers.", "",
+             f"{args.tpot * 1000:g} ms; goodput in req/s at >= 90% attainment, within 1/{2 ** args.steps} of the "
+             "last rate met. Adaptive: the cluster starts at "
+             + (f"{args.start_split}" if args.start_split else "an even split")
+             + " and the ratio policy (cluster/pools/ratio.py: window 30 s, cooldown 30 s) moves workers.", "",
              "| GPUs | best static | adaptive (from) | adaptive / best static | moves at its goodput |",
              "|---|---|---|---|---|"]
     for p in points:

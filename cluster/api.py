@@ -41,8 +41,9 @@ class RequestObserver:
     def on_handoff(self, result: HandoffResult) -> None:
         """A finished send (its state, error, bytes, seconds and spans)."""
 
-    def on_arrive(self, prompt_tokens: int) -> None:
-        """A request came in at the edge (once, whatever its retries; before its placement)."""
+    def on_arrive(self, prompt_tokens: int, max_tokens: int | None = None) -> None:
+        """A request came in at the edge (once, whatever its retries; before its placement), with
+        its max_tokens (resolved: the rest of max_model_len where the client set none)."""
 
     def on_finish(self, done: FinishedRequest) -> None:
         """A request ended."""
@@ -63,6 +64,7 @@ class FinishedRequest:
     priority: int = 0  # SamplingParams.priority
     ttft_s: float | None = None  # arrival here -> the first token here
     num_preemptions: int = 0  # times a worker preempted it (the last attempt's)
+    max_tokens: int | None = None  # the most it could decode (its max_tokens, resolved)
 
     @property
     def inference_s(self) -> float | None:

@@ -103,7 +103,8 @@ class WorkerCounters:
 class WorkerStats:
     """A worker's counters at one moment. A worker that has not reported yet has `kv_blocks_total`
     None (its info's capacity stands in); `prefill_tok_s` is None until a prefill rate is measured.
-    `decode_capacity`: the step model's table of decode batch at the TPOT target by context.
+    `decode_capacity`: the step model's table of decode batch at the TPOT target by context, and
+    the decode step of that batch (the ratio planner's time a token takes).
     Placement reads the fields above `engine`; metrics and status print `as_dict()`, the row
     made of those fields, the engine's counters (`engine`) and the worker's own (`worker`)."""
     num_running: int = 0

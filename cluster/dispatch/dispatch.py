@@ -83,7 +83,7 @@ class Dispatcher:
         hashes = [h.hex() for h in hash_block_tokens(request.prompt_token_ids, self.block_size)]
         self.counters["requests"] += 1
         for o in self.observers:
-            o.on_arrive(len(request.prompt_token_ids))
+            o.on_arrive(len(request.prompt_token_ids), request.max_tokens)
         last_error = None
         for n in range(3):
             a = Attempt(rid, n, request, hashes, sink, stream)
@@ -300,7 +300,8 @@ class Dispatcher:
                                    now - a.first_at if a.first_at is not None else None,
                                    a.request.params.priority,
                                    a.first_at - a.t0 if a.first_at is not None else None,
-                                   out.metrics.num_preemptions if out.metrics is not None else 0)
+                                   out.metrics.num_preemptions if out.metrics is not None else 0,
+                                   a.request.max_tokens)
             for o in self.observers:
                 o.on_finish(done)
         if a.held is not None and not out.finished:

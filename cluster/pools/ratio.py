@@ -6,12 +6,20 @@ that arrived at the edge in the last `window_s` (`on_arrive`), those that finish
 (`on_finish`) and the workers' own measures:
 
     prefill load   rho_p = prompt tokens arrived / s  /  (one prefill worker's prefill tok/s x UTIL_P)
-    decode load    rho_d = sequences decoding at once (Little: requests arrived / s x the
-                           finished requests' mean decode time)
+    decode load    rho_d = sequences decoding at once (Little: requests arrived / s x their
+                           decode time: the tokens they will decode x the time a token takes)
                            /  (one decode worker's sequences at the TPOT target x UTIL_D)
     the split      prefill workers = N x rho_p / (rho_p + rho_d), within the pools' bounds
 
 The load is what arrives, priced by what the finished requests cost: not how it is served now.
+The tokens a request decodes are its max_tokens (known as it arrives) times the share of their
+max_tokens the finished requests used; the time a token takes, a decode step of the batch the
+plan counts on (the decode workers' step models: `DecodeCapacity.step_at`; the finished requests'
+decode seconds a token until they are fitted). The finished requests' own mean decode time
+undercounts twice where the window starts with the traffic: only the short ones have finished
+yet, and they decoded in small batches (a 16-GPU cluster's first look on the Mooncake trace read
+0.8 s for requests that decode 4.4 s, asked for 14.7 of 16 workers to prefill where 10.8 was
+right, and took 70 s and two more moves to come back).
 A saturated pool's queue does not hide it, and a queue drained after a move does not count
 twice (requests finishing faster than they arrive, as the backlog of a starved prefill pool
 clears, are not new load; counted by their ends, such a drain once moved a 16-GPU cluster one
@@ -56,6 +64,15 @@ LOOK_S = 5.0
 MAX_CORRECTION = 2.0  # the most a missed target multiplies its side's load by
 
 
+class Arrived(NamedTuple):
+    """A request the window holds: when it arrived (the planner's clock), its prompt and its
+    max_tokens (None: not told)."""
+
+    t: float
+    prompt: int
+    max_tokens: int | None = None
+
+
 class Finished(NamedTuple):
     """A request the window holds: when it ended (the planner's clock), its sizes and times."""
 
@@ -64,6 +81,7 @@ class Finished(NamedTuple):
     output: int
     decode_s: float
     ttft_s: float | None = None
+    max_tokens: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -117,23 +135,33 @@ class RatioPlanner(RequestObserver):
         """`clock`: the seconds its window, looks and cooldown run by (the simulator passes its own)."""
         self.window_s, self.cooldown_s, self.clock, self.look_s = window_s, cooldown_s, clock, look_s
         self.finished: collections.deque[Finished] = collections.deque(maxlen=100_000)
-        self.arrived: collections.deque[tuple[float, int]] = collections.deque(maxlen=100_000)  # (t, prompt)
+        self.arrived: collections.deque[Arrived] = collections.deque(maxlen=100_000)
         self.since: float | None = None  # when it started to watch (the first request that arrived)
         self.last_move = -math.inf
         self.next_look = 0.0
         self.leaning = 0  # the last look's direction (+1: more prefill, -1: more decode, 0: none)
         self.last: dict = {}  # the last plan, for status
 
-    def on_arrive(self, prompt_tokens: int) -> None:
+    def on_arrive(self, prompt_tokens: int, max_tokens: int | None = None) -> None:
         now = self.clock()
         self.since = self.since if self.since is not None else now
-        self.arrived.append((now, prompt_tokens))
+        self.arrived.append(Arrived(now, prompt_tokens, max_tokens))
 
     def on_finish(self, done) -> None:
         if done.decode_s is not None and done.num_output_tokens > 0:
             now = self.clock()
             self.finished.append(Finished(now, done.num_prompt_tokens, done.num_output_tokens, done.decode_s,
-                                          done.ttft_s))
+                                          done.ttft_s, done.max_tokens))
+
+    def outputs(self, reqs: list[Finished]) -> float:
+        """The tokens a request of the window decodes, on average: the arrivals' max_tokens times
+        the share of their max_tokens the finished requests used (the finished requests' mean
+        where the arrivals' max_tokens are not known)."""
+        told = [a.max_tokens for a in self.arrived if a.max_tokens]
+        used = [(r.output, r.max_tokens) for r in reqs if r.max_tokens]
+        if not told or not used:
+            return sum(r.output for r in reqs) / len(reqs)
+        return sum(told) / len(told) * min(sum(o for o, _ in used) / sum(m for _, m in used), 1.0)
 
     def measure(self, prefill_stats: list[WorkerStats], decode_stats: list[WorkerStats], now: float,
                 decode_spec, slo=None) -> RatioLoad | None:
@@ -149,8 +177,9 @@ class RatioPlanner(RequestObserver):
             return None
         span = min(self.window_s, max(now - (self.since if self.since is not None else now), 1.0))
         rate = _median([s.prefill_tok_s or 0.0 for s in prefill_stats])
-        ctx = sum(r.prompt + r.output / 2 for r in reqs) / len(reqs)
-        whole = sum(r.prompt + r.output for r in reqs) / len(reqs)
+        prompt = sum(a.prompt for a in self.arrived) / len(self.arrived)
+        out = self.outputs(reqs)
+        ctx, whole = prompt + out / 2, prompt + out
         seqs = []
         for s in decode_stats:
             at_target = s.decode_capacity.at(ctx) or decode_spec.max_num_seqs
@@ -159,11 +188,14 @@ class RatioPlanner(RequestObserver):
         cap = _median(seqs)
         if not rate or not cap:
             return None
+        # a decoded token's time at the batch planned on: the workers' step models' decode step of
+        # their capacity; before they are fitted, the finished requests' decode seconds a token
+        per_token = _median([s.decode_capacity.step_at(ctx) or 0.0 for s in decode_stats]) \
+            or sum(r.decode_s for r in reqs) / max(sum(r.output - 1 for r in reqs), 1)
         k_p = correction([r.ttft_s for r in reqs], slo.ttft_s) if slo is not None else 1.0
         k_d = correction([r.tpot_s for r in reqs], slo.tpot_s) if slo is not None else 1.0
         per_s = len(self.arrived) / span
-        return RatioLoad(sum(p for _, p in self.arrived) / span, per_s * sum(r.decode_s for r in reqs) / len(reqs),
-                         rate, cap, len(reqs), k_p, k_d)
+        return RatioLoad(prompt * per_s, per_s * max(out - 1, 0.0) * per_token, rate, cap, len(reqs), k_p, k_d)
 
     def plan(self, workers: list, serving, decode_spec, now: float) -> tuple[dict, str] | None:
         """Pools' call (their records, config and decode spec): the new sizes and why, or None. Nothing is

@@ -343,11 +343,15 @@ class StepModel:
         return lo
 
     def capacity_table(self, max_model_len: int, max_seqs: int) -> DecodeCapacity:
-        """decode_capacity() at contexts of 512, 2048, 8192 tokens and max_model_len (the engine's
-        stats; the planner interpolates at its workload's mean). Empty before the fit."""
+        """decode_capacity() at contexts of 512, 2048, 8192 tokens and max_model_len, and the
+        predicted decode-only step of that many sequences (of `max_seqs` without a target) at each
+        (the engine's stats; the planner interpolates at its workload's mean). Empty before the fit."""
+        if self.coef is None or max_seqs < 1:
+            return DecodeCapacity()
         ctxs = sorted({c for c in (512, 2048, 8192) if c < max_model_len} | {max_model_len})
         table = {c: self.decode_capacity(c, max_seqs) for c in ctxs}
-        return DecodeCapacity() if None in table.values() else DecodeCapacity.of(table)
+        steps = {c: self.predict(n or max_seqs, 0, (n or max_seqs) * c, 0) for c, n in table.items()}
+        return DecodeCapacity.of({} if None in table.values() else table, steps)
 
     def rate_at(self, decodes: int, kv: int) -> float | None:
         """Prefill tokens per second this engine offers. While it decodes: one chunk of

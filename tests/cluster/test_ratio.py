@@ -11,7 +11,7 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster import Cluster
-from pdserve.cluster.pools.ratio import LOOK_S, MAX_CORRECTION, Finished, RatioLoad, RatioPlanner
+from pdserve.cluster.pools.ratio import LOOK_S, MAX_CORRECTION, Arrived, Finished, RatioLoad, RatioPlanner
 from pdserve.cluster.records import WorkerStats
 from pdserve.cluster.spec.serving_config import ServingConfig, SloConfig
 from pdserve.engine.config import EngineConfig
@@ -37,7 +37,7 @@ def window(planner: RatioPlanner, now: float, n: int, prompt: int, out: int, dec
         planner.finished.append(Finished(now - span + span * (i + 1) / n, prompt, out, decode_s, ttft_s))
     planner.arrived.clear()
     m = n if arrived is None else arrived
-    planner.arrived.extend((now - span + span * i / m, prompt) for i in range(m))
+    planner.arrived.extend(Arrived(now - span + span * i / m, prompt) for i in range(m))
 
 
 def test_the_split_follows_the_load():
@@ -82,9 +82,31 @@ def test_the_load_is_what_arrives_a_drained_backlog_is_not_new_load():
     # the edge's calls: each arrival once, on the planner's clock; nothing finished yet: no plan
     q = RatioPlanner(window_s=30, cooldown_s=0, clock=lambda: now)
     for _ in range(3):
-        q.on_arrive(500)
-    assert q.since == now and list(q.arrived) == [(now, 500)] * 3
+        q.on_arrive(500, 64)
+    assert q.since == now and list(q.arrived) == [Arrived(now, 500, 64)] * 3
     assert q.measure([PREFILL], [decode_stats()], now, SPEC) is None
+
+
+def test_the_decode_load_counts_the_long_requests_that_have_not_finished_yet():
+    """The window's first look after the traffic starts: 40 requests arrived over 20 s, half
+    asking for 20 tokens and half for 380, and only the short ones have finished (20 tokens each,
+    19 after the first in 0.38 s: 20 ms a token). Every request decodes 199 tokens after its first
+    on average, 3.98 s: 2 req/s x 3.98 s = 7.96 decoding. The finished requests' own mean decode
+    time (0.38 s) read 0.76, ten times too few, and moved the split to prefill. Requests that stop
+    before their max_tokens count the share the finished ones used; without max_tokens, the
+    finished requests' mean stands."""
+    now = 1000.0
+    p = RatioPlanner(window_s=30, cooldown_s=0, clock=lambda: now)
+    p.since = now - 20
+    p.arrived.extend(Arrived(now - 20 + i / 2, 1000, 20 if i % 2 else 380) for i in range(40))
+    p.finished.extend(Finished(now - 19 + i, 1000, 20, 0.38, 0.2, 20) for i in range(20))
+    load = p.measure([PREFILL], [decode_stats({512: 128})], now, SPEC)
+    assert load.prefill_tok_s == pytest.approx(2000.0) and load.decoding == pytest.approx(2 * 199 * 0.02)
+    assert load.decode_seqs == pytest.approx(128)  # at 1000 + 200 / 2 tokens: past the table's last context
+    p.finished = type(p.finished)(Finished(r.t, r.prompt, 10, 0.18, 0.2, 20) for r in p.finished)  # EOS at half
+    assert p.measure([PREFILL], [decode_stats({512: 128})], now, SPEC).decoding == pytest.approx(2 * 99 * 0.02)
+    p.arrived = type(p.arrived)(a._replace(max_tokens=None) for a in p.arrived)
+    assert p.measure([PREFILL], [decode_stats({512: 128})], now, SPEC).decoding == pytest.approx(2 * 0.18)
 
 
 def test_the_planner_moves_one_worker_after_two_looks_then_cools_down():
@@ -150,8 +172,33 @@ def test_the_step_model_says_how_many_decodes_fit_the_target():
     # 0.010 + b x (0.0002 + 0.0009) <= 0.040: b <= 27 at 900 tokens of context
     assert m.decode_capacity(900, 256) == 27
     assert m.decode_capacity(900, 16) == 16  # max_num_seqs bounds it
-    assert m.capacity_table(4096, 256) == DecodeCapacity(((512, 42), (2048, 13), (4096, 6)))
-    assert StepModel(2048).capacity_table(4096, 256) == DecodeCapacity()  # no target: nothing to fit
+    table = m.capacity_table(4096, 256)
+    assert table.points == ((512, 42), (2048, 13), (4096, 6))
+    # and the step of that many decodes at each: the time a token takes at the batch planned on
+    assert [c for c, _ in table.steps] == [512, 2048, 4096]
+    for (c, n), (_, t) in zip(table.points, table.steps):
+        assert t == pytest.approx(0.010 + n * (0.0002 + 1e-6 * c))
+    assert table.step_at(1280) == pytest.approx((table.steps[0][1] + table.steps[1][1]) / 2)
+    assert StepModel(2048).capacity_table(4096, 256) == DecodeCapacity()  # not fitted: nothing to say
+    # without a target: no sequences at it, and the step of max_num_seqs decodes
+    free = StepModel(2048)
+    free.coef, free.slo_tpot_s = m.coef, None
+    untargeted = free.capacity_table(4096, 64)
+    assert untargeted.points == () and untargeted.at(1000) is None
+    assert untargeted.step_at(2048) == pytest.approx(0.010 + 64 * (0.0002 + 1e-6 * 2048))
+
+
+def test_the_time_a_token_takes_is_the_decode_workers_step_at_the_batch_planned_on():
+    """The finished requests of a window that starts with the traffic decoded in small batches
+    (here 5 ms a token); the decode pool is planned at its capacity, whose step its step model
+    says (25 ms): Little's law counts the sequences at that pace, five times as many."""
+    now = 1000.0
+    p = RatioPlanner(window_s=30, cooldown_s=0, clock=lambda: now)
+    window(p, now, 40, 1000, 201, 1.0)  # 2 req/s, 200 tokens after the first at 5 ms
+    light = p.measure([PREFILL], [decode_stats({512: 128})], now, SPEC)
+    assert light.decoding == pytest.approx(2 * 200 * 0.005)  # no step model yet: what the requests got
+    fitted = WorkerStats(decode_capacity=DecodeCapacity.of({512: 128}, {512: 0.025}), kv_blocks_total=100000)
+    assert p.measure([PREFILL], [fitted], now, SPEC).decoding == pytest.approx(2 * 200 * 0.025)
 
 
 # ---- a real cluster -----------------------------------------------------------------------------

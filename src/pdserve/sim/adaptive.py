@@ -62,9 +62,9 @@ class Mover:
             pool = sim.pools.serving.pool(role)
             pool.min, pool.max = 1, total - 1
 
-    def arrived(self, prompt_tokens: int) -> None:
+    def arrived(self, prompt_tokens: int, max_tokens: int) -> None:
         """A request came in at the edge (as the dispatcher reports it, before its placement)."""
-        self.planner.on_arrive(prompt_tokens)
+        self.planner.on_arrive(prompt_tokens, max_tokens)
 
     def finished(self, f) -> None:
         """A request ended (the edge's view: FinishedRequest, as the dispatcher reports it)."""
@@ -72,7 +72,7 @@ class Mover:
         if r.ttft is None or r.e2e is None:
             return
         self.planner.on_finish(FinishedRequest("length", r.prompt_tokens, r.output_tokens, None, None,
-                                               r.e2e - r.ttft, ttft_s=r.ttft))
+                                               r.e2e - r.ttft, ttft_s=r.ttft, max_tokens=r.max_tokens))
 
     def start(self) -> None:
         """Its first look; each schedules the next, a monitor pass (one second) apart."""

@@ -279,7 +279,7 @@ class Simulation:
         f = _Flight(rec, req, hashes, Charges())
         rid = f"r{i}"
         if self.mover is not None:
-            self.mover.arrived(len(req.prompt))
+            self.mover.arrived(len(req.prompt), req.max_tokens)
         try:
             placed = _now(self.placer.plan(hashes, req.prompt, f.charges))
         except NoWorker as e:

@@ -231,5 +231,8 @@ class SimEngine:
 
     # ---- what placement reads ------------------------------------------------------------------
     def report(self) -> None:
-        """Its stats as a live worker reports them (placement_stats), into its record."""
+        """Its stats as a live worker reports them (placement_stats, and its step model's decode
+        capacity as the engine's stats carry it), into its record."""
         self.record.stats.placed(placement_stats(self.model, self.scheduler))
+        self.record.stats.decode_capacity = self.model.capacity_table(self.profile.max_model_len,
+                                                                      self.scheduler.max_num_seqs)
