@@ -96,3 +96,16 @@ def test_sharing_is_measured_from_two_engines_in_two_processes(tiny_models, tmp_
     prof.sharing = s
     prof.save(str(tmp_path / "p.json"))
     assert Profile.load(str(tmp_path / "p.json")).sharing == s
+
+
+def test_a_profile_and_its_sharing_are_measured_without_ray():
+    """A GPU host that profiles (`pdserve profile`, bench/profile_gpu.py --sharing) need not have
+    Ray: the profile and sharing modules do not import it (the simulator, which runs the cluster's
+    placement, does, on first use); an H100 host without Ray failed here on the import."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import pdserve.sim, pdserve.sim.profile, pdserve.sim.sharing, pdserve.sim.profiler; "
+            "assert 'ray' not in sys.modules, 'ray imported'; from pdserve.sim import Simulation; "
+            "assert 'ray' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import argparse
 
-from .cluster import Layout, Simulation
 from .profile import Link, Profile
 
 __all__ = ["Layout", "Link", "Profile", "Simulation", "bench_args", "predict"]
+
+
+def __getattr__(name: str):
+    """`Layout` and `Simulation` on first use: the simulator runs the cluster's placement, which
+    imports Ray; a profile (`pdserve profile`, profile_gpu.py --sharing) is measured without it."""
+    if name in ("Layout", "Simulation"):
+        from . import cluster
+
+        return getattr(cluster, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def bench_args(argv: list[str]) -> argparse.Namespace:
@@ -39,6 +48,8 @@ def predict(profile: Profile, system: str, argv: list[str], one_gpu: bool = Fals
     from pdserve.bench import sweep
     from pdserve.bench.report import goodput, summarize
     from pdserve.cluster.spec.serving_config import SloConfig
+
+    from .cluster import Layout, Simulation
 
     args = bench_args(argv)
     layout = Layout.of(system, one_gpu)
