@@ -65,6 +65,7 @@ class FinishedRequest:
     ttft_s: float | None = None  # arrival here -> the first token here
     num_preemptions: int = 0  # times a worker preempted it (the last attempt's)
     max_tokens: int | None = None  # the most it could decode (its max_tokens, resolved)
+    num_cached_tokens: int = 0  # of its prompt, the tokens a prefix cache held (not computed)
 
     @property
     def inference_s(self) -> float | None:

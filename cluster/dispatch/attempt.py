@@ -30,6 +30,7 @@ class Attempt:
         self.held: list[RequestOutput] | None = None if stream else []
         self.shown = False  # the sink has had a token: the request can no longer be retried
         self.tokens = 0
+        self.cached = 0  # the prompt's tokens a prefix cache held, as the outputs say (FinishedRequest)
         self.placement: Placement | None = None
         self.queue_s = self.prefill_s = None  # from the workers' spans at the first token (FinishedRequest)
         self.charges = Charges(self.request.params.priority)

@@ -277,6 +277,7 @@ class Dispatcher:
         out.prefill_worker = p.worker_id if p is not None else (d.worker_id if d is not None else None)
         out.decode_worker = d.worker_id if d is not None else out.prefill_worker
         n = len(out.delta_token_ids)
+        a.cached = max(a.cached, out.num_cached_tokens or 0)
         if n:
             if a.first_at is None:
                 a.first_at = now
@@ -301,7 +302,7 @@ class Dispatcher:
                                    a.request.params.priority,
                                    a.first_at - a.t0 if a.first_at is not None else None,
                                    out.metrics.num_preemptions if out.metrics is not None else 0,
-                                   a.request.max_tokens)
+                                   a.request.max_tokens, a.cached)
             for o in self.observers:
                 o.on_finish(done)
         if a.held is not None and not out.finished:

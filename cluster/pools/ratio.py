@@ -5,7 +5,9 @@ Every look (the pools' monitor, once a second; it plans every LOOK_S) it reads t
 that arrived at the edge in the last `window_s` (`on_arrive`), those that finished there
 (`on_finish`) and the workers' own measures:
 
-    prefill load   rho_p = prompt tokens arrived / s  /  (one prefill worker's prefill tok/s x UTIL_P)
+    prefill load   rho_p = prompt tokens arrived / s, less the share a prefix cache held (the
+                           finished requests')
+                           /  (one prefill worker's prefill tok/s x UTIL_P)
     decode load    rho_d = sequences decoding at once (Little: requests arrived / s x their
                            decode time: the tokens they will decode x the time a token takes)
                            /  (one decode worker's sequences at the TPOT target x UTIL_D)
@@ -36,7 +38,11 @@ prefill rate or a decode capacity that the models overrate shows as missed targe
 split leans to the side that misses. Where both meet their targets the models' estimate stands.
 
 It moves drain-safe (Pools.scale with switch_roles), only when the split is more than
-HYSTERESIS past the pools' sizes on two looks in a row, half the gap at a time (one worker
+HYSTERESIS past the pools' sizes on two looks in a row (more while the window is not yet full:
+HYSTERESIS x sqrt(window / the seconds watched), as a mean's noise shrinks with the square root
+of what it averages; traffic's first seconds meet a cold prefix cache and
+only the short requests finished, and a 16-GPU cluster started at its best split moved a worker
+off it 6 s in and back 35 s later), half the gap at a time (one worker
 in a small cluster; a 64-GPU cluster 10 workers off the split closes it in a few moves, not
 ten); after a move it waits `cooldown_s` and for the move to finish. Fewer than MIN_REQUESTS
 finished requests in the window: no plan (too little to measure). As Dynamo's planner sizes its
@@ -82,6 +88,7 @@ class Finished(NamedTuple):
     decode_s: float
     ttft_s: float | None = None
     max_tokens: int | None = None
+    cached: int = 0  # of its prompt, the tokens a prefix cache held
 
     @property
     def tpot_s(self) -> float | None:
@@ -151,7 +158,7 @@ class RatioPlanner(RequestObserver):
         if done.decode_s is not None and done.num_output_tokens > 0:
             now = self.clock()
             self.finished.append(Finished(now, done.num_prompt_tokens, done.num_output_tokens, done.decode_s,
-                                          done.ttft_s, done.max_tokens))
+                                          done.ttft_s, done.max_tokens, done.num_cached_tokens))
 
     def outputs(self, reqs: list[Finished]) -> float:
         """The tokens a request of the window decodes, on average: the arrivals' max_tokens times
@@ -195,7 +202,10 @@ class RatioPlanner(RequestObserver):
         k_p = correction([r.ttft_s for r in reqs], slo.ttft_s) if slo is not None else 1.0
         k_d = correction([r.tpot_s for r in reqs], slo.tpot_s) if slo is not None else 1.0
         per_s = len(self.arrived) / span
-        return RatioLoad(prompt * per_s, per_s * max(out - 1, 0.0) * per_token, rate, cap, len(reqs), k_p, k_d)
+        # the prompt tokens to compute: those a prefix cache does not hold (the finished requests' share)
+        computed = 1.0 - min(sum(r.cached for r in reqs) / max(sum(r.prompt for r in reqs), 1), 1.0)
+        return RatioLoad(prompt * per_s * computed, per_s * max(out - 1, 0.0) * per_token, rate, cap, len(reqs),
+                         k_p, k_d)
 
     def plan(self, workers: list, serving, decode_spec, now: float) -> tuple[dict, str] | None:
         """Pools' call (their records, config and decode spec): the new sizes and why, or None. Nothing is
@@ -217,11 +227,13 @@ class RatioPlanner(RequestObserver):
         hi = min(bounds["prefill"][1], total - bounds["decode"][0])
         frac = load.split(total, lo, total - hi)
         self.last = {"prefill": round(frac, 2), "of": total, "load": load.describe()}
-        lean = 1 if frac > p + 0.5 + HYSTERESIS else -1 if frac < p - 0.5 - HYSTERESIS else 0
+        watched = now - self.since if self.since is not None else self.window_s
+        past = 0.5 + HYSTERESIS * math.sqrt(self.window_s / min(max(watched, 1e-9), self.window_s))
+        lean = 1 if frac > p + past else -1 if frac < p - past else 0
         twice, self.leaning = lean != 0 and lean == self.leaning, lean
         if not twice:
             return None
         self.last_move, self.leaning = now, 0
-        lean *= max(1, int(abs(frac - p) / 2))  # half the gap: one worker in a small cluster
+        lean *= max(1, round(abs(frac - p) / 2))  # half the gap, rounded: one worker in a small cluster
         why = f"ratio: {frac:.2f} of {total} workers should prefill ({load.describe()})"
         return {"prefill": p + lean, "decode": total - p - lean}, why

@@ -133,6 +133,29 @@ def test_the_planner_moves_one_worker_after_two_looks_then_cools_down():
                for t in range(10, 14))
 
 
+def test_a_window_not_yet_full_needs_a_wider_gap_to_move():
+    """Six seconds into the traffic (of a 30 s window) the split must pass the pools' sizes by
+    0.5 + 0.2 x sqrt(30 / 6) = 0.95 workers to count, not 0.7: a 16-worker cluster at its best
+    split, 11:5, read 11.73 on its first looks (a cold prefix cache, only short requests finished)
+    and moved a worker off it. Once the window is full the usual 0.7 holds; a cluster far off its
+    split moves at once either way."""
+    now = 1000.0
+    bounds = {"prefill": (1, 15), "decode": (1, 15)}
+    near = RatioLoad(11.73 * 8000.0, 4.27 * 57.6, 10000.0, 64.0, 40)  # 11.73 of 16
+    assert near.split(16, 1, 1) == pytest.approx(11.73)
+    early = RatioPlanner(window_s=30, cooldown_s=0)
+    early.since = now - 6
+    assert all(early.want(near, {"prefill": 11, "decode": 5}, bounds, now + t * LOOK_S) is None for t in range(2))
+    full = RatioPlanner(window_s=30, cooldown_s=0)
+    full.since = now - 60
+    assert full.want(near, {"prefill": 11, "decode": 5}, bounds, now) is None  # leans
+    assert full.want(near, {"prefill": 11, "decode": 5}, bounds, now + LOOK_S)[0] == {"prefill": 12, "decode": 4}
+    far = RatioPlanner(window_s=30, cooldown_s=0)
+    far.since = now - 1  # 0.5 + 0.2 x sqrt(30) = 1.6
+    assert far.want(near, {"prefill": 8, "decode": 8}, bounds, now) is None
+    assert far.want(near, {"prefill": 8, "decode": 8}, bounds, now + LOOK_S)[0] == {"prefill": 10, "decode": 6}
+
+
 def test_the_live_correction_leans_to_the_side_that_misses_its_target_and_a_big_cluster_moves_half_the_gap():
     """The window's p90 TTFT or TPOT over the SLO's target multiplies that side's load (up to
     MAX_CORRECTION); where both meet their targets the models' estimate stands. 64 workers 8 off

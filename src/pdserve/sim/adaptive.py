@@ -71,8 +71,10 @@ class Mover:
         r = f.record
         if r.ttft is None or r.e2e is None:
             return
+        cached = f.first.num_cached_tokens if f.first is not None else 0
         self.planner.on_finish(FinishedRequest("length", r.prompt_tokens, r.output_tokens, None, None,
-                                               r.e2e - r.ttft, ttft_s=r.ttft, max_tokens=r.max_tokens))
+                                               r.e2e - r.ttft, ttft_s=r.ttft, max_tokens=r.max_tokens,
+                                               num_cached_tokens=cached))
 
     def start(self) -> None:
         """Its first look; each schedules the next, a monitor pass (one second) apart."""

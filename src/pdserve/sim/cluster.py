@@ -151,6 +151,7 @@ class _Flight:
     prefill: SimEngine | None = None
     decode: SimEngine | None = None
     on_decode: Request | None = None  # the decode side's request (reserved blocks), disagg
+    first: Request | None = None  # the request that computes its prompt (its prefix cache hits)
     reserved: bool = False
     held_blocks: int = 0  # of the prompt's blocks, those the decode worker had cached (never sent)
     prompt_done: bool = False
@@ -292,12 +293,13 @@ class Simulation:
         f.decode = self.engines[placed.decode.worker_id]
         f.decode.record.load += 1
         params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
+        f.first = Request(rid, list(req.prompt), params, max_tokens=req.max_tokens, arrival_time=self.now)
         if placed.prefill is None:
-            f.decode.add(Request(rid, list(req.prompt), params, max_tokens=req.max_tokens, arrival_time=self.now))
+            f.decode.add(f.first)
             return
         f.prefill = self.engines[placed.prefill.worker_id]
         f.prefill.record.load += 1
-        f.prefill.add(Request(rid, list(req.prompt), params, max_tokens=req.max_tokens, arrival_time=self.now))
+        f.prefill.add(f.first)
         f.on_decode = Request(rid, list(req.prompt), params, max_tokens=req.max_tokens, arrival_time=self.now)
         self._reserve(rid, f)
 
