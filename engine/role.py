@@ -111,7 +111,8 @@ class HandoffResult:
     of the send to its end, the prefill side's spans (wall-clock times by name), the link
     that moved it (transfer: cuda-ipc, shared-memory, nccl, gloo), and whether it failed with
     its pair (`pair_lost`: the receiver must close its side before a retry on the same pair), and
-    whether the receiver's host stopped answering (`unreachable`: the link between them is down)."""
+    whether the receiver's host stopped answering (`unreachable`: the link between them is down),
+    and how many of the prompt's tokens its prefix cache held (`cached_tokens`: not computed)."""
     state: TransferState
     error: str | None = None
     nbytes: int = 0
@@ -120,6 +121,7 @@ class HandoffResult:
     link: str | None = None
     pair_lost: bool = False
     unreachable: bool = False
+    cached_tokens: int = 0
 
     @property
     def ok(self) -> bool:

@@ -149,8 +149,9 @@ class PrefillRole(Role):
             if p is None:
                 continue
             p.spans.update(h.wall_spans("send"))
+            cached = p.output.num_cached_tokens if p.output is not None else 0
             events.append(Sent(h.request_id, HandoffResult(h.state, h.error, h.nbytes, h.seconds, p.spans,
-                                                                   h.link, h.pair_lost, h.unreachable)))
+                                                                   h.link, h.pair_lost, h.unreachable, cached)))
         return events
 
     def _unclaimed(self, too_old: float) -> list[Event]:
