@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.role import HandoffResult
 from pdserve.engine.validation import ValidRequest
 
 from ..placement.placement import Charges, Placement
@@ -39,3 +40,10 @@ class Attempt:
     def fetch(self):
         """The placement's peer fetch (a transfer.fetch.FetchPlan) for the worker that prefills, or None."""
         return self.placement.fetch if self.placement is not None else None
+
+    def prefilled(self, done) -> None:
+        """The prefill side's call ended (`done`, its future): what its prefix cache held of the
+        prompt counts (FinishedRequest; the decode worker's outputs say what its own cache held,
+        nothing of the prefill's)."""
+        if not done.cancelled() and done.exception() is None and isinstance(done.result(), HandoffResult):
+            self.cached = max(self.cached, done.result().cached_tokens)

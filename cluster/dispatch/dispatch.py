@@ -116,7 +116,7 @@ class Dispatcher:
         d.load += 1
         call = p.actor.prefill.remote(a.wire_id, a.request, d.worker_id, a.fetch)
         prefill = asyncio.ensure_future(self._await_prefill(p, call, a.rid, d))
-        prefill.add_done_callback(lambda t: self._prefilled(a, t))
+        prefill.add_done_callback(a.prefilled)
         relay = asyncio.ensure_future(self._relay(a, d, p))
         try:
             done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
@@ -158,13 +158,6 @@ class Dispatcher:
             relay.cancel()
             # the request loads the prefill worker (routing, drains) until its send is over
             prefill.add_done_callback(lambda t: (t.cancelled() or t.exception(), self._release(p)))
-
-    @staticmethod
-    def _prefilled(a: Attempt, t: asyncio.Future) -> None:
-        """The prefill side's result: what its prefix cache held of the prompt (FinishedRequest;
-        the decode worker's outputs say what its own cache held, nothing of the prefill's)."""
-        if not t.cancelled() and t.exception() is None and isinstance(t.result(), HandoffResult):
-            a.cached = max(a.cached, t.result().cached_tokens)
 
     @staticmethod
     async def _renew(d: WorkerRecord, p: WorkerRecord) -> None:
