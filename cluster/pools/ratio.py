@@ -38,9 +38,9 @@ prefill rate or a decode capacity that the models overrate shows as missed targe
 split leans to the side that misses. Where both meet their targets the models' estimate stands.
 
 It moves drain-safe (Pools.scale with switch_roles), only when the split is more than
-HYSTERESIS past the pools' sizes on two looks in a row (more while the window is not yet full:
-HYSTERESIS x sqrt(window / the seconds watched), as a mean's noise shrinks with the square root
-of what it averages; traffic's first seconds meet a cold prefix cache and
+HYSTERESIS past the pools' sizes on two looks in a row (more in the first SETTLE_S seconds of
+traffic, or the window if shorter: HYSTERESIS x sqrt(SETTLE_S / the seconds watched), as a mean's
+noise shrinks with the square root of what it averages; traffic's first seconds meet a cold prefix cache and
 only the short requests finished, and a 16-GPU cluster started at its best split moved a worker
 off it 6 s in and back 35 s later), half the gap at a time (one worker
 in a small cluster; a 64-GPU cluster 10 workers off the split closes it in a few moves, not
@@ -68,6 +68,7 @@ HYSTERESIS = 0.2  # workers past the half-way point before a move counts
 MIN_REQUESTS = 16
 LOOK_S = 5.0
 MAX_CORRECTION = 2.0  # the most a missed target multiplies its side's load by
+SETTLE_S = 30.0  # the seconds of traffic (or the window, if shorter) before the usual hysteresis holds
 
 
 class Arrived(NamedTuple):
@@ -227,8 +228,9 @@ class RatioPlanner(RequestObserver):
         hi = min(bounds["prefill"][1], total - bounds["decode"][0])
         frac = load.split(total, lo, total - hi)
         self.last = {"prefill": round(frac, 2), "of": total, "load": load.describe()}
-        watched = now - self.since if self.since is not None else self.window_s
-        past = 0.5 + HYSTERESIS * math.sqrt(self.window_s / min(max(watched, 1e-9), self.window_s))
+        settle = min(self.window_s, SETTLE_S)
+        watched = now - self.since if self.since is not None else settle
+        past = 0.5 + HYSTERESIS * math.sqrt(settle / min(max(watched, 1e-9), settle))
         lean = 1 if frac > p + past else -1 if frac < p - past else 0
         twice, self.leaning = lean != 0 and lean == self.leaning, lean
         if not twice:

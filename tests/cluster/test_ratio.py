@@ -147,11 +147,11 @@ def test_the_prefill_load_leaves_out_what_a_prefix_cache_held():
 
 
 def test_a_window_not_yet_full_needs_a_wider_gap_to_move():
-    """Six seconds into the traffic (of a 30 s window) the split must pass the pools' sizes by
-    0.5 + 0.2 x sqrt(30 / 6) = 0.95 workers to count, not 0.7: a 16-worker cluster at its best
-    split, 11:5, read 11.73 on its first looks (a cold prefix cache, only short requests finished)
-    and moved a worker off it. Once the window is full the usual 0.7 holds; a cluster far off its
-    split moves at once either way."""
+    """Six seconds into the traffic the split must pass the pools' sizes by 0.5 + 0.2 x
+    sqrt(30 / 6) = 0.95 workers to count, not 0.7: a 16-worker cluster at its best split, 11:5,
+    read 11.73 on its first looks (a cold prefix cache, only short requests finished) and moved a
+    worker off it. After 30 s (SETTLE_S, or the window if shorter) the usual 0.7 holds, whatever
+    the window; a cluster far off its split moves at once either way."""
     now = 1000.0
     bounds = {"prefill": (1, 15), "decode": (1, 15)}
     near = RatioLoad(11.73 * 8000.0, 4.27 * 57.6, 10000.0, 64.0, 40)  # 11.73 of 16
@@ -159,8 +159,8 @@ def test_a_window_not_yet_full_needs_a_wider_gap_to_move():
     early = RatioPlanner(window_s=30, cooldown_s=0)
     early.since = now - 6
     assert all(early.want(near, {"prefill": 11, "decode": 5}, bounds, now + t * LOOK_S) is None for t in range(2))
-    full = RatioPlanner(window_s=30, cooldown_s=0)
-    full.since = now - 60
+    full = RatioPlanner(window_s=120, cooldown_s=0)
+    full.since = now - 30
     assert full.want(near, {"prefill": 11, "decode": 5}, bounds, now) is None  # leans
     assert full.want(near, {"prefill": 11, "decode": 5}, bounds, now + LOOK_S)[0] == {"prefill": 12, "decode": 4}
     far = RatioPlanner(window_s=30, cooldown_s=0)
