@@ -64,6 +64,7 @@ INTRA = {
         "dispatch.dispatch": {"aio", "api", "dispatch.attempt", "placement.placement", "pools.pools", "records",
                               "spec.cluster_spec", "workers.output_pipe"},
         "health.reaper": set(), "health.local_ray": {"health.reaper"},
+        "health.worker_host": {"health.local_ray", "health.reaper"},
         "health.links": {"aio", "placement.placement", "records"},
         "cluster": {"aio", "api", "dispatch.dispatch", "health.links", "health.local_ray", "pools.pools", "records",
                     "registry.registry", "registry.registry_link", "spec.cluster_spec", "spec.serving_config",

@@ -195,18 +195,19 @@ RAY_LOST_S = 5.0  # the Ray's GCS refusing or not answering this long: the clust
 
 
 class GcsWatch:
-    """Watches the GCS of the Ray this process joined or started: a TCP connect to its address
-    every second. Once every connect for RAY_LOST_S has been refused (its host answers, no GCS
-    listens: stopped or killed), `on_lost(why)` runs once (on the watch's thread). Without its GCS
+    """Watches a Ray cluster's GCS (`address` "host:port"; by default that of the Ray this process
+    joined or started): a TCP connect to it every second. Once every connect for RAY_LOST_S has
+    been refused (its host answers, no GCS listens: stopped or killed), `on_lost(why)` runs once
+    (on the watch's thread). Without its GCS
     a Ray cluster is gone (pdserve's Ray keeps no GCS state to restart from), and Ray's own driver
     notices only after 60 s, spinning a core the while (its error listener polls the dead GCS in a
     loop: 100% of a core from `ray down` of a head until the router exited). A GCS that does not
     answer at all (a link down) is left to Ray's own 60 s: a partition can heal."""
 
-    def __init__(self, on_lost, lost_s: float = RAY_LOST_S, every_s: float = 1.0):
+    def __init__(self, on_lost, lost_s: float = RAY_LOST_S, every_s: float = 1.0, address: str | None = None):
         import socket
 
-        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        host, _, port = (address or ray.get_runtime_context().gcs_address).rpartition(":")
         self.address, self._target = f"{host}:{port}", (host, int(port))
         self._on_lost, self._lost_s, self._every_s, self._socket = on_lost, lost_s, every_s, socket
         self._stop = threading.Event()

@@ -57,7 +57,7 @@ def running(pid: int) -> bool:
     return st is not None and st[2] != "Z"
 
 
-def _below(roots: dict[int, int]) -> dict[int, int]:
+def below(roots: dict[int, int]) -> dict[int, int]:
     """pid -> start time of the `roots` (pid -> start time) still running and of every process
     below them, now."""
     kids, starts = process_tree()
@@ -68,6 +68,11 @@ def _below(roots: dict[int, int]) -> dict[int, int]:
             out[pid] = starts[pid]
             todo += kids.get(pid, [])
     return out
+
+
+def note(pids) -> dict[int, int]:
+    """pid -> start time of those of `pids` that run now (the start time tells a reused pid)."""
+    return {pid: st[1] for pid in pids if (st := _stat(pid)) is not None}
 
 
 def _alive(pid: int, start: int) -> bool:
@@ -92,10 +97,10 @@ def reap(noted: dict[int, int]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    noted = {int(a): st[1] for a in argv if (st := _stat(int(a))) is not None}
+    noted = note(map(int, argv))
     fd, said = sys.stdin.fileno(), b""
     while True:
-        noted = _below(noted)  # the tree now, below what was noted (a process gone, its pid reused: dropped)
+        noted = below(noted)  # the tree now, below what was noted (a process gone, its pid reused: dropped)
         ready, _, _ = select.select([fd], [], [], TRACK_S)
         if ready:
             chunk = os.read(fd, 64)
@@ -104,7 +109,7 @@ def main(argv: list[str]) -> int:
                 break
     if said.startswith(STOP_WORD):
         return 0
-    reap(noted | _below(noted))  # and what the noted ones started since the last look
+    reap(noted | below(noted))  # and what the noted ones started since the last look
     return 0
 
 

@@ -8,6 +8,7 @@
     pdserve bench [--url ...] [--workload trace|synthetic|shared-prefix] [--rates 1,2,4] ...
     pdserve profile [--model DIR] --out profile.json      one engine's step costs (capacity planning)
     pdserve simulate --profile P --system hybrid:1:1 -- BENCH ARGS   a bench sweep predicted
+    pdserve join HEAD:6379                       a worker host's Ray, until the head's stops
 
 Subcommands import Ray, FastAPI and uvicorn lazily, so `pdserve generate` runs with
 the engine alone.
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.admin_cli import add_admin_parsers
 
     add_admin_parsers(sub)
+    from pdserve.join_cli import add_join_parser
+
+    add_join_parser(sub)
     from pdserve.bench import add_parser as add_bench  # argparse only; the client loads on use
 
     add_bench(sub)
