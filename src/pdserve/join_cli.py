@@ -14,14 +14,17 @@ from pdserve.cli_common import CliError
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from pdserve.cluster.health.worker_host import join, parse_address
+    from pdserve.cluster.health.worker_host import join, parse_address, route_address
 
     try:
-        parse_address(args.address)
+        host, port = parse_address(args.address)
+        node_ip = args.node_ip_address or route_address(host, port)
     except ValueError as e:
         raise CliError(f"address: {e}") from None
+    except OSError as e:  # a name that does not resolve, no route
+        raise CliError(f"address: no route to the head {args.address}: {e}") from None
     extra = tuple(args.ray_args[1:] if args.ray_args[:1] == ["--"] else args.ray_args)
-    return join(args.address, args.node_ip_address, extra)
+    return join(args.address, node_ip, extra)
 
 
 def add_join_parser(sub) -> None:
