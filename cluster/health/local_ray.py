@@ -198,11 +198,11 @@ class GcsWatch:
     """Watches a Ray cluster's GCS (`address` "host:port"; by default that of the Ray this process
     joined or started): a TCP connect to it every second. Once every connect for RAY_LOST_S has
     been refused (its host answers, no GCS listens: stopped or killed), `on_lost(why)` runs once
-    (on the watch's thread). Without its GCS
-    a Ray cluster is gone (pdserve's Ray keeps no GCS state to restart from), and Ray's own driver
-    notices only after 60 s, spinning a core the while (its error listener polls the dead GCS in a
-    loop: 100% of a core from `ray down` of a head until the router exited). A GCS that does not
-    answer at all (a link down) is left to Ray's own 60 s: a partition can heal."""
+    (on the watch's thread). Without its GCS a Ray cluster is gone (pdserve's Ray keeps no GCS
+    state to restart from), and Ray's own driver notices only after 60 s, spinning a core the while
+    (its error listener polls the dead GCS in a loop: 100% of a core from `ray down` of a head until
+    the router exited). A GCS that does not answer at all (a link down) is left to Ray's own 60 s:
+    a partition can heal."""
 
     def __init__(self, on_lost, lost_s: float = RAY_LOST_S, every_s: float = 1.0, address: str | None = None):
         import socket

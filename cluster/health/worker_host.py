@@ -75,7 +75,7 @@ def join(address: str, node_ip: str | None = None, ray_args: tuple[str, ...] = (
         for sig, handler in saved.items():
             signal.signal(sig, handler)
         if node.poll() is None:
-            log(f"{why[0]}: stopping this host's Ray")
+            log(f"{why[0] if why else 'stopped'}: stopping this host's Ray")
             node.terminate()
             try:
                 node.wait(STOP_S)
