@@ -19,14 +19,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.engine.core.decode_capacity import DecodeCapacity
-from pdserve.engine.stats import PLACEMENT_FIELDS, EngineStats, PlacementStats
+from pdserve.engine.stats import PLACEMENT_FIELDS, EngineStats, PlacementStats, StartupTimes
 
 if TYPE_CHECKING:
-    from pdserve.engine.exec.model_runner import StartupTimes
     from pdserve.engine.validation import ValidRequest
-    from pdserve.transfer.base import WireLayout
     from pdserve.transfer.fetch import FetchPlan
-    from pdserve.transfer.pair import PairLink
+    from pdserve.transfer.records import PairLink, WireLayout
 
 
 class BlockChange(enum.Enum):
@@ -52,7 +50,7 @@ class BlockEvent(NamedTuple):
 class WorkerInfo:
     """A worker's registration: its pool, where its KV pairs meet it (`address`), the epoch of
     its blocks (a new one after a restart), its tensor-parallel size, its node, its KV blocks
-    and their wire layout (transfer/base.WireLayout), its persisted tier's state, what its
+    and their wire layout (transfer/records.WireLayout), its persisted tier's state, what its
     start took (seconds by part) and, when it persists its host tier, the slot it holds."""
     role: str
     address: str

@@ -31,12 +31,13 @@ from .config import EngineConfig
 from .core.kv_cache_manager import KVCacheManager
 from .core.scheduler import Scheduler
 from .core.step_model import StepModel
-from .exec.model_runner import ModelRunner, StartupTimes
+from .exec.model_runner import ModelRunner
 from .exec.shard import ProcessShards, Shards
 from .sample.structured import Grammars
 from .settings import SchedulerSettings
 from .spec.decode import Drafter, load_draft
 from .spec.switch import SpecSwitch
+from .stats import StartupTimes
 from .tiers import persist
 from .tiers.disk_tier import DiskTier
 from .tiers.offload import HostIndex

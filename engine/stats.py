@@ -12,6 +12,8 @@ fields (`stats.cache.prefix_hits`, `stats.host.blocks_used`), never the row.
       host / disk / peer           each KV tier the engine runs (engine/tiers/tier.py), else None
       persist      WriteStats      the persisted host tier's writes, when it persists one
       spec         SpecStats       speculative decoding, when configured
+
+    StartupTimes   what each part of the engine's start took (a worker's registration carries it)
 """
 
 from __future__ import annotations
@@ -208,3 +210,20 @@ class EngineStats:
             if part is not None:
                 row.update(part.as_dict())
         return row
+
+
+@dataclass
+class StartupTimes:
+    """What each part of an engine's start took, in seconds (None: that part did not run): the
+    tensor-parallel ranks and their groups, the weights, the CUDA graphs, the kernels' warm-up and
+    the step-cost calibration. A worker's registration carries it (cluster/records.WorkerInfo)."""
+    tensor_parallel_s: float | None = None
+    load_s: float | None = None
+    graphs_s: float | None = None
+    warm_up_s: float | None = None
+    calibrate_s: float | None = None
+
+    def parts(self) -> list[tuple[str, float]]:
+        """(part, seconds) of the parts that ran, in the order they run: ("warm-up", 1.2), ..."""
+        return [(f.name[:-2].replace("_", "-"), v) for f in dataclasses.fields(self)
+                if (v := getattr(self, f.name)) is not None]

@@ -82,10 +82,10 @@ INTRA = {
         "server": {"schemas"},
         "__init__": {"app"},
     },
-    "transfer": {"base": set(), "shared": set(), "wire": {"base"}, "pull": {"base", "shared", "wire"},
-                 "pair": {"base", "pull", "wire"}, "c10d": {"base", "pair", "probe", "wire"},
-                 "probe": set(), "loopback": {"base"},
-                 "tp": {"base"}, "fetch": {"base"}, "__init__": {"base"}},
+    "transfer": {"records": set(), "base": {"records"}, "shared": set(), "wire": {"base"},
+                 "pull": {"base", "records", "shared", "wire"}, "pair": {"base", "pull", "records", "wire"},
+                 "c10d": {"base", "pair", "probe", "records", "wire"}, "probe": set(), "loopback": {"base", "records"},
+                 "tp": {"base"}, "fetch": {"base"}, "__init__": {"base", "records"}},
 }
 
 

@@ -1,8 +1,8 @@
 """pdserve.transfer: KV-block handoff between a prefill and a decode worker.
 
     base.py      the KVConnector interface (what roles use) and PairConnector (one process's
-                 pairs), the polled handoff state machine, channels and targets, gather/scatter,
-                 the layout check
+                 pairs), the polled handoff state machine, channels and targets, gather/scatter
+    records.py   what a worker announces of its transfers (WireLayout, PairLink) and their errors (no torch)
     c10d.py      C10dConnector: a worker's pairs with its peers, met through TCPStores at run time
     pair.py      one (sender, receiver) pair: its link chosen on connect and the thread that runs it
     pull.py      the same-node link: the receiver copies from the sender's KV mapped into it
@@ -15,9 +15,23 @@
 
 The block accounting around a handoff (what to reserve, what to send) is the KV-cache
 manager's (engine/core/kv_cache_manager.py).
-"""
 
-from .base import Channel, Handoff, HandoffTarget, KVConnector, LayoutMismatch, TransferError, TransferState
+The names below load on first use: a process that unpickles only a worker's `WireLayout` (the
+block registry's actor) loads neither torch nor the connectors.
+"""
 
 __all__ = ["Channel", "Handoff", "HandoffTarget", "KVConnector", "LayoutMismatch", "TransferError",
            "TransferState"]
+
+
+def __getattr__(name: str):
+    if name in ("LayoutMismatch", "TransferError"):
+        from .records import LayoutMismatch, TransferError
+
+        return {"LayoutMismatch": LayoutMismatch, "TransferError": TransferError}[name]
+    if name in __all__:
+        from .base import Channel, Handoff, HandoffTarget, KVConnector, TransferState
+
+        return {"Channel": Channel, "Handoff": Handoff, "HandoffTarget": HandoffTarget, "KVConnector": KVConnector,
+                "TransferState": TransferState}[name]
+    raise AttributeError(f"module 'pdserve.transfer' has no attribute {name!r}")

@@ -26,9 +26,7 @@ matches sends and receives in the order they are posted). The sender's small JSO
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import json
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -36,14 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.base.kv_layout import KVLayout
-
 # a handoff's state and where it goes: the roles' events carry them (engine/ does not import transfer/)
 from pdserve.engine.role import Channel, HandoffTarget, RankTarget, TransferState  # noqa: F401
 
-
-class TransferError(RuntimeError):
-    pass
+from .records import WireLayout
 
 
 class Abort(enum.IntEnum):
@@ -54,10 +48,6 @@ class Abort(enum.IntEnum):
     NONE = 0
     ENDED = 1
     SETTLING = 2
-
-
-class LayoutMismatch(TransferError, ValueError):
-    pass
 
 
 @dataclass
@@ -179,64 +169,6 @@ class Handoff:
     @property
     def seconds(self) -> float | None:
         return None if self.finished_at is None else self.finished_at - self.created
-
-
-_MAY_DIFFER = ("tp", "num_kv_heads")  # ranks of different TP sizes exchange head slices
-
-
-@dataclass(frozen=True)
-class WireLayout:
-    """What two peers must share to exchange blocks: one rank's KV cache description (`kv`: the
-    engine's KVLayout, with its values' dtype and scale bytes, so int8 and fp8 slabs of the same
-    bytes differ), the chunking of a message, and the tensor-parallel split (`tp`, the model's
-    `kv_heads_total`): a worker announces it (WorkerInfo.layout), a pair exchanges it as JSON in
-    its store, and `check` refuses a peer whose KV differs. Its JSON is the wire format of before
-    (the KV fields flat beside the three others)."""
-
-    kv: KVLayout
-    min_chunk_bytes: int = 0
-    tp: int = 1
-    kv_heads_total: int = 0
-
-    @classmethod
-    def of(cls, kv: torch.Tensor, chunk_bytes: int, tp: int = 1, kv_heads_total: int | None = None,
-           kv_cache_dtype: str = "auto") -> WireLayout:
-        lay = KVLayout.of(kv, kv_cache_dtype)
-        return cls(lay, chunk_bytes, tp, kv_heads_total if kv_heads_total is not None else lay.num_kv_heads)
-
-    @property
-    def block_bytes(self) -> int:
-        """A whole block's bytes: every rank's heads."""
-        return dataclasses.replace(self.kv, num_kv_heads=self.kv_heads_total).block_bytes
-
-    def fields(self) -> dict:
-        return {**self.kv.as_dict(), "min_chunk_bytes": self.min_chunk_bytes, "tp": self.tp,
-                "kv_heads_total": self.kv_heads_total}
-
-    def to_json(self) -> str:
-        return json.dumps(self.fields())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> WireLayout:
-        d = json.loads(text)
-        rest = {k: d.pop(k) for k in ("min_chunk_bytes", "tp", "kv_heads_total")}
-        return cls(KVLayout(**d), **rest)
-
-    def check(self, theirs: WireLayout | None, peer: str) -> None:
-        """Refuses a peer whose KV differs (or that announced none), naming the fields (ours, theirs)."""
-        if theirs is None:
-            raise LayoutMismatch(f"peer {peer!r} announced no KV layout (it serves no KV handoff)")
-        mine, other = self.fields(), theirs.fields()
-        keys = (set(mine) | set(other)) - set(_MAY_DIFFER)
-        diff = {k: (mine.get(k), other.get(k)) for k in keys if mine.get(k) != other.get(k)}
-        if "dtype" in diff or "scale_bytes" in diff:
-            raise LayoutMismatch(f"KV cache dtypes differ: ours {mine.get('dtype')!r}, peer {peer!r}'s "
-                                 f"{other.get('dtype')!r} (scale bytes {mine.get('scale_bytes')} vs "
-                                 f"{other.get('scale_bytes')}): give the prefill and decode pools the same "
-                                 "--kv-cache-dtype")
-        if diff:
-            raise LayoutMismatch(f"KV layout mismatch with peer {peer!r} (ours TP={mine.get('tp', 1)}, theirs "
-                                 f"TP={other.get('tp', 1)}; ours, theirs): {diff}")
 
 
 def block_bytes(kv: torch.Tensor, heads: tuple[int, int] | None = None) -> int:

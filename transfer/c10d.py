@@ -34,9 +34,10 @@ import torch.distributed as dist
 
 from pdserve.engine.base.stores import BoundStore
 
-from .base import Abort, Channel, Handoff, HandoffMeta, HandoffTarget, PairConnector, StagingPool, WireLayout
-from .pair import Pair, PairLink
+from .base import Abort, Channel, Handoff, HandoffMeta, HandoffTarget, PairConnector, StagingPool
+from .pair import Pair
 from .probe import PROBE_S, STALL_S, answers
+from .records import PairLink, WireLayout
 from .wire import td
 
 log = logging.getLogger(__name__)

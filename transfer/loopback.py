@@ -15,12 +15,11 @@ from .base import (
     Handoff,
     HandoffMeta,
     HandoffTarget,
-    LayoutMismatch,
     PairConnector,
-    WireLayout,
     gather_blocks,
     scatter_blocks,
 )
+from .records import LayoutMismatch, WireLayout
 
 
 class LoopbackHub:

@@ -28,40 +28,15 @@ import collections
 import json
 import threading
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .base import Handoff, HandoffMeta, StagingPool, TransferState, WireLayout
+from .base import Handoff, HandoffMeta, StagingPool, TransferState
 from .pull import PullLink, accept, offer, post, take
+from .records import WireLayout
 from .wire import C10dLink, td, width
-
-
-@dataclass(frozen=True)
-class PairLink:
-    """One connected pair's link as a worker's stats report it: the peer and this side's part
-    (`side`: send | recv), the link (cuda-ipc | shared-memory | nccl | gloo) and why it was chosen,
-    the pair's generation, both ends' host:port, and on a pull's receiving side how it checks that
-    its sender lived through each copy (`liveness`: process | store; else None)."""
-    peer: str
-    side: str
-    link: str
-    why: str
-    gen: int
-    local: str | None
-    peer_address: str | None
-    liveness: str | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.peer} {self.side}"
-
-    def as_dict(self) -> dict:
-        """The status row's entry: {"link", "why", "gen", "local", "peer"[, "liveness"]}."""
-        return {"link": self.link, "why": self.why, "gen": self.gen, "local": self.local, "peer": self.peer_address,
-                **({"liveness": self.liveness} if self.liveness else {})}
 
 
 class PairHost(Protocol):

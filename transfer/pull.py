@@ -37,7 +37,8 @@ from pdserve.engine.base.cuda_ipc import gpu_uuid
 from pdserve.engine.base.step_channel import process_start
 from pdserve.engine.ops.block_copy import copy_blocks
 
-from .base import Handoff, TransferError, block_bytes, block_index
+from .base import Handoff, block_bytes, block_index
+from .records import TransferError
 from .shared import export, open_peer
 from .wire import _nullctx, td, wait_stream
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.transfer.base import LayoutMismatch
 from pdserve.transfer.fetch import FetchPlan
+from pdserve.transfer.records import LayoutMismatch
 
 from ..api import NoWorker
 from ..records import WorkerRecord

@@ -1,18 +1,17 @@
 """A KV cache's layout (`KVLayout`): the one description of its bytes that two workers must agree
 on to exchange blocks (transfer/base.py), that the persisted host tier records (tiers/persist.py)
-and that the cache is allocated by (exec/kv_cache.py); per rank under tensor parallelism."""
+and that the cache is allocated by (exec/kv_cache.py); per rank under tensor parallelism.
+Importing it loads no torch (the block registry receives layouts and never touches a tensor):
+what needs torch or the quantization kernels imports them when it runs."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-from ..ops import kv_quant
-from .tp import kv_head_range
-
 if TYPE_CHECKING:
+    import torch
+
     from ..config import EngineConfig
 
 
@@ -34,6 +33,8 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
+        import torch
+
         if self.dtype == "int4":
             values = self.head_dim // 2
         else:
@@ -44,6 +45,8 @@ class KVLayout:
         """The shape and dtype of the block-major tensor that holds `num_blocks` blocks of this
         layout: [num_blocks, layers, parts, block_size, kv_heads, head_dim] of the values' dtype, or
         for a quantized cache a uint8 slab whose rows hold the values, then their scale(s)."""
+        import torch
+
         rows = (num_blocks, self.num_layers, self.parts, self.block_size, self.num_kv_heads)
         if self.scale_bytes:
             values = self.head_dim // 2 if self.dtype == "int4" else self.head_dim
@@ -63,6 +66,10 @@ class KVLayout:
         """The layout of a block-major KV tensor [num_blocks, layers, parts, block_size, kv_heads,
         head_dim]; a quantized cache's uint8 slab (kv_cache_dtype int8 / fp8 / int4) holds each row's
         values and scale(s), described as such (the same as kv_layout(config))."""
+        import torch
+
+        from ..ops import kv_quant
+
         if kv.dim() != 6 or kv.shape[2] not in (1, 2):
             raise ValueError("KV cache must be [num_blocks, layers, parts (1 or 2), block_size, kv_heads, head_dim], "
                              f"got {tuple(kv.shape)}")
@@ -79,6 +86,8 @@ class KVLayout:
 def local_kv_heads(config: EngineConfig) -> int:
     """KV heads one rank holds (the same count on every rank of a tensor-parallel group): its share
     of the model's declared heads, or all of them when the cache is not sharded by heads."""
+    from .tp import kv_head_range
+
     spec = config.model_config.kv_cache_spec
     if not spec.sharded:
         return spec.num_heads
@@ -87,6 +96,8 @@ def local_kv_heads(config: EngineConfig) -> int:
 
 
 def _value_dtype(kv_cache_dtype: str) -> str:
+    from ..ops import kv_quant
+
     return "int4" if kv_cache_dtype == "int4" else str(kv_quant.SCALED[kv_cache_dtype][0]).removeprefix("torch.")
 
 
@@ -96,6 +107,8 @@ def _value_bytes(kv_cache_dtype: str, head_dim: int) -> int:
 
 def kv_layout(config: EngineConfig) -> KVLayout:
     """One rank's layout, from what the model declares it caches (ModelConfig.kv_cache_spec)."""
+    from ..ops import kv_quant
+
     mc, c = config.model_config, config.kv_cache_dtype
     spec = mc.kv_cache_spec
     d = spec.head_dim

@@ -42,6 +42,7 @@ from ..core.scheduler import ScheduledRequest, SchedulerOutput, StepShape
 from ..models.attention import AttentionMetadata, AttentionPlanner
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
+from ..stats import StartupTimes
 from ..tiers.offload import HostCache, host_slots
 from . import step_inputs
 from .graphs import StepGraphs, piece_tokens
@@ -49,23 +50,6 @@ from .kv_cache import activation_bytes, allocate_kv_cache, check_decode_room, la
 from .loader import load_model
 from .step_inputs import FlatBatch, StepInputs, StepPath
 from .step_result import StepResult
-
-
-@dataclasses.dataclass
-class StartupTimes:
-    """What each part of an engine's start took, in seconds (None: that part did not run): the
-    tensor-parallel ranks and their groups, the weights, the CUDA graphs, the kernels' warm-up and
-    the step-cost calibration. A worker's registration carries it (cluster/records.WorkerInfo)."""
-    tensor_parallel_s: float | None = None
-    load_s: float | None = None
-    graphs_s: float | None = None
-    warm_up_s: float | None = None
-    calibrate_s: float | None = None
-
-    def parts(self) -> list[tuple[str, float]]:
-        """(part, seconds) of the parts that ran, in the order they run: ("warm-up", 1.2), ..."""
-        return [(f.name[:-2].replace("_", "-"), v) for f in dataclasses.fields(self)
-                if (v := getattr(self, f.name)) is not None]
 
 
 class ModelRunner:

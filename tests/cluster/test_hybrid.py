@@ -336,7 +336,7 @@ def test_placement_learns_each_links_handoff_cost_and_prefills_locally_behind_a_
     from pdserve.cluster.placement.placement import Charges, Placer
     from pdserve.cluster.records import WorkerInfo
     from pdserve.engine.base.kv_layout import KVLayout
-    from pdserve.transfer.base import WireLayout
+    from pdserve.transfer.records import WireLayout
 
     layout = WireLayout(KVLayout(16, 30, 3, 64, "float32"), 64 << 20, 1, 3)  # 720 KiB a block
     pools = hybrid_pools(ServingConfig.from_dict({"slo": {"ttft_s": 1.0}}))

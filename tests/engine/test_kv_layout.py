@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.base.kv_layout import KVLayout, kv_layout
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.transfer.base import LayoutMismatch, WireLayout
+from pdserve.transfer.records import LayoutMismatch, WireLayout
 
 
 @pytest.mark.parametrize("dtype", ["auto", "int8", "fp8", "int4"])

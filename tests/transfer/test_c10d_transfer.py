@@ -411,8 +411,8 @@ def test_a_doorbell_reset_by_its_departing_peer_reads_as_the_peer_gone():
     of closing it: the waiter fails with the peer gone, as for a close (the reset escaped before)."""
     import socket
 
-    from pdserve.transfer.base import TransferError
     from pdserve.transfer.pull import Bell
+    from pdserve.transfer.records import TransferError
 
     for unread in (False, True):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
