@@ -39,7 +39,7 @@ from .health.links import LinkCheck
 from .health.local_ray import shutdown_own_ray, start_or_join_ray
 from .pools.pools import Pools
 from .records import RegisteredWorker
-from .registry.registry import REGISTRY_NAME
+from .registry.registry import REGISTRY_NAME, named_actor
 from .registry.registry_link import RegistryLink
 from .spec.cluster_spec import ClusterSpec
 from .spec.serving_config import ROLES
@@ -83,7 +83,7 @@ class Cluster:
         # a Ray of our own is this machine only: the workers' KV stores listen on loopback
         bind_host = "127.0.0.1" if self._owns_ray and spec.address is None else None
         try:
-            ray.get_actor(REGISTRY_NAME, namespace=namespace)
+            named_actor(REGISTRY_NAME, namespace)
         except ValueError:
             pass
         else:
@@ -336,7 +336,7 @@ class Cluster:
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     try:
-                        ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+                        named_actor(REGISTRY_NAME, self.namespace)
                     except ValueError:
                         break
                     time.sleep(0.05)

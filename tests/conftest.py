@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import time
 
 import pytest
 import torch
@@ -100,3 +101,15 @@ LONGEST_FIRST = ("test_faults.py", "test_docs.py", "test_hosts.py", "test_cli.py
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With PDSERVE_TEST_TIMELINE=FILE, each test's process, file, start and end (wall seconds) go
+    to FILE, one line each: which files ran beside which, to set LONGEST_FIRST's order by."""
+    path = os.environ.get("PDSERVE_TEST_TIMELINE")
+    t0 = time.time()
+    yield
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.path.name} {t0:.2f} {time.time():.2f}\n")

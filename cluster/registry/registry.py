@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import GetTimeoutError, RayError
 
 from ..aio import within
 from ..records import BlockChange, BlockEvent, RegisteredWorker, WorkerInfo, WorkerStats
@@ -41,6 +41,18 @@ from ..records import BlockChange, BlockEvent, RegisteredWorker, WorkerInfo, Wor
 log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "pdserve-registry"
+
+
+def named_actor(name: str, namespace: str):
+    """`ray.get_actor(name, namespace)`: the handle, or ValueError where no live actor holds the name.
+    A lookup that Ray gave up on (GetTimeoutError after its 60 s: seen once on a 2-core host, the GCS
+    answering every other call at once and never receiving that one) is asked once more; a second
+    one raises."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except GetTimeoutError as e:
+        log.warning("looking up actor %r timed out (%s): asking once more", name, " ".join(str(e).split()))
+        return ray.get_actor(name, namespace=namespace)
 # a host-tier block's worth against a GPU block: Llama-3-8B on H100 prefills 16 tokens in
 # ~0.5 ms (30K tok/s) and loads a 2 MiB block over PCIe 5 in ~0.1 ms: most of the saving stays
 HOST_HIT_WEIGHT = 0.8
@@ -211,7 +223,7 @@ class Membership:
 
     def __init__(self, worker_id: str, namespace: str, cluster_id: str = ""):
         self.worker_id, self.namespace, self.cluster_id = worker_id, namespace, cluster_id
-        self.actor = ray.get_actor(REGISTRY_NAME, namespace=namespace)
+        self.actor = named_actor(REGISTRY_NAME, namespace)
         self._beat = None  # the last beat's reply: False means the registry does not know us
         self._joined = None  # the last re-registration's reply: False means another cluster's registry
         self._rejoin = False  # the next beat registers again, with every cached block
@@ -233,7 +245,7 @@ class Membership:
             return
         try:
             if self._lost:  # it died under a call: the name may hold a new actor by now (ValueError: not yet)
-                self.actor = ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+                self.actor = named_actor(REGISTRY_NAME, self.namespace)
                 self._lost, self._rejoin = False, True
             rejoin = self._rejoin
             if self._joined is not None and ray.wait([self._joined], timeout=0)[0]:

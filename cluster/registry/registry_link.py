@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..aio import within
 from ..records import RegisteredWorker
-from .registry import REGISTRY_NAME, BlockRegistry, PrefixRun
+from .registry import REGISTRY_NAME, BlockRegistry, PrefixRun, named_actor
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class RegistryLink:
         dashboard, which pdserve's Ray runs without); should that fail, the actor counts as
         ALIVE, so a silent one is still killed after `frozen_s`."""
         try:
-            ray.get_actor(REGISTRY_NAME, namespace=self.namespace)
+            named_actor(REGISTRY_NAME, self.namespace)
         except ValueError:
             return None, None
         try:

@@ -130,3 +130,32 @@ def test_a_registry_busy_with_a_backlog_answers_the_probe_and_is_not_killed():
         assert ray.get(link.actor.ping.remote(), timeout=30) == pid
     finally:
         link.kill()
+
+
+def test_a_lookup_that_ray_gave_up_on_is_asked_once_more(link, monkeypatch):
+    """Ray's GetTimeoutError on a named actor's lookup (its 60 s passed: once on a busy 2-core host, the
+    GCS answering every other call) is one lost request: the lookup is asked again and finds the
+    registry; a second timeout in a row is raised."""
+    from ray.exceptions import GetTimeoutError
+
+    from pdserve.cluster.registry.registry import REGISTRY_NAME, named_actor
+
+    real, lost = ray.get_actor, []
+
+    def lose(n):
+        def get_actor(name, namespace=None):
+            if len(lost) < n:
+                lost.append(name)
+                raise GetTimeoutError("There was timeout in getting the actor handle")
+            return real(name, namespace=namespace)
+        return get_actor
+
+    monkeypatch.setattr(ray, "get_actor", lose(1))
+    pid = ray.get(named_actor(REGISTRY_NAME, link.namespace).ping.remote(), timeout=30)
+    assert lost == [REGISTRY_NAME] and pid == ray.get(link.actor.ping.remote(), timeout=30)
+    lost.clear()
+    monkeypatch.setattr(ray, "get_actor", lose(2))
+    with pytest.raises(GetTimeoutError):
+        named_actor(REGISTRY_NAME, link.namespace)
+    with pytest.raises(ValueError):  # no actor of that name: not a timeout, not asked again
+        named_actor("no-such-actor", link.namespace)
