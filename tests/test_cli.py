@@ -535,3 +535,35 @@ def test_a_model_directory_without_tokenizer_files_is_refused_naming_them(tmp_pa
     out = pdserve("generate", "hello", "--model", str(tmp_path / "m"), "--max-tokens", "2")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "has no tokenizer files (none of tokenizer.json, tokenizer.model" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_server_that_fails_once_its_workers_are_up_stops_them_and_names_the_cause(tiny_models, tmp_path):
+    """The router failing to build after the workers started (here swagger-ui-bundle, one of its
+    dependencies, missing: a machine that installed pdserve's wheel without them) ends the server
+    with that error, exit 1, and stops what it started; the stop raised UnboundLocalError over it
+    and left the cluster to the reaper."""
+    import os
+    import time
+
+    from helpers import group_processes
+
+    missing = "raise ModuleNotFoundError(\"No module named 'swagger_ui_bundle'\")\n"
+    (tmp_path / "swagger_ui_bundle.py").write_text(missing)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--model", tiny_models["llama"], "--mode",
+                             "colocated", "--decode", "1", "--max-model-len", "128", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 1 and "ready" in err, err[-3000:]
+    assert "No module named 'swagger_ui_bundle'" in err and "UnboundLocalError" not in err, err[-3000:]
+    assert "pdserve: serving" not in out
+    deadline = time.monotonic() + 15
+    while group_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_processes(proc.pid), f"left running: {group_processes(proc.pid)}"

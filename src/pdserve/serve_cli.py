@@ -171,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if isinstance(e, RayStartError):  # Ray did not start or could not be joined: one line, no traceback
             raise CliError(str(e)) from None
         raise
+    lost: list[str] = []  # why the Ray's GCS went away under the server, if it did (GcsWatch)
     try:
         app = build_app(cluster, api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
                         max_queue=args.max_queue, served_model_name=args.served_model_name,
@@ -196,7 +197,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stop(sig, frame)
 
         server.handle_exit = on_signal
-        lost: list[str] = []
 
         def ray_lost(why: str) -> None:  # its workers went with it: nothing to serve, nothing to stop
             lost.append(why)
