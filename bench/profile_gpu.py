@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,8 +45,16 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def same_card(profiled: str, here: str) -> bool:
+    """Whether a profile's device ("one H200") names this GPU ("NVIDIA H200", "NVIDIA H100 80GB HBM3")."""
+    cards = re.findall(r"\b[A-Z]+\d{2,4}[A-Za-z]*\b", profiled)
+    return bool(cards) and all(re.search(rf"\b{c}\b", here) for c in cards)
+
+
 def add_sharing(args) -> int:
-    """Two engines of each shape on this GPU, measured into its committed profile."""
+    """Two engines of each shape on this GPU, measured into its committed profile (one of this card:
+    another card's is refused, naming both)."""
+    import torch
     from tqdm import tqdm
 
     from pdserve.sim.profile import Profile
@@ -55,6 +64,11 @@ def add_sharing(args) -> int:
     for shape in args.shapes.split(","):
         path = os.path.join(args.out, f"{shape}.json")
         prof = Profile.load(path)
+        here = torch.cuda.get_device_name(0)
+        if not same_card(prof.device, here):
+            print(f"profile_gpu: {path} was measured on {prof.device!r}, this GPU is {here!r}: sharing factors go "
+                  "into a profile of the same card (profile this one first, without --sharing)", file=sys.stderr)
+            return 2
         model = build_model(tempfile.mkdtemp(), args.tokenizer, shape)
         engine_args = dict(model=model, load_format="dummy", dtype="bfloat16", max_model_len=8704,
                            gpu_memory_utilization=0.42, max_num_batched_tokens=8192)

@@ -334,3 +334,12 @@ def test_tp_bench_counts_a_moe_ranks_experts_apart(tmp_path, tok_dir):
         assert rank.active_params() == pytest.approx((dense + L * k * one) / 4)
     finally:
         eng.close()
+
+
+def test_sharing_factors_go_only_into_a_profile_of_the_same_card():
+    """profile_gpu --sharing wrote one H100's factors into the H200 profile (its source line named
+    the H100); now another card's profile is refused."""
+    same_card = bench("profile_gpu").same_card
+    assert same_card("one H200", "NVIDIA H200") and same_card("one H100", "NVIDIA H100 80GB HBM3")
+    assert not same_card("one H200", "NVIDIA H100 80GB HBM3") and not same_card("one H100", "NVIDIA H200")
+    assert not same_card("", "NVIDIA H200")
