@@ -53,6 +53,8 @@ def named_actor(name: str, namespace: str):
     except GetTimeoutError as e:
         log.warning("looking up actor %r timed out (%s): asking once more", name, " ".join(str(e).split()))
         return ray.get_actor(name, namespace=namespace)
+
+
 # a host-tier block's worth against a GPU block: Llama-3-8B on H100 prefills 16 tokens in
 # ~0.5 ms (30K tok/s) and loads a 2 MiB block over PCIe 5 in ~0.1 ms: most of the saving stays
 HOST_HIT_WEIGHT = 0.8
