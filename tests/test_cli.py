@@ -550,6 +550,7 @@ def test_a_server_that_fails_once_its_workers_are_up_stops_them_and_names_the_ca
     with that error, exit 1, and stops what it started; the stop raised UnboundLocalError over it
     and left the cluster to the reaper."""
     import os
+    import signal
     import time
 
     from helpers import group_processes
@@ -565,7 +566,7 @@ def test_a_server_that_fails_once_its_workers_are_up_stops_them_and_names_the_ca
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1 and "ready" in err, err[-3000:]
     assert "No module named 'swagger_ui_bundle'" in err and "UnboundLocalError" not in err, err[-3000:]
     assert "pdserve: serving" not in out
