@@ -146,6 +146,7 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
     from pdserve.engine.core.request import Request
     from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
     from pdserve.engine.exec.model_runner import ModelRunner
+    from pdserve.engine.exec.runner_settings import RunnerSettings
     from pdserve.engine.sampling_params import SamplingParams
 
     bs = 16
@@ -155,7 +156,7 @@ def bench_engine(model_dir: str, cfg: dict, batches: list[int], ctx: int, prefil
                       max_model_len=max(max(prefill_lens), ctx) + 64, max_num_batched_tokens=max(prefill_lens),
                       max_num_seqs=max(batches), fused_ops=fused_ops)
     ec.resolve(model_dir)
-    runner = ModelRunner(ec, load_format="dummy")
+    runner = ModelRunner(RunnerSettings.of(ec), load_format="dummy")
     runner.kv.normal_()  # never time on zeros
     greedy = SamplingParams(temperature=0, max_tokens=16)
     vocab = cfg["vocab_size"]

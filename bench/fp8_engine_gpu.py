@@ -64,6 +64,7 @@ def run(cfg: dict, fp8: bool, args, copy_gbs: float) -> dict:
     from pdserve.engine.core.request import Request
     from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
     from pdserve.engine.exec.model_runner import ModelRunner
+    from pdserve.engine.exec.runner_settings import RunnerSettings
     from pdserve.engine.sampling_params import SamplingParams
 
     d = tempfile.mkdtemp()
@@ -76,7 +77,7 @@ def run(cfg: dict, fp8: bool, args, copy_gbs: float) -> dict:
                       max_num_batched_tokens=args.prefill, max_num_seqs=max(batches),
                       num_gpu_blocks_override=max(max(batches) * per_seq, args.prefill // bs + 1) + 8)
     ec.resolve(d)
-    runner = ModelRunner(ec, load_format="dummy")
+    runner = ModelRunner(RunnerSettings.of(ec), load_format="dummy")
     runner.kv.normal_()  # never time on zeros
     params = dict(runner.model.named_parameters())
     held = sum(p.dtype == torch.float8_e4m3fn for p in params.values())

@@ -36,6 +36,7 @@ def steps(model_dir: str, batches: list[int], ctx: int) -> list[dict]:
     from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
     from pdserve.engine.exec.graphs import StepGraphs
     from pdserve.engine.exec.model_runner import ModelRunner
+    from pdserve.engine.exec.runner_settings import RunnerSettings
     from pdserve.engine.ops.triton_attention import paged_decode_triton
     from pdserve.engine.sampling_params import SamplingParams
 
@@ -44,11 +45,11 @@ def steps(model_dir: str, batches: list[int], ctx: int) -> list[dict]:
     ec = EngineConfig(model=model_dir, dtype="bfloat16", num_gpu_blocks_override=max(batches) * per_seq + 8,
                       max_model_len=ctx + 64, max_num_seqs=max(batches))
     ec.resolve(model_dir)
-    runner = ModelRunner(ec, load_format="dummy")
+    runner = ModelRunner(RunnerSettings.of(ec), load_format="dummy")
     runner.kv.normal_()  # never time on zeros
     plain, scoring = runner.planner, dataclasses.replace(runner.planner, scoring=True)
     graphs = {plain: runner.graphs,
-              scoring: StepGraphs(runner.model, runner.kv_views, ec, runner.num_blocks, scoring)}
+              scoring: StepGraphs(runner.model, runner.kv_views, runner.settings, runner.num_blocks, scoring)}
     rows = []
     for B in tqdm(batches, desc="decode"):
         sched = []

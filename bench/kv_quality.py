@@ -34,13 +34,14 @@ TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "a
 def perplexity(model: str, fmt: str, dtype: str, device: str, tokens: list[int], chunk: int) -> float:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.exec.model_runner import ModelRunner
+    from pdserve.engine.exec.runner_settings import RunnerSettings
     from pdserve.engine.models.attention import AttentionMetadata
 
     n = len(tokens)
     cfg = EngineConfig(model=model, dtype=dtype, device=device, kv_cache_dtype=fmt, max_model_len=n + 16,
                        num_gpu_blocks_override=n // 16 + 2, enforce_eager=True, max_num_batched_tokens=chunk)
     cfg.resolve(model)
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(RunnerSettings.of(cfg))
     dev = runner.device
     table = torch.arange(n // 16 + 2, dtype=torch.int32, device=dev)[None]
     nll, count = 0.0, 0

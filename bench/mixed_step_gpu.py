@@ -14,6 +14,7 @@ a context of ~4K tokens (the long workload's), the chunk from an 8K-token prompt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -137,8 +138,11 @@ VARIANTS = {  # AttentionTuning for steps that are not all decodes (engine/confi
 
 def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512, 1024, 2048)) -> list[dict]:
     """The mixed step (graphs mode) under each attention variant, alternating within each
-    repetition, the chunk at the end of an 8K prompt as in measure()."""
-    default = engine.runner.config.attention_tuning
+    repetition, the chunk at the end of an 8K prompt as in measure(). Each variant is the runner's
+    planner's tuning (the planner plans every step's attention; its settings' tuning was read once,
+    when the runner was built, so setting that field changed nothing: until 2026-12-07 every column
+    measured the default)."""
+    default = engine.runner.planner
     prompt = ids(8192)
     cache_prefixes(engine, prompt, chunks)
     rows = []
@@ -146,7 +150,7 @@ def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512, 1024, 2
         times = {name: [] for name in VARIANTS}
         for i in range(reps + 1):
             for name, tuning in VARIANTS.items():
-                engine.runner.config.attention_tuning = tuning
+                engine.runner.planner = dataclasses.replace(default, tuning=tuning)
                 if c:
                     engine.add_request(prompt[: 8192 - c] + ids(c), SamplingParams(max_tokens=1, temperature=0))
                 _, dt = run_step(engine, c)
@@ -154,7 +158,7 @@ def compare_variants(engine: LLMEngine, reps: int, chunks=(64, 256, 512, 1024, 2
                     times[name].append(dt)
         rows.append({"chunk": c, **{name: 1000 * statistics.median(t) for name, t in times.items()}})
         print(rows[-1], flush=True)
-    engine.runner.config.attention_tuning = default
+    engine.runner.planner = default
     return rows
 
 

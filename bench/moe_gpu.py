@@ -265,6 +265,7 @@ def bench_model(cfg: dict, batches: list[int], ctx: int, prefill: int, ceil: dic
     from pdserve.engine.core.request import Request
     from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
     from pdserve.engine.exec.model_runner import ModelRunner
+    from pdserve.engine.exec.runner_settings import RunnerSettings
     from pdserve.engine.sampling_params import SamplingParams
 
     bs = 16
@@ -277,7 +278,7 @@ def bench_model(cfg: dict, batches: list[int], ctx: int, prefill: int, ceil: dic
                           max_model_len=max(prefill, ctx) + 64, max_num_batched_tokens=prefill,
                           max_num_seqs=max(batches))
         ec.resolve(d)
-        runner = ModelRunner(ec, load_format="dummy")
+        runner = ModelRunner(RunnerSettings.of(ec), load_format="dummy")
     runner.kv.normal_()
     model = runner.model
     moe = ec.model_config.moe

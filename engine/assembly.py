@@ -5,14 +5,15 @@
                    target's runner, whose KV budget then counts them (GPU)
     tp, shards     a tensor-parallel engine's ranks 1..N-1 and their groups
     grammars       structured outputs' matchers (over the tokenizer and the vocabulary)
-    runner         weights, the KV tensor, CUDA graphs, the sampler (given the grammars)
+    runner         weights, the KV tensor, CUDA graphs, the sampler (its RunnerSettings, the grammars)
     kv             the block manager over the runner's blocks (and the host tier's index)
     scheduler      the batch under its settings (SchedulerSettings alone) and the KV window
     step_model     the one step-time model (the same settings, the runner's graph times);
                    fitted here on CUDA before the first request
     drafter        proposals and verdicts; its off-switch asks the step model
-    tier_file,     the host tier's persisted files or its disk tier, and the tiers below the
-    tiers          GPU in lookup order
+    tier_file,     the host tier's persisted files or its disk tier (their TierSettings and what
+    tiers          the blocks mean: the model's fingerprint, the runner's layout), and the tiers
+                   below the GPU in lookup order
 
 Each part is handed what it reads when it is built: no part is wired to another after its
 construction. `LLMEngine` (engine.py) takes the parts as they come; prefill and decode roles add
@@ -32,9 +33,10 @@ from .core.kv_cache_manager import KVCacheManager
 from .core.scheduler import Scheduler
 from .core.step_model import StepModel
 from .exec.model_runner import ModelRunner
+from .exec.runner_settings import RunnerSettings
 from .exec.shard import ProcessShards, Shards
 from .sample.structured import Grammars
-from .settings import SchedulerSettings
+from .settings import SchedulerSettings, TierSettings
 from .spec.decode import Drafter, load_draft
 from .spec.switch import SpecSwitch
 from .stats import StartupTimes
@@ -85,7 +87,7 @@ def assemble(config: EngineConfig, load_format: str, launch_shards=None) -> Engi
         tp.connect(config.torch_device, custom_all_reduce=not config.disable_custom_all_reduce)
         startup.tensor_parallel_s = time.perf_counter() - t0
     grammars = Grammars(lambda: tokenizer.hf, config.model_config.vocab_size)
-    runner = ModelRunner(config, load_format, tp, grammars=grammars, startup=startup)
+    runner = ModelRunner(RunnerSettings.of(config), load_format, tp, grammars=grammars, startup=startup)
     host = HostIndex(runner.num_host_slots) if config.kv_offloading_size else None
     kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching, host=host)
     batch = SchedulerSettings.of(config)
@@ -96,7 +98,9 @@ def assemble(config: EngineConfig, load_format: str, launch_shards=None) -> Engi
         calibrate(step_model, runner)
     drafter = Drafter(config.spec, config.max_model_len, draft, SpecSwitch(step_model))
     # the host tier's files (tiers/persist.py, restored now), or its disk tier (tiers/disk_tier.py)
-    tier_file = persist.HostTierFile(config, load_format, host, runner.host) if config.kv_persist_dir else None
-    disk = DiskTier.of(config, load_format, host, runner.host, step_model, kv)
+    tier_settings = TierSettings.of(config)
+    meaning = persist.block_meaning(config.model, load_format, config.seed, runner.layout) if host is not None else None
+    tier_file = persist.HostTierFile(tier_settings, meaning, host, runner.host) if config.kv_persist_dir else None
+    disk = DiskTier.of(tier_settings, meaning, host, runner.host, step_model, kv)
     tiers = Tiers(kv, [t for t in (host, disk) if t is not None])  # below the GPU, in lookup order
     return EngineParts(tokenizer, tp, shards, grammars, runner, kv, scheduler, step_model, drafter, tier_file, tiers)

@@ -30,6 +30,7 @@ import torch
 
 from ..base.host_to_device import pinned
 from ..models.attention import AttentionMetadata, AttentionPlanner
+from .runner_settings import RunnerSettings
 from .step_inputs import DecodeRows, FlatBatch, StepPath
 
 
@@ -46,14 +47,14 @@ def piece_buckets(top: int) -> list[int]:
 class StepGraphs:
     """The captured graphs of one model runner and the static buffers they read."""
 
-    def __init__(self, model, kv_views: list, config, num_blocks: int, planner: AttentionPlanner,
+    def __init__(self, model, kv_views: list, settings: RunnerSettings, num_blocks: int, planner: AttentionPlanner,
                  capture: bool = True):
-        self.model, self.kv_views, self.config, self.num_blocks = model, kv_views, config, num_blocks
+        self.model, self.kv_views, self.settings, self.num_blocks = model, kv_views, settings, num_blocks
         self.planner = planner  # the runner's: each step's attention plan (models/attention.py)
         self.capture = capture
-        self.block_size = config.block_size
-        self.decode_sizes = decode_sizes(config)
-        self.piece_sizes = piece_buckets(piece_tokens(config))
+        self.block_size = settings.block_size
+        self.decode_sizes = decode_sizes(settings)
+        self.piece_sizes = piece_buckets(piece_tokens(settings))
         self.max_piece_tokens = self.piece_sizes[-1]
         self.decode: dict[int, tuple] = {}  # rows -> (graph, logits, attention mass per block or None)
         self.scores: torch.Tensor | None = None  # the last decode step's attention mass per block (scoring)
@@ -82,7 +83,7 @@ class StepGraphs:
 
     # ---- buffers and capture ---------------------------------------------------------------
     def _buffers(self, dev) -> None:
-        m, c = self.model, self.config.model_config
+        m, c = self.model, self.settings.model_config
         attn = m.attention(0)  # the layer's paged attention: q's and its output's shapes
         t = max(self.decode_sizes[-1], self.max_piece_tokens)
         rows = self.decode_sizes[-1]
@@ -90,7 +91,7 @@ class StepGraphs:
         self.ids = torch.zeros(t, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(t, dtype=torch.int64, device=dev)
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        self.tables = torch.zeros(rows, -(-self.config.max_model_len // self.block_size), dtype=torch.int32,
+        self.tables = torch.zeros(rows, -(-self.settings.max_model_len // self.block_size), dtype=torch.int32,
                                   device=dev)
         self.lens = torch.ones(rows, dtype=torch.int32, device=dev)
         p = self.max_piece_tokens
@@ -142,7 +143,7 @@ class StepGraphs:
                 graphs.append(graph)
             self.pieces[t] = graphs
         torch.cuda.synchronize()
-        if self.config.spec is not None:
+        if self.settings.spec is not None:
             self.decode_seconds = self.time_decode()
 
     def time_decode(self, reps: int = 5, context: int = 512) -> dict[int, float]:
@@ -153,7 +154,7 @@ class StepGraphs:
         step-time fit had seen both sizes it priced a speculative step too low: batch 32-64
         with 0-30% acceptance speculated its first steps at a loss (bench/results/spec/).
         Nothing is written (slots -1)."""
-        ctx = min(context, self.config.max_model_len)
+        ctx = min(context, self.settings.max_model_len)
         blocks = -(-ctx // self.block_size)
         self.tables[:, :blocks] = torch.arange(blocks, device=self.tables.device, dtype=torch.int32) % self.num_blocks
         self.lens.fill_(ctx)
@@ -213,18 +214,18 @@ class StepGraphs:
         return self.hidden[:n]
 
 
-def piece_tokens(config) -> int:
-    """The largest token bucket (config.cuda_graph_max_tokens, at most the step budget)."""
-    return max(16, min(config.max_num_batched_tokens, config.cuda_graph_max_tokens))
+def piece_tokens(settings: RunnerSettings) -> int:
+    """The largest token bucket (cuda_graph_max_tokens, at most the step budget)."""
+    return max(16, min(settings.max_num_batched_tokens, settings.cuda_graph_max_tokens))
 
 
-def decode_sizes(config) -> list[int]:
+def decode_sizes(settings: RunnerSettings) -> list[int]:
     """Row counts the decode graphs are captured for: max_num_seqs, or while speculation is on
     the verification rows (k + 1 per request) up to the step budget."""
-    top = config.max_num_seqs
-    spec = config.spec
+    top = settings.max_num_seqs
+    spec = settings.spec
     if spec is not None:
         rows = min(top, spec.disable_by_batch_size) * (1 + spec.num_speculative_tokens)
-        top = max(top, min(rows, config.max_num_batched_tokens))
+        top = max(top, min(rows, settings.max_num_batched_tokens))
     sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
     return sorted(set(sizes + [top]))

@@ -25,15 +25,15 @@ import weakref
 import torch
 
 from ..base.kv_layout import KVLayout
-from ..config import EngineConfig
 from ..ops import kv_quant
 from ..settings import CacheSettings
+from .runner_settings import RunnerSettings
 
 
-def activation_bytes(config: EngineConfig, graph_tokens: int = 0) -> int:
+def activation_bytes(settings: RunnerSettings, graph_tokens: int = 0) -> int:
     """A bound on forward-pass scratch memory, kept out of the KV budget on GPU; the piecewise
     CUDA graphs' memory pool holds a piece's scratch for `graph_tokens` more (graphs.py)."""
-    mc, c = config.model_config, config
+    mc, c = settings.model_config, settings
     elem = torch.empty((), dtype=c.torch_dtype).element_size()
     t = c.max_num_batched_tokens
     ff = max(mc.intermediate_size, mc.moe.top_k * mc.moe.intermediate_size if mc.moe else 0)

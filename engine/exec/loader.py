@@ -12,18 +12,18 @@ from tqdm import tqdm
 
 from ..architectures import ARCHITECTURES
 from ..base.tp import TPGroup
-from ..config import EngineConfig
 from ..default_model import default_model_path, is_default_model
 from ..fp8 import WeightQuant, dequantize
 from ..models.protocol import CausalLM
+from .runner_settings import RunnerSettings
 
 
-def build_on_meta(config: EngineConfig, tp: TPGroup | None = None) -> CausalLM:
-    """This rank's model of `config` on the meta device: its parameters' shapes, no memory."""
-    mc = config.model_config
+def build_on_meta(settings: RunnerSettings, tp: TPGroup | None = None) -> CausalLM:
+    """This rank's model of `settings` on the meta device: its parameters' shapes, no memory."""
+    mc = settings.model_config
     with torch.device("meta"):
         cls = ARCHITECTURES[mc.architecture].model_class()
-        return cls(mc, config.max_model_len, config.use_triton, fused=config.fused_ops, tp=tp or TPGroup())
+        return cls(mc, settings.max_model_len, settings.use_triton, fused=settings.fused_ops, tp=tp or TPGroup())
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -38,19 +38,19 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None) -> CausalLM:
+def load_model(settings: RunnerSettings, load_format: str = "auto", tp: TPGroup | None = None) -> CausalLM:
     """This rank's shard of the model (the whole model without a group)."""
-    mc = config.model_config
+    mc = settings.model_config
     tp = tp or TPGroup()
-    device, dtype = config.torch_device, config.torch_dtype
-    model = build_on_meta(config, tp)
+    device, dtype = settings.torch_device, settings.torch_dtype
+    model = build_on_meta(settings, tp)
     rope = model.rotary.cos, model.rotary.sin  # float32 host tables (allocating below wipes buffers)
     # cast on meta (free) so that the real allocation is already in the model's dtype: a
     # float32 staging copy would need twice a bf16 model's memory (141 GB per GPU for 70B at TP 2)
     # allocated with torch.empty, not Module.to_empty: its empty_like from meta runs through torch's
     # Python references and imports sympy, 0.5 s of CPU in every worker process that loads a model
     model = model.to(dtype=dtype)
-    held = _hold_fp8(model, config, load_format)  # after the cast: a cast would turn e4m3 into the model's dtype
+    held = _hold_fp8(model, settings, load_format)  # after the cast: a cast would turn e4m3 into the model's dtype
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if mc.tie_word_embeddings and tp.size == 1:  # allocating from meta makes new Parameters: tie again
         model.lm_head.weight = model.embed_tokens.weight
@@ -65,7 +65,7 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
     if tp.size > 1:
         model.lm_head.weight.data.zero_()  # the last rank's padding rows: logits cut after the gather
     if load_format == "dummy":
-        gen = torch.Generator(device=device).manual_seed(config.seed + 7919 * tp.rank)
+        gen = torch.Generator(device=device).manual_seed(settings.seed + 7919 * tp.rank)
         for name, p in model.named_parameters():
             if p.dtype == torch.float8_e4m3fn:  # values over the e4m3 range, scaled to +-0.02
                 p.data.copy_(torch.empty(p.shape, device=device).uniform_(-448, 448, generator=gen))
@@ -79,45 +79,45 @@ def load_model(config: EngineConfig, load_format: str = "auto", tp: TPGroup | No
         return model.eval()
     if load_format != "auto":
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
-    _load_safetensors(model, config.model, params)
+    _load_safetensors(model, settings.model, params)
     return model.eval()
 
 
-def holds_fp8(config: EngineConfig) -> bool:
-    """Whether a model of `config` keeps an FP8 checkpoint's linear weights and fused experts in
+def holds_fp8(settings: RunnerSettings) -> bool:
+    """Whether a model of `settings` keeps an FP8 checkpoint's linear weights and fused experts in
     FP8: wherever it runs its Triton kernels (fused_ops; on CPU through the interpreter)."""
-    return config.model_config.weight_quant is not None and bool(config.fused_ops)
+    return settings.model_config.weight_quant is not None and bool(settings.fused_ops)
 
 
-def _hold_fp8(model: CausalLM, config: EngineConfig, load_format: str) -> set[str]:
+def _hold_fp8(model: CausalLM, settings: RunnerSettings, load_format: str) -> set[str]:
     """Turns the linear layers that keep their FP8 weights into FP8 ones (models/layers.hold_fp8),
     on meta; returns their module names. A random model (`dummy`) holds every decoder layer's
     Linear and RowParallelLinear; a checkpoint, each whose every source is FP8 and lands on whole
     blocks of scales (a fused or sliced weight whose cut falls inside a block is dequantized)."""
     from ..models.layers import hold_fp8
 
-    if not holds_fp8(config):
+    if not holds_fp8(settings):
         return set()
-    names = fp8_layers(model, config, load_format)
+    names = fp8_layers(model, settings, load_format)
     for name in names:
-        hold_fp8(model.get_submodule(name), config.model_config.weight_quant.block)
+        hold_fp8(model.get_submodule(name), settings.model_config.weight_quant.block)
     return names
 
 
-def fp8_layers(model: CausalLM, config: EngineConfig, load_format: str = "auto") -> set[str]:
-    """The module names of `model` (built for an FP8 checkpoint's `config`) that hold FP8 where
+def fp8_layers(model: CausalLM, settings: RunnerSettings, load_format: str = "auto") -> set[str]:
+    """The module names of `model` (built for an FP8 checkpoint's `settings`) that hold FP8 where
     the model runs its Triton kernels: every decoder Linear / RowParallelLinear for a random model
     (`dummy`); a checkpoint's, each whose every source is FP8 and lands on whole blocks of scales.
     (`pdserve plan` counts their bytes as a GPU holds them.)"""
     from ..models.layers import Linear, RowParallelLinear
     from ..models.moe import SparseMoE
 
-    block = config.model_config.weight_quant.block
+    block = settings.model_config.weight_quant.block
     held = {name for name, m in model.named_modules() if name.startswith("layers.") and (
         isinstance(m, (Linear, RowParallelLinear)) or isinstance(m, SparseMoE) and m.can_hold_fp8(block))}
     if load_format == "dummy":
         return held
-    return _fp8_layers(model, config.model, block, held)
+    return _fp8_layers(model, settings.model, block, held)
 
 
 FP8_WEIGHTS = ("weight", "w_gate_up", "w_down")  # the parameters a module held in FP8 keeps in e4m3

@@ -34,9 +34,8 @@ import torch
 
 from ..base.host_to_device import to_device
 from ..base.kv_layout import kv_layout
-from ..base.kv_window import KVWindow, add_scores, rotate_keys
+from ..base.kv_window import add_scores, rotate_keys
 from ..base.tp import TPGroup
-from ..config import EngineConfig
 from ..core.request import PENDING, Request
 from ..core.scheduler import ScheduledRequest, SchedulerOutput, StepShape
 from ..models.attention import AttentionMetadata, AttentionPlanner
@@ -48,20 +47,22 @@ from . import step_inputs
 from .graphs import StepGraphs, piece_tokens
 from .kv_cache import activation_bytes, allocate_kv_cache, check_decode_room, layer_views, num_kv_blocks
 from .loader import load_model
+from .runner_settings import RunnerSettings
 from .step_inputs import FlatBatch, StepInputs, StepPath
 from .step_result import StepResult
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, load_format: str = "auto", tp: TPGroup | None = None,
+    def __init__(self, settings: RunnerSettings, load_format: str = "auto", tp: TPGroup | None = None,
                  grammars=None, startup: StartupTimes | None = None):
         """Loads the weights, allocates the KV cache, captures the graphs and warms the kernels (CUDA).
-        `tp`: this rank's group (connected). `grammars`: the engine's structured.Grammars (rank 0).
+        `settings`: what it reads (`RunnerSettings.of(config)`, runner_settings.py). `tp`: this
+        rank's group (connected). `grammars`: the engine's structured.Grammars (rank 0).
         `startup`: the times of what ran before it (the TP ranks), which it completes."""
-        self.config = config
+        self.settings = settings
         self.tp = tp or TPGroup()
-        self.device = config.torch_device
-        self.block_size = config.block_size
+        self.device = settings.torch_device
+        self.block_size = settings.block_size
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # SDPA's cuDNN backend builds an execution plan for every new sequence length
@@ -69,32 +70,32 @@ class ModelRunner:
             # bench/results/prefill_shapes.md); served prompts rarely repeat a length
             torch.backends.cuda.enable_cudnn_sdp(False)
         t0 = time.perf_counter()
-        self.model = load_model(config, load_format, self.tp)
-        window = KVWindow.of(config)
-        self.planner = AttentionPlanner.of_model(self.model, config.attention_tuning, config.use_triton,
+        self.model = load_model(settings, load_format, self.tp)
+        window = settings.window
+        self.planner = AttentionPlanner.of_model(self.model, settings.attention_tuning, settings.use_triton,
                                                  scoring=window is not None and window.scores)
         self.step_scores: torch.Tensor | None = None  # the last forward's attention mass per block (scoring)
         self.startup = dataclasses.replace(startup or StartupTimes(), load_s=time.perf_counter() - t0)
         # every rank holds the same block ids: the count the fullest GPU allows
-        graphs = (self.device.type == "cuda" and config.use_triton and not config.enforce_eager
+        graphs = (self.device.type == "cuda" and settings.use_triton and not settings.enforce_eager
                   and self.model.attention(0).capturable)
-        scratch = activation_bytes(config, piece_tokens(config) if graphs else 0)
-        self.layout = kv_layout(config)  # one rank's blocks: what the wire check and the tiers see
-        self.num_blocks = self.tp.min_int(num_kv_blocks(config, self.layout, self.device, scratch))
-        check_decode_room(config, config.max_num_seqs, self.num_blocks)  # every rank the same count: each refuses alike
+        scratch = activation_bytes(settings, piece_tokens(settings) if graphs else 0)
+        self.layout = kv_layout(settings)  # one rank's blocks: what the wire check and the tiers see
+        self.num_blocks = self.tp.min_int(num_kv_blocks(settings.cache, self.layout, self.device, scratch))
+        check_decode_room(settings.cache, settings.max_num_seqs, self.num_blocks)  # each rank refuses alike
         self.kv = allocate_kv_cache(self.layout, self.num_blocks, self.device)  # see kv_cache.py for the layout
-        self.kv_views = layer_views(self.kv, config.kv_cache_dtype)
+        self.kv_views = layer_views(self.kv, settings.kv_cache_dtype)
         self.host = None  # the host tier's buffer on this rank (tiers/offload.py)
-        if config.kv_offloading_size:
+        if settings.kv_offloading_size:
             self.host = HostCache(self.kv, self.num_host_slots)
         self.sampler = Sampler(self.device, grammars)
         self.last_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.graphs: StepGraphs | None = None  # None: every step eager
         t0 = time.perf_counter()
         if graphs:
-            self.graphs = StepGraphs(self.model, self.kv_views, config, self.num_blocks, self.planner)
+            self.graphs = StepGraphs(self.model, self.kv_views, settings, self.num_blocks, self.planner)
             self.startup.graphs_s = time.perf_counter() - t0
-        if self.device.type == "cuda" and config.use_triton:
+        if self.device.type == "cuda" and settings.use_triton:
             t0 = time.perf_counter()
             self.warm_up()
             self.startup.warm_up_s = time.perf_counter() - t0
@@ -112,7 +113,7 @@ class ModelRunner:
 
     def use_graph_layouts(self) -> None:
         """Runs every step in the graphs' layouts without capturing (the GPU path on CPU)."""
-        self.graphs = StepGraphs(self.model, self.kv_views, self.config, self.num_blocks, self.planner,
+        self.graphs = StepGraphs(self.model, self.kv_views, self.settings, self.num_blocks, self.planner,
                                  capture=False)
 
     @property
@@ -138,7 +139,7 @@ class ModelRunner:
         written (slots -1) or sampled. On CUDA also the same-node handoff's block copy (ops/block_copy.py:
         whole blocks, and a head slice as tensor-parallel routes take), block 0 onto itself: its first
         compile otherwise lands on a worker's first handoff."""
-        self.model.attention(0).warm_up(*self.kv_views[0], self.config.torch_dtype, self.planner.scoring)
+        self.model.attention(0).warm_up(*self.kv_views[0], self.settings.torch_dtype, self.planner.scoring)
         if self.device.type == "cuda":
             from ..ops.block_copy import copy_blocks
 
@@ -148,7 +149,7 @@ class ModelRunner:
         first = (self.graphs.max_piece_tokens if self.graphs else 0) + 16  # the smallest eager step
         for t in (first, first + 1):
             for q_lens, seq_lens in (([1, 1, t - 2], [24, 40, t + 62]), ([t], [t + 64])):
-                if t <= self.config.max_num_batched_tokens and max(seq_lens) <= self.config.max_model_len:
+                if t <= self.settings.max_num_batched_tokens and max(seq_lens) <= self.settings.max_model_len:
                     self.forward(self._dummy_inputs(q_lens, seq_lens))
 
     @torch.inference_mode()
@@ -157,10 +158,10 @@ class ModelRunner:
         replaying their graphs, decodes beside prefill chunks, chunks alone) for the step-time
         model to fit before the first request (core/step_model.py): (the step's shape, seconds).
         Every rank runs them (the shards receive them as steps). Nothing is written or sampled."""
-        bt, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        ctx = min(512, self.config.max_model_len // 2)
+        bt, seqs = self.settings.max_num_batched_tokens, self.settings.max_num_seqs
+        ctx = min(512, self.settings.max_model_len // 2)
         decodes = sorted({d for d in (1, 8, 32, 64) if d <= seqs})
-        chunks = sorted({c for c in (128, 256, 1024, 2048, bt) if 64 <= c <= min(bt, self.config.max_model_len)})
+        chunks = sorted({c for c in (128, 256, 1024, 2048, bt) if 64 <= c <= min(bt, self.settings.max_model_len)})
         mixed = [(d, c) for d in (0, *decodes[:2]) for c in chunks if d + c <= bt]
         shapes = [([1] * d, [ctx] * d) for d in decodes] + [([1] * d + [c], [ctx] * d + [c]) for d, c in mixed]
         out, t_start = [], time.perf_counter()
@@ -208,7 +209,7 @@ class ModelRunner:
 
     @property
     def num_host_slots(self) -> int:
-        return host_slots(self.config.kv_offloading_size, self.layout.block_bytes)
+        return host_slots(self.settings.kv_offloading_size, self.layout.block_bytes)
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor | None:

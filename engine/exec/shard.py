@@ -46,12 +46,13 @@ def run_shard(config: EngineConfig, load_format: str, rank: int, address: str, o
     `on_ready(runner)` runs once the weights and the KV cache are in place (the cluster's
     shard actor builds its transfer connector over `runner.kv` there)."""
     from .model_runner import ModelRunner
+    from .runner_settings import RunnerSettings
 
     if config.torch_device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("PDSERVE_TORCH_THREADS", "1")))
     tp = TPGroup(rank, config.tensor_parallel_size).connect(config.torch_device, address,
                                                             custom_all_reduce=not config.disable_custom_all_reduce)
-    runner = ModelRunner(config, load_format, tp)
+    runner = ModelRunner(RunnerSettings.of(config), load_format, tp)
     if on_ready is not None:
         on_ready(runner)
     while True:

@@ -34,6 +34,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
 class DraftModelProposer:
     def __init__(self, model: str, target: EngineConfig, kv_cache_memory_bytes: int):
         from ..exec.model_runner import ModelRunner
+        from ..exec.runner_settings import RunnerSettings
 
         cfg = EngineConfig(model=model, dtype=target.dtype, device=target.device, max_model_len=target.max_model_len,
                            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=target.max_num_seqs,
@@ -43,7 +44,7 @@ class DraftModelProposer:
         tv, dv = target.model_config.vocab_size, cfg.model_config.vocab_size
         if tv != dv:
             raise ValueError(f"the draft model's vocabulary ({dv} tokens) differs from the target's ({tv})")
-        self.runner = ModelRunner(cfg)
+        self.runner = ModelRunner(RunnerSettings.of(cfg))
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, False)
         self.shadows: dict[str, Request] = {}
 

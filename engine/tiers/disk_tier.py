@@ -38,10 +38,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from ..base.hashing import held_run
+from ..settings import TierSettings
 from ..stats import DiskTierStats
-from .disk import DiskStore
+from .disk import BlockMeaning, DiskStore
 from .offload import HostCache, HostIndex
-from .persist import block_meaning
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +58,21 @@ class DiskTier:
     waits = True
 
     @classmethod
-    def of(cls, config, load_format: str, index: HostIndex | None, cache: HostCache | None, step_model,
-           kv) -> DiskTier | None:
+    def of(cls, tiers: TierSettings, meaning: BlockMeaning, index: HostIndex | None, cache: HostCache | None,
+           step_model, kv) -> DiskTier | None:
         """The engine's disk tier below its host tier (`index` its slots, `cache` its buffer), or None
-        without kv_disk_dir; `kv` the engine's KV cache manager (the prompt's block hashes, GPU hits)."""
-        if config.kv_disk_dir is None or index is None:
+        without kv_disk_dir; `meaning` its blocks' model and layout (persist.block_meaning); `kv` the
+        engine's KV cache manager (the prompt's block hashes, GPU hits)."""
+        if tiers.kv_disk_dir is None or index is None:
             return None
-        return cls(config, load_format, index, cache, step_model, kv)
+        return cls(tiers, meaning, index, cache, step_model, kv)
 
-    def __init__(self, config, load_format: str, index: HostIndex, cache: HostCache, step_model, kv):
+    def __init__(self, tiers: TierSettings, meaning: BlockMeaning, index: HostIndex, cache: HostCache, step_model,
+                 kv):
         self.index, self.cache, self.step_model, self.kv = index, cache, step_model, kv
-        self.block_size = config.block_size
+        self.block_size = meaning.layout.block_size
         self.block_nbytes = cache.block_nbytes
-        self.files = DiskStore(config.kv_disk_dir, block_meaning(config, load_format), self.block_nbytes,
-                               int(config.kv_disk_size * (1 << 30)))
+        self.files = DiskStore(tiers.kv_disk_dir, meaning, self.block_nbytes, int(tiers.kv_disk_size * (1 << 30)))
         index.on_evict = self.store
         # several readers: each read verifies a checksum (hashlib lets go of the GIL for it)
         self.reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-reader")

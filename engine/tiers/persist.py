@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base.kv_layout import kv_layout
-from ..config import EngineConfig
+from ..base.kv_layout import KVLayout
+from ..settings import TierSettings
 from ..stats import WriteStats
 from .disk import HEADER, BlockMeaning, DiskStore
 from .offload import HostCache, HostIndex
@@ -59,14 +59,16 @@ class PersistError(ValueError):
     """A persisted host tier that cannot be used here (the message names why)."""
 
 
-def fingerprint(config: EngineConfig, load_format: str) -> str:
+def fingerprint(model: str, load_format: str, seed: int) -> str:
+    """The model directory's identity: its config.json and its weights (or, random weights of
+    `load_format` "dummy", the seed they are drawn from)."""
     h = hashlib.sha256()
-    with open(os.path.join(config.model, "config.json"), "rb") as f:
+    with open(os.path.join(model, "config.json"), "rb") as f:
         h.update(f.read())
     if load_format == "dummy":
-        h.update(f"dummy seed {config.seed}".encode())
+        h.update(f"dummy seed {seed}".encode())
         return h.hexdigest()
-    for path in sorted(glob.glob(os.path.join(config.model, "*.safetensors"))):
+    for path in sorted(glob.glob(os.path.join(model, "*.safetensors"))):
         size = os.path.getsize(path)
         h.update(f"{os.path.basename(path)}:{size}".encode())
         with open(path, "rb") as f:
@@ -76,9 +78,10 @@ def fingerprint(config: EngineConfig, load_format: str) -> str:
     return h.hexdigest()
 
 
-def block_meaning(config: EngineConfig, load_format: str) -> BlockMeaning:
-    """What this engine's KV blocks mean on disk: its model's fingerprint and its cache layout."""
-    return BlockMeaning(fingerprint(config, load_format), kv_layout(config))
+def block_meaning(model: str, load_format: str, seed: int, layout: KVLayout) -> BlockMeaning:
+    """What an engine's KV blocks mean on disk: its model's fingerprint and its cache layout (its
+    runner's, one rank's)."""
+    return BlockMeaning(fingerprint(model, load_format, seed), layout)
 
 
 @dataclass
@@ -102,15 +105,16 @@ class Restored:
         return text
 
 
-def store(config: EngineConfig, load_format: str, cache: HostCache) -> DiskStore:
+def store(tiers: TierSettings, meaning: BlockMeaning, cache: HostCache) -> DiskStore:
     """The persisted tier's block files: as many as the tier has slots (the blocks its index no
     longer names are evicted first)."""
     files = max(1, cache.buf.shape[0])
-    return DiskStore(config.kv_persist_dir, block_meaning(config, load_format), cache.block_nbytes,
+    return DiskStore(tiers.kv_persist_dir, meaning, cache.block_nbytes,
                      files * (HEADER.size + cache.block_nbytes), tier="kv_persist")
 
 
-def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache, files: DiskStore) -> str | None:
+def save(tiers: TierSettings, meaning: BlockMeaning, index: HostIndex, cache: HostCache,
+         files: DiskStore) -> str | None:
     """Writes the tier: its blocks not on disk yet, then its index; None (the previous index
     stays) when the block files could not be written. The copies queued in `index` must have
     been applied (HostTierFile.write does it). Raises the OSError of a failed index write."""
@@ -125,11 +129,11 @@ def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
     files.flush()
     if not files.health.writable:  # an index over blocks that are not there would only be refused
         return None
-    path = os.path.join(config.kv_persist_dir, INDEX)
+    path = os.path.join(tiers.kv_persist_dir, INDEX)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w") as f:
-            json.dump({**block_meaning(config, load_format).as_dict(), "hashes": [h.hex() for h, _ in entries]}, f)
+            json.dump({**meaning.as_dict(), "hashes": [h.hex() for h, _ in entries]}, f)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -140,12 +144,12 @@ def save(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
     return path
 
 
-def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache, files: DiskStore) -> Restored:
+def load(tiers: TierSettings, meaning: BlockMeaning, index: HostIndex, cache: HostCache, files: DiskStore) -> Restored:
     """Fills the tier from its files (nothing without an index). Raises PersistError naming the
     problem (the tier is then left empty); blocks that do not verify are left out."""
-    path = os.path.join(config.kv_persist_dir, INDEX)
+    path = os.path.join(tiers.kv_persist_dir, INDEX)
     if not os.path.exists(path):
-        old = os.path.join(config.kv_persist_dir, OLD_SNAPSHOT)
+        old = os.path.join(tiers.kv_persist_dir, OLD_SNAPSHOT)
         if os.path.exists(old):
             raise PersistError(f"{old} is a host tier saved by an earlier version (one torch file); the tier is "
                                "now kept as block files: starting with an empty host tier (remove the file)")
@@ -156,7 +160,7 @@ def load(config: EngineConfig, load_format: str, index: HostIndex, cache: HostCa
         hashes = [bytes.fromhex(h) for h in payload["hashes"]]
     except Exception as e:  # noqa: BLE001 - whatever the JSON or the hex says
         raise PersistError(f"{path} is corrupt ({type(e).__name__}: {e}): starting with an empty host tier") from None
-    differs = block_meaning(config, load_format).differs(payload)
+    differs = meaning.differs(payload)
     if differs is not None:
         key, there, here = differs
         raise PersistError(f"{path} was written for another {key.replace('_', ' ')} "
@@ -191,27 +195,28 @@ class HostTierFile:
     stops the engine: it starts with an empty tier, and a failed write marks the directory
     unwritable (`files.health`, write_health.py: logged once per cause, in `stats()`, retried)."""
 
-    def __init__(self, config: EngineConfig, load_format: str, index: HostIndex, cache: HostCache):
-        self.config, self.load_format, self.index, self.cache = config, load_format, index, cache
+    def __init__(self, tiers: TierSettings, meaning: BlockMeaning, index: HostIndex, cache: HostCache):
+        """`tiers`: the directory and interval; `meaning`: the blocks' model and layout (block_meaning)."""
+        self.tiers, self.meaning, self.index, self.cache = tiers, meaning, index, cache
         self.at = time.monotonic()
-        self.files = store(config, load_format, cache)
+        self.files = store(tiers, meaning, cache)
         self.entries: list | None = None  # the tier's index as last written
         self.status: str | None = None
         try:
-            done = load(config, load_format, index, cache, self.files)
-            self.status = done.describe(config.kv_persist_dir)
+            done = load(tiers, meaning, index, cache, self.files)
+            self.status = done.describe(tiers.kv_persist_dir)
             if done.refused:
                 log.warning("%s", self.status)
         except PersistError as e:
             self.status = str(e)
             log.warning("%s", e)
         except OSError as e:  # the directory cannot be read (EIO, EACCES): serve without what it held
-            self.status = f"{config.kv_persist_dir} could not be read ({e}): starting with an empty host tier"
+            self.status = f"{tiers.kv_persist_dir} could not be read ({e}): starting with an empty host tier"
             log.warning("%s", self.status)
 
     def due(self) -> bool:
         """Writes the tier if its interval has passed and it changed; True if it wrote."""
-        if time.monotonic() - self.at < self.config.kv_persist_interval_s:
+        if time.monotonic() - self.at < self.tiers.kv_persist_interval_s:
             return False
         self.at = time.monotonic()
         if not self.index.ops.offloads and self.index.entries() == self.entries:
@@ -227,7 +232,7 @@ class HostTierFile:
         self.at = time.monotonic()
         self.cache.apply_queued(self.index)
         try:
-            path = save(self.config, self.load_format, self.index, self.cache, self.files)
+            path = save(self.tiers, self.meaning, self.index, self.cache, self.files)
         except OSError as e:
             self.files.health.failed(e, "saving the tier's index")
             return None

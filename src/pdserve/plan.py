@@ -37,6 +37,7 @@ import torch
 from pdserve.engine.base.kv_layout import kv_layout
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.exec.kv_cache import activation_bytes
+from pdserve.engine.exec.runner_settings import RunnerSettings
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,14 @@ def weight_bytes(config: EngineConfig) -> int:
     from pdserve.engine.exec.loader import build_on_meta, fp8_layers
     from pdserve.engine.models.layers import hold_fp8
 
-    model = build_on_meta(config, TPGroup(0, config.tensor_parallel_size))
+    run = RunnerSettings.of(config)  # the model as a runner builds it
+    model = build_on_meta(run, TPGroup(0, config.tensor_parallel_size))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     model.to(dtype=config.torch_dtype)  # on meta, as the loader casts before it allocates
     quant = config.model_config.weight_quant
     # a directory of a config alone (no weights to read) is planned as its random model would load
     weights = glob.glob(os.path.join(config.model, "*.safetensors"))
-    for name in fp8_layers(model, config, "auto" if weights else "dummy") if quant else ():
+    for name in fp8_layers(model, run, "auto" if weights else "dummy") if quant else ():
         hold_fp8(model.get_submodule(name), quant.block)  # e4m3 values and float32 scales, as the loader holds them
     return sum(p.numel() * p.element_size() for p in model.parameters()) + buffers
 
@@ -131,7 +133,7 @@ def plan(model: str, lengths: list[tuple[int, int]], gpu: str | None = None, gpu
         mem = int(gpu_memory_gib * (1 << 30)) if gpu_memory_gib is not None else spec.memory_bytes if spec else 0
         if not mem:
             raise ValueError("give the GPU: --gpu NAME, --gpu-memory GiB, or --kv-cache-memory-bytes")
-        budget = int(mem * cfg.gpu_memory_utilization) - weights - activation_bytes(cfg)
+        budget = int(mem * cfg.gpu_memory_utilization) - weights - activation_bytes(RunnerSettings.of(cfg))
     blocks = max(0, budget // layout.block_bytes)
     cap = cfg.max_model_len
     fits = [(p, o) for p, o in lengths if p + o <= cap]

@@ -119,6 +119,29 @@ def test_a_manual_step_over_an_overlapped_engine(engine):
     engine.kv.check_all_free()
 
 
+def test_mixed_step_variants_reach_the_planner_each_step_reads(engine, monkeypatch):
+    """bench/mixed_step_gpu.py --variants times each AttentionTuning: the step it runs must plan its
+    attention with that tuning. It set the engine config's field, which the runner had read into
+    its planner once at start, so every column measured the default (flat tables on H100 and H200)."""
+    mixed = bench("mixed_step_gpu")
+    seen = []
+
+    def step(eng, cap):
+        seen.append(eng.runner.planner.tuning)  # what runner.forward plans this step's attention with
+        return [], 1e-3
+
+    monkeypatch.setattr(mixed, "run_step", step)
+    monkeypatch.setattr(mixed, "cache_prefixes", lambda *a: None)
+    monkeypatch.setattr(mixed, "ids", lambda n: list(range(100, 100 + min(n, 8))))
+    before = engine.runner.planner
+    mixed.compare_variants(engine, reps=1, chunks=(64,))
+    assert set(seen) == set(mixed.VARIANTS.values())
+    assert engine.runner.planner is before  # the engine's own tuning back
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    engine.kv.check_all_free()
+
+
 def test_tp_bench_times_served_steps_and_leaves_the_engine_empty(engine):
     """bench/tp_gpu.py's served decode: b requests prefilled, then engine.step() timed while they
     decode (overlapped), then aborted: no block is left held for the next batch."""

@@ -181,7 +181,7 @@ def test_where_the_model_runs_its_triton_kernels_it_holds_the_fp8_weights_with_h
 
     prompt = list(range(3, 43))
     with LLM(path, **kw) as llm:
-        assert holds_fp8(llm.engine.config)
+        assert holds_fp8(llm.engine.runner.settings)
         fp8 = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
     with LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, device="cpu") as llm:
         ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]

@@ -12,6 +12,7 @@ from pdserve import SamplingParams
 from pdserve.engine.base.tp import TPError, TPGroup, check_tp, kv_head_range, vocab_range
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.exec.loader import load_model
+from pdserve.engine.exec.runner_settings import RunnerSettings
 from pdserve.engine.llm import LLM
 
 from helpers import save_hf
@@ -95,7 +96,7 @@ def test_each_rank_loads_its_slices(tiny_models):
 
     d = tiny_models["llama"]
     cfg = EngineConfig(model=d, tensor_parallel_size=4).resolve(d)
-    model = load_model(cfg, tp=TPGroup(rank=1, size=4))
+    model = load_model(RunnerSettings.of(cfg), tp=TPGroup(rank=1, size=4))
     with safe_open(os.path.join(d, "model.safetensors"), framework="pt") as f:
         hf = {k: f.get_tensor(k) for k in f.keys()}
     layer = model.layers[1]
@@ -169,7 +170,7 @@ def test_tp_shards_each_experts_intermediate_rows(tmp_path, default_model_dir, k
     save_tiny_moe(kind, str(tmp_path), default_model_dir)
     assert _greedy(str(tmp_path), 2) == _greedy(str(tmp_path), 1)
     cfg = EngineConfig(model=str(tmp_path), tensor_parallel_size=2).resolve(str(tmp_path))
-    model = load_model(cfg, tp=TPGroup(rank=1, size=2))
+    model = load_model(RunnerSettings.of(cfg), tp=TPGroup(rank=1, size=2))
     names = ("mlp.experts.3.gate_proj", "mlp.experts.3.up_proj", "mlp.experts.3.down_proj") \
         if kind == "qwen3_moe" else ("block_sparse_moe.experts.3.w1", "block_sparse_moe.experts.3.w3",
                                      "block_sparse_moe.experts.3.w2")
@@ -193,7 +194,7 @@ def test_expert_parallel_keeps_experts_whole_on_their_rank_and_tp1s_tokens(tmp_p
     save_tiny_moe(kind, str(tmp_path), default_model_dir)
     assert _greedy(str(tmp_path), 2, enable_expert_parallel=True) == _greedy(str(tmp_path), 1)
     cfg = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True).resolve(str(tmp_path))
-    model = load_model(cfg, tp=TPGroup(rank=1, size=2))
+    model = load_model(RunnerSettings.of(cfg), tp=TPGroup(rank=1, size=2))
     e = 5 if kind == "qwen3_moe" else 3
     names = tuple(f"mlp.experts.{e}.{p}_proj" for p in ("gate", "up", "down")) if kind == "qwen3_moe" else \
         tuple(f"block_sparse_moe.experts.{e}.w{i}" for i in (1, 3, 2))
