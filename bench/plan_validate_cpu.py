@@ -1,5 +1,7 @@
 """The capacity simulator against a live CPU cluster of the default model, end to end on this
-machine: a profile of one engine (`pdserve profile`, one torch thread, as a Ray worker runs), a
+machine: a profile of one engine (`pdserve profile`, one torch thread, as a Ray worker runs; with
+--profile-each-rate one taken just before each rate, as this shared machine's speed moves by a
+quarter within minutes and a profile taken once was off by that at the later rates), a
 live `pdserve serve --mode colocated --decode 2` swept by `pdserve bench`, and the same sweep
 predicted from the profile alone (`pdserve simulate`). Nothing of the live run goes into the
 prediction.
@@ -35,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-tpot", type=float, default=0.2)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--profile", default=None, help="a profile to use instead of measuring one")
+    ap.add_argument("--profile-each-rate", action="store_true",
+                    help="a profile taken just before each rate, each rate predicted from its own (this machine's "
+                         "speed moves by a quarter within minutes)")
     ap.add_argument("--contexts", default="128,256,512")
     ap.add_argument("--batches", default="1,4,16")
     return ap
@@ -64,39 +69,79 @@ def serve(system: str, max_model_len: int, log_path: str) -> tuple[subprocess.Po
     raise RuntimeError(f"pdserve serve did not serve in 600 s: see {log_path}")
 
 
+def profile(args, path: str) -> None:
+    """`pdserve profile` of one engine of the default model, one torch thread (what a Ray worker of one
+    CPU runs with), into `path`."""
+    pdserve("profile", "--max-model-len", str(args.max_model_len), "--contexts", args.contexts, "--batches",
+            args.batches, "--decode-tokens", "16", "--max-tokens-per-point", "8192", "--name", "smollm2-135m",
+            "--device-name", f"CPU ({os.cpu_count()} cores)", "--out", path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, stdout=subprocess.DEVNULL)
+
+
+def bench_argv(args, rates: str, seed: int = 0) -> list[str]:
+    return ["--workload", "synthetic", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--num-requests", str(args.num_requests), "--rates", rates, "--slo-ttft", str(args.slo_ttft),
+            "--slo-tpot", str(args.slo_tpot), *(["--seed", str(seed)] if seed else [])]
+
+
+def rounds(args) -> list[tuple[str, str, int]]:
+    """(rates, name, seed) of each live sweep: the whole sweep at once, or one rate at a time with a
+    profile taken just before it (--profile-each-rate). Each rate apart has a seed of its own, as each
+    rate of one sweep has a salt of its own: with one seed every rate sent the first's prompts again
+    and found them in the prefix cache (77% hits at the fourth rate), which the simulator, started
+    afresh for each, did not."""
+    if not args.profile_each_rate:
+        return [(args.rates, "", 0)]
+    return [(r, f"_{r}", i) for i, r in enumerate(args.rates.split(","))]
+
+
+def merged(parts: list[dict]) -> dict:
+    """One sweep's result from the results of its rates run apart."""
+    from pdserve.bench.report import goodput
+
+    out = dict(parts[0])
+    out["runs"] = [run for p in parts for run in p["runs"]]
+    out["goodput"] = goodput(out["runs"])
+    return out
+
+
 def main() -> int:
     args = parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
-    bench = ["--workload", "synthetic", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-             "--num-requests", str(args.num_requests), "--rates", args.rates, "--slo-ttft", str(args.slo_ttft),
-             "--slo-tpot", str(args.slo_tpot)]
+    bench = bench_argv(args, args.rates)
     t0 = time.time()
-    prof = args.profile or os.path.join(args.out, "profile.json")
-    if args.profile is None:  # one torch thread: what a Ray worker of one CPU runs with
+    if args.profile is None and not args.profile_each_rate:
         print("profiling one engine of the default model (one thread) ...", flush=True)
-        pdserve("profile", "--max-model-len", str(args.max_model_len), "--contexts", args.contexts, "--batches",
-                args.batches, "--decode-tokens", "16", "--max-tokens-per-point", "8192", "--name", "smollm2-135m",
-                "--device-name", f"CPU ({os.cpu_count()} cores)", "--out", prof,
-                env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+        profile(args, os.path.join(args.out, "profile.json"))
     print(f"serving {args.system} and sweeping {args.rates} req/s ...", flush=True)
     log = os.path.join(tempfile.gettempdir(), "plan_validate_cpu_serve.log")
     proc, url = serve(args.system, args.max_model_len, log)
+    lives, preds = [], []
     try:
-        pdserve("bench", "--url", url, *bench, "--label", f"live {args.system}", "--out", args.out, "--name", "live",
-                check=True)
+        for rates, tag, seed in rounds(args):
+            prof = args.profile or os.path.join(args.out, f"profile{tag}.json")
+            if args.profile_each_rate:  # the server idles meanwhile: this machine's speed now, not minutes ago
+                print(f"profiling before rate {rates} ...", flush=True)
+                profile(args, prof)
+            pdserve("bench", "--url", url, *bench_argv(args, rates, seed), "--label", f"live {args.system}", "--out",
+                    args.out, "--name", f"live{tag}", check=True)
+            pdserve("simulate", "--profile", prof, "--system", args.system, "--out",
+                    os.path.join(args.out, f"predicted{tag}.json"), "--", *bench_argv(args, rates, seed), check=True,
+                    stdout=subprocess.DEVNULL)
+            for name, into in ((f"live{tag}.json", lives), (f"predicted{tag}.json", preds)):
+                with open(os.path.join(args.out, name)) as f:
+                    into.append(json.load(f))
     finally:
         proc.send_signal(2)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
-    print("predicting the same sweep from the profile ...", flush=True)
-    pred_path = os.path.join(args.out, "predicted.json")
-    pdserve("simulate", "--profile", prof, "--system", args.system, "--out", pred_path, "--", *bench, check=True)
-    with open(os.path.join(args.out, "live.json")) as f:
-        live = json.load(f)
-    with open(pred_path) as f:
-        pred = json.load(f)
+    live, pred = merged(lives), merged(preds)
+    if args.profile_each_rate:  # the sweep whole, as the one-profile run writes it
+        for name, data in (("live.json", live), ("predicted.json", pred)):
+            with open(os.path.join(args.out, name), "w") as f:
+                json.dump(data, f, indent=1)
     rows = compare(live, pred)
     g_live, g_pred = live["goodput"]["rps"], pred["goodput"]["rps"]
     err = (g_pred - g_live) / g_live if g_live else None
@@ -114,7 +159,7 @@ def main() -> int:
                       f"Command: `{result['command']}` ({result['seconds']} s). Workload: `{' '.join(bench)}`.", "",
                       *table, "",
                       f"Goodput (90% attainment): measured {g_live:.2f} req/s, predicted {g_pred:.2f} req/s"
-                      + (f" ({err:+.0%})." if err is not None else "."), ""])
+                      + (f" ({err:+.0%})." if err is not None else "."), "", *speeds(args)])
     with open(os.path.join(args.out, "validation.md"), "w") as f:
         f.write(text)
     plot(rows, os.path.join(args.out, "validation.png"), args.system)
@@ -122,6 +167,22 @@ def main() -> int:
     print(f"goodput: measured {g_live:.2f}, predicted {g_pred:.2f} req/s"
           + (f" ({err:+.0%})" if err is not None else ""))
     return 0
+
+
+def speeds(args) -> list[str]:
+    """Each rate's profile, as the decode step of one request it predicts (--profile-each-rate): how
+    far this machine's speed moved between them."""
+    if not args.profile_each_rate:
+        return []
+    from pdserve.sim.profile import Profile
+
+    out = []
+    for rates, tag, _ in rounds(args):
+        p = Profile.load(args.profile or os.path.join(args.out, f"profile{tag}.json"))
+        step = p.step_model(4096, None).predict(1, 0, args.input_len, 0)
+        out.append(f"rate {rates}: its profile's decode step of one request {step * 1e3:.1f} ms "
+                   f"(fit error {p.fit_error:.1%})")
+    return ["Each rate's profile, taken just before it:", "", *(f"- {line}" for line in out), ""]
 
 
 def compare(live: dict, pred: dict) -> list[dict]:

@@ -2,6 +2,8 @@
 
 import pathlib
 
+import pytest
+
 from pdserve.sim import Profile, predict
 
 PROFILES = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results" / "profiles"
@@ -169,3 +171,22 @@ def test_an_adaptive_layout_is_disagg_only():
     assert Layout.of("disagg:2:2:adaptive").adaptive and not Layout.of("disagg:2:2").adaptive
     with pytest.raises(ValueError, match="moves the workers of a disagg cluster"):
         Layout.of("hybrid:2:2:adaptive")
+
+
+def test_the_cpu_validation_runs_rates_apart_and_merges_them_into_one_sweep(tmp_path):
+    """bench/plan_validate_cpu.py --profile-each-rate: one live sweep and one prediction per rate, each
+    after a profile of its own; the rates merge into one sweep whose goodput is read across them."""
+    import importlib.util
+
+    path = PROFILES.parents[1] / "plan_validate_cpu.py"
+    spec = importlib.util.spec_from_file_location("plan_validate_cpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.parser().parse_args(["--rates", "0.5,1", "--profile-each-rate", "--out", str(tmp_path)])
+    assert mod.rounds(args) == [("0.5", "_0.5", 0), ("1", "_1", 1)]  # a seed each: no prompt sent twice
+    assert mod.rounds(mod.parser().parse_args(["--rates", "0.5,1"])) == [("0.5,1", "", 0)]
+    assert mod.bench_argv(args, "1", 1)[-2:] == ["--seed", "1"]
+    parts = [{"label": "live", "runs": [{"rate": r, "slo_attainment": a}]} for r, a in ((0.5, 1.0), (1.0, 0.8))]
+    whole = mod.merged(parts)
+    assert [r["rate"] for r in whole["runs"]] == [0.5, 1.0]
+    assert whole["goodput"]["rps"] == pytest.approx(0.75) and not whole["goodput"]["lower_bound"]  # 90%: halfway
