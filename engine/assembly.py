@@ -99,7 +99,8 @@ def assemble(config: EngineConfig, load_format: str, launch_shards=None) -> Engi
     drafter = Drafter(config.spec, config.max_model_len, draft, SpecSwitch(step_model))
     # the host tier's files (tiers/persist.py, restored now), or its disk tier (tiers/disk_tier.py)
     tier_settings = TierSettings.of(config)
-    meaning = persist.block_meaning(config.model, load_format, config.seed, runner.layout) if host is not None else None
+    on_disk = host is not None and (config.kv_persist_dir or config.kv_disk_dir)  # the model's files read only then
+    meaning = persist.block_meaning(config.model, load_format, config.seed, runner.layout) if on_disk else None
     tier_file = persist.HostTierFile(tier_settings, meaning, host, runner.host) if config.kv_persist_dir else None
     disk = DiskTier.of(tier_settings, meaning, host, runner.host, step_model, kv)
     tiers = Tiers(kv, [t for t in (host, disk) if t is not None])  # below the GPU, in lookup order
