@@ -4,7 +4,11 @@ machine: a profile of one engine (`pdserve profile`, one torch thread, as a Ray 
 quarter within minutes and a profile taken once was off by that at the later rates), a
 live `pdserve serve --mode colocated --decode 2` swept by `pdserve bench`, and the same sweep
 predicted from the profile alone (`pdserve simulate`). Nothing of the live run goes into the
-prediction.
+prediction. With --profile-in-workers (and --profile-each-rate) each rate is also predicted from the
+step cost the live workers fitted to their own steps during a short burst at that rate just before
+it (its own prompts, not the measured sweep's: `/admin/status`'s `step_cost`), the rest of the
+profile the bare engine's: what the engine costs where a worker runs it, beside the router, the client
+and Ray on the same cores.
 
     python bench/plan_validate_cpu.py --out bench/results/plan/cpu
 
@@ -40,6 +44,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-each-rate", action="store_true",
                     help="a profile taken just before each rate, each rate predicted from its own (this machine's "
                          "speed moves by a quarter within minutes)")
+    ap.add_argument("--profile-in-workers", action="store_true",
+                    help="with --profile-each-rate: also predict each rate from the live workers' own step costs, "
+                         "fitted during a burst of --burst requests at that rate just before it")
+    ap.add_argument("--burst", type=int, default=40, help="--profile-in-workers: the burst's requests")
     ap.add_argument("--contexts", default="128,256,512")
     ap.add_argument("--batches", default="1,4,16")
     return ap
@@ -95,6 +103,27 @@ def rounds(args) -> list[tuple[str, str, int]]:
     return [(r, f"_{r}", i) for i, r in enumerate(args.rates.split(","))]
 
 
+def workers_profile(args, url: str, rate: str, seed: int, bare: str, out: str) -> None:
+    """A burst of `args.burst` requests at `rate` (seed `seed`: prompts of its own), then the live
+    workers' step costs (GET /admin/status), averaged, into a copy of the `bare` profile at `out`."""
+    import urllib.request
+
+    from pdserve.sim.profile import Profile
+
+    argv = bench_argv(args, rate, seed)
+    argv[argv.index("--num-requests") + 1] = str(args.burst)
+    pdserve("bench", "--url", url, *argv, "--label", "burst", "--out", tempfile.mkdtemp(), "--name", "burst",
+            check=True, stdout=subprocess.DEVNULL)
+    with urllib.request.urlopen(url + "/admin/status", timeout=60) as r:
+        costs = [w["step_cost"] for w in json.load(r)["workers"] if "step_cost" in w]
+    if not costs:
+        raise RuntimeError("no worker reports a step cost after the burst")
+    prof = Profile.load(bare)
+    prof.coefficients = {k: sum(c[k] for c in costs) / len(costs) for k in prof.coefficients}
+    prof.device = f"{prof.device}, the step cost of {len(costs)} live workers"
+    prof.save(out)
+
+
 def merged(parts: list[dict]) -> dict:
     """One sweep's result from the results of its rates run apart."""
     from pdserve.bench.report import goodput
@@ -116,19 +145,30 @@ def main() -> int:
     print(f"serving {args.system} and sweeping {args.rates} req/s ...", flush=True)
     log = os.path.join(tempfile.gettempdir(), "plan_validate_cpu_serve.log")
     proc, url = serve(args.system, args.max_model_len, log)
-    lives, preds = [], []
+    lives, preds, in_workers = [], [], []
+    if args.profile_in_workers and not args.profile_each_rate:
+        raise SystemExit("plan_validate_cpu: --profile-in-workers goes with --profile-each-rate")
     try:
         for rates, tag, seed in rounds(args):
             prof = args.profile or os.path.join(args.out, f"profile{tag}.json")
             if args.profile_each_rate:  # the server idles meanwhile: this machine's speed now, not minutes ago
                 print(f"profiling before rate {rates} ...", flush=True)
                 profile(args, prof)
+            if args.profile_in_workers:
+                print(f"a burst at {rates} req/s for the workers' own step costs ...", flush=True)
+                workers_profile(args, url, rates, 1000 + seed, prof,
+                                os.path.join(args.out, f"profile{tag}_workers.json"))
             pdserve("bench", "--url", url, *bench_argv(args, rates, seed), "--label", f"live {args.system}", "--out",
                     args.out, "--name", f"live{tag}", check=True)
             pdserve("simulate", "--profile", prof, "--system", args.system, "--out",
                     os.path.join(args.out, f"predicted{tag}.json"), "--", *bench_argv(args, rates, seed), check=True,
                     stdout=subprocess.DEVNULL)
-            for name, into in ((f"live{tag}.json", lives), (f"predicted{tag}.json", preds)):
+            if args.profile_in_workers:
+                pdserve("simulate", "--profile", os.path.join(args.out, f"profile{tag}_workers.json"), "--system",
+                        args.system, "--out", os.path.join(args.out, f"predicted{tag}_workers.json"), "--",
+                        *bench_argv(args, rates, seed), check=True, stdout=subprocess.DEVNULL)
+            for name, into in ((f"live{tag}.json", lives), (f"predicted{tag}.json", preds),
+                               *(((f"predicted{tag}_workers.json", in_workers),) if args.profile_in_workers else ())):
                 with open(os.path.join(args.out, name)) as f:
                     into.append(json.load(f))
     finally:
@@ -148,24 +188,37 @@ def main() -> int:
     result = {"system": args.system, "bench": bench, "rows": rows, "goodput_measured": g_live,
               "goodput_predicted": g_pred, "goodput_error": err, "seconds": round(time.time() - t0),
               "command": "python bench/plan_validate_cpu.py " + " ".join(sys.argv[1:])}
+    workers_lines = []
+    if in_workers:
+        pw = merged(in_workers)
+        with open(os.path.join(args.out, "predicted_workers.json"), "w") as f:
+            json.dump(pw, f, indent=1)
+        g_w = pw["goodput"]["rps"]
+        result.update(rows_workers=compare(live, pw), goodput_predicted_workers=g_w,
+                      goodput_error_workers=(g_w - g_live) / g_live if g_live else None)
+        workers_lines = ["Predicted from the live workers' own step costs (a burst at each rate just before it):",
+                         "", "| rate | attainment measured | predicted | TTFT p50 measured | predicted | TPOT p50 "
+                         "measured | predicted |", "|---|---|---|---|---|---|---|",
+                         *row_lines(result["rows_workers"]), "",
+                         f"Goodput: measured {g_live:.2f} req/s, predicted from the workers' step costs {g_w:.2f}"
+                         + (f" ({result['goodput_error_workers']:+.0%})." if g_live else "."), ""]
     with open(os.path.join(args.out, "validation.json"), "w") as f:
         json.dump(result, f, indent=1)
     table = ["| rate | attainment measured | predicted | TTFT p50 measured | predicted | TPOT p50 measured | "
              "predicted |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        table.append(f"| {r['rate']:g} | {r['att'][0]:.0%} | {r['att'][1]:.0%} | {r['ttft'][0]:.3f} s | "
-                     f"{r['ttft'][1]:.3f} s | {r['tpot'][0] * 1e3:.1f} ms | {r['tpot'][1] * 1e3:.1f} ms |")
+    table += row_lines(rows)
     text = "\n".join([f"# The simulator against a live CPU cluster ({args.system}, the default model)", "",
                       f"Command: `{result['command']}` ({result['seconds']} s). Workload: `{' '.join(bench)}`.", "",
                       *table, "",
                       f"Goodput (90% attainment): measured {g_live:.2f} req/s, predicted {g_pred:.2f} req/s"
-                      + (f" ({err:+.0%})." if err is not None else "."), "", *speeds(args)])
+                      + (f" ({err:+.0%})." if err is not None else "."), "", *workers_lines, *speeds(args)])
     with open(os.path.join(args.out, "validation.md"), "w") as f:
         f.write(text)
     plot(rows, os.path.join(args.out, "validation.png"), args.system)
     print("\n" + "\n".join(table))
     print(f"goodput: measured {g_live:.2f}, predicted {g_pred:.2f} req/s"
-          + (f" ({err:+.0%})" if err is not None else ""))
+          + (f" ({err:+.0%})" if err is not None else "")
+          + (f"; from the workers' step costs {result['goodput_predicted_workers']:.2f}" if in_workers else ""))
     return 0
 
 
@@ -183,6 +236,11 @@ def speeds(args) -> list[str]:
         out.append(f"rate {rates}: its profile's decode step of one request {step * 1e3:.1f} ms "
                    f"(fit error {p.fit_error:.1%})")
     return ["Each rate's profile, taken just before it:", "", *(f"- {line}" for line in out), ""]
+
+
+def row_lines(rows: list[dict]) -> list[str]:
+    return [f"| {r['rate']:g} | {r['att'][0]:.0%} | {r['att'][1]:.0%} | {r['ttft'][0]:.3f} s | "
+            f"{r['ttft'][1]:.3f} s | {r['tpot'][0] * 1e3:.1f} ms | {r['tpot'][1] * 1e3:.1f} ms |" for r in rows]
 
 
 def compare(live: dict, pred: dict) -> list[dict]:

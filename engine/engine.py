@@ -26,7 +26,7 @@ from .exec.loader import resolve_model_path
 from .exec.step_result import StepResult
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
-from .stats import CacheConfigInfo, CacheStats, EngineStats
+from .stats import CacheConfigInfo, CacheStats, EngineStats, StepCost
 from .tokenizer import IncrementalDetokenizer
 from .validation import ValidRequest, check_capacity, check_request
 
@@ -347,4 +347,6 @@ class LLMEngine:
             decode_capacity=self.step_model.capacity_table(c.max_model_len, sched.max_num_seqs),
             tensor_parallel_size=self.tp.size, iteration_tokens=self.iteration_tokens.snapshot(),
             persist=self.tier_file.stats() if self.tier_file is not None else None,
-            persist_status=self.persist_status, spec=self.drafter.stats())
+            persist_status=self.persist_status, spec=self.drafter.stats(),
+            step_cost=StepCost.of(self.step_model.coefficients(), len(self.step_model.decode_steps),
+                                  len(self.step_model.mixed_steps)))

@@ -12,6 +12,7 @@ fields (`stats.cache.prefix_hits`, `stats.host.blocks_used`), never the row.
       host / disk / peer           each KV tier the engine runs (engine/tiers/tier.py), else None
       persist      WriteStats      the persisted host tier's writes, when it persists one
       spec         SpecStats       speculative decoding, when configured
+      step_cost    StepCost        the step model's fit of this engine's own steps, once it has one
 
     StartupTimes   what each part of the engine's start took (a worker's registration carries it)
 """
@@ -176,6 +177,34 @@ Tier = HostTierStats | DiskTierStats | PeerTierStats
 
 
 @dataclass(frozen=True)
+class StepCost:
+    """The engine's step-cost model as fitted to its own steps (engine/core/step_model.py): seconds
+    per unit of each feature, and the steps of each kind the fit holds now. A worker's are what the
+    simulator's profile holds (pdserve.sim.profile `coefficients`), measured where the worker runs:
+    beside its router, its clients and its host's other processes."""
+    base: float
+    mixed: float
+    per_seq: float
+    per_token: float
+    per_kv_token: float
+    per_attn: float
+    graph: float
+    decode_steps: int
+    mixed_steps: int
+
+    @classmethod
+    def of(cls, coefficients: dict[str, float], decode_steps: int, mixed_steps: int) -> StepCost | None:
+        """From `StepModel.coefficients()` (None before the first fit)."""
+        if not coefficients:
+            return None
+        return cls(**coefficients, decode_steps=decode_steps, mixed_steps=mixed_steps)
+
+    def coefficients(self) -> dict[str, float]:
+        """The fit in a profile's terms (feature -> seconds per unit)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "float"}
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One engine's counters (see the module's table)."""
     placement: PlacementStats
@@ -191,6 +220,7 @@ class EngineStats:
     persist: WriteStats | None = None
     persist_status: str | None = None
     spec: SpecStats | None = None
+    step_cost: StepCost | None = None
 
     @classmethod
     def with_tiers(cls, tiers: list[Tier], **fields) -> EngineStats:
@@ -206,6 +236,8 @@ class EngineStats:
                "iteration_tokens": {"buckets": self.iteration_tokens.buckets, "sum": self.iteration_tokens.sum}}
         if self.persist_status:
             row["kv_persist_status"] = self.persist_status
+        if self.step_cost is not None:
+            row["step_cost"] = dataclasses.asdict(self.step_cost)
         for part in (self.persist, self.host, self.disk, self.peer, self.spec):
             if part is not None:
                 row.update(part.as_dict())

@@ -195,6 +195,17 @@ def test_counters(llm):
     assert after["kv_blocks_total"] > 0 and after["num_running"] == after["num_waiting"] == 0
 
 
+def test_the_stats_carry_the_step_model_fitted_to_the_engine_s_own_steps(llm):
+    """What a worker's status shows and a profile taken where the worker runs reads: the step
+    model's coefficients, in a profile's terms, and how many steps of each kind the fit holds."""
+    llm.generate(["Count the steps. " * 4 + str(i) for i in range(4)], SamplingParams(max_tokens=24, ignore_eos=True))
+    model, cost = llm.engine.step_model, llm.engine.stats().step_cost
+    assert cost is not None and cost.coefficients() == model.coefficients()
+    assert set(cost.coefficients()) == {"base", "mixed", "per_seq", "per_token", "per_kv_token", "per_attn", "graph"}
+    assert cost.decode_steps == len(model.decode_steps) > 0 and cost.mixed_steps == len(model.mixed_steps) > 0
+    assert llm.engine.stats().as_dict()["step_cost"]["decode_steps"] == cost.decode_steps
+
+
 def test_bad_model_paths(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "missing"))

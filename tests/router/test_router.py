@@ -402,8 +402,13 @@ def test_admin_scale_and_status(server, cluster):
     assert r.status_code == 400 and r.json()["error"]["param"] == "decode"
     r = httpx.post(server.url + "/admin/scale", json={"decode": 2}, headers=h, timeout=300)
     assert r.status_code == 200 and r.json()["pools"] == {"prefill": 2, "decode": 2}
+    body = {"prompt": "Count to ten:", "max_tokens": 32, "ignore_eos": True}  # a fit needs 12 steps
+    assert httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120).status_code == 200
     st = httpx.get(server.url + "/admin/status", headers=h, timeout=60).json()
     assert sum(w["role"] == "decode" for w in st["workers"]) == 2
+    fitted = [w["step_cost"] for w in st["workers"] if "step_cost" in w]  # a worker that has stepped
+    assert fitted and all(c["decode_steps"] + c["mixed_steps"] > 0 and c["base"] >= 0 for c in fitted), st["workers"]
     r = httpx.post(server.url + "/admin/scale", json={"decode": 1}, headers=h, timeout=300)
     assert r.json()["pools"] == {"prefill": 2, "decode": 1}
 
