@@ -136,6 +136,8 @@ def merged(parts: list[dict]) -> dict:
 
 def main() -> int:
     args = parser().parse_args()
+    if args.profile_in_workers and not args.profile_each_rate:
+        raise SystemExit("plan_validate_cpu: --profile-in-workers goes with --profile-each-rate")
     os.makedirs(args.out, exist_ok=True)
     bench = bench_argv(args, args.rates)
     t0 = time.time()
@@ -146,8 +148,6 @@ def main() -> int:
     log = os.path.join(tempfile.gettempdir(), "plan_validate_cpu_serve.log")
     proc, url = serve(args.system, args.max_model_len, log)
     lives, preds, in_workers = [], [], []
-    if args.profile_in_workers and not args.profile_each_rate:
-        raise SystemExit("plan_validate_cpu: --profile-in-workers goes with --profile-each-rate")
     try:
         for rates, tag, seed in rounds(args):
             prof = args.profile or os.path.join(args.out, f"profile{tag}.json")
