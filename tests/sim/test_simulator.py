@@ -99,6 +99,23 @@ def test_layouts_searched_in_processes_rank_as_in_one():
     assert found(recommend(p, 2, argv, 20, jobs=2)) == found(recommend(p, 2, argv, 20, jobs=1))
 
 
+def test_a_search_in_processes_from_a_ray_driver_leaves_its_ray_working(shared_ray):
+    """In a process that runs a Ray driver (a pytest worker after a cluster test, a notebook) the
+    search's processes do not fork it: its gRPC state does not survive a fork. The driver reaches
+    the GCS afterwards: a lookup of a name no actor holds answers ValueError, not a timeout."""
+    import ray
+
+    from pdserve.sim.layouts import pool_context, recommend
+
+    assert ray.is_initialized() and pool_context().get_start_method() != "fork"
+    p = Profile.load(str(PROFILES / "llama3-8b.json"))
+    argv = ["--workload", "synthetic", "--input-len", "4096", "--output-len", "16", "--slo-ttft", "1.0",
+            "--slo-tpot", "0.04", "--seed", "0"]
+    assert recommend(p, 2, argv, 20, jobs=2)
+    with pytest.raises(ValueError):
+        ray.get_actor("no-actor-holds-this-name", namespace="pdserve")
+
+
 def test_a_search_started_near_its_goodput_finds_the_same_rate_in_fewer_probes():
     """capacity's `start` (where recommend begins a layout: where the layouts before it met their
     SLOs) saves probes and changes nothing else, from below, at, or above the goodput."""

@@ -166,13 +166,10 @@ def recommend(profile, gpus: int, argv: list[str], num_requests: int = 200, floo
         for system in systems:
             seen(capacity(profile, system, argv, floor, num_requests, start=start))
     else:
-        import multiprocessing
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        # fork: a worker starts with what this process imported (spawn would import torch again)
-        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
         todo = list(systems)
-        with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=pool_context()) as pool:
             running = {pool.submit(capacity, profile, todo.pop(0), argv, floor, num_requests) for _ in range(jobs)}
             while running:
                 done, running = wait(running, return_when=FIRST_COMPLETED)
@@ -181,3 +178,21 @@ def recommend(profile, gpus: int, argv: list[str], num_requests: int = 200, floo
                 while todo and len(running) < jobs:
                     running.add(pool.submit(capacity, profile, todo.pop(0), argv, floor, num_requests, start=start))
     return sorted(out, key=lambda c: (-c.rps, -c.attainment, c.system))
+
+
+def pool_context():
+    """How the search's worker processes start. Fork, where it is safe: a worker starts with what
+    this process imported (spawn would import torch again). Not in a process that runs a Ray
+    driver: its core worker's gRPC channels and threads do not survive a fork (gRPC's fork support
+    is off), and a pytest worker that had forked a search found its next `ray.get_actor` never
+    reaching the GCS (GetTimeoutError after 60 s, twice in a row). There the workers come from a
+    fork server, a fresh process that never held Ray's state."""
+    import multiprocessing
+    import sys
+
+    methods = multiprocessing.get_all_start_methods()
+    ray = sys.modules.get("ray")
+    driver = ray is not None and getattr(ray, "is_initialized", lambda: False)()
+    if "fork" in methods and not driver:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else None)
