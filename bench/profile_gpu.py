@@ -82,11 +82,12 @@ def add_sharing(args) -> int:
                                    source=f"python3 bench/profile_gpu.py --tokenizer TOK --shapes {shape} --sharing"
                                           f"  # {args.device_name}")
         prof.save(path)
-        f = prof.sharing.factors
-        rows.append((shape, *(f"{f[k]:.2f}" for k in (("decode", "prefill"), ("prefill", "decode"),
-                                                      ("decode", "decode"), ("prefill", "prefill"))),
+        spread = prof.sharing.spread
+        rows.append((shape, *(f"{spread[k]['mean']:.2f} ({spread[k]['median']:.2f} / {spread[k]['p90']:.2f})"
+                              for k in ("decode|prefill", "prefill|decode", "decode|decode", "prefill|prefill")),
                      f"{time.time() - t:.0f}"))
-    print("\n| shape | decode beside prefill | prefill beside decode | decode beside decode | "
+    print("\nEach factor: the mean step beside over the mean alone (the median's and the 90th percentile's "
+          "ratios)\n\n| shape | decode beside prefill | prefill beside decode | decode beside decode | "
           "prefill beside prefill | s |\n|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")

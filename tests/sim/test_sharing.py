@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.sim import Profile, predict
 from pdserve.sim.engine import SimGpu
-from pdserve.sim.sharing import KINDS, PAIRS, Sharing, measure
+from pdserve.sim.sharing import KINDS, PAIRS, Sharing, _factors, measure
 
 PROFILES = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results" / "profiles"
 
@@ -90,6 +90,8 @@ def test_sharing_is_measured_from_two_engines_in_two_processes(tiny_models, tmp_
     args = dict(model=tiny_models["llama"], max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8)
     s = measure(args, context=64, batch=4, seconds=0.4)
     assert set(s.factors) == {(a, b) for a in KINDS for b in KINDS}
+    assert set(s.spread) == {f"{a}|{b}" for a in KINDS for b in KINDS}
+    assert all(s.spread[f"{a}|{b}"]["mean"] == f for (a, b), f in s.factors.items())
     assert all(v > 0 for v in s.factors.values()) and all(n > 0 for n in s.steps.values()), s
     assert len(PAIRS) == 5
     prof = Profile.load(str(PROFILES / "llama3-8b.json"))
@@ -109,3 +111,20 @@ def test_a_profile_and_its_sharing_are_measured_without_ray():
             "assert 'ray' not in sys.modules, 'ray imported'; from pdserve.sim import Simulation; "
             "assert 'ray' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_factor_is_the_mean_step_beside_over_the_mean_alone():
+    """A time-sliced GPU makes the steps beside the other engine uneven: most a little slower, a few
+    waiting out the other's slice. A request's TPOT is the mean of its steps, so the factor is the
+    mean's ratio; the median's (which missed the slow steps) and the 90th percentile's are kept."""
+    alone = [1.0] * 10
+    beside = [1.2] * 8 + [6.0] * 2  # two steps in ten wait out a slice: median 1.2, mean 2.16
+    times = {("decode", "idle"): (alone, []), ("prefill", "idle"): ([2.0] * 4, []),
+             ("decode", "prefill"): (beside, [4.0] * 4), ("decode", "decode"): (alone, alone),
+             ("prefill", "prefill"): ([2.0] * 4, [2.0] * 4)}
+    s = _factors(times, "test")
+    assert s.factor("decode", "prefill") == pytest.approx(2.16)
+    assert s.spread["decode|prefill"] == pytest.approx({"median": 1.2, "mean": 2.16, "p90": 6.0})
+    assert s.factor("prefill", "decode") == 2.0 and s.factor("decode", "decode") == 1.0
+    assert s.steps == {"decode|prefill": 10, "prefill|decode": 4, "decode|decode": 20, "prefill|prefill": 8}
+    assert Sharing.from_json(s.as_json()) == s

@@ -9,11 +9,14 @@ side, for each pair of step kinds:
     decode   a batch of `batch` requests at `context` tokens, decoding (decode-only steps)
     prefill  full chunks of the step budget, prompts of `context` tokens fed as fast as they go
 
-`Sharing.factors[(own, other)]` is the median step of kind `own` while the other engine runs
-steps of kind `other`, over its median alone (each side's steps in a window both engines run
-together). The simulator (engine.SimGpu) runs the engines of a shared GPU side by side, each step
-stretched by its factor for the time the other steps; a profile without them (`sharing` None)
-takes whole steps in turn.
+`Sharing.factors[(own, other)]` is the mean step of kind `own` while the other engine runs
+steps of kind `other`, over its mean alone (each side's steps in a window both engines run
+together). The mean, not the median: the GPU time-slices between the two processes, so steps
+beside the other engine are uneven (most a little slower, some waiting out a whole slice of the
+other's), and a request's TPOT is the mean of its steps. `Sharing.spread` keeps the median's and
+the 90th percentile's ratios too, to show how uneven. The simulator (engine.SimGpu) runs the
+engines of a shared GPU side by side, each step stretched by its factor for the time the other
+steps; a profile without them (`sharing` None) takes whole steps in turn.
 """
 
 from __future__ import annotations
@@ -34,20 +37,23 @@ class Sharing:
     factors: dict[tuple[str, str], float]
     source: str = ""
     steps: dict[str, int] = field(default_factory=dict)  # "own|other" -> steps of `own` timed side by side
+    # "own|other" -> {"median": .., "mean": .., "p90": ..}: that statistic beside over the same alone
+    spread: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def factor(self, own: str, other: str) -> float:
         return self.factors[(own, other)]
 
     def as_json(self) -> dict:
         return {"factors": {f"{a}|{b}": v for (a, b), v in self.factors.items()}, "source": self.source,
-                "steps": dict(self.steps)}
+                "steps": dict(self.steps), "spread": {k: dict(v) for k, v in self.spread.items()}}
 
     @classmethod
     def from_json(cls, d: dict | None) -> Sharing | None:
         if not d:
             return None
         factors = {tuple(k.split("|")): float(v) for k, v in d["factors"].items()}
-        return cls(factors, d.get("source", ""), dict(d.get("steps", {})))
+        return cls(factors, d.get("source", ""), dict(d.get("steps", {})),
+                   {k: dict(v) for k, v in d.get("spread", {}).items()})
 
 
 def _prime(engine, kind: str, context: int, batch: int, rng: random.Random) -> None:
@@ -171,15 +177,25 @@ def measure(engine_args: dict, context: int = 2048, batch: int = 32, seconds: fl
     return _factors(times, source)
 
 
+def _stats(t: list[float]) -> dict[str, float]:
+    s = sorted(t)
+    return {"median": statistics.median(s), "mean": statistics.fmean(s), "p90": s[min(len(s) - 1, int(0.9 * len(s)))]}
+
+
 def _factors(times: dict[tuple[str, str], tuple[list[float], list[float]]], source: str) -> Sharing:
-    alone = {kind: statistics.median(times[(kind, "idle")][0]) for kind in KINDS}
-    factors, steps = {}, {}
+    """Each (own, other)'s factor: the mean step beside over the mean alone; its spread: the median,
+    mean and 90th percentile beside, each over the same statistic alone."""
+    alone = {kind: _stats(times[(kind, "idle")][0]) for kind in KINDS}
+    factors, steps, spread = {}, {}, {}
     for (a, b), (ta, tb) in times.items():
         if b == "idle":
             continue
         sides = [(a, b, ta + tb)] if a == b else [(a, b, ta), (b, a, tb)]
         for own, other, t in sides:
             if t:
-                factors[(own, other)] = round(statistics.median(t) / alone[own], 3)
+                beside = _stats(t)
+                ratio = {k: round(v / alone[own][k], 3) for k, v in beside.items()}
+                factors[(own, other)] = ratio["mean"]
                 steps[f"{own}|{other}"] = len(t)
-    return Sharing(factors, source, steps)
+                spread[f"{own}|{other}"] = ratio
+    return Sharing(factors, source, steps, spread)
