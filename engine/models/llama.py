@@ -66,9 +66,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm and self.fused:  # in place, one launch: q and k stay neighbours in qkv for rope
-            fused_ops().head_rmsnorm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        elif self.qk_norm:
+        if self.qk_norm and self.fused:  # in place, one launch: the norms, then rope
+            fused_ops().head_rmsnorm_rope_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions,
+                                           self.rotary.cos, self.rotary.sin)
+            return q, k, v
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:  # q and k are neighbours in qkv's rows: one launch rotates both
             self.rope_(q, k, positions, self.rotary.cos, self.rotary.sin)

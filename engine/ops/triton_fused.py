@@ -10,8 +10,9 @@ make it ~10 per layer:
     rope_(q, k, positions, cos, sin)       rotary embedding in place (rotate-half form), q's and
                                            k's heads in one launch when they are neighbours
     silu_mul(gate_up)                      SiLU(gate) * up over the fused projection
-    head_rmsnorm_(q, k, wq, wk, eps)       RMSNorm over each q and each k head in place (Qwen3),
-                                           both in one launch, on the views of qkv
+    head_rmsnorm_rope_(q, k, wq, wk, eps, positions, cos, sin)
+                                           Qwen3's RMSNorm over each q and each k head, then rope,
+                                           in place on the views of qkv, in one launch
     mla_rope_latent_(q, kv, ...)           DeepSeek's MLA: q's rope part rotated in place and
                                            kv_a_proj's row made the cached latent row (its latent
                                            RMS-normalized, its rope key rotated), in one launch
@@ -48,41 +49,64 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, strid
 
 
 @triton.jit
-def _norm_heads(ptr, w_ptr, stride_h, H, D, eps, HP: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_rope_heads(ptr, w_ptr, c, s, stride_h, H, eps, HP: tl.constexpr, HALF: tl.constexpr,
+                     HALF_PAD: tl.constexpr):
+    # H head rows at ptr: each RMS-normalized (fp32 statistics, rounded to dt, times the weight,
+    # rounded), then rotated by (c, s) [1, HALF_PAD] as _rope_kernel rotates: the two kernels' roundings
     rows = tl.arange(0, HP)[:, None]
-    cols = tl.arange(0, BLOCK)[None, :]
-    m = (rows < H) & (cols < D)
-    x = tl.load(ptr + rows * stride_h + cols, mask=m, other=0.0)
-    dt = x.dtype
-    xf = x.to(tl.float32)
-    xn = (xf * tl.rsqrt(tl.sum(xf * xf, axis=1)[:, None] / D + eps)).to(dt)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-    tl.store(ptr + rows * stride_h + cols, (w.to(tl.float32) * xn.to(tl.float32)).to(dt), mask=m)
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    m = (rows < H) & (cols < HALF)
+    p1 = ptr + rows * stride_h + cols
+    x1 = tl.load(p1, mask=m, other=0.0)
+    dt = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=m, other=0.0).to(tl.float32)
+    r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] / (2 * HALF) + eps)
+    w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    n1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    n2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(p1, ((n1 * c).to(dt).to(tl.float32) + (-n2 * s).to(dt).to(tl.float32)).to(dt), mask=m)
+    tl.store(p1 + HALF, ((n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)).to(dt), mask=m)
 
 
 @triton.jit
-def _head_rmsnorm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, stride_qt, stride_qh, stride_kt, stride_kh, H, KVH, D, eps,
-                         HP: tl.constexpr, KVHP: tl.constexpr, BLOCK: tl.constexpr):
-    # one program = one token: all its q heads, then all its k heads (a program per head row is
-    # launch-bound at prefill sizes)
+def _head_rmsnorm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh,
+                              stride_kt, stride_kh, stride_c, H, KVH, eps, HP: tl.constexpr, KVHP: tl.constexpr,
+                              HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    # one program = one token: its q heads, then its k heads, each normalized and rotated in registers
     t = tl.program_id(0).to(tl.int64)
-    _norm_heads(q_ptr + t * stride_qt, wq_ptr, stride_qh, H, D, eps, HP, BLOCK)
-    _norm_heads(k_ptr + t * stride_kt, wk_ptr, stride_kh, KVH, D, eps, KVHP, BLOCK)
+    pos = tl.load(pos_ptr + t)
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    dt = q_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + pos * stride_c + cols, mask=cols < HALF, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_c + cols, mask=cols < HALF, other=0.0).to(dt).to(tl.float32)
+    _norm_rope_heads(q_ptr + t * stride_qt, wq_ptr, c, s, stride_qh, H, eps, HP, HALF, HALF_PAD)
+    _norm_rope_heads(k_ptr + t * stride_kt, wk_ptr, c, s, stride_kh, KVH, eps, KVHP, HALF, HALF_PAD)
 
 
-def head_rmsnorm_(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float) -> None:
-    """q [T, H, D] and k [T, KVH, D] (views with unit last stride): each head row replaced by its
-    RMSNorm with wq / wk [D], as torch's RMSNorm rounds it."""
+def head_rmsnorm_rope_(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+                       positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """q [T, H, D] and k [T, KVH, D] (views with unit last stride) in place: each head row replaced
+    by its RMSNorm with wq / wk [D] as torch's RMSNorm rounds it, then rotated as rope_ rotates it,
+    in one launch (Qwen3's attention inputs: as two launches, a norm's and rope's, they took ~4 us
+    of kernel time a layer at one token on an H200, bench/results/moe/moe_gpu.md)."""
     T, H, D = q.shape
     if k.shape[0] != T or k.shape[2] != D or q.stride(2) != 1 or k.stride(2) != 1 or wq.shape != (D,) \
-            or wk.shape != (D,):
-        raise ValueError(f"head_rmsnorm_ wants q [T, H, D], k [T, KVH, D] with unit last stride and weights [D]; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, {tuple(wq.shape)}, {tuple(wk.shape)}")
+            or wk.shape != (D,) or q.dtype != k.dtype:
+        raise ValueError(f"head_rmsnorm_rope_ wants q [T, H, D], k [T, KVH, D] of one dtype with unit last stride "
+                         f"and weights [D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, {tuple(wq.shape)}, "
+                         f"{tuple(wk.shape)}")
+    if positions.shape != (T,) or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or D % 2 \
+            or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError(f"head_rmsnorm_rope_: positions {tuple(positions.shape)} and tables {tuple(cos.shape)} "
+                         f"do not fit q {tuple(q.shape)} (contiguous tables [max_positions, D], D even)")
     if T:
         kvh = k.shape[1]
-        _head_rmsnorm_kernel[(T,)](q, k, wq, wk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), H, kvh, D, eps,
-                                   HP=triton.next_power_of_2(H), KVHP=triton.next_power_of_2(kvh),
-                                   BLOCK=triton.next_power_of_2(D))
+        _head_rmsnorm_rope_kernel[(T,)](q, k, wq, wk, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0),
+                                        k.stride(1), cos.stride(0), H, kvh, eps, HP=triton.next_power_of_2(H),
+                                        KVHP=triton.next_power_of_2(kvh), HALF=D // 2,
+                                        HALF_PAD=triton.next_power_of_2(D // 2))
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

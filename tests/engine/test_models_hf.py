@@ -108,7 +108,7 @@ def test_int8_kv_on_a_moe_model_keeps_the_first_token(model_dir):
 
 def test_the_triton_kernels_keep_hf_tokens_on_moe_models(model_dir):
     """The model on its Triton kernels (the interpreter on CPU): paged attention, the fused
-    elementwise ops (Qwen3's q/k norm in place, in one launch) and the fused-MoE kernel in place of
+    elementwise ops (Qwen3's q/k norm and rope in place, in one launch) and the fused-MoE kernel in place of
     the experts' torch path."""
     name, path = model_dir
     want = hf_greedy(path, PROMPTS[:2], 6)

@@ -109,27 +109,34 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_rmsnorm_in_place_on_qkv_views_matches_rmsnorm_per_head(dtype):
-    """Qwen3's q/k norm: every q and k head row of the qkv projection's views normalized in place,
-    one launch, as RMSNorm(head_dim) rounds it; v untouched."""
-    from pdserve.engine.ops.triton_fused import head_rmsnorm_
+@pytest.mark.parametrize("T,H,KVH,D", [(7, 4, 2, 32), (1, 32, 4, 128), (3, 6, 2, 64)])
+def test_head_rmsnorm_rope_in_place_on_qkv_views_matches_rmsnorm_per_head_then_rotary(T, H, KVH, D, dtype):
+    """Qwen3's q/k norm, then rope: every q and k head row of the qkv projection's views normalized
+    as RMSNorm(head_dim) rounds it, then rotated as the rotary module rotates it, in place, one
+    launch; v untouched. Bad shapes are refused naming them."""
+    from pdserve.engine.ops.triton_fused import head_rmsnorm_rope_
 
-    g = torch.Generator().manual_seed(1)
-    T, H, KVH, D = 7, 4, 2, 32
+    g = torch.Generator().manual_seed(H * D + T)
+    rot = RotaryEmbedding(D, 256, 1000000.0, None).to(DEV)
     qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype).to(DEV)
     before = qkv.clone()
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
     q, k = q.view(T, H, D), k.view(T, KVH, D)
+    pos = torch.tensor([0, 1, 17, 100, 255, 3, 64][:T], device=DEV)
     nq, nk = RMSNorm(D, 1e-6).to(DEV), RMSNorm(D, 1e-6).to(DEV)
     with torch.no_grad():
         nq.weight.copy_(torch.randn(D, generator=g))
         nk.weight.copy_(torch.randn(D, generator=g))
         nq, nk = nq.to(dtype), nk.to(dtype)
-        want_q, want_k = nq(q.clone()), nk(k.clone())
-        head_rmsnorm_(q, k, nq.weight, nk.weight, 1e-6)
+        want_q, want_k = rot(pos, nq(q.clone()), nk(k.clone()))
+        head_rmsnorm_rope_(q, k, nq.weight, nk.weight, 1e-6, pos, rot.cos, rot.sin)
     close(q, want_q, dtype)
     close(k, want_k, dtype)
     assert torch.equal(v, before[:, (H + KVH) * D:])
+    with pytest.raises(ValueError, match="head_rmsnorm_rope_"):
+        head_rmsnorm_rope_(q, k, nq.weight, nk.weight, 1e-6, pos[:1] if T > 1 else pos.repeat(2), rot.cos, rot.sin)
+    with pytest.raises(ValueError, match="head_rmsnorm_rope_"):
+        head_rmsnorm_rope_(q, k[..., :D // 2], nq.weight, nk.weight, 1e-6, pos, rot.cos, rot.sin)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
