@@ -44,7 +44,12 @@ noise shrinks with the square root of what it averages; traffic's first seconds 
 only the short requests finished, and a 16-GPU cluster started at its best split moved a worker
 off it 6 s in and back 35 s later), half the gap at a time (one worker
 in a small cluster; a 64-GPU cluster 10 workers off the split closes it in a few moves, not
-ten); after a move it waits `cooldown_s` and for the move to finish. Fewer than MIN_REQUESTS
+ten); after a move it waits for the move to finish, and `cooldown_s` before a move the other way.
+A move the same way may follow within the cooldown (two looks again, on the load without the
+live correction): the load is priced by what arrives, not by how the pools serve it, so a move
+does not change what the next look measures, except the window's latencies, which still hold
+the misses from before it. Half the gap, then a cooldown, held a 16-GPU cluster started at 8:8
+at 10:6 for 35 s on its way to 11:5 (0.875x the best static split's goodput). Fewer than MIN_REQUESTS
 finished requests in the window: no plan (too little to measure). As Dynamo's planner sizes its
 pools from the prefill and decode throughput one GPU gives at the SLO, with correction factors
 from the live latencies, at a fixed total.
@@ -53,6 +58,7 @@ from the live latencies, at a fixed total.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -68,6 +74,7 @@ HYSTERESIS = 0.2  # workers past the half-way point before a move counts
 MIN_REQUESTS = 16
 LOOK_S = 5.0
 MAX_CORRECTION = 2.0  # the most a missed target multiplies its side's load by
+STEADY = 0.5  # two looks' splits this close (workers): the estimate holds, a move goes the whole gap
 SETTLE_S = 30.0  # the seconds of traffic (or the window, if shorter) before the usual hysteresis holds
 
 
@@ -107,6 +114,10 @@ class RatioLoad:
     requests: int
     prefill_correction: float = 1.0  # the live correction of each side (>= 1: its target missed)
     decode_correction: float = 1.0
+
+    def uncorrected(self) -> RatioLoad:
+        """The same load without the live correction (each side's measured rate as it is)."""
+        return dataclasses.replace(self, prefill_correction=1.0, decode_correction=1.0)
 
     def split(self, total: int, min_prefill: int, min_decode: int) -> float:
         """The prefill workers this load needs out of `total` (fractional, within the bounds)."""
@@ -148,6 +159,8 @@ class RatioPlanner(RequestObserver):
         self.last_move = -math.inf
         self.next_look = 0.0
         self.leaning = 0  # the last look's direction (+1: more prefill, -1: more decode, 0: none)
+        self.leaned_at: float | None = None  # the split the last look asked for
+        self.last_way = 0  # the last move's direction (0: none yet)
         self.last: dict = {}  # the last plan, for status
 
     def on_arrive(self, prompt_tokens: int, max_tokens: int | None = None) -> None:
@@ -220,9 +233,14 @@ class RatioPlanner(RequestObserver):
 
     def want(self, load: RatioLoad | None, sizes: dict, bounds: dict, now: float) -> tuple[dict, str] | None:
         """The pools' new sizes and why, or None (no move now). `bounds`: role -> (min, max)."""
-        if load is None or now < self.next_look or now - self.last_move < self.cooldown_s:
+        if load is None or now < self.next_look:
+            return None
+        cooling = now - self.last_move < self.cooldown_s
+        if cooling and not self.last_way:
             return None
         self.next_look = now + self.look_s
+        if cooling:  # only on the way the last move went; the window's latencies are from before it
+            load = load.uncorrected()
         total, p = sizes["prefill"] + sizes["decode"], sizes["prefill"]
         lo = max(bounds["prefill"][0], total - bounds["decode"][1])
         hi = min(bounds["prefill"][1], total - bounds["decode"][0])
@@ -232,10 +250,16 @@ class RatioPlanner(RequestObserver):
         watched = now - self.since if self.since is not None else settle
         past = 0.5 + HYSTERESIS * math.sqrt(settle / min(max(watched, 1e-9), settle))
         lean = 1 if frac > p + past else -1 if frac < p - past else 0
-        twice, self.leaning = lean != 0 and lean == self.leaning, lean
+        if cooling and lean != self.last_way:
+            lean = 0
+        twice, self.leaning, before, self.leaned_at = lean != 0 and lean == self.leaning, lean, self.leaned_at, frac
         if not twice:
             return None
-        self.last_move, self.leaning = now, 0
-        lean *= max(1, round(abs(frac - p) / 2))  # half the gap, rounded: one worker in a small cluster
+        self.last_move, self.leaning, self.last_way = now, 0, lean
+        gap = abs(frac - p)
+        if before is not None and abs(frac - before) <= STEADY:  # two looks agree: the whole gap, not past it
+            lean *= max(1, int(gap))
+        else:
+            lean *= max(1, round(gap / 2))  # half the gap, rounded: one worker in a small cluster
         why = f"ratio: {frac:.2f} of {total} workers should prefill ({load.describe()})"
         return {"prefill": p + lean, "decode": total - p - lean}, why
