@@ -38,19 +38,21 @@ prefill rate or a decode capacity that the models overrate shows as missed targe
 split leans to the side that misses. Where both meet their targets the models' estimate stands.
 
 It moves drain-safe (Pools.scale with switch_roles), only when the split is more than
-HYSTERESIS past the pools' sizes on two looks in a row (more in the first SETTLE_S seconds of
-traffic, or the window if shorter: HYSTERESIS x sqrt(SETTLE_S / the seconds watched), as a mean's
-noise shrinks with the square root of what it averages; traffic's first seconds meet a cold prefix cache and
-only the short requests finished, and a 16-GPU cluster started at its best split moved a worker
-off it 6 s in and back 35 s later), half the gap at a time (one worker
+HYSTERESIS past the pools' sizes on two looks in a row, LOOK_S apart (more in the first SETTLE_S
+seconds of traffic, or the window if shorter: HYSTERESIS x sqrt(SETTLE_S / the seconds watched),
+as a mean's noise shrinks with the square root of what it averages; traffic's first seconds meet
+a cold prefix cache and only the short requests finished, and a 16-GPU cluster started at its
+best split moved a worker off it 6 s in and back 35 s later), half the gap at a time (one worker
 in a small cluster; a 64-GPU cluster 10 workers off the split closes it in a few moves, not
-ten); after a move it waits for the move to finish, and `cooldown_s` before a move the other way.
-A move the same way may follow within the cooldown (two looks again, on the load without the
-live correction): the load is priced by what arrives, not by how the pools serve it, so a move
-does not change what the next look measures, except the window's latencies, which still hold
-the misses from before it. Half the gap, then a cooldown, held a 16-GPU cluster started at 8:8
-at 10:6 for 35 s on its way to 11:5 (0.875x the best static split's goodput). Fewer than MIN_REQUESTS
-finished requests in the window: no plan (too little to measure). As Dynamo's planner sizes its
+ten). After a move it waits for the move to finish, and `cooldown_s` before a move the other
+way. A move the same way may follow within the cooldown (two looks again, on the load without
+the live correction): the load is priced by what arrives, not by how the pools serve it, so a
+move does not change what the next look measures, except the window's latencies, which still
+hold the misses from before it. A 16-GPU cluster started at 8:8 on the Mooncake trace (the best
+split 11:5) reached 11:5 at 41 s with a cooldown after each move and looks 5 s apart, at 17 s
+going on the same way, and at 9 s looking every second (its first move at 2 s, not 6): 0.875,
+0.875 and 0.917 of the best static split's goodput (bench/results/plan/adaptive_look1). Fewer
+than MIN_REQUESTS finished requests in the window: no plan (too little to measure). As Dynamo's planner sizes its
 pools from the prefill and decode throughput one GPU gives at the SLO, with correction factors
 from the live latencies, at a fixed total.
 """
@@ -72,9 +74,8 @@ UTIL_P = 0.8  # a prefill pool planned to 80% busy keeps a queue short enough fo
 UTIL_D = 0.9
 HYSTERESIS = 0.2  # workers past the half-way point before a move counts
 MIN_REQUESTS = 16
-LOOK_S = 5.0
+LOOK_S = 1.0  # as often as the pools' monitor looks: a first move at 2 s of traffic, not 6
 MAX_CORRECTION = 2.0  # the most a missed target multiplies its side's load by
-STEADY = 0.5  # two looks' splits this close (workers): the estimate holds, a move goes the whole gap
 SETTLE_S = 30.0  # the seconds of traffic (or the window, if shorter) before the usual hysteresis holds
 
 
@@ -159,7 +160,6 @@ class RatioPlanner(RequestObserver):
         self.last_move = -math.inf
         self.next_look = 0.0
         self.leaning = 0  # the last look's direction (+1: more prefill, -1: more decode, 0: none)
-        self.leaned_at: float | None = None  # the split the last look asked for
         self.last_way = 0  # the last move's direction (0: none yet)
         self.last: dict = {}  # the last plan, for status
 
@@ -252,14 +252,10 @@ class RatioPlanner(RequestObserver):
         lean = 1 if frac > p + past else -1 if frac < p - past else 0
         if cooling and lean != self.last_way:
             lean = 0
-        twice, self.leaning, before, self.leaned_at = lean != 0 and lean == self.leaning, lean, self.leaned_at, frac
+        twice, self.leaning = lean != 0 and lean == self.leaning, lean
         if not twice:
             return None
         self.last_move, self.leaning, self.last_way = now, 0, lean
-        gap = abs(frac - p)
-        if before is not None and abs(frac - before) <= STEADY:  # two looks agree: the whole gap, not past it
-            lean *= max(1, int(gap))
-        else:
-            lean *= max(1, round(gap / 2))  # half the gap, rounded: one worker in a small cluster
+        lean *= max(1, round(abs(frac - p) / 2))  # half the gap, rounded: one worker in a small cluster
         why = f"ratio: {frac:.2f} of {total} workers should prefill ({load.describe()})"
         return {"prefill": p + lean, "decode": total - p - lean}, why

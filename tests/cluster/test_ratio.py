@@ -115,7 +115,7 @@ def test_the_planner_moves_after_two_looks_goes_on_the_same_way_and_cools_down_b
     load = RatioLoad(30000.0, 4.0, 10000.0, 64.0, 40)  # prompt-heavy: 7 of 8 should prefill (the bound)
     sizes = {"prefill": 2, "decode": 6}
     assert p.want(load, sizes, bounds, 0.0) is None  # the first look only leans
-    assert p.want(load, sizes, bounds, 1.0) is None  # not another look yet
+    assert p.want(load, sizes, bounds, LOOK_S / 2) is None  # not another look yet
     want, why = p.want(load, sizes, bounds, LOOK_S)
     assert want == {"prefill": 4, "decode": 4} and why.startswith("ratio: 7.00 of 8 workers should prefill")
     sizes = want  # half the gap; the same way goes on within the cooldown, after two looks again
@@ -128,11 +128,12 @@ def test_the_planner_moves_after_two_looks_goes_on_the_same_way_and_cools_down_b
     near = RatioLoad(2000.0, 4.0, 10000.0, 64.0, 40, prefill_correction=2.0)
     assert near.split(8, 1, 1) == 7.0 and near.uncorrected().split(8, 1, 1) == pytest.approx(6.26, abs=0.01)
     assert all(p.want(near, sizes, bounds, t * LOOK_S) is None for t in range(4, 10))
-    # the other way waits out the cooldown (60 s from the last move at 15 s)
+    # the other way waits out the cooldown (60 s from the last move)
+    moved = LOOK_S * 3
     light = RatioLoad(5000.0, 40.0, 10000.0, 64.0, 40)  # decode-heavy: 3.79 of 8
-    assert all(p.want(light, sizes, bounds, t) is None for t in (50.0, 55.0, 60.0, 70.0, 74.0))
-    assert p.want(light, sizes, bounds, 76.0) is None  # a first look
-    assert p.want(light, sizes, bounds, 76.0 + LOOK_S)[0] == {"prefill": 5, "decode": 3}
+    assert all(p.want(light, sizes, bounds, moved + t) is None for t in (LOOK_S * 7, 30.0, 50.0, 59.0, 59.5))
+    assert p.want(light, sizes, bounds, moved + 61.0) is None  # a first look
+    assert p.want(light, sizes, bounds, moved + 61.0 + LOOK_S)[0] == {"prefill": 5, "decode": 3}
     bounds = {"prefill": (1, 4), "decode": (1, 4)}
     load = RatioLoad(20000.0, 4.0, 10000.0, 64.0, 40)  # prompt-heavy: 3 of 4 should prefill
     # within the hysteresis, nothing moves; the bounds hold
