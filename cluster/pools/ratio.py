@@ -52,9 +52,9 @@ hold the misses from before it. A 16-GPU cluster started at 8:8 on the Mooncake 
 split 11:5) reached 11:5 at 41 s with a cooldown after each move and looks 5 s apart, at 17 s
 going on the same way, and at 9 s looking every second (its first move at 2 s, not 6): 0.875,
 0.875 and 0.917 of the best static split's goodput (bench/results/plan/adaptive_look1). Fewer
-than MIN_REQUESTS finished requests in the window: no plan (too little to measure). As Dynamo's planner sizes its
-pools from the prefill and decode throughput one GPU gives at the SLO, with correction factors
-from the live latencies, at a fixed total.
+than MIN_REQUESTS finished requests in the window: no plan (too little to measure). As Dynamo's
+planner sizes its pools from the prefill and decode throughput one GPU gives at the SLO, with
+correction factors from the live latencies, at a fixed total.
 """
 
 from __future__ import annotations

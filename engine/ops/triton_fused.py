@@ -49,6 +49,15 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, strid
 
 
 @triton.jit
+def _rotate_half(x1, x2, c, s, dt):
+    # torch's x * cos + rotate_half(x) * sin over the halves (fp32 in), each product and the sum
+    # rounded to dt as torch rounds them -> the two halves in dt
+    o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
 def _norm_rope_heads(ptr, w_ptr, c, s, stride_h, H, eps, HP: tl.constexpr, HALF: tl.constexpr,
                      HALF_PAD: tl.constexpr):
     # H head rows at ptr: each RMS-normalized (fp32 statistics, rounded to dt, times the weight,
@@ -66,8 +75,9 @@ def _norm_rope_heads(ptr, w_ptr, c, s, stride_h, H, eps, HP: tl.constexpr, HALF:
     w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
     n1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     n2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    tl.store(p1, ((n1 * c).to(dt).to(tl.float32) + (-n2 * s).to(dt).to(tl.float32)).to(dt), mask=m)
-    tl.store(p1 + HALF, ((n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)).to(dt), mask=m)
+    o1, o2 = _rotate_half(n1, n2, c, s, dt)
+    tl.store(p1, o1, mask=m)
+    tl.store(p1 + HALF, o2, mask=m)
 
 
 @triton.jit
@@ -145,9 +155,7 @@ def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c,
     p1 = x_ptr + t * stride_t + heads * stride_h + cols
     x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=m, other=0.0).to(tl.float32)
-    # torch: x * cos + rotate_half(x) * sin, each product and the sum rounded to dt
-    o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    o1, o2 = _rotate_half(x1, x2, c, s, dt)
     tl.store(p1, o1, mask=m)
     tl.store(p1 + HALF, o2, mask=m)
 
