@@ -17,9 +17,14 @@ Shapes and meaning as ops/moe_ref.fused_moe_ref, the oracle it is tested against
                 in slot order
 
 FP8 experts (`Fp8Experts`: the weights e4m3 with a float32 scale per block, engine/fp8.py's format):
-each weight tile is converted to x's dtype in the kernel and its dot scaled by the tile's block
-scale (tiles no larger than a block, so one scale per tile and K step): half of bf16's bytes
-for a decode step to read; x stays in its dtype (W8A16).
+    W8A16   up to A8_ROWS assignments (decode): each weight tile is converted to x's dtype in the
+            kernel and its dot scaled by the tile's block scale (tiles no larger than a block, so
+            one scale per tile and K step): half of bf16's bytes for a decode step to read
+    W8A8    more (prefill): x is quantized per (token, 128 columns) to e4m3 (triton_fp8's
+            quantize_groups, DeepSeek-V3's activation format), and gate/up writes h the same way
+            from its float32 tile (a column tile is one group); every K step is one FP8
+            tensor-core dot scaled by the rows' and the block's scales: Hopper's FP8 rate, where
+            converting each weight tile to bf16 ran the experts at half of bf16's speed
 
 Programs whose block lies past the padded rows return at once: the grid is sized for the worst
 case (every assignment on its own expert), so it depends on T only. Written for the GPU's Triton
@@ -36,7 +41,10 @@ import triton
 import triton.language as tl
 
 from .moe_ref import local_ids
+from .triton_fp8 import _round_e4m3, quantize_groups
 from .triton_moe_route import route_triton
+
+A8_ROWS = 1024  # FP8 experts run W8A8 past this many assignments a step (a prefill's; MoETiles.for_rows' big tiles)
 
 
 @dataclass(frozen=True)
@@ -162,11 +170,13 @@ def _dot_scaled(a, w, acc, s, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, s_ptr, M, H, inter,
-                    stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, s_ptr, xs_ptr, hs_ptr, M, H, inter,
+                    stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_xst, stride_xsg, stride_hs,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    IEEE: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A8: tl.constexpr):
     # w [E, 2 x inter, H]: gate rows [0, inter), up rows [inter, 2 x inter); out [M, inter]
+    # A8 (W8A8): x is e4m3 with a scale per (token, K step) in xs; out is h in e4m3 with a scale per
+    # (assignment, column tile) in hs: BLOCK_N = BLOCK_K = BK, down's K steps
     nb = tl.program_id(0)  # a block's column tiles run back to back: its rows and expert stay in L2
     block = tl.program_id(1)
     rows, live, e, any_rows = _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M)
@@ -187,22 +197,33 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, 
             u = tl.load(w_e + (inter + offs_n)[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=wmask, other=0.0)
             if FP8:  # the tile's block scales: gate's and up's rows, this K step
                 s_k = s_ptr + e * stride_se + k0 // BK
-                acc_g = _dot_scaled(a, g, acc_g, tl.load(s_k + (nb * BLOCK_N // BN) * stride_sn), IEEE)
-                acc_u = _dot_scaled(a, u, acc_u, tl.load(s_k + ((inter + nb * BLOCK_N) // BN) * stride_sn), IEEE)
+                s_g = tl.load(s_k + (nb * BLOCK_N // BN) * stride_sn)
+                s_u = tl.load(s_k + ((inter + nb * BLOCK_N) // BN) * stride_sn)
+                if A8:  # an FP8 dot, scaled by the rows' and the block's scales
+                    s_a = tl.load(xs_ptr + tok * stride_xst + (k0 // BK) * stride_xsg)[:, None]
+                    acc_g += tl.dot(a, g) * (s_a * s_g)
+                    acc_u += tl.dot(a, u) * (s_a * s_u)
+                else:
+                    acc_g = _dot_scaled(a, g, acc_g, s_g, IEEE)
+                    acc_u = _dot_scaled(a, u, acc_u, s_u, IEEE)
             else:
                 acc_g = _dot(a, g, acc_g, IEEE)
                 acc_u = _dot(a, u, acc_u, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) x up
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
-                 h.to(out_ptr.dtype.element_ty), mask=live[:, None] & mask_n[None, :])
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+        if A8:  # each row's BLOCK_N values to e4m3, amax to 448 (as quantize_groups)
+            s_h = tl.maximum(tl.max(tl.abs(h), 1), 1e-12) / 448.0
+            h = _round_e4m3(tl.minimum(tl.maximum(h / s_h[:, None], -448.0), 448.0))
+            tl.store(hs_ptr + rows.to(tl.int64) * stride_hs + nb, s_h, mask=live)
+        tl.store(out, h.to(out_ptr.dtype.element_ty), mask=live[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, s_ptr, M, H, inter,
-                 stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
+def _moe_down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, s_ptr, hs_ptr, M, H, inter,
+                 stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_hs,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                 FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # w [E, H, inter]; h [M, inter] -> out [M, H], per assignment
+                 FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A8: tl.constexpr):
+    # w [E, H, inter]; h [M, inter] -> out [M, H], per assignment; A8: h e4m3, its scales in hs
     nb = tl.program_id(0)  # a block's column tiles run back to back: its rows and expert stay in L2
     block = tl.program_id(1)
     rows, live, e, any_rows = _block_rows(rows_ptr, experts_ptr, used_ptr, block, M, BLOCK_M)
@@ -221,7 +242,10 @@ def _moe_down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, used_ptr, s_p
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if FP8:
                 s = tl.load(s_ptr + e * stride_se + (nb * BLOCK_N // BN) * stride_sn + k0 // BK)
-                acc = _dot_scaled(a, w, acc, s, IEEE)
+                if A8:
+                    acc += tl.dot(a, w) * (tl.load(hs_ptr + r * stride_hs + k0 // BK)[:, None] * s)
+                else:
+                    acc = _dot_scaled(a, w, acc, s, IEEE)
             else:
                 acc = _dot(a, w, acc, IEEE)
         tl.store(out_ptr + r[:, None] * stride_ot + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -250,6 +274,7 @@ class Fp8Experts:
     gate_up: torch.Tensor
     down: torch.Tensor
     block: tuple[int, int]
+    a8_rows: int = A8_ROWS
 
     def check(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         (bn, bk), (E, two_i, H), inter = self.block, w_gate_up.shape, w_down.shape[2]
@@ -261,9 +286,18 @@ class Fp8Experts:
                              f"{tuple(self.down.shape)} do not fit blocks {self.block} (want e4m3 weights, "
                              f"scales {want[0]} and {want[1]}, I a multiple of {bn}, blocks powers of two)")
 
-    def tiles(self, tiles: MoETiles) -> MoETiles:
-        """`tiles` no larger than a block: one scale per weight tile and K step."""
+    def quantizes(self, m: int) -> bool:
+        """Whether a step of `m` assignments runs W8A8: more than `a8_rows`, and a block at least as
+        tall as it is wide (gate/up's column tiles are then down's K steps)."""
         bn, bk = self.block
+        return m > self.a8_rows and 16 <= bk <= bn
+
+    def tiles(self, tiles: MoETiles, a8: bool = False) -> MoETiles:
+        """`tiles` no larger than a block: one scale per weight tile and K step; W8A8's (`a8`): K
+        steps and column tiles of the block's width, one activation scale per row and K step."""
+        bn, bk = self.block
+        if a8:
+            return dataclasses.replace(tiles, block_n=bk, block_k=bk)
         return dataclasses.replace(tiles, block_n=min(tiles.block_n, bn), block_k=min(tiles.block_k, bk))
 
 
@@ -317,28 +351,36 @@ def run_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     """gate/up, down and the combine over assignments already aligned (by `align`, or by the decode
     path's router: ops/triton_moe_decode.py); `skip`: some assignments are not run (their rows
     read as zeros); `fp8`: e4m3 weights and their block scales. Shapes checked by the caller."""
-    if fp8 is not None:
-        fp8.check(w_gate_up, w_down)
-        tiles = fp8.tiles(tiles)
-    (bn, bk), gs, ds = fp8.block if fp8 else (1, 1), fp8.gate_up if fp8 else w_gate_up, fp8.down if fp8 else w_down
     T, H = x.shape
     k = topk_weights.shape[1]
     m = T * k
+    a8 = fp8 is not None and fp8.quantizes(m)
+    if fp8 is not None:
+        fp8.check(w_gate_up, w_down)
+        tiles = fp8.tiles(tiles, a8)
+    (bn, bk), gs, ds = fp8.block if fp8 else (1, 1), fp8.gate_up if fp8 else w_gate_up, fp8.down if fp8 else w_down
     inter = w_gate_up.shape[1] // 2
     blocks = al.experts.shape[0]
     ieee = x.dtype == torch.float32
-    h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    if a8:  # x per (token, 128) to e4m3; h written in e4m3 by gate/up, a scale per (assignment, column tile)
+        xa, xs = quantize_groups(x, bk)
+        h = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty(m, inter // bk, dtype=torch.float32, device=x.device)
+    else:
+        xa, xs, hs = x, x, x  # (the scale pointers unused)
+        h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(triton.cdiv(inter, tiles.block_n), blocks)](
-        x, w_gate_up, h, al.rows, al.experts, al.used, gs, m, H, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), gs.stride(0), gs.stride(1),
-        TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
-        FP8=fp8 is not None, BN=bn, BK=bk, num_warps=tiles.warps, num_stages=tiles.stages)
+        xa, w_gate_up, h, al.rows, al.experts, al.used, gs, xs, hs, m, H, inter,
+        xa.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), gs.stride(0), gs.stride(1),
+        xs.stride(0), xs.stride(1), hs.stride(0), TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, IEEE=ieee, FP8=fp8 is not None, BN=bn, BK=bk, A8=a8, num_warps=tiles.warps,
+        num_stages=tiles.stages)
     y = (torch.zeros if skip else torch.empty)(m, H, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(triton.cdiv(H, tiles.block_n), blocks)](
-        h, w_down, y, al.rows, al.experts, al.used, ds, m, H, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ds.stride(0), ds.stride(1),
+        h, w_down, y, al.rows, al.experts, al.used, ds, hs, m, H, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ds.stride(0), ds.stride(1), hs.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=ieee,
-        FP8=fp8 is not None, BN=bn, BK=bk, num_warps=tiles.warps, num_stages=tiles.stages)
+        FP8=fp8 is not None, BN=bn, BK=bk, A8=a8, num_warps=tiles.warps, num_stages=tiles.stages)
     out = torch.empty_like(x)
     _moe_combine_kernel[(T, triton.cdiv(H, 1024))](y, topk_weights.contiguous(), out, H, y.stride(0), out.stride(0),
                                                TOP_K=k, BLOCK_H=1024)

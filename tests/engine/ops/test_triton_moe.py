@@ -194,3 +194,64 @@ def test_fp8_experts_equal_the_reference_over_their_dequantized_weights(T, E, k,
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="do not fit blocks"):
         fused_moe_triton(x, q1, q2, weights, ids, fp8=Fp8Experts(s1[:, 1:], s2, block))
+
+
+def fused_moe_w8a8_ref(x, q1, s1, q2, s2, block, weights, ids):
+    """W8A8's arithmetic in torch, float32: x and each assignment's SiLU(gate) x up quantized per
+    (row, block[1] columns) to e4m3 (quantize_groups_ref), over the dequantized weights."""
+    from pdserve.engine.fp8 import dequantize
+    from pdserve.engine.ops.triton_fp8 import quantize_groups_ref
+
+    bk = block[1]
+
+    def through_e4m3(t):
+        q, s = quantize_groups_ref(t, bk)
+        rows, cols = t.shape
+        return (torch.nn.functional.pad(q.float(), (0, -cols % bk)).view(rows, -1, bk) * s[..., None]).view(rows, -1)[
+            :, :cols]
+
+    w1, w2 = dequantize(q1, s1, block, torch.float32), dequantize(q2, s2, block, torch.float32)
+    xd, out = through_e4m3(x.float()), torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        gate, up = torch.nn.functional.linear(xd[tok], w1[e]).chunk(2, dim=-1)
+        h = through_e4m3(torch.nn.functional.silu(gate) * up)
+        out.index_add_(0, tok, torch.nn.functional.linear(h, w2[e]) * weights[tok, slot, None].float())
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("T,H,block,dtype", [(70, 128, (32, 32), torch.float32), (3, 96, (32, 16), torch.float32),
+                                             (40, 128, (64, 32), torch.bfloat16)])
+def test_fp8_experts_past_a8_rows_quantize_their_activations_as_deepseek_v3_does(T, H, block, dtype):
+    """Past `a8_rows` assignments the experts run W8A8: x and h quantized per (row, 128) group, one
+    FP8 dot a K step; the kernels equal that arithmetic in torch, and differ from the unquantized
+    activations' result by what the quantization costs (a few percent), no more."""
+    from pdserve.engine.fp8 import dequantize
+    from pdserve.engine.ops.triton_moe import A8_ROWS, Fp8Experts
+
+    E, k, inter = 8, 2, 64
+    g = torch.Generator().manual_seed(T + H)
+    x = torch.randn(T, H, generator=g).to(DEV, dtype)
+    (q1, s1), (q2, s2) = fp8_experts(torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5, block), \
+        fp8_experts(torch.randn(E, H, inter, generator=g) / inter ** 0.5, block)
+    q1, s1, q2, s2 = q1.to(DEV), s1.to(DEV), q2.to(DEV), s2.to(DEV)
+    weights, ids = route(torch.randn(T, E, generator=g).to(DEV), k, renormalize=True, out_dtype=torch.float32)
+    a8 = Fp8Experts(s1, s2, block, a8_rows=0)
+    assert a8.quantizes(1) and not Fp8Experts(s1, s2, block).quantizes(A8_ROWS)
+    assert not Fp8Experts(s1, s2, (16, 32), a8_rows=0).quantizes(1)  # a block wider than tall: W8A16
+    ref = fused_moe_w8a8_ref(x, q1, s1, q2, s2, block, weights, ids).float()
+    exact = fused_moe_ref(x.float(), dequantize(q1, s1, block, torch.float32), dequantize(q2, s2, block, torch.float32),
+                          weights, ids)
+
+    def err(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    for tiles in (None, MoETiles(16, 64, 64, 4, 2)):
+        out = fused_moe_triton(x, q1, q2, weights, ids, tiles, fp8=a8).float()
+        # the same products summed in another order; an h value on an e4m3 rounding edge may round
+        # the other way (one e4m3 step), and bf16 rounds x, h's inputs and the output
+        assert err(out, ref) < (2e-3 if dtype == torch.float32 else 1.5e-2), err(out, ref)
+        assert 2e-3 < err(ref, exact) < 0.08 and err(out, exact) < 0.08
+    if dtype == torch.float32:  # (the interpreter's e4m3 -> bf16 cast, which W8A16 makes, is not exact)
+        w8a16 = fused_moe_triton(x, q1, q2, weights, ids, fp8=Fp8Experts(s1, s2, block)).float()
+        assert err(w8a16, exact) < 1e-5
