@@ -26,11 +26,11 @@ from prefill_attention_gpu import timed_graph  # noqa: E402
 
 def run(tokens: list[int]) -> list[dict]:
     from pdserve.engine.ops.moe_ref import route
-    from pdserve.engine.ops.triton_moe import Fp8Experts, MoETiles, fused_moe_triton
+    from pdserve.engine.ops.triton_moe import A8_ROWS, Fp8Experts, MoETiles, fused_moe_triton
 
     E, k, H, inter, g, w1, w2 = qwen3_moe_experts()
     (q1, s1), (q2, s2) = (_fp8_blocks(w) for w in (w1, w2))
-    w8a16, w8a8 = Fp8Experts(s1, s2, (128, 128), a8_rows=1 << 30), Fp8Experts(s1, s2, (128, 128))
+    w8a16, w8a8 = Fp8Experts(s1, s2, (128, 128)), Fp8Experts(s1, s2, (128, 128), A8_ROWS)
     grid = [MoETiles(bm, 128, 128, w, s) for bm, w, s in itertools.product((64, 128), (4, 8), (3, 4))]
     rows = []
     for t in tokens:

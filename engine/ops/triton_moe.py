@@ -17,14 +17,14 @@ Shapes and meaning as ops/moe_ref.fused_moe_ref, the oracle it is tested against
                 in slot order
 
 FP8 experts (`Fp8Experts`: the weights e4m3 with a float32 scale per block, engine/fp8.py's format):
-    W8A16   up to A8_ROWS assignments (decode): each weight tile is converted to x's dtype in the
-            kernel and its dot scaled by the tile's block scale (tiles no larger than a block, so
-            one scale per tile and K step): half of bf16's bytes for a decode step to read
-    W8A8    more (prefill): x is quantized per (token, 128 columns) to e4m3 (triton_fp8's
-            quantize_groups, DeepSeek-V3's activation format), and gate/up writes h the same way
-            from its float32 tile (a column tile is one group); every K step is one FP8
-            tensor-core dot scaled by the rows' and the block's scales: Hopper's FP8 rate, where
-            converting each weight tile to bf16 ran the experts at half of bf16's speed
+    W8A16   each weight tile is converted to x's dtype in the kernel and its dot scaled by the
+            tile's block scale (tiles no larger than a block, so one scale per tile and K step):
+            half of bf16's bytes for a decode step to read; at a prefill's sizes the experts run
+            at half of bf16's speed (bench/results/fp8/fp8_moe_engine.md)
+    W8A8    past `Fp8Experts.a8_rows` assignments (default None: never, until measured on Hopper by
+            bench/moe_fp8_prefill_gpu.py): x is quantized per (token, 128 columns) to e4m3 (DeepSeek-V3's
+            activation format), gate/up writes h so from its float32 tile (a column tile is a group);
+            each K step is one FP8 tensor-core dot scaled by the rows' and the block's scales
 
 Programs whose block lies past the padded rows return at once: the grid is sized for the worst
 case (every assignment on its own expert), so it depends on T only. Written for the GPU's Triton
@@ -44,7 +44,7 @@ from .moe_ref import local_ids
 from .triton_fp8 import _round_e4m3, quantize_groups
 from .triton_moe_route import route_triton
 
-A8_ROWS = 1024  # FP8 experts run W8A8 past this many assignments a step (a prefill's; MoETiles.for_rows' big tiles)
+A8_ROWS = 1024  # where W8A8 would start (MoETiles.for_rows' big tiles): Fp8Experts' a8_rows, off until measured
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ class Fp8Experts:
     gate_up: torch.Tensor
     down: torch.Tensor
     block: tuple[int, int]
-    a8_rows: int = A8_ROWS
+    a8_rows: int | None = None  # W8A8 past this many assignments a step; None: W8A16 always
 
     def check(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         (bn, bk), (E, two_i, H), inter = self.block, w_gate_up.shape, w_down.shape[2]
@@ -290,7 +290,7 @@ class Fp8Experts:
         """Whether a step of `m` assignments runs W8A8: more than `a8_rows`, and a block at least as
         tall as it is wide (gate/up's column tiles are then down's K steps)."""
         bn, bk = self.block
-        return m > self.a8_rows and 16 <= bk <= bn
+        return self.a8_rows is not None and m > self.a8_rows and 16 <= bk <= bn
 
     def tiles(self, tiles: MoETiles, a8: bool = False) -> MoETiles:
         """`tiles` no larger than a block: one scale per weight tile and K step; W8A8's (`a8`): K

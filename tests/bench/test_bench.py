@@ -61,6 +61,18 @@ def test_trace_hash_ids_become_shared_tokens(small_trace):
     assert [len(r.prompt) for r in capped] == [100, 100] and [r.max_tokens for r in capped] == [3, 3]
 
 
+def test_more_requests_than_the_trace_holds_go_round_it_again_with_fresh_prefixes(small_trace):
+    one = trace_workload(small_trace, length_scale=0.125, time_scale=2.0)
+    laps = trace_workload(small_trace, 8, length_scale=0.125, time_scale=2.0)
+    assert len(laps) == 8 and [r.max_tokens for r in laps] == [5, 1, 1] * 2 + [5, 1]
+    assert [r.prompt for r in laps[:3]] == [r.prompt for r in one]  # the first lap is the trace as it was
+    # each lap follows the last by its span (2 s) and one recorded tick (0.5 s), at time_scale 2
+    assert [r.arrival for r in laps] == [0.0, 0.25, 1.0, 1.25, 1.5, 2.25, 2.5, 2.75]
+    block = 64
+    assert laps[3].prompt[:2 * block] == laps[4].prompt[:2 * block]  # shared within a lap
+    assert laps[3].prompt[:block] != laps[0].prompt[:block]  # not with the lap before: fresh tokens
+
+
 def test_trace_ticks_are_spread_over_the_recorded_resolution(tmp_path):
     # 4 requests at 0 s, 3 at 3 s, 1 at 6 s, 2 at 9 s (the real trace records 3 s ticks)
     stamps = [0] * 4 + [3000] * 3 + [6000] + [9000] * 2
@@ -241,7 +253,8 @@ def test_max_concurrency_keeps_one_request_in_flight(colocated, tmp_path):
 def test_bench_command_trace_replay_and_plot(colocated, small_trace, tmp_path):
     _, server = colocated
     run_bench(server.url, tmp_path, "--workload", "trace", "--trace", small_trace, "--length-scale", "0.0625",
-              "--time-scale", "4", "--label", "trace-run", "--token-range", "100:40000", "--trace-bursts")
+              "--time-scale", "4", "--label", "trace-run", "--token-range", "100:40000", "--trace-bursts",
+              "--num-requests", "3")
     data = json.loads((tmp_path / "trace-run_trace.json").read_text())
     (run,) = data["runs"]
     assert run["completed"] == 3 and run["rate"] == pytest.approx(2 / 0.5)  # 2 gaps over 2 s / 4

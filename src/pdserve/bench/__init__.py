@@ -35,7 +35,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--admin-key", default=None, help="a pdserve server's admin key, for its timelines "
                                                      "(or env PDSERVE_ADMIN_KEY)")
     b.add_argument("--workload", choices=("trace", "synthetic", "shared-prefix"), default="synthetic")
-    b.add_argument("--num-requests", type=int, default=100)
+    b.add_argument("--num-requests", type=int, default=100,
+                   help="requests a rate sends (trace: past its end it goes round again, fresh prefixes each lap)")
     b.add_argument("--trace", default=None,
                    help="Mooncake-format JSONL (timestamp, input/output_length, hash_ids); default: the Mooncake "
                         "conversation trace shipped in pdserve/bench/data")

@@ -59,41 +59,50 @@ def trace_workload(path: str, num_requests: int | None = None, length_scale: flo
                    max_output_len: int | None = None, token_range: tuple[int, int] = (100, 30000), salt: int = 0,
                    start: int = 0, spread: bool = True) -> list[BenchRequest]:
     """The trace's requests [start, start + num_requests), scaled. Inputs are cut at
-    `max_input_len` (keeping the prefix, so sharing survives); outputs at least 1 token."""
+    `max_input_len` (keeping the prefix, so sharing survives); outputs at least 1 token. More
+    requests than the trace holds from `start` go round it again, lap after lap: each lap's
+    arrivals follow the last's by its span and one recorded tick, its hash ids are fresh tokens
+    (a salt per lap: its prefixes shared within it, as the trace shares them, not with the lap
+    before), so a 64-GPU cluster's probe is as long as a 16-GPU one's, not a fourth of it."""
     if length_scale <= 0 or time_scale <= 0:
         raise ValueError("length_scale and time_scale must be > 0")
     output_scale = length_scale if output_scale is None else output_scale
     block = max(1, round(TRACE_BLOCK * length_scale))
     lo, hi = token_range
-    cache: dict[int, list[int]] = {}
-    out: list[BenchRequest] = []
-    t0 = None
+    recs: list[dict] = []
     with open(path) as f:
         for i, line in enumerate(f):
-            if i < start:
-                continue
-            if num_requests is not None and len(out) >= num_requests:
+            if i >= start:
+                recs.append(json.loads(line))
+            if num_requests is not None and len(recs) >= num_requests:
                 break
-            rec = json.loads(line)
-            n_in = max(1, round(rec["input_length"] * length_scale))
-            if max_input_len:
-                n_in = min(n_in, max_input_len)
-            ids: list[int] = []
-            for h in rec["hash_ids"]:
-                if len(ids) >= n_in:
-                    break
-                if h not in cache:
-                    cache[h] = _tokens(random.Random(f"{salt}:{h}"), block, lo, hi)
-                ids.extend(cache[h])
-            if len(ids) < n_in:  # the trace's last block may be longer than its hash ids cover
-                ids.extend(_tokens(random.Random(f"{salt}:tail:{i}"), n_in - len(ids), lo, hi))
-            n_out = max(1, round(rec["output_length"] * output_scale))
-            if max_output_len:
-                n_out = min(n_out, max_output_len)
-            t0 = rec["timestamp"] if t0 is None else t0
-            out.append(BenchRequest(ids[:n_in], n_out, (rec["timestamp"] - t0) / 1000.0 / time_scale))
-    if not out:
+    if not recs:
         raise ValueError(f"{path}: no requests read (start={start}, num_requests={num_requests})")
+    stamps = sorted({r["timestamp"] for r in recs})
+    tick = min((b - a for a, b in zip(stamps, stamps[1:])), default=1000)
+    lap_ms = stamps[-1] - stamps[0] + tick
+    cache: dict[tuple[int, int], list[int]] = {}
+    out: list[BenchRequest] = []
+    for n in range(len(recs) if num_requests is None else num_requests):
+        lap, j = divmod(n, len(recs))
+        rec, key = recs[j], (f"{salt}" if lap == 0 else f"{salt}:{lap}")
+        n_in = max(1, round(rec["input_length"] * length_scale))
+        if max_input_len:
+            n_in = min(n_in, max_input_len)
+        ids: list[int] = []
+        for h in rec["hash_ids"]:
+            if len(ids) >= n_in:
+                break
+            if (lap, h) not in cache:
+                cache[lap, h] = _tokens(random.Random(f"{key}:{h}"), block, lo, hi)
+            ids.extend(cache[lap, h])
+        if len(ids) < n_in:  # the trace's last block may be longer than its hash ids cover
+            ids.extend(_tokens(random.Random(f"{key}:tail:{start + j}"), n_in - len(ids), lo, hi))
+        n_out = max(1, round(rec["output_length"] * output_scale))
+        if max_output_len:
+            n_out = min(n_out, max_output_len)
+        at = rec["timestamp"] - stamps[0] + lap * lap_ms
+        out.append(BenchRequest(ids[:n_in], n_out, at / 1000.0 / time_scale))
     if spread:
         for r, t in zip(out, spread_ties([r.arrival for r in out], random.Random(f"spread:{salt}"))):
             r.arrival = t

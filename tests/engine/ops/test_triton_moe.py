@@ -237,7 +237,8 @@ def test_fp8_experts_past_a8_rows_quantize_their_activations_as_deepseek_v3_does
     q1, s1, q2, s2 = q1.to(DEV), s1.to(DEV), q2.to(DEV), s2.to(DEV)
     weights, ids = route(torch.randn(T, E, generator=g).to(DEV), k, renormalize=True, out_dtype=torch.float32)
     a8 = Fp8Experts(s1, s2, block, a8_rows=0)
-    assert a8.quantizes(1) and not Fp8Experts(s1, s2, block).quantizes(A8_ROWS)
+    assert a8.quantizes(1) and not Fp8Experts(s1, s2, block).quantizes(1 << 20)  # W8A16 unless asked
+    assert Fp8Experts(s1, s2, block, A8_ROWS).quantizes(A8_ROWS + 1)
     assert not Fp8Experts(s1, s2, (16, 32), a8_rows=0).quantizes(1)  # a block wider than tall: W8A16
     ref = fused_moe_w8a8_ref(x, q1, s1, q2, s2, block, weights, ids).float()
     exact = fused_moe_ref(x.float(), dequantize(q1, s1, block, torch.float32), dequantize(q2, s2, block, torch.float32),
