@@ -13,6 +13,9 @@ ratio is adaptive over the best static one. Writes adaptive.{md,json,png}, print
 
 starts the adaptive cluster at a given split instead (here the best static one: whether the policy
 keeps a split that is right, where `pdserve plan` put it) and searches each goodput to 1/64.
+`--mode hybrid` runs hybrid clusters (the server's default mode), static and adaptive alike: a
+decode worker prefills a prompt itself where the prefill pool's predicted TTFT is past the spill
+point. More requests than the trace holds go round it again (bench/workloads.trace_workload).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ def main() -> None:
                     help="P:D the adaptive cluster starts at (default: an even split); one GPU count")
     ap.add_argument("--steps", type=int, default=4,
                     help="bisection steps of each goodput search: within 1/2**steps of the last rate met (4: 1/16)")
+    ap.add_argument("--mode", choices=("disagg", "hybrid"), default="disagg",
+                    help="the cluster's mode, static and adaptive alike (hybrid: decode workers prefill a prompt "
+                         "where the prefill pool's predicted TTFT is past the SLO's spill point)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "plan", "adaptive"))
     args = ap.parse_args()
@@ -70,10 +76,11 @@ def main() -> None:
     for n in [int(x) for x in args.gpus.split(",")]:
         t0 = time.perf_counter()
         floor = args.floor * n / 8
-        systems = [f"disagg:{p}:{n - p}" for p in range(max(1, n // 4), n - max(1, n // 8) + 1)] \
-            if args.static is None else [f"disagg:{s}" for s in args.static.split(",")]
-        systems.append(f"disagg:{args.start_split}:adaptive" if args.start_split else
-                       f"disagg:{n // 2}:{n - n // 2}:adaptive")
+        mode = args.mode
+        systems = [f"{mode}:{p}:{n - p}" for p in range(max(1, n // 4), n - max(1, n // 8) + 1)] \
+            if args.static is None else [f"{mode}:{s}" for s in args.static.split(",")]
+        systems.append(f"{mode}:{args.start_split}:adaptive" if args.start_split else
+                       f"{mode}:{n // 2}:{n - n // 2}:adaptive")
         with ProcessPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(one, [args.profile] * len(systems), systems, [argv] * len(systems),
                                  [floor] * len(systems), [args.num_requests] * len(systems), [3] * len(systems),
@@ -91,10 +98,11 @@ def main() -> None:
               file=sys.stderr, flush=True)
     meta = {"command": "python bench/plan_adaptive.py " + " ".join(sys.argv[1:]),
             "profile": os.path.relpath(args.profile, os.path.dirname(HERE)),
-            "workload": "trace", "tpot_slo_s": args.tpot, "num_requests": args.num_requests, "points": points}
+            "workload": "trace", "mode": args.mode, "tpot_slo_s": args.tpot, "num_requests": args.num_requests,
+            "points": points}
     with open(os.path.join(args.out, "adaptive.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    lines = ["# The ratio policy against the best static split, simulated", "",
+    lines = [f"# The ratio policy against the best static split, simulated ({args.mode})", "",
              f"`{meta['command']}` (CPU). Llama-3-8B profile on one H200 per worker, the Mooncake trace at its own "
              f"arrival times stretched to each rate, {args.num_requests} requests a probe, TTFT 2 s, TPOT "
              f"{args.tpot * 1000:g} ms; goodput in req/s at >= 90% attainment, within 1/{2 ** args.steps} of the "

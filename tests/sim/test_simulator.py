@@ -180,14 +180,35 @@ def test_the_ratio_policy_moves_a_prefill_starved_cluster_to_the_split_its_load_
     assert moved["slo_attainment"] > static["slo_attainment"] + 0.2, (moved["slo_attainment"], static["slo_attainment"])
 
 
-def test_an_adaptive_layout_is_disagg_only():
+def test_an_adaptive_layout_is_disagg_or_hybrid_and_a_switch_takes_the_new_pools_budget_and_target():
+    """The ratio policy moves whole-GPU workers of a disagg or hybrid cluster. A worker switching
+    pools takes the new pool's step budget and TPOT target, as the live actor's switch_role does:
+    a hybrid decode engine prefills beside its decodes in the prefill chunk under the TPOT target;
+    a disagg one decodes in 2048-token steps with none; a prefill worker has none."""
     import pytest
 
-    from pdserve.sim.cluster import Layout
+    from pdserve.cluster.spec.serving_config import SloConfig
+    from pdserve.sim.cluster import COLOCATED_CHUNK, Layout, Simulation
 
     assert Layout.of("disagg:2:2:adaptive").adaptive and not Layout.of("disagg:2:2").adaptive
-    with pytest.raises(ValueError, match="moves the workers of a disagg cluster"):
-        Layout.of("hybrid:2:2:adaptive")
+    assert Layout.of("hybrid:2:2:adaptive").adaptive
+    for system in ("colocated:2:adaptive",):
+        with pytest.raises(ValueError, match="moves the workers of a disagg or hybrid cluster"):
+            Layout.of(system)
+    with pytest.raises(ValueError, match="one GPU each"):
+        Layout.of("disagg:1:1:adaptive", one_gpu=True)
+    p = Profile.load(str(PROFILES / "llama3-8b.json"))
+    for mode, decode_budget, decode_target in (("hybrid", "chunk", 0.04), ("disagg", COLOCATED_CHUNK, None)):
+        layout = Layout.of(f"{mode}:1:1:adaptive")
+        sim = Simulation(p, layout, SloConfig(2.0, 0.04))
+        e = sim.engines["prefill-0"]
+        assert e.model.slo_tpot_s is None and e.holds
+        e.switch_role("decode", layout, sim.engine_tpot)
+        want = layout.prefill_chunk if decode_budget == "chunk" else decode_budget
+        assert (e.record.role, e.holds, e.scheduler.max_num_batched_tokens, e.model.max_tokens,
+                e.model.slo_tpot_s) == ("decode", False, want, want, decode_target)
+        e.switch_role("prefill", layout, sim.engine_tpot)
+        assert (e.holds, e.scheduler.max_num_batched_tokens, e.model.slo_tpot_s) == (True, layout.prefill_chunk, None)
 
 
 def test_the_cpu_validation_runs_rates_apart_and_merges_them_into_one_sweep(tmp_path):

@@ -110,7 +110,7 @@ class Mover:
 
     def _switch(self, wid: str, move: Move) -> None:
         e = self.sim.engines[wid]
-        e.switch_role(move.to, self.sim.layout)
+        e.switch_role(move.to, self.sim.layout, self.sim.engine_tpot)
         self.draining.pop(wid, None)
         if e.has_work:
             e.gpu.want(e)

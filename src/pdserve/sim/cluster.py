@@ -16,7 +16,8 @@ What decides is the live cluster's own code, not a copy of it:
     stats        each worker's WorkerStats (placement_stats) refreshed every STATS_S, as the live
                  workers' heartbeats refresh them
 
-The ratio autoscale policy moves workers between the pools in `disagg:P:D:adaptive` (adaptive.py).
+The ratio autoscale policy moves workers between the pools in `disagg:P:D:adaptive` and
+`hybrid:P:D:adaptive` (adaptive.py).
 Not modelled: failures and retries, the signals autoscaler adding workers, peer fetch, network
 contention between handoffs, the host tiers. One `Simulation` serves one rate of one workload;
 `run()` gives the bench client's records (pdserve.bench.client.Record), summarised by the bench's
@@ -62,18 +63,19 @@ class Layout:
     prefill_chunk: int = PREFILL_CHUNK_TOKENS
     max_num_seqs: int = 128
     max_model_len: int = 8704
-    adaptive: bool = False  # disagg: the ratio policy moves workers between the pools (adaptive.py)
+    adaptive: bool = False  # disagg, hybrid: the ratio policy moves workers between the pools (adaptive.py)
 
     @classmethod
     def of(cls, system: str, one_gpu: bool = False) -> Layout:
         """From a serving run's system name: colocated:N, disagg:P:D, hybrid:P:D; disagg:P:D:adaptive
-        starts at P:D and lets the ratio policy move workers."""
+        (or hybrid:P:D:adaptive) starts at P:D and lets the ratio policy move workers."""
         kind, *sizes = system.split(":")
         adaptive = "adaptive" in sizes
         sizes = [int(x) for x in sizes if x.isdigit()]
         share = 0.42 if one_gpu else 0.85
-        if adaptive and (kind != "disagg" or one_gpu):
-            raise ValueError(f"{system!r}: the ratio policy moves the workers of a disagg cluster of one GPU each")
+        if adaptive and (kind == "colocated" or one_gpu):
+            raise ValueError(f"{system!r}: the ratio policy moves the workers of a disagg or hybrid cluster of one "
+                             "GPU each")
         if kind == "colocated":
             return cls("colocated", 0, sizes[0] if sizes else 2, one_gpu, share)
         if kind in ("disagg", "hybrid"):
@@ -171,7 +173,7 @@ class Simulation:
         serving = ServingConfig(slo=slo)
         self.pools = SimPools(layout.mode, serving, _Spec(layout.max_num_seqs, profile.block_size))
         self.engines: dict[str, SimEngine] = {}
-        tpot = engine_slo_tpot_s if engine_slo_tpot_s is not None else slo.tpot_s
+        tpot = self.engine_tpot = engine_slo_tpot_s if engine_slo_tpot_s is not None else slo.tpot_s
         shared = SimGpu(self, "gpu0", profile.sharing) if layout.one_gpu else None
         gpus = itertools.count()
 

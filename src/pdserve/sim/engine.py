@@ -211,17 +211,21 @@ class SimEngine:
                 if n >= 2 and not self.holds:
                     self.model.observe_tpot((now - req.first_token_time) / (n - 1))
 
-    def switch_role(self, role: str, layout) -> None:
+    def switch_role(self, role: str, layout, slo_tpot_s: float | None) -> None:
         """Serves in the other pool from now on (a drained worker the ratio policy moved: adaptive.py):
-        its role, its step budget (the prefill pool's chunk, or the decode engines' 2048) and whether
-        it keeps finished prompts' blocks for their handoff. Its KV and prefix cache stay."""
+        its role, the new pool's step budget and TPOT target (the prefill pool's chunk and none; a
+        disagg decode engine's 2048 and none; a hybrid one's chunk and `slo_tpot_s`, which sizes
+        the prompts it prefills beside its decodes) and whether it keeps finished prompts' blocks
+        for their handoff. Its KV and prefix cache stay."""
         from .cluster import COLOCATED_CHUNK
 
         self.record.role = role
         self.record.switching_to = None
         self.holds = role == "prefill"
-        budget = layout.prefill_chunk if self.holds else COLOCATED_CHUNK
+        hybrid_decode = role == "decode" and layout.mode == "hybrid"
+        budget = layout.prefill_chunk if self.holds or hybrid_decode else COLOCATED_CHUNK
         self.scheduler.max_num_batched_tokens = self.model.max_tokens = budget
+        self.model.slo_tpot_s = slo_tpot_s if hybrid_decode else None
 
     def close(self) -> None:
         """Drops its scheduler and KV cache at the run's end: their blocks (a quarter million in a
