@@ -67,9 +67,20 @@ def main() -> None:
     ap.add_argument("--mode", choices=("disagg", "hybrid"), default="disagg",
                     help="the cluster's mode, static and adaptive alike (hybrid: decode workers prefill a prompt "
                          "where the prefill pool's predicted TTFT is past the SLO's spill point)")
+    ap.add_argument("--baseline", default=None,
+                    help="an earlier run's adaptive.json: its static splits' rows stand for these (a static split's "
+                         "goodput does not depend on the policy; same profile, workload, probe and steps asked)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "plan", "adaptive"))
     args = ap.parse_args()
+    baseline = {}
+    if args.baseline:
+        with open(args.baseline) as f:
+            base = json.load(f)
+        if (base["num_requests"], base["tpot_slo_s"], base.get("mode", "disagg"), base.get("steps", 4)) != \
+                (args.num_requests, args.tpot, args.mode, args.steps):
+            sys.exit(f"--baseline {args.baseline}: another probe (requests, TPOT, mode or steps) than this run's")
+        baseline = {r["system"]: r for p in base["points"] for r in p["rows"] if not r["system"].endswith(":adaptive")}
     argv = [*with_tpot(WORKLOADS["trace"], args.tpot), "--seed", "0"]
     os.makedirs(args.out, exist_ok=True)
     points = []
@@ -81,10 +92,12 @@ def main() -> None:
             if args.static is None else [f"{mode}:{s}" for s in args.static.split(",")]
         systems.append(f"{mode}:{args.start_split}:adaptive" if args.start_split else
                        f"{mode}:{n // 2}:{n - n // 2}:adaptive")
+        todo = [s for s in systems if s not in baseline]
         with ProcessPoolExecutor(args.jobs) as pool:
-            rows = list(pool.map(one, [args.profile] * len(systems), systems, [argv] * len(systems),
-                                 [floor] * len(systems), [args.num_requests] * len(systems), [3] * len(systems),
-                                 [args.steps] * len(systems)))
+            done = dict(zip(todo, pool.map(one, [args.profile] * len(todo), todo, [argv] * len(todo),
+                                           [floor] * len(todo), [args.num_requests] * len(todo), [3] * len(todo),
+                                           [args.steps] * len(todo))))
+        rows = [done.get(s) or {**baseline[s], "from": args.baseline} for s in systems]
         static = [r for r in rows if not r["system"].endswith(":adaptive")]
         best = max(static, key=lambda r: r["goodput"])
         adaptive = rows[-1]
@@ -99,7 +112,7 @@ def main() -> None:
     meta = {"command": "python bench/plan_adaptive.py " + " ".join(sys.argv[1:]),
             "profile": os.path.relpath(args.profile, os.path.dirname(HERE)),
             "workload": "trace", "mode": args.mode, "tpot_slo_s": args.tpot, "num_requests": args.num_requests,
-            "points": points}
+            "steps": args.steps, "points": points}
     with open(os.path.join(args.out, "adaptive.json"), "w") as f:
         json.dump(meta, f, indent=1)
     lines = [f"# The ratio policy against the best static split, simulated ({args.mode})", "",
@@ -118,7 +131,8 @@ def main() -> None:
                      f"{p['adaptive_goodput']:.1f} ({p['adaptive'].rsplit(':', 1)[0]}) | "
                      f"{p['adaptive_vs_best_static']} | {moves or 'none'} |")
     lines += ["", "Every static split:", "", "| GPUs | split | goodput | probes |", "|---|---|---|---|"]
-    lines += [f"| {p['gpus']} | {r['system']} | {r['goodput']:.1f} | {r['probes']} |"
+    lines += [f"| {p['gpus']} | {r['system']} | {r['goodput']:.1f} | {r['probes']}"
+              f"{' (' + r['from'] + ')' if r.get('from') else ''} |"
               for p in points for r in p["rows"]]
     lines += ["", "![goodput by split](adaptive.png)"]
     with open(os.path.join(args.out, "adaptive.md"), "w") as f:

@@ -36,6 +36,10 @@ got. A side whose p90 in the window misses the SLO (TTFT for prefill, TPOT for d
 its load that many times over (the measured p90 over the target, at most MAX_CORRECTION): a
 prefill rate or a decode capacity that the models overrate shows as missed targets, and the
 split leans to the side that misses. Where both meet their targets the models' estimate stands.
+A move that only the correction asks for (the load alone would not) takes no worker from a side
+whose own load the move would leave short (both sides then miss: the correction would trade one
+side's misses for the other's; a 16-GPU cluster at 11:5, its window's TTFTs still long from the
+backlog of its first seconds, was moved to 12:4 at 35 s and missed every TPOT after).
 
 It moves drain-safe (Pools.scale with switch_roles), only when the split is more than
 HYSTERESIS past the pools' sizes on two looks in a row, LOOK_S apart (more in the first SETTLE_S
@@ -44,14 +48,16 @@ as a mean's noise shrinks with the square root of what it averages; traffic's fi
 a cold prefix cache and only the short requests finished, and a 16-GPU cluster started at its
 best split moved a worker off it 6 s in and back 35 s later), half the gap at a time (one worker
 in a small cluster; a 64-GPU cluster 10 workers off the split closes it in a few moves, not
-ten). After a move it waits for the move to finish, and `cooldown_s` before a move the other
-way. A move the same way may follow within the cooldown (two looks again, on the load without
-the live correction): the load is priced by what arrives, not by how the pools serve it, so a
-move does not change what the next look measures, except the window's latencies, which still
-hold the misses from before it. A 16-GPU cluster started at 8:8 on the Mooncake trace (the best
-split 11:5) reached 11:5 at 41 s with a cooldown after each move and looks 5 s apart, at 17 s
-going on the same way, and at 9 s looking every second (its first move at 2 s, not 6): 0.875,
-0.875 and 0.917 of the best static split's goodput (bench/results/plan/adaptive_look1). Fewer
+ten). After a move it waits `cooldown_s` before a move the other way. A move the same way may
+follow within the cooldown, and while the last one's workers still drain (two looks again, on
+the load without the live correction, the switching workers counted in the pool they go to):
+the load is priced by what arrives, not by how the pools serve it, so a move does not change
+what the next look measures, except the window's latencies, which still hold the misses from
+before it. A 16-GPU cluster started at 8:8 on the Mooncake trace (the best split 11:5) reached
+11:5 at 41 s with a cooldown after each move and looks 5 s apart, at 17 s going on the same way
+once the last move had finished, and at 14 s looking every second (its first move at 2 s, not
+6): 0.875, 0.875 and 0.909 of the best static split's goodput (bench/results/plan/adaptive_fine,
+searched to 1/64; going on while the last move drains: bench/results/plan/adaptive_pipelined). Fewer
 than MIN_REQUESTS finished requests in the window: no plan (too little to measure). As Dynamo's
 planner sizes its pools from the prefill and decode throughput one GPU gives at the SLO, with
 correction factors from the live latencies, at a fixed total.
@@ -119,6 +125,11 @@ class RatioLoad:
     def uncorrected(self) -> RatioLoad:
         """The same load without the live correction (each side's measured rate as it is)."""
         return dataclasses.replace(self, prefill_correction=1.0, decode_correction=1.0)
+
+    def needs(self) -> tuple[float, float]:
+        """The workers each side needs at its planned busy share, as measured (no correction)."""
+        return (self.prefill_tok_s / max(self.prefill_rate * UTIL_P, 1e-9),
+                self.decoding / max(self.decode_seqs * UTIL_D, 1e-9))
 
     def split(self, total: int, min_prefill: int, min_decode: int) -> float:
         """The prefill workers this load needs out of `total` (fractional, within the bounds)."""
@@ -222,20 +233,40 @@ class RatioPlanner(RequestObserver):
                          k_p, k_d)
 
     def plan(self, workers: list, serving, decode_spec, now: float) -> tuple[dict, str] | None:
-        """Pools' call (their records, config and decode spec): the new sizes and why, or None. Nothing is
-        planned while a worker drains or switches (a move is still being applied)."""
-        if any(w.draining or w.switching_to for w in workers):
+        """Pools' call (their records, config and decode spec): the new sizes and why, or None.
+        Nothing is planned while a worker drains out of the cluster; while workers switch pools
+        (a move still being applied) only a move the same way, each switching worker counted in
+        the pool it goes to."""
+        if any(w.draining for w in workers):
             return None
         stats = {r: [w.stats for w in workers if w.role == r] for r in ROLES}
+        sizes = {r: sum(1 for w in workers if (w.switching_to or w.role) == r) for r in ROLES}
         bounds = {r: (serving.pool(r).min, serving.pool(r).max) for r in ROLES}
         load = self.measure(stats["prefill"], stats["decode"], now, decode_spec, serving.slo)
-        return self.want(load, {r: len(stats[r]) for r in ROLES}, bounds, now)
+        return self.want(load, sizes, bounds, now, moving=any(w.switching_to for w in workers))
 
-    def want(self, load: RatioLoad | None, sizes: dict, bounds: dict, now: float) -> tuple[dict, str] | None:
-        """The pools' new sizes and why, or None (no move now). `bounds`: role -> (min, max)."""
+    @staticmethod
+    def _short_donor(load: RatioLoad, lean: int, frac: float, p: int, total: int, lo: int, hi: int,
+                     past: float) -> bool:
+        """Whether a move `lean` asks for only through the live correction would leave the side
+        that gives the workers short of what its own load needs: both sides then miss, and the
+        correction would only trade one side's misses for the other's (a 16-GPU cluster at 11:5,
+        its window's TTFTs still long from the backlog of its first seconds, moved to 12:4 and
+        missed every TPOT after)."""
+        plain = load.uncorrected().split(total, lo, total - hi)
+        if (1 if plain > p + past else -1 if plain < p - past else 0) == lean:
+            return False  # the load alone asks for it
+        step = max(1, round(abs(frac - p) / 2))
+        need_p, need_d = load.needs()
+        return (need_d > total - p - step) if lean > 0 else (need_p > p - step)
+
+    def want(self, load: RatioLoad | None, sizes: dict, bounds: dict, now: float,
+             moving: bool = False) -> tuple[dict, str] | None:
+        """The pools' new sizes and why, or None (no move now). `bounds`: role -> (min, max);
+        `moving`: workers are still switching pools (`sizes` counts them where they go)."""
         if load is None or now < self.next_look:
             return None
-        cooling = now - self.last_move < self.cooldown_s
+        cooling = moving or now - self.last_move < self.cooldown_s
         if cooling and not self.last_way:
             return None
         self.next_look = now + self.look_s
@@ -251,6 +282,8 @@ class RatioPlanner(RequestObserver):
         past = 0.5 + HYSTERESIS * math.sqrt(settle / min(max(watched, 1e-9), settle))
         lean = 1 if frac > p + past else -1 if frac < p - past else 0
         if cooling and lean != self.last_way:
+            lean = 0
+        if lean and not cooling and self._short_donor(load, lean, frac, p, total, lo, hi, past):
             lean = 0
         twice, self.leaning = lean != 0 and lean == self.leaning, lean
         if not twice:

@@ -145,6 +145,41 @@ def test_the_planner_moves_after_two_looks_goes_on_the_same_way_and_cools_down_b
                for t in range(10, 14))
 
 
+def test_while_workers_switch_the_planner_goes_on_the_same_way_counting_them_where_they_go():
+    """A move still draining (workers `switching_to` the other pool) does not hold the next move
+    the same way: the switching workers count in the pool they go to, and after two looks the rest
+    of the gap follows. The other way waits; a worker draining out of the cluster holds all."""
+    from pdserve.cluster.records import WorkerRecord
+
+    p = RatioPlanner(window_s=30, cooldown_s=60)
+    serving = ServingConfig(slo=SloConfig(2.0, 0.05))
+    for r in ("prefill", "decode"):
+        serving.pool(r).min, serving.pool(r).max = 1, 7
+    workers = [WorkerRecord(f"p{i}", "prefill", None, stats=PREFILL) for i in range(2)]
+    workers += [WorkerRecord(f"d{i}", "decode", None, stats=decode_stats({1024: 64})) for i in range(6)]
+    window(p, 100.0, 40, 3000, 16, 0.5, arrived=100)  # prompt-heavy: 7 of 8 should prefill (the bound)
+    assert p.plan(workers, serving, SPEC, 100.0) is None  # the first look leans
+    want, _ = p.plan(workers, serving, SPEC, 100.0 + LOOK_S)
+    assert want == {"prefill": 4, "decode": 4}  # half the gap
+    for w in workers[2:4]:
+        w.switching_to = "prefill"  # still draining their decodes
+    assert p.plan(workers, serving, SPEC, 100.0 + 2 * LOOK_S) is None  # two looks again
+    want, _ = p.plan(workers, serving, SPEC, 100.0 + 3 * LOOK_S)
+    assert want == {"prefill": 6, "decode": 2}  # from 4:4 as they will be, not 2:6 as they are
+    for w in workers[4:6]:
+        w.switching_to = "prefill"
+    light = RatioPlanner(window_s=30, cooldown_s=0)  # decode-heavy now, and no cooldown: still no turn
+    light.last_way, light.last_move = 1, 100.0
+    window(light, 200.0, 40, 100, 400, 20.0, arrived=100)
+    assert all(light.plan(workers, serving, SPEC, 200.0 + t * LOOK_S) is None for t in range(4))
+    for w in workers[2:6]:  # switched
+        w.role, w.switching_to = "prefill", None
+    assert light.plan(workers, serving, SPEC, 200.0 + 4 * LOOK_S) is None  # a first look the other way
+    assert light.plan(workers, serving, SPEC, 200.0 + 5 * LOOK_S)[0]["decode"] > 2
+    workers[0].draining = True  # a shrink: nothing planned
+    assert all(light.plan(workers, serving, SPEC, 200.0 + t * LOOK_S) is None for t in range(6, 9))
+
+
 def test_the_prefill_load_leaves_out_what_a_prefix_cache_held():
     """A quarter of the finished requests' prompt tokens came from a prefix cache: the prefill
     pool computes three quarters of what arrives (on the Mooncake trace the whole prompt counted
@@ -209,6 +244,35 @@ def test_the_live_correction_leans_to_the_side_that_misses_its_target_and_a_big_
     bounds = {"prefill": (1, 63), "decode": (1, 63)}
     assert big.want(load, {"prefill": 32, "decode": 32}, bounds, 0.0) is None
     assert big.want(load, {"prefill": 32, "decode": 32}, bounds, LOOK_S)[0] == {"prefill": 36, "decode": 28}
+
+
+def test_the_live_correction_takes_no_worker_from_a_side_its_own_load_leaves_short():
+    """Both sides short of what their loads need (an overloaded cluster, or one whose window still
+    holds the TTFTs of a backlog): a move that only the correction asks for would trade one side's
+    misses for the other's, so it waits. Where the giving side has room, or the load alone asks
+    for the move, it goes."""
+    bounds = {"prefill": (1, 15), "decode": (1, 15)}
+    # 13.6 prefill and 5.6 decode workers' worth of load on 16 (11:5): 11.3 uncorrected, 11.8 with
+    # the TTFT correction (x1.15); 12:4 would leave decode with 4 for 5.6 workers' load
+    short = RatioLoad(13.6 * 8000.0, 5.63 * 57.6, 10000.0, 64.0, 40, prefill_correction=1.15)
+    assert short.uncorrected().split(16, 1, 1) == pytest.approx(11.32, abs=0.01)
+    assert short.split(16, 1, 1) == pytest.approx(11.76, abs=0.01)
+    p = RatioPlanner(window_s=30, cooldown_s=0)
+    p.since = -100.0  # past the first seconds' wider gap
+    assert all(p.want(short, {"prefill": 11, "decode": 5}, bounds, t * LOOK_S) is None for t in range(4))
+    # decode has room (4 workers' load on 5, 10.5 prefill workers' on 11): the correction moves one
+    roomy = RatioLoad(10.5 * 8000.0, 4.0 * 57.6, 10000.0, 64.0, 40, prefill_correction=1.5)
+    q = RatioPlanner(window_s=30, cooldown_s=0)
+    q.since = -100.0
+    assert roomy.uncorrected().split(16, 1, 1) < 11.7 < roomy.split(16, 1, 1)
+    assert q.want(roomy, {"prefill": 11, "decode": 5}, bounds, 0.0) is None
+    assert q.want(roomy, {"prefill": 11, "decode": 5}, bounds, LOOK_S)[0] == {"prefill": 12, "decode": 4}
+    # the load alone asks for it: it goes, short or not
+    r = RatioPlanner(window_s=30, cooldown_s=0)
+    r.since = -100.0
+    heavy = RatioLoad(16.0 * 8000.0, 5.63 * 57.6, 10000.0, 64.0, 40, prefill_correction=1.15)
+    assert r.want(heavy, {"prefill": 10, "decode": 6}, bounds, 0.0) is None
+    assert r.want(heavy, {"prefill": 10, "decode": 6}, bounds, LOOK_S)[0]["prefill"] == 11
 
 
 def test_the_step_model_says_how_many_decodes_fit_the_target():

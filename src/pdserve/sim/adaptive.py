@@ -1,5 +1,5 @@
-"""The ratio autoscale policy in simulated time: a disaggregated cluster whose workers move
-between the pools as the live one's do (`disagg:P:D:adaptive`).
+"""The ratio autoscale policy in simulated time: a disaggregated (or hybrid) cluster whose workers
+move between the pools as the live one's do (`disagg:P:D:adaptive`, `hybrid:P:D:adaptive`).
 
 What decides is the live policy itself, `cluster/pools/ratio.RatioPlanner` on the simulated
 clock: it reads the requests that arrive (their prompt lengths) and those that finish (their
@@ -16,7 +16,7 @@ for a new split. A move then goes as
                blocks for their handoff; its KV cache and prefix cache stay
 
 The planner sees the pools as they are, a worker switching counted in the pool it goes to;
-while one drains it plans nothing (as live).
+while one drains it may only go on the same way (as live).
 
 Its clock is the simulated one, as a live cluster's planner runs on the wall clock of the replay
 it serves (a trace stretched to a rate is served in that time, drains and all). Run on the
