@@ -55,9 +55,10 @@ the load is priced by what arrives, not by how the pools serve it, so a move doe
 what the next look measures, except the window's latencies, which still hold the misses from
 before it. A 16-GPU cluster started at 8:8 on the Mooncake trace (the best split 11:5) reached
 11:5 at 41 s with a cooldown after each move and looks 5 s apart, at 17 s going on the same way
-once the last move had finished, and at 14 s looking every second (its first move at 2 s, not
-6): 0.875, 0.875 and 0.909 of the best static split's goodput (bench/results/plan/adaptive_fine,
-searched to 1/64; going on while the last move drains: bench/results/plan/adaptive_pipelined). Fewer
+once the last move had finished, at 14 s looking every second (its first move at 2 s, not 6),
+and at 9 s going on while the last move drains: 0.875, 0.875, 0.909 and 0.909 of the best static
+split's goodput (bench/results/plan/adaptive_fine and adaptive_guarded, searched to 1/64; what
+holds the last two is placement's: docs/design/ratio_planner.md). Fewer
 than MIN_REQUESTS finished requests in the window: no plan (too little to measure). As Dynamo's
 planner sizes its pools from the prefill and decode throughput one GPU gives at the SLO, with
 correction factors from the live latencies, at a fixed total.
