@@ -53,11 +53,15 @@ def run(tokens: list[int]) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="1024,4096,16384")
+    ap.add_argument("--tokens", default="1024,4096,16384", help="token counts (each routes to top-8 of 128)")
     ap.add_argument("--out", default="bench/results/fp8")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = run([int(t) for t in args.tokens.split(",")])
     res = {"device": torch.cuda.get_device_name(), "command": "python bench/moe_fp8_prefill_gpu.py "
