@@ -82,6 +82,12 @@ def quantize_groups_ref(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor
     return q, s
 
 
+def dequantize_groups(q: torch.Tensor, s: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """quantize_groups' output back to float32: q [M, K] e4m3 times each group's scale s [M, groups]."""
+    M, K = q.shape
+    return (torch.nn.functional.pad(q.float(), (0, -K % group)).view(M, -1, group) * s[..., None]).view(M, -1)[:, :K]
+
+
 @triton.jit
 def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn,
                  stride_cm, BN_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -250,7 +256,5 @@ def fp8_linear_ref(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
     w = dequantize(wq, ws, block, torch.float32)
     if x.shape[0] <= FEW_ROWS:
         return (x.float() @ w.t()).to(x.dtype)
-    (M, K), bk = x.shape, block[1]
-    xq, xs = quantize_groups_ref(x, bk)
-    xd = (torch.nn.functional.pad(xq.float(), (0, -K % bk)).view(M, -1, bk) * xs[..., None]).view(M, -1)[:, :K]
-    return (xd @ w.t()).to(x.dtype)
+    bk = block[1]
+    return (dequantize_groups(*quantize_groups_ref(x, bk), bk) @ w.t()).to(x.dtype)

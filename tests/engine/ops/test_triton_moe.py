@@ -200,15 +200,12 @@ def fused_moe_w8a8_ref(x, q1, s1, q2, s2, block, weights, ids):
     """W8A8's arithmetic in torch, float32: x and each assignment's SiLU(gate) x up quantized per
     (row, block[1] columns) to e4m3 (quantize_groups_ref), over the dequantized weights."""
     from pdserve.engine.fp8 import dequantize
-    from pdserve.engine.ops.triton_fp8 import quantize_groups_ref
+    from pdserve.engine.ops.triton_fp8 import dequantize_groups, quantize_groups_ref
 
     bk = block[1]
 
     def through_e4m3(t):
-        q, s = quantize_groups_ref(t, bk)
-        rows, cols = t.shape
-        return (torch.nn.functional.pad(q.float(), (0, -cols % bk)).view(rows, -1, bk) * s[..., None]).view(rows, -1)[
-            :, :cols]
+        return dequantize_groups(*quantize_groups_ref(t, bk), bk)
 
     w1, w2 = dequantize(q1, s1, block, torch.float32), dequantize(q2, s2, block, torch.float32)
     xd, out = through_e4m3(x.float()), torch.zeros(x.shape, dtype=torch.float32, device=x.device)
